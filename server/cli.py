@@ -1,0 +1,31 @@
+"""The `telerag` command line: one entry point, one module per subcommand under `server/commands/`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from server.commands import bench_retrieval, datastore
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="telerag", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    datastore_group = commands.add_parser("datastore", help="build and inspect datastores")
+    datastore.register(datastore_group.add_subparsers(dest="action", required=True, metavar="ACTION"))
+
+    bench_group = commands.add_parser("bench", help="benchmarks (table, or one JSON line with --json)")
+    bench_commands = bench_group.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    bench_retrieval.register(bench_commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
