@@ -1,0 +1,210 @@
+"""The contracts between generation, retrieval and the pipelines, and what a pipeline run yields.
+
+Everything here is plain data or a Protocol, so the server, the CLI and the tests can drive a
+pipeline without knowing which engine or retriever sits behind it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+# ---------------------------------------------------------------------------------------------
+# Generation
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to decode. `temperature == 0` means greedy."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """One streamed piece of a generation: the new text and, if asked for, each new token's log-probability."""
+
+    index: int  # which prompt of the batch this belongs to
+    text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A finished generation of one prompt."""
+
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: Literal["stop", "length", "abort"]
+    ttft_ms: float
+    total_ms: float
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()  # one per completion token when SamplingParams.logprobs
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An LLM. Implementations: `pipelines.engines.cpu.CPUEngine`, `pipelines.engines.sglang.SGLangEngine`."""
+
+    name: str
+
+    async def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
+        """Generate for every prompt (batched by the engine); one Generation per prompt, in order."""
+        ...
+
+    def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncIterator[TokenChunk | Generation]:
+        """Yield TokenChunks as tokens are produced and one Generation per prompt when it finishes."""
+        ...
+
+    def count_tokens(self, text: str) -> int: ...
+
+    async def close(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Retrieval, as the pipelines see it
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Document:
+    """A retrieved passage. `id` is the passage's row in the datastore; `doc_id` its article's corpus id."""
+
+    id: int
+    doc_id: str
+    title: str
+    text: str
+    score: float
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    top_k: int = 3
+    nprobe: int | None = None  # None: the datastore's configured default
+    prefetch: bool = True  # False: every cluster is searched on the CPU (the baseline)
+
+
+@dataclass
+class PrefetchTicket:
+    """What a prefetch started; hand it to `Retriever.search` and release it when done.
+
+    `stats` holds at least: clusters_requested, clusters_resident, clusters_copied,
+    bytes_requested, bytes_copied, embed_ms, plan_ms.
+    """
+
+    queries: list[str]
+    stats: dict[str, Any] = field(default_factory=dict)
+    handle: Any = None  # the retrieval engine's own prefetch handle
+
+
+@dataclass
+class SearchOutcome:
+    """Documents per query and the search stats.
+
+    `stats` holds at least: embed_ms, device_ms, cpu_ms, total_ms, overlap_rate (mean over
+    queries; None without a prefetch), clusters_device, clusters_cpu.
+    """
+
+    documents: list[list[Document]]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Retriever(Protocol):
+    """Embeds text and searches the datastore; the server wraps one to batch across requests."""
+
+    async def prefetch(self, queries: Sequence[str], *, enabled: bool = True) -> PrefetchTicket:
+        """Embed `queries` (q_in), plan and start copying their clusters; returns at once, copies run on."""
+        ...
+
+    async def search(
+        self, queries: Sequence[str], options: SearchOptions, ticket: PrefetchTicket | None = None
+    ) -> SearchOutcome:
+        """Embed `queries` (q_out) and run the cooperative search, waiting only on `ticket`'s copies."""
+        ...
+
+    def release(self, ticket: PrefetchTicket) -> None:
+        """Unpin the ticket's clusters (idempotent)."""
+        ...
+
+
+# ---------------------------------------------------------------------------------------------
+# A pipeline run
+# ---------------------------------------------------------------------------------------------
+
+StageKind = Literal["llm", "retrieval", "prefetch"]
+
+
+@dataclass
+class Step:
+    """One traced step of a run."""
+
+    stage: str  # e.g. "prefetch", "pre_retrieval", "search", "generate", "judge"
+    kind: StageKind
+    query: str | None = None
+    tokens_in: int = 0
+    tokens_out: int = 0
+    ms: float = 0.0
+    stats: dict[str, Any] = field(default_factory=dict)  # prefetch or search stats, overlap_rate included
+
+
+@dataclass
+class RunOptions:
+    """Per-request knobs a pipeline honours."""
+
+    top_k: int = 3
+    nprobe: int | None = None
+    max_tokens: int = 256
+    temperature: float = 0.0
+    prefetch: bool = True
+
+
+@dataclass
+class RagResult:
+    answer: str
+    pipeline: str
+    documents: list[Document]
+    steps: list[Step]
+    # total_ms, embed_ms, pre_retrieval_ms, prefetch_ms, search_device_ms, search_cpu_ms, search_ms, generate_ms
+    timings: dict[str, float]
+    # clusters_prefetched, bytes_prefetched, overlap_rate, clusters_device, clusters_cpu
+    prefetch: dict[str, Any]
+    tokens_generated: int = 0
+
+
+@dataclass(frozen=True)
+class StageEvent:
+    stage: str
+    status: Literal["start", "end"]
+    ms: float | None = None
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    text: str
+
+
+@dataclass(frozen=True)
+class ResultEvent:
+    result: RagResult
+
+
+RunEvent = StageEvent | TokenEvent | ResultEvent
+
+
+@runtime_checkable
+class Pipeline(Protocol):
+    """A RAG pipeline. `run` yields stage and token events and ends with exactly one ResultEvent."""
+
+    name: str
+    description: str
+
+    def run(self, query: str, options: RunOptions) -> AsyncIterator[RunEvent]: ...
