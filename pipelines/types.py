@@ -136,6 +136,30 @@ class Retriever(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class SearchRequest:
+    """One caller's search inside a batch: its queries, options and (optional) prefetch ticket."""
+
+    queries: list[str]
+    options: SearchOptions
+    ticket: PrefetchTicket | None = None
+
+
+@runtime_checkable
+class BatchRetriever(Retriever, Protocol):
+    """A Retriever that also takes many callers' work at once, so one embedding call, one
+    prefetch plan (ranks interleaved across callers) and one cooperative search serve them all.
+    The server's scheduler gathers concurrent requests and calls these."""
+
+    async def prefetch_batch(self, groups: Sequence[Sequence[str]], *, enabled: Sequence[bool]) -> list[PrefetchTicket]:
+        """One ticket per group, each pinning only its own clusters."""
+        ...
+
+    async def search_batch(self, requests: Sequence[SearchRequest]) -> list[SearchOutcome]:
+        """One outcome per request, in order; each waits only on its own ticket's copies."""
+        ...
+
+
 # ---------------------------------------------------------------------------------------------
 # A pipeline run
 # ---------------------------------------------------------------------------------------------
