@@ -1,0 +1,170 @@
+"""Building a datastore: embed passages, train the IVF centroids, lay the clusters out contiguously."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import faiss
+import numpy as np
+from tqdm.auto import tqdm
+
+from retrieval.codecs import Codec
+from retrieval.corpus import Passage
+from retrieval.datastore import Manifest, write_datastore
+from retrieval.errors import CorpusError, DatastoreError
+
+log = logging.getLogger(__name__)
+
+Encoder = Callable[[Sequence[str]], np.ndarray]
+"""Texts -> float32 (n, dim) embeddings, normalised for inner product (the embedder's job)."""
+
+MIN_POINTS_PER_LIST = 39  # faiss warns below this many training points per centroid
+
+
+def default_nlist(n_vectors: int) -> int:
+    """About 4·sqrt(n) lists (the common IVF rule), never fewer than 39 training points per list."""
+    return max(1, min(int(round(4 * math.sqrt(n_vectors))), n_vectors // MIN_POINTS_PER_LIST))
+
+
+def train_centroids(vectors: np.ndarray, nlist: int, *, seed: int = 1234, max_train_points: int = 256) -> np.ndarray:
+    """Spherical k-means centroids for an inner-product IVF (faiss's own IVF training)."""
+    n, dim = vectors.shape
+    if nlist < 1 or nlist > n:
+        raise DatastoreError(f"nlist must be between 1 and the number of vectors ({n}), got {nlist}")
+    quantizer = faiss.IndexFlatIP(dim)
+    index = faiss.IndexIVFFlat(quantizer, dim, nlist, faiss.METRIC_INNER_PRODUCT)
+    index.cp.seed = seed
+    index.cp.max_points_per_centroid = max_train_points
+    index.cp.min_points_per_centroid = 1
+    index.train(np.ascontiguousarray(vectors, dtype=np.float32))
+    return faiss.rev_swig_ptr(quantizer.get_xb(), nlist * dim).reshape(nlist, dim).copy()
+
+
+def order_centroids(centroids: np.ndarray) -> np.ndarray:
+    """A permutation that puts near centroids next to each other (recursive bisection along the
+    principal axis), so a query's nearest clusters tend to be adjacent on disk and their
+    prefetch coalesces into few large copies."""
+    order: list[int] = []
+    stack = [np.arange(len(centroids))]
+    while stack:
+        members = stack.pop()
+        if len(members) <= 2:
+            order.extend(members.tolist())
+            continue
+        points = centroids[members] - centroids[members].mean(axis=0)
+        axis = np.linalg.svd(points, full_matrices=False)[2][0]
+        ranked = members[np.argsort(points @ axis, kind="stable")]
+        half = len(ranked) // 2
+        stack.append(ranked[half:])
+        stack.append(ranked[:half])
+    return np.asarray(order, dtype=np.int64)
+
+
+def assign_lists(vectors: np.ndarray, centroids: np.ndarray, *, batch: int = 65536, progress: bool = False) -> np.ndarray:
+    """Each vector's nearest centroid by inner product."""
+    quantizer = faiss.IndexFlatIP(centroids.shape[1])
+    quantizer.add(np.ascontiguousarray(centroids, dtype=np.float32))
+    out = np.empty(len(vectors), dtype=np.int64)
+    for start in tqdm(range(0, len(vectors), batch), desc="assign lists", unit="batch", disable=not progress):
+        chunk = np.ascontiguousarray(vectors[start : start + batch], dtype=np.float32)
+        out[start : start + len(chunk)] = quantizer.search(chunk, 1)[1][:, 0]
+    return out
+
+
+def write_clustered(
+    out_dir: Path,
+    *,
+    vectors: np.ndarray,
+    lists: np.ndarray,
+    centroids: np.ndarray,
+    codec: Codec,
+    embedder: str,
+    passages: Sequence[Passage] | None = None,
+    source: str = "",
+    passage_words: int | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> Path:
+    """Reorder centroids for locality, sort vectors (and passages) by list, and write the datastore."""
+    nlist, dim = centroids.shape
+    order = order_centroids(centroids)
+    rank = np.empty(nlist, dtype=np.int64)
+    rank[order] = np.arange(nlist)
+    lists = rank[lists]
+    perm = np.argsort(lists, kind="stable")
+    offsets = np.zeros(nlist + 1, dtype=np.int64)
+    np.cumsum(np.bincount(lists, minlength=nlist), out=offsets[1:])
+    encoded = np.empty((len(vectors), dim), dtype=codec.numpy_dtype)
+    step = 1 << 18
+    for start in tqdm(range(0, len(perm), step), desc="lay out clusters", unit="block", disable=not progress):
+        encoded[start : start + step] = codec.encode(vectors[perm[start : start + step]])
+    ordered_passages: Iterable[Passage] | None = None
+    if passages is not None:
+        ordered_passages = (passages[i] for i in perm)
+    manifest = Manifest(
+        embedder=embedder,
+        dim=dim,
+        nlist=nlist,
+        n_vectors=len(vectors),
+        codec=codec.value,
+        n_documents=len({p.doc_id for p in passages}) if passages is not None else 0,
+        passage_words=passage_words,
+        source=source,
+    )
+    return write_datastore(
+        out_dir,
+        manifest=manifest,
+        centroids=centroids[order],
+        offsets=offsets,
+        vectors=encoded,
+        passages=ordered_passages,
+        overwrite=overwrite,
+    )
+
+
+def build_datastore(
+    passages: Iterable[Passage],
+    encode: Encoder,
+    *,
+    embedder: str,
+    out_dir: Path,
+    nlist: int | None = None,
+    codec: Codec = Codec.FP32,
+    batch_size: int = 256,
+    source: str = "",
+    passage_words: int | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    seed: int = 1234,
+) -> Path:
+    """Embed `passages` with `encode`, train an IVF over them and write the datastore to `out_dir`."""
+    items = list(passages)
+    if not items:
+        raise CorpusError("empty corpus: no passages to index")
+    chunks = []
+    for start in tqdm(range(0, len(items), batch_size), desc="embed passages", unit="batch", disable=not progress):
+        chunk = np.asarray(encode([p.text for p in items[start : start + batch_size]]), dtype=np.float32)
+        if chunk.ndim != 2 or len(chunk) != len(items[start : start + batch_size]):
+            raise DatastoreError(f"the encoder returned shape {chunk.shape} for a batch of {batch_size}")
+        chunks.append(chunk)
+    vectors = np.concatenate(chunks)
+    nlist = nlist or default_nlist(len(vectors))
+    log.info("training %d IVF lists on %d vectors of dim %d", nlist, len(vectors), vectors.shape[1])
+    centroids = train_centroids(vectors, nlist, seed=seed)
+    lists = assign_lists(vectors, centroids, progress=progress)
+    return write_clustered(
+        out_dir,
+        vectors=vectors,
+        lists=lists,
+        centroids=centroids,
+        codec=codec,
+        embedder=embedder,
+        passages=items,
+        source=source,
+        passage_words=passage_words,
+        overwrite=overwrite,
+        progress=progress,
+    )

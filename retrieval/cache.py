@@ -1,0 +1,321 @@
+"""The device cluster cache: one preallocated buffer, shared by every in-flight request.
+
+Rows of the buffer are handed out in extents. A cluster is resident when all its rows are in
+the buffer, in one or more pieces; clusters that are adjacent on the host and missing together
+are placed in one extent when one is free, so they arrive in one copy. A cluster that a search
+or a prefetch holds is pinned (reference-counted) and never evicted; eviction takes unpinned
+clusters in order of a decaying hotness score, so popular clusters stay across requests.
+Copies run on a dedicated copy stream; each acquisition records one event after its copies and
+a search waits only on the events of the clusters it reads. Without CUDA the buffer is plain
+CPU memory and copies are synchronous, so the same code runs (and is tested) everywhere.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+HALF_LIFE_ACCESSES = 4096.0  # a cluster's hotness halves after this many cluster accesses
+
+
+@dataclass
+class Segment:
+    """Rows [start, start + length) of the buffer hold host rows [host_start, host_start + length)."""
+
+    start: int
+    length: int
+    host_start: int
+
+
+@dataclass
+class _Slot:
+    segments: list[Segment]
+    event: torch.cuda.Event | None
+    pins: int = 0
+
+
+@dataclass
+class Lease:
+    """Clusters pinned for one prefetch or one search; release exactly once (idempotent)."""
+
+    cache: ClusterCache
+    resident: dict[int, list[Segment]]  # cluster -> where it is
+    events: list[torch.cuda.Event] = field(default_factory=list)  # the copies these clusters wait on
+    clusters_copied: int = 0
+    clusters_already_resident: int = 0
+    clusters_skipped: int = 0  # wanted but did not fit beside pinned clusters
+    bytes_copied: int = 0
+    copies: int = 0
+    released: bool = False
+
+    def release(self) -> None:
+        self.cache.release(self)
+
+
+@dataclass
+class CacheStats:
+    capacity_bytes: int
+    occupancy_bytes: int
+    resident_clusters: int
+    pinned_clusters: int
+    hits: int
+    misses: int
+    evictions: int
+    bytes_copied: int
+    copies: int
+
+
+class ClusterCache:
+    """Whole IVF clusters in a fixed device buffer, keyed by cluster id."""
+
+    def __init__(
+        self,
+        host_vectors: torch.Tensor,
+        offsets: np.ndarray,
+        capacity_bytes: int,
+        device: torch.device,
+    ) -> None:
+        self.host = host_vectors
+        self.offsets = np.asarray(offsets, dtype=np.int64)
+        self.sizes = np.diff(self.offsets)
+        self.device = device
+        self.row_bytes = host_vectors.shape[1] * host_vectors.element_size()
+        self.capacity_rows = max(0, int(capacity_bytes) // self.row_bytes)
+        self.buffer = torch.empty((self.capacity_rows, host_vectors.shape[1]), dtype=host_vectors.dtype, device=device)
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._lock = threading.Lock()
+        self._slots: dict[int, _Slot] = {}
+        self._free_starts: list[int] = [0] if self.capacity_rows else []
+        self._free_len: dict[int, int] = {0: self.capacity_rows} if self.capacity_rows else {}
+        nlist = len(self.sizes)
+        self._hotness = np.zeros(nlist, dtype=np.float64)
+        self._last_touch = np.zeros(nlist, dtype=np.float64)
+        self._clock = 0.0
+        self._hits = self._misses = self._evictions = self._bytes_copied = self._copies = 0
+
+    # -- public API ---------------------------------------------------------------------------
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.capacity_rows * self.row_bytes
+
+    def cluster_bytes(self, clusters: Iterable[int] | None = None) -> np.ndarray:
+        sizes = self.sizes if clusters is None else self.sizes[np.fromiter(clusters, dtype=np.int64)]
+        return sizes * self.row_bytes
+
+    def acquire(self, clusters: Sequence[int], *, fetch: bool) -> Lease:
+        """Pin the resident clusters among `clusters`; with `fetch`, copy in the missing ones too.
+
+        Empty clusters are skipped (there is nothing to search). Clusters that cannot be placed
+        because everything else is pinned are counted as skipped and simply stay on the CPU.
+        """
+        wanted = list(dict.fromkeys(int(c) for c in clusters if self.sizes[c] > 0))
+        lease = Lease(cache=self, resident={})
+        with self._lock:
+            self._touch(wanted)
+            missing: list[int] = []
+            events: set[int] = set()
+            for cluster in wanted:
+                slot = self._slots.get(cluster)
+                if slot is None:
+                    missing.append(cluster)
+                    continue
+                slot.pins += 1
+                lease.resident[cluster] = slot.segments
+                lease.clusters_already_resident += 1
+                if slot.event is not None and id(slot.event) not in events:
+                    events.add(id(slot.event))
+                    lease.events.append(slot.event)
+            if not fetch:
+                self._hits += len(lease.resident)
+                self._misses += len(missing)
+            elif missing:
+                self._fetch(sorted(missing), set(wanted), lease)
+        return lease
+
+    def release(self, lease: Lease) -> None:
+        with self._lock:
+            if lease.released:
+                return
+            lease.released = True
+            for cluster in lease.resident:
+                self._slots[cluster].pins -= 1
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            used = self.capacity_rows - sum(self._free_len.values())
+            return CacheStats(
+                capacity_bytes=self.capacity_bytes,
+                occupancy_bytes=used * self.row_bytes,
+                resident_clusters=len(self._slots),
+                pinned_clusters=sum(1 for s in self._slots.values() if s.pins > 0),
+                hits=self._hits,
+                misses=self._misses,
+                evictions=self._evictions,
+                bytes_copied=self._bytes_copied,
+                copies=self._copies,
+            )
+
+    def check_invariants(self) -> None:
+        """Every row is either free or owned by exactly one resident cluster (for tests)."""
+        with self._lock:
+            spans = [(s, self._free_len[s]) for s in self._free_starts]
+            for cluster, slot in self._slots.items():
+                assert sum(seg.length for seg in slot.segments) == self.sizes[cluster], cluster
+                spans.extend((seg.start, seg.length) for seg in slot.segments)
+                assert slot.pins >= 0
+            spans.sort()
+            position = 0
+            for start, length in spans:
+                assert start == position and length > 0, (start, position)
+                position += length
+            assert position == self.capacity_rows
+
+    # -- internals (called with the lock held) -------------------------------------------------
+
+    def _touch(self, clusters: list[int]) -> None:
+        if not clusters:
+            return
+        ids = np.asarray(clusters, dtype=np.int64)
+        decay = 0.5 ** ((self._clock - self._last_touch[ids]) / HALF_LIFE_ACCESSES)
+        self._hotness[ids] = self._hotness[ids] * decay + 1.0
+        self._last_touch[ids] = self._clock
+        self._clock += len(clusters)
+
+    def _current_hotness(self, clusters: np.ndarray) -> np.ndarray:
+        return self._hotness[clusters] * 0.5 ** ((self._clock - self._last_touch[clusters]) / HALF_LIFE_ACCESSES)
+
+    def _fetch(self, missing: list[int], protected: set[int], lease: Lease) -> None:
+        need = int(self.sizes[missing].sum())
+        free = sum(self._free_len.values())
+        if free < need:
+            self._evict(need - free, protected)
+        copies: list[tuple[int, int, int]] = []  # (buffer start, host start, rows)
+        placed: list[int] = []
+        for run in self._runs(missing):
+            rows = int(self.sizes[run].sum())
+            if rows <= sum(self._free_len.values()):
+                self._place(run, rows, copies, lease)
+                placed.extend(run)
+            else:
+                lease.clusters_skipped += len(run)
+        if not copies:
+            return
+        event = self._issue_copies(copies)
+        if event is not None:
+            for cluster in placed:
+                self._slots[cluster].event = event
+            lease.events.append(event)
+        rows_copied = sum(rows for _, _, rows in copies)
+        lease.bytes_copied += rows_copied * self.row_bytes
+        lease.copies += len(copies)
+        self._bytes_copied += rows_copied * self.row_bytes
+        self._copies += len(copies)
+
+    def _runs(self, clusters: list[int]) -> list[list[int]]:
+        """Split sorted cluster ids into runs of consecutive ids (contiguous on the host)."""
+        runs: list[list[int]] = []
+        for cluster in clusters:
+            if runs and runs[-1][-1] == cluster - 1:
+                runs[-1].append(cluster)
+            else:
+                runs.append([cluster])
+        return runs
+
+    def _place(self, run: list[int], rows: int, copies: list[tuple[int, int, int]], lease: Lease) -> None:
+        """Allocate rows for a run of host-adjacent clusters (one extent if one fits) and queue copies."""
+        pieces = self._allocate(rows)
+        host = int(self.offsets[run[0]])
+        segments_by_cluster: dict[int, list[Segment]] = {c: [] for c in run}
+        bounds = self.offsets[run[0] : run[-1] + 2]
+        for start, length in pieces:
+            copies.append((start, host, length))
+            # split this piece among the clusters it holds
+            cursor_host, cursor_buf, left = host, start, length
+            while left:
+                cluster = run[int(np.searchsorted(bounds, cursor_host, side="right")) - 1]
+                take = min(left, int(self.offsets[cluster + 1]) - cursor_host)
+                segments_by_cluster[cluster].append(Segment(cursor_buf, take, cursor_host))
+                cursor_host += take
+                cursor_buf += take
+                left -= take
+            host += length
+        for cluster, segments in segments_by_cluster.items():
+            self._slots[cluster] = _Slot(segments=segments, event=None, pins=1)
+            lease.resident[cluster] = segments
+            lease.clusters_copied += 1
+
+    def _allocate(self, rows: int) -> list[tuple[int, int]]:
+        """Take `rows` free rows: the smallest single extent that fits, else the largest extents."""
+        fitting = [s for s in self._free_starts if self._free_len[s] >= rows]
+        if fitting:
+            start = min(fitting, key=self._free_len.__getitem__)
+            self._take(start, rows)
+            return [(start, rows)]
+        pieces: list[tuple[int, int]] = []
+        for start in sorted(self._free_starts, key=self._free_len.__getitem__, reverse=True):
+            take = min(rows, self._free_len[start])
+            self._take(start, take)
+            pieces.append((start, take))
+            rows -= take
+            if not rows:
+                break
+        return pieces
+
+    def _take(self, start: int, rows: int) -> None:
+        length = self._free_len.pop(start)
+        index = bisect.bisect_left(self._free_starts, start)
+        self._free_starts.pop(index)
+        if length > rows:
+            self._free_len[start + rows] = length - rows
+            self._free_starts.insert(index, start + rows)
+
+    def _give_back(self, start: int, length: int) -> None:
+        index = bisect.bisect_left(self._free_starts, start)
+        if index > 0:
+            before = self._free_starts[index - 1]
+            if before + self._free_len[before] == start:
+                start, length = before, length + self._free_len.pop(before)
+                self._free_starts.pop(index - 1)
+                index -= 1
+        if index < len(self._free_starts) and self._free_starts[index] == start + length:
+            length += self._free_len.pop(self._free_starts.pop(index))
+        self._free_starts.insert(index, start)
+        self._free_len[start] = length
+
+    def _evict(self, rows: int, protected: set[int]) -> None:
+        """Free at least `rows` rows by evicting the coldest unpinned clusters (or all of them)."""
+        candidates = np.fromiter(
+            (c for c, s in self._slots.items() if s.pins == 0 and c not in protected), dtype=np.int64
+        )
+        if not len(candidates):
+            return
+        order = candidates[np.argsort(self._current_hotness(candidates), kind="stable")]
+        freed = 0
+        for cluster in order.tolist():
+            slot = self._slots.pop(cluster)
+            for segment in slot.segments:
+                self._give_back(segment.start, segment.length)
+                freed += segment.length
+            self._evictions += 1
+            if freed >= rows:
+                break
+
+    def _issue_copies(self, copies: list[tuple[int, int, int]]) -> torch.cuda.Event | None:
+        """Copy host rows into the buffer: on CUDA asynchronously on the copy stream (DMA from
+        pinned memory) with one event after them; on the CPU synchronously."""
+        if self.copy_stream is None:
+            for start, host, rows in copies:
+                self.buffer[start : start + rows].copy_(self.host[host : host + rows])
+            return None
+        with torch.cuda.stream(self.copy_stream):
+            for start, host, rows in copies:
+                self.buffer[start : start + rows].copy_(self.host[host : host + rows], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        return event

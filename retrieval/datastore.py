@@ -1,0 +1,255 @@
+"""The on-disk datastore: cluster-contiguous vectors, centroids, offsets, passages and a manifest.
+
+Layout of a datastore directory (`FORMAT_VERSION` 1):
+
+    manifest.json      what it is (embedder, dim, metric, codec, counts) and each file's size and sha256
+    centroids.npy      float32 (nlist, dim): the IVF coarse centroids, ordered so that near ones are adjacent
+    offsets.npy        int64 (nlist + 1): cluster c is rows offsets[c]:offsets[c+1]
+    vectors.npy        codec dtype (n, dim): every vector, cluster after cluster; a vector's id is its row
+    passages.jsonl     optional: one {"doc_id","title","text"} per row, in row order
+    passages.idx.npy   optional: int64 (n + 1) byte offsets of those lines
+
+A cluster is one slice of `vectors.npy`, so a prefetch is one contiguous copy, and adjacent
+clusters can be copied together. Directories are written under a temporary name and renamed
+into place, so a half-built directory is never mistaken for a datastore.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import shutil
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from retrieval.codecs import Codec
+from retrieval.corpus import Passage
+from retrieval.errors import DatastoreCorruptError, DatastoreError, DatastoreMismatchError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+CENTROIDS = "centroids.npy"
+OFFSETS = "offsets.npy"
+VECTORS = "vectors.npy"
+PASSAGES = "passages.jsonl"
+PASSAGE_INDEX = "passages.idx.npy"
+
+
+@dataclass
+class Manifest:
+    embedder: str
+    dim: int
+    nlist: int
+    n_vectors: int
+    codec: str = Codec.FP32.value
+    metric: str = "ip"
+    n_documents: int = 0
+    passage_words: int | None = None
+    source: str = ""
+    created_at: float = field(default_factory=time.time)
+    format_version: int = FORMAT_VERSION
+    files: dict[str, dict[str, int | str]] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, path: Path) -> Manifest:
+        file = path / MANIFEST
+        if not file.is_file():
+            raise DatastoreError(f"{path} is not a datastore: {MANIFEST} is missing")
+        try:
+            data = json.loads(file.read_text(encoding="utf-8"))
+            manifest = cls(**data)
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise DatastoreCorruptError(f"{file}: unreadable manifest ({exc})") from None
+        if manifest.format_version != FORMAT_VERSION:
+            raise DatastoreMismatchError(
+                f"{path}: format version {manifest.format_version}, this server reads version {FORMAT_VERSION}; rebuild it"
+            )
+        return manifest
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_datastore(
+    out_dir: Path,
+    *,
+    manifest: Manifest,
+    centroids: np.ndarray,
+    offsets: np.ndarray,
+    vectors: np.ndarray,
+    passages: Iterable[Passage] | None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a datastore atomically: into a temporary sibling directory, then one rename.
+
+    `vectors` must already be cluster-contiguous and encoded with `manifest.codec`.
+    """
+    out_dir = Path(out_dir)
+    codec = Codec(manifest.codec)
+    if vectors.dtype != codec.numpy_dtype or vectors.shape != (manifest.n_vectors, manifest.dim):
+        raise DatastoreError(f"vectors must be {codec.numpy_dtype} of shape ({manifest.n_vectors}, {manifest.dim})")
+    if centroids.shape != (manifest.nlist, manifest.dim) or offsets.shape != (manifest.nlist + 1,):
+        raise DatastoreError("centroids / offsets do not match the manifest's nlist and dim")
+    if offsets[0] != 0 or offsets[-1] != manifest.n_vectors or np.any(np.diff(offsets) < 0):
+        raise DatastoreError("offsets must rise from 0 to n_vectors")
+    if out_dir.exists() and not overwrite:
+        raise DatastoreError(f"{out_dir} already exists (pass overwrite to replace it)")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+    tmp.mkdir()
+    try:
+        np.save(tmp / CENTROIDS, np.ascontiguousarray(centroids, dtype=np.float32))
+        np.save(tmp / OFFSETS, np.ascontiguousarray(offsets, dtype=np.int64))
+        np.save(tmp / VECTORS, vectors)
+        if passages is not None:
+            line_offsets = [0]
+            with (tmp / PASSAGES).open("wb") as handle:
+                for passage in passages:
+                    line = json.dumps(
+                        {"doc_id": passage.doc_id, "title": passage.title, "text": passage.text}, ensure_ascii=False
+                    ).encode("utf-8") + b"\n"
+                    handle.write(line)
+                    line_offsets.append(line_offsets[-1] + len(line))
+            if len(line_offsets) - 1 != manifest.n_vectors:
+                raise DatastoreError(f"{len(line_offsets) - 1} passages for {manifest.n_vectors} vectors")
+            np.save(tmp / PASSAGE_INDEX, np.asarray(line_offsets, dtype=np.int64))
+        manifest.files = {}
+        for file in sorted(tmp.iterdir()):
+            _fsync(file)
+            manifest.files[file.name] = {"bytes": file.stat().st_size, "sha256": _sha256(file)}
+        (tmp / MANIFEST).write_text(json.dumps(asdict(manifest), indent=2), encoding="utf-8")
+        _fsync(tmp / MANIFEST)
+        if out_dir.exists():
+            old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}-{time.monotonic_ns()}"
+            out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+class Datastore:
+    """A loaded datastore: arrays memory-mapped from disk, passages read on demand."""
+
+    def __init__(self, path: Path, manifest: Manifest) -> None:
+        self.path = path
+        self.manifest = manifest
+        self.codec = Codec(manifest.codec)
+        self.centroids: np.ndarray = self._load_array(CENTROIDS, (manifest.nlist, manifest.dim), np.float32)
+        self.offsets: np.ndarray = self._load_array(OFFSETS, (manifest.nlist + 1,), np.int64)
+        self.vectors: np.ndarray = self._load_array(
+            VECTORS, (manifest.n_vectors, manifest.dim), self.codec.numpy_dtype
+        )
+        if self.offsets[0] != 0 or self.offsets[-1] != manifest.n_vectors or np.any(np.diff(self.offsets) < 0):
+            raise DatastoreCorruptError(f"{path / OFFSETS}: offsets do not describe {manifest.n_vectors} vectors")
+        self._passage_index: np.ndarray | None = None
+        self._passage_map: mmap.mmap | None = None
+        if PASSAGES in manifest.files:
+            self._passage_index = self._load_array(PASSAGE_INDEX, (manifest.n_vectors + 1,), np.int64)
+            with (path / PASSAGES).open("rb") as handle:
+                self._passage_map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+
+    @classmethod
+    def load(
+        cls,
+        path: Path | str,
+        *,
+        embedder: str | None = None,
+        dim: int | None = None,
+        verify_checksums: bool = True,
+    ) -> Datastore:
+        """Open a datastore, refusing one built for another embedder or dimension, or damaged."""
+        path = Path(path)
+        if not path.is_dir():
+            raise DatastoreError(f"no datastore at {path}")
+        manifest = Manifest.read(path)
+        if embedder is not None and manifest.embedder != embedder:
+            raise DatastoreMismatchError(
+                f"{path} was built with embedder {manifest.embedder!r}, but {embedder!r} is configured; "
+                "rebuild the datastore or configure its embedder"
+            )
+        if dim is not None and manifest.dim != dim:
+            raise DatastoreMismatchError(f"{path} holds {manifest.dim}-d vectors, but the embedder makes {dim}-d vectors")
+        for name, meta in manifest.files.items():
+            file = path / name
+            if not file.is_file():
+                raise DatastoreCorruptError(f"{file} is missing")
+            size = file.stat().st_size
+            if size != meta["bytes"]:
+                raise DatastoreCorruptError(f"{file} is {size} bytes, the manifest says {meta['bytes']} (truncated?)")
+            if verify_checksums and _sha256(file) != meta["sha256"]:
+                raise DatastoreCorruptError(f"{file} fails its sha256 checksum")
+        return cls(path, manifest)
+
+    def _load_array(self, name: str, shape: tuple[int, ...], dtype: type | np.dtype) -> np.ndarray:
+        file = self.path / name
+        if name not in self.manifest.files:
+            raise DatastoreCorruptError(f"{file} is not listed in the manifest")
+        try:
+            array = np.load(file, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError) as exc:
+            raise DatastoreCorruptError(f"{file}: unreadable ({exc})") from None
+        if array.shape != shape or array.dtype != np.dtype(dtype):
+            raise DatastoreCorruptError(f"{file}: {array.dtype}{array.shape}, expected {np.dtype(dtype)}{shape}")
+        return array
+
+    @property
+    def dim(self) -> int:
+        return self.manifest.dim
+
+    @property
+    def nlist(self) -> int:
+        return self.manifest.nlist
+
+    @property
+    def n_vectors(self) -> int:
+        return self.manifest.n_vectors
+
+    @property
+    def cluster_sizes(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    @property
+    def has_passages(self) -> bool:
+        return self._passage_map is not None
+
+    def passages(self, ids: Sequence[int]) -> list[Passage]:
+        """The passages of the given vector ids (rows)."""
+        if self._passage_map is None or self._passage_index is None:
+            raise DatastoreError(f"{self.path} holds vectors only, no passages")
+        out = []
+        for row in ids:
+            if not 0 <= row < self.n_vectors:
+                raise IndexError(f"passage id {row} out of range")
+            start, end = int(self._passage_index[row]), int(self._passage_index[row + 1])
+            record = json.loads(self._passage_map[start:end])
+            out.append(Passage(doc_id=record["doc_id"], title=record["title"], text=record["text"]))
+        return out
+
+    def close(self) -> None:
+        if self._passage_map is not None:
+            self._passage_map.close()
+            self._passage_map = None

@@ -1,0 +1,265 @@
+"""The retrieval engine: lookahead prefetch into the device cluster cache, and exact
+GPU/CPU cooperative IVF search (TeleRAG chapter 4)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import warnings
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from retrieval.cache import ClusterCache, Lease
+from retrieval.datastore import Datastore
+from retrieval.errors import SearchError
+from retrieval.ivf import CPUIndex
+from retrieval.prefetch import PrefetchHandle, PrefetchPlan, plan_prefetch
+from retrieval.search import merge_topk, scan_resident
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """`auto` picks CUDA when there is one; asking for CUDA without one is an error."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise SearchError("device 'cuda' was requested but CUDA is not available")
+    return resolved
+
+
+def default_nprobe(nlist: int) -> int:
+    """4·sqrt(nlist), the paper's setting (256 for 4096 lists)."""
+    return max(1, min(nlist, int(round(4 * math.sqrt(nlist)))))
+
+
+@dataclass
+class QueryStats:
+    overlap_rate: float | None  # |C_in ∩ C_out| / |C_out| (TeleRAG Eq. 3.1); None without a prefetch
+    clusters_device: int
+    clusters_cpu: int
+
+
+@dataclass
+class SearchResult:
+    scores: np.ndarray  # float32 (n, k)
+    ids: np.ndarray  # int64 (n, k); -1 where fewer than k candidates exist
+    per_query: list[QueryStats]
+    probe_ms: float
+    device_ms: float
+    cpu_ms: float
+    total_ms: float
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class RetrievalEngine:
+    """Owns the faiss index (CPU half), the host copy of the vectors, and the device cluster cache."""
+
+    def __init__(
+        self,
+        datastore: Datastore,
+        *,
+        device: str | torch.device = "cpu",
+        cache_bytes: int = 0,
+        nprobe: int | None = None,
+        cpu_workers: int = 2,
+        progress: bool = False,
+    ) -> None:
+        self.datastore = datastore
+        self.device = resolve_device(device)
+        self.nlist = datastore.nlist
+        self.nprobe = nprobe or default_nprobe(self.nlist)
+        if self.device.type == "cuda":
+            # Exact fp32 scores: TF32 would change the answers.
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+        self.index = CPUIndex(datastore)
+        self.host_vectors = self._host_tensor(progress)
+        self.cache = ClusterCache(self.host_vectors, datastore.offsets, cache_bytes, self.device)
+        self.centroids = torch.from_numpy(np.ascontiguousarray(datastore.centroids)).to(self.device)
+        self._cpu_pool = ThreadPoolExecutor(max_workers=cpu_workers, thread_name_prefix="faiss-search")
+
+    def _host_tensor(self, progress: bool) -> torch.Tensor:
+        """The vectors as a tensor: the memory map itself on CPU; a pinned copy on CUDA, so that
+        every cluster copy is a true asynchronous DMA."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # the memory map is read-only; we never write it
+            mapped = torch.from_numpy(self.datastore.vectors)
+        if self.device.type != "cuda":
+            return mapped
+        pinned = torch.empty(mapped.shape, dtype=mapped.dtype, pin_memory=True)
+        step = max(1, (256 << 20) // max(1, mapped.shape[1] * mapped.element_size()))
+        for start in tqdm(range(0, len(mapped), step), desc="pin host vectors", unit="chunk", disable=not progress):
+            pinned[start : start + step].copy_(mapped[start : start + step])
+        return pinned
+
+    def close(self) -> None:
+        self._cpu_pool.shutdown(wait=True)
+
+    # -- prefetch -------------------------------------------------------------------------------
+
+    def rank_clusters(self, queries: np.ndarray) -> np.ndarray:
+        """Every query's clusters, nearest centroid first (scored on the device)."""
+        q = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32)).to(self.device)
+        return torch.argsort(q @ self.centroids.T, dim=1, descending=True).cpu().numpy()
+
+    def prefetch(self, q_in: np.ndarray, budget_bytes: int) -> PrefetchHandle:
+        """Plan q_in's clusters within `budget_bytes` and start copying the missing ones; returns
+        as soon as the copies are issued."""
+        return self.prefetch_batch([q_in], [budget_bytes])[0]
+
+    def prefetch_batch(self, groups: Sequence[np.ndarray], budgets: Sequence[int]) -> list[PrefetchHandle]:
+        """One ranking call for every group's q_in, then one plan and one lease per group."""
+        started = time.perf_counter()
+        sizes = [len(g) for g in groups]
+        if not sum(sizes):
+            return [self._empty_handle(len(g)) for g in groups]
+        queries = self.index.check(np.concatenate([np.asarray(g, dtype=np.float32) for g in groups]), 1, 1)
+        ranked = self.rank_clusters(queries)
+        rank_ms = (time.perf_counter() - started) * 1e3
+        cluster_bytes = self.cache.cluster_bytes()
+        handles = []
+        offset = 0
+        for size, budget in zip(sizes, budgets, strict=True):
+            t0 = time.perf_counter()
+            plan = plan_prefetch(ranked[offset : offset + size], cluster_bytes, int(budget))
+            offset += size
+            lease = self.cache.acquire(plan.clusters, fetch=True) if plan.clusters else None
+            handles.append(
+                PrefetchHandle(
+                    plan=plan,
+                    lease=lease,
+                    stats={
+                        "clusters_requested": len(plan.clusters),
+                        "bytes_requested": plan.bytes,
+                        "clusters_resident": lease.clusters_already_resident if lease else 0,
+                        "clusters_copied": lease.clusters_copied if lease else 0,
+                        "clusters_skipped": lease.clusters_skipped if lease else 0,
+                        "bytes_copied": lease.bytes_copied if lease else 0,
+                        "copies": lease.copies if lease else 0,
+                        "plan_ms": rank_ms + (time.perf_counter() - t0) * 1e3,
+                    },
+                )
+            )
+        return handles
+
+    def _empty_handle(self, n: int) -> PrefetchHandle:
+        return PrefetchHandle(plan=PrefetchPlan([], [frozenset()] * n, 0), lease=None, stats={})
+
+    # -- search -----------------------------------------------------------------------------------
+
+    def search(
+        self,
+        q_out: np.ndarray,
+        k: int,
+        nprobe: int | None = None,
+        *,
+        prefetch: PrefetchHandle | Sequence[PrefetchHandle | None] | None = None,
+        use_cache: bool = True,
+    ) -> SearchResult:
+        """Exact IVF search at `nprobe`: resident clusters of each query's C_out on the device,
+        the rest by faiss on the CPU at the same time, merged. `prefetch` (one handle for all
+        queries, or one per query) is only used for the overlap statistics: the search uses
+        whatever is resident, and waits only on the copies of the clusters it reads."""
+        started = time.perf_counter()
+        nprobe = nprobe or self.nprobe
+        queries = self.index.check(q_out, k, nprobe)
+        n = len(queries)
+        list_scores, lists = self.index.probe(queries, nprobe)
+        probe_ms = (time.perf_counter() - started) * 1e3
+
+        lease: Lease | None = None
+        resident_mask = np.zeros(lists.shape, dtype=bool)
+        if use_cache and self.cache.capacity_rows:
+            lease = self.cache.acquire(np.unique(lists[lists >= 0]).tolist(), fetch=False)
+            if lease.resident:
+                resident_mask = np.isin(lists, np.fromiter(lease.resident, dtype=np.int64))
+        try:
+            cpu_future = None
+            if not resident_mask.all():
+                cpu_lists = np.where(resident_mask, -1, lists)
+                cpu_future = self._cpu_pool.submit(self._cpu_search, queries, k, cpu_lists, list_scores)
+            parts = []
+            device_ms = 0.0
+            if resident_mask.any():
+                assert lease is not None
+                device_part, device_ms = self._device_search(queries, k, lists, resident_mask, lease)
+                parts.append(device_part)
+            cpu_ms = 0.0
+            if cpu_future is not None:
+                cpu_scores, cpu_ids, cpu_ms = cpu_future.result()
+                parts.append(
+                    (torch.from_numpy(cpu_scores).to(self.device), torch.from_numpy(cpu_ids).to(self.device))
+                )
+            scores, ids = merge_topk(parts, k)
+        finally:
+            if lease is not None:
+                lease.release()
+
+        handles = self._handles_per_query(prefetch, n)
+        per_query = []
+        for i in range(n):
+            c_out = set(lists[i][lists[i] >= 0].tolist())
+            handle = handles[i]
+            overlap = None
+            if handle is not None and c_out:
+                c_in = frozenset().union(*handle.plan.per_query) if handle.plan.per_query else frozenset()
+                overlap = len(c_in & c_out) / len(c_out)
+            device_clusters = int(resident_mask[i].sum())
+            per_query.append(QueryStats(overlap, device_clusters, len(c_out) - device_clusters))
+        return SearchResult(
+            scores=scores,
+            ids=ids,
+            per_query=per_query,
+            probe_ms=probe_ms,
+            device_ms=device_ms,
+            cpu_ms=cpu_ms,
+            total_ms=(time.perf_counter() - started) * 1e3,
+        )
+
+    @staticmethod
+    def _handles_per_query(
+        prefetch: PrefetchHandle | Sequence[PrefetchHandle | None] | None, n: int
+    ) -> list[PrefetchHandle | None]:
+        if prefetch is None or isinstance(prefetch, PrefetchHandle):
+            return [prefetch] * n
+        handles = list(prefetch)
+        if len(handles) != n:
+            raise SearchError(f"{len(handles)} prefetch handles for {n} queries")
+        return handles
+
+    def _cpu_search(
+        self, queries: np.ndarray, k: int, lists: np.ndarray, list_scores: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, float]:
+        started = time.perf_counter()
+        scores, ids = self.index.search_lists(queries, k, lists, list_scores)
+        return scores, ids, (time.perf_counter() - started) * 1e3
+
+    def _device_search(
+        self, queries: np.ndarray, k: int, lists: np.ndarray, resident_mask: np.ndarray, lease: Lease
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], float]:
+        segments = [
+            [segment for cluster in lists[i][resident_mask[i]].tolist() for segment in lease.resident[cluster]]
+            for i in range(len(queries))
+        ]
+        q = torch.from_numpy(queries).to(self.device, non_blocking=True)
+        if self.device.type != "cuda":
+            started = time.perf_counter()
+            result = scan_resident(self.cache.buffer, q, segments, k)
+            return result, (time.perf_counter() - started) * 1e3
+        stream = torch.cuda.current_stream(self.device)
+        for event in lease.events:
+            stream.wait_event(event)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record(stream)
+        result = scan_resident(self.cache.buffer, q, segments, k)
+        end.record(stream)
+        end.synchronize()
+        return result, begin.elapsed_time(end)

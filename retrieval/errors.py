@@ -1,0 +1,47 @@
+"""Typed errors of the retrieval package; the server maps them to HTTP status codes in one place."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class RetrievalError(Exception):
+    """Base class of every error raised by `retrieval`."""
+
+    code = "retrieval_error"
+
+
+class CorpusError(RetrievalError):
+    """The input corpus is unusable; names the file and, where there is one, the line."""
+
+    code = "bad_corpus"
+
+    def __init__(self, message: str, *, path: Path | str | None = None, line: int | None = None) -> None:
+        where = "" if path is None else f"{path}" + ("" if line is None else f":{line}") + ": "
+        super().__init__(where + message)
+        self.path = path
+        self.line = line
+
+
+class DatastoreError(RetrievalError):
+    """A datastore cannot be built or loaded."""
+
+    code = "datastore_error"
+
+
+class DatastoreMismatchError(DatastoreError):
+    """The datastore was built for another embedder, dimension or codec than the one configured."""
+
+    code = "datastore_mismatch"
+
+
+class DatastoreCorruptError(DatastoreError):
+    """A datastore file is missing, truncated or fails its checksum."""
+
+    code = "datastore_corrupt"
+
+
+class SearchError(RetrievalError):
+    """A search request is invalid (bad nprobe, k, or query shape)."""
+
+    code = "bad_search"
