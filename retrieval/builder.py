@@ -100,7 +100,7 @@ def write_clustered(
     encoded = np.empty((len(vectors), dim), dtype=codec.numpy_dtype)
     step = 1 << 18
     for start in tqdm(range(0, len(perm), step), desc="lay out clusters", unit="block", disable=not progress):
-        encoded[start : start + step] = codec.encode(vectors[perm[start : start + step]])
+        encoded[start : start + step] = codec.to_codes(vectors[perm[start : start + step]])
     ordered_passages: Iterable[Passage] | None = None
     if passages is not None:
         ordered_passages = (passages[i] for i in perm)

@@ -51,6 +51,7 @@ class Lease:
     clusters_skipped: int = 0  # wanted but did not fit beside pinned clusters
     bytes_copied: int = 0
     copies: int = 0
+    copy_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # around this lease's copies (CUDA)
     released: bool = False
 
     def release(self) -> None:
@@ -206,11 +207,12 @@ class ClusterCache:
                 lease.clusters_skipped += len(run)
         if not copies:
             return
-        event = self._issue_copies(copies)
-        if event is not None:
+        window = self._issue_copies(copies)
+        if window is not None:
+            lease.copy_events = window
             for cluster in placed:
-                self._slots[cluster].event = event
-            lease.events.append(event)
+                self._slots[cluster].event = window[1]
+            lease.events.append(window[1])
         rows_copied = sum(rows for _, _, rows in copies)
         lease.bytes_copied += rows_copied * self.row_bytes
         lease.copies += len(copies)
@@ -306,16 +308,19 @@ class ClusterCache:
             if freed >= rows:
                 break
 
-    def _issue_copies(self, copies: list[tuple[int, int, int]]) -> torch.cuda.Event | None:
+    def _issue_copies(
+        self, copies: list[tuple[int, int, int]]
+    ) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
         """Copy host rows into the buffer: on CUDA asynchronously on the copy stream (DMA from
-        pinned memory) with one event after them; on the CPU synchronously."""
+        pinned memory) between two timing events; on the CPU synchronously."""
         if self.copy_stream is None:
             for start, host, rows in copies:
                 self.buffer[start : start + rows].copy_(self.host[host : host + rows])
             return None
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.copy_stream):
+            begin.record(self.copy_stream)
             for start, host, rows in copies:
                 self.buffer[start : start + rows].copy_(self.host[host : host + rows], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.copy_stream)
-        return event
+            end.record(self.copy_stream)
+        return begin, end

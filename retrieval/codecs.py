@@ -25,7 +25,7 @@ class Codec(str, Enum):
     def vector_bytes(self, dim: int) -> int:
         return dim * self.numpy_dtype.itemsize
 
-    def encode(self, vectors: np.ndarray) -> np.ndarray:
+    def to_codes(self, vectors: np.ndarray) -> np.ndarray:
         """float32 vectors -> codes (fp16 rounds to nearest even, as faiss's own encoder does)."""
         return np.ascontiguousarray(vectors, dtype=self.numpy_dtype)
 

@@ -100,6 +100,15 @@ class RetrievalEngine:
             pinned[start : start + step].copy_(mapped[start : start + step])
         return pinned
 
+    def resize_cache(self, cache_bytes: int) -> None:
+        """Replace the cluster cache with an empty one of `cache_bytes` (nothing may be pinned)."""
+        if self.cache.stats().pinned_clusters:
+            raise SearchError("cannot resize the cluster cache while clusters are pinned")
+        self.cache = ClusterCache(self.host_vectors, self.datastore.offsets, 0, self.device)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.cache = ClusterCache(self.host_vectors, self.datastore.offsets, cache_bytes, self.device)
+
     def close(self) -> None:
         self._cpu_pool.shutdown(wait=True)
 
@@ -245,21 +254,18 @@ class RetrievalEngine:
     def _device_search(
         self, queries: np.ndarray, k: int, lists: np.ndarray, resident_mask: np.ndarray, lease: Lease
     ) -> tuple[tuple[torch.Tensor, torch.Tensor], float]:
-        segments = [
-            [segment for cluster in lists[i][resident_mask[i]].tolist() for segment in lease.resident[cluster]]
-            for i in range(len(queries))
-        ]
+        probes = [lists[i][resident_mask[i]].tolist() for i in range(len(queries))]
         q = torch.from_numpy(queries).to(self.device, non_blocking=True)
         if self.device.type != "cuda":
             started = time.perf_counter()
-            result = scan_resident(self.cache.buffer, q, segments, k)
+            result = scan_resident(self.cache.buffer, q, lease.resident, probes, k)
             return result, (time.perf_counter() - started) * 1e3
         stream = torch.cuda.current_stream(self.device)
         for event in lease.events:
             stream.wait_event(event)
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record(stream)
-        result = scan_resident(self.cache.buffer, q, segments, k)
+        result = scan_resident(self.cache.buffer, q, lease.resident, probes, k)
         end.record(stream)
         end.synchronize()
         return result, begin.elapsed_time(end)

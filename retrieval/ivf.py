@@ -72,3 +72,26 @@ class CPUIndex:
             params,
         )
         return scores, ids
+
+
+def same_results(
+    ids: np.ndarray, scores: np.ndarray, ref_ids: np.ndarray, ref_scores: np.ndarray, tol: float = 1e-6
+) -> bool:
+    """Whether one query's top-k equals the reference's: the same ids in the same order, except
+    that neighbours whose scores differ by less than `tol` (relative to the score) may swap, and
+    among candidates tied at the k-th place any may be kept (faiss itself picks by scan order)."""
+    if ids.shape != ref_ids.shape:
+        return False
+    slack = tol * np.maximum(1.0, np.abs(ref_scores))
+    valid = ref_ids >= 0
+    if not np.array_equal(valid, ids >= 0) or np.any(np.abs(scores[valid] - ref_scores[valid]) > slack[valid]):
+        return False
+    # runs of near-equal reference scores: inside a run ids may permute; the last run may differ
+    k = int(valid.sum())
+    run_start = 0
+    for i in range(1, k + 1):
+        if i == k or abs(ref_scores[i] - ref_scores[i - 1]) > slack[i]:
+            if i < k and set(ids[run_start:i].tolist()) != set(ref_ids[run_start:i].tolist()):
+                return False
+            run_start = i
+    return len(set(ids[:k].tolist())) == k

@@ -6,7 +6,7 @@ buffer), so together with faiss scanning the rest the answer is exactly IVF at t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -17,41 +17,61 @@ from retrieval.ivf import FAISS_PAD_SCORE
 SCAN_CHUNK_BYTES = 256 << 20  # bound on the gathered rows held at once
 
 
-def _rows_and_ids(segments: Sequence[Segment], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Buffer rows and vector ids of the given segments, built on the device from their bounds."""
-    bounds = np.array([(s.start, s.length, s.host_start) for s in segments], dtype=np.int64).reshape(-1, 3)
-    lengths = torch.from_numpy(bounds[:, 1]).to(device, non_blocking=True)
+def _union_rows(
+    resident: Mapping[int, Sequence[Segment]], clusters: Sequence[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Buffer rows, vector ids, and position in `clusters` of every row of those clusters,
+    built on the device from the segment bounds (a few small copies, not one per row)."""
+    bounds = np.array(
+        [(s.start, s.length, s.host_start, pos) for pos, c in enumerate(clusters) for s in resident[c]], dtype=np.int64
+    ).reshape(-1, 4)
     total = int(bounds[:, 1].sum())
     first = np.concatenate(([0], np.cumsum(bounds[:-1, 1])))
+    table = torch.from_numpy(np.stack([bounds[:, 0] - first, bounds[:, 2] - first, bounds[:, 3], bounds[:, 1]]))
+    table = table.to(device, non_blocking=True)
     within = torch.arange(total, device=device)
-    shift = torch.from_numpy(np.stack([bounds[:, 0] - first, bounds[:, 2] - first])).to(device, non_blocking=True)
-    rows = torch.repeat_interleave(shift[0], lengths, output_size=total) + within
-    ids = torch.repeat_interleave(shift[1], lengths, output_size=total) + within
-    return rows, ids
+    rows = torch.repeat_interleave(table[0], table[3], output_size=total) + within
+    ids = torch.repeat_interleave(table[1], table[3], output_size=total) + within
+    owner = torch.repeat_interleave(table[2], table[3], output_size=total)
+    return rows, ids, owner
 
 
 def scan_resident(
-    buffer: torch.Tensor, queries: torch.Tensor, segments: Sequence[Sequence[Segment]], k: int
+    buffer: torch.Tensor,
+    queries: torch.Tensor,
+    resident: Mapping[int, Sequence[Segment]],
+    probes: Sequence[Sequence[int]],
+    k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k (scores, ids) of each query over its own segments of `buffer`; -inf / -1 padded."""
+    """Top-k (scores, ids) of each query over the resident clusters it probes; -inf / -1 padded.
+
+    The union of the batch's probed clusters is read once (one matrix product against all the
+    queries); a score counts only for the queries that probe that row's cluster.
+    """
     n, dim = queries.shape
-    scores_out = torch.full((n, k), float("-inf"), dtype=torch.float32, device=buffer.device)
-    ids_out = torch.full((n, k), -1, dtype=torch.int64, device=buffer.device)
+    best_scores = torch.full((n, k), float("-inf"), dtype=torch.float32, device=buffer.device)
+    best_ids = torch.full((n, k), -1, dtype=torch.int64, device=buffer.device)
+    union = sorted({c for query_probes in probes for c in query_probes})
+    if not union:
+        return best_scores, best_ids
+    position = {c: i for i, c in enumerate(union)}
+    membership = np.zeros((n, len(union)), dtype=bool)
+    for i, query_probes in enumerate(probes):
+        membership[i, [position[c] for c in query_probes]] = True
+    member = torch.from_numpy(membership).to(buffer.device, non_blocking=True)
+    rows, ids, owner = _union_rows(resident, union, buffer.device)
     chunk_rows = max(1, SCAN_CHUNK_BYTES // (dim * 4))
-    for i, query_segments in enumerate(segments):
-        if not query_segments:
-            continue
-        rows, ids = _rows_and_ids(query_segments, buffer.device)
-        best_scores, best_ids = scores_out[i], ids_out[i]
-        for start in range(0, len(rows), chunk_rows):
-            block = buffer.index_select(0, rows[start : start + chunk_rows]).float()
-            scores = block @ queries[i]
-            cand_scores = torch.cat([best_scores, scores])
-            cand_ids = torch.cat([best_ids, ids[start : start + chunk_rows]])
-            top = torch.topk(cand_scores, k).indices
-            best_scores, best_ids = cand_scores[top], cand_ids[top]
-        scores_out[i], ids_out[i] = best_scores, best_ids
-    return scores_out, ids_out
+    minus_inf = torch.tensor(float("-inf"), device=buffer.device)
+    for start in range(0, len(rows), chunk_rows):
+        block = buffer.index_select(0, rows[start : start + chunk_rows]).float()
+        scores = queries @ block.T
+        scores = torch.where(member[:, owner[start : start + chunk_rows]], scores, minus_inf)
+        cand_scores = torch.cat([best_scores, scores], dim=1)
+        cand_ids = torch.cat([best_ids, ids[start : start + chunk_rows].expand(n, -1)], dim=1)
+        top = torch.topk(cand_scores, k, dim=1).indices
+        best_scores, best_ids = cand_scores.gather(1, top), cand_ids.gather(1, top)
+    best_ids = torch.where(torch.isinf(best_scores), torch.tensor(-1, device=buffer.device), best_ids)
+    return best_scores, best_ids
 
 
 def merge_topk(

@@ -1,0 +1,211 @@
+"""`telerag bench retrieval`: faiss CPU vs. our prefetch + cooperative search vs. everything
+resident, side by side in one run, on a synthetic clustered datastore with controllable overlap."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from retrieval.builder import write_clustered
+from retrieval.codecs import Codec
+from retrieval.datastore import Datastore
+from retrieval.engine import RetrievalEngine, resolve_device
+from retrieval.errors import DatastoreError
+from retrieval.ivf import same_results
+
+
+@dataclass
+class BenchConfig:
+    vectors: int = 500_000
+    dim: int = 384
+    nlist: int = 1024
+    nprobe: int = 128
+    topk: int = 10
+    batch: int = 1
+    queries: int = 64
+    budget_mb: float = 0.0
+    cache_mb: float | None = None  # default: the budget
+    overlap_noise: float = 0.3
+    codec: str = "fp32"
+    device: str = "auto"
+    seed: int = 0
+    datastore_dir: Path = Path(".bench")
+
+
+def _normalise(x: torch.Tensor) -> torch.Tensor:
+    return x / x.norm(dim=1, keepdim=True)
+
+
+def synthetic_datastore(config: BenchConfig, progress: bool = True) -> Path:
+    """Build (or reuse) a datastore of clustered unit vectors: cluster sizes vary log-normally,
+    as real IVF lists do; each vector is its centre plus noise and lives in its centre's list."""
+    name = f"synthetic-n{config.vectors}-d{config.dim}-l{config.nlist}-{config.codec}-s{config.seed}"
+    path = Path(config.datastore_dir) / name
+    if (path / "manifest.json").is_file():
+        return path
+    device = resolve_device(config.device)
+    gen = torch.Generator(device=device).manual_seed(config.seed)
+    rng = np.random.default_rng(config.seed)
+    centres = _normalise(torch.randn(config.nlist, config.dim, generator=gen, device=device))
+    weights = rng.lognormal(0.0, 0.6, config.nlist)
+    lists = rng.choice(config.nlist, size=config.vectors, p=weights / weights.sum())
+    vectors = np.empty((config.vectors, config.dim), dtype=np.float32)
+    step = 1 << 18
+    lists_t = torch.from_numpy(lists).to(device)
+    for start in tqdm(range(0, config.vectors, step), desc="generate vectors", disable=not progress):
+        owner = lists_t[start : start + step]
+        noise = torch.randn(len(owner), config.dim, generator=gen, device=device)
+        vectors[start : start + step] = _normalise(centres[owner] + 1.2 * _normalise(noise)).cpu().numpy()
+    return write_clustered(
+        path,
+        vectors=vectors,
+        lists=lists,
+        centroids=centres.cpu().numpy(),
+        codec=Codec(config.codec),
+        embedder="synthetic",
+        source="synthetic",
+        progress=progress,
+    )
+
+
+def query_pairs(datastore: Datastore, config: BenchConfig) -> tuple[np.ndarray, np.ndarray]:
+    """q_in near the data, and q_out = normalise(q_in + noise): more noise, less overlap."""
+    rng = np.random.default_rng(config.seed + 1)
+    rows = rng.integers(0, datastore.n_vectors, config.queries)
+    base = np.asarray(datastore.vectors[np.sort(rows)], dtype=np.float32)
+    q_in = base + 0.5 * rng.standard_normal(base.shape).astype(np.float32) / np.sqrt(config.dim)
+    q_in /= np.linalg.norm(q_in, axis=1, keepdims=True)
+    q_out = q_in + config.overlap_noise * rng.standard_normal(base.shape).astype(np.float32) / np.sqrt(config.dim)
+    q_out /= np.linalg.norm(q_out, axis=1, keepdims=True)
+    return q_in, q_out
+
+
+def peak_copy_gbps(device: torch.device, nbytes: int = 1 << 30) -> float | None:
+    """Pinned host -> device copy rate of one large copy (the ceiling for prefetch)."""
+    if device.type != "cuda":
+        return None
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dest = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    rates = []
+    for _ in range(5):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        dest.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        rates.append(nbytes / (begin.elapsed_time(end) / 1e3) / 1e9)
+    return float(np.median(rates[1:]))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(config: BenchConfig, progress: bool = True) -> dict:
+    """Time faiss, ours (prefetch at the budget) and everything resident over the same queries."""
+    path = synthetic_datastore(config, progress)
+    datastore = Datastore.load(path, verify_checksums=False)
+    if datastore.manifest.embedder != "synthetic":
+        raise DatastoreError(f"{path} is not a synthetic benchmark datastore")
+    device = resolve_device(config.device)
+    budget = int(config.budget_mb * (1 << 20))
+    cache_bytes = int((config.cache_mb if config.cache_mb is not None else config.budget_mb) * (1 << 20))
+    engine = RetrievalEngine(datastore, device=device, cache_bytes=cache_bytes, nprobe=config.nprobe, progress=progress)
+    q_in, q_out = query_pairs(datastore, config)
+    batches = [slice(s, s + config.batch) for s in range(0, config.queries, config.batch)]
+
+    faiss_ms, ours_ms, copy_ms, copied, overlap, identical, device_clusters = [], [], [], [], [], [], []
+    for i, batch in enumerate(tqdm(batches, desc="faiss vs ours", disable=not progress)):
+        t0 = time.perf_counter()
+        ref_scores, ref_ids = engine.index.search(q_out[batch], config.topk, config.nprobe)
+        faiss_time = (time.perf_counter() - t0) * 1e3
+        handle = engine.prefetch(q_in[batch], budget)
+        if handle.lease is not None and handle.lease.copy_events is not None:
+            begin, end = handle.lease.copy_events
+            end.synchronize()
+            copy_ms.append(begin.elapsed_time(end))
+            copied.append(handle.lease.bytes_copied)
+        _sync(device)
+        t0 = time.perf_counter()
+        result = engine.search(q_out[batch], config.topk, config.nprobe, prefetch=handle)
+        ours_time = (time.perf_counter() - t0) * 1e3
+        handle.release()
+        overlap.extend(s.overlap_rate for s in result.per_query if s.overlap_rate is not None)
+        device_clusters.extend(s.clusters_device / config.nprobe for s in result.per_query)
+        identical.extend(
+            same_results(result.ids[j], result.scores[j], ref_ids[j], ref_scores[j]) for j in range(len(ref_ids))
+        )
+        if i:  # the first batch warms up
+            faiss_ms.append(faiss_time)
+            ours_ms.append(ours_time)
+
+    # The best possible: every cluster resident, same search code.
+    engine.resize_cache(datastore.n_vectors * engine.cache.row_bytes)
+    everything = engine.cache.acquire(range(datastore.nlist), fetch=True)
+    _sync(device)
+    resident_ms = []
+    for i, batch in enumerate(batches):
+        t0 = time.perf_counter()
+        result = engine.search(q_out[batch], config.topk, config.nprobe)
+        if i:
+            resident_ms.append((time.perf_counter() - t0) * 1e3)
+        ref_scores, ref_ids = engine.index.search(q_out[batch], config.topk, config.nprobe)
+        identical.extend(
+            same_results(result.ids[j], result.scores[j], ref_ids[j], ref_scores[j]) for j in range(len(ref_ids))
+        )
+    everything.release()
+
+    p50 = lambda xs: float(np.median(xs)) if xs else float("nan")  # noqa: E731
+    faiss_p50, ours_p50, resident_p50 = p50(faiss_ms), p50(ours_ms), p50(resident_ms)
+    copy_gbps = sum(copied) / (sum(copy_ms) / 1e3) / 1e9 if copy_ms and sum(copy_ms) > 0 else None
+    peak = peak_copy_gbps(device)
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "n_vectors": datastore.n_vectors,
+        "dim": datastore.dim,
+        "nlist": datastore.nlist,
+        "nprobe": config.nprobe,
+        "topk": config.topk,
+        "batch": config.batch,
+        "queries": config.queries,
+        "codec": config.codec,
+        "budget_bytes": budget,
+        "datastore_bytes": datastore.n_vectors * engine.cache.row_bytes,
+        "overlap_rate": float(np.mean(overlap)) if overlap else None,
+        "device_cluster_fraction": float(np.mean(device_clusters)),
+        "faiss_ms_p50": faiss_p50,
+        "ours_ms_p50": ours_p50,
+        "resident_ms_p50": resident_p50,
+        "faiss_ms_p99": float(np.percentile(faiss_ms, 99)) if faiss_ms else None,
+        "ours_ms_p99": float(np.percentile(ours_ms, 99)) if ours_ms else None,
+        "speedup_vs_faiss": faiss_p50 / ours_p50,
+        "ours_vs_resident": ours_p50 / resident_p50,
+        "identical_fraction": float(np.mean(identical)),
+        "copy_gbps": copy_gbps,
+        "copy_gbps_peak": peak,
+        "copy_fraction_of_peak": copy_gbps / peak if copy_gbps and peak else None,
+    }
+
+
+def format_table(result: dict) -> str:
+    rows = [(key, value) for key, value in result.items()]
+    width = max(len(k) for k, _ in rows)
+    lines = []
+    for key, value in rows:
+        if isinstance(value, float):
+            value = f"{value:.4g}"
+        lines.append(f"{key:<{width}}  {value}")
+    return "\n".join(lines)
+
+
+def config_dict(config: BenchConfig) -> dict:
+    data = asdict(config)
+    data["datastore_dir"] = str(config.datastore_dir)
+    return data
+

@@ -1,0 +1,57 @@
+"""`telerag bench retrieval`: see `retrieval.bench`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from retrieval.bench import BenchConfig, config_dict, format_table, run as run_bench
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    defaults = BenchConfig()
+    parser = subparsers.add_parser(
+        "retrieval",
+        help="faiss CPU vs. prefetch + cooperative search vs. all-resident, on a synthetic datastore",
+    )
+    parser.add_argument("--vectors", type=int, default=defaults.vectors)
+    parser.add_argument("--dim", type=int, default=defaults.dim)
+    parser.add_argument("--nlist", type=int, default=defaults.nlist)
+    parser.add_argument("--nprobe", type=int, default=defaults.nprobe)
+    parser.add_argument("--topk", type=int, default=defaults.topk)
+    parser.add_argument("--batch", type=int, default=defaults.batch, help="queries per search call")
+    parser.add_argument("--queries", type=int, default=defaults.queries)
+    parser.add_argument("--budget-mb", type=float, default=defaults.budget_mb, help="prefetch budget per batch")
+    parser.add_argument("--cache-mb", type=float, default=None, help="device cluster cache (default: the budget)")
+    parser.add_argument("--overlap-noise", type=float, default=defaults.overlap_noise, help="q_out = q_in + noise")
+    parser.add_argument("--codec", choices=["fp32", "fp16"], default=defaults.codec)
+    parser.add_argument("--device", default=defaults.device, help="auto, cpu or cuda")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--datastore-dir", type=Path, default=defaults.datastore_dir, help="where synthetic datastores are kept")
+    parser.add_argument("--json", action="store_true", help="print one JSON line last")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = BenchConfig(
+        vectors=args.vectors,
+        dim=args.dim,
+        nlist=args.nlist,
+        nprobe=args.nprobe,
+        topk=args.topk,
+        batch=args.batch,
+        queries=args.queries,
+        budget_mb=args.budget_mb,
+        cache_mb=args.cache_mb,
+        overlap_noise=args.overlap_noise,
+        codec=args.codec,
+        device=args.device,
+        seed=args.seed,
+        datastore_dir=args.datastore_dir,
+    )
+    result = run_bench(config, progress=not args.json)
+    print(format_table(result))
+    if args.json:
+        print(json.dumps({**result, "config": config_dict(config)}))
+    return 0

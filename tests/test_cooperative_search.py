@@ -1,0 +1,153 @@
+"""Cooperative search must return exactly what faiss returns at the same nprobe, whatever was prefetched."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from retrieval.codecs import Codec
+from retrieval.engine import RetrievalEngine
+from retrieval.errors import SearchError
+from retrieval.ivf import same_results
+from tests.retrieval_helpers import DEVICES, random_datastore, random_queries
+
+
+def assert_same_as_faiss(engine: RetrievalEngine, queries: np.ndarray, k: int, nprobe: int, **kwargs) -> None:
+    ref_scores, ref_ids = engine.index.search(queries, k, nprobe)
+    result = engine.search(queries, k, nprobe, **kwargs)
+    assert result.ids.shape == (len(queries), k)
+    for i in range(len(queries)):
+        assert same_results(result.ids[i], result.scores[i], ref_ids[i], ref_scores[i]), (
+            i,
+            result.ids[i],
+            ref_ids[i],
+            result.scores[i],
+            ref_scores[i],
+        )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("codec", list(Codec))
+@pytest.mark.parametrize("seed", range(4))
+def test_parity_over_nprobe_and_budget(tmp_path, device, codec, seed):
+    rng = np.random.default_rng(seed)
+    nlist = int(rng.integers(4, 48))
+    ds = random_datastore(tmp_path / "ds", n=int(rng.integers(800, 3000)), dim=int(rng.choice([8, 24, 40])), nlist=nlist, codec=codec, seed=seed)
+    total = int(ds.cluster_sizes.sum()) * ds.codec.vector_bytes(ds.dim)
+    q_in = random_queries(6, ds.dim, seed)
+    q_out = q_in + 0.3 * random_queries(6, ds.dim, seed + 100)
+    for budget in (0, total // 7, total // 2, total):
+        engine = RetrievalEngine(ds, device=device, cache_bytes=max(budget, total // 3))
+        for nprobe in sorted({1, 2, nlist // 3 or 1, nlist}):
+            for batch in (1, 4, 6):
+                handle = engine.prefetch(q_in[:batch], budget)
+                assert_same_as_faiss(engine, q_out[:batch], k=int(rng.integers(1, 30)), nprobe=nprobe, prefetch=handle)
+                handle.release()
+        engine.cache.check_invariants()
+        engine.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_k_larger_than_candidates_pads_like_faiss(tmp_path, device):
+    ds = random_datastore(tmp_path / "ds", n=400, nlist=16)
+    engine = RetrievalEngine(ds, device=device, cache_bytes=10**6)
+    q = random_queries(3, ds.dim)
+    handle = engine.prefetch(q, 10**6)
+    result = engine.search(q, 300, nprobe=2, prefetch=handle)
+    ref_scores, ref_ids = engine.index.search(q, 300, 2)
+    assert (result.ids == -1).any(), "two lists of a 400-vector datastore hold fewer than 300 vectors"
+    np.testing.assert_array_equal(result.ids == -1, ref_ids == -1)
+    np.testing.assert_array_equal(result.scores[result.ids == -1], ref_scores[ref_ids == -1])
+    for i in range(len(q)):
+        assert same_results(result.ids[i], result.scores[i], ref_ids[i], ref_scores[i])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ties_and_empty_lists(tmp_path, device):
+    ds = random_datastore(tmp_path / "ds", n=1500, nlist=20, duplicates=12, empty_lists=5)
+    assert (ds.cluster_sizes == 0).sum() >= 5
+    engine = RetrievalEngine(ds, device=device, cache_bytes=ds.n_vectors * ds.dim * 4)
+    duplicate = np.asarray(ds.vectors[ds.offsets[np.argmax(ds.cluster_sizes > 0)]], dtype=np.float32)[None]
+    q = np.concatenate([random_queries(4, ds.dim), np.asarray(ds.vectors[:3], dtype=np.float32), duplicate])
+    for budget in (0, ds.n_vectors * ds.dim * 2, ds.n_vectors * ds.dim * 4):
+        handle = engine.prefetch(q, budget)
+        for nprobe in (1, 5, ds.nlist):
+            assert_same_as_faiss(engine, q, 8, nprobe, prefetch=handle)
+        handle.release()
+    # ties are ordered by id
+    result = engine.search(q, 8, ds.nlist)
+    for scores, ids in zip(result.scores, result.ids):
+        for j in range(1, 8):
+            assert scores[j] < scores[j - 1] or ids[j] > ids[j - 1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefetch_off_searches_everything_on_cpu(tmp_path, device):
+    ds = random_datastore(tmp_path / "ds")
+    engine = RetrievalEngine(ds, device=device, cache_bytes=ds.n_vectors * ds.dim * 4)
+    q = random_queries(4, ds.dim)
+    handle = engine.prefetch(q, 10**9)
+    result = engine.search(q, 5, 8, prefetch=handle, use_cache=False)
+    assert all(s.clusters_device == 0 and s.clusters_cpu == 8 for s in result.per_query)
+    assert_same_as_faiss(engine, q, 5, 8, use_cache=False)
+    handle.release()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_overlap_rate_is_eq_3_1(tmp_path, device):
+    ds = random_datastore(tmp_path / "ds", nlist=32)
+    engine = RetrievalEngine(ds, device=device, cache_bytes=ds.n_vectors * ds.dim * 4)
+    q = random_queries(1, ds.dim)
+    handle = engine.prefetch(q, ds.n_vectors * ds.dim * 4 // 4)
+    result = engine.search(q, 5, 8, prefetch=handle)
+    c_in = set(handle.plan.per_query[0])
+    c_out = set(engine.index.probe(q, 8)[1][0].tolist())
+    assert result.per_query[0].overlap_rate == pytest.approx(len(c_in & c_out) / len(c_out))
+    same = engine.search(q, 5, 8, prefetch=engine.prefetch(q, ds.n_vectors * ds.dim * 4))
+    assert same.per_query[0].overlap_rate == 1.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_concurrent_searches_over_overlapping_clusters(tmp_path, device):
+    ds = random_datastore(tmp_path / "ds", n=4000, nlist=40)
+    total = ds.n_vectors * ds.dim * 4
+    engine = RetrievalEngine(ds, device=device, cache_bytes=total // 3)
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        try:
+            rng = np.random.default_rng(seed)
+            for _ in range(15):
+                q = random_queries(int(rng.integers(1, 4)), ds.dim, int(rng.integers(1 << 30)))
+                handle = engine.prefetch(q, int(rng.integers(0, total // 4)))
+                assert_same_as_faiss(engine, q, 10, int(rng.integers(1, 40)), prefetch=handle)
+                handle.release()
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    engine.cache.check_invariants()
+    stats = engine.cache.stats()
+    assert stats.pinned_clusters == 0
+    assert stats.occupancy_bytes <= stats.capacity_bytes <= total // 3
+
+
+def test_bad_arguments(tmp_path):
+    ds = random_datastore(tmp_path / "ds", nlist=16)
+    engine = RetrievalEngine(ds, cache_bytes=0)
+    q = random_queries(2, ds.dim)
+    with pytest.raises(SearchError, match="nprobe"):
+        engine.search(q, 5, nprobe=17)
+    with pytest.raises(SearchError, match="nprobe"):
+        engine.search(q, 5, nprobe=-1)
+    with pytest.raises(SearchError, match="k must be positive"):
+        engine.search(q, 0, nprobe=4)
+    with pytest.raises(SearchError, match="shape"):
+        engine.search(q[:, :-1], 5, nprobe=4)
