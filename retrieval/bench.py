@@ -121,6 +121,7 @@ def run(config: BenchConfig, progress: bool = True) -> dict:
     batches = [slice(s, s + config.batch) for s in range(0, config.queries, config.batch)]
 
     faiss_ms, ours_ms, copy_ms, copied, overlap, identical, device_clusters = [], [], [], [], [], [], []
+    parts: dict[str, list[float]] = {"ours_device_ms": [], "ours_cpu_ms": [], "ours_probe_ms": [], "resident_device_ms": []}
     for i, batch in enumerate(tqdm(batches, desc="faiss vs ours", disable=not progress)):
         t0 = time.perf_counter()
         ref_scores, ref_ids = engine.index.search(q_out[batch], config.topk, config.nprobe)
@@ -144,6 +145,9 @@ def run(config: BenchConfig, progress: bool = True) -> dict:
         if i:  # the first batch warms up
             faiss_ms.append(faiss_time)
             ours_ms.append(ours_time)
+            parts["ours_device_ms"].append(result.device_ms)
+            parts["ours_cpu_ms"].append(result.cpu_ms)
+            parts["ours_probe_ms"].append(result.probe_ms)
 
     # The best possible: every cluster resident, same search code.
     engine.resize_cache(datastore.n_vectors * engine.cache.row_bytes)
@@ -155,6 +159,7 @@ def run(config: BenchConfig, progress: bool = True) -> dict:
         result = engine.search(q_out[batch], config.topk, config.nprobe)
         if i:
             resident_ms.append((time.perf_counter() - t0) * 1e3)
+            parts["resident_device_ms"].append(result.device_ms)
         ref_scores, ref_ids = engine.index.search(q_out[batch], config.topk, config.nprobe)
         identical.extend(
             same_results(result.ids[j], result.scores[j], ref_ids[j], ref_scores[j]) for j in range(len(ref_ids))
@@ -187,6 +192,7 @@ def run(config: BenchConfig, progress: bool = True) -> dict:
         "speedup_vs_faiss": faiss_p50 / ours_p50,
         "ours_vs_resident": ours_p50 / resident_p50,
         "identical_fraction": float(np.mean(identical)),
+        **{f"{name}_p50": p50(values) for name, values in parts.items()},
         "copy_gbps": copy_gbps,
         "copy_gbps_peak": peak,
         "copy_fraction_of_peak": copy_gbps / peak if copy_gbps and peak else None,

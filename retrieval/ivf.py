@@ -28,6 +28,16 @@ class CPUIndex:
             codes = np.ascontiguousarray(datastore.vectors[start:end]).view(np.uint8)
             self.index.invlists.add_entries(cluster, end - start, faiss.swig_ptr(ids), faiss.swig_ptr(codes))
         self.index.ntotal = datastore.n_vectors
+        # faiss parallelises a search over its queries; a batch smaller than the thread count
+        # would leave cores idle, so small batches go to a twin index (sharing the same lists)
+        # that parallelises over the lists of each query instead. Baseline and ours both use it.
+        self.index_by_list, self._twin_quantizer = datastore.codec.empty_faiss_index(datastore.centroids)
+        self.index_by_list.replace_invlists(self.index.invlists, False)
+        self.index_by_list.ntotal = datastore.n_vectors
+        self.index_by_list.parallel_mode = 1
+
+    def _for_batch(self, n: int) -> faiss.IndexIVF:
+        return self.index_by_list if n < faiss.omp_get_max_threads() else self.index
 
     def check(self, queries: np.ndarray, k: int, nprobe: int) -> np.ndarray:
         """Validate a search's arguments; returns the queries as contiguous float32."""
@@ -47,7 +57,7 @@ class CPUIndex:
     def search(self, queries: np.ndarray, k: int, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
         """Plain faiss `IndexIVF.search` (the paper's baseline, and our reference)."""
         queries = self.check(queries, k, nprobe)
-        return self.index.search(queries, k, params=faiss.SearchParametersIVF(nprobe=nprobe))
+        return self._for_batch(len(queries)).search(queries, k, params=faiss.SearchParametersIVF(nprobe=nprobe))
 
     def search_lists(
         self, queries: np.ndarray, k: int, lists: np.ndarray, list_scores: np.ndarray
@@ -60,7 +70,7 @@ class CPUIndex:
         ids = np.empty((n, k), dtype=np.int64)
         params = faiss.SearchParametersIVF(nprobe=width)
         # The Python wrapper takes no params (so no per-call nprobe); call the C++ method directly.
-        self.index.search_preassigned_c(
+        self._for_batch(n).search_preassigned_c(
             n,
             faiss.swig_ptr(queries),
             k,
