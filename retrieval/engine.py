@@ -24,6 +24,8 @@ from retrieval.search import merge_topk, scan_resident
 
 log = logging.getLogger(__name__)
 
+PROBE_TIE_MARGIN = 1e-5  # relative centroid-score gap below which the device defers to faiss
+
 
 def resolve_device(device: str | torch.device) -> torch.device:
     """`auto` picks CUDA when there is one; asking for CUDA without one is an error."""
@@ -181,7 +183,7 @@ class RetrievalEngine:
         nprobe = nprobe or self.nprobe
         queries = self.index.check(q_out, k, nprobe)
         n = len(queries)
-        list_scores, lists = self.index.probe(queries, nprobe)
+        list_scores, lists = self.probe(queries, nprobe)
         probe_ms = (time.perf_counter() - started) * 1e3
 
         lease: Lease | None = None
@@ -232,6 +234,25 @@ class RetrievalEngine:
             cpu_ms=cpu_ms,
             total_ms=(time.perf_counter() - started) * 1e3,
         )
+
+    def probe(self, queries: np.ndarray, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
+        """C_out of each query: the same `nprobe` lists faiss's quantizer picks.
+
+        On CUDA the centroid scores come from one exact fp32 product on the device; a query whose
+        nprobe-th and next score are too close to call (so that summation order could flip them)
+        is probed by faiss instead, so the set of lists is always faiss's own.
+        """
+        if self.device.type != "cuda" or nprobe >= self.nlist:
+            return self.index.probe(queries, nprobe)
+        q = torch.from_numpy(queries).to(self.device, non_blocking=True)
+        scores, lists = torch.topk(q @ self.centroids.T, nprobe + 1, dim=1)
+        scores, lists = scores.cpu().numpy(), lists.cpu().numpy()
+        gap = scores[:, nprobe - 1] - scores[:, nprobe]
+        unclear = gap <= PROBE_TIE_MARGIN * np.maximum(1.0, np.abs(scores[:, nprobe - 1]))
+        scores, lists = np.ascontiguousarray(scores[:, :nprobe]), np.ascontiguousarray(lists[:, :nprobe])
+        if unclear.any():
+            scores[unclear], lists[unclear] = self.index.probe(queries[unclear], nprobe)
+        return scores, lists
 
     @staticmethod
     def _handles_per_query(

@@ -54,10 +54,14 @@ class CPUIndex:
         """C_out: each query's `nprobe` nearest lists (scores, list ids), as faiss's own search picks them."""
         return self.quantizer.search(queries, nprobe)
 
-    def search(self, queries: np.ndarray, k: int, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
-        """Plain faiss `IndexIVF.search` (the paper's baseline, and our reference)."""
+    def search(
+        self, queries: np.ndarray, k: int, nprobe: int, *, tuned: bool = True
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """faiss `IndexIVF.search`: our reference. `tuned=False` is faiss with its default
+        parallelism (over queries only), the paper's CPU baseline."""
         queries = self.check(queries, k, nprobe)
-        return self._for_batch(len(queries)).search(queries, k, params=faiss.SearchParametersIVF(nprobe=nprobe))
+        index = self._for_batch(len(queries)) if tuned else self.index
+        return index.search(queries, k, params=faiss.SearchParametersIVF(nprobe=nprobe))
 
     def search_lists(
         self, queries: np.ndarray, k: int, lists: np.ndarray, list_scores: np.ndarray

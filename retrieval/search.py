@@ -11,29 +11,43 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from retrieval import kernels
 from retrieval.cache import Segment
 from retrieval.ivf import FAISS_PAD_SCORE
 
 SCAN_CHUNK_BYTES = 256 << 20  # bound on the gathered rows held at once
 
 
-def _union_rows(
-    resident: Mapping[int, Sequence[Segment]], clusters: Sequence[int], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Buffer rows, vector ids, and position in `clusters` of every row of those clusters,
-    built on the device from the segment bounds (a few small copies, not one per row)."""
-    bounds = np.array(
+def _segment_table(resident: Mapping[int, Sequence[Segment]], clusters: Sequence[int]) -> np.ndarray:
+    """int64 (m, 4): buffer start, length, host start, position in `clusters` of every segment."""
+    return np.array(
         [(s.start, s.length, s.host_start, pos) for pos, c in enumerate(clusters) for s in resident[c]], dtype=np.int64
     ).reshape(-1, 4)
-    total = int(bounds[:, 1].sum())
-    first = np.concatenate(([0], np.cumsum(bounds[:-1, 1])))
-    table = torch.from_numpy(np.stack([bounds[:, 0] - first, bounds[:, 2] - first, bounds[:, 3], bounds[:, 1]]))
-    table = table.to(device, non_blocking=True)
+
+
+def _expand(table: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of the segments, in order: buffer row, vector id, owner position. Built on the
+    device from the segment bounds (a few small copies, not one per row)."""
+    total = int(table[:, 1].sum())
+    first = np.concatenate(([0], np.cumsum(table[:-1, 1])))
+    bounds = torch.from_numpy(np.stack([table[:, 0] - first, table[:, 2] - first, table[:, 3], table[:, 1]]))
+    bounds = bounds.to(device, non_blocking=True)
     within = torch.arange(total, device=device)
-    rows = torch.repeat_interleave(table[0], table[3], output_size=total) + within
-    ids = torch.repeat_interleave(table[1], table[3], output_size=total) + within
-    owner = torch.repeat_interleave(table[2], table[3], output_size=total)
+    rows = torch.repeat_interleave(bounds[0], bounds[3], output_size=total) + within
+    ids = torch.repeat_interleave(bounds[1], bounds[3], output_size=total) + within
+    owner = torch.repeat_interleave(bounds[2], bounds[3], output_size=total)
     return rows, ids, owner
+
+
+def _topk_padded(scores: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise top-k of (scores, ids) with -inf / -1 padding when a row has fewer than k."""
+    n, width = scores.shape
+    if width < k:
+        scores = torch.cat([scores, scores.new_full((n, k - width), float("-inf"))], dim=1)
+        ids = torch.cat([ids, ids.new_full((n, k - width), -1)], dim=1)
+    top = torch.topk(scores, k, dim=1).indices
+    scores, ids = scores.gather(1, top), ids.gather(1, top)
+    return scores, torch.where(torch.isinf(scores), torch.full_like(ids, -1), ids)
 
 
 def scan_resident(
@@ -45,32 +59,39 @@ def scan_resident(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k (scores, ids) of each query over the resident clusters it probes; -inf / -1 padded.
 
-    The union of the batch's probed clusters is read once (one matrix product against all the
-    queries); a score counts only for the queries that probe that row's cluster.
+    The union of the batch's probed clusters is read once, against all the queries; a score
+    counts only for the queries that probe that row's cluster. On CUDA a Triton kernel scores
+    the rows in place; elsewhere the rows are gathered in chunks and multiplied.
     """
     n, dim = queries.shape
-    best_scores = torch.full((n, k), float("-inf"), dtype=torch.float32, device=buffer.device)
-    best_ids = torch.full((n, k), -1, dtype=torch.int64, device=buffer.device)
     union = sorted({c for query_probes in probes for c in query_probes})
     if not union:
-        return best_scores, best_ids
+        return _topk_padded(
+            torch.empty((n, 0), device=buffer.device), torch.empty((n, 0), dtype=torch.int64, device=buffer.device), k
+        )
     position = {c: i for i, c in enumerate(union)}
-    membership = np.zeros((n, len(union)), dtype=bool)
+    membership = np.zeros((n, len(union)), dtype=np.uint8)
     for i, query_probes in enumerate(probes):
-        membership[i, [position[c] for c in query_probes]] = True
+        membership[i, [position[c] for c in query_probes]] = 1
     member = torch.from_numpy(membership).to(buffer.device, non_blocking=True)
-    rows, ids, owner = _union_rows(resident, union, buffer.device)
+    table = _segment_table(resident, union)
+    rows, ids, owner = _expand(table, buffer.device)
+    if kernels.available(buffer.device):
+        scores = kernels.score_segments(buffer, queries, member, table[:, [0, 1, 3]])
+        return _topk_padded(scores, ids.expand(n, -1), k)
+    best_scores, best_ids = _topk_padded(
+        torch.empty((n, 0), device=buffer.device), torch.empty((n, 0), dtype=torch.int64, device=buffer.device), k
+    )
     chunk_rows = max(1, SCAN_CHUNK_BYTES // (dim * 4))
     minus_inf = torch.tensor(float("-inf"), device=buffer.device)
     for start in range(0, len(rows), chunk_rows):
         block = buffer.index_select(0, rows[start : start + chunk_rows]).float()
-        scores = queries @ block.T
-        scores = torch.where(member[:, owner[start : start + chunk_rows]], scores, minus_inf)
-        cand_scores = torch.cat([best_scores, scores], dim=1)
-        cand_ids = torch.cat([best_ids, ids[start : start + chunk_rows].expand(n, -1)], dim=1)
-        top = torch.topk(cand_scores, k, dim=1).indices
-        best_scores, best_ids = cand_scores.gather(1, top), cand_ids.gather(1, top)
-    best_ids = torch.where(torch.isinf(best_scores), torch.tensor(-1, device=buffer.device), best_ids)
+        scores = torch.where(member[:, owner[start : start + chunk_rows]].bool(), queries @ block.T, minus_inf)
+        best_scores, best_ids = _topk_padded(
+            torch.cat([best_scores, scores], dim=1),
+            torch.cat([best_ids, ids[start : start + chunk_rows].expand(n, -1)], dim=1),
+            k,
+        )
     return best_scores, best_ids
 
 
