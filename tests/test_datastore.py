@@ -1,0 +1,175 @@
+"""Building and loading datastores: layout, atomic writes, and a clear error for every bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from retrieval.builder import build_datastore, default_nlist
+from retrieval.codecs import Codec
+from retrieval.corpus import Article, read_jsonl, read_wikipedia, split_passages
+from retrieval.datastore import MANIFEST, VECTORS, Datastore
+from retrieval.errors import CorpusError, DatastoreCorruptError, DatastoreError, DatastoreMismatchError
+from tests.retrieval_helpers import random_datastore
+
+
+def hashing_encoder(dim: int = 16):
+    """A deterministic bag-of-words encoder: texts sharing words get near vectors."""
+
+    def encode(texts):
+        out = np.zeros((len(texts), dim), dtype=np.float32)
+        for i, text in enumerate(texts):
+            for word in text.lower().split():
+                out[i, hash(word) % dim] += 1.0
+        out += 1e-3
+        return out / np.linalg.norm(out, axis=1, keepdims=True)
+
+    return encode
+
+
+def write_corpus(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def good_corpus(path: Path, n: int = 60) -> Path:
+    topics = ["river water fish boat", "star planet orbit moon", "piano music song concert", "bread flour oven bake"]
+    lines = [
+        json.dumps({"id": f"doc{i}", "title": f"Title {i}", "text": " ".join([topics[i % 4]] * (10 + i % 30))})
+        for i in range(n)
+    ]
+    return write_corpus(path, lines)
+
+
+def test_build_and_load_roundtrip(tmp_path):
+    passages = list(split_passages(read_jsonl(good_corpus(tmp_path / "c.jsonl")), passage_words=20))
+    out = build_datastore(passages, hashing_encoder(), embedder="hash-16", out_dir=tmp_path / "ds", nlist=4, progress=False)
+    ds = Datastore.load(out, embedder="hash-16", dim=16)
+    assert ds.n_vectors == len(passages) and ds.nlist == 4
+    assert ds.offsets[-1] == ds.n_vectors and ds.cluster_sizes.sum() == ds.n_vectors
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert {"embedder", "dim", "metric", "codec", "n_vectors", "nlist", "files", "format_version"} <= manifest.keys()
+    assert all("sha256" in meta for meta in manifest["files"].values())
+    # every passage is stored once, in cluster order, and its vector is the encoding of its text
+    stored = ds.passages(range(ds.n_vectors))
+    assert sorted(p.text for p in stored) == sorted(p.text for p in passages)
+    encode = hashing_encoder()
+    np.testing.assert_allclose(ds.vectors[:5], encode([p.text for p in stored[:5]]), rtol=1e-6)
+    # vectors of a cluster are nearer to their own centroid than to any other
+    for c in range(ds.nlist):
+        rows = np.asarray(ds.vectors[ds.offsets[c] : ds.offsets[c + 1]])
+        if len(rows):
+            scores = rows @ ds.centroids.T
+            assert np.all(scores[:, c] >= scores.max(axis=1) - 1e-6)
+    # nothing but the datastore is left in the parent directory
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "ds"]
+
+
+def test_split_passages_word_count():
+    article = Article(id="a", title="A", text=" ".join(f"w{i}" for i in range(230)))
+    parts = list(split_passages([article], passage_words=100))
+    assert [len(p.text.split()) for p in parts] == [100, 130]  # a short tail joins the previous passage
+    assert all(p.doc_id == "a" and p.title == "A" for p in parts)
+
+
+def test_fp16_codec_halves_the_bytes(tmp_path):
+    fp32 = random_datastore(tmp_path / "a", codec=Codec.FP32)
+    fp16 = random_datastore(tmp_path / "b", codec=Codec.FP16)
+    assert (fp16.path / VECTORS).stat().st_size < 0.55 * (fp32.path / VECTORS).stat().st_size
+    assert fp16.vectors.dtype == np.float16
+
+
+@pytest.mark.parametrize(
+    ("lines", "message", "line"),
+    [
+        ([], "empty corpus", None),
+        (['{"id": "a", "title": "t", "text": "x"}', "{not json"], "malformed JSON", 2),
+        (['{"id": "a", "title": "t"}'], "missing field", 1),
+        (['{"id": "a", "title": "t", "text": "x"}', '{"id": "a", "title": "u", "text": "y"}'], "duplicate id", 2),
+        (['{"id": "a", "title": 3, "text": "x"}'], "must be a string", 1),
+        (['{"id": "a", "title": "t", "text": "  "}'], "empty text", 1),
+        (["[1, 2]"], "JSON object", 1),
+    ],
+)
+def test_bad_corpus_names_file_and_line(tmp_path, lines, message, line):
+    path = write_corpus(tmp_path / "bad.jsonl", lines)
+    with pytest.raises(CorpusError, match=message) as info:
+        list(read_jsonl(path))
+    assert str(path) in str(info.value)
+    assert info.value.line == line
+
+
+def test_missing_corpus_file(tmp_path):
+    with pytest.raises(CorpusError, match="not found"):
+        list(read_jsonl(tmp_path / "nope.jsonl"))
+
+
+def test_refuses_wrong_embedder_or_dim(tmp_path):
+    ds = random_datastore(tmp_path / "ds")
+    with pytest.raises(DatastoreMismatchError, match="embedder"):
+        Datastore.load(ds.path, embedder="another-model")
+    with pytest.raises(DatastoreMismatchError, match="-d vectors"):
+        Datastore.load(ds.path, dim=ds.dim + 1)
+
+
+def test_refuses_truncated_or_corrupt_files(tmp_path):
+    ds = random_datastore(tmp_path / "ds")
+    vectors = ds.path / VECTORS
+    data = vectors.read_bytes()
+    vectors.write_bytes(data[:-100])
+    with pytest.raises(DatastoreCorruptError, match="truncated"):
+        Datastore.load(ds.path)
+    corrupted = bytearray(data)
+    corrupted[-7] ^= 0xFF
+    vectors.write_bytes(bytes(corrupted))
+    with pytest.raises(DatastoreCorruptError, match="checksum"):
+        Datastore.load(ds.path)
+    vectors.unlink()
+    with pytest.raises(DatastoreCorruptError, match="missing"):
+        Datastore.load(ds.path)
+
+
+def test_not_a_datastore(tmp_path):
+    (tmp_path / "half").mkdir()
+    with pytest.raises(DatastoreError, match="not a datastore"):
+        Datastore.load(tmp_path / "half")
+    with pytest.raises(DatastoreError, match="no datastore"):
+        Datastore.load(tmp_path / "absent")
+
+
+def test_failed_build_leaves_nothing(tmp_path):
+    passages = list(split_passages(read_jsonl(good_corpus(tmp_path / "c.jsonl"))))
+
+    def broken(texts):
+        raise RuntimeError("encoder crashed")
+
+    with pytest.raises(RuntimeError):
+        build_datastore(passages, broken, embedder="x", out_dir=tmp_path / "ds", progress=False)
+    with pytest.raises(DatastoreError, match="between 1 and"):
+        build_datastore(passages, hashing_encoder(), embedder="x", out_dir=tmp_path / "ds", nlist=10**6, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
+
+
+def test_existing_datastore_needs_overwrite(tmp_path):
+    passages = list(split_passages(read_jsonl(good_corpus(tmp_path / "c.jsonl"))))
+    build_datastore(passages, hashing_encoder(), embedder="x", out_dir=tmp_path / "ds", nlist=2, progress=False)
+    with pytest.raises(DatastoreError, match="already exists"):
+        build_datastore(passages, hashing_encoder(), embedder="x", out_dir=tmp_path / "ds", nlist=2, progress=False)
+    build_datastore(passages, hashing_encoder(), embedder="y", out_dir=tmp_path / "ds", nlist=3, overwrite=True, progress=False)
+    assert Datastore.load(tmp_path / "ds").manifest.embedder == "y"
+
+
+def test_default_nlist():
+    assert default_nlist(100) == 2  # never fewer than 39 points per list
+    assert default_nlist(1_000_000) == 4000
+
+
+def test_builtin_wikipedia_source():
+    articles = list(read_wikipedia())
+    assert len(articles) > 5000
+    titles = {a.title for a in articles}
+    assert "Albert Einstein" in titles
+    assert all(a.text.strip() for a in articles[:100])
