@@ -193,22 +193,22 @@ class RetrievalEngine:
             if lease.resident:
                 resident_mask = np.isin(lists, np.fromiter(lease.resident, dtype=np.int64))
         try:
-            cpu_future = None
-            if not resident_mask.all():
-                cpu_lists = np.where(resident_mask, -1, lists)
-                cpu_future = self._cpu_pool.submit(self._cpu_search, queries, k, cpu_lists, list_scores)
-            parts = []
-            device_ms = 0.0
-            if resident_mask.any():
+            cpu_lists = np.where(resident_mask, -1, lists)
+            parts: list[tuple[np.ndarray, np.ndarray]] = []
+            device_ms = cpu_ms = 0.0
+            if not resident_mask.any():
+                cpu_scores, cpu_ids, cpu_ms = self._cpu_search(queries, k, cpu_lists, list_scores)
+                parts.append((cpu_scores, cpu_ids))
+            else:
                 assert lease is not None
-                device_part, device_ms = self._device_search(queries, k, lists, resident_mask, lease)
-                parts.append(device_part)
-            cpu_ms = 0.0
-            if cpu_future is not None:
-                cpu_scores, cpu_ids, cpu_ms = cpu_future.result()
-                parts.append(
-                    (torch.from_numpy(cpu_scores).to(self.device), torch.from_numpy(cpu_ids).to(self.device))
-                )
+                cpu_future = None
+                if not resident_mask.all():  # faiss runs in a worker thread while the device scans
+                    cpu_future = self._cpu_pool.submit(self._cpu_search, queries, k, cpu_lists, list_scores)
+                (device_scores, device_ids), device_ms = self._device_search(queries, k, lists, resident_mask, lease)
+                parts.append((device_scores.cpu().numpy(), device_ids.cpu().numpy()))
+                if cpu_future is not None:
+                    cpu_scores, cpu_ids, cpu_ms = cpu_future.result()
+                    parts.append((cpu_scores, cpu_ids))
             scores, ids = merge_topk(parts, k)
         finally:
             if lease is not None:
