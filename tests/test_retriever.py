@@ -1,0 +1,110 @@
+"""The pipelines' retriever: text in, documents out, batched across callers, same answers as faiss."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pipelines.retriever import DirectRetriever, open_retriever
+from pipelines.types import SearchOptions, SearchRequest
+from retrieval.builder import build_datastore
+from retrieval.corpus import read_jsonl, split_passages
+from retrieval.errors import DatastoreMismatchError
+from retrieval.ivf import same_results
+from tests.test_datastore import hashing_encoder
+
+
+class HashEmbedder:
+    name = "hash-32"
+    dim = 32
+
+    def __init__(self) -> None:
+        self._encode = hashing_encoder(self.dim)
+
+    def encode(self, texts):
+        return self._encode(list(texts))
+
+
+TOPICS = {
+    "rivers": "river water fish boat delta flood bank",
+    "space": "star planet orbit moon telescope galaxy comet",
+    "music": "piano music song concert orchestra violin",
+    "baking": "bread flour oven bake yeast dough crust",
+}
+
+
+@pytest.fixture()
+def retriever(tmp_path) -> DirectRetriever:
+    lines = []
+    for i in range(80):
+        topic = list(TOPICS)[i % 4]
+        lines.append(json.dumps({"id": f"{topic}-{i}", "title": f"{topic.title()} {i}", "text": f"{TOPICS[topic]} item{i}"}))
+    (tmp_path / "c.jsonl").write_text("\n".join(lines))
+    embedder = HashEmbedder()
+    build_datastore(
+        split_passages(read_jsonl(tmp_path / "c.jsonl")), embedder.encode, embedder=embedder.name,
+        out_dir=tmp_path / "ds", nlist=2, progress=False,
+    )
+    r = open_retriever(tmp_path / "ds", embedder, device="cpu", cache_bytes=1 << 20, prefetch_budget_bytes=1 << 20)
+    yield r
+    r.close()
+
+
+async def test_prefetch_search_release(retriever):
+    ticket = await retriever.prefetch(["river fish"])
+    assert ticket.stats["enabled"] and ticket.stats["clusters_requested"] >= 1
+    outcome = await retriever.search(["river water fish boat"], SearchOptions(top_k=3, nprobe=2), ticket)
+    retriever.release(ticket)
+    retriever.release(ticket)  # idempotent
+    docs = outcome.documents[0]
+    assert len(docs) == 3 and all(d.doc_id.startswith("rivers-") for d in docs)
+    assert docs[0].score >= docs[1].score >= docs[2].score
+    assert outcome.stats["overlap_rate"] == 1.0
+    assert outcome.stats["clusters_device"] + outcome.stats["clusters_cpu"] == 2
+    assert retriever.cache_stats()["pinned_clusters"] == 0
+
+
+async def test_batched_requests_get_their_own_answers(retriever):
+    requests = [
+        SearchRequest(["piano concert"], SearchOptions(top_k=2, nprobe=1)),
+        SearchRequest(["bread oven", "comet galaxy"], SearchOptions(top_k=4, nprobe=2)),
+        SearchRequest(["river flood"], SearchOptions(top_k=1, nprobe=2, prefetch=False)),
+    ]
+    outcomes = await retriever.search_batch(requests)
+    assert [len(o.documents) for o in outcomes] == [1, 2, 1]
+    assert [len(d) for d in outcomes[1].documents] == [4, 4]
+    assert outcomes[1].documents[0][0].doc_id.startswith("baking-")
+    assert outcomes[1].documents[1][0].doc_id.startswith("space-")
+    assert outcomes[2].stats["clusters_device"] == 0
+    # each equals its own search run alone, and faiss
+    for request, outcome in zip(requests, outcomes):
+        alone = await retriever.search(request.queries, request.options)
+        assert [[d.id for d in docs] for docs in alone.documents] == [[d.id for d in docs] for docs in outcome.documents]
+    vectors = retriever.embedder.encode(["bread oven"])
+    ref_scores, ref_ids = retriever.engine.index.search(vectors, 4, 2)
+    docs = outcomes[1].documents[0]
+    ids, scores = np.array([d.id for d in docs]), np.array([d.score for d in docs], dtype=np.float32)
+    assert same_results(ids, scores, ref_ids[0], ref_scores[0])
+
+
+async def test_prefetch_disabled_issues_no_copies(retriever):
+    tickets = await retriever.prefetch_batch([["river"], ["star"]], enabled=[False, True])
+    assert tickets[0].handle is None and tickets[0].stats == {"enabled": False}
+    assert tickets[1].handle is not None
+    for t in tickets:
+        retriever.release(t)
+
+
+def test_refuses_a_datastore_of_another_embedder(retriever, tmp_path):
+    class Other(HashEmbedder):
+        name = "another"
+
+    with pytest.raises(DatastoreMismatchError):
+        open_retriever(tmp_path / "ds", Other(), device="cpu")
+
+
+def test_datastore_info(retriever):
+    info = retriever.datastore_info()
+    assert info["passages"] == 80 and info["nlist"] == 2 and info["embedder"] == "hash-32"
