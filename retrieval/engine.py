@@ -183,6 +183,21 @@ class RetrievalEngine:
         nprobe = nprobe or self.nprobe
         queries = self.index.check(q_out, k, nprobe)
         n = len(queries)
+        handles = self._handles_per_query(prefetch, n)
+        if not (use_cache and self.cache.capacity_rows) and not any(handles):
+            # Nothing can be on the device and no overlap to report: this is faiss, as is.
+            cpu_started = time.perf_counter()
+            scores, ids = merge_topk([self.index.search(queries, k, nprobe)], k)
+            cpu_ms = (time.perf_counter() - cpu_started) * 1e3
+            return SearchResult(
+                scores=scores,
+                ids=ids,
+                per_query=[QueryStats(None, 0, nprobe) for _ in range(n)],
+                probe_ms=0.0,
+                device_ms=0.0,
+                cpu_ms=cpu_ms,
+                total_ms=(time.perf_counter() - started) * 1e3,
+            )
         list_scores, lists = self.probe(queries, nprobe)
         probe_ms = (time.perf_counter() - started) * 1e3
 
@@ -214,7 +229,6 @@ class RetrievalEngine:
             if lease is not None:
                 lease.release()
 
-        handles = self._handles_per_query(prefetch, n)
         per_query = []
         for i in range(n):
             c_out = set(lists[i][lists[i] >= 0].tolist())

@@ -1,0 +1,25 @@
+# Sourced by scripts/serve and scripts/test: create .venv in the repository root (once) and
+# install the project into it, again only when pyproject.toml changed. CPU machines get the
+# CPU build of torch (pinned: a bare `torch` would pull a multi-GB CUDA build); GPU boxes use
+# the Docker image, which installs the CUDA build and SGLang.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+EXTRAS="${1:-}"
+PYTHON="${PYTHON:-python3}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "==> creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install --quiet --upgrade pip
+fi
+stamp="$VENV/.telerag-installed${EXTRAS:+-$EXTRAS}"
+want="$(sha256sum "$ROOT/pyproject.toml" | cut -d" " -f1)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "==> installing telerag${EXTRAS:+[$EXTRAS]} into $VENV"
+  "$VENV/bin/python" -m pip install --quiet "torch==${TELERAG_TORCH_VERSION:-2.13.0}"
+  "$VENV/bin/python" -m pip install --quiet -e "$ROOT${EXTRAS:+[$EXTRAS]}"
+  echo "$want" > "$stamp"
+fi
+export PATH="$VENV/bin:$PATH"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
