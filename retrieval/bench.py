@@ -82,7 +82,7 @@ def query_pairs(datastore: Datastore, config: BenchConfig) -> tuple[np.ndarray, 
     q_in /= np.linalg.norm(q_in, axis=1, keepdims=True)
     q_out = q_in + config.overlap_noise * rng.standard_normal(base.shape).astype(np.float32) / np.sqrt(config.dim)
     q_out /= np.linalg.norm(q_out, axis=1, keepdims=True)
-    return q_in, q_out
+    return q_in.astype(np.float32), q_out.astype(np.float32)
 
 
 def peak_copy_gbps(device: torch.device, nbytes: int = 1 << 30) -> float | None:

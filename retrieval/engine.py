@@ -117,7 +117,10 @@ class RetrievalEngine:
     # -- prefetch -------------------------------------------------------------------------------
 
     def rank_clusters(self, queries: np.ndarray) -> np.ndarray:
-        """Every query's clusters, nearest centroid first (scored on the device)."""
+        """Every query's clusters, nearest centroid first: scored on the GPU when there is one,
+        else by faiss (whose thread pool is the only one a CPU search then wakes)."""
+        if self.device.type != "cuda":
+            return self.index.probe(np.ascontiguousarray(queries, dtype=np.float32), self.nlist)[1]
         q = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32)).to(self.device)
         return torch.argsort(q @ self.centroids.T, dim=1, descending=True).cpu().numpy()
 
@@ -130,7 +133,7 @@ class RetrievalEngine:
         """One ranking call for every group's q_in, then one plan and one lease per group."""
         started = time.perf_counter()
         sizes = [len(g) for g in groups]
-        if not sum(sizes):
+        if not sum(sizes) or not any(budgets) or not self.cache.capacity_rows:
             return [self._empty_handle(len(g)) for g in groups]
         queries = self.index.check(np.concatenate([np.asarray(g, dtype=np.float32) for g in groups]), 1, 1)
         ranked = self.rank_clusters(queries)

@@ -28,16 +28,24 @@ class CPUIndex:
             codes = np.ascontiguousarray(datastore.vectors[start:end]).view(np.uint8)
             self.index.invlists.add_entries(cluster, end - start, faiss.swig_ptr(ids), faiss.swig_ptr(codes))
         self.index.ntotal = datastore.n_vectors
-        # faiss parallelises a search over its queries; a batch smaller than the thread count
-        # would leave cores idle, so small batches go to a twin index (sharing the same lists)
-        # that parallelises over the lists of each query instead. Baseline and ours both use it.
-        self.index_by_list, self._twin_quantizer = datastore.codec.empty_faiss_index(datastore.centroids)
-        self.index_by_list.replace_invlists(self.index.invlists, False)
-        self.index_by_list.ntotal = datastore.n_vectors
-        self.index_by_list.parallel_mode = 1
+        # How faiss spreads one call over its threads is a property of the index object, so
+        # twins that share these lists carry the other settings: `search` parallelises over
+        # query slices itself, but `search_preassigned` only does when told to (mode 3), and a
+        # batch smaller than the thread count is better split over its lists (mode 1).
+        self._twins = [self._twin(mode) for mode in (1, 3)]
 
-    def _for_batch(self, n: int) -> faiss.IndexIVF:
-        return self.index_by_list if n < faiss.omp_get_max_threads() else self.index
+    def _twin(self, parallel_mode: int) -> faiss.IndexIVF:
+        twin, quantizer = self.datastore.codec.empty_faiss_index(self.datastore.centroids)
+        twin.replace_invlists(self.index.invlists, False)
+        twin.ntotal = self.index.ntotal
+        twin.parallel_mode = parallel_mode
+        twin.__dict__["_quantizer"] = quantizer  # faiss does not own it; keep it alive with the twin
+        return twin
+
+    def _for_batch(self, n: int, *, preassigned: bool) -> faiss.IndexIVF:
+        if n < faiss.omp_get_max_threads():
+            return self._twins[0]
+        return self._twins[1] if preassigned else self.index
 
     def check(self, queries: np.ndarray, k: int, nprobe: int) -> np.ndarray:
         """Validate a search's arguments; returns the queries as contiguous float32."""
@@ -60,7 +68,7 @@ class CPUIndex:
         """faiss `IndexIVF.search`: our reference. `tuned=False` is faiss with its default
         parallelism (over queries only), the paper's CPU baseline."""
         queries = self.check(queries, k, nprobe)
-        index = self._for_batch(len(queries)) if tuned else self.index
+        index = self._for_batch(len(queries), preassigned=False) if tuned else self.index
         return index.search(queries, k, params=faiss.SearchParametersIVF(nprobe=nprobe))
 
     def search_lists(
@@ -74,7 +82,7 @@ class CPUIndex:
         ids = np.empty((n, k), dtype=np.int64)
         params = faiss.SearchParametersIVF(nprobe=width)
         # The Python wrapper takes no params (so no per-call nprobe); call the C++ method directly.
-        self._for_batch(n).search_preassigned_c(
+        self._for_batch(n, preassigned=True).search_preassigned_c(
             n,
             faiss.swig_ptr(queries),
             k,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,7 @@ def hashing_encoder(dim: int = 16):
         out = np.zeros((len(texts), dim), dtype=np.float32)
         for i, text in enumerate(texts):
             for word in text.lower().split():
-                out[i, hash(word) % dim] += 1.0
+                out[i, zlib.crc32(word.encode()) % dim] += 1.0
         out += 1e-3
         return out / np.linalg.norm(out, axis=1, keepdims=True)
 
