@@ -39,15 +39,37 @@ def _expand(table: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torc
     return rows, ids, owner
 
 
-def _topk_padded(scores: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row-wise top-k of (scores, ids) with -inf / -1 padding when a row has fewer than k."""
+class _ColumnIds:
+    """Vector ids of the kernel's output columns, computed only for the columns asked for
+    (the top k), not materialised for every scanned row."""
+
+    def __init__(self, table: np.ndarray, device: torch.device) -> None:
+        starts = np.concatenate(([0], np.cumsum(table[:, 1])[:-1]))
+        bounds = torch.from_numpy(np.stack([starts, table[:, 2]])).to(device, non_blocking=True)
+        self.column_starts, self.host_starts = bounds[0].contiguous(), bounds[1]
+
+    def gather(self, columns: torch.Tensor) -> torch.Tensor:
+        segment = torch.searchsorted(self.column_starts, columns, right=True) - 1
+        return self.host_starts[segment] + (columns - self.column_starts[segment])
+
+
+def _topk_padded(
+    scores: torch.Tensor, ids: torch.Tensor | _ColumnIds, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise top-k of (scores, ids) with -inf / -1 padding when a row has fewer than k.
+    `ids` is a tensor shaped like `scores`, or a `_ColumnIds` mapping columns to ids."""
     n, width = scores.shape
     if width < k:
         scores = torch.cat([scores, scores.new_full((n, k - width), float("-inf"))], dim=1)
-        ids = torch.cat([ids, ids.new_full((n, k - width), -1)], dim=1)
     top = torch.topk(scores, k, dim=1).indices
-    scores, ids = scores.gather(1, top), ids.gather(1, top)
-    return scores, torch.where(torch.isinf(scores), torch.full_like(ids, -1), ids)
+    scores = scores.gather(1, top)
+    if isinstance(ids, _ColumnIds):
+        picked = ids.gather(top.clamp(max=max(width - 1, 0))) if width else torch.full_like(top, -1)
+    else:
+        if width < k:
+            ids = torch.cat([ids, ids.new_full((n, k - width), -1)], dim=1)
+        picked = ids.gather(1, top)
+    return scores, torch.where(torch.isinf(scores), torch.full_like(picked, -1), picked)
 
 
 def scan_resident(
@@ -75,10 +97,10 @@ def scan_resident(
         membership[i, [position[c] for c in query_probes]] = 1
     member = torch.from_numpy(membership).to(buffer.device, non_blocking=True)
     table = _segment_table(resident, union)
-    rows, ids, owner = _expand(table, buffer.device)
     if kernels.available(buffer.device):
         scores = kernels.score_segments(buffer, queries, member, table[:, [0, 1, 3]])
-        return _topk_padded(scores, ids.expand(n, -1), k)
+        return _topk_padded(scores, _ColumnIds(table, buffer.device), k)
+    rows, ids, owner = _expand(table, buffer.device)
     best_scores, best_ids = _topk_padded(
         torch.empty((n, 0), device=buffer.device), torch.empty((n, 0), dtype=torch.int64, device=buffer.device), k
     )
