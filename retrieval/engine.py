@@ -187,7 +187,7 @@ class RetrievalEngine:
         queries = self.index.check(q_out, k, nprobe)
         n = len(queries)
         handles = self._handles_per_query(prefetch, n)
-        if not (use_cache and self.cache.capacity_rows) and not any(handles):
+        if not (use_cache and self.cache.capacity_rows) and not any(h is not None and h.plan.clusters for h in handles):
             # Nothing can be on the device and no overlap to report: this is faiss, as is.
             cpu_started = time.perf_counter()
             scores, ids = merge_topk([self.index.search(queries, k, nprobe)], k)
