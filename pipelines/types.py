@@ -48,6 +48,7 @@ class Generation:
     total_ms: float
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[float, ...] = ()  # one per completion token when SamplingParams.logprobs
+    index: int = 0  # which prompt of the batch this is
 
 
 @runtime_checkable
@@ -65,6 +66,12 @@ class Engine(Protocol):
         ...
 
     def count_tokens(self, text: str) -> int: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def format_prompt(self, user_text: str) -> str:
+        """The user turn in the model's chat format (identity for a base model)."""
+        ...
 
     async def close(self) -> None: ...
 

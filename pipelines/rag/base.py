@@ -1,0 +1,231 @@
+"""What every RAG pipeline shares: the lookahead step (prefetch q_in, run the pre-retrieval LLM
+call while the clusters copy, search q_out, release), traced LLM calls, the streamed answer,
+and the result with its trace and timings.
+
+A pipeline's body runs as a task that pushes events onto a queue; `run` yields them. Closing
+the `run` generator (a client went away) cancels the body, which aborts its LLM call and
+releases its prefetch in `finally`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, TypeVar
+
+from pipelines import prompts
+from pipelines.types import (
+    Document,
+    Engine,
+    Generation,
+    RagResult,
+    ResultEvent,
+    Retriever,
+    RunEvent,
+    RunOptions,
+    SamplingParams,
+    SearchOptions,
+    StageEvent,
+    Step,
+    TokenChunk,
+    TokenEvent,
+)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A declared stage: `role` tells the scheduler where q_in and q_out are."""
+
+    name: str
+    role: str  # "prefetch" (q_in), "pre_retrieval" (LLM, overlaps the prefetch), "search" (q_out), "llm", "generate"
+
+
+PREFETCH = Stage("prefetch", "prefetch")
+SEARCH = Stage("search", "search")
+GENERATE = Stage("generate", "generate")
+
+
+@dataclass
+class RunContext:
+    query: str
+    options: RunOptions
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    steps: list[Step] = field(default_factory=list)
+    documents: list[Document] = field(default_factory=list)
+    tokens_generated: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+
+class RagPipeline:
+    """Base class. Subclasses set `name`, `description`, `stages` and write `body`."""
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    stages: ClassVar[tuple[Stage, ...]]
+
+    def __init__(self, engine: Engine, retriever: Retriever) -> None:
+        self.engine = engine
+        self.retriever = retriever
+
+    async def body(self, ctx: RunContext) -> str:
+        """Run the pipeline; return the final answer (already streamed as TokenEvents)."""
+        raise NotImplementedError
+
+    async def run(self, query: str, options: RunOptions) -> AsyncIterator[RunEvent]:
+        ctx = RunContext(query=query, options=options)
+        task = asyncio.create_task(self.body(ctx))
+        try:
+            while True:
+                getter = asyncio.ensure_future(ctx.events.get())
+                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield getter.result()
+                    continue
+                getter.cancel()
+                while not ctx.events.empty():
+                    yield ctx.events.get_nowait()
+                answer = task.result()  # raises the body's error
+                yield ResultEvent(self._result(ctx, answer))
+                return
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    # -- building blocks ------------------------------------------------------------------------
+
+    async def stage(self, ctx: RunContext, name: str, work: Awaitable[T]) -> tuple[T, float]:
+        ctx.events.put_nowait(StageEvent(name, "start"))
+        started = time.perf_counter()
+        result = await work
+        ms = (time.perf_counter() - started) * 1e3
+        ctx.events.put_nowait(StageEvent(name, "end", ms))
+        return result, ms
+
+    async def llm(
+        self,
+        ctx: RunContext,
+        stage: str,
+        prompt_texts: Sequence[str],
+        *,
+        max_tokens: int = 64,
+        stop: Sequence[str] = (),
+        logprobs: bool = False,
+    ) -> list[Generation]:
+        """A traced, non-streamed LLM call (greedy unless the request asks otherwise)."""
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=ctx.options.temperature, stop=tuple(stop), logprobs=logprobs
+        )
+        formatted = [self.engine.format_prompt(p) for p in prompt_texts]
+        generations, ms = await self.stage(ctx, stage, self.engine.generate(formatted, params))
+        for text, generation in zip(prompt_texts, generations, strict=True):
+            ctx.tokens_generated += generation.completion_tokens
+            ctx.steps.append(
+                Step(stage, "llm", text[-200:], generation.prompt_tokens, generation.completion_tokens, ms,
+                     {"ttft_ms": generation.ttft_ms, "finish_reason": generation.finish_reason})
+            )
+        return generations
+
+    async def lookahead(
+        self,
+        ctx: RunContext,
+        q_in: Sequence[str],
+        pre_retrieval: Callable[[], Awaitable[T]] | None,
+        q_out: Callable[[T | None], Sequence[str] | None],
+    ) -> tuple[T | None, list[list[Document]]]:
+        """Prefetch q_in's clusters, run the pre-retrieval call meanwhile, then search q_out
+        (no search when `q_out` returns None: the copies were speculative)."""
+        ticket, ms = await self.stage(ctx, "prefetch", self.retriever.prefetch(list(q_in), enabled=ctx.options.prefetch))
+        ctx.steps.append(Step("prefetch", "prefetch", " | ".join(q_in)[:200], ms=ms, stats=dict(ticket.stats)))
+        try:
+            produced = await pre_retrieval() if pre_retrieval is not None else None
+            wanted = q_out(produced)
+            if wanted is None:
+                return produced, []
+            queries = [q for q in wanted if q.strip()] or [ctx.query]
+            options = SearchOptions(top_k=ctx.options.top_k, nprobe=ctx.options.nprobe, prefetch=ctx.options.prefetch)
+            outcome, ms = await self.stage(ctx, "search", self.retriever.search(queries, options, ticket))
+            ctx.steps.append(Step("search", "retrieval", " | ".join(queries)[:200], ms=ms, stats=dict(outcome.stats)))
+        finally:
+            self.retriever.release(ticket)
+        return produced, outcome.documents
+
+    async def answer(self, ctx: RunContext, documents: Sequence[Document], *, prompt: str | None = None) -> str:
+        """The final answer, streamed to the client token by token."""
+        prompt = prompt or prompts.answer(ctx.query, documents)
+        params = SamplingParams(max_tokens=ctx.options.max_tokens, temperature=ctx.options.temperature)
+        ctx.events.put_nowait(StageEvent("generate", "start"))
+        started = time.perf_counter()
+        final: Generation | None = None
+        async for item in self.engine.stream([self.engine.format_prompt(prompt)], params):
+            if isinstance(item, TokenChunk):
+                if item.text:
+                    ctx.events.put_nowait(TokenEvent(item.text))
+            else:
+                final = item
+        ms = (time.perf_counter() - started) * 1e3
+        ctx.events.put_nowait(StageEvent("generate", "end", ms))
+        assert final is not None
+        ctx.tokens_generated += final.completion_tokens
+        ctx.steps.append(
+            Step("generate", "llm", ctx.query[:200], final.prompt_tokens, final.completion_tokens, ms,
+                 {"ttft_ms": final.ttft_ms, "finish_reason": final.finish_reason})
+        )
+        return final.text.strip()
+
+    async def generate_quietly(self, ctx: RunContext, stage: str, documents: Sequence[Document], draft: str = "") -> str:
+        """An intermediate answer (not streamed to the client): a round of Iter-RetGen or Iter."""
+        generations = await self.llm(ctx, stage, [prompts.answer(ctx.query, documents, draft)], max_tokens=ctx.options.max_tokens)
+        return generations[0].text.strip()
+
+    # -- the result ---------------------------------------------------------------------------
+
+    def _result(self, ctx: RunContext, answer: str) -> RagResult:
+        def total(kind: str, stage: str | None = None, key: str = "ms") -> float:
+            return float(sum((s.ms if key == "ms" else s.stats.get(key) or 0.0) for s in ctx.steps
+                             if s.kind == kind and (stage is None or s.stage == stage)))
+
+        searches = [s for s in ctx.steps if s.kind == "retrieval"]
+        prefetches = [s for s in ctx.steps if s.kind == "prefetch"]
+        overlaps = [s.stats["overlap_rate"] for s in searches if s.stats.get("overlap_rate") is not None]
+        pre_retrieval = [s for s in ctx.steps if s.kind == "llm" and s.stage not in ("generate",)]
+        timings = {
+            "total_ms": (time.perf_counter() - ctx.started) * 1e3,
+            "embed_ms": sum(float(s.stats.get("embed_ms") or 0.0) for s in searches + prefetches),
+            "prefetch_ms": total("prefetch"),
+            "pre_retrieval_ms": float(sum(s.ms for s in pre_retrieval)),
+            "search_ms": total("retrieval"),
+            "search_device_ms": total("retrieval", key="device_ms"),
+            "search_cpu_ms": total("retrieval", key="cpu_ms"),
+            "generate_ms": total("llm", "generate"),
+        }
+        prefetch = {
+            "clusters_prefetched": int(sum(s.stats.get("clusters_requested") or 0 for s in prefetches)),
+            "bytes_prefetched": int(sum(s.stats.get("bytes_copied") or 0 for s in prefetches)),
+            "overlap_rate": sum(overlaps) / len(overlaps) if overlaps else None,
+            "clusters_device": int(sum(s.stats.get("clusters_device") or 0 for s in searches)),
+            "clusters_cpu": int(sum(s.stats.get("clusters_cpu") or 0 for s in searches)),
+        }
+        return RagResult(
+            answer=answer,
+            pipeline=self.name,
+            documents=ctx.documents,
+            steps=ctx.steps,
+            timings=timings,
+            prefetch=prefetch,
+            tokens_generated=ctx.tokens_generated,
+        )
+
+
+def merge_documents(groups: Sequence[Sequence[Document]], limit: int) -> list[Document]:
+    """Unique documents across several result lists, best score first."""
+    best: dict[int, Document] = {}
+    for group in groups:
+        for doc in group:
+            if doc.id not in best or doc.score > best[doc.id].score:
+                best[doc.id] = doc
+    return sorted(best.values(), key=lambda d: (-d.score, d.id))[:limit]

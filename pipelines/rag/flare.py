@@ -1,0 +1,65 @@
+"""FLARE (active retrieval): write the answer a sentence at a time; when any token of the
+look-ahead sentence is less likely than a threshold, retrieve with that sentence (its unsure
+tokens masked out) and write the sentence again with the new documents.
+
+The look-ahead generation is the pre-retrieval call: while it runs, the clusters of what is
+already written are prefetched.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pipelines import prompts
+from pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext, Stage
+from pipelines.types import Generation, TokenEvent
+
+MAX_SENTENCES = 4
+SENTENCE_TOKENS = 40
+THRESHOLD = 0.4  # a token whose probability is below this triggers retrieval
+
+
+def unsure_query(engine, generation: Generation, threshold: float) -> str | None:  # noqa: ANN001
+    """The sentence with its low-probability tokens removed, or None if every token is sure."""
+    sure = [t for t, lp in zip(generation.token_ids, generation.logprobs, strict=True) if math.exp(lp) >= threshold]
+    if len(sure) == len(generation.token_ids):
+        return None
+    return engine.decode(sure).strip()
+
+
+class FLARE(RagPipeline):
+    name = "flare"
+    description = "Generate sentence by sentence; retrieve when a look-ahead token's probability is low."
+    stages = (PREFETCH, Stage("lookahead_sentence", "pre_retrieval"), SEARCH, Stage("sentence", "llm"), GENERATE)
+    threshold = THRESHOLD
+
+    async def body(self, ctx: RunContext) -> str:
+        written = ""
+        for _ in range(MAX_SENTENCES):
+            known = f"{ctx.query} {written}".strip()
+
+            async def lookahead_sentence(written=written) -> Generation:
+                prompt = prompts.answer(ctx.query, ctx.documents, written)
+                reply = await self.llm(ctx, "lookahead_sentence", [prompt], max_tokens=SENTENCE_TOKENS, stop=(".", "\n"), logprobs=True)
+                return reply[0]
+
+            def retrieval_query(generation: Generation) -> list[str] | None:
+                masked = unsure_query(self.engine, generation, self.threshold)
+                return None if masked is None else [f"{ctx.query} {masked}".strip()]
+
+            sentence, documents = await self.lookahead(ctx, [known], lookahead_sentence, retrieval_query)
+            text = sentence.text
+            if documents:  # retrieval was triggered: write the sentence again with the new documents
+                ctx.documents = documents[0]
+                redo = await self.llm(
+                    ctx, "sentence", [prompts.answer(ctx.query, ctx.documents, written)], max_tokens=SENTENCE_TOKENS, stop=(".", "\n")
+                )
+                sentence, text = redo[0], redo[0].text
+            piece = text.strip()
+            if piece:
+                piece = piece + ("." if sentence.finish_reason == "stop" and not piece.endswith(".") else "")
+                ctx.events.put_nowait(TokenEvent(("" if not written else " ") + piece))
+                written = f"{written} {piece}".strip()
+            if not piece or sentence.finish_reason == "length" or len(written.split()) > ctx.options.max_tokens:
+                break
+        return written

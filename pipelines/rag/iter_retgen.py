@@ -1,0 +1,32 @@
+"""Iter-RetGen: three rounds of retrieve -> generate; each round's answer joins the next query.
+
+The generation of round r is the pre-retrieval call of round r+1: while it runs, the clusters
+of what is already known (question + the previous answer) are prefetched.
+"""
+
+from __future__ import annotations
+
+from pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext, Stage
+
+ROUNDS = 3
+
+
+class IterRetGen(RagPipeline):
+    name = "iter_retgen"
+    description = "Three rounds of retrieval and generation; each answer refines the next retrieval."
+    stages = (PREFETCH, Stage("round_answer", "pre_retrieval"), SEARCH, GENERATE)
+
+    async def body(self, ctx: RunContext) -> str:
+        _, documents = await self.lookahead(ctx, [ctx.query], None, lambda _: [ctx.query])
+        ctx.documents = documents[0]
+        draft = ""
+        for _ in range(ROUNDS - 1):
+            known = f"{ctx.query} {draft}".strip()
+            docs_so_far = ctx.documents
+
+            async def round_answer(docs=docs_so_far) -> str:
+                return await self.generate_quietly(ctx, "round_answer", docs)
+
+            draft, documents = await self.lookahead(ctx, [known], round_answer, lambda text: [f"{ctx.query} {text}"])
+            ctx.documents = documents[0]
+        return await self.answer(ctx, ctx.documents)

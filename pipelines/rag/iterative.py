@@ -1,0 +1,37 @@
+"""Iterative (Iter): ask a narrower search question, retrieve, answer, judge; stop when the judge
+says the answer is good enough (or after a few iterations)."""
+
+from __future__ import annotations
+
+from pipelines import prompts
+from pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext, Stage, merge_documents
+
+MAX_ITERATIONS = 3
+
+
+class Iterative(RagPipeline):
+    name = "iterative"
+    description = "Narrower question (pre-retrieval), retrieve, answer, judge; repeat until judged sufficient."
+    stages = (PREFETCH, Stage("narrow_question", "pre_retrieval"), SEARCH, Stage("judge", "llm"), GENERATE)
+
+    async def body(self, ctx: RunContext) -> str:
+        notes = ""
+        q_in = ctx.query
+        gathered = []
+        for iteration in range(MAX_ITERATIONS):
+
+            async def narrow(notes=notes) -> str:
+                reply = await self.llm(ctx, "narrow_question", [prompts.narrower_question(ctx.query, notes)], max_tokens=32, stop=("\n",))
+                return reply[0].text.strip()
+
+            question, documents = await self.lookahead(ctx, [q_in], narrow, lambda q: [q or ctx.query])
+            gathered.append(documents[0])
+            ctx.documents = merge_documents(gathered, ctx.options.top_k)
+            if iteration == MAX_ITERATIONS - 1:
+                break
+            draft = await self.generate_quietly(ctx, "draft_answer", ctx.documents)
+            verdict = await self.llm(ctx, "judge", [prompts.judge(ctx.query, draft)], max_tokens=3)
+            if prompts.is_yes(verdict[0].text):
+                break
+            notes, q_in = draft, question or ctx.query
+        return await self.answer(ctx, ctx.documents)

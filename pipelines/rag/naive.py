@@ -1,0 +1,16 @@
+"""Naive RAG: retrieve with the question, then answer. q_in is q_out; there is no pre-retrieval call."""
+
+from __future__ import annotations
+
+from pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext
+
+
+class Naive(RagPipeline):
+    name = "naive"
+    description = "Retrieve with the question, then answer."
+    stages = (PREFETCH, SEARCH, GENERATE)
+
+    async def body(self, ctx: RunContext) -> str:
+        _, documents = await self.lookahead(ctx, [ctx.query], None, lambda _: [ctx.query])
+        ctx.documents = documents[0]
+        return await self.answer(ctx, ctx.documents)

@@ -1,0 +1,133 @@
+"""Deterministic stand-ins for an engine and a retriever that record what was asked of them."""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from pipelines.errors import EngineError
+from pipelines.types import (
+    Document,
+    Generation,
+    PrefetchTicket,
+    SamplingParams,
+    SearchOptions,
+    SearchOutcome,
+    SearchRequest,
+    TokenChunk,
+)
+
+
+@dataclass
+class Reply:
+    text: str
+    logprobs: tuple[float, ...] = ()  # one per word of `text` (the fake's tokens are words)
+
+
+Script = Callable[[str], Reply]
+
+
+class ScriptedEngine:
+    """Answers each prompt with `script(prompt)`; tokens are words; logs every call in `log`."""
+
+    name = "scripted"
+
+    def __init__(self, script: Script, log: list[tuple[str, str]] | None = None, *, fail: bool = False, delay: float = 0.0) -> None:
+        self.script = script
+        self.log = log if log is not None else []
+        self.fail = fail
+        self.delay = delay
+        self.prompts: list[str] = []
+        self.vocab: list[str] = []
+
+    def format_prompt(self, user_text: str) -> str:
+        return user_text
+
+    def count_tokens(self, text: str) -> int:
+        return len(text.split())
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return " ".join(self.vocab[i] for i in token_ids)
+
+    def _generation(self, index: int, prompt: str, params: SamplingParams) -> Generation:
+        reply = self.script(prompt)
+        words = reply.text.split()
+        text = reply.text if len(words) <= params.max_tokens else " ".join(words[: params.max_tokens])
+        for stop in params.stop:
+            if stop and stop in text:
+                text = text[: text.index(stop)]
+        ids = []
+        for word in text.split():
+            self.vocab.append(word)
+            ids.append(len(self.vocab) - 1)
+        logprobs = tuple(reply.logprobs[: len(ids)]) or tuple(0.0 for _ in ids)
+        return Generation(text, self.count_tokens(prompt), len(ids), "stop", 1.0, 2.0, tuple(ids),
+                          logprobs if params.logprobs else (), index)
+
+    async def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
+        out = []
+        async for item in self.stream(prompts, params):
+            if isinstance(item, Generation):
+                out.append(item)
+        return out
+
+    async def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncIterator[TokenChunk | Generation]:
+        for index, prompt in enumerate(prompts):
+            self.prompts.append(prompt)
+            self.log.append(("llm_start", prompt.splitlines()[0]))
+            try:
+                if self.delay:
+                    await asyncio.sleep(self.delay)
+                if self.fail:
+                    raise EngineError("scripted failure")
+                generation = self._generation(index, prompt, params)
+                for word in generation.text.split():
+                    yield TokenChunk(index, word + " ")
+                yield generation
+            finally:
+                self.log.append(("llm_end", prompt.splitlines()[0]))
+
+    async def close(self) -> None:
+        return None
+
+
+class RecordingRetriever:
+    """Returns `docs_per_query` made-up documents per query; logs prefetch, search and release."""
+
+    def __init__(self, log: list[tuple[str, str]] | None = None, docs_per_query: int = 3) -> None:
+        self.log = log if log is not None else []
+        self.docs_per_query = docs_per_query
+        self.searches: list[list[str]] = []
+        self.prefetches: list[list[str]] = []
+        self.released: list[PrefetchTicket] = []
+        self.outstanding: set[int] = set()
+
+    async def prefetch(self, queries: Sequence[str], *, enabled: bool = True) -> PrefetchTicket:
+        self.prefetches.append(list(queries))
+        self.log.append(("prefetch", " | ".join(queries)))
+        ticket = PrefetchTicket(list(queries), {"enabled": enabled, "clusters_requested": 4, "bytes_copied": 1024})
+        self.outstanding.add(id(ticket))
+        return ticket
+
+    async def search(self, queries: Sequence[str], options: SearchOptions, ticket: PrefetchTicket | None = None) -> SearchOutcome:
+        self.searches.append(list(queries))
+        self.log.append(("search", " | ".join(queries)))
+        documents = [
+            [Document(id=zlib.crc32(f"{q}|{j}".encode()) % 10_000, doc_id=f"doc-{q[:10]}-{j}", title=f"T{j}", text=f"about {q}", score=1.0 - j / 10)
+             for j in range(min(self.docs_per_query, options.top_k))]
+            for q in queries
+        ]
+        return SearchOutcome(documents, {"overlap_rate": 0.75, "clusters_device": 3, "clusters_cpu": 1, "device_ms": 1.0, "cpu_ms": 2.0, "embed_ms": 0.5})
+
+    async def prefetch_batch(self, groups, *, enabled):  # noqa: ANN001
+        return [await self.prefetch(g, enabled=e) for g, e in zip(groups, enabled, strict=True)]
+
+    async def search_batch(self, requests: Sequence[SearchRequest]) -> list[SearchOutcome]:
+        return [await self.search(r.queries, r.options, r.ticket) for r in requests]
+
+    def release(self, ticket: PrefetchTicket) -> None:
+        self.log.append(("release", " | ".join(ticket.queries)))
+        self.released.append(ticket)
+        self.outstanding.discard(id(ticket))

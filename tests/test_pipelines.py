@@ -1,0 +1,185 @@
+"""Every pipeline end to end with a scripted engine and a recording retriever."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from pipelines.errors import EngineError
+from pipelines.registry import PIPELINES, build_pipelines
+from pipelines.types import RagResult, ResultEvent, RunOptions, StageEvent, TokenEvent
+from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
+
+SURE = math.log(0.9)
+UNSURE = math.log(0.1)
+
+
+def script(judge: str = "yes", decide: str = "yes", critique: str = "yes", flare_logprobs=None):  # noqa: ANN001
+    flare_calls = iter(flare_logprobs or [])
+
+    def reply(prompt: str) -> Reply:
+        if prompt.startswith("Write a short encyclopedia passage"):
+            return Reply("The Nile is a river in Africa")
+        if prompt.startswith("Break the question"):
+            return Reply("Where is the Nile\nHow long is the Nile\nWhich seas does it reach")
+        if prompt.startswith("Write one short search question"):
+            return Reply("Nile length")
+        if prompt.startswith("Does the answer fully answer"):
+            return Reply(judge)
+        if prompt.startswith("Would looking up documents help"):
+            return Reply(decide)
+        if prompt.startswith("Is the answer supported"):
+            return Reply(critique)
+        if "Answer so far:" in prompt or flare_logprobs is not None:
+            logprobs = next(flare_calls, None)
+            if logprobs is not None:
+                return Reply("The Nile flows north", logprobs)
+        return Reply("The Nile is long")
+
+    return reply
+
+
+async def run(pipeline, query: str = "How long is the Nile?", **options) -> tuple[RagResult, list]:  # noqa: ANN001
+    events = [e async for e in pipeline.run(query, RunOptions(**options))]
+    assert isinstance(events[-1], ResultEvent)
+    assert sum(isinstance(e, ResultEvent) for e in events) == 1
+    return events[-1].result, events
+
+
+def make(name: str, **script_args):  # noqa: ANN003
+    log: list = []
+    engine = ScriptedEngine(script(**script_args), log)
+    retriever = RecordingRetriever(log)
+    return build_pipelines(engine, retriever, names=[name])[name], engine, retriever, log
+
+
+def kinds(log: list) -> list[str]:
+    return [k for k, _ in log]
+
+
+async def test_naive_order_and_result():
+    pipeline, engine, retriever, log = make("naive")
+    result, events = await run(pipeline, top_k=2)
+    assert kinds(log) == ["prefetch", "search", "release", "llm_start", "llm_end"]
+    assert result.answer == "The Nile is long"
+    assert "".join(e.text for e in events if isinstance(e, TokenEvent)).strip() == "The Nile is long"
+    assert len(result.documents) == 2 and result.pipeline == "naive"
+    assert [s.stage for s in result.steps] == ["prefetch", "search", "generate"]
+    assert result.prefetch["overlap_rate"] == 0.75 and result.prefetch["clusters_device"] == 3
+    assert {"total_ms", "embed_ms", "prefetch_ms", "pre_retrieval_ms", "search_ms", "search_device_ms", "search_cpu_ms", "generate_ms"} <= result.timings.keys()
+    stages = [(e.stage, e.status) for e in events if isinstance(e, StageEvent)]
+    assert stages[:2] == [("prefetch", "start"), ("prefetch", "end")]
+
+
+async def test_hyde_prefetches_before_the_pre_retrieval_call_and_searches_after():
+    pipeline, engine, retriever, log = make("hyde")
+    await run(pipeline)
+    assert kinds(log) == ["prefetch", "llm_start", "llm_end", "search", "release", "llm_start", "llm_end"]
+    assert retriever.prefetches == [["How long is the Nile?"]]
+    assert retriever.searches == [["The Nile is a river in Africa"]]  # q_out is the hypothetical passage
+
+
+async def test_subquestion_searches_all_sub_questions_in_one_batch():
+    pipeline, engine, retriever, log = make("subquestion")
+    result, _ = await run(pipeline, top_k=3)
+    assert retriever.searches == [["Where is the Nile", "How long is the Nile", "Which seas does it reach"]]
+    assert kinds(log).count("search") == 1 and len(result.documents) == 3
+
+
+async def test_iterative_stops_on_a_positive_judgement():
+    pipeline, engine, retriever, log = make("iterative", judge="yes")
+    await run(pipeline)
+    assert len(retriever.searches) == 1
+    pipeline, engine, retriever, log = make("iterative", judge="no")
+    await run(pipeline)
+    assert len(retriever.searches) == 3  # MAX_ITERATIONS
+
+
+async def test_iter_retgen_runs_three_rounds_and_feeds_answers_forward():
+    pipeline, engine, retriever, log = make("iter_retgen")
+    await run(pipeline)
+    assert len(retriever.searches) == 3
+    assert retriever.searches[1] == ["How long is the Nile? The Nile is long"]
+    # each later round's prefetch is issued before that round's generation (its pre-retrieval call)
+    order = kinds(log)
+    assert order[:3] == ["prefetch", "search", "release"]
+    assert order[3:6] == ["prefetch", "llm_start", "llm_end"]
+
+
+async def test_flare_retrieves_exactly_on_low_probability_tokens():
+    # sentence 1: every token sure -> no retrieval; sentence 2: one unsure token -> retrieval
+    pipeline, engine, retriever, log = make(
+        "flare", flare_logprobs=[(SURE,) * 4, (SURE, SURE, UNSURE, SURE), (SURE,) * 4, (SURE,) * 4, (SURE,) * 4]
+    )
+    result, _ = await run(pipeline, max_tokens=10)
+    assert len(retriever.searches) == 1
+    assert retriever.searches[0] == ["How long is the Nile? The Nile north"]  # "flows" (p=0.1) masked
+    assert len(retriever.prefetches) == len([s for s in result.steps if s.stage == "lookahead_sentence"])
+    assert all(t.queries for t in retriever.released)
+
+
+async def test_flare_never_retrieves_when_all_tokens_are_sure():
+    pipeline, engine, retriever, log = make("flare", flare_logprobs=[(SURE,) * 4] * 6)
+    await run(pipeline, max_tokens=8)
+    assert retriever.searches == []
+    assert len(retriever.released) == len(retriever.prefetches) > 0
+
+
+@pytest.mark.parametrize(("decide", "searches"), [("yes", 1), ("no", 0)])
+async def test_self_rag_decides_whether_to_retrieve(decide, searches):
+    pipeline, engine, retriever, log = make("self_rag", decide=decide)
+    result, _ = await run(pipeline)
+    assert len(retriever.searches) == searches
+    assert len(retriever.released) == 1 and not retriever.outstanding
+    assert result.answer
+
+
+async def test_self_rag_revises_an_unsupported_answer():
+    pipeline, engine, retriever, log = make("self_rag", critique="no")
+    result, events = await run(pipeline)
+    assert any(p.startswith("You answer questions") and "Rewrite the answer" in p for p in engine.prompts)
+
+
+@pytest.mark.parametrize("name", list(PIPELINES))
+async def test_engine_errors_reach_the_caller_typed_and_release(name):
+    log: list = []
+    retriever = RecordingRetriever(log)
+    pipeline = build_pipelines(ScriptedEngine(script(), log, fail=True), retriever, names=[name])[name]
+    with pytest.raises(EngineError):
+        await run(pipeline)
+    assert not retriever.outstanding
+
+
+@pytest.mark.parametrize("name", list(PIPELINES))
+async def test_cancellation_releases_the_prefetch(name):
+    log: list = []
+    retriever = RecordingRetriever(log)
+    pipeline = build_pipelines(ScriptedEngine(script(), log, delay=10.0), retriever, names=[name])[name]
+    stream = pipeline.run("How long is the Nile?", RunOptions())
+    first = await stream.__anext__()
+    assert isinstance(first, StageEvent)
+    await asyncio.sleep(0.05)
+    await stream.aclose()  # the client went away
+    assert retriever.prefetches and not retriever.outstanding
+    assert kinds(log)[-1] in ("release", "llm_end")
+
+
+def test_every_pipeline_declares_its_stages():
+    for cls in PIPELINES.values():
+        roles = {s.role for s in cls.stages}
+        assert "prefetch" in roles and "search" in roles and "generate" in roles
+        assert cls.description
+
+
+async def test_every_pipeline_runs_on_the_tiny_model():
+    from tests.tiny_models import tiny_engine
+
+    engine = tiny_engine()
+    retriever = RecordingRetriever()
+    for name, pipeline in build_pipelines(engine, retriever).items():
+        result, events = await run(pipeline, max_tokens=8)
+        assert result.pipeline == name
+        assert result.steps and result.timings["total_ms"] > 0
+        assert not retriever.outstanding
