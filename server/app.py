@@ -1,0 +1,280 @@
+"""The FastAPI application: routes, authentication, limits, streaming, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pipelines.registry import build_pipelines
+from pipelines.types import Pipeline, RagResult, ResultEvent, RunEvent, RunOptions, StageEvent, TokenEvent
+from server import errors
+from server.errors import InvalidField, NotReady, RequestTimeout, Unauthorized
+from server.metrics import Metrics
+from server.protocol import (
+    ChatCompletionRequest,
+    Health,
+    PipelineInfo,
+    PipelineList,
+    QueryRequest,
+    QueryResponse,
+    Ready,
+    chat_chunk,
+    chat_completion,
+    new_id,
+)
+from server.runtime import Runtime
+from server.scheduler import Admission, BatchingRetriever
+from server.streaming import sse, sse_data
+
+
+class BodyLimit:
+    """Refuse request bodies over `limit` bytes (413), whether or not they declare a length."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and int(declared) > self.limit:
+            await self._refuse(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge:
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = {"error": {"type": "body_too_large", "message": f"request body over {self.limit} bytes"}}
+        await JSONResponse(body, status_code=413)(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class Service:
+    """What the routes share: the runtime, the pipelines over the batching retriever, admission, metrics."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.settings = runtime.settings
+        self.metrics = Metrics(runtime.cache_stats)
+        scheduler = self.settings.scheduler
+        self.retriever = BatchingRetriever(
+            runtime.retriever,
+            window_ms=scheduler.batch_window_ms,
+            max_batch=scheduler.max_batch,
+            on_batch=lambda kind, size: self.metrics.batch_size.labels(kind).observe(size),
+        )
+        self.pipelines: dict[str, Pipeline] = build_pipelines(runtime.engine, self.retriever)
+        self.admission = Admission(
+            scheduler.max_concurrency,
+            scheduler.max_queue,
+            on_change=lambda waiting, running: (self.metrics.queue_depth.set(waiting), self.metrics.in_flight.set(running)),
+        )
+
+    def check(self, *, query: str, pipeline: str, top_k: int | None, nprobe: int | None, max_tokens: int,
+              pipeline_field: str = "pipeline") -> tuple[Pipeline, RunOptions]:
+        """Validate a request against the server's limits; the error names the field."""
+        limits = self.settings.limits
+        if not self.runtime.ready:
+            raise NotReady("the server is still loading")
+        if not query.strip():
+            raise InvalidField("query", "query must not be empty")
+        if len(query) > limits.max_query_chars:
+            raise InvalidField("query", f"query is {len(query)} characters; the limit is {limits.max_query_chars}")
+        if pipeline not in self.pipelines:
+            raise InvalidField(pipeline_field, f"unknown pipeline {pipeline!r}; one of: {', '.join(self.pipelines)}")
+        if top_k is not None and top_k > limits.max_top_k:
+            raise InvalidField("top_k", f"top_k must be at most {limits.max_top_k}")
+        nlist = int(self.runtime.datastore_info.get("nlist", 0))
+        if nprobe is not None and nlist and nprobe > nlist:
+            raise InvalidField("nprobe", f"nprobe must be at most nlist ({nlist})")
+        if max_tokens > limits.max_tokens:
+            raise InvalidField("max_tokens", f"max_tokens must be at most {limits.max_tokens}")
+        return self.pipelines[pipeline], RunOptions(
+            top_k=top_k or self.settings.retrieval.top_k, nprobe=nprobe, max_tokens=max_tokens,
+        )
+
+    async def events(self, pipeline: Pipeline, query: str, options: RunOptions) -> AsyncIterator[RunEvent]:
+        """Run a pipeline (a slot must be held) with the request timeout, recording metrics."""
+        started = time.perf_counter()
+        outcome = "error"
+        first_token = True
+        try:
+            async with asyncio.timeout(self.settings.scheduler.request_timeout_s):
+                async for event in pipeline.run(query, options):
+                    if isinstance(event, TokenEvent) and first_token:
+                        first_token = False
+                        self.metrics.ttft.labels(pipeline.name).observe(time.perf_counter() - started)
+                    if isinstance(event, ResultEvent):
+                        self.metrics.observe_result(event.result)
+                        outcome = "ok"
+                    yield event
+        except TimeoutError:
+            outcome = "timeout"
+            raise RequestTimeout(f"the request took longer than {self.settings.scheduler.request_timeout_s} s") from None
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            self.metrics.request_latency.labels(pipeline.name, outcome).observe(time.perf_counter() - started)
+
+    async def result(self, request: Request, pipeline: Pipeline, query: str, options: RunOptions) -> RagResult:
+        """Run to the end; cancelled (LLM aborted, clusters released) if the client goes away."""
+
+        async def run() -> RagResult:
+            async with self.admission.slot():
+                async for event in self.events(pipeline, query, options):
+                    if isinstance(event, ResultEvent):
+                        return event.result
+            raise RuntimeError("the pipeline ended without a result")
+
+        task = asyncio.ensure_future(run())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.25)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
+
+def create_app(runtime: Runtime) -> FastAPI:
+    settings = runtime.settings
+    service = Service(runtime)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await service.admission.drain()  # accepted requests finish before the process exits
+        await runtime.close()
+
+    app = FastAPI(title="telerag", version="0.1.0", lifespan=lifespan,
+                  description="RAG inference server with lookahead retrieval (TeleRAG).")
+    app.state.service = service
+    errors.install(app)
+    app.add_middleware(BodyLimit, limit=settings.limits.max_body_bytes)
+    if settings.server.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.server.cors_origins, allow_methods=["*"], allow_headers=["*"])
+
+    async def authorized(request: Request) -> None:
+        key = settings.server.api_key
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.get_secret_value().encode()):
+            raise Unauthorized("missing or wrong API key (Authorization: Bearer …)")
+
+    @app.get("/health", response_model=Health)
+    async def health() -> Health:
+        return Health()
+
+    @app.get("/ready", response_model=Ready)
+    async def ready() -> Response:
+        body = Ready(ready=runtime.ready, engine=getattr(runtime.engine, "name", None), datastore=runtime.datastore_info)
+        return JSONResponse(body.model_dump(), status_code=200 if runtime.ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/pipelines", response_model=PipelineList, dependencies=[Depends(authorized)])
+    async def pipelines() -> PipelineList:
+        return PipelineList(pipelines=[
+            PipelineInfo(name=name, description=p.description, stages=[{"name": s.name, "role": s.role} for s in p.stages])
+            for name, p in service.pipelines.items()
+        ])
+
+    @app.post("/v1/rag/query", response_model=QueryResponse, dependencies=[Depends(authorized)])
+    async def rag_query(body: QueryRequest, request: Request) -> Response:
+        pipeline, options = service.check(query=body.query, pipeline=body.pipeline, top_k=body.top_k,
+                                          nprobe=body.nprobe, max_tokens=body.max_tokens)
+        options.temperature, options.prefetch = body.temperature, body.prefetch
+        request_id = new_id("rag")
+        if not body.stream:
+            result = await service.result(request, pipeline, body.query, options)
+            return JSONResponse(QueryResponse.from_result(result, request_id=request_id, with_documents=body.return_documents).model_dump())
+        await service.admission.acquire()  # refuse (429) before the stream starts, not inside it
+
+        async def stream() -> AsyncIterator[bytes]:
+            try:
+                async for event in service.events(pipeline, body.query, options):
+                    if isinstance(event, StageEvent):
+                        yield sse("stage", {"stage": event.stage, "status": event.status, "ms": event.ms})
+                    elif isinstance(event, TokenEvent):
+                        yield sse("token", {"text": event.text})
+                    else:
+                        response = QueryResponse.from_result(event.result, request_id=request_id, with_documents=body.return_documents)
+                        yield sse("result", response.model_dump())
+            except Exception as exc:  # noqa: BLE001 - after the stream began, errors travel as an event
+                yield sse("error", errors.error_body(exc)["error"])
+            finally:
+                service.admission.release()
+
+        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        users = [m.content for m in body.messages if m.role == "user"]
+        if not users:
+            raise InvalidField("messages", "at least one user message is required")
+        max_tokens = body.max_tokens or 256
+        pipeline, options = service.check(query=users[-1], pipeline=body.model, top_k=None, nprobe=None,
+                                          max_tokens=max_tokens, pipeline_field="model")
+        options.temperature = body.temperature
+        request_id = new_id("chatcmpl")
+        if not body.stream:
+            result = await service.result(request, pipeline, users[-1], options)
+            usage = _usage(result)
+            return JSONResponse(chat_completion(request_id, body.model, result.answer, usage))
+        await service.admission.acquire()
+
+        async def stream() -> AsyncIterator[bytes]:
+            try:
+                yield sse_data(chat_chunk(request_id, body.model, {"role": "assistant", "content": ""}))
+                async for event in service.events(pipeline, users[-1], options):
+                    if isinstance(event, TokenEvent):
+                        yield sse_data(chat_chunk(request_id, body.model, {"content": event.text}))
+                yield sse_data(chat_chunk(request_id, body.model, {}, finish_reason="stop"))
+            except Exception as exc:  # noqa: BLE001 - after the stream began, errors travel in the stream
+                yield sse_data({"error": errors.error_body(exc)["error"]})
+            finally:
+                service.admission.release()
+            yield sse_data("[DONE]")
+
+        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    return app
+
+
+def _usage(result: RagResult) -> dict[str, Any]:
+    prompt = sum(s.tokens_in for s in result.steps if s.kind == "llm")
+    return {"prompt_tokens": prompt, "completion_tokens": result.tokens_generated, "total_tokens": prompt + result.tokens_generated}

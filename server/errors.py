@@ -1,0 +1,103 @@
+"""The one place where errors become HTTP responses: a status code per error type and one JSON
+shape, `{"error": {"type", "message", "field"?}}`."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from pipelines.errors import EmbedderError, EngineError, EngineUnavailable, PipelineError, UnknownPipeline
+from retrieval.errors import DatastoreError, RetrievalError, SearchError
+
+log = logging.getLogger(__name__)
+
+
+class ServerError(Exception):
+    code = "server_error"
+
+
+class Overloaded(ServerError):
+    """The queue is full; the client should retry after `retry_after` seconds."""
+
+    code = "overloaded"
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Unauthorized(ServerError):
+    code = "unauthorized"
+
+
+class NotReady(ServerError):
+    code = "not_ready"
+
+
+class RequestTimeout(ServerError):
+    code = "timeout"
+
+
+class InvalidField(ServerError):
+    """A request field has a value the server cannot serve (e.g. nprobe above nlist)."""
+
+    code = "invalid_request"
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+STATUS: list[tuple[type[Exception], int]] = [
+    (InvalidField, 422),
+    (UnknownPipeline, 422),
+    (SearchError, 422),
+    (Unauthorized, 401),
+    (Overloaded, 429),
+    (NotReady, 503),
+    (RequestTimeout, 504),
+    (EngineUnavailable, 503),
+    (EmbedderError, 503),
+    (DatastoreError, 503),
+    (EngineError, 502),
+    (PipelineError, 500),
+    (RetrievalError, 500),
+]
+
+
+def status_of(exc: BaseException) -> int:
+    return next((status for cls, status in STATUS if isinstance(exc, cls)), 500)
+
+
+def error_body(exc: BaseException) -> dict:
+    body: dict = {"type": getattr(exc, "code", "internal_error"), "message": str(exc) or type(exc).__name__}
+    if isinstance(exc, InvalidField):
+        body["field"] = exc.field
+    return {"error": body}
+
+
+def response_for(exc: BaseException) -> JSONResponse:
+    status = status_of(exc)
+    if status >= 500:
+        log.error("request failed: %s", exc, exc_info=exc)
+    headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, Overloaded) else None
+    if isinstance(exc, Unauthorized):
+        headers = {"WWW-Authenticate": "Bearer"}
+    return JSONResponse(error_body(exc), status_code=status, headers=headers)
+
+
+def _validation_response(_: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    field = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+    message = f"{field}: {first.get('msg')}" if field else str(first.get("msg"))
+    return JSONResponse({"error": {"type": "invalid_request", "message": message, "field": field}}, status_code=422)
+
+
+def install(app: FastAPI) -> None:
+    """Register the handlers on `app`."""
+    app.add_exception_handler(RequestValidationError, _validation_response)
+    for cls in (ServerError, PipelineError, RetrievalError):
+        app.add_exception_handler(cls, lambda _request, exc: response_for(exc))

@@ -1,0 +1,63 @@
+"""Prometheus metrics of one app (own registry, so several apps in one process stay apart)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pipelines.types import RagResult
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+class _CacheCollector(Collector):
+    """Reads the cluster cache's counters at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self.stats = stats
+
+    def collect(self):  # noqa: ANN201
+        s = self.stats()
+        for name, doc in (("hits", "searched clusters found resident"), ("misses", "searched clusters not resident"),
+                          ("evictions", "clusters evicted"), ("bytes_copied", "bytes copied into the cache")):
+            family = CounterMetricFamily(f"telerag_cache_{name}", doc)
+            family.add_metric([], float(s.get(name, 0)))
+            yield family
+        for name, doc in (("occupancy_bytes", "bytes of the cache holding clusters"), ("capacity_bytes", "cache size"),
+                          ("resident_clusters", "clusters resident"), ("pinned_clusters", "clusters pinned now")):
+            family = GaugeMetricFamily(f"telerag_cache_{name}", doc)
+            family.add_metric([], float(s.get(name, 0)))
+            yield family
+
+
+class Metrics:
+    def __init__(self, cache_stats: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.request_latency = Histogram("telerag_request_seconds", "request latency", ["pipeline", "outcome"], buckets=LATENCY_BUCKETS, registry=r)
+        self.stage_latency = Histogram("telerag_stage_seconds", "stage latency", ["pipeline", "stage"], buckets=LATENCY_BUCKETS, registry=r)
+        self.overlap = Histogram("telerag_cluster_overlap_rate", "|C_in ∩ C_out| / |C_out| per request", ["pipeline"], buckets=RATE_BUCKETS, registry=r)
+        self.prefetched_bytes = Counter("telerag_prefetched_bytes", "bytes copied by prefetches", ["pipeline"], registry=r)
+        self.clusters_searched = Counter("telerag_clusters_searched", "clusters searched, by where", ["pipeline", "where"], registry=r)
+        self.queue_depth = Gauge("telerag_queue_depth", "requests waiting for a slot", registry=r)
+        self.in_flight = Gauge("telerag_requests_in_flight", "requests running", registry=r)
+        self.batch_size = Histogram("telerag_batch_size", "queries per batched retrieval call", ["kind"], buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+        self.tokens = Counter("telerag_tokens_generated", "tokens generated", ["pipeline"], registry=r)
+        self.ttft = Histogram("telerag_time_to_first_token_seconds", "time to the first answer token", ["pipeline"], buckets=LATENCY_BUCKETS, registry=r)
+        r.register(_CacheCollector(cache_stats))
+
+    def observe_result(self, result: RagResult) -> None:
+        p = result.pipeline
+        for step in result.steps:
+            self.stage_latency.labels(p, step.stage).observe(step.ms / 1e3)
+        if result.prefetch.get("overlap_rate") is not None:
+            self.overlap.labels(p).observe(result.prefetch["overlap_rate"])
+        self.prefetched_bytes.labels(p).inc(result.prefetch.get("bytes_prefetched", 0))
+        self.clusters_searched.labels(p, "device").inc(result.prefetch.get("clusters_device", 0))
+        self.clusters_searched.labels(p, "cpu").inc(result.prefetch.get("clusters_cpu", 0))
+        self.tokens.labels(p).inc(result.tokens_generated)

@@ -1,0 +1,103 @@
+"""What a server runs on: the engine, the retriever, and what it reports; built from settings."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import yaml
+
+from pipelines.errors import EngineUnavailable
+from pipelines.types import BatchRetriever, Engine
+from server.settings import CONFIG_DIR, Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    engine: Engine
+    retriever: BatchRetriever
+    datastore_info: dict[str, Any] = field(default_factory=dict)
+    cache_stats: Callable[[], dict[str, Any]] = dict
+    ready: bool = True
+    closers: list[Callable[[], Any]] = field(default_factory=list)
+
+    async def close(self) -> None:
+        await self.engine.close()
+        for close in self.closers:
+            close()
+
+
+def _device(name: str) -> str:
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+
+
+def prefetch_budget_bytes(settings: Settings, device: str, cache_bytes: int) -> int:
+    """b_p = B * t_LLM (TeleRAG §4.2) from `config/prefetch_profiles.yaml`, capped by the cache;
+    0 on CPU, where the cache is off by default."""
+    configured = settings.retrieval.prefetch_budget_mb
+    if configured is not None:
+        return min(int(configured * 2**20), cache_bytes)
+    if device != "cuda":
+        return 0
+    profile = yaml.safe_load((CONFIG_DIR / "prefetch_profiles.yaml").read_text(encoding="utf-8"))
+    t_llm_ms = statistics.median([v for v in profile["t_llm_ms"].values() if v > 0])
+    return min(int(profile["copy_gbps"] * 1e9 * t_llm_ms / 1e3), cache_bytes)
+
+
+def _engine(settings: Settings) -> Engine:
+    engine = settings.engine
+    if engine.kind == "sglang":
+        raise EngineUnavailable("the SGLang engine adapter is not in this version; use engine.kind=cpu")
+    from pipelines.engines.cpu import CPUEngine
+
+    device = _device(engine.device)
+    if engine.model_path is None:
+        return CPUEngine.embedded_default(device=device)
+    return CPUEngine.from_pretrained(engine.model_path, device=device)
+
+
+@asynccontextmanager
+async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
+    """Load the engine, the embedder and the datastore (building the Wikipedia one on first run)."""
+    from pipelines.embedder import Embedder
+    from pipelines.retriever import open_retriever
+
+    retrieval = settings.retrieval
+    device = _device(retrieval.device)
+    embedder_device = _device(retrieval.embedder_device)
+    embedder = Embedder(retrieval.embedder, device=embedder_device) if retrieval.embedder else Embedder.embedded_default(device=embedder_device)
+    log.info("embedder %s (%d-d) on %s", embedder.name, embedder.dim, embedder_device)
+    cache_mb = retrieval.cache_mb if retrieval.cache_mb is not None else (4096 if device == "cuda" else 0)
+    cache_bytes = int(cache_mb * 2**20)
+    retriever = open_retriever(
+        retrieval.datastore,
+        embedder,
+        device=device,
+        cache_bytes=cache_bytes,
+        prefetch_budget_bytes=prefetch_budget_bytes(settings, device, cache_bytes),
+        nprobe=retrieval.nprobe,
+        build_if_missing=retrieval.build_if_missing,
+        verify_checksums=retrieval.verify_checksums,
+    )
+    try:
+        engine = _engine(settings)
+        log.info("engine %s (%s)", getattr(engine, "name", "?"), settings.engine.kind)
+        runtime = Runtime(
+            settings=settings,
+            engine=engine,
+            retriever=retriever,
+            datastore_info=retriever.datastore_info(),
+            cache_stats=retriever.cache_stats,
+            closers=[retriever.close],
+        )
+        yield runtime
+    finally:
+        retriever.close()

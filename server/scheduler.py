@@ -1,0 +1,158 @@
+"""Admission control and cross-request batching of retrieval.
+
+`Admission` bounds how many requests run and wait; past that a request is refused at once
+(429 with Retry-After) rather than queued without end. `BatchingRetriever` is what the
+pipelines see as their retriever: prefetch and search calls that arrive within a short window
+(or until a batch fills) become one call of the underlying `BatchRetriever`, so their
+embedding, prefetch planning and search run as one batch; each caller gets its own result and
+waits only on its own copies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from pipelines.types import BatchRetriever, PrefetchTicket, SearchOptions, SearchOutcome, SearchRequest
+from server.errors import Overloaded
+
+Item = TypeVar("Item")
+Out = TypeVar("Out")
+
+
+class Admission:
+    """At most `max_concurrency` requests run; at most `max_queue` more wait; the rest are refused."""
+
+    def __init__(self, max_concurrency: int, max_queue: int, on_change: Callable[[int, int], None] | None = None) -> None:
+        self._slots = asyncio.Semaphore(max_concurrency)
+        self.max_queue = max_queue
+        self.waiting = 0
+        self.running = 0
+        self._on_change = on_change or (lambda waiting, running: None)
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def acquire(self) -> None:
+        """Take a running slot, waiting in the queue if needed; refuse when the queue is full."""
+        if self._slots.locked() and self.waiting >= self.max_queue:
+            raise Overloaded(f"server busy: {self.running} running and {self.waiting} waiting", retry_after=1)
+        self.waiting += 1
+        self._changed()
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        self._changed()
+
+    def release(self) -> None:
+        self.running -= 1
+        self._slots.release()
+        self._changed()
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        await self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+    def _changed(self) -> None:
+        if self.running or self.waiting:
+            self._idle.clear()
+        else:
+            self._idle.set()
+        self._on_change(self.waiting, self.running)
+
+    async def drain(self) -> None:
+        """Wait until every admitted request has finished (graceful shutdown)."""
+        await self._idle.wait()
+
+
+@dataclass
+class _Pending(Generic[Item, Out]):
+    item: Item
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class _Batcher(Generic[Item, Out]):
+    """Collects items for up to `window_s` (or `max_batch` queries) and runs them as one call."""
+
+    def __init__(self, run: Callable[[list[Item]], Any], size: Callable[[Item], int], window_s: float, max_batch: int,
+                 on_batch: Callable[[int], None], abandon: Callable[[Out], None] = lambda result: None) -> None:
+        self._run, self._size, self.window_s, self.max_batch = run, size, window_s, max_batch
+        self._on_batch, self._abandon = on_batch, abandon
+        self._pending: list[_Pending[Item, Out]] = []
+        self._flusher: asyncio.Task | None = None
+
+    async def submit(self, item: Item) -> Out:
+        pending: _Pending[Item, Out] = _Pending(item)
+        self._pending.append(pending)
+        if sum(self._size(p.item) for p in self._pending) >= self.max_batch:
+            self._flush_now()
+        elif self._flusher is None:
+            self._flusher = asyncio.create_task(self._flush_later())
+        return await pending.future
+
+    async def _flush_later(self) -> None:
+        await asyncio.sleep(self.window_s)
+        self._flusher = None
+        await self._flush()
+
+    def _flush_now(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+            self._flusher = None
+        asyncio.create_task(self._flush())
+
+    async def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        if not batch:
+            return
+        self._on_batch(sum(self._size(p.item) for p in batch))
+        try:
+            results = await self._run([p.item for p in batch])
+        except Exception as exc:  # noqa: BLE001 - every caller of the batch sees the failure
+            for p in batch:
+                if not p.future.done():
+                    p.future.set_exception(exc)
+            return
+        for p, result in zip(batch, results, strict=True):
+            if not p.future.done():
+                p.future.set_result(result)
+            else:  # the caller went away while its batch ran: nothing of its result may leak
+                self._abandon(result)
+
+
+class BatchingRetriever:
+    """The pipelines' Retriever, batching concurrent callers into one BatchRetriever call."""
+
+    def __init__(self, inner: BatchRetriever, *, window_ms: float, max_batch: int,
+                 on_batch: Callable[[str, int], None] | None = None) -> None:
+        self.inner = inner
+        report = on_batch or (lambda kind, size: None)
+        window = window_ms / 1e3
+        self._prefetch: _Batcher[tuple[list[str], bool], PrefetchTicket] = _Batcher(
+            self._run_prefetch, lambda item: len(item[0]), window, max_batch, lambda n: report("prefetch", n),
+            abandon=self.inner.release,  # a cancelled caller's clusters are unpinned at once
+        )
+        self._search: _Batcher[SearchRequest, SearchOutcome] = _Batcher(
+            self.inner.search_batch, lambda item: len(item.queries), window, max_batch, lambda n: report("search", n)
+        )
+
+    async def _run_prefetch(self, items: list[tuple[list[str], bool]]) -> list[PrefetchTicket]:
+        return await self.inner.prefetch_batch([q for q, _ in items], enabled=[e for _, e in items])
+
+    async def prefetch(self, queries: Sequence[str], *, enabled: bool = True) -> PrefetchTicket:
+        return await self._prefetch.submit((list(queries), enabled))
+
+    async def search(self, queries: Sequence[str], options: SearchOptions, ticket: PrefetchTicket | None = None) -> SearchOutcome:
+        return await self._search.submit(SearchRequest(list(queries), options, ticket))
+
+    def release(self, ticket: PrefetchTicket) -> None:
+        self.inner.release(ticket)
+

@@ -1,0 +1,113 @@
+"""All configuration, in one place: `config/default.yaml` (or `--config FILE`), then
+environment variables (`TELERAG_…`, nested with `__`, e.g. `TELERAG_SERVER__PORT=9000`), then
+`telerag serve` flags, each overriding the one before."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, Field, SecretStr
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
+DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"
+
+
+def user_cache_dir() -> Path:
+    return Path(os.environ.get("TELERAG_CACHE_DIR", Path.home() / ".cache" / "telerag")).expanduser()
+
+
+class EngineSettings(BaseModel):
+    kind: Literal["cpu", "sglang"] = "cpu"
+    model_path: Path | None = None  # None: the embedded Gemma 3 270M
+    device: str = "auto"
+    mem_fraction_static: float = Field(0.6, gt=0, lt=1)  # SGLang: leave room for the cluster cache
+    context_length: int | None = None
+    tp_size: int = Field(1, ge=1)
+
+
+class RetrievalSettings(BaseModel):
+    datastore: Path = Field(default_factory=lambda: user_cache_dir() / "datastores" / "wiki-en")
+    build_if_missing: bool = True  # build the built-in Wikipedia datastore on first run
+    embedder: Path | None = None  # None: the packaged all-MiniLM-L6-v2
+    embedder_device: str = "auto"
+    device: str = "auto"  # where the cluster cache and device search run
+    cache_mb: float | None = None  # None: 0 on CPU (straight to faiss), 4096 on CUDA
+    prefetch_budget_mb: float | None = None  # None: B * t_LLM from the prefetch profile, capped by the cache
+    nprobe: int | None = None  # None: 4 * sqrt(nlist)
+    top_k: int = Field(3, ge=1)
+    verify_checksums: bool = True
+
+
+class SchedulerSettings(BaseModel):
+    batch_window_ms: float = Field(2.0, ge=0)
+    max_batch: int = Field(32, ge=1)
+    max_concurrency: int = Field(16, ge=1)  # requests running at once
+    max_queue: int = Field(64, ge=0)  # requests waiting beyond those; past it: 429
+    request_timeout_s: float = Field(300.0, gt=0)
+
+
+class LimitSettings(BaseModel):
+    max_query_chars: int = Field(4000, ge=1)
+    max_top_k: int = Field(50, ge=1)
+    max_tokens: int = Field(1024, ge=1)
+    max_body_bytes: int = Field(256 * 1024, ge=1024)
+
+
+class ServerSettings(BaseModel):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: SecretStr | None = None
+    cors_origins: list[str] = Field(default_factory=list)
+    log_level: str = "info"
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    def __init__(self, settings_cls: type[BaseSettings], path: Path | None) -> None:
+        super().__init__(settings_cls)
+        self.path = path
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover - unused
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        if self.path is None or not self.path.is_file():
+            return {}
+        data = yaml.safe_load(self.path.read_text(encoding="utf-8")) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{self.path}: the configuration must be a mapping")
+        return data
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TELERAG_", env_nested_delimiter="__", extra="forbid")
+
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    retrieval: RetrievalSettings = Field(default_factory=RetrievalSettings)
+    scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
+    limits: LimitSettings = Field(default_factory=LimitSettings)
+    server: ServerSettings = Field(default_factory=ServerSettings)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        path = Path(os.environ.get("TELERAG_CONFIG", DEFAULT_CONFIG))
+        return init_settings, env_settings, _YamlSource(settings_cls, path)
+
+
+def load_settings(config: Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:
+    """Settings from the YAML file, the environment and `overrides` (flags, nested dicts)."""
+    if config is not None:
+        if not Path(config).is_file():
+            raise FileNotFoundError(f"configuration file not found: {config}")
+        os.environ["TELERAG_CONFIG"] = str(config)
+    return Settings(**(overrides or {}))
