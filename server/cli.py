@@ -6,12 +6,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from server.commands import bench_retrieval, datastore
+from server.commands import bench_retrieval, datastore, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="telerag", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve.register(commands)
 
     datastore_group = commands.add_parser("datastore", help="build and inspect datastores")
     datastore.register(datastore_group.add_subparsers(dest="action", required=True, metavar="ACTION"))

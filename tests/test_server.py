@@ -1,0 +1,246 @@
+"""The HTTP API through an in-process ASGI client, on a runtime of fakes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from server.app import create_app
+from server.runtime import Runtime
+from server.settings import Settings
+from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
+
+
+def settings(**sections) -> Settings:  # noqa: ANN003
+    base = {"scheduler": {"batch_window_ms": 20, "max_concurrency": 8, "max_queue": 8}}
+    for key, value in sections.items():
+        base.setdefault(key, {}).update(value)
+    return Settings(**base)
+
+
+class Harness:
+    def __init__(self, delay: float = 0.0, **sections) -> None:  # noqa: ANN003
+        self.retriever = BatchRecorder()
+        self.engine = ScriptedEngine(lambda prompt: Reply("Paris is the capital of France"), delay=delay)
+        self.runtime = Runtime(
+            settings=settings(**sections), engine=self.engine, retriever=self.retriever,
+            datastore_info={"nlist": 64, "passages": 100}, cache_stats=lambda: {"hits": 3, "occupancy_bytes": 10},
+        )
+        self.app = create_app(self.runtime)
+
+    def client(self, **kwargs) -> httpx.AsyncClient:  # noqa: ANN003
+        return httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://test", timeout=30, **kwargs)
+
+
+class BatchRecorder(RecordingRetriever):
+    """Records how many callers each batched call served."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.search_batches: list[int] = []
+
+    async def search_batch(self, requests):  # noqa: ANN001
+        self.search_batches.append(len(requests))
+        return await super().search_batch(requests)
+
+
+async def test_query_json():
+    h = Harness()
+    async with h.client() as client:
+        response = await client.post("/v1/rag/query", json={"query": "What is the capital of France?", "pipeline": "hyde", "top_k": 2})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["answer"] == "Paris is the capital of France" and body["pipeline"] == "hyde"
+    assert len(body["documents"]) == 2 and {"id", "doc_id", "title", "text", "score"} <= body["documents"][0].keys()
+    assert [s["stage"] for s in body["steps"]] == ["prefetch", "hypothetical_passage", "search", "generate"]
+    assert {"total_ms", "pre_retrieval_ms", "prefetch_ms", "search_device_ms", "search_cpu_ms"} <= body["timings"].keys()
+    assert body["prefetch"]["overlap_rate"] == 0.75 and body["prefetch"]["clusters_device"] == 3
+    assert body["id"].startswith("rag-")
+    assert not h.retriever.outstanding
+
+
+async def test_query_without_documents_and_prefetch_off():
+    h = Harness()
+    async with h.client() as client:
+        response = await client.post("/v1/rag/query", json={"query": "q?", "return_documents": False, "prefetch": False})
+    assert response.status_code == 200 and response.json()["documents"] == []
+
+
+async def test_query_sse():
+    h = Harness()
+    async with h.client() as client:
+        async with client.stream("POST", "/v1/rag/query", json={"query": "Capital of France?", "stream": True}) as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            raw = "".join([chunk async for chunk in response.aiter_text()])
+    events = [(block.split("\n")[0][len("event: "):], json.loads(block.split("\n")[1][len("data: "):]))
+              for block in raw.strip().split("\n\n")]
+    names = [name for name, _ in events]
+    assert names[0] == "stage" and names[-1] == "result" and "token" in names
+    tokens = "".join(data["text"] for name, data in events if name == "token")
+    assert tokens.strip() == events[-1][1]["answer"] == "Paris is the capital of France"
+
+
+async def test_sse_error_event_after_the_stream_began():
+    h = Harness()
+    h.engine.fail = True
+    async with h.client() as client:
+        async with client.stream("POST", "/v1/rag/query", json={"query": "q?", "stream": True, "pipeline": "hyde"}) as response:
+            raw = "".join([chunk async for chunk in response.aiter_text()])
+    assert response.status_code == 200
+    last = raw.strip().split("\n\n")[-1]
+    assert last.startswith("event: error") and "engine_error" in last
+    assert not h.retriever.outstanding
+
+
+async def test_openai_client():
+    h = Harness()
+    async with h.client() as http:
+        client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=http)
+        completion = await client.chat.completions.create(
+            model="naive", messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "Capital of France?"}]
+        )
+        assert completion.choices[0].message.content == "Paris is the capital of France"
+        assert completion.usage.completion_tokens > 0
+        stream = await client.chat.completions.create(model="hyde", messages=[{"role": "user", "content": "Capital?"}], stream=True)
+        pieces = [chunk.choices[0].delta.content or "" async for chunk in stream]
+        assert "".join(pieces).strip() == "Paris is the capital of France"
+        with pytest.raises(openai.UnprocessableEntityError):
+            await client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+
+async def test_concurrent_requests_are_batched():
+    h = Harness()
+    async with h.client() as client:
+        responses = await asyncio.gather(*[
+            client.post("/v1/rag/query", json={"query": f"question {i}?", "top_k": 2}) for i in range(6)
+        ])
+        assert all(r.status_code == 200 for r in responses)
+        metrics = (await client.get("/metrics")).text
+    assert max(h.retriever.search_batches) > 1  # several requests' searches ran as one call
+    sums = [line for line in metrics.splitlines() if line.startswith('telerag_batch_size_count{kind="search"}')]
+    count = float(sums[0].split()[-1])
+    assert count < 6  # fewer batched calls than requests
+
+
+async def test_overload_answers_429_with_retry_after():
+    h = Harness(delay=0.5, scheduler={"max_concurrency": 1, "max_queue": 0})
+    async with h.client() as client:
+        first = asyncio.create_task(client.post("/v1/rag/query", json={"query": "slow?"}))
+        await asyncio.sleep(0.1)
+        second = await client.post("/v1/rag/query", json={"query": "refused?"})
+        assert second.status_code == 429
+        assert second.headers["retry-after"] == "1"
+        assert second.json()["error"]["type"] == "overloaded"
+        assert (await first).status_code == 200
+
+
+async def test_disconnect_aborts_generation_and_releases_clusters():
+    h = Harness(delay=30.0)
+    async with h.client() as client:
+        request = asyncio.create_task(client.post("/v1/rag/query", json={"query": "never answered", "pipeline": "hyde"}))
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if h.engine.log:
+                break
+        assert h.engine.log[-1][0] == "llm_start"
+        request.cancel()  # the client goes away mid-generation
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        for _ in range(100):
+            if h.engine.log[-1][0] == "llm_end" and not h.retriever.outstanding:
+                break
+            await asyncio.sleep(0.02)
+    assert h.engine.log[-1][0] == "llm_end"  # generation stopped
+    assert h.retriever.prefetches and not h.retriever.outstanding  # its clusters were released
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"query": ""}, "query"),
+        ({"query": "   "}, "query"),
+        ({"query": "x" * 5000}, "query"),
+        ({"query": "q", "pipeline": "nope"}, "pipeline"),
+        ({"query": "q", "top_k": 0}, "top_k"),
+        ({"query": "q", "top_k": 51}, "top_k"),
+        ({"query": "q", "nprobe": 65}, "nprobe"),
+        ({"query": "q", "nprobe": 0}, "nprobe"),
+        ({"query": "q", "max_tokens": 5000}, "max_tokens"),
+        ({"query": "q", "temperature": -1}, "temperature"),
+        ({"query": "q", "unknown": 1}, "unknown"),
+        ({"query": 3}, "query"),
+        ({}, "query"),
+    ],
+)
+async def test_bad_input_is_422_naming_the_field(body, field):
+    h = Harness()
+    async with h.client() as client:
+        response = await client.post("/v1/rag/query", json=body)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["field"] == field and error["message"]
+
+
+async def test_body_too_large():
+    h = Harness()
+    async with h.client() as client:
+        response = await client.post("/v1/rag/query", content=b"{" + b" " * 300_000 + b"}", headers={"content-type": "application/json"})
+    assert response.status_code == 413
+
+
+@pytest.mark.parametrize("header", [None, "Bearer wrong", "Basic secret", "secret"])
+async def test_api_key_required(header):
+    h = Harness(server={"api_key": "secret"})
+    async with h.client() as client:
+        headers = {"authorization": header} if header else {}
+        response = await client.post("/v1/rag/query", json={"query": "q"}, headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "unauthorized"
+        ok = await client.post("/v1/rag/query", json={"query": "q"}, headers={"authorization": "Bearer secret"})
+        assert ok.status_code == 200
+        assert (await client.get("/health")).status_code == 200
+
+
+async def test_health_ready_pipelines():
+    h = Harness()
+    async with h.client() as client:
+        assert (await client.get("/health")).json() == {"status": "ok"}
+        ready = (await client.get("/ready")).json()
+        assert ready["ready"] and ready["datastore"]["nlist"] == 64
+        pipelines = (await client.get("/v1/pipelines")).json()["pipelines"]
+        assert {p["name"] for p in pipelines} == {"naive", "hyde", "subquestion", "iterative", "iter_retgen", "flare", "self_rag"}
+        assert all(any(s["role"] == "prefetch" for s in p["stages"]) for p in pipelines)
+        assert (await client.get("/docs")).status_code == 200
+    h.runtime.ready = False
+    async with h.client() as client:
+        assert (await client.get("/ready")).status_code == 503
+        assert (await client.post("/v1/rag/query", json={"query": "q"})).status_code == 503
+
+
+async def test_metrics_expose_everything():
+    h = Harness()
+    async with h.client() as client:
+        await client.post("/v1/rag/query", json={"query": "q?", "pipeline": "hyde"})
+        text = (await client.get("/metrics")).text
+    lines = text.splitlines()
+    for metric, labels in (
+        ("telerag_request_seconds_bucket", ('pipeline="hyde"', 'outcome="ok"')),
+        ("telerag_stage_seconds_bucket", ('pipeline="hyde"', 'stage="search"')),
+        ("telerag_cluster_overlap_rate_bucket", ('pipeline="hyde"', 'le="0.8"')),
+        ("telerag_prefetched_bytes_total", ('pipeline="hyde"',)),
+        ("telerag_cache_hits_total", ()),
+        ("telerag_cache_misses_total", ()),
+        ("telerag_cache_evictions_total", ()),
+        ("telerag_cache_occupancy_bytes", ()),
+        ("telerag_clusters_searched_total", ('pipeline="hyde"', 'where="device"')),
+        ("telerag_clusters_searched_total", ('pipeline="hyde"', 'where="cpu"')),
+        ("telerag_queue_depth", ()),
+        ("telerag_batch_size_bucket", ('kind="search"',)),
+        ("telerag_tokens_generated_total", ('pipeline="hyde"',)),
+        ("telerag_time_to_first_token_seconds_bucket", ('pipeline="hyde"',)),
+    ):
+        assert any(line.startswith(metric) and all(label in line for label in labels) for line in lines), (metric, labels)
