@@ -28,7 +28,8 @@ class Embedder:
         except Exception as exc:  # noqa: BLE001 - any load failure is the same error to the caller
             raise EmbedderError(f"could not load the embedder at {path}: {exc}") from exc
         self.name = name or path.name
-        self.dim = int(self.model.get_sentence_embedding_dimension())
+        dimension = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
+        self.dim = int(dimension())
         self.batch_size = batch_size
         self.device = device
         self._lock = threading.Lock()

@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from server.commands import bench_retrieval, datastore, serve
+from server.commands import ask, bench_retrieval, datastore, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve.register(commands)
+    ask.register(commands)
 
     datastore_group = commands.add_parser("datastore", help="build and inspect datastores")
     datastore.register(datastore_group.add_subparsers(dest="action", required=True, metavar="ACTION"))

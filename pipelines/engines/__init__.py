@@ -1,0 +1,75 @@
+"""Generation engines behind `pipelines.types.Engine`: `cpu.CPUEngine` (transformers, the embedded
+default) and `sglang.SGLangEngine` (production on a GPU). Import each from its module; they load
+heavy libraries. This module holds what both share: chat formatting and stop-string handling."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def format_chat(tokenizer: Any, user_text: str) -> str:
+    """`user_text` as one user turn in the tokenizer's chat template, ready for the model's
+    reply; unchanged when the tokenizer has no template (a base model, such as the embedded
+    Gemma 3 270M, which answers plain completion prompts better than chat turns)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return user_text
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": user_text}], tokenize=False, add_generation_prompt=True
+    )
+
+
+class StopFilter:
+    """A streamed text cut at its first stop string. A tail that could still grow into a stop
+    string is held back until it is decided, so everything released is a prefix of the final
+    text: a client never sees text that is later taken back."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self.text = ""  # everything seen, cut at the stop once one is found
+        self.released = 0  # len of the prefix of `text` already handed out
+        self.stopped = False
+
+    def push(self, piece: str) -> str:
+        """Add newly generated text; returns the part that is safe to release now. After a
+        stop string appears, `stopped` is True and nothing more is taken."""
+        if self.stopped or not piece:
+            return ""
+        self.text += piece
+        # A stop can only begin in the unreleased part: anything earlier was checked already.
+        hits = [at for at in (self.text.find(s, self.released) for s in self.stops) if at >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+            return self._release(len(self.text))
+        return self._release(len(self.text) - self._held())
+
+    def finish(self, matched: str | None = None) -> str:
+        """The text still to release at the end. `matched` is a stop string the engine itself
+        found and trimmed (SGLang does): the held tail where it begins is dropped."""
+        if matched and not self.stopped:
+            start = next(
+                (at for at in range(self.released, len(self.text) + 1) if matched.startswith(self.text[at:])),
+                len(self.text),
+            )
+            self.text = self.text[:start]
+            self.stopped = True
+        return self._release(len(self.text))
+
+    @property
+    def final(self) -> str:
+        """The text released so far (all of it, after `finish`)."""
+        return self.text[: self.released]
+
+    def _held(self) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+        unreleased = len(self.text) - self.released
+        return max(
+            (n for s in self.stops for n in range(min(len(s) - 1, unreleased), 0, -1) if self.text.endswith(s[:n])),
+            default=0,
+        )
+
+    def _release(self, end: int) -> str:
+        piece = self.text[self.released : end]
+        self.released = max(self.released, end)
+        return piece

@@ -1,0 +1,70 @@
+"""`telerag ask "QUESTION" --pipeline NAME`: one question end to end on the configured engine and
+datastore (the embedded default when nothing is configured), no HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+from dataclasses import asdict
+from pathlib import Path
+
+from pipelines.registry import PIPELINES, build_pipelines
+from pipelines.types import RagResult, ResultEvent, RunOptions, TokenEvent
+from server.commands.serve import overrides
+from server.settings import load_settings
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("ask", help="answer one question end to end and print the trace")
+    parser.add_argument("question")
+    parser.add_argument("--pipeline", default="naive", choices=sorted(PIPELINES))
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--no-prefetch", action="store_true", help="search every cluster on the CPU (the baseline)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object last")
+    parser.add_argument("--config", type=Path)
+    for flag in ("--model", "--datastore", "--embedder"):
+        parser.add_argument(flag, type=Path)
+    parser.add_argument("--device")
+    parser.add_argument("--nprobe", type=int)
+    parser.set_defaults(func=run, host=None, port=None, api_key=None, engine=None, cache_mb=None, prefetch_budget_mb=None)
+
+
+def print_result(result: RagResult) -> None:
+    print(f"\n{result.answer}\n")
+    for i, doc in enumerate(result.documents, 1):
+        print(f"[{i}] {doc.title} (score {doc.score:.3f}, passage {doc.id})")
+    print("\nstage                 ms  detail")
+    for step in result.steps:
+        detail = step.stats.get("overlap_rate")
+        extra = f"overlap {detail:.2f}" if isinstance(detail, float) else (f"{step.tokens_out} tokens" if step.kind == "llm" else "")
+        print(f"{step.stage:<18}{step.ms:>8.1f}  {extra}")
+    print(f"{'total':<18}{result.timings['total_ms']:>8.1f}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from server.runtime import open_runtime
+
+    settings = load_settings(args.config, overrides(args))
+    logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")
+
+    async def main() -> RagResult:
+        async with open_runtime(settings) as runtime:
+            pipeline = build_pipelines(runtime.engine, runtime.retriever, names=[args.pipeline])[args.pipeline]
+            options = RunOptions(top_k=args.top_k or settings.retrieval.top_k, nprobe=args.nprobe,
+                                 max_tokens=args.max_tokens, prefetch=not args.no_prefetch)
+            async for event in pipeline.run(args.question, options):
+                if isinstance(event, TokenEvent) and not args.json:
+                    print(event.text, end="", flush=True)
+                if isinstance(event, ResultEvent):
+                    return event.result
+        raise RuntimeError("the pipeline ended without a result")
+
+    result = asyncio.run(main())
+    if args.json:
+        print(json.dumps(asdict(result), ensure_ascii=False))
+    else:
+        print_result(result)
+    return 0
