@@ -133,7 +133,7 @@ def build_datastore(
     out_dir: Path,
     nlist: int | None = None,
     codec: Codec = Codec.FP32,
-    batch_size: int = 256,
+    batch_size: int = 1024,  # texts per encode call: the embedder sorts each call by length, so bigger calls pad less
     source: str = "",
     passage_words: int | None = None,
     overwrite: bool = False,

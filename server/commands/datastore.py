@@ -22,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--nlist", type=int, default=None, help="IVF lists (default: about 4*sqrt(passages))")
     parser.add_argument("--passage-words", type=int, default=100)
     parser.add_argument("--codec", choices=[c.value for c in Codec], default=Codec.FP32.value)
-    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=1024, help="passages per embedding call")
     parser.add_argument("--overwrite", action="store_true")
     parser.set_defaults(func=run)
 
