@@ -44,6 +44,9 @@ class Stage:
     role: str  # "prefetch" (q_in), "pre_retrieval" (LLM, overlaps the prefetch), "search" (q_out), "llm", "generate"
 
 
+# A base model answering a completion prompt goes on to invent the next question: stop there.
+ANSWER_STOPS = ("\nQuestion:", "\n\n")
+
 PREFETCH = Stage("prefetch", "prefetch")
 SEARCH = Stage("search", "search")
 GENERATE = Stage("generate", "generate")
@@ -157,7 +160,7 @@ class RagPipeline:
     async def answer(self, ctx: RunContext, documents: Sequence[Document], *, prompt: str | None = None) -> str:
         """The final answer, streamed to the client token by token."""
         prompt = prompt or prompts.answer(ctx.query, documents)
-        params = SamplingParams(max_tokens=ctx.options.max_tokens, temperature=ctx.options.temperature)
+        params = SamplingParams(max_tokens=ctx.options.max_tokens, temperature=ctx.options.temperature, stop=ANSWER_STOPS)
         ctx.events.put_nowait(StageEvent("generate", "start"))
         started = time.perf_counter()
         final: Generation | None = None
@@ -179,7 +182,7 @@ class RagPipeline:
 
     async def generate_quietly(self, ctx: RunContext, stage: str, documents: Sequence[Document], draft: str = "") -> str:
         """An intermediate answer (not streamed to the client): a round of Iter-RetGen or Iter."""
-        generations = await self.llm(ctx, stage, [prompts.answer(ctx.query, documents, draft)], max_tokens=ctx.options.max_tokens)
+        generations = await self.llm(ctx, stage, [prompts.answer(ctx.query, documents, draft)], max_tokens=ctx.options.max_tokens, stop=ANSWER_STOPS)
         return generations[0].text.strip()
 
     # -- the result ---------------------------------------------------------------------------
