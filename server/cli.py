@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from server.commands import ask, bench_retrieval, datastore, serve
+from server.commands import ask, bench_generate, bench_retrieval, datastore, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_group = commands.add_parser("bench", help="benchmarks (table, or one JSON line with --json)")
     bench_commands = bench_group.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     bench_retrieval.register(bench_commands)
+    bench_generate.register(bench_commands)
     return parser
 
 

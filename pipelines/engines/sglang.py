@@ -1,0 +1,205 @@
+"""SGLang in the server process (`sglang.Engine`), behind the `Engine` protocol: the production
+engine on a GPU. SGLang batches concurrent requests itself (continuous batching, RadixAttention
+prefix cache); this adapter only translates our SamplingParams into its `sampling_params` and
+its streamed output dicts into our TokenChunks and Generations.
+
+What `Engine.async_generate(prompt=[...], stream=True)` yields (sglang 0.5, with the default
+`incremental_streaming_output=False`): one dict per new output of one prompt, `index` naming
+the prompt, `text` and `output_ids` cumulative, and `meta_info` with `prompt_tokens`,
+`completion_tokens`, `finish_reason` (None until the last dict; then `{"type": "stop" |
+"length" | "abort", "matched": ..., "message": ..., "status_code": ...}`) and, with
+`return_logprob`, `output_token_logprobs` (cumulative `(logprob, token_id, text)` triples).
+SGLang trims a matched stop string from the final text, but may already have streamed its
+first characters; the shared StopFilter holds such a tail back, so streamed text is always a
+prefix of the final one. Closing the stream makes SGLang abort the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+from pipelines.engines import StopFilter, format_chat
+from pipelines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, PipelineError
+from pipelines.types import Generation, SamplingParams, TokenChunk
+
+OVERLOADED = (429, 503)  # the status codes SGLang gives an abort for lack of room or time
+
+
+def sampling_params(params: SamplingParams) -> dict[str, Any]:
+    """Our SamplingParams as SGLang's `sampling_params` (temperature 0 is greedy in both)."""
+    return {
+        "max_new_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "stop": list(params.stop) or None,
+    }
+
+
+@dataclass
+class _Progress:
+    """What one prompt's stream has delivered so far."""
+
+    text: StopFilter
+    seen_text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    ttft_ms: float = 0.0
+    done: bool = False
+
+
+class SGLangEngine:
+    """An in-process `sglang.Engine` (it starts its scheduler and detokenizer subprocesses)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        mem_fraction_static: float | None = None,
+        context_length: int | None = None,
+        tp_size: int = 1,
+        name: str | None = None,
+        module: ModuleType | None = None,
+        **engine_args: Any,
+    ) -> None:
+        """`mem_fraction_static` is the share of GPU memory SGLang takes for weights and KV
+        cache: leave room for the retrieval cluster cache. `engine_args` go to `sglang.Engine`
+        as they are (its ServerArgs); `module` replaces `import sglang` (tests)."""
+        sglang = module or _import_sglang()
+        args = {"model_path": model_path, "tp_size": tp_size, **engine_args}
+        if mem_fraction_static is not None:
+            args["mem_fraction_static"] = mem_fraction_static
+        if context_length is not None:
+            args["context_length"] = context_length
+        args["incremental_streaming_output"] = False  # the cumulative chunks this adapter reads
+        try:
+            self.engine = sglang.Engine(**args)
+        except Exception as exc:  # noqa: BLE001 - a failed start is one error to the caller
+            raise EngineUnavailable(f"SGLang could not load {model_path}: {exc}") from exc
+        self.tokenizer = self.engine.tokenizer_manager.tokenizer
+        self.name = name or model_path.rstrip("/").rsplit("/", 1)[-1]
+
+    # -- the Engine protocol ------------------------------------------------------------------
+
+    def format_prompt(self, user_text: str) -> str:
+        return format_chat(self.tokenizer, user_text)
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    async def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
+        results: dict[int, Generation] = {}
+        async for item in self.stream(prompts, params):
+            if isinstance(item, Generation):
+                results[item.index] = item
+        return [results[i] for i in range(len(prompts))]
+
+    async def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncIterator[TokenChunk | Generation]:
+        if not prompts:
+            return
+        started = time.perf_counter()
+        try:
+            outputs = await self.engine.async_generate(
+                prompt=list(prompts), sampling_params=sampling_params(params), return_logprob=params.logprobs, stream=True
+            )
+        except ValueError as exc:  # SGLang's word for a request it refuses (e.g. too long)
+            raise EngineError(f"SGLang refused the request: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001
+            raise EngineError(f"SGLang failed: {exc}") from exc
+        progress = [_Progress(StopFilter(params.stop)) for _ in prompts]
+        try:
+            while True:
+                try:
+                    out = await outputs.__anext__()
+                except StopAsyncIteration:
+                    break
+                except Exception as exc:  # noqa: BLE001 - SGLang's own errors become ours
+                    raise EngineError(f"SGLang failed: {exc}") from exc
+                for item in _translate(out, progress, params, started):
+                    yield item
+        finally:
+            await outputs.aclose()  # SGLang aborts what is still running
+        missing = [i for i, p in enumerate(progress) if not p.done]
+        if missing:
+            raise EngineError(f"SGLang's stream ended without finishing prompts {missing}")
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.engine.shutdown)
+
+
+def _translate(out: dict[str, Any], progress: list[_Progress], params: SamplingParams, started: float) -> list[TokenChunk | Generation]:
+    """One SGLang output dict as our items: the new text and tokens as a TokenChunk and, on the
+    last dict of a prompt, its Generation."""
+    index = int(out.get("index", 0))
+    meta = out["meta_info"]
+    state = progress[index]
+    now = time.perf_counter()
+    text = out.get("text") or ""
+    ids = list(out.get("output_ids") or [])
+    new_ids = ids[len(state.token_ids) :]
+    new_logprobs = [float(lp) for lp, *_ in (meta.get("output_token_logprobs") or [])[len(state.logprobs) :]]
+    piece = state.text.push(text[len(state.seen_text) :]) if text.startswith(state.seen_text) else ""
+    state.seen_text, state.token_ids, state.logprobs = text, ids, state.logprobs + new_logprobs
+    if new_ids and not state.ttft_ms:
+        state.ttft_ms = (now - started) * 1e3
+    items: list[TokenChunk | Generation] = []
+    if piece or new_ids:
+        items.append(
+            TokenChunk(index=index, text=piece, token_ids=tuple(new_ids), logprobs=tuple(new_logprobs) if params.logprobs else ())
+        )
+    finish = meta.get("finish_reason")
+    if not finish:
+        return items
+    reason = finish.get("type")
+    if reason == "abort":
+        raise _abort_error(finish)
+    matched = finish.get("matched")
+    tail = state.text.finish(matched if isinstance(matched, str) else None)
+    state.done = True
+    if tail:
+        items.append(TokenChunk(index=index, text=tail))
+    items.append(
+        Generation(
+            text=state.text.final,
+            prompt_tokens=int(meta.get("prompt_tokens", 0)),
+            completion_tokens=int(meta.get("completion_tokens", len(ids))),
+            finish_reason="length" if reason == "length" else "stop",
+            ttft_ms=state.ttft_ms,
+            total_ms=(now - started) * 1e3,
+            token_ids=tuple(ids),
+            logprobs=tuple(state.logprobs) if params.logprobs else (),
+            index=index,
+        )
+    )
+    return items
+
+
+def _abort_error(finish: dict[str, Any]) -> PipelineError:
+    """The typed error for a request SGLang aborted on its own: overloaded (no room, timed
+    out in the queue), refused (a 4xx), or aborted for another reason."""
+    message = f"SGLang aborted the request: {finish.get('message') or 'no reason given'}"
+    status = finish.get("status_code")
+    if status in OVERLOADED:
+        return EngineOverloaded(message)
+    if status is not None:
+        return EngineError(message)
+    return GenerationAborted(message)
+
+
+def _import_sglang() -> ModuleType:
+    """`sglang`, imported only when an SGLangEngine is made: it needs CUDA and is an optional
+    extra, and everything else must import without it."""
+    try:
+        return importlib.import_module("sglang")
+    except Exception as exc:  # noqa: BLE001 - ImportError, or a broken CUDA install under it
+        raise EngineUnavailable(
+            f"SGLang is not available ({exc}); install the 'sglang' extra on a CUDA machine, or use the CPU engine"
+        ) from exc
