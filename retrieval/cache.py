@@ -86,7 +86,8 @@ class ClusterCache:
         self.sizes = np.diff(self.offsets)
         self.device = device
         self.row_bytes = host_vectors.shape[1] * host_vectors.element_size()
-        self.capacity_rows = max(0, int(capacity_bytes) // self.row_bytes)
+        # never more rows than the datastore has: a larger buffer could hold nothing more
+        self.capacity_rows = max(0, min(int(capacity_bytes) // self.row_bytes, len(host_vectors)))
         self.buffer = torch.empty((self.capacity_rows, host_vectors.shape[1]), dtype=host_vectors.dtype, device=device)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._lock = threading.Lock()

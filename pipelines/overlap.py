@@ -1,0 +1,78 @@
+"""The overlap study (TeleRAG Table 3.1): for each pipeline, how much of q_out's clusters the
+prefetch of q_in already covered, and how long the pre-retrieval call ran (the time a prefetch
+has to hide behind)."""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipelines.types import Pipeline, RagResult, ResultEvent, RunOptions
+
+_TOPIC = re.compile(r"\s*\[(?P<title>[^\]]+)\]\s*$")
+
+
+@dataclass(frozen=True)
+class Question:
+    text: str
+    title: str | None  # the article that answers it, when the file says
+
+
+@dataclass
+class OverlapRow:
+    pipeline: str
+    questions: int
+    overlap_rate: float | None  # mean over searches of |C_in ∩ C_out| / |C_out|
+    pre_retrieval_ms: float  # mean per question
+    total_ms: float
+    article_hit_rate: float | None  # share of questions whose article was among the documents
+
+
+def read_questions(path: Path, limit: int | None = None) -> list[Question]:
+    """One question per line, optionally ending in `[Article title]`; `#` lines are comments."""
+    questions = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        match = _TOPIC.search(line)
+        text = line[: match.start()].strip() if match else line.strip()
+        questions.append(Question(text, match.group("title") if match else None))
+    return questions[:limit] if limit else questions
+
+
+async def run_one(pipeline: Pipeline, question: str, options: RunOptions) -> RagResult:
+    async for event in pipeline.run(question, options):
+        if isinstance(event, ResultEvent):
+            return event.result
+    raise RuntimeError(f"{pipeline.name} ended without a result")
+
+
+async def overlap_study(
+    pipelines: Sequence[Pipeline], questions: Sequence[Question], options: RunOptions
+) -> list[OverlapRow]:
+    rows = []
+    for pipeline in pipelines:
+        overlaps: list[float] = []
+        pre_ms: list[float] = []
+        total_ms: list[float] = []
+        hits: list[bool] = []
+        for question in questions:
+            result = await run_one(pipeline, question.text, options)
+            overlaps.extend(s.stats["overlap_rate"] for s in result.steps
+                            if s.kind == "retrieval" and s.stats.get("overlap_rate") is not None)
+            pre_ms.append(result.timings["pre_retrieval_ms"])
+            total_ms.append(result.timings["total_ms"])
+            if question.title is not None:
+                hits.append(question.title in {d.title for d in result.documents})
+        rows.append(OverlapRow(
+            pipeline=pipeline.name,
+            questions=len(questions),
+            overlap_rate=statistics.fmean(overlaps) if overlaps else None,
+            pre_retrieval_ms=statistics.fmean(pre_ms),
+            total_ms=statistics.fmean(total_ms),
+            article_hit_rate=statistics.fmean(hits) if hits else None,
+        ))
+    return rows

@@ -1,0 +1,35 @@
+"""The overlap study: question files, and per-pipeline means from the traced runs."""
+
+from __future__ import annotations
+
+from pipelines.overlap import overlap_study, read_questions
+from pipelines.registry import build_pipelines
+from pipelines.types import RunOptions
+from server.settings import CONFIG_DIR
+from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
+
+
+def test_shipped_question_file():
+    questions = read_questions(CONFIG_DIR / "questions_wiki_en.txt")
+    assert len(questions) >= 100
+    assert all(q.text.endswith("?") and q.title for q in questions)
+    assert len({q.text for q in questions}) == len(questions)
+
+
+def test_read_questions_with_and_without_titles(tmp_path):
+    path = tmp_path / "q.txt"
+    path.write_text("# comment\nWho wrote Hamlet? [William Shakespeare]\n\nWhat is iron?\n")
+    questions = read_questions(path)
+    assert [(q.text, q.title) for q in questions] == [("Who wrote Hamlet?", "William Shakespeare"), ("What is iron?", None)]
+    assert len(read_questions(path, limit=1)) == 1
+
+
+async def test_study_reports_means_per_pipeline():
+    engine = ScriptedEngine(lambda prompt: Reply("an answer"))
+    pipelines = build_pipelines(engine, RecordingRetriever(), names=["naive", "hyde"])
+    questions = read_questions(CONFIG_DIR / "questions_wiki_en.txt", limit=2)
+    rows = await overlap_study(list(pipelines.values()), questions, RunOptions(max_tokens=8))
+    assert [r.pipeline for r in rows] == ["naive", "hyde"]
+    assert all(r.questions == 2 and r.overlap_rate == 0.75 for r in rows)  # the fake reports 0.75 per search
+    assert rows[0].pre_retrieval_ms == 0.0 and rows[1].pre_retrieval_ms > 0.0
+    assert rows[0].article_hit_rate == 0.0  # the fake's documents are never the real article
