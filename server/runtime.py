@@ -52,10 +52,20 @@ def prefetch_budget_bytes(settings: Settings, device: str, cache_bytes: int) -> 
     return min(int(profile["copy_gbps"] * 1e9 * t_llm_ms / 1e3), cache_bytes)
 
 
-def _engine(settings: Settings) -> Engine:
+def build_engine(settings: Settings) -> Engine:
+    """The configured engine: SGLang in this process on a GPU box, else transformers."""
     engine = settings.engine
     if engine.kind == "sglang":
-        raise EngineUnavailable("the SGLang engine adapter is not in this version; use engine.kind=cpu")
+        from pipelines.engines.sglang import SGLangEngine
+
+        if engine.model_path is None:
+            raise EngineUnavailable("engine.kind=sglang needs engine.model_path (a local model directory)")
+        return SGLangEngine(
+            str(engine.model_path.expanduser()),
+            mem_fraction_static=engine.mem_fraction_static,
+            context_length=engine.context_length,
+            tp_size=engine.tp_size,
+        )
     from pipelines.engines.cpu import CPUEngine
 
     device = _device(engine.device)
@@ -88,7 +98,7 @@ async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
         verify_checksums=retrieval.verify_checksums,
     )
     try:
-        engine = _engine(settings)
+        engine = build_engine(settings)
         log.info("engine %s (%s)", getattr(engine, "name", "?"), settings.engine.kind)
         runtime = Runtime(
             settings=settings,

@@ -5,6 +5,7 @@ environment variables (`TELERAG_…`, nested with `__`, e.g. `TELERAG_SERVER__PO
 from __future__ import annotations
 
 import os
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
@@ -13,6 +14,7 @@ from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
+_config_file: ContextVar[Path | None] = ContextVar("telerag_config_file", default=None)  # --config, while loading
 DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"
 
 
@@ -100,14 +102,16 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        path = Path(os.environ.get("TELERAG_CONFIG", DEFAULT_CONFIG))
+        path = _config_file.get() or Path(os.environ.get("TELERAG_CONFIG", DEFAULT_CONFIG))
         return init_settings, env_settings, _YamlSource(settings_cls, path)
 
 
 def load_settings(config: Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:
     """Settings from the YAML file, the environment and `overrides` (flags, nested dicts)."""
-    if config is not None:
-        if not Path(config).is_file():
-            raise FileNotFoundError(f"configuration file not found: {config}")
-        os.environ["TELERAG_CONFIG"] = str(config)
-    return Settings(**(overrides or {}))
+    if config is not None and not Path(config).is_file():
+        raise FileNotFoundError(f"configuration file not found: {config}")
+    token = _config_file.set(Path(config) if config is not None else None)
+    try:
+        return Settings(**(overrides or {}))
+    finally:
+        _config_file.reset(token)

@@ -1,0 +1,47 @@
+"""Building the runtime's pieces from settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipelines.errors import EngineUnavailable
+from server import runtime
+from server.settings import Settings
+from tests.test_engine_sglang import FakeEngine, sglang  # noqa: F401 - the fixture
+
+
+def test_sglang_engine_from_settings(sglang, monkeypatch):  # noqa: F811
+    monkeypatch.setattr("pipelines.engines.sglang._import_sglang", lambda: sglang)
+    settings = Settings(engine={"kind": "sglang", "model_path": "/models/llama", "mem_fraction_static": 0.55,
+                                "context_length": 4096, "tp_size": 1})
+    engine = runtime.build_engine(settings)
+    assert engine.name == "llama"
+    assert FakeEngine.instances[-1].kwargs["mem_fraction_static"] == 0.55
+    assert FakeEngine.instances[-1].kwargs["context_length"] == 4096
+    with pytest.raises(EngineUnavailable, match="model_path"):
+        runtime.build_engine(Settings(engine={"kind": "sglang"}))
+
+
+def test_prefetch_budget():
+    cache = 4 << 30
+    assert runtime.prefetch_budget_bytes(Settings(), "cpu", cache) == 0
+    auto = runtime.prefetch_budget_bytes(Settings(), "cuda", cache)
+    assert 0 < auto <= cache  # B * t_LLM from the profile, capped by the cache
+    assert runtime.prefetch_budget_bytes(Settings(retrieval={"prefetch_budget_mb": 100}), "cuda", cache) == 100 << 20
+    assert runtime.prefetch_budget_bytes(Settings(retrieval={"prefetch_budget_mb": 10**6}), "cuda", cache) == cache
+
+
+def test_settings_precedence(tmp_path: Path, monkeypatch):
+    from server.settings import load_settings
+
+    config = tmp_path / "c.yaml"
+    config.write_text("server:\n  port: 7000\n  host: 0.0.0.0\nscheduler:\n  max_batch: 5\n")
+    monkeypatch.setenv("TELERAG_SERVER__PORT", "7100")
+    settings = load_settings(config, {"scheduler": {"max_batch": 9}})
+    assert settings.server.host == "0.0.0.0"  # from the file
+    assert settings.server.port == 7100  # the environment beats the file
+    assert settings.scheduler.max_batch == 9  # flags beat both
+    with pytest.raises(FileNotFoundError):
+        load_settings(tmp_path / "missing.yaml")
