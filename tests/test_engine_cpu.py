@@ -42,6 +42,13 @@ def engine() -> Iterator[CPUEngine]:
     asyncio.run(engine.close())
 
 
+@pytest.fixture(scope="module")
+def reference() -> torch.nn.Module:
+    """The tiny engine's model as plain transformers runs it (the engine changes its own copy)."""
+    model, _ = tiny_random_lm(0)
+    return model.eval()
+
+
 class Recorder:
     """A forward pre-hook on the model: records each step's batch size, and can fail a step."""
 
@@ -90,15 +97,15 @@ async def test_streaming_yields_the_same_text_as_generate(engine: CPUEngine):
         assert 0 < generation.ttft_ms <= generation.total_ms
 
 
-async def test_greedy_is_deterministic_and_matches_transformers_generate(engine: CPUEngine):
+async def test_greedy_is_deterministic_and_matches_transformers_generate(engine: CPUEngine, reference: torch.nn.Module):
     first = await engine.generate(PROMPTS, GREEDY)
     second = await engine.generate(PROMPTS, GREEDY)
     assert [g.token_ids for g in first] == [g.token_ids for g in second]
     for prompt, generation in zip(PROMPTS, first, strict=True):
         ids = torch.tensor([engine.tokenizer.encode(prompt, add_special_tokens=False)])
         with torch.inference_mode():
-            out = engine.model.generate(ids, max_new_tokens=GREEDY.max_tokens, do_sample=False,
-                                        eos_token_id=sorted(engine.eos_ids), pad_token_id=engine.pad_id)
+            out = reference.generate(ids, max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                                     eos_token_id=sorted(engine.eos_ids), pad_token_id=engine.pad_id)
         expected = out[0, ids.shape[1]:].tolist()
         assert list(generation.token_ids) == [t for t in expected if t not in engine.eos_ids]
         assert generation.text == engine.decode(generation.token_ids)
@@ -174,13 +181,13 @@ async def test_max_tokens_is_respected(engine: CPUEngine):
     assert (nothing.text, nothing.completion_tokens, nothing.finish_reason) == ("", 0, "length")
 
 
-async def test_logprobs_are_those_of_a_plain_forward_pass(engine: CPUEngine):
+async def test_logprobs_are_those_of_a_plain_forward_pass(engine: CPUEngine, reference: torch.nn.Module):
     generations = await engine.generate(PROMPTS, SamplingParams(max_tokens=10, logprobs=True))
     for prompt, generation in zip(PROMPTS, generations, strict=True):
         prompt_ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
         ids = torch.tensor([prompt_ids + list(generation.token_ids)])
         with torch.inference_mode():
-            scores = torch.log_softmax(engine.model(input_ids=ids).logits[0].float(), dim=-1)
+            scores = torch.log_softmax(reference(input_ids=ids).logits[0].float(), dim=-1)
         positions = torch.arange(len(prompt_ids) - 1, ids.shape[1] - 1)
         expected = scores[positions, torch.tensor(generation.token_ids)]
         assert len(generation.logprobs) == generation.completion_tokens == 10
@@ -409,8 +416,11 @@ def test_the_embedded_gguf_is_converted_once_and_cached(gemma_dir: Path, monkeyp
 
 @pytest.mark.slow
 async def test_the_embedded_gemma_answers_and_matches_transformers(gemma_dir: Path, monkeypatch: pytest.MonkeyPatch):
+    from transformers import AutoModelForCausalLM
+
     monkeypatch.setenv("TELERAG_CACHE_DIR", str(gemma_dir.parent.parent))
     engine = CPUEngine.embedded_default()
+    reference = AutoModelForCausalLM.from_pretrained(gemma_dir, local_files_only=True, dtype=torch.float32).eval()
     try:
         assert engine.name == "gemma-3-270m" and engine.tokenizer.bos_token == "<bos>"
         prompts = [engine.format_prompt("Question: What is the capital of France?\nAnswer:"), "The Nile flows through"]
@@ -419,8 +429,8 @@ async def test_the_embedded_gemma_answers_and_matches_transformers(gemma_dir: Pa
         for prompt, generation in zip(prompts, generations, strict=True):
             ids = torch.tensor([engine.tokenizer.encode("<bos>" + prompt, add_special_tokens=False)])
             with torch.inference_mode():
-                out = engine.model.generate(ids, max_new_tokens=generation.completion_tokens, do_sample=False,
-                                            eos_token_id=sorted(engine.eos_ids), pad_token_id=engine.pad_id)
+                out = reference.generate(ids, max_new_tokens=generation.completion_tokens, do_sample=False,
+                                         eos_token_id=sorted(engine.eos_ids), pad_token_id=engine.pad_id)
             assert out[0, ids.shape[1]:].tolist() == list(generation.token_ids)
     finally:
         await engine.close()

@@ -168,11 +168,11 @@ SKINNY_ROWS = 128  # up to this many rows, a CPU matmul is faster as (W @ x.T).T
 
 class _SkinnyLinear(torch.nn.Linear):
     """nn.Linear that computes an input of few rows (a decode step has one per sequence) as
-    (W @ x.T).T. The result is the same, but MKL's GEMM is 2-4x faster in that orientation
-    when one side is thin: on the 2-core EPYC this was written on, Gemma 3 270M's 262k-word
-    output layer takes 308 ms for 8 rows as `linear` and 102 ms this way (76 ms for 1 row
-    either way), its MLPs 1.2 ms and 0.5 ms; from about 400 rows on the two are even.
-    `telerag bench generate` shows what it is worth against plain transformers."""
+    (W @ x.T).T: the same result up to float rounding, but MKL's GEMM is 2-4x faster in that
+    orientation when one side is thin. On the 2-core EPYC this was written on, Gemma 3 270M's
+    262k-word output layer takes 308 ms for 8 rows as `linear` and 102 ms this way (76 ms for
+    1 row either way), its MLP layers 1.2 and 0.5 ms; from about 400 rows on the two are even.
+    `telerag bench generate` measures what it is worth against plain transformers."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
@@ -376,6 +376,20 @@ class _Batch:
         self.temperature = torch.cat([self.temperature, other.temperature])
         self.top_p = torch.cat([self.top_p, other.top_p])
         self.live = self.live + other.live
+
+
+def _joined(batch: _Batch | None, fresh: _Batch | None) -> _Batch:
+    """The running batch with the freshly prefilled one merged in (either may be missing)."""
+    if batch is None or fresh is None:
+        joined = batch or fresh
+        assert joined is not None
+        return joined
+    batch.extend(fresh)
+    return batch
+
+
+def _calls(batch: _Batch | None) -> set[_Call]:
+    return {d.row.call for d in batch.live} if batch is not None else set()
 
 
 def _fit_left(tensor: torch.Tensor, length: int, dim: int = -1) -> torch.Tensor:
@@ -585,22 +599,17 @@ class CPUEngine:
 
     def _serve(self) -> None:
         """Between two decode steps, take in waiting prompts (prefilled, then merged into the
-        running batch), until the engine closes."""
+        running batch), until the engine closes. Whatever fails fails only its own callers."""
         batch: _Batch | None = None
         while True:
             rows = self._take(batch)
             if rows is None:
-                for call in {d.row.call for d in (batch.live if batch else [])}:
+                for call in _calls(batch):
                     call.emit(GenerationAborted("the engine was closed"))
                 return
-            if rows:
-                fresh = self._forward_safely(lambda: self._prefill(rows), {row.call for row in rows})
-                if fresh is not None and batch is not None:
-                    batch.extend(fresh)
-                elif fresh is not None:
-                    batch = fresh
-            if batch is not None:
-                batch = self._forward_safely(lambda: self._step(batch), {d.row.call for d in batch.live})
+            fresh = self._safely(lambda: self._prefill(rows), {row.call for row in rows}) if rows else None
+            if batch is not None or fresh is not None:
+                batch = self._safely(lambda: self._step(_joined(batch, fresh)), _calls(batch) | _calls(fresh))
 
     def _take(self, batch: _Batch | None) -> list[_Row] | None:
         """The waiting rows that fit beside `batch` (waiting for some when there is no batch);
@@ -621,7 +630,7 @@ class CPUEngine:
                     rows.append(row)
             return rows
 
-    def _forward_safely(self, work: Callable[[], _Batch | None], calls: set[_Call]) -> _Batch | None:
+    def _safely(self, work: Callable[[], _Batch | None], calls: set[_Call]) -> _Batch | None:
         """`work()` (a forward pass); if it fails, `calls` (its rows' callers) get an EngineError,
         their rows are dropped, and the engine goes on serving the others."""
         try:
