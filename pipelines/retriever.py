@@ -77,7 +77,8 @@ class DirectRetriever:
     def _prefetch_batch(self, groups: list[list[str]], enabled: list[bool]) -> list[PrefetchTicket]:
         active = [i for i, (group, on) in enumerate(zip(groups, enabled, strict=True)) if on and group]
         tickets = [PrefetchTicket(queries=group, stats={"enabled": False}) for group in groups]
-        if not active:
+        if not active or not self.prefetch_budget_bytes or not self.engine.cache.capacity_rows:
+            # nothing could be copied (no budget or no cache): do not even embed q_in
             return tickets
         vectors, embed_ms = self._embed([text for i in active for text in groups[i]])
         splits = np.cumsum([len(groups[i]) for i in active])[:-1]
