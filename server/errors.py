@@ -9,7 +9,15 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from pipelines.errors import EmbedderError, EngineError, EngineUnavailable, PipelineError, UnknownPipeline
+from pipelines.errors import (
+    EmbedderError,
+    EngineError,
+    EngineOverloaded,
+    EngineUnavailable,
+    GenerationAborted,
+    PipelineError,
+    UnknownPipeline,
+)
 from retrieval.errors import DatastoreError, RetrievalError, SearchError
 
 log = logging.getLogger(__name__)
@@ -57,6 +65,8 @@ STATUS: list[tuple[type[Exception], int]] = [
     (SearchError, 422),
     (Unauthorized, 401),
     (Overloaded, 429),
+    (EngineOverloaded, 429),
+    (GenerationAborted, 503),
     (NotReady, 503),
     (RequestTimeout, 504),
     (EngineUnavailable, 503),
@@ -83,7 +93,7 @@ def response_for(exc: BaseException) -> JSONResponse:
     status = status_of(exc)
     if status >= 500:
         log.error("request failed: %s", exc, exc_info=exc)
-    headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, Overloaded) else None
+    headers = {"Retry-After": str(getattr(exc, "retry_after", 1))} if status == 429 else None
     if isinstance(exc, Unauthorized):
         headers = {"WWW-Authenticate": "Bearer"}
     return JSONResponse(error_body(exc), status_code=status, headers=headers)

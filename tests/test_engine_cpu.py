@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pipelines.engines import StopFilter, format_chat
-from pipelines.engines.cpu import CPUEngine, converted_gguf, tiny_random_lm
+from pipelines.engines.cpu import CPUEngine, _Detokenizer, converted_gguf, tiny_random_lm
 from pipelines.errors import (
     EngineError,
     EngineOverloaded,
@@ -375,6 +375,19 @@ def test_format_prompt_uses_the_chat_template_only_when_there_is_one(engine: CPU
     tokenizer = copy.deepcopy(engine.tokenizer)
     tokenizer.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}<model>"
     assert format_chat(tokenizer, "Why?") == "<user>Why?</user><model>"
+
+
+def test_streamed_pieces_add_up_to_the_decoded_text():
+    # Byte-level tokens: a character of several bytes is released only once it is complete.
+    text = "Zoë lives in 日本 🙂."
+    data = text.encode()
+    detokenizer = _Detokenizer(lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+    pieces = [detokenizer.push(byte) for byte in data]
+    assert "".join(pieces) + detokenizer.flush() == text and not any("\ufffd" in p for p in pieces)
+    # SentencePiece-like words, whose decoder drops the space before the first word decoded.
+    words = [" The", " Nile", " flows", " north"]
+    spaced = _Detokenizer(lambda ids: "".join(words[i] for i in ids).removeprefix(" "))
+    assert "".join(spaced.push(i) for i in range(4)) == "The Nile flows north"
 
 
 def test_stop_filter_never_releases_text_it_later_takes_back():

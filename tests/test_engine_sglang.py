@@ -97,14 +97,17 @@ class FakeEngine:
         stream: bool = False,
         **rest: Any,
     ) -> dict | AsyncIterator[dict]:
-        if FakeEngine.fail_request:
-            raise FakeEngine.fail_request
-        self.requests.append({"prompt": prompt, "sampling_params": sampling_params, "return_logprob": return_logprob, "stream": stream})
+        self.requests.append(
+            {"prompt": prompt, "sampling_params": sampling_params, "return_logprob": return_logprob, "stream": stream}
+        )
         assert stream is True and isinstance(prompt, list) and isinstance(sampling_params, dict)
         return self._stream(prompt, sampling_params, bool(return_logprob))
 
     async def _stream(self, prompts: list[str], params: dict, return_logprob: bool) -> AsyncIterator[dict]:
-        """Interleaves the prompts' outputs, one token each in turn, the last prompt first."""
+        """Interleaves the prompts' outputs, one token each in turn, the last prompt first. Like
+        SGLang's, it checks the request (and may refuse it) only when first asked for output."""
+        if FakeEngine.fail_request:
+            raise FakeEngine.fail_request
         states = [self._outputs(index, prompt, params, return_logprob) for index, prompt in enumerate(prompts)]
         try:
             while states:
@@ -159,7 +162,9 @@ def sglang() -> types.ModuleType:
     return types.SimpleNamespace(Engine=FakeEngine)  # type: ignore[return-value]
 
 
-async def collect(engine: SGLangEngine, prompts: list[str], params: SamplingParams) -> tuple[dict[int, str], dict[int, Generation]]:
+async def collect(
+    engine: SGLangEngine, prompts: list[str], params: SamplingParams
+) -> tuple[dict[int, str], dict[int, Generation]]:
     texts = {i: "" for i in range(len(prompts))}
     finals: dict[int, Generation] = {}
     async for item in engine.stream(prompts, params):

@@ -244,3 +244,22 @@ async def test_metrics_expose_everything():
         ("telerag_time_to_first_token_seconds_bucket", ('pipeline="hyde"',)),
     ):
         assert any(line.startswith(metric) and all(label in line for label in labels) for line in lines), (metric, labels)
+
+
+@pytest.mark.parametrize(("error", "status"), [("EngineOverloaded", 429), ("GenerationAborted", 503), ("EngineError", 502)])
+async def test_engine_errors_map_to_status(error, status):
+    import pipelines.errors as pipeline_errors
+
+    h = Harness()
+
+    async def failing(prompts, params):  # noqa: ANN001
+        raise getattr(pipeline_errors, error)("engine says no")
+        yield  # an async generator
+
+    h.engine.stream = failing
+    async with h.client() as client:
+        response = await client.post("/v1/rag/query", json={"query": "q?"})
+    assert response.status_code == status
+    assert response.json()["error"]["message"] == "engine says no"
+    assert ("retry-after" in response.headers) == (status == 429)
+    assert not h.retriever.outstanding

@@ -178,7 +178,7 @@ class _SkinnyLinear(torch.nn.Linear):
         rows = x.numel() // self.in_features
         if rows > SKINNY_ROWS:
             return super().forward(x)
-        out = torch.mm(self.weight, x.reshape(rows, self.in_features).T).T
+        out = torch.mm(self.weight, x.reshape(rows, self.in_features).T).T.contiguous()  # as `linear` gives it
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -240,7 +240,7 @@ class _Detokenizer:
     prefix-offset method of TGI and vLLM), so word-leading spaces come out right, and a piece
     ending in an unfinished UTF-8 character waits for the token that completes it."""
 
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+    def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
         self.decode = decode
         self.ids: list[int] = []
         self.prefix = 0
@@ -266,7 +266,7 @@ class _Detokenizer:
 class _Decoding:
     """One row of the running batch: its tokens, log-probabilities and text so far."""
 
-    def __init__(self, row: _Row, decode: Callable[[list[int]], str], max_tokens: int) -> None:
+    def __init__(self, row: _Row, decode: Callable[[Sequence[int]], str], max_tokens: int) -> None:
         self.row = row
         self.params = row.call.params
         self.prompt_tokens = len(row.prompt_ids)
@@ -607,9 +607,9 @@ class CPUEngine:
                 for call in _calls(batch):
                     call.emit(GenerationAborted("the engine was closed"))
                 return
-            fresh = self._safely(lambda: self._prefill(rows), {row.call for row in rows}) if rows else None
+            fresh = self._safely({row.call for row in rows}, self._prefill, rows) if rows else None
             if batch is not None or fresh is not None:
-                batch = self._safely(lambda: self._step(_joined(batch, fresh)), _calls(batch) | _calls(fresh))
+                batch = self._safely(_calls(batch) | _calls(fresh), self._step, batch, fresh)
 
     def _take(self, batch: _Batch | None) -> list[_Row] | None:
         """The waiting rows that fit beside `batch` (waiting for some when there is no batch);
@@ -630,12 +630,12 @@ class CPUEngine:
                     rows.append(row)
             return rows
 
-    def _safely(self, work: Callable[[], _Batch | None], calls: set[_Call]) -> _Batch | None:
-        """`work()` (a forward pass); if it fails, `calls` (its rows' callers) get an EngineError,
-        their rows are dropped, and the engine goes on serving the others."""
+    def _safely(self, calls: set[_Call], work: Callable[..., _Batch | None], *args: Any) -> _Batch | None:
+        """`work(*args)` (a forward pass); if it fails, `calls` (its rows' callers) get an
+        EngineError, their rows are dropped, and the engine goes on serving the others."""
         try:
             with torch.inference_mode():
-                return work()
+                return work(*args)
         except Exception as exc:  # noqa: BLE001 - surfaced to the callers, typed
             log.exception("generation failed")
             for call in calls:
@@ -647,7 +647,7 @@ class CPUEngine:
         live = []
         for row in rows:
             room = self.context_length - len(row.prompt_ids) if self.context_length else row.call.params.max_tokens
-            decoding = _Decoding(row, self._decode_ids, max_tokens=min(row.call.params.max_tokens, room))
+            decoding = _Decoding(row, self.decode, max_tokens=min(row.call.params.max_tokens, room))
             if decoding.max_tokens > 0:
                 live.append(decoding)
             else:
@@ -665,8 +665,10 @@ class CPUEngine:
         )
         return self._step(batch)
 
-    def _step(self, batch: _Batch) -> _Batch | None:
-        """One forward pass: every row gets its next token; None when no row is left."""
+    def _step(self, batch: _Batch | None, fresh: _Batch | None = None) -> _Batch | None:
+        """Merge `fresh` (just prefilled) into `batch`, then one forward pass: every row gets its
+        next token. None when no row is left."""
+        batch = _joined(batch, fresh)
         out = self.model(
             input_ids=batch.next_ids, attention_mask=batch.mask, position_ids=batch.positions,
             past_key_values=batch.cache, use_cache=True, logits_to_keep=1,
@@ -683,10 +685,6 @@ class CPUEngine:
             return None
         batch.feed(chosen, keep)
         return batch
-
-    def _decode_ids(self, ids: list[int]) -> str:
-        with self._tokenizer_lock:
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's next token (greedy where its temperature is 0, else sampled from the

@@ -110,19 +110,17 @@ class SGLangEngine:
             outputs = await self.engine.async_generate(
                 prompt=list(prompts), sampling_params=sampling_params(params), return_logprob=params.logprobs, stream=True
             )
-        except ValueError as exc:  # SGLang's word for a request it refuses (e.g. too long)
-            raise EngineError(f"SGLang refused the request: {exc}") from exc
-        except Exception as exc:  # noqa: BLE001
-            raise EngineError(f"SGLang failed: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - SGLang's own errors become ours
+            raise _engine_error(exc) from exc
         progress = [_Progress(StopFilter(params.stop)) for _ in prompts]
         try:
             while True:
-                try:
+                try:  # the request is checked (and may be refused) at the first step
                     out = await outputs.__anext__()
                 except StopAsyncIteration:
                     break
-                except Exception as exc:  # noqa: BLE001 - SGLang's own errors become ours
-                    raise EngineError(f"SGLang failed: {exc}") from exc
+                except Exception as exc:  # noqa: BLE001
+                    raise _engine_error(exc) from exc
                 for item in _translate(out, progress, params, started):
                     yield item
         finally:
@@ -135,7 +133,9 @@ class SGLangEngine:
         await asyncio.to_thread(self.engine.shutdown)
 
 
-def _translate(out: dict[str, Any], progress: list[_Progress], params: SamplingParams, started: float) -> list[TokenChunk | Generation]:
+def _translate(
+    out: dict[str, Any], progress: list[_Progress], params: SamplingParams, started: float
+) -> list[TokenChunk | Generation]:
     """One SGLang output dict as our items: the new text and tokens as a TokenChunk and, on the
     last dict of a prompt, its Generation."""
     index = int(out.get("index", 0))
@@ -180,6 +180,14 @@ def _translate(out: dict[str, Any], progress: list[_Progress], params: SamplingP
         )
     )
     return items
+
+
+def _engine_error(exc: Exception) -> EngineError:
+    """An exception out of SGLang as ours: a ValueError is its word for a request it refuses
+    (too long for the context, bad sampling parameters)."""
+    if isinstance(exc, ValueError):
+        return EngineError(f"SGLang refused the request: {exc}")
+    return EngineError(f"SGLang failed: {exc}")
 
 
 def _abort_error(finish: dict[str, Any]) -> PipelineError:

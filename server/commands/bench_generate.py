@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = [engine.format_prompt(f"Question: {q}\nAnswer:") for q in questions]
     ids = [engine.encode_prompt(p) for p in prompts]
     params = SamplingParams(max_tokens=args.max_tokens)
-    _progress(f"model {engine.name}: {args.prompts} requests x {args.max_tokens} tokens, greedy, {torch.get_num_threads()} threads")
+    _progress(f"{engine.name}: {args.prompts} requests x {args.max_tokens} tokens, greedy, {torch.get_num_threads()} threads")
 
     _hf_generate(engine, baseline, ids[:1], 2)  # warm both up once
     asyncio.run(engine.generate(prompts[:1], SamplingParams(max_tokens=2)))
@@ -106,7 +106,9 @@ def run(args: argparse.Namespace) -> int:
         "requests": args.prompts,
         "max_tokens": args.max_tokens,
         "methods": {m.method: {k: v for k, v in asdict(m).items() if k not in ("method", "token_ids")} for m in methods},
-        "same_tokens_as_generate": {m.method: sum(a == b for a, b in zip(m.token_ids, reference, strict=True)) for m in methods[1:]},
+        "same_tokens_as_generate": {
+            m.method: sum(a == b for a, b in zip(m.token_ids, reference, strict=True)) for m in methods[1:]
+        },
         "speedup_tokens_per_s": {
             "engine_concurrent_vs_generate_1by1": methods[3].tokens_per_s / methods[0].tokens_per_s,
             "engine_concurrent_vs_generate_batch": methods[3].tokens_per_s / methods[1].tokens_per_s,
@@ -228,7 +230,8 @@ def _table(methods: list[Measured], report: dict) -> str:
     lines = [
         f"{report['model']} on {report['device']}, {report['threads']} threads, load average {report['load_average_1m']:.1f}; "
         f"{report['requests']} requests x {report['max_tokens']} tokens",
-        f"{'method':<20}{'tokens':>8}{'seconds':>10}{'tokens/s':>10}{'ttft mean ms':>14}{'ttft p50 ms':>13}{'speedup':>9}{'same':>6}",
+        f"{'method':<20}{'tokens':>8}{'seconds':>10}{'tokens/s':>10}{'ttft mean ms':>14}{'ttft p50 ms':>13}"
+        f"{'speedup':>9}{'same':>6}",
     ]
     for m in methods:
         same = report["same_tokens_as_generate"].get(m.method, m.requests)
