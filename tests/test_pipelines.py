@@ -183,3 +183,35 @@ async def test_every_pipeline_runs_on_the_tiny_model():
         assert result.pipeline == name
         assert result.steps and result.timings["total_ms"] > 0
         assert not retriever.outstanding
+
+
+async def test_every_pipeline_on_the_tiny_model_and_a_small_datastore(tmp_path):
+    """The real retriever (cache, prefetch, cooperative search) under every pipeline, greedy."""
+    from pipelines.retriever import open_retriever
+    from tests.test_retriever import HashEmbedder, TOPICS
+    from tests.tiny_models import tiny_engine
+    import json as _json
+
+    from retrieval.builder import build_datastore
+    from retrieval.corpus import read_jsonl, split_passages
+
+    lines = [_json.dumps({"id": f"{t}-{i}", "title": t, "text": f"{TOPICS[t]} item{i}"}) for i in range(40) for t in TOPICS]
+    (tmp_path / "c.jsonl").write_text("\n".join(lines))
+    embedder = HashEmbedder()
+    build_datastore(split_passages(read_jsonl(tmp_path / "c.jsonl")), embedder.encode, embedder=embedder.name,
+                    out_dir=tmp_path / "ds", nlist=4, progress=False)
+    retriever = open_retriever(tmp_path / "ds", embedder, device="cpu", cache_bytes=1 << 20, prefetch_budget_bytes=1 << 20)
+    engine = tiny_engine()
+    try:
+        for name, pipeline in build_pipelines(engine, retriever).items():
+            first, _ = await run(pipeline, "river water fish", max_tokens=6, top_k=2)
+            again, _ = await run(pipeline, "river water fish", max_tokens=6, top_k=2)
+            assert first.answer == again.answer, name  # greedy: deterministic
+            assert [d.id for d in first.documents] == [d.id for d in again.documents]
+            searches = [s for s in first.steps if s.kind == "retrieval"]
+            if searches:
+                assert all(s.stats["clusters_device"] + s.stats["clusters_cpu"] > 0 for s in searches)
+                assert first.prefetch["overlap_rate"] is not None
+            assert retriever.cache_stats()["pinned_clusters"] == 0
+    finally:
+        retriever.close()
