@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from server.commands import ask, bench_generate, bench_overlap, bench_retrieval, datastore, serve
+from server.commands import ask, bench_generate, bench_overlap, bench_retrieval, bench_server, datastore, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_retrieval.register(bench_commands)
     bench_generate.register(bench_commands)
     bench_overlap.register(bench_commands)
+    bench_server.register(bench_commands)
     return parser
 
 
