@@ -221,7 +221,8 @@ def create_app(runtime: Runtime) -> FastAPI:
         request_id = new_id("rag")
         if not body.stream:
             result = await service.result(request, pipeline, body.query, options)
-            return JSONResponse(QueryResponse.from_result(result, request_id=request_id, with_documents=body.return_documents).model_dump())
+            response = QueryResponse.from_result(result, request_id=request_id, with_documents=body.return_documents)
+            return Response(response.model_dump_json(), media_type="application/json")
         await service.admission.acquire()  # refuse (429) before the stream starts, not inside it
 
         async def stream() -> AsyncIterator[bytes]:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import statistics
-from collections.abc import AsyncIterator, Callable
+import sys
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import yaml
@@ -17,6 +19,19 @@ from pipelines.types import BatchRetriever, Engine
 from server.settings import CONFIG_DIR, Settings
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def run_event_loop(main: Coroutine[Any, Any, T], settings: Settings) -> T:
+    """Run the server's event loop: uvloop when installed (uvicorn's own choice), asyncio
+    otherwise; with the GIL switch interval the settings ask for."""
+    sys.setswitchinterval(settings.server.switch_interval_ms / 1e3)
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
 
 
 @dataclass

@@ -2,10 +2,10 @@
 
 `Admission` bounds how many requests run and wait; past that a request is refused at once
 (429 with Retry-After) rather than queued without end. `BatchingRetriever` is what the
-pipelines see as their retriever: prefetch and search calls that arrive within a short window
-(or until a batch fills) become one call of the underlying `BatchRetriever`, so their
-embedding, prefetch planning and search run as one batch; each caller gets its own result and
-waits only on its own copies.
+pipelines see as their retriever: prefetch and search calls that arrive while the previous
+batch runs (or within an optional window, or until a batch fills) become one call of the
+underlying `BatchRetriever`, so their embedding, prefetch planning and search run as one
+batch; each caller gets its own result and waits only on its own copies.
 """
 
 from __future__ import annotations
@@ -80,39 +80,54 @@ class _Pending(Generic[Item, Out]):
 
 
 class _Batcher(Generic[Item, Out]):
-    """Collects items for up to `window_s` (or `max_batch` queries) and runs them as one call."""
+    """Runs `run` over batches of items, one call at a time (work-conserving).
+
+    An item that finds the batcher idle waits at most `window_s` for company (not at all with a
+    window of 0, so a lone request pays no batching latency); items that arrive while a call
+    runs form the next call as soon as it ends, up to `max_batch` queries per call. Under load
+    batches grow by themselves; when idle nothing waits.
+    """
 
     def __init__(self, run: Callable[[list[Item]], Any], size: Callable[[Item], int], window_s: float, max_batch: int,
                  on_batch: Callable[[int], None], abandon: Callable[[Out], None] = lambda result: None) -> None:
         self._run, self._size, self.window_s, self.max_batch = run, size, window_s, max_batch
         self._on_batch, self._abandon = on_batch, abandon
         self._pending: list[_Pending[Item, Out]] = []
-        self._flusher: asyncio.Task | None = None
+        self._full = asyncio.Event()
+        self._worker: asyncio.Task | None = None
 
     async def submit(self, item: Item) -> Out:
         pending: _Pending[Item, Out] = _Pending(item)
         self._pending.append(pending)
         if sum(self._size(p.item) for p in self._pending) >= self.max_batch:
-            self._flush_now()
-        elif self._flusher is None:
-            self._flusher = asyncio.create_task(self._flush_later())
+            self._full.set()
+        if self._worker is None:
+            self._worker = asyncio.create_task(self._work())
         return await pending.future
 
-    async def _flush_later(self) -> None:
-        await asyncio.sleep(self.window_s)
-        self._flusher = None
-        await self._flush()
+    async def _work(self) -> None:
+        try:
+            if self.window_s > 0 and not self._full.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._full.wait(), self.window_s)
+            while batch := self._take():
+                await self._dispatch(batch)
+        finally:
+            self._worker = None
 
-    def _flush_now(self) -> None:
-        if self._flusher is not None:
-            self._flusher.cancel()
-            self._flusher = None
-        asyncio.create_task(self._flush())
+    def _take(self) -> list[_Pending[Item, Out]]:
+        """The next batch: waiting items in arrival order up to `max_batch` queries (at least one);
+        callers that went away before their turn are dropped, so they cost nothing."""
+        self._pending = [p for p in self._pending if not p.future.done()]
+        batch, total = [], 0
+        while self._pending and (not batch or total + self._size(self._pending[0].item) <= self.max_batch):
+            total += self._size(self._pending[0].item)
+            batch.append(self._pending.pop(0))
+        if sum(self._size(p.item) for p in self._pending) < self.max_batch:
+            self._full.clear()
+        return batch
 
-    async def _flush(self) -> None:
-        batch, self._pending = self._pending, []
-        if not batch:
-            return
+    async def _dispatch(self, batch: list[_Pending[Item, Out]]) -> None:
         self._on_batch(sum(self._size(p.item) for p in batch))
         try:
             results = await self._run([p.item for p in batch])

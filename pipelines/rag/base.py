@@ -56,7 +56,7 @@ GENERATE = Stage("generate", "generate")
 class RunContext:
     query: str
     options: RunOptions
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[RunEvent | None] = field(default_factory=asyncio.Queue)  # None: the body ended
     steps: list[Step] = field(default_factory=list)
     documents: list[Document] = field(default_factory=list)
     tokens_generated: int = 0
@@ -81,19 +81,13 @@ class RagPipeline:
     async def run(self, query: str, options: RunOptions) -> AsyncIterator[RunEvent]:
         ctx = RunContext(query=query, options=options)
         task = asyncio.create_task(self.body(ctx))
+        # The body's end is queued behind every event it queued, so one `get` per event suffices.
+        task.add_done_callback(lambda _: ctx.events.put_nowait(None))
         try:
-            while True:
-                getter = asyncio.ensure_future(ctx.events.get())
-                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-                if getter.done():
-                    yield getter.result()
-                    continue
-                getter.cancel()
-                while not ctx.events.empty():
-                    yield ctx.events.get_nowait()
-                answer = task.result()  # raises the body's error
-                yield ResultEvent(self._result(ctx, answer))
-                return
+            while (event := await ctx.events.get()) is not None:
+                yield event
+            answer = task.result()  # raises the body's error
+            yield ResultEvent(self._result(ctx, answer))
         finally:
             if not task.done():
                 task.cancel()

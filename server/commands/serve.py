@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 from pathlib import Path
 from typing import Any
@@ -55,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from server.app import create_app
-    from server.runtime import open_runtime
+    from server.runtime import open_runtime, run_event_loop
 
     settings = load_settings(args.config, overrides(args))
     logging.basicConfig(level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -69,5 +68,5 @@ def run(args: argparse.Namespace) -> int:
             logging.getLogger("telerag").info("serving on http://%s:%d", settings.server.host, settings.server.port)
             await uvicorn.Server(config).serve()
 
-    asyncio.run(main())
+    run_event_loop(main(), settings)
     return 0
