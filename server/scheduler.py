@@ -128,8 +128,8 @@ class _Batcher(Generic[Item, Out]):
         return batch
 
     async def _dispatch(self, batch: list[_Pending[Item, Out]]) -> None:
-        self._on_batch(sum(self._size(p.item) for p in batch))
         try:
+            self._on_batch(sum(self._size(p.item) for p in batch))
             results = await self._run([p.item for p in batch])
         except Exception as exc:  # noqa: BLE001 - every caller of the batch sees the failure
             for p in batch:
