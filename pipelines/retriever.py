@@ -125,6 +125,7 @@ class DirectRetriever:
                         "overlap_rate": float(np.mean(overlaps)) if overlaps else None,
                         "clusters_device": sum(s.clusters_device for s in per_query),
                         "clusters_cpu": sum(s.clusters_cpu for s in per_query),
+                        **result.stats,
                         "nprobe": nprobe,
                         "batch": len(rows),
                     },
@@ -174,6 +175,8 @@ def open_retriever(
     cache_bytes: int = 0,
     prefetch_budget_bytes: int = 0,
     nprobe: int | None = None,
+    demand_copy: bool | None = None,
+    cpu_threads: int | None = None,
     build_if_missing: bool = False,
     verify_checksums: bool = True,
 ) -> DirectRetriever:
@@ -192,9 +195,17 @@ def open_retriever(
             overwrite=datastore_path.exists(),
         )
     datastore = Datastore.load(datastore_path, embedder=embedder.name, dim=embedder.dim, verify_checksums=verify_checksums)
-    engine = RetrievalEngine(datastore, device=device, cache_bytes=cache_bytes, nprobe=nprobe, progress=True)
+    engine = RetrievalEngine(
+        datastore,
+        device=device,
+        cache_bytes=cache_bytes,
+        nprobe=nprobe,
+        demand_copy=demand_copy,
+        cpu_threads=cpu_threads,
+        progress=True,
+    )
     log.info(
-        "datastore %s: %d passages, %d lists, dim %d, embedder %s; device %s, cluster cache %.1f MB",
+        "datastore %s: %d passages, %d lists, dim %d, embedder %s; device %s, cluster cache %.1f MB, demand copies %s",
         datastore_path,
         datastore.n_vectors,
         datastore.nlist,
@@ -202,5 +213,6 @@ def open_retriever(
         datastore.manifest.embedder,
         engine.device,
         engine.cache.capacity_bytes / 2**20,
+        "on" if engine.demand is not None else "off",
     )
     return DirectRetriever(engine, embedder, prefetch_budget_bytes=prefetch_budget_bytes)

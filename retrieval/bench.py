@@ -1,10 +1,10 @@
-"""`telerag bench retrieval`: faiss CPU vs. our prefetch + cooperative search vs. everything
-resident, side by side in one run, on a synthetic clustered datastore with controllable overlap."""
+"""`telerag bench retrieval`: faiss CPU vs. our prefetch + cooperative search (without and with
+demand copies) vs. everything resident, side by side in one run, on a synthetic clustered datastore with controllable overlap."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +30,7 @@ class BenchConfig:
     queries: int = 64
     budget_mb: float = 0.0
     cache_mb: float | None = None  # default: the budget
+    demand_mb: float | None = None  # extra cache for demand copies; default: one search's C_out on average
     overlap_noise: float = 0.3
     codec: str = "fp32"
     device: str = "auto"
@@ -107,72 +108,116 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclass
+class _Phase:
+    """Per-batch measurements of one way of searching (the first batch, a warm-up, is left out)."""
+
+    total_ms: list[float] = field(default_factory=list)
+    device_ms: list[float] = field(default_factory=list)
+    cpu_ms: list[float] = field(default_factory=list)
+    probe_ms: list[float] = field(default_factory=list)
+    identical: list[bool] = field(default_factory=list)
+    overlap: list[float] = field(default_factory=list)
+    device_fraction: list[float] = field(default_factory=list)  # of each query's nprobe clusters
+    demand_fraction: list[float] = field(default_factory=list)  # clusters copied on demand / (batch * nprobe)
+    copy_ms: list[float] = field(default_factory=list)  # the prefetch copies, timed on the copy stream
+    copied: list[int] = field(default_factory=list)
+
+
+def _p50(values: list[float]) -> float:
+    return float(np.median(values)) if values else float("nan")
+
+
+def _search_phase(
+    engine: RetrievalEngine,
+    q_in: np.ndarray | None,
+    q_out: np.ndarray,
+    batches: list[slice],
+    references: list[tuple[np.ndarray, np.ndarray]],
+    config: BenchConfig,
+    budget: int,
+    label: str,
+    progress: bool,
+) -> _Phase:
+    """Prefetch each batch's q_in (unless `q_in` is None), let the copies land (they overlap the
+    pre-retrieval LLM call in a real request), then time the search of its q_out."""
+    device = engine.device
+    phase = _Phase()
+    for i, batch in enumerate(tqdm(batches, desc=label, disable=not progress)):
+        handle = engine.prefetch(q_in[batch], budget) if q_in is not None else None
+        if handle is not None and handle.lease is not None and handle.lease.copy_events is not None:
+            begin, end = handle.lease.copy_events
+            end.synchronize()
+            phase.copy_ms.append(begin.elapsed_time(end))
+            phase.copied.append(handle.lease.bytes_copied)
+        _sync(device)
+        t0 = time.perf_counter()
+        result = engine.search(q_out[batch], config.topk, config.nprobe, prefetch=handle)
+        elapsed = (time.perf_counter() - t0) * 1e3
+        if handle is not None:
+            handle.release()
+        ref_scores, ref_ids = references[i]
+        phase.identical.extend(
+            same_results(result.ids[j], result.scores[j], ref_ids[j], ref_scores[j]) for j in range(len(ref_ids))
+        )
+        phase.overlap.extend(s.overlap_rate for s in result.per_query if s.overlap_rate is not None)
+        phase.device_fraction.extend(s.clusters_device / config.nprobe for s in result.per_query)
+        phase.demand_fraction.append(result.stats.get("clusters_copied_on_demand", 0) / (len(ref_ids) * config.nprobe))
+        if i:
+            phase.total_ms.append(elapsed)
+            phase.device_ms.append(result.device_ms)
+            phase.cpu_ms.append(result.cpu_ms)
+            phase.probe_ms.append(result.probe_ms)
+    return phase
+
+
 def run(config: BenchConfig, progress: bool = True) -> dict:
-    """Time faiss, ours (prefetch at the budget) and everything resident over the same queries."""
+    """Time faiss, ours (prefetch at the budget), ours with demand copies, and everything
+    resident over the same queries."""
     path = synthetic_datastore(config, progress)
     datastore = Datastore.load(path, verify_checksums=False)
     if datastore.manifest.embedder != "synthetic":
         raise DatastoreError(f"{path} is not a synthetic benchmark datastore")
     device = resolve_device(config.device)
-    budget = int(config.budget_mb * (1 << 20))
-    cache_bytes = int((config.cache_mb if config.cache_mb is not None else config.budget_mb) * (1 << 20))
-    engine = RetrievalEngine(datastore, device=device, cache_bytes=cache_bytes, nprobe=config.nprobe, progress=progress)
+    mb = 1 << 20
+    budget = int(config.budget_mb * mb)
+    cache_bytes = int((config.cache_mb if config.cache_mb is not None else config.budget_mb) * mb)
+    engine = RetrievalEngine(
+        datastore, device=device, cache_bytes=cache_bytes, nprobe=config.nprobe, demand_copy=False, progress=progress
+    )
+    row_bytes = engine.cache.row_bytes
+    # room for demand copies: by default what one search's C_out holds on average
+    demand_bytes = int(
+        config.demand_mb * mb
+        if config.demand_mb is not None
+        else config.batch * config.nprobe * datastore.n_vectors / datastore.nlist * row_bytes
+    )
     q_in, q_out = query_pairs(datastore, config)
     batches = [slice(s, s + config.batch) for s in range(0, config.queries, config.batch)]
 
-    faiss_ms, ours_ms, copy_ms, copied, overlap, identical, device_clusters = [], [], [], [], [], [], []
-    parts: dict[str, list[float]] = {"faiss_tuned_ms": [], "ours_device_ms": [], "ours_cpu_ms": [], "ours_probe_ms": [], "resident_device_ms": []}
-    for i, batch in enumerate(tqdm(batches, desc="faiss vs ours", disable=not progress)):
+    faiss_ms, faiss_tuned_ms, references = [], [], []
+    for i, batch in enumerate(tqdm(batches, desc="faiss", disable=not progress)):
         t0 = time.perf_counter()
         engine.index.search(q_out[batch], config.topk, config.nprobe, tuned=False)
         faiss_time = (time.perf_counter() - t0) * 1e3
         t0 = time.perf_counter()
-        ref_scores, ref_ids = engine.index.search(q_out[batch], config.topk, config.nprobe)
-        faiss_tuned_time = (time.perf_counter() - t0) * 1e3
-        handle = engine.prefetch(q_in[batch], budget)
-        if handle.lease is not None and handle.lease.copy_events is not None:
-            begin, end = handle.lease.copy_events
-            end.synchronize()
-            copy_ms.append(begin.elapsed_time(end))
-            copied.append(handle.lease.bytes_copied)
-        _sync(device)
-        t0 = time.perf_counter()
-        result = engine.search(q_out[batch], config.topk, config.nprobe, prefetch=handle)
-        ours_time = (time.perf_counter() - t0) * 1e3
-        handle.release()
-        overlap.extend(s.overlap_rate for s in result.per_query if s.overlap_rate is not None)
-        device_clusters.extend(s.clusters_device / config.nprobe for s in result.per_query)
-        identical.extend(
-            same_results(result.ids[j], result.scores[j], ref_ids[j], ref_scores[j]) for j in range(len(ref_ids))
-        )
+        references.append(engine.index.search(q_out[batch], config.topk, config.nprobe))
         if i:  # the first batch warms up
             faiss_ms.append(faiss_time)
-            parts["faiss_tuned_ms"].append(faiss_tuned_time)
-            ours_ms.append(ours_time)
-            parts["ours_device_ms"].append(result.device_ms)
-            parts["ours_cpu_ms"].append(result.cpu_ms)
-            parts["ours_probe_ms"].append(result.probe_ms)
+            faiss_tuned_ms.append((time.perf_counter() - t0) * 1e3)
 
+    ours = _search_phase(engine, q_in, q_out, batches, references, config, budget, "ours", progress)
+    engine.resize_cache(cache_bytes + demand_bytes, demand_copy=True)
+    demand = _search_phase(engine, q_in, q_out, batches, references, config, budget, "ours + demand copies", progress)
     # The best possible: every cluster resident, same search code.
-    engine.resize_cache(datastore.n_vectors * engine.cache.row_bytes)
+    engine.resize_cache(datastore.n_vectors * row_bytes, demand_copy=False)
     everything = engine.cache.acquire(range(datastore.nlist), fetch=True)
     _sync(device)
-    resident_ms = []
-    for i, batch in enumerate(batches):
-        t0 = time.perf_counter()
-        result = engine.search(q_out[batch], config.topk, config.nprobe)
-        if i:
-            resident_ms.append((time.perf_counter() - t0) * 1e3)
-            parts["resident_device_ms"].append(result.device_ms)
-        ref_scores, ref_ids = engine.index.search(q_out[batch], config.topk, config.nprobe)
-        identical.extend(
-            same_results(result.ids[j], result.scores[j], ref_ids[j], ref_scores[j]) for j in range(len(ref_ids))
-        )
+    resident = _search_phase(engine, None, q_out, batches, references, config, budget, "all resident", progress)
     everything.release()
 
-    p50 = lambda xs: float(np.median(xs)) if xs else float("nan")  # noqa: E731
-    faiss_p50, ours_p50, resident_p50 = p50(faiss_ms), p50(ours_ms), p50(resident_ms)
-    copy_gbps = sum(copied) / (sum(copy_ms) / 1e3) / 1e9 if copy_ms and sum(copy_ms) > 0 else None
+    faiss_p50, ours_p50, demand_p50, resident_p50 = _p50(faiss_ms), _p50(ours.total_ms), _p50(demand.total_ms), _p50(resident.total_ms)
+    copy_gbps = sum(ours.copied) / (sum(ours.copy_ms) / 1e3) / 1e9 if ours.copy_ms and sum(ours.copy_ms) > 0 else None
     peak = peak_copy_gbps(device)
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -185,19 +230,33 @@ def run(config: BenchConfig, progress: bool = True) -> dict:
         "queries": config.queries,
         "codec": config.codec,
         "budget_bytes": budget,
-        "datastore_bytes": datastore.n_vectors * engine.cache.row_bytes,
-        "overlap_rate": float(np.mean(overlap)) if overlap else None,
-        "device_cluster_fraction": float(np.mean(device_clusters)),
+        "cache_bytes": cache_bytes,
+        "demand_cache_bytes": cache_bytes + demand_bytes,
+        "datastore_bytes": datastore.n_vectors * row_bytes,
+        "overlap_rate": float(np.mean(ours.overlap)) if ours.overlap else None,
+        "device_cluster_fraction": float(np.mean(ours.device_fraction)),
         "faiss_ms_p50": faiss_p50,
         "ours_ms_p50": ours_p50,
         "resident_ms_p50": resident_p50,
         "faiss_ms_p99": float(np.percentile(faiss_ms, 99)) if faiss_ms else None,
-        "ours_ms_p99": float(np.percentile(ours_ms, 99)) if ours_ms else None,
+        "ours_ms_p99": float(np.percentile(ours.total_ms, 99)) if ours.total_ms else None,
         "speedup_vs_faiss": faiss_p50 / ours_p50,
-        "speedup_vs_faiss_tuned": p50(parts["faiss_tuned_ms"]) / ours_p50,
+        "speedup_vs_faiss_tuned": _p50(faiss_tuned_ms) / ours_p50,
         "ours_vs_resident": ours_p50 / resident_p50,
-        "identical_fraction": float(np.mean(identical)),
-        **{f"{name}_p50": p50(values) for name, values in parts.items()},
+        "ours_demand_ms_p50": demand_p50,
+        "ours_demand_ms_p99": float(np.percentile(demand.total_ms, 99)) if demand.total_ms else None,
+        "speedup_vs_faiss_demand": faiss_p50 / demand_p50,
+        "demand_vs_resident": demand_p50 / resident_p50,
+        "demand_device_cluster_fraction": float(np.mean(demand.device_fraction)),
+        "demand_copied_fraction": float(np.mean(demand.demand_fraction)),
+        "identical_fraction": float(np.mean(ours.identical + demand.identical + resident.identical)),
+        "faiss_tuned_ms_p50": _p50(faiss_tuned_ms),
+        "ours_device_ms_p50": _p50(ours.device_ms),
+        "ours_cpu_ms_p50": _p50(ours.cpu_ms),
+        "ours_probe_ms_p50": _p50(ours.probe_ms),
+        "demand_device_ms_p50": _p50(demand.device_ms),
+        "demand_cpu_ms_p50": _p50(demand.cpu_ms),
+        "resident_device_ms_p50": _p50(resident.device_ms),
         "copy_gbps": copy_gbps,
         "copy_gbps_peak": peak,
         "copy_fraction_of_peak": copy_gbps / peak if copy_gbps and peak else None,

@@ -11,12 +11,14 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import faiss
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from retrieval.cache import ClusterCache, Lease
 from retrieval.datastore import Datastore
+from retrieval.demand import DemandCopyPolicy
 from retrieval.errors import SearchError
 from retrieval.ivf import CPUIndex
 from retrieval.prefetch import PrefetchHandle, PrefetchPlan, plan_prefetch
@@ -72,8 +74,14 @@ class RetrievalEngine:
         cache_bytes: int = 0,
         nprobe: int | None = None,
         cpu_workers: int = 2,
+        cpu_threads: int | None = None,
+        demand_copy: bool | None = None,
         progress: bool = False,
     ) -> None:
+        """`cpu_threads`: faiss threads of the CPU half of a cooperative search (None: every
+        core on a CPU box; one fewer on CUDA, so the thread that drives the device is never
+        starved by faiss's spinning workers). `demand_copy`: copy part of each search's missed
+        clusters to the device instead of leaving them all to faiss (None: on with CUDA)."""
         self.datastore = datastore
         self.device = resolve_device(device)
         self.nlist = datastore.nlist
@@ -86,7 +94,16 @@ class RetrievalEngine:
         self.host_vectors = self._host_tensor(progress)
         self.cache = ClusterCache(self.host_vectors, datastore.offsets, cache_bytes, self.device)
         self.centroids = torch.from_numpy(np.ascontiguousarray(datastore.centroids)).to(self.device)
-        self._cpu_pool = ThreadPoolExecutor(max_workers=cpu_workers, thread_name_prefix="faiss-search")
+        if cpu_threads is None and self.device.type == "cuda":
+            cpu_threads = max(1, faiss.omp_get_max_threads() - 1)
+        self._cpu_pool = ThreadPoolExecutor(
+            max_workers=cpu_workers,
+            thread_name_prefix="faiss-search",
+            # OpenMP's thread count is per calling thread: this bounds only the CPU half
+            initializer=faiss.omp_set_num_threads if cpu_threads else None,
+            initargs=(cpu_threads,) if cpu_threads else (),
+        )
+        self.demand = self._demand_policy(demand_copy)
 
     def _host_tensor(self, progress: bool) -> torch.Tensor:
         """The vectors as a tensor: the memory map itself on CPU; a pinned copy on CUDA, so that
@@ -102,14 +119,23 @@ class RetrievalEngine:
             pinned[start : start + step].copy_(mapped[start : start + step])
         return pinned
 
-    def resize_cache(self, cache_bytes: int) -> None:
-        """Replace the cluster cache with an empty one of `cache_bytes` (nothing may be pinned)."""
+    def _demand_policy(self, demand_copy: bool | None) -> DemandCopyPolicy | None:
+        if demand_copy is None:
+            demand_copy = self.device.type == "cuda"
+        if not demand_copy or not self.cache.capacity_rows:
+            return None
+        return DemandCopyPolicy(self.cache.measure_copy_rate())
+
+    def resize_cache(self, cache_bytes: int, *, demand_copy: bool | None = None) -> None:
+        """Replace the cluster cache with an empty one of `cache_bytes` (nothing may be pinned);
+        `demand_copy` as in the constructor."""
         if self.cache.stats().pinned_clusters:
             raise SearchError("cannot resize the cluster cache while clusters are pinned")
         self.cache = ClusterCache(self.host_vectors, self.datastore.offsets, 0, self.device)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.cache = ClusterCache(self.host_vectors, self.datastore.offsets, cache_bytes, self.device)
+        self.demand = self._demand_policy(demand_copy)
 
     def close(self) -> None:
         self._cpu_pool.shutdown(wait=True)
@@ -179,9 +205,10 @@ class RetrievalEngine:
         use_cache: bool = True,
     ) -> SearchResult:
         """Exact IVF search at `nprobe`: resident clusters of each query's C_out on the device,
-        the rest by faiss on the CPU at the same time, merged. `prefetch` (one handle for all
-        queries, or one per query) is only used for the overlap statistics: the search uses
-        whatever is resident, and waits only on the copies of the clusters it reads."""
+        then those copied on demand (see `retrieval.demand`), the rest by faiss on the CPU at the
+        same time, merged. `prefetch` (one handle for all queries, or one per query) is only used
+        for the overlap statistics: the search uses whatever is resident, and waits only on the
+        copies of the clusters it reads."""
         started = time.perf_counter()
         nprobe = nprobe or self.nprobe
         queries = self.index.check(q_out, k, nprobe)
@@ -205,32 +232,47 @@ class RetrievalEngine:
         probe_ms = (time.perf_counter() - started) * 1e3
 
         lease: Lease | None = None
+        demand: Lease | None = None
         resident_mask = np.zeros(lists.shape, dtype=bool)
-        if use_cache and self.cache.capacity_rows:
-            lease = self.cache.acquire(np.unique(lists[lists >= 0]).tolist(), fetch=False)
-            if lease.resident:
-                resident_mask = np.isin(lists, np.fromiter(lease.resident, dtype=np.int64))
+        demand_mask = np.zeros(lists.shape, dtype=bool)
         try:
-            cpu_lists = np.where(resident_mask, -1, lists)
+            if use_cache and self.cache.capacity_rows:
+                lease = self.cache.acquire(np.unique(lists[lists >= 0]).tolist(), fetch=False)
+                resident_mask = _held(lists, lease)
+                demand = self._copy_on_demand(lists, resident_mask)
+                if demand is not None:
+                    demand_mask = _held(lists, demand) & ~resident_mask
+            on_device = resident_mask | demand_mask
+            cpu_lists = np.where(on_device, -1, lists)
             parts: list[tuple[np.ndarray, np.ndarray]] = []
             device_ms = cpu_ms = 0.0
-            if not resident_mask.any():
+            if not on_device.any():
                 cpu_scores, cpu_ids, cpu_ms = self._cpu_search(queries, k, cpu_lists, list_scores)
                 parts.append((cpu_scores, cpu_ids))
             else:
-                assert lease is not None
                 cpu_future = None
-                if not resident_mask.all():  # faiss runs in a worker thread while the device scans
+                if not on_device.all():  # faiss runs in a worker thread while the device scans
                     cpu_future = self._cpu_pool.submit(self._cpu_search, queries, k, cpu_lists, list_scores)
-                (device_scores, device_ids), device_ms = self._device_search(queries, k, lists, resident_mask, lease)
-                parts.append((device_scores.cpu().numpy(), device_ids.cpu().numpy()))
+                # what is resident first; the demand copies land meanwhile and are scanned next
+                for mask, held in ((resident_mask, lease), (demand_mask, demand)):
+                    if held is not None and mask.any():
+                        (device_scores, device_ids), ms = self._device_search(queries, k, lists, mask, held)
+                        parts.append((device_scores.cpu().numpy(), device_ids.cpu().numpy()))
+                        device_ms += ms
                 if cpu_future is not None:
                     cpu_scores, cpu_ids, cpu_ms = cpu_future.result()
                     parts.append((cpu_scores, cpu_ids))
             scores, ids = merge_topk(parts, k)
         finally:
-            if lease is not None:
-                lease.release()
+            for held in (lease, demand):
+                if held is not None:
+                    held.release()
+        stats: dict[str, float] = {}
+        if demand is not None:
+            stats = {"clusters_copied_on_demand": demand.clusters_copied, "bytes_copied_on_demand": demand.bytes_copied}
+            copy_ms = demand.copy_elapsed_ms()
+            if self.demand is not None and copy_ms:
+                self.demand.observe_copy(demand.bytes_copied, copy_ms)
 
         per_query = []
         for i in range(n):
@@ -240,7 +282,7 @@ class RetrievalEngine:
             if handle is not None and c_out:
                 c_in = frozenset().union(*handle.plan.per_query) if handle.plan.per_query else frozenset()
                 overlap = len(c_in & c_out) / len(c_out)
-            device_clusters = int(resident_mask[i].sum())
+            device_clusters = int(on_device[i].sum())
             per_query.append(QueryStats(overlap, device_clusters, len(c_out) - device_clusters))
         return SearchResult(
             scores=scores,
@@ -250,7 +292,22 @@ class RetrievalEngine:
             device_ms=device_ms,
             cpu_ms=cpu_ms,
             total_ms=(time.perf_counter() - started) * 1e3,
+            stats=stats,
         )
+
+    def _copy_on_demand(self, lists: np.ndarray, resident_mask: np.ndarray) -> Lease | None:
+        """Start copying the missed clusters the policy picks; None when it picks none."""
+        if self.demand is None:
+            return None
+        missed, counts = np.unique(lists[(lists >= 0) & ~resident_mask], return_counts=True)
+        missed_sizes = self.cache.sizes[missed]
+        keep = missed_sizes > 0
+        missed, counts = missed[keep], counts[keep]
+        if not len(missed):
+            return None
+        sizes = dict(zip(missed.tolist(), (missed_sizes[keep] * self.cache.row_bytes).tolist(), strict=True))
+        chosen = self.demand.choose(dict(zip(missed.tolist(), counts.tolist(), strict=True)), sizes)
+        return self.cache.acquire(chosen, fetch=True) if chosen else None
 
     def probe(self, queries: np.ndarray, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
         """C_out of each query: the same `nprobe` lists faiss's quantizer picks.
@@ -287,7 +344,10 @@ class RetrievalEngine:
     ) -> tuple[np.ndarray, np.ndarray, float]:
         started = time.perf_counter()
         scores, ids = self.index.search_lists(queries, k, lists, list_scores)
-        return scores, ids, (time.perf_counter() - started) * 1e3
+        ms = (time.perf_counter() - started) * 1e3
+        if self.demand is not None:
+            self.demand.observe_cpu(int(self.cache.sizes[lists[lists >= 0]].sum()) * self.cache.row_bytes, ms)
+        return scores, ids, ms
 
     def _device_search(
         self, queries: np.ndarray, k: int, lists: np.ndarray, resident_mask: np.ndarray, lease: Lease
@@ -307,3 +367,10 @@ class RetrievalEngine:
         end.record(stream)
         end.synchronize()
         return result, begin.elapsed_time(end)
+
+
+def _held(lists: np.ndarray, lease: Lease) -> np.ndarray:
+    """Which entries of `lists` are clusters the lease holds on the device."""
+    if not lease.resident:
+        return np.zeros(lists.shape, dtype=bool)
+    return np.isin(lists, np.fromiter(lease.resident, dtype=np.int64))

@@ -109,6 +109,8 @@ async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
         cache_bytes=cache_bytes,
         prefetch_budget_bytes=prefetch_budget_bytes(settings, device, cache_bytes),
         nprobe=retrieval.nprobe,
+        demand_copy=retrieval.demand_copy,
+        cpu_threads=retrieval.cpu_threads,
         build_if_missing=retrieval.build_if_missing,
         verify_checksums=retrieval.verify_checksums,
     )

@@ -39,6 +39,8 @@ class RetrievalSettings(BaseModel):
     device: str = "auto"  # where the cluster cache and device search run
     cache_mb: float | None = None  # None: 0 on CPU (straight to faiss), 4096 on CUDA
     prefetch_budget_mb: float | None = None  # None: B * t_LLM from the prefetch profile, capped by the cache
+    demand_copy: bool | None = None  # copy part of each search's missed clusters too; None: on with CUDA
+    cpu_threads: int | None = Field(None, ge=1)  # faiss threads of the CPU half; None: all cores, one fewer on CUDA
     nprobe: int | None = None  # None: 4 * sqrt(nlist)
     top_k: int = Field(3, ge=1)
     verify_checksums: bool = True

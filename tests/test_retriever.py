@@ -35,8 +35,7 @@ TOPICS = {
 }
 
 
-@pytest.fixture()
-def retriever(tmp_path) -> DirectRetriever:
+def corpus_datastore(tmp_path) -> tuple[HashEmbedder, object]:
     lines = []
     for i in range(80):
         topic = list(TOPICS)[i % 4]
@@ -47,8 +46,33 @@ def retriever(tmp_path) -> DirectRetriever:
         split_passages(read_jsonl(tmp_path / "c.jsonl")), embedder.encode, embedder=embedder.name,
         out_dir=tmp_path / "ds", nlist=2, progress=False,
     )
-    r = open_retriever(tmp_path / "ds", embedder, device="cpu", cache_bytes=1 << 20, prefetch_budget_bytes=1 << 20)
+    return embedder, tmp_path / "ds"
+
+
+@pytest.fixture()
+def retriever(tmp_path) -> DirectRetriever:
+    embedder, path = corpus_datastore(tmp_path)
+    r = open_retriever(path, embedder, device="cpu", cache_bytes=1 << 20, prefetch_budget_bytes=1 << 20)
     yield r
+    r.close()
+
+
+async def test_demand_copies_take_misses_to_the_device(tmp_path):
+    """No prefetch budget, demand copies on: once faiss's rate is measured (first search), the
+    misses are copied and scanned on the device, and the documents do not change."""
+    embedder, path = corpus_datastore(tmp_path)
+    r = open_retriever(path, embedder, device="cpu", cache_bytes=1 << 20, prefetch_budget_bytes=0, demand_copy=True)
+    options = SearchOptions(top_k=3, nprobe=2)
+    first = await r.search(["river water fish boat"], options)
+    second = await r.search(["river water fish boat"], options)
+    assert first.stats["clusters_cpu"] == 2 and second.stats["clusters_device"] == 2
+    assert second.stats["clusters_copied_on_demand"] == 2 and second.stats["bytes_copied_on_demand"] > 0
+    (ids, scores), (ref_ids, ref_scores) = (
+        (np.array([d.id for d in o.documents[0]]), np.array([d.score for d in o.documents[0]], dtype=np.float32))
+        for o in (second, first)
+    )
+    assert same_results(ids, scores, ref_ids, ref_scores)  # near-equal scores may swap places
+    assert r.cache_stats()["pinned_clusters"] == 0
     r.close()
 
 

@@ -499,6 +499,7 @@ class CPUEngine:
             raise EngineUnavailable(f"device {device!r} asked for, but CUDA is not available")
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        log.info("loading the model from %s on %s", path, device)
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
             model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=_torch_dtype(dtype, device))

@@ -24,6 +24,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--queries", type=int, default=defaults.queries)
     parser.add_argument("--budget-mb", type=float, default=defaults.budget_mb, help="prefetch budget per batch")
     parser.add_argument("--cache-mb", type=float, default=None, help="device cluster cache (default: the budget)")
+    parser.add_argument(
+        "--demand-mb",
+        type=float,
+        default=None,
+        help="extra cache for the demand-copy run (default: the bytes of one search's C_out on average)",
+    )
     parser.add_argument("--overlap-noise", type=float, default=defaults.overlap_noise, help="q_out = q_in + noise")
     parser.add_argument("--codec", choices=["fp32", "fp16"], default=defaults.codec)
     parser.add_argument("--device", default=defaults.device, help="auto, cpu or cuda")
@@ -44,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         queries=args.queries,
         budget_mb=args.budget_mb,
         cache_mb=args.cache_mb,
+        demand_mb=args.demand_mb,
         overlap_noise=args.overlap_noise,
         codec=args.codec,
         device=args.device,

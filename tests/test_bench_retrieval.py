@@ -1,0 +1,44 @@
+"""`telerag bench retrieval` on a small synthetic datastore: every search it times is exact,
+and `--json` ends with one JSON object carrying the fields the README and the issue name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from retrieval.bench import BenchConfig, run
+from server.cli import main
+
+REQUIRED = {
+    "device", "n_vectors", "dim", "nlist", "nprobe", "batch", "budget_bytes", "overlap_rate", "faiss_ms_p50",
+    "ours_ms_p50", "resident_ms_p50", "speedup_vs_faiss", "identical_fraction", "copy_gbps", "copy_gbps_peak",
+    "ours_demand_ms_p50", "demand_vs_resident", "demand_copied_fraction",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_every_timed_search_is_exact(tmp_path, batch):
+    config = BenchConfig(
+        vectors=4000, dim=16, nlist=32, nprobe=8, topk=5, batch=batch, queries=9, budget_mb=0.06,
+        overlap_noise=0.5, device="cpu", datastore_dir=tmp_path,
+    )  # fmt: skip
+    result = run(config, progress=False)
+    assert REQUIRED <= result.keys()
+    assert result["identical_fraction"] == 1.0
+    assert result["n_vectors"] == 4000 and result["nprobe"] == 8 and result["batch"] == batch
+    assert 0.0 < result["overlap_rate"] <= 1.0
+    assert result["demand_cache_bytes"] > result["cache_bytes"] == int(0.06 * (1 << 20))
+    assert result["demand_copied_fraction"] > 0, "with room in the cache the demand run copies misses"
+    assert result["device_cluster_fraction"] < result["demand_device_cluster_fraction"] <= 1.0
+
+
+def test_cli_json_is_the_last_line(tmp_path, capsys):
+    args = ["bench", "retrieval", "--vectors", "3000", "--dim", "8", "--nlist", "16", "--nprobe", "4",
+            "--queries", "6", "--budget-mb", "0.02", "--device", "cpu", "--datastore-dir", str(tmp_path), "--json"]  # fmt: skip
+    assert main(args) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    payload = json.loads(last)
+    assert REQUIRED <= payload.keys()
+    assert payload["identical_fraction"] == 1.0
+    assert payload["config"]["budget_mb"] == 0.02

@@ -1,0 +1,148 @@
+"""Copying missed clusters on demand changes which half scans them, never the answer."""
+
+from __future__ import annotations
+
+import threading
+
+import faiss
+import numpy as np
+import pytest
+
+from retrieval.demand import DemandCopyPolicy
+from retrieval.engine import RetrievalEngine
+from tests.retrieval_helpers import DEVICES, random_datastore, random_queries
+from tests.test_cooperative_search import assert_same_as_faiss
+
+MB = 1 << 20
+
+
+def policy(copy_rate: float | None, cpu_rate: float | None) -> DemandCopyPolicy:
+    p = DemandCopyPolicy(copy_rate)
+    if cpu_rate is not None:
+        p.observe_cpu(int(cpu_rate * 10), 10.0)
+    return p
+
+
+def test_nothing_is_copied_until_both_rates_are_known():
+    sizes = {c: MB for c in range(8)}
+    missed = dict.fromkeys(range(8), 1)
+    assert policy(None, 1000.0).choose(missed, sizes) == []
+    assert policy(1000.0, None).choose(missed, sizes) == []
+
+
+def test_equal_rates_split_the_misses_in_half():
+    sizes = {c: MB for c in range(10)}
+    chosen = policy(1000.0, 1000.0).choose(dict.fromkeys(range(10), 1), sizes)
+    assert len(chosen) == 5
+
+
+def test_copy_twice_as_fast_takes_two_thirds():
+    sizes = {c: MB for c in range(9)}
+    chosen = policy(2000.0, 1000.0).choose(dict.fromkeys(range(9), 1), sizes)
+    assert len(chosen) == 6
+
+
+def test_slow_copy_leaves_everything_to_the_cpu():
+    sizes = {c: MB for c in range(4)}
+    assert policy(10.0, 1e6).choose(dict.fromkeys(range(4), 1), sizes) == []
+
+
+def test_clusters_probed_by_more_queries_go_first():
+    sizes = {c: MB for c in range(6)}
+    missed = {0: 1, 1: 1, 2: 4, 3: 1, 4: 3, 5: 1}
+    chosen = policy(1000.0, 1000.0).choose(missed, sizes)
+    assert chosen[:2] == [2, 4]
+
+
+def test_rates_are_moving_averages():
+    p = DemandCopyPolicy()
+    p.observe_copy(1000, 1.0)
+    p.observe_copy(2000, 1.0)
+    assert p.copy_bytes_per_ms == pytest.approx(1200.0)
+    p.observe_copy(0, 1.0)  # nothing measured: unchanged
+    assert p.copy_bytes_per_ms == pytest.approx(1200.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(3))
+def test_parity_with_demand_copies(tmp_path, device, seed):
+    rng = np.random.default_rng(seed)
+    nlist = int(rng.integers(8, 40))
+    ds = random_datastore(tmp_path / "ds", n=int(rng.integers(1000, 3000)), dim=24, nlist=nlist, seed=seed, empty_lists=2)
+    total = int(ds.cluster_sizes.sum()) * ds.dim * 4
+    engine = RetrievalEngine(ds, device=device, cache_bytes=total // 2, demand_copy=True)
+    assert engine.demand is not None and engine.demand.copy_bytes_per_ms
+    q_in = random_queries(6, ds.dim, seed)
+    q_out = q_in + 0.5 * random_queries(6, ds.dim, seed + 100)
+    copied_on_demand = 0
+    for budget in (0, total // 8, total // 3):
+        for nprobe in sorted({1, 3, nlist // 2, ds.nlist}):
+            for batch in (1, 6):
+                handle = engine.prefetch(q_in[:batch], budget)
+                assert_same_as_faiss(engine, q_out[:batch], int(rng.integers(1, 20)), nprobe, prefetch=handle)
+                result = engine.search(q_out[:batch], 5, nprobe, prefetch=handle)
+                copied_on_demand += int(result.stats.get("clusters_copied_on_demand", 0))
+                # the prefetched clusters are still held by the prefetch, whatever demand evicted
+                assert handle.lease is None or all(engine.cache._slots[c].pins > 0 for c in handle.lease.resident)
+                handle.release()
+        engine.cache.check_invariants()
+    assert copied_on_demand > 0, "the policy never copied a missed cluster"
+    assert engine.cache.stats().pinned_clusters == 0
+    engine.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_demand_copies_never_evict_what_a_prefetch_holds(tmp_path, device):
+    """The cache is a quarter of the datastore and a prefetch pins most of it: demand copies
+    use only what is left, faiss scans the rest, and the answer is faiss's."""
+    ds = random_datastore(tmp_path / "ds", n=2000, nlist=20)
+    total = ds.n_vectors * ds.dim * 4
+    engine = RetrievalEngine(ds, device=device, cache_bytes=total // 4, demand_copy=True)
+    engine.demand.observe_cpu(1, 1000.0)  # faiss "slow": copy everything there is room for
+    q = random_queries(1, ds.dim)
+    handle = engine.prefetch(-q, total // 4)
+    held = set(handle.lease.resident)
+    assert held
+    result = engine.search(q, 5, ds.nlist, prefetch=handle)
+    assert result.per_query[0].clusters_cpu > 0
+    assert all(engine.cache._slots[c].pins == 1 for c in held)
+    assert_same_as_faiss(engine, q, 5, ds.nlist, prefetch=handle)
+    handle.release()
+    engine.cache.check_invariants()
+    assert engine.cache.stats().pinned_clusters == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_concurrent_searches_with_demand_copies(tmp_path, device):
+    ds = random_datastore(tmp_path / "ds", n=4000, nlist=40)
+    total = ds.n_vectors * ds.dim * 4
+    engine = RetrievalEngine(ds, device=device, cache_bytes=total // 3, demand_copy=True)
+    engine.demand.observe_cpu(1, 1000.0)
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        try:
+            rng = np.random.default_rng(seed)
+            for _ in range(12):
+                q = random_queries(int(rng.integers(1, 4)), ds.dim, int(rng.integers(1 << 30)))
+                handle = engine.prefetch(q, int(rng.integers(0, total // 5)))
+                assert_same_as_faiss(engine, q, 10, int(rng.integers(1, 40)), prefetch=handle)
+                handle.release()
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    engine.cache.check_invariants()
+    assert engine.cache.stats().pinned_clusters == 0
+
+
+def test_cpu_half_thread_count(tmp_path):
+    ds = random_datastore(tmp_path / "ds")
+    engine = RetrievalEngine(ds, cache_bytes=MB, cpu_threads=1)
+    assert engine._cpu_pool.submit(faiss.omp_get_max_threads).result() == 1
+    engine.close()
