@@ -110,10 +110,13 @@ def test_overlap_rate_is_eq_3_1(tmp_path, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_concurrent_searches_over_overlapping_clusters(tmp_path, device):
+@pytest.mark.parametrize("demand_copy", [False, True])
+def test_concurrent_searches_over_overlapping_clusters(tmp_path, device, demand_copy):
     ds = random_datastore(tmp_path / "ds", n=4000, nlist=40)
     total = ds.n_vectors * ds.dim * 4
-    engine = RetrievalEngine(ds, device=device, cache_bytes=total // 3)
+    engine = RetrievalEngine(ds, device=device, cache_bytes=total // 3, demand_copy=demand_copy)
+    if demand_copy:
+        engine.demand.observe_cpu(1, 1000.0)  # faiss "slow": copy misses whenever there is room
     errors: list[BaseException] = []
 
     def worker(seed: int) -> None:
