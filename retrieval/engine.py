@@ -79,8 +79,8 @@ class RetrievalEngine:
         progress: bool = False,
     ) -> None:
         """`cpu_threads`: faiss threads of the CPU half of a cooperative search (None: every
-        core on a CPU box; one fewer on CUDA, so the thread that drives the device is never
-        starved by faiss's spinning workers). `demand_copy`: copy part of each search's missed
+        core on a CPU box; one fewer on CUDA, leaving a core to the thread that drives the
+        device while faiss's workers spin). `demand_copy`: copy part of each search's missed
         clusters to the device instead of leaving them all to faiss (None: on with CUDA)."""
         self.datastore = datastore
         self.device = resolve_device(device)
@@ -254,11 +254,9 @@ class RetrievalEngine:
                 if not on_device.all():  # faiss runs in a worker thread while the device scans
                     cpu_future = self._cpu_pool.submit(self._cpu_search, queries, k, cpu_lists, list_scores)
                 # what is resident first; the demand copies land meanwhile and are scanned next
-                for mask, held in ((resident_mask, lease), (demand_mask, demand)):
-                    if held is not None and mask.any():
-                        (device_scores, device_ids), ms = self._device_search(queries, k, lists, mask, held)
-                        parts.append((device_scores.cpu().numpy(), device_ids.cpu().numpy()))
-                        device_ms += ms
+                passes = [(m, h) for m, h in ((resident_mask, lease), (demand_mask, demand)) if h is not None and m.any()]
+                device_parts, device_ms = self._device_search(queries, k, lists, passes)
+                parts.extend(device_parts)
                 if cpu_future is not None:
                     cpu_scores, cpu_ids, cpu_ms = cpu_future.result()
                     parts.append((cpu_scores, cpu_ids))
@@ -350,23 +348,32 @@ class RetrievalEngine:
         return scores, ids, ms
 
     def _device_search(
-        self, queries: np.ndarray, k: int, lists: np.ndarray, resident_mask: np.ndarray, lease: Lease
-    ) -> tuple[tuple[torch.Tensor, torch.Tensor], float]:
-        probes = [lists[i][resident_mask[i]].tolist() for i in range(len(queries))]
+        self, queries: np.ndarray, k: int, lists: np.ndarray, passes: Sequence[tuple[np.ndarray, Lease]]
+    ) -> tuple[list[tuple[np.ndarray, np.ndarray]], float]:
+        """Scan each pass's clusters (`mask` over `lists`, held by its lease) in order. On CUDA all
+        passes are queued before one wait: a pass waits on the stream for its own copies only,
+        while the host already prepares the next."""
         q = torch.from_numpy(queries).to(self.device, non_blocking=True)
-        if self.device.type != "cuda":
-            started = time.perf_counter()
-            result = scan_resident(self.cache.buffer, q, lease.resident, probes, k)
-            return result, (time.perf_counter() - started) * 1e3
-        stream = torch.cuda.current_stream(self.device)
-        for event in lease.events:
-            stream.wait_event(event)
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record(stream)
-        result = scan_resident(self.cache.buffer, q, lease.resident, probes, k)
-        end.record(stream)
-        end.synchronize()
-        return result, begin.elapsed_time(end)
+        cuda = self.device.type == "cuda"
+        stream = torch.cuda.current_stream(self.device) if cuda else None
+        begin = end = None
+        started = time.perf_counter()
+        results = []
+        for mask, lease in passes:
+            probes = [lists[i][mask[i]].tolist() for i in range(len(queries))]
+            if stream is not None:
+                for event in lease.events:
+                    stream.wait_event(event)
+                if begin is None:  # timed from the first pass's start, after its copies landed
+                    begin = torch.cuda.Event(enable_timing=True)
+                    begin.record(stream)
+            results.append(scan_resident(self.cache.buffer, q, lease.resident, probes, k))
+        if stream is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(stream)
+            end.synchronize()
+        ms = begin.elapsed_time(end) if begin is not None and end is not None else (time.perf_counter() - started) * 1e3
+        return [(scores.cpu().numpy(), ids.cpu().numpy()) for scores, ids in results], ms
 
 
 def _held(lists: np.ndarray, lease: Lease) -> np.ndarray:

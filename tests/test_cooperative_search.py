@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from retrieval.codecs import Codec
-from retrieval.engine import RetrievalEngine
+from retrieval.engine import RetrievalEngine, SearchResult
 from retrieval.errors import SearchError
 from retrieval.ivf import same_results
-from tests.retrieval_helpers import DEVICES, random_datastore, random_queries
+from tests.retrieval_helpers import DEVICES, CopyEveryMiss, random_datastore, random_queries
 
 
-def assert_same_as_faiss(engine: RetrievalEngine, queries: np.ndarray, k: int, nprobe: int, **kwargs) -> None:
+def assert_same_as_faiss(engine: RetrievalEngine, queries: np.ndarray, k: int, nprobe: int, **kwargs) -> SearchResult:
     ref_scores, ref_ids = engine.index.search(queries, k, nprobe)
     result = engine.search(queries, k, nprobe, **kwargs)
     assert result.ids.shape == (len(queries), k)
@@ -26,6 +26,7 @@ def assert_same_as_faiss(engine: RetrievalEngine, queries: np.ndarray, k: int, n
             result.scores[i],
             ref_scores[i],
         )
+    return result
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -116,7 +117,7 @@ def test_concurrent_searches_over_overlapping_clusters(tmp_path, device, demand_
     total = ds.n_vectors * ds.dim * 4
     engine = RetrievalEngine(ds, device=device, cache_bytes=total // 3, demand_copy=demand_copy)
     if demand_copy:
-        engine.demand.observe_cpu(1, 1000.0)  # faiss "slow": copy misses whenever there is room
+        engine.demand = CopyEveryMiss()
     errors: list[BaseException] = []
 
     def worker(seed: int) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from retrieval.demand import DemandCopyPolicy
 from retrieval.engine import RetrievalEngine
-from tests.retrieval_helpers import DEVICES, random_datastore, random_queries
+from tests.retrieval_helpers import DEVICES, CopyEveryMiss, random_datastore, random_queries
 from tests.test_cooperative_search import assert_same_as_faiss
 
 MB = 1 << 20
@@ -69,7 +69,8 @@ def test_parity_with_demand_copies(tmp_path, device, seed):
     ds = random_datastore(tmp_path / "ds", n=int(rng.integers(1000, 3000)), dim=24, nlist=nlist, seed=seed, empty_lists=2)
     total = int(ds.cluster_sizes.sum()) * ds.dim * 4
     engine = RetrievalEngine(ds, device=device, cache_bytes=total // 2, demand_copy=True)
-    assert engine.demand is not None and engine.demand.copy_bytes_per_ms
+    assert engine.demand is not None and engine.demand.copy_bytes_per_ms, "the copy rate is measured at start"
+    engine.demand = CopyEveryMiss()
     q_in = random_queries(6, ds.dim, seed)
     q_out = q_in + 0.5 * random_queries(6, ds.dim, seed + 100)
     copied_on_demand = 0
@@ -77,8 +78,7 @@ def test_parity_with_demand_copies(tmp_path, device, seed):
         for nprobe in sorted({1, 3, nlist // 2, ds.nlist}):
             for batch in (1, 6):
                 handle = engine.prefetch(q_in[:batch], budget)
-                assert_same_as_faiss(engine, q_out[:batch], int(rng.integers(1, 20)), nprobe, prefetch=handle)
-                result = engine.search(q_out[:batch], 5, nprobe, prefetch=handle)
+                result = assert_same_as_faiss(engine, q_out[:batch], int(rng.integers(1, 20)), nprobe, prefetch=handle)
                 copied_on_demand += int(result.stats.get("clusters_copied_on_demand", 0))
                 # the prefetched clusters are still held by the prefetch, whatever demand evicted
                 assert handle.lease is None or all(engine.cache._slots[c].pins > 0 for c in handle.lease.resident)
@@ -96,7 +96,7 @@ def test_demand_copies_never_evict_what_a_prefetch_holds(tmp_path, device):
     ds = random_datastore(tmp_path / "ds", n=2000, nlist=20)
     total = ds.n_vectors * ds.dim * 4
     engine = RetrievalEngine(ds, device=device, cache_bytes=total // 4, demand_copy=True)
-    engine.demand.observe_cpu(1, 1000.0)  # faiss "slow": copy everything there is room for
+    engine.demand = CopyEveryMiss()
     q = random_queries(1, ds.dim)
     handle = engine.prefetch(-q, total // 4)
     held = set(handle.lease.resident)

@@ -13,6 +13,7 @@ from retrieval.builder import build_datastore
 from retrieval.corpus import read_jsonl, split_passages
 from retrieval.errors import DatastoreMismatchError
 from retrieval.ivf import same_results
+from tests.retrieval_helpers import CopyEveryMiss
 from tests.test_datastore import hashing_encoder
 
 
@@ -58,18 +59,18 @@ def retriever(tmp_path) -> DirectRetriever:
 
 
 async def test_demand_copies_take_misses_to_the_device(tmp_path):
-    """No prefetch budget, demand copies on: once faiss's rate is measured (first search), the
-    misses are copied and scanned on the device, and the documents do not change."""
+    """No prefetch budget, demand copies on: the missed clusters are copied and scanned on the
+    device, and the documents are faiss's."""
     embedder, path = corpus_datastore(tmp_path)
     r = open_retriever(path, embedder, device="cpu", cache_bytes=1 << 20, prefetch_budget_bytes=0, demand_copy=True)
-    options = SearchOptions(top_k=3, nprobe=2)
-    first = await r.search(["river water fish boat"], options)
-    second = await r.search(["river water fish boat"], options)
-    assert first.stats["clusters_cpu"] == 2 and second.stats["clusters_device"] == 2
-    assert second.stats["clusters_copied_on_demand"] == 2 and second.stats["bytes_copied_on_demand"] > 0
+    r.engine.demand = CopyEveryMiss()
+    outcome = await r.search(["river water fish boat"], SearchOptions(top_k=3, nprobe=2))
+    reference = await r.search(["river water fish boat"], SearchOptions(top_k=3, nprobe=2, prefetch=False))
+    assert outcome.stats["clusters_device"] == 2 and reference.stats["clusters_cpu"] == 2
+    assert outcome.stats["clusters_copied_on_demand"] == 2 and outcome.stats["bytes_copied_on_demand"] > 0
     (ids, scores), (ref_ids, ref_scores) = (
         (np.array([d.id for d in o.documents[0]]), np.array([d.score for d in o.documents[0]], dtype=np.float32))
-        for o in (second, first)
+        for o in (outcome, reference)
     )
     assert same_results(ids, scores, ref_ids, ref_scores)  # near-equal scores may swap places
     assert r.cache_stats()["pinned_clusters"] == 0
