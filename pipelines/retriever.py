@@ -125,7 +125,7 @@ class DirectRetriever:
                         "overlap_rate": float(np.mean(overlaps)) if overlaps else None,
                         "clusters_device": sum(s.clusters_device for s in per_query),
                         "clusters_cpu": sum(s.clusters_cpu for s in per_query),
-                        **result.stats,
+                        "clusters_copied_on_demand": sum(s.clusters_copied_on_demand for s in per_query),
                         "nprobe": nprobe,
                         "batch": len(rows),
                     },

@@ -117,7 +117,7 @@ class SearchOutcome:
     """Documents per query and the search stats.
 
     `stats` holds at least: embed_ms, device_ms, cpu_ms, total_ms, overlap_rate (mean over
-    queries; None without a prefetch), clusters_device, clusters_cpu.
+    queries; None without a prefetch), clusters_device, clusters_cpu, clusters_copied_on_demand.
     """
 
     documents: list[list[Document]]
@@ -206,7 +206,7 @@ class RagResult:
     steps: list[Step]
     # total_ms, embed_ms, pre_retrieval_ms, prefetch_ms, search_device_ms, search_cpu_ms, search_ms, generate_ms
     timings: dict[str, float]
-    # clusters_prefetched, bytes_prefetched, overlap_rate, clusters_device, clusters_cpu
+    # clusters_prefetched, bytes_prefetched, overlap_rate, clusters_device, clusters_cpu, clusters_copied_on_demand
     prefetch: dict[str, Any]
     tokens_generated: int = 0
 

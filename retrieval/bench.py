@@ -119,7 +119,7 @@ class _Phase:
     identical: list[bool] = field(default_factory=list)
     overlap: list[float] = field(default_factory=list)
     device_fraction: list[float] = field(default_factory=list)  # of each query's nprobe clusters
-    demand_fraction: list[float] = field(default_factory=list)  # clusters copied on demand / (batch * nprobe)
+    demand_fraction: list[float] = field(default_factory=list)  # of each query's nprobe clusters, copied on demand
     copy_ms: list[float] = field(default_factory=list)  # the prefetch copies, timed on the copy stream
     copied: list[int] = field(default_factory=list)
 
@@ -162,7 +162,7 @@ def _search_phase(
         )
         phase.overlap.extend(s.overlap_rate for s in result.per_query if s.overlap_rate is not None)
         phase.device_fraction.extend(s.clusters_device / config.nprobe for s in result.per_query)
-        phase.demand_fraction.append(result.stats.get("clusters_copied_on_demand", 0) / (len(ref_ids) * config.nprobe))
+        phase.demand_fraction.extend(s.clusters_copied_on_demand / config.nprobe for s in result.per_query)
         if i:
             phase.total_ms.append(elapsed)
             phase.device_ms.append(result.device_ms)

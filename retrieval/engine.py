@@ -9,7 +9,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import faiss
 import numpy as np
@@ -47,8 +47,9 @@ def default_nprobe(nlist: int) -> int:
 @dataclass
 class QueryStats:
     overlap_rate: float | None  # |C_in ∩ C_out| / |C_out| (TeleRAG Eq. 3.1); None without a prefetch
-    clusters_device: int
+    clusters_device: int  # of C_out, scanned on the device (those copied on demand included)
     clusters_cpu: int
+    clusters_copied_on_demand: int = 0
 
 
 @dataclass
@@ -60,7 +61,7 @@ class SearchResult:
     device_ms: float
     cpu_ms: float
     total_ms: float
-    stats: dict[str, float] = field(default_factory=dict)
+    bytes_copied_on_demand: int = 0  # for the whole batch (a cluster shared by queries is copied once)
 
 
 class RetrievalEngine:
@@ -265,9 +266,7 @@ class RetrievalEngine:
             for held in (lease, demand):
                 if held is not None:
                     held.release()
-        stats: dict[str, float] = {}
         if demand is not None:
-            stats = {"clusters_copied_on_demand": demand.clusters_copied, "bytes_copied_on_demand": demand.bytes_copied}
             copy_ms = demand.copy_elapsed_ms()
             if self.demand is not None and copy_ms:
                 self.demand.observe_copy(demand.bytes_copied, copy_ms)
@@ -281,7 +280,7 @@ class RetrievalEngine:
                 c_in = frozenset().union(*handle.plan.per_query) if handle.plan.per_query else frozenset()
                 overlap = len(c_in & c_out) / len(c_out)
             device_clusters = int(on_device[i].sum())
-            per_query.append(QueryStats(overlap, device_clusters, len(c_out) - device_clusters))
+            per_query.append(QueryStats(overlap, device_clusters, len(c_out) - device_clusters, int(demand_mask[i].sum())))
         return SearchResult(
             scores=scores,
             ids=ids,
@@ -290,7 +289,7 @@ class RetrievalEngine:
             device_ms=device_ms,
             cpu_ms=cpu_ms,
             total_ms=(time.perf_counter() - started) * 1e3,
-            stats=stats,
+            bytes_copied_on_demand=demand.bytes_copied if demand is not None else 0,
         )
 
     def _copy_on_demand(self, lists: np.ndarray, resident_mask: np.ndarray) -> Lease | None:

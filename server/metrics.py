@@ -44,6 +44,7 @@ class Metrics:
         self.overlap = Histogram("telerag_cluster_overlap_rate", "|C_in ∩ C_out| / |C_out| per request", ["pipeline"], buckets=RATE_BUCKETS, registry=r)
         self.prefetched_bytes = Counter("telerag_prefetched_bytes", "bytes copied by prefetches", ["pipeline"], registry=r)
         self.clusters_searched = Counter("telerag_clusters_searched", "clusters searched, by where", ["pipeline", "where"], registry=r)
+        self.demand_copies = Counter("telerag_clusters_copied_on_demand", "searched clusters copied to the device on demand (of those searched on the device)", ["pipeline"], registry=r)
         self.queue_depth = Gauge("telerag_queue_depth", "requests waiting for a slot", registry=r)
         self.in_flight = Gauge("telerag_requests_in_flight", "requests running", registry=r)
         self.batch_size = Histogram("telerag_batch_size", "queries per batched retrieval call", ["kind"], buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
@@ -60,4 +61,5 @@ class Metrics:
         self.prefetched_bytes.labels(p).inc(result.prefetch.get("bytes_prefetched", 0))
         self.clusters_searched.labels(p, "device").inc(result.prefetch.get("clusters_device", 0))
         self.clusters_searched.labels(p, "cpu").inc(result.prefetch.get("clusters_cpu", 0))
+        self.demand_copies.labels(p).inc(result.prefetch.get("clusters_copied_on_demand", 0))
         self.tokens.labels(p).inc(result.tokens_generated)

@@ -79,7 +79,8 @@ def test_parity_with_demand_copies(tmp_path, device, seed):
             for batch in (1, 6):
                 handle = engine.prefetch(q_in[:batch], budget)
                 result = assert_same_as_faiss(engine, q_out[:batch], int(rng.integers(1, 20)), nprobe, prefetch=handle)
-                copied_on_demand += int(result.stats.get("clusters_copied_on_demand", 0))
+                copied_on_demand += sum(s.clusters_copied_on_demand for s in result.per_query)
+                assert all(s.clusters_copied_on_demand <= s.clusters_device for s in result.per_query)
                 # the prefetched clusters are still held by the prefetch, whatever demand evicted
                 assert handle.lease is None or all(engine.cache._slots[c].pins > 0 for c in handle.lease.resident)
                 handle.release()

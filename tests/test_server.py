@@ -34,6 +34,7 @@ METRIC_SERIES = (
     ("telerag_cache_occupancy_bytes", ()),
     ("telerag_clusters_searched_total", ('pipeline="hyde"', 'where="device"')),
     ("telerag_clusters_searched_total", ('pipeline="hyde"', 'where="cpu"')),
+    ("telerag_clusters_copied_on_demand_total", ('pipeline="hyde"',)),
     ("telerag_queue_depth", ()),
     ("telerag_batch_size_bucket", ('kind="search"',)),
     ("telerag_tokens_generated_total", ('pipeline="hyde"',)),

@@ -206,6 +206,7 @@ class RagPipeline:
             "overlap_rate": sum(overlaps) / len(overlaps) if overlaps else None,
             "clusters_device": int(sum(s.stats.get("clusters_device") or 0 for s in searches)),
             "clusters_cpu": int(sum(s.stats.get("clusters_cpu") or 0 for s in searches)),
+            "clusters_copied_on_demand": int(sum(s.stats.get("clusters_copied_on_demand") or 0 for s in searches)),
         }
         return RagResult(
             answer=answer,
