@@ -157,7 +157,9 @@ class RetrievalEngine:
         return self.prefetch_batch([q_in], [budget_bytes])[0]
 
     def prefetch_batch(self, groups: Sequence[np.ndarray], budgets: Sequence[int]) -> list[PrefetchHandle]:
-        """One ranking call for every group's q_in, then one plan and one lease per group."""
+        """One ranking call for every group's q_in, then one plan and one lease per group.
+        Groups prefetched together share the cache: each budget is capped at an equal share of
+        it, so the first group cannot pin all of it and leave the others nothing."""
         started = time.perf_counter()
         sizes = [len(g) for g in groups]
         if not sum(sizes) or not any(budgets) or not self.cache.capacity_rows:
@@ -166,11 +168,12 @@ class RetrievalEngine:
         ranked = self.rank_clusters(queries)
         rank_ms = (time.perf_counter() - started) * 1e3
         cluster_bytes = self.cache.cluster_bytes()
+        share = self.cache.capacity_bytes // len(groups)
         handles = []
         offset = 0
         for size, budget in zip(sizes, budgets, strict=True):
             t0 = time.perf_counter()
-            plan = plan_prefetch(ranked[offset : offset + size], cluster_bytes, int(budget))
+            plan = plan_prefetch(ranked[offset : offset + size], cluster_bytes, min(int(budget), share))
             offset += size
             lease = self.cache.acquire(plan.clusters, fetch=True) if plan.clusters else None
             handles.append(

@@ -155,3 +155,22 @@ def test_bad_arguments(tmp_path):
         engine.search(q, 0, nprobe=4)
     with pytest.raises(SearchError, match="shape"):
         engine.search(q[:, :-1], 5, nprobe=4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_groups_prefetched_together_share_the_cache(tmp_path, device):
+    """Three requests each asking for the whole cache: each gets a third, none is left out."""
+    ds = random_datastore(tmp_path / "ds", n=3000, nlist=30)
+    total = ds.n_vectors * ds.dim * 4
+    engine = RetrievalEngine(ds, device=device, cache_bytes=total // 2)
+    groups = [random_queries(1, ds.dim, seed) for seed in (1, 2, 3)]
+    handles = engine.prefetch_batch(groups, [total] * 3)
+    for handle in handles:
+        assert 0 < handle.plan.bytes <= engine.cache.capacity_bytes // 3
+        assert handle.stats["clusters_skipped"] == 0
+    stats = engine.cache.stats()
+    assert stats.occupancy_bytes <= stats.capacity_bytes
+    for group, handle in zip(groups, handles):
+        assert_same_as_faiss(engine, group, 5, 10, prefetch=handle)
+        handle.release()
+    assert engine.cache.stats().pinned_clusters == 0
