@@ -34,6 +34,7 @@ class BenchConfig:
     overlap_noise: float = 0.3
     codec: str = "fp32"
     device: str = "auto"
+    cpu_threads: int | None = None  # faiss threads of our CPU half; default: the engine's
     seed: int = 0
     datastore_dir: Path = Path(".bench")
 
@@ -183,7 +184,13 @@ def run(config: BenchConfig, progress: bool = True) -> dict:
     budget = int(config.budget_mb * mb)
     cache_bytes = int((config.cache_mb if config.cache_mb is not None else config.budget_mb) * mb)
     engine = RetrievalEngine(
-        datastore, device=device, cache_bytes=cache_bytes, nprobe=config.nprobe, demand_copy=False, progress=progress
+        datastore,
+        device=device,
+        cache_bytes=cache_bytes,
+        nprobe=config.nprobe,
+        cpu_threads=config.cpu_threads,
+        demand_copy=False,
+        progress=progress,
     )
     row_bytes = engine.cache.row_bytes
     # room for demand copies: by default what one search's C_out holds on average

@@ -36,10 +36,10 @@ def test_every_timed_search_is_exact(tmp_path, batch):
 
 def test_cli_json_is_the_last_line(tmp_path, capsys):
     args = ["bench", "retrieval", "--vectors", "3000", "--dim", "8", "--nlist", "16", "--nprobe", "4",
-            "--queries", "6", "--budget-mb", "0.02", "--device", "cpu", "--datastore-dir", str(tmp_path), "--json"]  # fmt: skip
+            "--queries", "6", "--budget-mb", "0.02", "--device", "cpu", "--cpu-threads", "1", "--datastore-dir", str(tmp_path), "--json"]  # fmt: skip
     assert main(args) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     payload = json.loads(last)
     assert REQUIRED <= payload.keys()
     assert payload["identical_fraction"] == 1.0
-    assert payload["config"]["budget_mb"] == 0.02
+    assert payload["config"]["budget_mb"] == 0.02 and payload["config"]["cpu_threads"] == 1

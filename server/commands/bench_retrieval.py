@@ -33,6 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--overlap-noise", type=float, default=defaults.overlap_noise, help="q_out = q_in + noise")
     parser.add_argument("--codec", choices=["fp32", "fp16"], default=defaults.codec)
     parser.add_argument("--device", default=defaults.device, help="auto, cpu or cuda")
+    parser.add_argument(
+        "--cpu-threads", type=int, default=None, help="faiss threads of our CPU half (default: all cores, one fewer on CUDA)"
+    )
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--datastore-dir", type=Path, default=defaults.datastore_dir, help="where synthetic datastores are kept")
     parser.add_argument("--json", action="store_true", help="print one JSON line last")
@@ -54,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         overlap_noise=args.overlap_noise,
         codec=args.codec,
         device=args.device,
+        cpu_threads=args.cpu_threads,
         seed=args.seed,
         datastore_dir=args.datastore_dir,
     )
