@@ -170,7 +170,7 @@ def test_groups_prefetched_together_share_the_cache(tmp_path, device):
         assert handle.stats["clusters_skipped"] == 0
     stats = engine.cache.stats()
     assert stats.occupancy_bytes <= stats.capacity_bytes
-    for group, handle in zip(groups, handles):
+    for group, handle in zip(groups, handles, strict=True):
         assert_same_as_faiss(engine, group, 5, 10, prefetch=handle)
         handle.release()
     assert engine.cache.stats().pinned_clusters == 0
