@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pipelines.errors import UnknownPipeline
 from pipelines.rag.base import RagPipeline
@@ -20,8 +20,17 @@ PIPELINES: dict[str, type[RagPipeline]] = {
 }
 
 
-def build_pipelines(engine: Engine, retriever: Retriever, *, names: Sequence[str] | None = None) -> dict[str, RagPipeline]:
+def build_pipelines(
+    engine: Engine,
+    retriever: Retriever,
+    *,
+    names: Sequence[str] | None = None,
+    pre_retrieval_ms: Mapping[str, float] | None = None,
+) -> dict[str, RagPipeline]:
+    """`pre_retrieval_ms`: each pipeline's expected pre-retrieval time to start from (see
+    `RagPipeline`); the server reads it from `config/prefetch_profiles.yaml`."""
     unknown = [n for n in names or () if n not in PIPELINES]
     if unknown:
         raise UnknownPipeline(f"unknown pipeline(s): {', '.join(unknown)}; known: {', '.join(PIPELINES)}")
-    return {name: PIPELINES[name](engine, retriever) for name in (names or PIPELINES)}
+    seeds = pre_retrieval_ms or {}
+    return {name: PIPELINES[name](engine, retriever, pre_retrieval_ms=seeds.get(name)) for name in (names or PIPELINES)}

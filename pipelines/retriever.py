@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from pipelines.types import Document, PrefetchTicket, SearchOptions, SearchOutcome, SearchRequest
+from pipelines.types import Document, PrefetchRequest, PrefetchTicket, SearchOptions, SearchOutcome, SearchRequest
 from retrieval.builder import build_datastore
 from retrieval.corpus import read_wikipedia, split_passages
 from retrieval.datastore import Datastore
@@ -39,16 +39,32 @@ class TextEncoder(Protocol):
 class DirectRetriever:
     """Embedder + retrieval engine + passages, behind the pipelines' Retriever protocol."""
 
-    def __init__(self, engine: RetrievalEngine, embedder: TextEncoder, *, prefetch_budget_bytes: int) -> None:
+    def __init__(
+        self, engine: RetrievalEngine, embedder: TextEncoder, *, prefetch_budget_bytes: int | None = None
+    ) -> None:
+        """`prefetch_budget_bytes`: the same budget for every prefetch; None: b_p = B · t (TeleRAG
+        §4.2) for each prefetch's own `overlap_ms` t, B being the cache's measured copy rate."""
         self.engine = engine
         self.embedder = embedder
         self.datastore = engine.datastore
         self.prefetch_budget_bytes = prefetch_budget_bytes
 
+    def budget_bytes(self, overlap_ms: float | None) -> int:
+        """What one prefetch may copy, never more than the cache: the fixed budget if there is
+        one, else what copies in `overlap_ms` (without an estimate, the whole cache)."""
+        capacity = self.engine.cache.capacity_bytes
+        if self.prefetch_budget_bytes is not None:
+            return min(self.prefetch_budget_bytes, capacity)
+        if overlap_ms is None:
+            return capacity
+        return min(int((self.engine.copy_bytes_per_ms or 0.0) * max(overlap_ms, 0.0)), capacity)
+
     # -- the Retriever protocol -------------------------------------------------------------------
 
-    async def prefetch(self, queries: Sequence[str], *, enabled: bool = True) -> PrefetchTicket:
-        return (await self.prefetch_batch([queries], enabled=[enabled]))[0]
+    async def prefetch(
+        self, queries: Sequence[str], *, enabled: bool = True, overlap_ms: float | None = None
+    ) -> PrefetchTicket:
+        return (await self.prefetch_batch([PrefetchRequest(list(queries), enabled, overlap_ms)]))[0]
 
     async def search(
         self, queries: Sequence[str], options: SearchOptions, ticket: PrefetchTicket | None = None
@@ -61,8 +77,8 @@ class DirectRetriever:
 
     # -- the BatchRetriever protocol --------------------------------------------------------------
 
-    async def prefetch_batch(self, groups: Sequence[Sequence[str]], *, enabled: Sequence[bool]) -> list[PrefetchTicket]:
-        return await asyncio.to_thread(self._prefetch_batch, [list(g) for g in groups], list(enabled))
+    async def prefetch_batch(self, requests: Sequence[PrefetchRequest]) -> list[PrefetchTicket]:
+        return await asyncio.to_thread(self._prefetch_batch, list(requests))
 
     async def search_batch(self, requests: Sequence[SearchRequest]) -> list[SearchOutcome]:
         return await asyncio.to_thread(self._search_batch, list(requests))
@@ -74,17 +90,16 @@ class DirectRetriever:
         vectors = np.asarray(self.embedder.encode(texts), dtype=np.float32).reshape(len(texts), -1)
         return vectors, (time.perf_counter() - started) * 1e3
 
-    def _prefetch_batch(self, groups: list[list[str]], enabled: list[bool]) -> list[PrefetchTicket]:
-        active = [i for i, (group, on) in enumerate(zip(groups, enabled, strict=True)) if on and group]
-        tickets = [PrefetchTicket(queries=group, stats={"enabled": False}) for group in groups]
-        if not active or not self.prefetch_budget_bytes or not self.engine.cache.capacity_rows:
+    def _prefetch_batch(self, requests: list[PrefetchRequest]) -> list[PrefetchTicket]:
+        budgets = [self.budget_bytes(r.overlap_ms) if r.enabled else 0 for r in requests]
+        active = [i for i, r in enumerate(requests) if budgets[i] > 0 and r.queries]
+        tickets = [PrefetchTicket(queries=list(r.queries), stats={"enabled": False}) for r in requests]
+        if not active:
             # nothing could be copied (no budget or no cache): do not even embed q_in
             return tickets
-        vectors, embed_ms = self._embed([text for i in active for text in groups[i]])
-        splits = np.cumsum([len(groups[i]) for i in active])[:-1]
-        handles = self.engine.prefetch_batch(
-            np.split(vectors, splits), [self.prefetch_budget_bytes] * len(active)
-        )
+        vectors, embed_ms = self._embed([text for i in active for text in requests[i].queries])
+        splits = np.cumsum([len(requests[i].queries) for i in active])[:-1]
+        handles = self.engine.prefetch_batch(np.split(vectors, splits), [budgets[i] for i in active])
         for i, handle in zip(active, handles, strict=True):
             tickets[i].handle = handle
             tickets[i].stats = {"enabled": True, "embed_ms": embed_ms, "batch": len(active), **handle.stats}
@@ -159,7 +174,8 @@ class DirectRetriever:
             "nprobe": self.engine.nprobe,
             "device": str(self.engine.device),
             "cache_bytes": self.engine.cache.capacity_bytes,
-            "prefetch_budget_bytes": self.prefetch_budget_bytes,
+            "prefetch_budget_bytes": self.prefetch_budget_bytes,  # None: B · each request's overlap
+            "copy_gbps": self.engine.copy_bytes_per_ms / 1e6 if self.engine.copy_bytes_per_ms else None,
         }
 
     def close(self) -> None:
@@ -173,7 +189,7 @@ def open_retriever(
     *,
     device: str = "auto",
     cache_bytes: int = 0,
-    prefetch_budget_bytes: int = 0,
+    prefetch_budget_bytes: int | None = None,
     nprobe: int | None = None,
     demand_copy: bool | None = None,
     cpu_threads: int | None = None,
@@ -215,4 +231,10 @@ def open_retriever(
         engine.cache.capacity_bytes / 2**20,
         "on" if engine.demand is not None else "off",
     )
+    if not engine.cache.capacity_rows:
+        log.info("prefetch off: no cluster cache")
+    elif prefetch_budget_bytes is not None:
+        log.info("prefetch budget %.1f MB per request (fixed)", min(prefetch_budget_bytes, engine.cache.capacity_bytes) / 2**20)
+    else:
+        log.info("prefetch budget B·t_LLM per pipeline, B = %.1f GB/s measured now", (engine.copy_bytes_per_ms or 0) / 1e6)
     return DirectRetriever(engine, embedder, prefetch_budget_bytes=prefetch_budget_bytes)

@@ -128,8 +128,12 @@ class SearchOutcome:
 class Retriever(Protocol):
     """Embeds text and searches the datastore; the server wraps one to batch across requests."""
 
-    async def prefetch(self, queries: Sequence[str], *, enabled: bool = True) -> PrefetchTicket:
-        """Embed `queries` (q_in), plan and start copying their clusters; returns at once, copies run on."""
+    async def prefetch(
+        self, queries: Sequence[str], *, enabled: bool = True, overlap_ms: float | None = None
+    ) -> PrefetchTicket:
+        """Embed `queries` (q_in), plan and start copying their clusters; returns at once, copies run on.
+        `overlap_ms`: how long the caller expects the work the copies hide behind (its
+        pre-retrieval LLM call) to take; the budget is what can be copied in that time."""
         ...
 
     async def search(
@@ -141,6 +145,15 @@ class Retriever(Protocol):
     def release(self, ticket: PrefetchTicket) -> None:
         """Unpin the ticket's clusters (idempotent)."""
         ...
+
+
+@dataclass(frozen=True)
+class PrefetchRequest:
+    """One caller's prefetch inside a batch (see `Retriever.prefetch`)."""
+
+    queries: list[str]
+    enabled: bool = True
+    overlap_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -158,8 +171,8 @@ class BatchRetriever(Retriever, Protocol):
     prefetch plan (ranks interleaved across callers) and one cooperative search serve them all.
     The server's scheduler gathers concurrent requests and calls these."""
 
-    async def prefetch_batch(self, groups: Sequence[Sequence[str]], *, enabled: Sequence[bool]) -> list[PrefetchTicket]:
-        """One ticket per group, each pinning only its own clusters."""
+    async def prefetch_batch(self, requests: Sequence[PrefetchRequest]) -> list[PrefetchTicket]:
+        """One ticket per request, each pinning only its own clusters."""
         ...
 
     async def search_batch(self, requests: Sequence[SearchRequest]) -> list[SearchOutcome]:

@@ -104,6 +104,8 @@ class RetrievalEngine:
             initializer=faiss.omp_set_num_threads if cpu_threads else None,
             initargs=(cpu_threads,) if cpu_threads else (),
         )
+        # B of TeleRAG §4.2: the copy rate prefetch budgets are computed from
+        self.copy_bytes_per_ms = self.cache.measure_copy_rate()
         self.demand = self._demand_policy(demand_copy)
 
     def _host_tensor(self, progress: bool) -> torch.Tensor:
@@ -125,7 +127,7 @@ class RetrievalEngine:
             demand_copy = self.device.type == "cuda"
         if not demand_copy or not self.cache.capacity_rows:
             return None
-        return DemandCopyPolicy(self.cache.measure_copy_rate())
+        return DemandCopyPolicy(self.copy_bytes_per_ms)
 
     def resize_cache(self, cache_bytes: int, *, demand_copy: bool | None = None) -> None:
         """Replace the cluster cache with an empty one of `cache_bytes` (nothing may be pinned);
@@ -136,6 +138,7 @@ class RetrievalEngine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.cache = ClusterCache(self.host_vectors, self.datastore.offsets, cache_bytes, self.device)
+        self.copy_bytes_per_ms = self.cache.measure_copy_rate() or self.copy_bytes_per_ms
         self.demand = self._demand_policy(demand_copy)
 
     def close(self) -> None:

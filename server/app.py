@@ -33,6 +33,7 @@ from server.protocol import (
     new_id,
 )
 from server.runtime import Runtime
+from server.settings import pre_retrieval_profile
 from server.scheduler import Admission, BatchingRetriever
 from server.streaming import sse, sse_data
 
@@ -89,7 +90,9 @@ class Service:
             max_batch=scheduler.max_batch,
             on_batch=lambda kind, size: self.metrics.batch_size.labels(kind).observe(size),
         )
-        self.pipelines: dict[str, Pipeline] = build_pipelines(runtime.engine, self.retriever)
+        self.pipelines: dict[str, Pipeline] = build_pipelines(
+            runtime.engine, self.retriever, pre_retrieval_ms=pre_retrieval_profile()
+        )
         self.admission = Admission(
             scheduler.max_concurrency,
             scheduler.max_queue,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import statistics
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
@@ -12,11 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
-import yaml
 
 from pipelines.errors import EngineUnavailable
 from pipelines.types import BatchRetriever, Engine
-from server.settings import CONFIG_DIR, Settings
+from server.settings import Settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,18 +51,6 @@ class Runtime:
 def _device(name: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
 
-
-def prefetch_budget_bytes(settings: Settings, device: str, cache_bytes: int) -> int:
-    """b_p = B * t_LLM (TeleRAG §4.2) from `config/prefetch_profiles.yaml`, capped by the cache;
-    0 on CPU, where the cache is off by default."""
-    configured = settings.retrieval.prefetch_budget_mb
-    if configured is not None:
-        return min(int(configured * 2**20), cache_bytes)
-    if device != "cuda":
-        return 0
-    profile = yaml.safe_load((CONFIG_DIR / "prefetch_profiles.yaml").read_text(encoding="utf-8"))
-    t_llm_ms = statistics.median([v for v in profile["t_llm_ms"].values() if v > 0])
-    return min(int(profile["copy_gbps"] * 1e9 * t_llm_ms / 1e3), cache_bytes)
 
 
 def build_engine(settings: Settings) -> Engine:
@@ -107,7 +93,7 @@ async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
         embedder,
         device=device,
         cache_bytes=cache_bytes,
-        prefetch_budget_bytes=prefetch_budget_bytes(settings, device, cache_bytes),
+        prefetch_budget_bytes=None if retrieval.prefetch_budget_mb is None else int(retrieval.prefetch_budget_mb * 2**20),
         nprobe=retrieval.nprobe,
         demand_copy=retrieval.demand_copy,
         cpu_threads=retrieval.cpu_threads,

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from pipelines.types import BatchRetriever, PrefetchTicket, SearchOptions, SearchOutcome, SearchRequest
+from pipelines.types import BatchRetriever, PrefetchRequest, PrefetchTicket, SearchOptions, SearchOutcome, SearchRequest
 from server.errors import Overloaded
 
 Item = TypeVar("Item")
@@ -151,19 +151,18 @@ class BatchingRetriever:
         self.inner = inner
         report = on_batch or (lambda kind, size: None)
         window = window_ms / 1e3
-        self._prefetch: _Batcher[tuple[list[str], bool], PrefetchTicket] = _Batcher(
-            self._run_prefetch, lambda item: len(item[0]), window, max_batch, lambda n: report("prefetch", n),
+        self._prefetch: _Batcher[PrefetchRequest, PrefetchTicket] = _Batcher(
+            self.inner.prefetch_batch, lambda item: len(item.queries), window, max_batch, lambda n: report("prefetch", n),
             abandon=self.inner.release,  # a cancelled caller's clusters are unpinned at once
         )
         self._search: _Batcher[SearchRequest, SearchOutcome] = _Batcher(
             self.inner.search_batch, lambda item: len(item.queries), window, max_batch, lambda n: report("search", n)
         )
 
-    async def _run_prefetch(self, items: list[tuple[list[str], bool]]) -> list[PrefetchTicket]:
-        return await self.inner.prefetch_batch([q for q, _ in items], enabled=[e for _, e in items])
-
-    async def prefetch(self, queries: Sequence[str], *, enabled: bool = True) -> PrefetchTicket:
-        return await self._prefetch.submit((list(queries), enabled))
+    async def prefetch(
+        self, queries: Sequence[str], *, enabled: bool = True, overlap_ms: float | None = None
+    ) -> PrefetchTicket:
+        return await self._prefetch.submit(PrefetchRequest(list(queries), enabled, overlap_ms))
 
     async def search(self, queries: Sequence[str], options: SearchOptions, ticket: PrefetchTicket | None = None) -> SearchOutcome:
         return await self._search.submit(SearchRequest(list(queries), options, ticket))

@@ -38,7 +38,7 @@ class RetrievalSettings(BaseModel):
     embedder_device: str = "auto"
     device: str = "auto"  # where the cluster cache and device search run
     cache_mb: float | None = None  # None: 0 on CPU (straight to faiss), 4096 on CUDA
-    prefetch_budget_mb: float | None = None  # None: B * t_LLM from the prefetch profile, capped by the cache
+    prefetch_budget_mb: float | None = None  # None: B * t_LLM per pipeline (see pre_retrieval_profile), capped by the cache
     demand_copy: bool | None = None  # copy part of each search's missed clusters too; None: on with CUDA
     cpu_threads: int | None = Field(None, ge=1)  # faiss threads of the CPU half; None: all cores, one fewer on CUDA
     nprobe: int | None = None  # None: 4 * sqrt(nlist)
@@ -110,6 +110,16 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         path = _config_file.get() or Path(os.environ.get("TELERAG_CONFIG", DEFAULT_CONFIG))
         return init_settings, env_settings, _YamlSource(settings_cls, path)
+
+
+def pre_retrieval_profile(path: Path = CONFIG_DIR / "prefetch_profiles.yaml") -> dict[str, float]:
+    """Each pipeline's expected pre-retrieval time in ms (t_LLM of TeleRAG §4.2), where its
+    prefetch budget starts; the pipelines refine it from their own calls."""
+    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    times = data.get("t_llm_ms") if isinstance(data, dict) else None
+    if not isinstance(times, dict) or not all(isinstance(v, int | float) and v >= 0 for v in times.values()):
+        raise ValueError(f"{path}: t_llm_ms must map pipeline names to milliseconds >= 0")
+    return {str(name): float(ms) for name, ms in times.items()}
 
 
 def load_settings(config: Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:

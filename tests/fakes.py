@@ -11,6 +11,7 @@ from pipelines.errors import EngineError
 from pipelines.types import (
     Document,
     Generation,
+    PrefetchRequest,
     PrefetchTicket,
     SamplingParams,
     SearchOptions,
@@ -101,11 +102,15 @@ class RecordingRetriever:
         self.docs_per_query = docs_per_query
         self.searches: list[list[str]] = []
         self.prefetches: list[list[str]] = []
+        self.overlaps_ms: list[float | None] = []  # each prefetch's overlap_ms
         self.released: list[PrefetchTicket] = []
         self.outstanding: set[int] = set()
 
-    async def prefetch(self, queries: Sequence[str], *, enabled: bool = True) -> PrefetchTicket:
+    async def prefetch(
+        self, queries: Sequence[str], *, enabled: bool = True, overlap_ms: float | None = None
+    ) -> PrefetchTicket:
         self.prefetches.append(list(queries))
+        self.overlaps_ms.append(overlap_ms)
         self.log.append(("prefetch", " | ".join(queries)))
         ticket = PrefetchTicket(list(queries), {"enabled": enabled, "clusters_requested": 4, "bytes_copied": 1024})
         self.outstanding.add(id(ticket))
@@ -121,8 +126,8 @@ class RecordingRetriever:
         ]
         return SearchOutcome(documents, {"overlap_rate": 0.75, "clusters_device": 3, "clusters_cpu": 1, "device_ms": 1.0, "cpu_ms": 2.0, "embed_ms": 0.5})
 
-    async def prefetch_batch(self, groups, *, enabled):  # noqa: ANN001
-        return [await self.prefetch(g, enabled=e) for g, e in zip(groups, enabled, strict=True)]
+    async def prefetch_batch(self, requests: Sequence[PrefetchRequest]) -> list[PrefetchTicket]:
+        return [await self.prefetch(r.queries, enabled=r.enabled, overlap_ms=r.overlap_ms) for r in requests]
 
     async def search_batch(self, requests: Sequence[SearchRequest]) -> list[SearchOutcome]:
         return [await self.search(r.queries, r.options, r.ticket) for r in requests]

@@ -215,3 +215,20 @@ async def test_every_pipeline_on_the_tiny_model_and_a_small_datastore(tmp_path):
             assert retriever.cache_stats()["pinned_clusters"] == 0
     finally:
         retriever.close()
+
+
+async def test_prefetch_budget_follows_the_pre_retrieval_time():
+    """HyDE's prefetch asks for its expected pre-retrieval time (t_LLM), starting from the
+    profile and then a moving average of its own calls; naive, with none, asks for nothing."""
+    log: list = []
+    engine = ScriptedEngine(script(), log, delay=0.05)
+    retriever = RecordingRetriever(log)
+    pipelines = build_pipelines(engine, retriever, names=["hyde", "naive"], pre_retrieval_ms={"hyde": 1000.0})
+    await run(pipelines["hyde"])
+    assert retriever.overlaps_ms == [1000.0]
+    observed = pipelines["hyde"].pre_retrieval_ms
+    assert 800.0 < observed < 1000.0  # a fifth of the way to the ~50 ms call
+    await run(pipelines["hyde"])
+    assert retriever.overlaps_ms[-1] == observed
+    await run(pipelines["naive"])
+    assert retriever.overlaps_ms[-1] == 0.0

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pipelines.retriever import DirectRetriever, open_retriever
-from pipelines.types import SearchOptions, SearchRequest
+from pipelines.types import PrefetchRequest, SearchOptions, SearchRequest
 from retrieval.builder import build_datastore
 from retrieval.corpus import read_jsonl, split_passages
 from retrieval.errors import DatastoreMismatchError
@@ -115,7 +115,7 @@ async def test_batched_requests_get_their_own_answers(retriever):
 
 
 async def test_prefetch_disabled_issues_no_copies(retriever):
-    tickets = await retriever.prefetch_batch([["river"], ["star"]], enabled=[False, True])
+    tickets = await retriever.prefetch_batch([PrefetchRequest(["river"], enabled=False), PrefetchRequest(["star"])])
     assert tickets[0].handle is None and tickets[0].stats == {"enabled": False}
     assert tickets[1].handle is not None
     for t in tickets:
@@ -133,3 +133,22 @@ def test_refuses_a_datastore_of_another_embedder(retriever, tmp_path):
 def test_datastore_info(retriever):
     info = retriever.datastore_info()
     assert info["passages"] == 80 and info["nlist"] == 2 and info["embedder"] == "hash-32"
+
+
+def test_budget_is_copy_rate_times_overlap_capped_by_the_cache(retriever):
+    capacity = retriever.engine.cache.capacity_bytes
+    rate = retriever.engine.copy_bytes_per_ms
+    assert rate and rate > 0, "the copy rate is measured when the cache is made"
+    retriever.prefetch_budget_bytes = None
+    assert retriever.budget_bytes(0.0) == 0
+    assert retriever.budget_bytes(1e-3) == min(int(rate * 1e-3), capacity)
+    assert retriever.budget_bytes(1e9) == capacity
+    assert retriever.budget_bytes(None) == capacity  # no estimate: the whole cache
+    retriever.prefetch_budget_bytes = 1000
+    assert retriever.budget_bytes(1e9) == retriever.budget_bytes(None) == 1000  # a fixed budget wins
+
+
+async def test_no_overlap_means_no_prefetch(retriever):
+    retriever.prefetch_budget_bytes = None
+    ticket = await retriever.prefetch(["river fish"], overlap_ms=0.0)
+    assert ticket.handle is None and ticket.stats == {"enabled": False}

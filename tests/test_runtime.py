@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.errors import EngineUnavailable
+from pipelines.registry import PIPELINES
 from server import runtime
 from server.settings import Settings
 from tests.test_engine_sglang import FakeEngine, sglang  # noqa: F401 - the fixture
@@ -24,13 +25,18 @@ def test_sglang_engine_from_settings(sglang, monkeypatch):  # noqa: F811
         runtime.build_engine(Settings(engine={"kind": "sglang"}))
 
 
-def test_prefetch_budget():
-    cache = 4 << 30
-    assert runtime.prefetch_budget_bytes(Settings(), "cpu", cache) == 0
-    auto = runtime.prefetch_budget_bytes(Settings(), "cuda", cache)
-    assert 0 < auto <= cache  # B * t_LLM from the profile, capped by the cache
-    assert runtime.prefetch_budget_bytes(Settings(retrieval={"prefetch_budget_mb": 100}), "cuda", cache) == 100 << 20
-    assert runtime.prefetch_budget_bytes(Settings(retrieval={"prefetch_budget_mb": 10**6}), "cuda", cache) == cache
+def test_pre_retrieval_profile(tmp_path: Path):
+    from server.settings import pre_retrieval_profile
+
+    profile = pre_retrieval_profile()
+    assert set(PIPELINES) <= profile.keys() and profile["naive"] == 0 and profile["hyde"] > 0
+    bad = tmp_path / "p.yaml"
+    bad.write_text("t_llm_ms:\n  hyde: -5\n")
+    with pytest.raises(ValueError, match="t_llm_ms"):
+        pre_retrieval_profile(bad)
+    bad.write_text("copy_gbps: 54\n")
+    with pytest.raises(ValueError, match="t_llm_ms"):
+        pre_retrieval_profile(bad)
 
 
 def test_settings_precedence(tmp_path: Path, monkeypatch):

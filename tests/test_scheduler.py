@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from pipelines.types import PrefetchTicket, SearchOptions, SearchOutcome, SearchRequest
+from pipelines.types import PrefetchRequest, PrefetchTicket, SearchOptions, SearchOutcome, SearchRequest
 from server.scheduler import BatchingRetriever
 from tests.fakes import RecordingRetriever
 
@@ -27,11 +27,11 @@ class GatedRetriever(RecordingRetriever):
         await self.gate.wait()
         return await super().search_batch(requests)
 
-    async def prefetch_batch(self, groups, *, enabled):  # noqa: ANN001
-        self.calls.append([g[0] for g in groups])
+    async def prefetch_batch(self, requests: Sequence[PrefetchRequest]) -> list[PrefetchTicket]:
+        self.calls.append([r.queries[0] for r in requests])
         self.entered.set()
         await self.gate.wait()
-        return await super().prefetch_batch(groups, enabled=enabled)
+        return await super().prefetch_batch(requests)
 
 
 async def settle() -> None:

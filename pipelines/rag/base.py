@@ -47,6 +47,8 @@ class Stage:
 # A base model answering a completion prompt goes on to invent the next question: stop there.
 ANSWER_STOPS = ("\nQuestion:", "\n\n")
 
+PRE_RETRIEVAL_SMOOTHING = 0.2  # weight of the newest pre-retrieval time in the pipeline's estimate
+
 PREFETCH = Stage("prefetch", "prefetch")
 SEARCH = Stage("search", "search")
 GENERATE = Stage("generate", "generate")
@@ -70,9 +72,13 @@ class RagPipeline:
     description: ClassVar[str]
     stages: ClassVar[tuple[Stage, ...]]
 
-    def __init__(self, engine: Engine, retriever: Retriever) -> None:
+    def __init__(self, engine: Engine, retriever: Retriever, *, pre_retrieval_ms: float | None = None) -> None:
+        """`pre_retrieval_ms`: the expected time of this pipeline's pre-retrieval call, which its
+        prefetch copies hide behind (t_LLM of TeleRAG §4.2; refined from every call it makes;
+        None: no estimate until the first)."""
         self.engine = engine
         self.retriever = retriever
+        self.pre_retrieval_ms = pre_retrieval_ms
 
     async def body(self, ctx: RunContext) -> str:
         """Run the pipeline; return the final answer (already streamed as TokenEvents)."""
@@ -136,10 +142,17 @@ class RagPipeline:
     ) -> tuple[T | None, list[list[Document]]]:
         """Prefetch q_in's clusters, run the pre-retrieval call meanwhile, then search q_out
         (no search when `q_out` returns None: the copies were speculative)."""
-        ticket, ms = await self.stage(ctx, "prefetch", self.retriever.prefetch(list(q_in), enabled=ctx.options.prefetch))
+        # nothing to hide copies behind without a pre-retrieval call: the search copies on demand
+        overlap_ms = self.pre_retrieval_ms if pre_retrieval is not None else 0.0
+        prefetch = self.retriever.prefetch(list(q_in), enabled=ctx.options.prefetch, overlap_ms=overlap_ms)
+        ticket, ms = await self.stage(ctx, "prefetch", prefetch)
         ctx.steps.append(Step("prefetch", "prefetch", " | ".join(q_in)[:200], ms=ms, stats=dict(ticket.stats)))
         try:
-            produced = await pre_retrieval() if pre_retrieval is not None else None
+            produced = None
+            if pre_retrieval is not None:
+                started = time.perf_counter()
+                produced = await pre_retrieval()
+                self._observe_pre_retrieval((time.perf_counter() - started) * 1e3)
             wanted = q_out(produced)
             if wanted is None:
                 return produced, []
@@ -150,6 +163,11 @@ class RagPipeline:
         finally:
             self.retriever.release(ticket)
         return produced, outcome.documents
+
+    def _observe_pre_retrieval(self, ms: float) -> None:
+        """A moving average over this pipeline's calls, so the budget follows the model and load."""
+        previous = self.pre_retrieval_ms
+        self.pre_retrieval_ms = ms if previous is None else (1 - PRE_RETRIEVAL_SMOOTHING) * previous + PRE_RETRIEVAL_SMOOTHING * ms
 
     async def answer(self, ctx: RunContext, documents: Sequence[Document], *, prompt: str | None = None) -> str:
         """The final answer, streamed to the client token by token."""

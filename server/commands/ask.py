@@ -13,7 +13,7 @@ from pathlib import Path
 from pipelines.registry import PIPELINES, build_pipelines
 from pipelines.types import RagResult, ResultEvent, RunOptions, TokenEvent
 from server.commands.serve import overrides
-from server.settings import load_settings
+from server.settings import load_settings, pre_retrieval_profile
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -52,7 +52,9 @@ def run(args: argparse.Namespace) -> int:
 
     async def main() -> RagResult:
         async with open_runtime(settings) as runtime:
-            pipeline = build_pipelines(runtime.engine, runtime.retriever, names=[args.pipeline])[args.pipeline]
+            pipeline = build_pipelines(
+                runtime.engine, runtime.retriever, names=[args.pipeline], pre_retrieval_ms=pre_retrieval_profile()
+            )[args.pipeline]
             options = RunOptions(top_k=args.top_k or settings.retrieval.top_k, nprobe=args.nprobe,
                                  max_tokens=args.max_tokens, prefetch=not args.no_prefetch)
             async for event in pipeline.run(args.question, options):

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     from retrieval.corpus import read_wikipedia, split_passages
     from server.app import create_app
     from server.runtime import Runtime, run_event_loop
-    from server.settings import CONFIG_DIR, load_settings
+    from server.settings import CONFIG_DIR, load_settings, pre_retrieval_profile
 
     questions = [q.text for q in read_questions(CONFIG_DIR / "questions_wiki_en.txt")]
     questions = [questions[i % len(questions)] for i in range(args.requests)]
@@ -93,7 +93,10 @@ def run(args: argparse.Namespace) -> int:
         options = RunOptions(max_tokens=args.max_tokens)
 
         async def measure() -> tuple[list[float], list[float]]:
-            pipeline = build_pipelines(engine, retriever, names=[args.pipeline])[args.pipeline]
+            # the same pipeline the server builds
+            pipeline = build_pipelines(engine, retriever, names=[args.pipeline], pre_retrieval_ms=pre_retrieval_profile())[
+                args.pipeline
+            ]
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
