@@ -14,7 +14,7 @@ import torch
 
 from pipelines.errors import EngineUnavailable
 from pipelines.types import BatchRetriever, Engine
-from server.settings import Settings
+from server.settings import RetrievalSettings, Settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -75,34 +75,48 @@ def build_engine(settings: Settings) -> Engine:
     return CPUEngine.from_pretrained(engine.model_path, device=device)
 
 
+def cluster_cache_bytes(retrieval: RetrievalSettings, device: str) -> int:
+    """The configured cache size; by default none on CPU (faiss alone is fastest there) and on
+    CUDA the memory still free (call it after the LLM has taken its share) less the headroom."""
+    if retrieval.cache_mb is not None:
+        return int(retrieval.cache_mb * 2**20)
+    if device != "cuda":
+        return 0
+    free, _ = torch.cuda.mem_get_info()
+    return max(0, free - int(retrieval.cache_headroom_mb * 2**20))
+
+
 @asynccontextmanager
 async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
-    """Load the engine, the embedder and the datastore (building the Wikipedia one on first run)."""
+    """Load the engine, then the embedder and the datastore (building the Wikipedia one on first
+    run): the engine first, so that the cluster cache gets what the LLM leaves of the GPU."""
     from pipelines.embedder import Embedder
     from pipelines.retriever import open_retriever
 
     retrieval = settings.retrieval
     device = _device(retrieval.device)
-    embedder_device = _device(retrieval.embedder_device)
-    embedder = Embedder(retrieval.embedder, device=embedder_device) if retrieval.embedder else Embedder.embedded_default(device=embedder_device)
-    log.info("embedder %s (%d-d) on %s", embedder.name, embedder.dim, embedder_device)
-    cache_mb = retrieval.cache_mb if retrieval.cache_mb is not None else (4096 if device == "cuda" else 0)
-    cache_bytes = int(cache_mb * 2**20)
-    retriever = open_retriever(
-        retrieval.datastore,
-        embedder,
-        device=device,
-        cache_bytes=cache_bytes,
-        prefetch_budget_bytes=None if retrieval.prefetch_budget_mb is None else int(retrieval.prefetch_budget_mb * 2**20),
-        nprobe=retrieval.nprobe,
-        demand_copy=retrieval.demand_copy,
-        cpu_threads=retrieval.cpu_threads,
-        build_if_missing=retrieval.build_if_missing,
-        verify_checksums=retrieval.verify_checksums,
-    )
+    engine = build_engine(settings)
+    log.info("engine %s (%s)", getattr(engine, "name", "?"), settings.engine.kind)
     try:
-        engine = build_engine(settings)
-        log.info("engine %s (%s)", getattr(engine, "name", "?"), settings.engine.kind)
+        embedder_device = _device(retrieval.embedder_device)
+        embedder = Embedder(retrieval.embedder, device=embedder_device) if retrieval.embedder else Embedder.embedded_default(device=embedder_device)
+        log.info("embedder %s (%d-d) on %s", embedder.name, embedder.dim, embedder_device)
+        retriever = open_retriever(
+            retrieval.datastore,
+            embedder,
+            device=device,
+            cache_bytes=cluster_cache_bytes(retrieval, device),
+            prefetch_budget_bytes=None if retrieval.prefetch_budget_mb is None else int(retrieval.prefetch_budget_mb * 2**20),
+            nprobe=retrieval.nprobe,
+            demand_copy=retrieval.demand_copy,
+            cpu_threads=retrieval.cpu_threads,
+            build_if_missing=retrieval.build_if_missing,
+            verify_checksums=retrieval.verify_checksums,
+        )
+    except BaseException:
+        await engine.close()
+        raise
+    try:
         runtime = Runtime(
             settings=settings,
             engine=engine,

@@ -37,7 +37,8 @@ class RetrievalSettings(BaseModel):
     embedder: Path | None = None  # None: the packaged all-MiniLM-L6-v2
     embedder_device: str = "auto"
     device: str = "auto"  # where the cluster cache and device search run
-    cache_mb: float | None = None  # None: 0 on CPU (straight to faiss), 4096 on CUDA
+    cache_mb: float | None = None  # None: 0 on CPU (straight to faiss); on CUDA what the LLM leaves, less the headroom
+    cache_headroom_mb: float = Field(4096, ge=0)  # GPU memory the default cache leaves free (embedder, search, KV growth)
     prefetch_budget_mb: float | None = None  # None: B * t_LLM per pipeline (see pre_retrieval_profile), capped by the cache
     demand_copy: bool | None = None  # copy part of each search's missed clusters too; None: on with CUDA
     cpu_threads: int | None = Field(None, ge=1)  # faiss threads of the CPU half; None: all cores, one fewer on CUDA

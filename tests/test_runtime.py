@@ -25,6 +25,17 @@ def test_sglang_engine_from_settings(sglang, monkeypatch):  # noqa: F811
         runtime.build_engine(Settings(engine={"kind": "sglang"}))
 
 
+def test_cluster_cache_takes_what_the_llm_leaves(monkeypatch):
+    import torch
+
+    defaults = Settings().retrieval
+    assert runtime.cluster_cache_bytes(defaults, "cpu") == 0  # faiss alone on a CPU box
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *args: (20 << 30, 80 << 30))
+    assert runtime.cluster_cache_bytes(defaults, "cuda") == (20 << 30) - (4096 << 20)
+    assert runtime.cluster_cache_bytes(Settings(retrieval={"cache_headroom_mb": 30_000}).retrieval, "cuda") == 0
+    assert runtime.cluster_cache_bytes(Settings(retrieval={"cache_mb": 100}).retrieval, "cuda") == 100 << 20
+
+
 def test_pre_retrieval_profile(tmp_path: Path):
     from server.settings import pre_retrieval_profile
 
