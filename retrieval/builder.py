@@ -97,10 +97,11 @@ def write_clustered(
     perm = np.argsort(lists, kind="stable")
     offsets = np.zeros(nlist + 1, dtype=np.int64)
     np.cumsum(np.bincount(lists, minlength=nlist), out=offsets[1:])
+    params = codec.train(vectors)
     encoded = np.empty((len(vectors), dim), dtype=codec.numpy_dtype)
     step = 1 << 18
     for start in tqdm(range(0, len(perm), step), desc="lay out clusters", unit="block", disable=not progress):
-        encoded[start : start + step] = codec.to_codes(vectors[perm[start : start + step]])
+        encoded[start : start + step] = codec.to_codes(vectors[perm[start : start + step]], params)
     ordered_passages: Iterable[Passage] | None = None
     if passages is not None:
         ordered_passages = (passages[i] for i in perm)
@@ -121,6 +122,7 @@ def write_clustered(
         offsets=offsets,
         vectors=encoded,
         passages=ordered_passages,
+        codec_params=params,
         overwrite=overwrite,
     )
 

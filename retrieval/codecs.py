@@ -1,5 +1,11 @@
 """How cluster vectors are stored: the same codes live on disk, in faiss, and in the device cache,
-so the CPU (faiss) and device halves of a search score exactly the same numbers."""
+so the CPU (faiss) and device halves of a search score exactly the same numbers.
+
+fp32 and fp16 are plain floats. sq8 is faiss's 8-bit scalar quantizer (`QT_8bit`): one byte per
+dimension, a quarter of fp32's bytes per copy, decoded as `vmin + (code + 0.5) / 255 * vdiff`
+with per-dimension `vmin`, `vdiff` trained on the data (the codec's parameters, kept beside the
+vectors in the datastore).
+"""
 
 from __future__ import annotations
 
@@ -9,27 +15,61 @@ import faiss
 import numpy as np
 import torch
 
+SQ8_TRAIN_SAMPLE = 1 << 18  # vectors the 8-bit quantizer's ranges are trained on
+
 
 class Codec(str, Enum):
     FP32 = "fp32"
     FP16 = "fp16"
+    SQ8 = "sq8"
 
     @property
     def numpy_dtype(self) -> np.dtype:
-        return np.dtype(np.float32 if self is Codec.FP32 else np.float16)
+        return np.dtype({Codec.FP32: np.float32, Codec.FP16: np.float16, Codec.SQ8: np.uint8}[self])
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return torch.float32 if self is Codec.FP32 else torch.float16
+        return {Codec.FP32: torch.float32, Codec.FP16: torch.float16, Codec.SQ8: torch.uint8}[self]
+
+    @property
+    def has_params(self) -> bool:
+        return self is Codec.SQ8
 
     def vector_bytes(self, dim: int) -> int:
         return dim * self.numpy_dtype.itemsize
 
-    def to_codes(self, vectors: np.ndarray) -> np.ndarray:
-        """float32 vectors -> codes (fp16 rounds to nearest even, as faiss's own encoder does)."""
-        return np.ascontiguousarray(vectors, dtype=self.numpy_dtype)
+    def train(self, vectors: np.ndarray, seed: int = 0) -> np.ndarray | None:
+        """The codec's parameters for these vectors: float32 (2, dim) `vmin`, `vdiff` for sq8
+        (faiss's own training, min/max per dimension), None for the float codecs."""
+        if not self.has_params:
+            return None
+        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+        if len(vectors) > SQ8_TRAIN_SAMPLE:
+            rows = np.random.default_rng(seed).choice(len(vectors), SQ8_TRAIN_SAMPLE, replace=False)
+            vectors = np.ascontiguousarray(vectors[np.sort(rows)])
+        quantizer = faiss.ScalarQuantizer(vectors.shape[1], faiss.ScalarQuantizer.QT_8bit)
+        quantizer.train(vectors)
+        return faiss.vector_to_array(quantizer.trained).astype(np.float32).reshape(2, -1)
 
-    def empty_faiss_index(self, centroids: np.ndarray) -> tuple[faiss.IndexIVF, faiss.IndexFlatIP]:
+    def to_codes(self, vectors: np.ndarray, params: np.ndarray | None = None) -> np.ndarray:
+        """float32 vectors -> codes, as faiss's own encoder makes them (fp16 rounds to nearest
+        even; sq8 needs the parameters from `train`)."""
+        if not self.has_params:
+            return np.ascontiguousarray(vectors, dtype=self.numpy_dtype)
+        return self._sq8(self._checked(params, vectors.shape[1])).compute_codes(
+            np.ascontiguousarray(vectors, dtype=np.float32)
+        )
+
+    def decode(self, codes: torch.Tensor, params: torch.Tensor | None = None) -> torch.Tensor:
+        """Codes (rows of the device cache) -> float32, as faiss decodes them."""
+        if not self.has_params:
+            return codes.float()
+        assert params is not None, "sq8 codes need the codec's parameters"
+        return params[0] + (codes.float() + 0.5) / 255.0 * params[1]
+
+    def empty_faiss_index(
+        self, centroids: np.ndarray, params: np.ndarray | None = None
+    ) -> tuple[faiss.IndexIVF, faiss.IndexFlatIP]:
         """An inner-product IVF index over `centroids` whose inverted lists hold this codec's codes,
         and its quantizer (the caller keeps it alive: faiss does not own it)."""
         nlist, dim = centroids.shape
@@ -38,9 +78,21 @@ class Codec(str, Enum):
         if self is Codec.FP32:
             index: faiss.IndexIVF = faiss.IndexIVFFlat(quantizer, dim, nlist, faiss.METRIC_INNER_PRODUCT)
         else:
-            index = faiss.IndexIVFScalarQuantizer(
-                quantizer, dim, nlist, faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT, False
-            )
+            kind = faiss.ScalarQuantizer.QT_fp16 if self is Codec.FP16 else faiss.ScalarQuantizer.QT_8bit
+            index = faiss.IndexIVFScalarQuantizer(quantizer, dim, nlist, kind, faiss.METRIC_INNER_PRODUCT, False)
+            if self.has_params:
+                faiss.copy_array_to_vector(self._checked(params, dim).ravel(), index.sq.trained)
         index.is_trained = True
         index.own_fields = False
         return index, quantizer
+
+    def _checked(self, params: np.ndarray | None, dim: int) -> np.ndarray:
+        if params is None or np.shape(params) != (2, dim):
+            raise ValueError(f"{self.value} needs its trained parameters, float32 (2, {dim})")
+        return np.ascontiguousarray(params, dtype=np.float32)
+
+    @staticmethod
+    def _sq8(params: np.ndarray) -> faiss.ScalarQuantizer:
+        quantizer = faiss.ScalarQuantizer(params.shape[1], faiss.ScalarQuantizer.QT_8bit)
+        faiss.copy_array_to_vector(params.ravel(), quantizer.trained)
+        return quantizer

@@ -6,6 +6,7 @@ Layout of a datastore directory (`FORMAT_VERSION` 1):
     centroids.npy      float32 (nlist, dim): the IVF coarse centroids, ordered so that near ones are adjacent
     offsets.npy        int64 (nlist + 1): cluster c is rows offsets[c]:offsets[c+1]
     vectors.npy        codec dtype (n, dim): every vector, cluster after cluster; a vector's id is its row
+    codec.npy          sq8 only: float32 (2, dim), the quantizer's vmin and vdiff
     passages.jsonl     optional: one {"doc_id","title","text"} per row, in row order
     passages.idx.npy   optional: int64 (n + 1) byte offsets of those lines
 
@@ -37,6 +38,7 @@ MANIFEST = "manifest.json"
 CENTROIDS = "centroids.npy"
 OFFSETS = "offsets.npy"
 VECTORS = "vectors.npy"
+CODEC_PARAMS = "codec.npy"
 PASSAGES = "passages.jsonl"
 PASSAGE_INDEX = "passages.idx.npy"
 
@@ -97,16 +99,22 @@ def write_datastore(
     offsets: np.ndarray,
     vectors: np.ndarray,
     passages: Iterable[Passage] | None,
+    codec_params: np.ndarray | None = None,
     overwrite: bool = False,
 ) -> Path:
     """Write a datastore atomically: into a temporary sibling directory, then one rename.
 
-    `vectors` must already be cluster-contiguous and encoded with `manifest.codec`.
+    `vectors` must already be cluster-contiguous and encoded with `manifest.codec` (and its
+    `codec_params`, for a codec that has them).
     """
     out_dir = Path(out_dir)
     codec = Codec(manifest.codec)
     if vectors.dtype != codec.numpy_dtype or vectors.shape != (manifest.n_vectors, manifest.dim):
         raise DatastoreError(f"vectors must be {codec.numpy_dtype} of shape ({manifest.n_vectors}, {manifest.dim})")
+    if codec.has_params != (codec_params is not None) or (
+        codec_params is not None and np.shape(codec_params) != (2, manifest.dim)
+    ):
+        raise DatastoreError(f"codec {codec.value} needs {'its (2, dim) parameters' if codec.has_params else 'no parameters'}")
     if centroids.shape != (manifest.nlist, manifest.dim) or offsets.shape != (manifest.nlist + 1,):
         raise DatastoreError("centroids / offsets do not match the manifest's nlist and dim")
     if offsets[0] != 0 or offsets[-1] != manifest.n_vectors or np.any(np.diff(offsets) < 0):
@@ -120,6 +128,8 @@ def write_datastore(
         np.save(tmp / CENTROIDS, np.ascontiguousarray(centroids, dtype=np.float32))
         np.save(tmp / OFFSETS, np.ascontiguousarray(offsets, dtype=np.int64))
         np.save(tmp / VECTORS, vectors)
+        if codec_params is not None:
+            np.save(tmp / CODEC_PARAMS, np.ascontiguousarray(codec_params, dtype=np.float32))
         if passages is not None:
             line_offsets = [0]
             with (tmp / PASSAGES).open("wb") as handle:
@@ -163,6 +173,9 @@ class Datastore:
         self.vectors: np.ndarray = self._load_array(
             VECTORS, (manifest.n_vectors, manifest.dim), self.codec.numpy_dtype
         )
+        self.codec_params: np.ndarray | None = None
+        if self.codec.has_params:
+            self.codec_params = np.array(self._load_array(CODEC_PARAMS, (2, manifest.dim), np.float32))
         if self.offsets[0] != 0 or self.offsets[-1] != manifest.n_vectors or np.any(np.diff(self.offsets) < 0):
             raise DatastoreCorruptError(f"{path / OFFSETS}: offsets do not describe {manifest.n_vectors} vectors")
         self._passage_index: np.ndarray | None = None

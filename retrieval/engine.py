@@ -95,6 +95,7 @@ class RetrievalEngine:
         self.host_vectors = self._host_tensor(progress)
         self.cache = ClusterCache(self.host_vectors, datastore.offsets, cache_bytes, self.device)
         self.centroids = torch.from_numpy(np.ascontiguousarray(datastore.centroids)).to(self.device)
+        self.codec_params = None if datastore.codec_params is None else torch.from_numpy(datastore.codec_params).to(self.device)
         if cpu_threads is None and self.device.type == "cuda":
             cpu_threads = max(1, faiss.omp_get_max_threads() - 1)
         self._cpu_pool = ThreadPoolExecutor(
@@ -372,7 +373,12 @@ class RetrievalEngine:
                 if begin is None:  # timed from the first pass's start, after its copies landed
                     begin = torch.cuda.Event(enable_timing=True)
                     begin.record(stream)
-            results.append(scan_resident(self.cache.buffer, q, lease.resident, probes, k))
+            results.append(
+                scan_resident(
+                    self.cache.buffer, q, lease.resident, probes, k,
+                    codec=self.datastore.codec, codec_params=self.codec_params,
+                )
+            )
         if stream is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record(stream)

@@ -18,7 +18,7 @@ class CPUIndex:
     def __init__(self, datastore: Datastore) -> None:
         self.datastore = datastore
         self.nlist = datastore.nlist
-        self.index, self.quantizer = datastore.codec.empty_faiss_index(datastore.centroids)
+        self.index, self.quantizer = datastore.codec.empty_faiss_index(datastore.centroids, datastore.codec_params)
         offsets = datastore.offsets
         for cluster in range(self.nlist):
             start, end = int(offsets[cluster]), int(offsets[cluster + 1])
@@ -35,7 +35,7 @@ class CPUIndex:
         self._twins = [self._twin(mode) for mode in (1, 3)]
 
     def _twin(self, parallel_mode: int) -> faiss.IndexIVF:
-        twin, quantizer = self.datastore.codec.empty_faiss_index(self.datastore.centroids)
+        twin, quantizer = self.datastore.codec.empty_faiss_index(self.datastore.centroids, self.datastore.codec_params)
         twin.replace_invlists(self.index.invlists, False)
         twin.ntotal = self.index.ntotal
         twin.parallel_mode = parallel_mode

@@ -43,6 +43,7 @@ if triton is not None:
         member_ptr,
         table_ptr,
         out_ptr,
+        sq8_ptr,
         n_queries,
         n_union,
         total,
@@ -50,6 +51,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_B: tl.constexpr,
+        IS_SQ8: tl.constexpr,
     ):
         block = tl.program_id(0)
         row0 = tl.load(table_ptr + block * 4 + 0)
@@ -69,8 +71,12 @@ if triton is not None:
                 x = tl.load(
                     buffer_ptr + (row0 + offs_n)[:, None].to(tl.int64) * dim + (d0 + offs_d)[None, :],
                     mask=valid_n[:, None] & valid_d[None, :],
-                    other=0.0,
+                    other=0,
                 ).to(tl.float32)
+                if IS_SQ8:  # faiss's QT_8bit decode: vmin + (code + 0.5) / 255 * vdiff
+                    vmin = tl.load(sq8_ptr + d0 + offs_d, mask=valid_d, other=0.0)
+                    vdiff = tl.load(sq8_ptr + dim + d0 + offs_d, mask=valid_d, other=0.0)
+                    x = vmin[None, :] + (x + 0.5) / 255.0 * vdiff[None, :]
                 q = tl.load(
                     queries_ptr + queries_b[None, :] * dim + (d0 + offs_d)[:, None],
                     mask=valid_b[None, :] & valid_d[:, None],
@@ -96,11 +102,13 @@ def score_segments(
     block_d: int = BLOCK_D,
     num_warps: int = 4,
     num_stages: int = 3,
+    sq8_params: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scores (n_queries, total rows) of the given segments.
 
     `segments` is int64 (m, 3): buffer start, length, owner (column of `member`, which is
-    (n_queries, n_union) uint8); output columns follow the segments in order.
+    (n_queries, n_union) uint8); output columns follow the segments in order. `sq8_params`
+    (float32 (2, dim): vmin, vdiff) when the buffer holds sq8 codes.
     """
     lengths = segments[:, 1]
     total = int(lengths.sum())
@@ -129,6 +137,7 @@ def score_segments(
         member.contiguous(),
         torch.from_numpy(table).to(buffer.device),
         out,
+        sq8_params.contiguous() if sq8_params is not None else out,  # unread unless IS_SQ8
         n_queries,
         member.shape[1],
         total,
@@ -136,6 +145,7 @@ def score_segments(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         BLOCK_B=block_b,
+        IS_SQ8=sq8_params is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -13,6 +13,7 @@ import torch
 
 from retrieval import kernels
 from retrieval.cache import Segment
+from retrieval.codecs import Codec
 from retrieval.ivf import FAISS_PAD_SCORE
 
 SCAN_CHUNK_BYTES = 256 << 20  # bound on the gathered rows held at once
@@ -78,8 +79,12 @@ def scan_resident(
     resident: Mapping[int, Sequence[Segment]],
     probes: Sequence[Sequence[int]],
     k: int,
+    *,
+    codec: Codec = Codec.FP32,
+    codec_params: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k (scores, ids) of each query over the resident clusters it probes; -inf / -1 padded.
+    The buffer holds `codec`'s codes (decoded with `codec_params` where the codec has them).
 
     The union of the batch's probed clusters is read once, against all the queries; a score
     counts only for the queries that probe that row's cluster. On CUDA a Triton kernel scores
@@ -98,7 +103,7 @@ def scan_resident(
     member = torch.from_numpy(membership).to(buffer.device, non_blocking=True)
     table = _segment_table(resident, union)
     if kernels.available(buffer.device):
-        scores = kernels.score_segments(buffer, queries, member, table[:, [0, 1, 3]])
+        scores = kernels.score_segments(buffer, queries, member, table[:, [0, 1, 3]], sq8_params=codec_params)
         return _topk_padded(scores, _ColumnIds(table, buffer.device), k)
     rows, ids, owner = _expand(table, buffer.device)
     best_scores, best_ids = _topk_padded(
@@ -107,7 +112,7 @@ def scan_resident(
     chunk_rows = max(1, SCAN_CHUNK_BYTES // (dim * 4))
     minus_inf = torch.tensor(float("-inf"), device=buffer.device)
     for start in range(0, len(rows), chunk_rows):
-        block = buffer.index_select(0, rows[start : start + chunk_rows]).float()
+        block = codec.decode(buffer.index_select(0, rows[start : start + chunk_rows]), codec_params)
         scores = torch.where(member[:, owner[start : start + chunk_rows]].bool(), queries @ block.T, minus_inf)
         best_scores, best_ids = _topk_padded(
             torch.cat([best_scores, scores], dim=1),

@@ -47,6 +47,12 @@ def random_queries(n: int, dim: int, seed: int = 1) -> np.ndarray:
     return q / np.linalg.norm(q, axis=1, keepdims=True)
 
 
+def stored_vectors(ds: Datastore, rows: list[int]) -> np.ndarray:
+    """The vectors as the datastore holds them (decoded from its codec), as float32 queries."""
+    params = None if ds.codec_params is None else torch.from_numpy(ds.codec_params)
+    return ds.codec.decode(torch.from_numpy(np.asarray(ds.vectors[rows])), params).numpy()
+
+
 class CopyEveryMiss(DemandCopyPolicy):
     """Copies are free and faiss is slow, whatever is measured: every miss that fits is copied
     (the measured rates depend on the machine's load; the tests must not)."""

@@ -12,9 +12,9 @@ import pytest
 from retrieval.builder import build_datastore, default_nlist
 from retrieval.codecs import Codec
 from retrieval.corpus import Article, read_jsonl, read_wikipedia, split_passages
-from retrieval.datastore import MANIFEST, VECTORS, Datastore
+from retrieval.datastore import CODEC_PARAMS, MANIFEST, VECTORS, Datastore, Manifest, write_datastore
 from retrieval.errors import CorpusError, DatastoreCorruptError, DatastoreError, DatastoreMismatchError
-from tests.retrieval_helpers import random_datastore
+from tests.retrieval_helpers import random_datastore, stored_vectors
 
 
 def hashing_encoder(dim: int = 16):
@@ -81,6 +81,28 @@ def test_fp16_codec_halves_the_bytes(tmp_path):
     fp16 = random_datastore(tmp_path / "b", codec=Codec.FP16)
     assert (fp16.path / VECTORS).stat().st_size < 0.55 * (fp32.path / VECTORS).stat().st_size
     assert fp16.vectors.dtype == np.float16
+
+
+def test_sq8_codec_quarters_the_bytes_and_keeps_its_ranges(tmp_path):
+    fp32 = random_datastore(tmp_path / "a", codec=Codec.FP32)
+    sq8 = random_datastore(tmp_path / "b", codec=Codec.SQ8)
+    assert (sq8.path / VECTORS).stat().st_size < 0.3 * (fp32.path / VECTORS).stat().st_size
+    assert sq8.vectors.dtype == np.uint8 and sq8.codec_params.shape == (2, sq8.dim)
+    decoded = stored_vectors(sq8, list(range(sq8.n_vectors)))
+    # the same vectors as fp32's (same seed, same layout) within one quantisation step per dimension
+    assert np.all(np.abs(decoded - np.asarray(fp32.vectors)) <= sq8.codec_params[1] / 255 + 1e-6)
+    (sq8.path / CODEC_PARAMS).unlink()
+    with pytest.raises(DatastoreCorruptError, match="missing"):
+        Datastore.load(sq8.path)
+
+
+def test_codec_parameters_must_match_the_codec(tmp_path):
+    ds = random_datastore(tmp_path / "ds")
+    manifest = Manifest(embedder="x", dim=ds.dim, nlist=ds.nlist, n_vectors=ds.n_vectors, codec=Codec.SQ8.value)
+    codes = np.zeros((ds.n_vectors, ds.dim), dtype=np.uint8)
+    with pytest.raises(DatastoreError, match="sq8 needs"):
+        write_datastore(tmp_path / "out", manifest=manifest, centroids=ds.centroids, offsets=ds.offsets, vectors=codes, passages=None)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(

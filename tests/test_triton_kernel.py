@@ -18,14 +18,14 @@ from retrieval import kernels
 from retrieval.codecs import Codec
 from retrieval.engine import RetrievalEngine
 from retrieval.ivf import same_results
-from tests.retrieval_helpers import random_datastore, random_queries
+from tests.retrieval_helpers import random_datastore, random_queries, stored_vectors
 import torch
 assert kernels.available(torch.device("cpu"))
 tmp = Path(sys.argv[1])
 for codec in Codec:
     ds = random_datastore(tmp / codec.value, n=1200, dim=24, nlist=12, codec=codec, duplicates=5, empty_lists=2)
     engine = RetrievalEngine(ds, cache_bytes=ds.n_vectors * ds.dim * 4)
-    q = np.concatenate([random_queries(5, ds.dim), np.asarray(ds.vectors[:2], dtype=np.float32)])
+    q = np.concatenate([random_queries(5, ds.dim), stored_vectors(ds, [0, 1])])
     for budget in (ds.n_vectors * ds.dim, ds.n_vectors * ds.dim * 4):
         handle = engine.prefetch(q, budget)
         for nprobe, k in ((1, 5), (4, 70), (ds.nlist, 10)):

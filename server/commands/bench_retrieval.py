@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from retrieval.bench import BenchConfig, config_dict, format_table, run as run_bench
+from retrieval.codecs import Codec
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="extra cache for the demand-copy run (default: the bytes of one search's C_out on average)",
     )
     parser.add_argument("--overlap-noise", type=float, default=defaults.overlap_noise, help="q_out = q_in + noise")
-    parser.add_argument("--codec", choices=["fp32", "fp16"], default=defaults.codec)
+    parser.add_argument("--codec", choices=[c.value for c in Codec], default=defaults.codec)
     parser.add_argument("--device", default=defaults.device, help="auto, cpu or cuda")
     parser.add_argument(
         "--cpu-threads", type=int, default=None, help="faiss threads of our CPU half (default: all cores, one fewer on CUDA)"
