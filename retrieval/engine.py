@@ -61,7 +61,6 @@ class SearchResult:
     device_ms: float
     cpu_ms: float
     total_ms: float
-    bytes_copied_on_demand: int = 0  # for the whole batch (a cluster shared by queries is copied once)
 
 
 class RetrievalEngine:
@@ -296,7 +295,6 @@ class RetrievalEngine:
             device_ms=device_ms,
             cpu_ms=cpu_ms,
             total_ms=(time.perf_counter() - started) * 1e3,
-            bytes_copied_on_demand=demand.bytes_copied if demand is not None else 0,
         )
 
     def _copy_on_demand(self, lists: np.ndarray, resident_mask: np.ndarray) -> Lease | None:
