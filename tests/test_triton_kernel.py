@@ -41,7 +41,8 @@ print("ok")
 
 def test_triton_scan_matches_faiss(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))  # keep packages found there
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(tmp_path)], cwd=root, env=env, capture_output=True, text=True, timeout=600
     )
