@@ -142,7 +142,10 @@ class ClusterCache:
         Empty clusters are skipped (there is nothing to search). Clusters that cannot be placed
         because everything else is pinned are counted as skipped and simply stay on the CPU.
         """
-        wanted = list(dict.fromkeys(int(c) for c in clusters if self.sizes[c] > 0))
+        ids = np.asarray(clusters if isinstance(clusters, np.ndarray) else list(clusters), dtype=np.int64).ravel()
+        ids = ids[self.sizes[ids] > 0]
+        _, first = np.unique(ids, return_index=True)
+        wanted: list[int] = ids[np.sort(first)].tolist()  # each once, in the order asked
         lease = Lease(cache=self, resident={})
         with self._lock:
             self._touch(wanted)
