@@ -121,28 +121,25 @@ class ClusterCache:
         rows = min(self.capacity_rows, max(1, nbytes // self.row_bytes))
         if not rows or self._slots:
             return None
-        elapsed = 0.0
+        probe = Lease(cache=self, resident={})
         for _ in range(2):  # the first copy pays for warming up the path
-            started = time.perf_counter()
-            window = self._issue_copies([(0, 0, rows)])
-            if window is None:
-                elapsed = (time.perf_counter() - started) * 1e3
-            else:
-                window[1].synchronize()
-                elapsed = window[0].elapsed_time(window[1])
-        return rows * self.row_bytes / elapsed if elapsed > 0 else None
+            probe.copy_events, probe.copy_ms = self._issue_copies([(0, 0, rows)])
+            if probe.copy_events is not None:
+                probe.copy_events[1].synchronize()
+        elapsed = probe.copy_elapsed_ms()
+        return rows * self.row_bytes / elapsed if elapsed else None
 
     def cluster_bytes(self, clusters: Iterable[int] | None = None) -> np.ndarray:
         sizes = self.sizes if clusters is None else self.sizes[np.fromiter(clusters, dtype=np.int64)]
         return sizes * self.row_bytes
 
-    def acquire(self, clusters: Sequence[int], *, fetch: bool) -> Lease:
+    def acquire(self, clusters: Sequence[int] | np.ndarray, *, fetch: bool) -> Lease:
         """Pin the resident clusters among `clusters`; with `fetch`, copy in the missing ones too.
 
         Empty clusters are skipped (there is nothing to search). Clusters that cannot be placed
         because everything else is pinned are counted as skipped and simply stay on the CPU.
         """
-        ids = np.asarray(clusters if isinstance(clusters, np.ndarray) else list(clusters), dtype=np.int64).ravel()
+        ids = np.asarray(clusters, dtype=np.int64).ravel()
         ids = ids[self.sizes[ids] > 0]
         _, first = np.unique(ids, return_index=True)
         wanted: list[int] = ids[np.sort(first)].tolist()  # each once, in the order asked
@@ -237,11 +234,8 @@ class ClusterCache:
                 lease.clusters_skipped += len(run)
         if not copies:
             return
-        started = time.perf_counter()
-        window = self._issue_copies(copies)
-        if window is None:
-            lease.copy_ms = (time.perf_counter() - started) * 1e3
-        else:
+        window, lease.copy_ms = self._issue_copies(copies)
+        if window is not None:
             lease.copy_events = window
             for cluster in placed:
                 self._slots[cluster].event = window[1]
@@ -343,17 +337,19 @@ class ClusterCache:
 
     def _issue_copies(
         self, copies: list[tuple[int, int, int]]
-    ) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+    ) -> tuple[tuple[torch.cuda.Event, torch.cuda.Event] | None, float | None]:
         """Copy host rows into the buffer: on CUDA asynchronously on the copy stream (DMA from
-        pinned memory) between two timing events; on the CPU synchronously."""
+        pinned memory) between two timing events, returned; on the CPU synchronously, returning
+        how many ms that took."""
         if self.copy_stream is None:
+            started = time.perf_counter()
             for start, host, rows in copies:
                 self.buffer[start : start + rows].copy_(self.host[host : host + rows])
-            return None
+            return None, (time.perf_counter() - started) * 1e3
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.copy_stream):
             begin.record(self.copy_stream)
             for start, host, rows in copies:
                 self.buffer[start : start + rows].copy_(self.host[host : host + rows], non_blocking=True)
             end.record(self.copy_stream)
-        return begin, end
+        return (begin, end), None

@@ -244,7 +244,7 @@ class RetrievalEngine:
         demand_mask = np.zeros(lists.shape, dtype=bool)
         try:
             if use_cache and self.cache.capacity_rows:
-                lease = self.cache.acquire(np.unique(lists[lists >= 0]).tolist(), fetch=False)
+                lease = self.cache.acquire(np.unique(lists[lists >= 0]), fetch=False)
                 resident_mask = _held(lists, lease)
                 demand = self._copy_on_demand(lists, resident_mask)
                 if demand is not None:

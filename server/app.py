@@ -15,7 +15,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pipelines.registry import build_pipelines
 from pipelines.types import Pipeline, RagResult, ResultEvent, RunEvent, RunOptions, StageEvent, TokenEvent
 from server import errors
 from server.errors import InvalidField, NotReady, RequestTimeout, Unauthorized
@@ -33,7 +32,6 @@ from server.protocol import (
     new_id,
 )
 from server.runtime import Runtime
-from server.settings import pre_retrieval_profile
 from server.scheduler import Admission, BatchingRetriever
 from server.streaming import sse, sse_data
 
@@ -90,9 +88,7 @@ class Service:
             max_batch=scheduler.max_batch,
             on_batch=lambda kind, size: self.metrics.batch_size.labels(kind).observe(size),
         )
-        self.pipelines: dict[str, Pipeline] = build_pipelines(
-            runtime.engine, self.retriever, pre_retrieval_ms=pre_retrieval_profile()
-        )
+        self.pipelines: dict[str, Pipeline] = runtime.pipelines(self.retriever)
         self.admission = Admission(
             scheduler.max_concurrency,
             scheduler.max_queue,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -13,8 +13,10 @@ from typing import Any, TypeVar
 import torch
 
 from pipelines.errors import EngineUnavailable
-from pipelines.types import BatchRetriever, Engine
-from server.settings import RetrievalSettings, Settings
+from pipelines.rag.base import RagPipeline
+from pipelines.registry import build_pipelines
+from pipelines.types import BatchRetriever, Engine, Retriever
+from server.settings import RetrievalSettings, Settings, pre_retrieval_profile
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -41,6 +43,11 @@ class Runtime:
     cache_stats: Callable[[], dict[str, Any]] = dict
     ready: bool = True
     closers: list[Callable[[], Any]] = field(default_factory=list)
+
+    def pipelines(self, retriever: Retriever, names: Sequence[str] | None = None) -> dict[str, RagPipeline]:
+        """The pipelines over this engine and `retriever`, each starting from its expected
+        pre-retrieval time in `config/prefetch_profiles.yaml`."""
+        return build_pipelines(self.engine, retriever, names=names, pre_retrieval_ms=pre_retrieval_profile())
 
     async def close(self) -> None:
         await self.engine.close()

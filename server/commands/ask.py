@@ -10,10 +10,10 @@ import logging
 from dataclasses import asdict
 from pathlib import Path
 
-from pipelines.registry import PIPELINES, build_pipelines
+from pipelines.registry import PIPELINES
 from pipelines.types import RagResult, ResultEvent, RunOptions, TokenEvent
 from server.commands.serve import overrides
-from server.settings import load_settings, pre_retrieval_profile
+from server.settings import load_settings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -52,9 +52,7 @@ def run(args: argparse.Namespace) -> int:
 
     async def main() -> RagResult:
         async with open_runtime(settings) as runtime:
-            pipeline = build_pipelines(
-                runtime.engine, runtime.retriever, names=[args.pipeline], pre_retrieval_ms=pre_retrieval_profile()
-            )[args.pipeline]
+            pipeline = runtime.pipelines(runtime.retriever, [args.pipeline])[args.pipeline]
             options = RunOptions(top_k=args.top_k or settings.retrieval.top_k, nprobe=args.nprobe,
                                  max_tokens=args.max_tokens, prefetch=not args.no_prefetch)
             async for event in pipeline.run(args.question, options):

@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pipelines.overlap import overlap_study, read_questions
-from pipelines.registry import PIPELINES, build_pipelines
+from pipelines.registry import PIPELINES
 from pipelines.types import RunOptions
 from server.commands.serve import overrides
 from server.settings import CONFIG_DIR, load_settings
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
             depth = args.prefetch_clusters or info["nprobe"]
             mean_cluster_bytes = retriever.engine.cache.cluster_bytes().mean()
             retriever.prefetch_budget_bytes = int(depth * mean_cluster_bytes)
-            pipelines = build_pipelines(runtime.engine, retriever, names=names)
+            pipelines = runtime.pipelines(retriever, names)
             options = RunOptions(top_k=settings.retrieval.top_k, nprobe=args.nprobe, max_tokens=args.max_tokens)
             rows = await overlap_study(list(pipelines.values()), questions, options)
             return [rows, depth, info]

@@ -68,14 +68,13 @@ def run(args: argparse.Namespace) -> int:
     from pipelines.embedder import Embedder
     from pipelines.engines.cpu import CPUEngine, tiny_random_lm
     from pipelines.overlap import read_questions, run_one
-    from pipelines.registry import build_pipelines
     from pipelines.retriever import open_retriever
     from pipelines.types import RunOptions
     from retrieval.builder import build_datastore
     from retrieval.corpus import read_wikipedia, split_passages
     from server.app import create_app
     from server.runtime import Runtime, run_event_loop
-    from server.settings import CONFIG_DIR, load_settings, pre_retrieval_profile
+    from server.settings import CONFIG_DIR, load_settings
 
     questions = [q.text for q in read_questions(CONFIG_DIR / "questions_wiki_en.txt")]
     questions = [questions[i % len(questions)] for i in range(args.requests)]
@@ -93,10 +92,7 @@ def run(args: argparse.Namespace) -> int:
         options = RunOptions(max_tokens=args.max_tokens)
 
         async def measure() -> tuple[list[float], list[float]]:
-            # the same pipeline the server builds
-            pipeline = build_pipelines(engine, retriever, names=[args.pipeline], pre_retrieval_ms=pre_retrieval_profile())[
-                args.pipeline
-            ]
+            pipeline = runtime.pipelines(retriever, [args.pipeline])[args.pipeline]  # as the server builds it
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
