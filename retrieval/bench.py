@@ -9,12 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.profiler import ProfilerActivity, profile
 from tqdm.auto import tqdm
 
 from retrieval.builder import write_clustered
 from retrieval.codecs import Codec
 from retrieval.datastore import Datastore
-from retrieval.engine import RetrievalEngine, resolve_device
+from retrieval.engine import RetrievalEngine, SearchResult, resolve_device
 from retrieval.errors import DatastoreError
 from retrieval.ivf import same_results
 
@@ -37,6 +38,10 @@ class BenchConfig:
     cpu_threads: int | None = None  # faiss threads of our CPU half; default: the engine's
     seed: int = 0
     datastore_dir: Path = Path(".bench")
+    profile_dir: Path | None = None  # also write a profiler trace of a few searches of each phase here
+
+
+PROFILED_BATCHES = 3  # searches of each phase in a profiler trace
 
 
 def _normalise(x: torch.Tensor) -> torch.Tensor:
@@ -129,6 +134,27 @@ def _p50(values: list[float]) -> float:
     return float(np.median(values)) if values else float("nan")
 
 
+def _search_once(
+    engine: RetrievalEngine, q_in: np.ndarray | None, q_out: np.ndarray, config: BenchConfig, budget: int
+) -> tuple[SearchResult, float, tuple[float, int] | None]:
+    """Prefetch q_in (unless None), let the copies land (they overlap the pre-retrieval LLM
+    call in a real request), then time the search of q_out. Returns the result, its wall time
+    in ms, and the prefetch's (copy ms, bytes copied) when it copied on a CUDA stream."""
+    handle = engine.prefetch(q_in, budget) if q_in is not None else None
+    copied = None
+    if handle is not None and handle.lease is not None and handle.lease.copy_events is not None:
+        begin, end = handle.lease.copy_events
+        end.synchronize()
+        copied = (begin.elapsed_time(end), handle.lease.bytes_copied)
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    result = engine.search(q_out, config.topk, config.nprobe, prefetch=handle)
+    elapsed = (time.perf_counter() - t0) * 1e3
+    if handle is not None:
+        handle.release()
+    return result, elapsed, copied
+
+
 def _search_phase(
     engine: RetrievalEngine,
     q_in: np.ndarray | None,
@@ -140,23 +166,13 @@ def _search_phase(
     label: str,
     progress: bool,
 ) -> _Phase:
-    """Prefetch each batch's q_in (unless `q_in` is None), let the copies land (they overlap the
-    pre-retrieval LLM call in a real request), then time the search of its q_out."""
-    device = engine.device
+    """Search every batch as `_search_once` does, checking each answer against faiss's."""
     phase = _Phase()
     for i, batch in enumerate(tqdm(batches, desc=label, disable=not progress)):
-        handle = engine.prefetch(q_in[batch], budget) if q_in is not None else None
-        if handle is not None and handle.lease is not None and handle.lease.copy_events is not None:
-            begin, end = handle.lease.copy_events
-            end.synchronize()
-            phase.copy_ms.append(begin.elapsed_time(end))
-            phase.copied.append(handle.lease.bytes_copied)
-        _sync(device)
-        t0 = time.perf_counter()
-        result = engine.search(q_out[batch], config.topk, config.nprobe, prefetch=handle)
-        elapsed = (time.perf_counter() - t0) * 1e3
-        if handle is not None:
-            handle.release()
+        result, elapsed, copied = _search_once(engine, None if q_in is None else q_in[batch], q_out[batch], config, budget)
+        if copied is not None:
+            phase.copy_ms.append(copied[0])
+            phase.copied.append(copied[1])
         ref_scores, ref_ids = references[i]
         phase.identical.extend(
             same_results(result.ids[j], result.scores[j], ref_ids[j], ref_scores[j]) for j in range(len(ref_ids))
@@ -169,7 +185,33 @@ def _search_phase(
             phase.device_ms.append(result.device_ms)
             phase.cpu_ms.append(result.cpu_ms)
             phase.probe_ms.append(result.probe_ms)
+    if config.profile_dir is not None:
+        _profile_phase(engine, q_in, q_out, batches, config, budget, label)
     return phase
+
+
+def _profile_phase(
+    engine: RetrievalEngine,
+    q_in: np.ndarray | None,
+    q_out: np.ndarray,
+    batches: list[slice],
+    config: BenchConfig,
+    budget: int,
+    label: str,
+) -> None:
+    """Prefetch and search a few batches again under torch's profiler (Python calls, host ops
+    and, on CUDA, kernels and copies; not timed) and write `<label>.json`, a Chrome trace, and
+    `<label>.txt`, the ops that took longest, into `config.profile_dir`."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    name = label.replace(" + ", "-").replace(" ", "-")
+    out = Path(config.profile_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with profile(activities=activities, with_stack=True) as prof:
+        for batch in batches[1 : 1 + PROFILED_BATCHES]:
+            _search_once(engine, None if q_in is None else q_in[batch], q_out[batch], config, budget)
+    prof.export_chrome_trace(str(out / f"{name}.json"))
+    sort_by = "self_cuda_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
+    (out / f"{name}.txt").write_text(prof.key_averages().table(sort_by=sort_by, row_limit=25) + "\n", encoding="utf-8")
 
 
 def run(config: BenchConfig, progress: bool = True) -> dict:
@@ -284,5 +326,6 @@ def format_table(result: dict) -> str:
 def config_dict(config: BenchConfig) -> dict:
     data = asdict(config)
     data["datastore_dir"] = str(config.datastore_dir)
+    data["profile_dir"] = None if config.profile_dir is None else str(config.profile_dir)
     return data
 

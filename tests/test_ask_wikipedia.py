@@ -1,5 +1,5 @@
 """`telerag ask` end to end with the real Gemma 3 270M and the real built-in Wikipedia datastore.
-Slow: on a new machine it builds the datastore first (about 15 minutes on two cores, cached
+Slow: on a new machine it builds the datastore first (a few minutes on two cores, cached
 afterwards under ~/.cache/telerag, where `telerag serve` finds it too)."""
 
 from __future__ import annotations

@@ -43,3 +43,16 @@ def test_cli_json_is_the_last_line(tmp_path, capsys):
     assert REQUIRED <= payload.keys()
     assert payload["identical_fraction"] == 1.0
     assert payload["config"]["budget_mb"] == 0.02 and payload["config"]["cpu_threads"] == 1
+
+
+def test_profile_dir_gets_a_trace_of_each_phase(tmp_path):
+    config = BenchConfig(
+        vectors=3000, dim=8, nlist=16, nprobe=4, queries=6, budget_mb=0.02, device="cpu",
+        datastore_dir=tmp_path / "ds", profile_dir=tmp_path / "profile",
+    )  # fmt: skip
+    assert run(config, progress=False)["identical_fraction"] == 1.0
+    for phase in ("ours", "ours-demand-copies", "all-resident"):
+        trace = json.loads((tmp_path / "profile" / f"{phase}.json").read_text())
+        names = {event.get("name", "") for event in trace["traceEvents"]}
+        assert any("engine.py" in name and "search" in name for name in names), phase  # Python calls are traced
+        assert "Self CPU" in (tmp_path / "profile" / f"{phase}.txt").read_text()

@@ -39,6 +39,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--datastore-dir", type=Path, default=defaults.datastore_dir, help="where synthetic datastores are kept")
+    parser.add_argument(
+        "--profile-dir",
+        type=Path,
+        default=None,
+        help="also write a torch profiler trace (Chrome JSON) and top-ops table of a few searches of each phase here",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON line last")
     parser.set_defaults(func=run)
 
@@ -61,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         cpu_threads=args.cpu_threads,
         seed=args.seed,
         datastore_dir=args.datastore_dir,
+        profile_dir=args.profile_dir,
     )
     result = run_bench(config, progress=not args.json)
     print(format_table(result))
