@@ -1,11 +1,23 @@
 """Generation engines behind `pipelines.types.Engine`: `cpu.CPUEngine` (transformers, the embedded
 default) and `sglang.SGLangEngine` (production on a GPU). Import each from its module; they load
-heavy libraries. This module holds what both share: chat formatting and stop-string handling."""
+heavy libraries. This module holds what both share: chat formatting, stop-string handling, and `generate` as
+the collected `stream`."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
+
+from pipelines.types import Generation, TokenChunk
+
+
+async def collect_generations(stream: AsyncIterator[TokenChunk | Generation], n_prompts: int) -> list[Generation]:
+    """The final Generation of each prompt of a stream, in prompt order (`Engine.generate`)."""
+    results: dict[int, Generation] = {}
+    async for item in stream:
+        if isinstance(item, Generation):
+            results[item.index] = item
+    return [results[i] for i in range(n_prompts)]
 
 
 def format_chat(tokenizer: Any, user_text: str) -> str:

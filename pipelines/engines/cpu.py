@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from pipelines.engines import StopFilter, format_chat
+from pipelines.engines import StopFilter, collect_generations, format_chat
 from pipelines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, ModelNotFound
 from pipelines.types import Generation, SamplingParams, TokenChunk
 
@@ -534,11 +534,7 @@ class CPUEngine:
             return len(self.tokenizer.encode(text, add_special_tokens=False))
 
     async def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
-        results: dict[int, Generation] = {}
-        async for item in self.stream(prompts, params):
-            if isinstance(item, Generation):
-                results[item.index] = item
-        return [results[i] for i in range(len(prompts))]
+        return await collect_generations(self.stream(prompts, params), len(prompts))
 
     async def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncIterator[TokenChunk | Generation]:
         if not prompts:

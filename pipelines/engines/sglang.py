@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from pipelines.engines import StopFilter, format_chat
+from pipelines.engines import StopFilter, collect_generations, format_chat
 from pipelines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, PipelineError
 from pipelines.types import Generation, SamplingParams, TokenChunk
 
@@ -96,11 +96,7 @@ class SGLangEngine:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     async def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
-        results: dict[int, Generation] = {}
-        async for item in self.stream(prompts, params):
-            if isinstance(item, Generation):
-                results[item.index] = item
-        return [results[i] for i in range(len(prompts))]
+        return await collect_generations(self.stream(prompts, params), len(prompts))
 
     async def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncIterator[TokenChunk | Generation]:
         if not prompts:

@@ -8,11 +8,10 @@ import asyncio
 import json
 import logging
 from dataclasses import asdict
-from pathlib import Path
 
 from pipelines.registry import PIPELINES
 from pipelines.types import RagResult, ResultEvent, RunOptions, TokenEvent
-from server.commands.serve import overrides
+from server.commands.serve import add_runtime_flags, overrides
 from server.settings import load_settings
 
 
@@ -24,12 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--no-prefetch", action="store_true", help="search every cluster on the CPU (the baseline)")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
-    parser.add_argument("--config", type=Path)
-    for flag in ("--model", "--datastore", "--embedder"):
-        parser.add_argument(flag, type=Path)
-    parser.add_argument("--device")
-    parser.add_argument("--nprobe", type=int)
-    parser.set_defaults(func=run, host=None, port=None, api_key=None, engine=None, cache_mb=None, prefetch_budget_mb=None)
+    add_runtime_flags(parser)
+    parser.set_defaults(func=run)
 
 
 def print_result(result: RagResult) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from pipelines.overlap import overlap_study, read_questions
 from pipelines.registry import PIPELINES
 from pipelines.types import RunOptions
-from server.commands.serve import overrides
+from server.commands.serve import add_runtime_flags, overrides
 from server.settings import CONFIG_DIR, load_settings
 
 
@@ -26,12 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="prefetch depth in clusters of average size (default: nprobe)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--config", type=Path)
-    for flag in ("--model", "--datastore", "--embedder"):
-        parser.add_argument(flag, type=Path)
-    parser.add_argument("--device")
-    parser.add_argument("--nprobe", type=int)
-    parser.set_defaults(func=run, host=None, port=None, api_key=None, engine=None, cache_mb=None, prefetch_budget_mb=None)
+    add_runtime_flags(parser)
+    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

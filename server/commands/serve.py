@@ -12,19 +12,27 @@ from server.settings import load_settings
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="serve the HTTP API (the embedded default with no arguments)")
-    parser.add_argument("--config", type=Path, help="YAML settings file (default: config/default.yaml)")
+    add_runtime_flags(parser)
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
     parser.add_argument("--engine", choices=["cpu", "sglang"])
+    parser.add_argument("--cache-mb", type=float, help="GPU cluster cache size")
+    parser.add_argument("--prefetch-budget-mb", type=float)
+    parser.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1")
+    parser.set_defaults(func=run)
+
+
+def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that choose what a command loads (settings file, models, datastore, device),
+    for every command that opens the runtime; `overrides` reads them, and the serving-only
+    flags a command lacks read as not given."""
+    parser.add_argument("--config", type=Path, help="YAML settings file (default: config/default.yaml)")
     parser.add_argument("--model", type=Path, help="local model directory or .gguf file")
     parser.add_argument("--datastore", type=Path)
     parser.add_argument("--embedder", type=Path)
     parser.add_argument("--device", help="auto, cpu or cuda (retrieval and engine)")
-    parser.add_argument("--cache-mb", type=float, help="GPU cluster cache size")
-    parser.add_argument("--prefetch-budget-mb", type=float)
     parser.add_argument("--nprobe", type=int)
-    parser.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1")
-    parser.set_defaults(func=run)
+    parser.set_defaults(host=None, port=None, api_key=None, engine=None, cache_mb=None, prefetch_budget_mb=None)
 
 
 def overrides(args: argparse.Namespace) -> dict[str, Any]:
