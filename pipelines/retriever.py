@@ -210,7 +210,9 @@ def open_retriever(
             passage_words=100,
             overwrite=datastore_path.exists(),
         )
-    datastore = Datastore.load(datastore_path, embedder=embedder.name, dim=embedder.dim, verify_checksums=verify_checksums)
+    datastore = Datastore.load(
+        datastore_path, embedder=embedder.name, dim=embedder.dim, verify_checksums=verify_checksums, progress=True
+    )
     engine = RetrievalEngine(
         datastore,
         device=device,

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from retrieval.codecs import Codec
 from retrieval.corpus import Passage
@@ -75,11 +76,13 @@ class Manifest:
         return manifest
 
 
-def _sha256(path: Path) -> str:
+def _sha256(path: Path, bar: tqdm | None = None) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         while chunk := handle.read(1 << 24):
             digest.update(chunk)
+            if bar is not None:
+                bar.update(len(chunk))
     return digest.hexdigest()
 
 
@@ -193,8 +196,10 @@ class Datastore:
         embedder: str | None = None,
         dim: int | None = None,
         verify_checksums: bool = True,
+        progress: bool = False,
     ) -> Datastore:
-        """Open a datastore, refusing one built for another embedder or dimension, or damaged."""
+        """Open a datastore, refusing one built for another embedder or dimension, or damaged.
+        Checksums read every byte (minutes for tens of GB): `progress` shows a bar."""
         path = Path(path)
         if not path.is_dir():
             raise DatastoreError(f"no datastore at {path}")
@@ -213,8 +218,12 @@ class Datastore:
             size = file.stat().st_size
             if size != meta["bytes"]:
                 raise DatastoreCorruptError(f"{file} is {size} bytes, the manifest says {meta['bytes']} (truncated?)")
-            if verify_checksums and _sha256(file) != meta["sha256"]:
-                raise DatastoreCorruptError(f"{file} fails its sha256 checksum")
+        if verify_checksums:
+            total = sum(int(meta["bytes"]) for meta in manifest.files.values())
+            with tqdm(total=total, desc="verify checksums", unit="B", unit_scale=True, disable=not progress) as bar:
+                for name, meta in manifest.files.items():
+                    if _sha256(path / name, bar) != meta["sha256"]:
+                        raise DatastoreCorruptError(f"{path / name} fails its sha256 checksum")
         return cls(path, manifest)
 
     def _load_array(self, name: str, shape: tuple[int, ...], dtype: type | np.dtype) -> np.ndarray:

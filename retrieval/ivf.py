@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import faiss
 import numpy as np
+from tqdm.auto import tqdm
 
 from retrieval.datastore import Datastore
 from retrieval.errors import SearchError
@@ -15,12 +16,14 @@ FAISS_PAD_SCORE = -np.finfo(np.float32).max  # what faiss puts beside a -1 label
 class CPUIndex:
     """An inner-product `IndexIVF` holding the datastore's own codes, list by list."""
 
-    def __init__(self, datastore: Datastore) -> None:
+    def __init__(self, datastore: Datastore, *, progress: bool = False) -> None:
+        """Copies every list into faiss (it reads the datastore once: minutes for tens of GB;
+        `progress` shows a bar)."""
         self.datastore = datastore
         self.nlist = datastore.nlist
         self.index, self.quantizer = datastore.codec.empty_faiss_index(datastore.centroids, datastore.codec_params)
         offsets = datastore.offsets
-        for cluster in range(self.nlist):
+        for cluster in tqdm(range(self.nlist), desc="load IVF lists into faiss", unit="list", disable=not progress):
             start, end = int(offsets[cluster]), int(offsets[cluster + 1])
             if end == start:
                 continue

@@ -14,6 +14,7 @@ from retrieval.codecs import Codec
 from retrieval.corpus import Article, read_jsonl, read_wikipedia, split_passages
 from retrieval.datastore import CODEC_PARAMS, MANIFEST, VECTORS, Datastore, Manifest, write_datastore
 from retrieval.errors import CorpusError, DatastoreCorruptError, DatastoreError, DatastoreMismatchError
+from retrieval.ivf import CPUIndex
 from tests.retrieval_helpers import random_datastore, stored_vectors
 
 
@@ -153,6 +154,17 @@ def test_refuses_truncated_or_corrupt_files(tmp_path):
     vectors.unlink()
     with pytest.raises(DatastoreCorruptError, match="missing"):
         Datastore.load(ds.path)
+
+
+def test_loading_shows_progress_of_the_long_steps(tmp_path, capsys):
+    """Checksums and the faiss copy read every byte: minutes for a large datastore, never silent."""
+    ds = random_datastore(tmp_path / "ds")
+    CPUIndex(Datastore.load(ds.path, progress=True), progress=True)
+    err = capsys.readouterr().err
+    assert "verify checksums" in err and f"{ds.nlist}/{ds.nlist}" in err
+    assert "load IVF lists into faiss" in err
+    Datastore.load(ds.path)
+    assert capsys.readouterr().err == ""
 
 
 def test_not_a_datastore(tmp_path):
