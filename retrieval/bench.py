@@ -210,8 +210,10 @@ def _profile_phase(
         for batch in batches[1 : 1 + PROFILED_BATCHES]:
             _search_once(engine, None if q_in is None else q_in[batch], q_out[batch], config, budget)
     prof.export_chrome_trace(str(out / f"{name}.json"))
-    sort_by = "self_cuda_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
-    (out / f"{name}.txt").write_text(prof.key_averages().table(sort_by=sort_by, row_limit=25) + "\n", encoding="utf-8")
+    # host time (Python calls and ops) first, then, on CUDA, device time (kernels and copies)
+    orders = ["self_cpu_time_total"] + (["self_device_time_total"] if engine.device.type == "cuda" else [])
+    tables = [prof.key_averages().table(sort_by=order, row_limit=30) for order in orders]
+    (out / f"{name}.txt").write_text("\n\n".join(tables) + "\n", encoding="utf-8")
 
 
 def run(config: BenchConfig, progress: bool = True) -> dict:
