@@ -124,6 +124,7 @@ def write_clustered(
         passages=ordered_passages,
         codec_params=params,
         overwrite=overwrite,
+        progress=progress,
     )
 
 

@@ -104,11 +104,13 @@ def write_datastore(
     passages: Iterable[Passage] | None,
     codec_params: np.ndarray | None = None,
     overwrite: bool = False,
+    progress: bool = False,
 ) -> Path:
     """Write a datastore atomically: into a temporary sibling directory, then one rename.
 
     `vectors` must already be cluster-contiguous and encoded with `manifest.codec` (and its
-    `codec_params`, for a codec that has them).
+    `codec_params`, for a codec that has them). `progress` shows a bar for the checksums, which
+    read every byte written.
     """
     out_dir = Path(out_dir)
     codec = Codec(manifest.codec)
@@ -146,9 +148,12 @@ def write_datastore(
                 raise DatastoreError(f"{len(line_offsets) - 1} passages for {manifest.n_vectors} vectors")
             np.save(tmp / PASSAGE_INDEX, np.asarray(line_offsets, dtype=np.int64))
         manifest.files = {}
-        for file in sorted(tmp.iterdir()):
-            _fsync(file)
-            manifest.files[file.name] = {"bytes": file.stat().st_size, "sha256": _sha256(file)}
+        files = sorted(tmp.iterdir())
+        total = sum(file.stat().st_size for file in files)
+        with tqdm(total=total, desc="checksum", unit="B", unit_scale=True, disable=not progress) as bar:
+            for file in files:
+                _fsync(file)
+                manifest.files[file.name] = {"bytes": file.stat().st_size, "sha256": _sha256(file, bar)}
         (tmp / MANIFEST).write_text(json.dumps(asdict(manifest), indent=2), encoding="utf-8")
         _fsync(tmp / MANIFEST)
         if out_dir.exists():

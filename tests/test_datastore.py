@@ -156,14 +156,17 @@ def test_refuses_truncated_or_corrupt_files(tmp_path):
         Datastore.load(ds.path)
 
 
-def test_loading_shows_progress_of_the_long_steps(tmp_path, capsys):
-    """Checksums and the faiss copy read every byte: minutes for a large datastore, never silent."""
-    ds = random_datastore(tmp_path / "ds")
-    CPUIndex(Datastore.load(ds.path, progress=True), progress=True)
+def test_long_steps_show_progress(tmp_path, capsys):
+    """Embedding, layout, checksums and the copy into faiss touch every vector: minutes for a
+    large datastore, never silent; and quiet when asked to be."""
+    passages = list(split_passages(read_jsonl(good_corpus(tmp_path / "c.jsonl")), passage_words=20))
+    out = build_datastore(passages, hashing_encoder(), embedder="hash-16", out_dir=tmp_path / "ds", nlist=4, progress=True)
     err = capsys.readouterr().err
-    assert "verify checksums" in err and f"{ds.nlist}/{ds.nlist}" in err
-    assert "load IVF lists into faiss" in err
-    Datastore.load(ds.path)
+    assert all(step in err for step in ("embed passages", "assign lists", "lay out clusters", "checksum")), err
+    CPUIndex(Datastore.load(out, progress=True), progress=True)
+    err = capsys.readouterr().err
+    assert "verify checksums" in err and "load IVF lists into faiss" in err and "4/4" in err
+    CPUIndex(Datastore.load(out))
     assert capsys.readouterr().err == ""
 
 
