@@ -200,7 +200,7 @@ def _profile_phase(
     label: str,
 ) -> None:
     """Prefetch and search a few batches again under torch's profiler (Python calls, host ops
-    and, on CUDA, kernels and copies; not timed) and write `<label>.json`, a Chrome trace, and
+    and, on CUDA, kernels and copies; not timed) and write `<label>.json.gz`, a Chrome trace (Perfetto opens it), and
     `<label>.txt`, the ops that took longest, into `config.profile_dir`."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
     name = label.replace(" + ", "-").replace(" ", "-")
@@ -209,7 +209,7 @@ def _profile_phase(
     with profile(activities=activities, with_stack=True) as prof:
         for batch in batches[1 : 1 + PROFILED_BATCHES]:
             _search_once(engine, None if q_in is None else q_in[batch], q_out[batch], config, budget)
-    prof.export_chrome_trace(str(out / f"{name}.json"))
+    prof.export_chrome_trace(str(out / f"{name}.json.gz"))
     # host time (Python calls and ops) first, then, on CUDA, device time (kernels and copies)
     orders = ["self_cpu_time_total"] + (["self_device_time_total"] if engine.device.type == "cuda" else [])
     tables = [prof.key_averages().table(sort_by=order, row_limit=30) for order in orders]

@@ -3,6 +3,7 @@ and `--json` ends with one JSON object carrying the fields the README and the is
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -52,7 +53,7 @@ def test_profile_dir_gets_a_trace_of_each_phase(tmp_path):
     )  # fmt: skip
     assert run(config, progress=False)["identical_fraction"] == 1.0
     for phase in ("ours", "ours-demand-copies", "all-resident"):
-        trace = json.loads((tmp_path / "profile" / f"{phase}.json").read_text())
+        trace = json.loads(gzip.decompress((tmp_path / "profile" / f"{phase}.json.gz").read_bytes()))
         names = {event.get("name", "") for event in trace["traceEvents"]}
         assert any("engine.py" in name and "search" in name for name in names), phase  # Python calls are traced
         assert "Self CPU" in (tmp_path / "profile" / f"{phase}.txt").read_text()

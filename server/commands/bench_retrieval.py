@@ -43,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--profile-dir",
         type=Path,
         default=None,
-        help="also write a torch profiler trace (Chrome JSON) and top-ops table of a few searches of each phase here",
+        help="also write a torch profiler trace (gzipped Chrome JSON) and top-ops tables of a few searches of each phase here",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON line last")
     parser.set_defaults(func=run)
