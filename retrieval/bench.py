@@ -200,8 +200,9 @@ def _profile_phase(
     label: str,
 ) -> None:
     """Prefetch and search a few batches again under torch's profiler (Python calls, host ops
-    and, on CUDA, kernels and copies; not timed) and write `<label>.json.gz`, a Chrome trace (Perfetto opens it), and
-    `<label>.txt`, the ops that took longest, into `config.profile_dir`."""
+    and, on CUDA, kernels and copies; not timed) and write into `config.profile_dir` the trace,
+    `<label>.json.gz` (Chrome's format; Perfetto opens it), and `<label>.txt`, the ops that took
+    longest."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
     name = label.replace(" + ", "-").replace(" ", "-")
     out = Path(config.profile_dir)

@@ -1,7 +1,7 @@
 """Generation engines behind `pipelines.types.Engine`: `cpu.CPUEngine` (transformers, the embedded
 default) and `sglang.SGLangEngine` (production on a GPU). Import each from its module; they load
-heavy libraries. This module holds what both share: chat formatting, stop-string handling, and `generate` as
-the collected `stream`."""
+heavy libraries. This module holds what both share: chat formatting, stop-string handling, and
+`generate` as the collected `stream`."""
 
 from __future__ import annotations
 
