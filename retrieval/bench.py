@@ -327,8 +327,6 @@ def format_table(result: dict) -> str:
 
 
 def config_dict(config: BenchConfig) -> dict:
-    data = asdict(config)
-    data["datastore_dir"] = str(config.datastore_dir)
-    data["profile_dir"] = None if config.profile_dir is None else str(config.profile_dir)
-    return data
+    """The config as JSON-ready values (paths as strings)."""
+    return {key: str(value) if isinstance(value, Path) else value for key, value in asdict(config).items()}
 
