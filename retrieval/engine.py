@@ -242,31 +242,40 @@ class RetrievalEngine:
         demand: Lease | None = None
         resident_mask = np.zeros(lists.shape, dtype=bool)
         demand_mask = np.zeros(lists.shape, dtype=bool)
+        chosen_mask = np.zeros(lists.shape, dtype=bool)
         try:
             if use_cache and self.cache.capacity_rows:
                 lease = self.cache.acquire(np.unique(lists[lists >= 0]), fetch=False)
                 resident_mask = _held(lists, lease)
-                demand = self._copy_on_demand(lists, resident_mask)
-                if demand is not None:
-                    demand_mask = _held(lists, demand) & ~resident_mask
-            on_device = resident_mask | demand_mask
-            cpu_lists = np.where(on_device, -1, lists)
+                chosen_mask = self._demand_choice(lists, resident_mask)
+            cpu_lists = np.where(resident_mask | chosen_mask, -1, lists)
             parts: list[tuple[np.ndarray, np.ndarray]] = []
             device_ms = cpu_ms = 0.0
-            if not on_device.any():
+            if not (resident_mask.any() or chosen_mask.any()):
                 cpu_scores, cpu_ids, cpu_ms = self._cpu_search(queries, k, cpu_lists, list_scores)
                 parts.append((cpu_scores, cpu_ids))
             else:
-                cpu_future = None
-                if not on_device.all():  # faiss runs in a worker thread while the device scans
-                    cpu_future = self._cpu_pool.submit(self._cpu_search, queries, k, cpu_lists, list_scores)
+                # faiss, the longer half, starts first and runs in a worker thread; the demand
+                # copies are issued after, and what they could not place goes to faiss too
+                cpu_futures = []
+                if (cpu_lists >= 0).any():
+                    cpu_futures.append(self._cpu_pool.submit(self._cpu_search, queries, k, cpu_lists, list_scores))
+                if chosen_mask.any():
+                    demand = self.cache.acquire(np.unique(lists[chosen_mask]), fetch=True)
+                    demand_mask = _held(lists, demand) & chosen_mask
+                    not_placed = np.where(chosen_mask & ~demand_mask, lists, -1)
+                    if (not_placed >= 0).any():
+                        cpu_futures.append(self._cpu_pool.submit(self._cpu_search, queries, k, not_placed, list_scores))
                 # what is resident first; the demand copies land meanwhile and are scanned next
                 passes = [(m, h) for m, h in ((resident_mask, lease), (demand_mask, demand)) if h is not None and m.any()]
-                device_parts, device_ms = self._device_search(queries, k, lists, passes)
-                parts.extend(device_parts)
-                if cpu_future is not None:
-                    cpu_scores, cpu_ids, cpu_ms = cpu_future.result()
+                if passes:
+                    device_parts, device_ms = self._device_search(queries, k, lists, passes)
+                    parts.extend(device_parts)
+                for future in cpu_futures:
+                    cpu_scores, cpu_ids, ms = future.result()
                     parts.append((cpu_scores, cpu_ids))
+                    cpu_ms += ms
+            on_device = resident_mask | demand_mask
             scores, ids = merge_topk(parts, k)
         finally:
             for held in (lease, demand):
@@ -297,19 +306,23 @@ class RetrievalEngine:
             total_ms=(time.perf_counter() - started) * 1e3,
         )
 
-    def _copy_on_demand(self, lists: np.ndarray, resident_mask: np.ndarray) -> Lease | None:
-        """Start copying the missed clusters the policy picks; None when it picks none."""
+    def _demand_choice(self, lists: np.ndarray, resident_mask: np.ndarray) -> np.ndarray:
+        """Which entries of `lists` to copy to the device on demand: the missed clusters the
+        policy picks (none without a policy)."""
+        chosen_mask = np.zeros(lists.shape, dtype=bool)
         if self.demand is None:
-            return None
+            return chosen_mask
         missed, counts = np.unique(lists[(lists >= 0) & ~resident_mask], return_counts=True)
         missed_sizes = self.cache.sizes[missed]
         keep = missed_sizes > 0
         missed, counts = missed[keep], counts[keep]
         if not len(missed):
-            return None
+            return chosen_mask
         sizes = dict(zip(missed.tolist(), (missed_sizes[keep] * self.cache.row_bytes).tolist(), strict=True))
         chosen = self.demand.choose(dict(zip(missed.tolist(), counts.tolist(), strict=True)), sizes)
-        return self.cache.acquire(chosen, fetch=True) if chosen else None
+        if chosen:
+            chosen_mask = np.isin(lists, np.asarray(chosen, dtype=np.int64)) & ~resident_mask
+        return chosen_mask
 
     def probe(self, queries: np.ndarray, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
         """C_out of each query: the same `nprobe` lists faiss's quantizer picks.
