@@ -213,9 +213,13 @@ class RetrievalEngine:
     ) -> SearchResult:
         """Exact IVF search at `nprobe`: resident clusters of each query's C_out on the device,
         then those copied on demand (see `retrieval.demand`), the rest by faiss on the CPU at the
-        same time, merged. `prefetch` (one handle for all queries, or one per query) is only used
-        for the overlap statistics: the search uses whatever is resident, and waits only on the
-        copies of the clusters it reads."""
+        same time, merged. The search uses whatever is resident and waits only on the copies of
+        the clusters it reads.
+
+        `prefetch` (one handle for all queries, or one per query) gives the overlap statistics,
+        and the search ends it: once the search has pinned the clusters it reads, the prefetch's
+        others are no longer held, so this search's demand copies, and other requests, may
+        evict them. (Releasing a handle again is harmless.)"""
         started = time.perf_counter()
         nprobe = nprobe or self.nprobe
         queries = self.index.check(q_out, k, nprobe)
@@ -247,6 +251,7 @@ class RetrievalEngine:
             if use_cache and self.cache.capacity_rows:
                 lease = self.cache.acquire(np.unique(lists[lists >= 0]), fetch=False)
                 resident_mask = _held(lists, lease)
+                _end_prefetches(handles)
                 chosen_mask = self._demand_choice(lists, resident_mask)
             cpu_lists = np.where(resident_mask | chosen_mask, -1, lists)
             parts: list[tuple[np.ndarray, np.ndarray]] = []
@@ -396,6 +401,12 @@ class RetrievalEngine:
             end.synchronize()
         ms = begin.elapsed_time(end) if begin is not None and end is not None else (time.perf_counter() - started) * 1e3
         return [(scores.cpu().numpy(), ids.cpu().numpy()) for scores, ids in results], ms
+
+
+def _end_prefetches(handles: Sequence[PrefetchHandle | None]) -> None:
+    """Release each distinct prefetch of a search (the search now pins what it reads)."""
+    for handle in {id(h): h for h in handles if h is not None}.values():
+        handle.release()
 
 
 def _held(lists: np.ndarray, lease: Lease) -> np.ndarray:

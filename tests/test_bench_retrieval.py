@@ -29,7 +29,7 @@ def test_every_timed_search_is_exact(tmp_path, batch):
     assert result["identical_fraction"] == 1.0
     assert result["n_vectors"] == 4000 and result["nprobe"] == 8 and result["batch"] == batch
     assert 0.0 < result["overlap_rate"] <= 1.0
-    assert result["demand_cache_bytes"] > result["cache_bytes"] == int(0.06 * (1 << 20))
+    assert result["demand_cache_bytes"] == result["cache_bytes"] == int(0.06 * (1 << 20))  # no extra room by default
     # how much the demand run copies depends on the rates it measures, i.e. on this machine's load
     assert 0.0 <= result["demand_copied_fraction"] <= 1.0
     assert result["device_cluster_fraction"] <= result["demand_device_cluster_fraction"] <= 1.0

@@ -77,13 +77,15 @@ def test_parity_with_demand_copies(tmp_path, device, seed):
     for budget in (0, total // 8, total // 3):
         for nprobe in sorted({1, 3, nlist // 2, ds.nlist}):
             for batch in (1, 6):
+                other = engine.prefetch(-q_in[:batch], budget // 2)  # another request's, still waiting
                 handle = engine.prefetch(q_in[:batch], budget)
                 result = assert_same_as_faiss(engine, q_out[:batch], int(rng.integers(1, 20)), nprobe, prefetch=handle)
                 copied_on_demand += sum(s.clusters_copied_on_demand for s in result.per_query)
                 assert all(s.clusters_copied_on_demand <= s.clusters_device for s in result.per_query)
-                # the prefetched clusters are still held by the prefetch, whatever demand evicted
-                assert handle.lease is None or all(engine.cache._slots[c].pins > 0 for c in handle.lease.resident)
-                handle.release()
+                assert handle.lease is None or handle.lease.released, "the search ends its prefetch"
+                # what the other prefetch holds is still there, whatever demand evicted
+                assert other.lease is None or all(engine.cache._slots[c].pins > 0 for c in other.lease.resident)
+                other.release()
         engine.cache.check_invariants()
     assert copied_on_demand > 0, "the policy never copied a missed cluster"
     assert engine.cache.stats().pinned_clusters == 0
@@ -91,22 +93,40 @@ def test_parity_with_demand_copies(tmp_path, device, seed):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_demand_copies_never_evict_what_a_prefetch_holds(tmp_path, device):
-    """The cache is a quarter of the datastore and a prefetch pins most of it: demand copies
-    use only what is left, faiss scans the rest, and the answer is faiss's."""
+def test_demand_copies_never_evict_what_a_waiting_prefetch_holds(tmp_path, device):
+    """The cache is a quarter of the datastore and another request's prefetch pins most of it:
+    demand copies use only what is left, faiss scans the rest, and the answer is faiss's."""
     ds = random_datastore(tmp_path / "ds", n=2000, nlist=20)
     total = ds.n_vectors * ds.dim * 4
     engine = RetrievalEngine(ds, device=device, cache_bytes=total // 4, demand_copy=True)
     engine.demand = CopyEveryMiss()
     q = random_queries(1, ds.dim)
-    handle = engine.prefetch(-q, total // 4)
-    held = set(handle.lease.resident)
+    waiting = engine.prefetch(-q, total // 4)
+    held = set(waiting.lease.resident)
     assert held
-    result = engine.search(q, 5, ds.nlist, prefetch=handle)
+    result = assert_same_as_faiss(engine, q, 5, ds.nlist)
     assert result.per_query[0].clusters_cpu > 0
     assert all(engine.cache._slots[c].pins == 1 for c in held)
-    assert_same_as_faiss(engine, q, 5, ds.nlist, prefetch=handle)
-    handle.release()
+    waiting.release()
+    engine.cache.check_invariants()
+    assert engine.cache.stats().pinned_clusters == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_search_frees_what_its_prefetch_guessed_wrong(tmp_path, device):
+    """Cache = budget, filled by the prefetch: the clusters it guessed wrong are released when
+    the search starts, so the search's demand copies can take their place."""
+    ds = random_datastore(tmp_path / "ds", n=2000, nlist=20)
+    total = ds.n_vectors * ds.dim * 4
+    engine = RetrievalEngine(ds, device=device, cache_bytes=total // 3, demand_copy=True)
+    engine.demand = CopyEveryMiss()
+    q = random_queries(1, ds.dim)
+    handle = engine.prefetch(-q, total // 3)
+    assert engine.cache.stats().occupancy_bytes > engine.cache.capacity_bytes - ds.cluster_sizes.max() * ds.dim * 4
+    result = assert_same_as_faiss(engine, q, 5, 8, prefetch=handle)
+    assert handle.lease.released
+    assert result.per_query[0].clusters_copied_on_demand > 0
+    handle.release()  # the caller's own release stays harmless
     engine.cache.check_invariants()
     assert engine.cache.stats().pinned_clusters == 0
 

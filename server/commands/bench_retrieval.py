@@ -28,8 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--demand-mb",
         type=float,
-        default=None,
-        help="extra cache for the demand-copy run (default: the bytes of one search's C_out on average)",
+        default=defaults.demand_mb,
+        help="extra cache for the demand-copy run (default: none, the cache is the budget in every run)",
     )
     parser.add_argument("--overlap-noise", type=float, default=defaults.overlap_noise, help="q_out = q_in + noise")
     parser.add_argument("--codec", choices=[c.value for c in Codec], default=defaults.codec)
