@@ -93,40 +93,28 @@ def test_parity_with_demand_copies(tmp_path, device, seed):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_demand_copies_never_evict_what_a_waiting_prefetch_holds(tmp_path, device):
-    """The cache is a quarter of the datastore and another request's prefetch pins most of it:
-    demand copies use only what is left, faiss scans the rest, and the answer is faiss's."""
+@pytest.mark.parametrize("own", [False, True], ids=["another-request's", "its-own"])
+def test_which_prefetched_clusters_demand_copies_may_evict(tmp_path, device, own):
+    """A prefetch fills the cache (a quarter of the datastore) with clusters the search does
+    not read. Another request's prefetch, still waiting for its own search, is never evicted:
+    faiss scans what does not fit. The search's own prefetch ends when the search starts, so
+    what it guessed wrong makes room for the demand copies. The answer is faiss's either way."""
     ds = random_datastore(tmp_path / "ds", n=2000, nlist=20)
     total = ds.n_vectors * ds.dim * 4
     engine = RetrievalEngine(ds, device=device, cache_bytes=total // 4, demand_copy=True)
     engine.demand = CopyEveryMiss()
     q = random_queries(1, ds.dim)
-    waiting = engine.prefetch(-q, total // 4)
-    held = set(waiting.lease.resident)
-    assert held
-    result = assert_same_as_faiss(engine, q, 5, ds.nlist)
-    assert result.per_query[0].clusters_cpu > 0
-    assert all(engine.cache._slots[c].pins == 1 for c in held)
-    waiting.release()
-    engine.cache.check_invariants()
-    assert engine.cache.stats().pinned_clusters == 0
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_a_search_frees_what_its_prefetch_guessed_wrong(tmp_path, device):
-    """Cache = budget, filled by the prefetch: the clusters it guessed wrong are released when
-    the search starts, so the search's demand copies can take their place."""
-    ds = random_datastore(tmp_path / "ds", n=2000, nlist=20)
-    total = ds.n_vectors * ds.dim * 4
-    engine = RetrievalEngine(ds, device=device, cache_bytes=total // 3, demand_copy=True)
-    engine.demand = CopyEveryMiss()
-    q = random_queries(1, ds.dim)
-    handle = engine.prefetch(-q, total // 3)
+    handle = engine.prefetch(-q, total // 4)
+    held = set(handle.lease.resident)
     assert engine.cache.stats().occupancy_bytes > engine.cache.capacity_bytes - ds.cluster_sizes.max() * ds.dim * 4
-    result = assert_same_as_faiss(engine, q, 5, 8, prefetch=handle)
-    assert handle.lease.released
-    assert result.per_query[0].clusters_copied_on_demand > 0
-    handle.release()  # the caller's own release stays harmless
+    result = assert_same_as_faiss(engine, q, 5, 8, prefetch=handle if own else None)
+    if own:
+        assert handle.lease.released
+        assert result.per_query[0].clusters_copied_on_demand > 0
+    else:
+        assert result.per_query[0].clusters_cpu > 0
+        assert all(engine.cache._slots[c].pins == 1 for c in held)
+    handle.release()  # harmless when the search already ended it
     engine.cache.check_invariants()
     assert engine.cache.stats().pinned_clusters == 0
 
