@@ -90,8 +90,8 @@ class RetrievalEngine:
             # Exact fp32 scores: TF32 would change the answers.
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
-        self.index = CPUIndex(datastore, progress=progress)
         self.host_vectors = self._host_tensor(progress)
+        self.index = CPUIndex(datastore, vectors=self.host_vectors.numpy())  # faiss reads the same memory
         self.cache = ClusterCache(self.host_vectors, datastore.offsets, cache_bytes, self.device)
         self.centroids = torch.from_numpy(np.ascontiguousarray(datastore.centroids)).to(self.device)
         self.codec_params = None if datastore.codec_params is None else torch.from_numpy(datastore.codec_params).to(self.device)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import faiss
 import numpy as np
-from tqdm.auto import tqdm
 
 from retrieval.datastore import Datastore
 from retrieval.errors import SearchError
@@ -14,22 +13,20 @@ FAISS_PAD_SCORE = -np.finfo(np.float32).max  # what faiss puts beside a -1 label
 
 
 class CPUIndex:
-    """An inner-product `IndexIVF` holding the datastore's own codes, list by list."""
+    """An inner-product `IndexIVF` whose inverted lists are views of the datastore's own codes."""
 
-    def __init__(self, datastore: Datastore, *, progress: bool = False) -> None:
-        """Copies every list into faiss (it reads the datastore once: minutes for tens of GB;
-        `progress` shows a bar)."""
+    def __init__(self, datastore: Datastore, *, vectors: np.ndarray | None = None) -> None:
+        """`vectors`: the host memory faiss reads the codes from, laid out like the datastore's
+        (default: its memory map; the engine passes its pinned copy on CUDA). faiss copies
+        only the ids: the codes are never held twice in RAM, and nothing is read at start-up.
+        The index keeps `vectors` alive."""
         self.datastore = datastore
         self.nlist = datastore.nlist
+        self.vectors = datastore.vectors if vectors is None else vectors
+        if self.vectors.shape != datastore.vectors.shape or self.vectors.dtype != datastore.vectors.dtype:
+            raise ValueError(f"vectors must be {datastore.vectors.dtype} {datastore.vectors.shape} like the datastore's")
         self.index, self.quantizer = datastore.codec.empty_faiss_index(datastore.centroids, datastore.codec_params)
-        offsets = datastore.offsets
-        for cluster in tqdm(range(self.nlist), desc="load IVF lists into faiss", unit="list", disable=not progress):
-            start, end = int(offsets[cluster]), int(offsets[cluster + 1])
-            if end == start:
-                continue
-            ids = np.arange(start, end, dtype=np.int64)
-            codes = np.ascontiguousarray(datastore.vectors[start:end]).view(np.uint8)
-            self.index.invlists.add_entries(cluster, end - start, faiss.swig_ptr(ids), faiss.swig_ptr(codes))
+        _view_lists(faiss.downcast_InvertedLists(self.index.invlists), self.vectors, datastore.offsets)
         self.index.ntotal = datastore.n_vectors
         # How faiss spreads one call over its threads is a property of the index object, so
         # twins that share these lists carry the other settings: `search` parallelises over
@@ -97,6 +94,37 @@ class CPUIndex:
             params,
         )
         return scores, ids
+
+
+def _view_lists(invlists: faiss.ArrayInvertedLists, vectors: np.ndarray, offsets: np.ndarray) -> None:
+    """Fill `invlists` with ids row by row (a vector's id is its row) and make each list's codes
+    a view of its slice of `vectors` (faiss's `MaybeOwnedVector`, whose Python binding offers
+    no constructor for a view without an owner, so its fields are set directly)."""
+    code_size = invlists.code_size
+    if not vectors.flags.c_contiguous:
+        raise ValueError("the lists can only view C-contiguous vectors")
+    flat = vectors.reshape(-1).view(np.uint8)
+    if len(flat) != int(offsets[-1]) * code_size:
+        raise ValueError(f"vectors hold {len(flat)} bytes, not {int(offsets[-1])} codes of {code_size} bytes")
+    no_codes = np.zeros(1, dtype=np.uint8)
+    invlists.code_size = 0  # add the ids alone: faiss copies no codes
+    try:
+        for cluster in range(len(offsets) - 1):
+            start, end = int(offsets[cluster]), int(offsets[cluster + 1])
+            if end > start:
+                ids = np.arange(start, end, dtype=np.int64)
+                invlists.add_entries(cluster, end - start, faiss.swig_ptr(ids), faiss.swig_ptr(no_codes))
+    finally:
+        invlists.code_size = code_size
+    views = faiss.MaybeOwnedVectorUInt8Vector()
+    for cluster in range(len(offsets) - 1):
+        start, end = int(offsets[cluster]), int(offsets[cluster + 1])
+        view = faiss.MaybeOwnedVectorUInt8()
+        view.is_owned = False
+        view.view_data = view.c_ptr = faiss.swig_ptr(flat[start * code_size :])
+        view.view_size = view.c_size = (end - start) * code_size
+        views.push_back(view)
+    invlists.codes = views
 
 
 def same_results(
