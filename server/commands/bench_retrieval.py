@@ -29,7 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--demand-mb",
         type=float,
         default=defaults.demand_mb,
-        help="extra cache for the demand-copy run (default: none, the cache is the budget in every run)",
+        help="extra cache for the demand-copy run (default 0: the same cache as the other runs)",
     )
     parser.add_argument("--overlap-noise", type=float, default=defaults.overlap_noise, help="q_out = q_in + noise")
     parser.add_argument("--codec", choices=[c.value for c in Codec], default=defaults.codec)
