@@ -251,7 +251,8 @@ class RetrievalEngine:
             if use_cache and self.cache.capacity_rows:
                 lease = self.cache.acquire(np.unique(lists[lists >= 0]), fetch=False)
                 resident_mask = _held(lists, lease)
-                _end_prefetches(handles)
+            _end_prefetches(handles)  # from here the search's own lease pins what it reads
+            if lease is not None:
                 chosen_mask = self._demand_choice(lists, resident_mask)
             cpu_lists = np.where(resident_mask | chosen_mask, -1, lists)
             parts: list[tuple[np.ndarray, np.ndarray]] = []
