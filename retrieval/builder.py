@@ -74,6 +74,19 @@ def assign_lists(vectors: np.ndarray, centroids: np.ndarray, *, batch: int = 655
     return out
 
 
+class ClusterOrdered:
+    """`vectors` in cluster order and encoded, made a block of rows at a time as the datastore
+    is written, so the build never holds a second copy of the whole set."""
+
+    def __init__(self, vectors: np.ndarray, perm: np.ndarray, codec: Codec, params: np.ndarray | None) -> None:
+        self.vectors, self.perm, self.codec, self.params = vectors, perm, codec, params
+        self.shape = (len(perm), vectors.shape[1])
+        self.dtype = np.dtype(codec.numpy_dtype)
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        return self.codec.to_codes(self.vectors[self.perm[rows]], self.params)
+
+
 def write_clustered(
     out_dir: Path,
     *,
@@ -98,10 +111,6 @@ def write_clustered(
     offsets = np.zeros(nlist + 1, dtype=np.int64)
     np.cumsum(np.bincount(lists, minlength=nlist), out=offsets[1:])
     params = codec.train(vectors)
-    encoded = np.empty((len(vectors), dim), dtype=codec.numpy_dtype)
-    step = 1 << 18
-    for start in tqdm(range(0, len(perm), step), desc="lay out clusters", unit="block", disable=not progress):
-        encoded[start : start + step] = codec.to_codes(vectors[perm[start : start + step]], params)
     ordered_passages: Iterable[Passage] | None = None
     if passages is not None:
         ordered_passages = (passages[i] for i in perm)
@@ -120,7 +129,7 @@ def write_clustered(
         manifest=manifest,
         centroids=centroids[order],
         offsets=offsets,
-        vectors=encoded,
+        vectors=ClusterOrdered(vectors, perm, codec, params),
         passages=ordered_passages,
         codec_params=params,
         overwrite=overwrite,
@@ -147,13 +156,16 @@ def build_datastore(
     items = list(passages)
     if not items:
         raise CorpusError("empty corpus: no passages to index")
-    chunks = []
+    vectors: np.ndarray | None = None  # allocated once the first batch gives the dimension
     for start in tqdm(range(0, len(items), batch_size), desc="embed passages", unit="batch", disable=not progress):
-        chunk = np.asarray(encode([p.text for p in items[start : start + batch_size]]), dtype=np.float32)
-        if chunk.ndim != 2 or len(chunk) != len(items[start : start + batch_size]):
-            raise DatastoreError(f"the encoder returned shape {chunk.shape} for a batch of {batch_size}")
-        chunks.append(chunk)
-    vectors = np.concatenate(chunks)
+        batch = items[start : start + batch_size]
+        chunk = np.asarray(encode([p.text for p in batch]), dtype=np.float32)
+        if chunk.ndim != 2 or len(chunk) != len(batch) or (vectors is not None and chunk.shape[1] != vectors.shape[1]):
+            raise DatastoreError(f"the encoder returned shape {chunk.shape} for a batch of {len(batch)}")
+        if vectors is None:
+            vectors = np.empty((len(items), chunk.shape[1]), dtype=np.float32)
+        vectors[start : start + len(batch)] = chunk
+    assert vectors is not None  # items is not empty
     nlist = nlist or default_nlist(len(vectors))
     log.info("training %d IVF lists on %d vectors of dim %d", nlist, len(vectors), vectors.shape[1])
     centroids = train_centroids(vectors, nlist, seed=seed)

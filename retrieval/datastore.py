@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -42,6 +43,22 @@ VECTORS = "vectors.npy"
 CODEC_PARAMS = "codec.npy"
 PASSAGES = "passages.jsonl"
 PASSAGE_INDEX = "passages.idx.npy"
+
+
+WRITE_BLOCK_BYTES = 256 << 20  # vectors are written this much at a time
+
+
+class VectorRows(Protocol):
+    """What `write_datastore` reads the vectors from, a block of rows at a time: an array, or
+    something that makes each block on demand so the whole set is never in RAM twice."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> np.dtype: ...
+
+    def __getitem__(self, rows: slice) -> np.ndarray: ...
 
 
 @dataclass
@@ -78,12 +95,29 @@ class Manifest:
 
 def _sha256(path: Path, bar: tqdm | None = None) -> str:
     digest = hashlib.sha256()
+    buffer = bytearray(4 << 20)  # one buffer reused: reading every byte allocates nothing more
+    view = memoryview(buffer)
     with path.open("rb") as handle:
-        while chunk := handle.read(1 << 24):
-            digest.update(chunk)
+        while size := handle.readinto(buffer):
+            digest.update(view[:size])
             if bar is not None:
-                bar.update(len(chunk))
+                bar.update(size)
     return digest.hexdigest()
+
+
+def _write_rows(path: Path, vectors: VectorRows, progress: bool) -> None:
+    """`vectors` into a .npy file, block by block (the file is written, never the whole array
+    built in RAM)."""
+    n, dim = vectors.shape
+    out = np.lib.format.open_memmap(path, mode="w+", dtype=vectors.dtype, shape=(n, dim))
+    step = max(1, WRITE_BLOCK_BYTES // max(1, dim * out.itemsize))
+    for start in tqdm(range(0, n, step), desc="write vectors", unit="block", disable=not progress):
+        block = vectors[start : start + step]
+        if block.shape != (min(step, n - start), dim):
+            raise DatastoreError(f"rows {start}:{start + step} of the vectors have shape {block.shape}")
+        out[start : start + step] = block
+    out.flush()
+    del out
 
 
 def _fsync(path: Path) -> None:
@@ -100,7 +134,7 @@ def write_datastore(
     manifest: Manifest,
     centroids: np.ndarray,
     offsets: np.ndarray,
-    vectors: np.ndarray,
+    vectors: VectorRows,
     passages: Iterable[Passage] | None,
     codec_params: np.ndarray | None = None,
     overwrite: bool = False,
@@ -109,12 +143,12 @@ def write_datastore(
     """Write a datastore atomically: into a temporary sibling directory, then one rename.
 
     `vectors` must already be cluster-contiguous and encoded with `manifest.codec` (and its
-    `codec_params`, for a codec that has them). `progress` shows a bar for the checksums, which
-    read every byte written.
+    `codec_params`, for a codec that has them); they are read and written a block at a time.
+    `progress` shows a bar for writing them and for the checksums, which read every byte.
     """
     out_dir = Path(out_dir)
     codec = Codec(manifest.codec)
-    if vectors.dtype != codec.numpy_dtype or vectors.shape != (manifest.n_vectors, manifest.dim):
+    if np.dtype(vectors.dtype) != codec.numpy_dtype or tuple(vectors.shape) != (manifest.n_vectors, manifest.dim):
         raise DatastoreError(f"vectors must be {codec.numpy_dtype} of shape ({manifest.n_vectors}, {manifest.dim})")
     if codec.has_params != (codec_params is not None) or (
         codec_params is not None and np.shape(codec_params) != (2, manifest.dim)
@@ -132,7 +166,7 @@ def write_datastore(
     try:
         np.save(tmp / CENTROIDS, np.ascontiguousarray(centroids, dtype=np.float32))
         np.save(tmp / OFFSETS, np.ascontiguousarray(offsets, dtype=np.int64))
-        np.save(tmp / VECTORS, vectors)
+        _write_rows(tmp / VECTORS, vectors, progress)
         if codec_params is not None:
             np.save(tmp / CODEC_PARAMS, np.ascontiguousarray(codec_params, dtype=np.float32))
         if passages is not None:

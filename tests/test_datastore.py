@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
 import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from retrieval.builder import build_datastore, default_nlist
+from retrieval.builder import assign_lists, build_datastore, default_nlist, write_clustered
+from retrieval import codecs as codecs_module
+from retrieval import datastore as datastore_module
 from retrieval.codecs import Codec
 from retrieval.corpus import Article, read_jsonl, read_wikipedia, split_passages
 from retrieval.datastore import CODEC_PARAMS, MANIFEST, VECTORS, Datastore, Manifest, write_datastore
@@ -161,11 +164,37 @@ def test_long_steps_show_progress(tmp_path, capsys):
     passages = list(split_passages(read_jsonl(good_corpus(tmp_path / "c.jsonl")), passage_words=20))
     out = build_datastore(passages, hashing_encoder(), embedder="hash-16", out_dir=tmp_path / "ds", nlist=4, progress=True)
     err = capsys.readouterr().err
-    assert all(step in err for step in ("embed passages", "assign lists", "lay out clusters", "checksum")), err
+    assert all(step in err for step in ("embed passages", "assign lists", "write vectors", "checksum")), err
     Datastore.load(out, progress=True)
     assert "verify checksums" in capsys.readouterr().err
     Datastore.load(out)
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+def test_writing_never_holds_a_second_copy_of_the_vectors(tmp_path, monkeypatch, codec):
+    """Sorting by cluster and encoding happen block by block as the file is written: a build's
+    peak memory is its embeddings plus a block, not twice the datastore."""
+    # the constant-sized parts (a write block, the sq8 training sample) small beside the set
+    monkeypatch.setattr(datastore_module, "WRITE_BLOCK_BYTES", 1 << 20)
+    monkeypatch.setattr(codecs_module, "SQ8_TRAIN_SAMPLE", 1 << 14)
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((400_000, 16)).astype(np.float32)  # 25.6 MB: many write blocks
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    centroids = vectors[:8].copy()
+    lists = assign_lists(vectors, centroids)
+    tracemalloc.start()
+    try:
+        out = write_clustered(tmp_path / "ds", vectors=vectors, lists=lists, centroids=centroids, codec=codec, embedder="x")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 0.8 * vectors.nbytes, peak
+    ds = Datastore.load(out)
+    for cluster in range(ds.nlist):  # each list holds its vectors' codes, in input order
+        original = int(np.flatnonzero((centroids == ds.centroids[cluster]).all(axis=1))[0])
+        stored = ds.vectors[int(ds.offsets[cluster]) : int(ds.offsets[cluster + 1])]
+        np.testing.assert_array_equal(stored, codec.to_codes(vectors[lists == original], ds.codec_params))
 
 
 def test_not_a_datastore(tmp_path):
