@@ -45,7 +45,7 @@ PASSAGES = "passages.jsonl"
 PASSAGE_INDEX = "passages.idx.npy"
 
 
-WRITE_BLOCK_BYTES = 256 << 20  # vectors are written this much at a time
+WRITE_BLOCK_BYTES = 64 << 20  # vectors are made and written this much at a time
 
 
 class VectorRows(Protocol):
@@ -106,18 +106,20 @@ def _sha256(path: Path, bar: tqdm | None = None) -> str:
 
 
 def _write_rows(path: Path, vectors: VectorRows, progress: bool) -> None:
-    """`vectors` into a .npy file, block by block (the file is written, never the whole array
-    built in RAM)."""
+    """`vectors` into a .npy file, block by block: plain writes, so neither the whole array
+    nor a mapping of the file is ever held in memory."""
     n, dim = vectors.shape
-    out = np.lib.format.open_memmap(path, mode="w+", dtype=vectors.dtype, shape=(n, dim))
-    step = max(1, WRITE_BLOCK_BYTES // max(1, dim * out.itemsize))
-    for start in tqdm(range(0, n, step), desc="write vectors", unit="block", disable=not progress):
-        block = vectors[start : start + step]
-        if block.shape != (min(step, n - start), dim):
-            raise DatastoreError(f"rows {start}:{start + step} of the vectors have shape {block.shape}")
-        out[start : start + step] = block
-    out.flush()
-    del out
+    dtype = np.dtype(vectors.dtype)
+    step = max(1, WRITE_BLOCK_BYTES // max(1, dim * dtype.itemsize))
+    with path.open("wb") as handle:
+        header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (n, dim)}
+        np.lib.format.write_array_header_1_0(handle, header)
+        for start in tqdm(range(0, n, step), desc="write vectors", unit="block", disable=not progress):
+            block = np.ascontiguousarray(vectors[start : start + step], dtype=dtype)
+            if block.shape != (min(step, n - start), dim):
+                raise DatastoreError(f"rows {start}:{start + step} of the vectors have shape {block.shape}")
+            handle.write(block.data)
+            del block  # before the next one is made
 
 
 def _fsync(path: Path) -> None:
