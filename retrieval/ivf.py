@@ -107,6 +107,7 @@ def _view_lists(invlists: faiss.ArrayInvertedLists, vectors: np.ndarray, offsets
     if len(flat) != int(offsets[-1]) * code_size:
         raise ValueError(f"vectors hold {len(flat)} bytes, not {int(offsets[-1])} codes of {code_size} bytes")
     no_codes = np.zeros(1, dtype=np.uint8)
+    views = faiss.MaybeOwnedVectorUInt8Vector()
     invlists.code_size = 0  # add the ids alone: faiss copies no codes
     try:
         for cluster in range(len(offsets) - 1):
@@ -114,16 +115,13 @@ def _view_lists(invlists: faiss.ArrayInvertedLists, vectors: np.ndarray, offsets
             if end > start:
                 ids = np.arange(start, end, dtype=np.int64)
                 invlists.add_entries(cluster, end - start, faiss.swig_ptr(ids), faiss.swig_ptr(no_codes))
+            view = faiss.MaybeOwnedVectorUInt8()
+            view.is_owned = False
+            view.view_data = view.c_ptr = faiss.swig_ptr(flat[start * code_size :])
+            view.view_size = view.c_size = (end - start) * code_size
+            views.push_back(view)
     finally:
         invlists.code_size = code_size
-    views = faiss.MaybeOwnedVectorUInt8Vector()
-    for cluster in range(len(offsets) - 1):
-        start, end = int(offsets[cluster]), int(offsets[cluster + 1])
-        view = faiss.MaybeOwnedVectorUInt8()
-        view.is_owned = False
-        view.view_data = view.c_ptr = faiss.swig_ptr(flat[start * code_size :])
-        view.view_size = view.c_size = (end - start) * code_size
-        views.push_back(view)
     invlists.codes = views
 
 
