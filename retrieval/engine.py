@@ -213,8 +213,8 @@ class RetrievalEngine:
     ) -> SearchResult:
         """Exact IVF search at `nprobe`: resident clusters of each query's C_out on the device,
         then those copied on demand (see `retrieval.demand`), the rest by faiss on the CPU at the
-        same time, merged. The search uses whatever is resident and waits only on the copies of
-        the clusters it reads.
+        same time, merged on the device. The search uses whatever is resident and waits only on
+        the copies of the clusters it reads.
 
         `prefetch` (one handle for all queries, or one per query) gives the overlap statistics,
         and the search ends it: once the search has pinned the clusters it reads, the prefetch's
@@ -228,7 +228,7 @@ class RetrievalEngine:
         if not (use_cache and self.cache.capacity_rows) and not any(h is not None and h.plan.clusters for h in handles):
             # Nothing can be on the device and no overlap to report: this is faiss, as is.
             cpu_started = time.perf_counter()
-            scores, ids = merge_topk([self.index.search(queries, k, nprobe)], k)
+            scores, ids = _to_host(merge_topk([_to_torch(self.index.search(queries, k, nprobe), "cpu")], k))
             cpu_ms = (time.perf_counter() - cpu_started) * 1e3
             return SearchResult(
                 scores=scores,
@@ -255,11 +255,11 @@ class RetrievalEngine:
             if lease is not None:
                 chosen_mask = self._demand_choice(lists, resident_mask)
             cpu_lists = np.where(resident_mask | chosen_mask, -1, lists)
-            parts: list[tuple[np.ndarray, np.ndarray]] = []
+            parts: list[tuple[torch.Tensor, torch.Tensor]] = []
             device_ms = cpu_ms = 0.0
             if not (resident_mask.any() or chosen_mask.any()):
                 cpu_scores, cpu_ids, cpu_ms = self._cpu_search(queries, k, cpu_lists, list_scores)
-                parts.append((cpu_scores, cpu_ids))
+                parts.append(_to_torch((cpu_scores, cpu_ids), self.device))
             else:
                 # faiss, the longer half, starts first and runs in a worker thread; the demand
                 # copies are issued after, and what they could not place goes to faiss too
@@ -279,10 +279,10 @@ class RetrievalEngine:
                     parts.extend(device_parts)
                 for future in cpu_futures:
                     cpu_scores, cpu_ids, ms = future.result()
-                    parts.append((cpu_scores, cpu_ids))
+                    parts.append(_to_torch((cpu_scores, cpu_ids), self.device))
                     cpu_ms += ms
             on_device = resident_mask | demand_mask
-            scores, ids = merge_topk(parts, k)
+            scores, ids = _to_host(merge_topk(parts, k))
         finally:
             for held in (lease, demand):
                 if held is not None:
@@ -372,7 +372,7 @@ class RetrievalEngine:
 
     def _device_search(
         self, queries: np.ndarray, k: int, lists: np.ndarray, passes: Sequence[tuple[np.ndarray, Lease]]
-    ) -> tuple[list[tuple[np.ndarray, np.ndarray]], float]:
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], float]:
         """Scan each pass's clusters (`mask` over `lists`, held by its lease) in order. On CUDA all
         passes are queued before one wait: a pass waits on the stream for its own copies only,
         while the host already prepares the next."""
@@ -401,13 +401,22 @@ class RetrievalEngine:
             end.record(stream)
             end.synchronize()
         ms = begin.elapsed_time(end) if begin is not None and end is not None else (time.perf_counter() - started) * 1e3
-        return [(scores.cpu().numpy(), ids.cpu().numpy()) for scores, ids in results], ms
+        return results, ms
 
 
 def _end_prefetches(handles: Sequence[PrefetchHandle | None]) -> None:
     """Release each distinct prefetch of a search (the search now pins what it reads)."""
     for handle in {id(h): h for h in handles if h is not None}.values():
         handle.release()
+
+
+def _to_torch(part: tuple[np.ndarray, np.ndarray], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (scores, ids) result from faiss on `device` (a view on the CPU, a small copy elsewhere)."""
+    return tuple(torch.from_numpy(a).to(device, non_blocking=True) for a in part)  # type: ignore[return-value]
+
+
+def _to_host(part: tuple[torch.Tensor, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    return part[0].cpu().numpy(), part[1].cpu().numpy()
 
 
 def _held(lists: np.ndarray, lease: Lease) -> np.ndarray:

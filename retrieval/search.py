@@ -1,4 +1,4 @@
-"""The device half of cooperative search and the merge of both halves.
+"""The device half of cooperative search and the merge of both halves on the device.
 
 The device scans only the resident clusters of each query's own C_out (never the whole
 buffer), so together with faiss scanning the rest the answer is exactly IVF at that nprobe.
@@ -122,15 +122,14 @@ def scan_resident(
     return best_scores, best_ids
 
 
-def merge_topk(parts: Sequence[tuple[np.ndarray, np.ndarray]], k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Merge per-query top-k lists: score descending, ties broken by id ascending; pad like faiss.
-
-    The lists are k long each, so this runs on the host: one small copy instead of a chain of
-    device kernels, and no torch thread pool competing with faiss's on a CPU box.
-    """
-    scores = np.concatenate([p[0] for p in parts], axis=1).astype(np.float32, copy=False)
-    ids = np.concatenate([p[1] for p in parts], axis=1)
-    scores = np.where(ids < 0, -np.inf, scores)
-    order = np.lexsort((ids, -scores))[:, :k]
-    scores, ids = np.take_along_axis(scores, order, 1), np.take_along_axis(ids, order, 1)
-    return np.where(ids < 0, FAISS_PAD_SCORE, scores).astype(np.float32), ids
+def merge_topk(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge per-query top-k lists where they lie (the device): score descending, ties broken
+    by id ascending, padded like faiss. The lists come from disjoint clusters, so no id repeats."""
+    scores = torch.cat([p[0] for p in parts], dim=1).float()
+    ids = torch.cat([p[1] for p in parts], dim=1)
+    scores = torch.where(ids < 0, float("-inf"), scores)
+    by_id = torch.argsort(ids, dim=1, stable=True)  # then a stable sort by score keeps id order on ties
+    scores, ids = scores.gather(1, by_id), ids.gather(1, by_id)
+    order = torch.argsort(scores, dim=1, descending=True, stable=True)[:, :k]
+    scores, ids = scores.gather(1, order), ids.gather(1, order)
+    return torch.where(ids < 0, float(FAISS_PAD_SCORE), scores), ids
