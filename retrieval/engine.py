@@ -239,7 +239,8 @@ class RetrievalEngine:
                 cpu_ms=cpu_ms,
                 total_ms=(time.perf_counter() - started) * 1e3,
             )
-        list_scores, lists = self.probe(queries, nprobe)
+        q = torch.from_numpy(queries).to(self.device, non_blocking=True)  # once, for probe and scan
+        list_scores, lists = self.probe(queries, q, nprobe)
         probe_ms = (time.perf_counter() - started) * 1e3
 
         lease: Lease | None = None
@@ -275,7 +276,7 @@ class RetrievalEngine:
                 # what is resident first; the demand copies land meanwhile and are scanned next
                 passes = [(m, h) for m, h in ((resident_mask, lease), (demand_mask, demand)) if h is not None and m.any()]
                 if passes:
-                    device_parts, device_ms = self._device_search(queries, k, lists, passes)
+                    device_parts, device_ms = self._device_search(q, k, lists, passes)
                     parts.extend(device_parts)
                 for future in cpu_futures:
                     cpu_scores, cpu_ids, ms = future.result()
@@ -330,8 +331,9 @@ class RetrievalEngine:
             chosen_mask = np.isin(lists, np.asarray(chosen, dtype=np.int64)) & ~resident_mask
         return chosen_mask
 
-    def probe(self, queries: np.ndarray, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
-        """C_out of each query: the same `nprobe` lists faiss's quantizer picks.
+    def probe(self, queries: np.ndarray, q: torch.Tensor, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
+        """C_out of each query (`queries` on the host, `q` the same on the device): the same
+        `nprobe` lists faiss's quantizer picks.
 
         On CUDA the centroid scores come from one exact fp32 product on the device; a query whose
         nprobe-th and next score are too close to call (so that summation order could flip them)
@@ -339,7 +341,6 @@ class RetrievalEngine:
         """
         if self.device.type != "cuda" or nprobe >= self.nlist:
             return self.index.probe(queries, nprobe)
-        q = torch.from_numpy(queries).to(self.device, non_blocking=True)
         scores, lists = torch.topk(q @ self.centroids.T, nprobe + 1, dim=1)
         scores, lists = scores.cpu().numpy(), lists.cpu().numpy()
         gap = scores[:, nprobe - 1] - scores[:, nprobe]
@@ -371,19 +372,18 @@ class RetrievalEngine:
         return scores, ids, ms
 
     def _device_search(
-        self, queries: np.ndarray, k: int, lists: np.ndarray, passes: Sequence[tuple[np.ndarray, Lease]]
+        self, q: torch.Tensor, k: int, lists: np.ndarray, passes: Sequence[tuple[np.ndarray, Lease]]
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], float]:
         """Scan each pass's clusters (`mask` over `lists`, held by its lease) in order. On CUDA all
         passes are queued before one wait: a pass waits on the stream for its own copies only,
         while the host already prepares the next."""
-        q = torch.from_numpy(queries).to(self.device, non_blocking=True)
         cuda = self.device.type == "cuda"
         stream = torch.cuda.current_stream(self.device) if cuda else None
         begin = end = None
         started = time.perf_counter()
         results = []
         for mask, lease in passes:
-            probes = [lists[i][mask[i]].tolist() for i in range(len(queries))]
+            probes = [lists[i][mask[i]].tolist() for i in range(len(q))]
             if stream is not None:
                 for event in lease.events:
                     stream.wait_event(event)
