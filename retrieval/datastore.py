@@ -12,13 +12,17 @@ Layout of a datastore directory (`FORMAT_VERSION` 1):
 
 A cluster is one slice of `vectors.npy`, so a prefetch is one contiguous copy, and adjacent
 clusters can be copied together. Directories are written under a temporary name and renamed
-into place, so a half-built directory is never mistaken for a datastore.
+into place, so a half-built directory is never mistaken for a datastore, and a datastore is
+only ever written into a new or empty directory or over one of its own kind: nothing this
+project did not create is deleted.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
+import logging
 import mmap
 import os
 import shutil
@@ -35,6 +39,8 @@ from retrieval.codecs import Codec
 from retrieval.corpus import Passage
 from retrieval.errors import DatastoreCorruptError, DatastoreError, DatastoreMismatchError
 
+log = logging.getLogger(__name__)
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 CENTROIDS = "centroids.npy"
@@ -43,7 +49,7 @@ VECTORS = "vectors.npy"
 CODEC_PARAMS = "codec.npy"
 PASSAGES = "passages.jsonl"
 PASSAGE_INDEX = "passages.idx.npy"
-
+FILES = frozenset({MANIFEST, CENTROIDS, OFFSETS, VECTORS, CODEC_PARAMS, PASSAGES, PASSAGE_INDEX})
 
 WRITE_BLOCK_BYTES = 64 << 20  # vectors are made and written this much at a time
 
@@ -130,6 +136,55 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def is_datastore_dir(path: Path) -> bool:
+    """Whether `path` is a directory this project wrote: a manifest and nothing but datastore files."""
+    if not (path / MANIFEST).is_file():
+        return False
+    return all(entry.name in FILES for entry in path.iterdir())
+
+
+def check_target(out_dir: Path, *, overwrite: bool) -> None:
+    """Refuse, before any work, to write a datastore where it would delete something this
+    project did not create: only a new or empty directory, or (with `overwrite`) a datastore."""
+    out_dir = Path(out_dir)
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise DatastoreError(f"{out_dir} is a file, not a directory; refusing to replace it (nothing was changed)")
+    if not any(out_dir.iterdir()):
+        return
+    if not is_datastore_dir(out_dir):
+        strangers = sorted(entry.name for entry in out_dir.iterdir() if entry.name not in FILES)
+        what = f"{MANIFEST} is missing" if not (out_dir / MANIFEST).is_file() else f"it also holds {', '.join(strangers[:3])}"
+        raise DatastoreError(
+            f"{out_dir} exists and is not a datastore ({what}); refusing to write into it (nothing was changed): "
+            "choose a new or empty directory"
+        )
+    if not overwrite:
+        raise DatastoreError(f"{out_dir} already holds a datastore (pass overwrite, or --overwrite, to replace it)")
+
+
+def _remove_abandoned_siblings(out_dir: Path) -> None:
+    """Delete the temporary directories that builds of `out_dir` killed part-way left beside it
+    (named by this module, with the pid of a process that no longer runs)."""
+    for sibling in out_dir.parent.glob(f".{glob.escape(out_dir.name)}.*-*-*"):
+        kind, _, rest = sibling.name[len(out_dir.name) + 2 :].partition("-")
+        pid = rest.partition("-")[0]
+        if kind in ("tmp", "old") and pid.isdigit() and not _process_alive(int(pid)) and sibling.is_dir():
+            log.info("removing %s, left by a build that did not finish", sibling)
+            shutil.rmtree(sibling, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def write_datastore(
     out_dir: Path,
     *,
@@ -160,9 +215,9 @@ def write_datastore(
         raise DatastoreError("centroids / offsets do not match the manifest's nlist and dim")
     if offsets[0] != 0 or offsets[-1] != manifest.n_vectors or np.any(np.diff(offsets) < 0):
         raise DatastoreError("offsets must rise from 0 to n_vectors")
-    if out_dir.exists() and not overwrite:
-        raise DatastoreError(f"{out_dir} already exists (pass overwrite to replace it)")
+    check_target(out_dir, overwrite=overwrite)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_siblings(out_dir)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
     tmp.mkdir()
     try:
@@ -192,7 +247,10 @@ def write_datastore(
                 manifest.files[file.name] = {"bytes": file.stat().st_size, "sha256": _sha256(file, bar)}
         (tmp / MANIFEST).write_text(json.dumps(asdict(manifest), indent=2), encoding="utf-8")
         _fsync(tmp / MANIFEST)
-        if out_dir.exists():
+        check_target(out_dir, overwrite=overwrite)  # again: the directory may have changed during the build
+        if out_dir.is_dir() and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        if out_dir.exists():  # a datastore, and overwrite was asked for
             old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}-{time.monotonic_ns()}"
             out_dir.rename(old)
             tmp.rename(out_dir)

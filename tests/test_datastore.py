@@ -221,7 +221,7 @@ def test_failed_build_leaves_nothing(tmp_path):
 def test_existing_datastore_needs_overwrite(tmp_path):
     passages = list(split_passages(read_jsonl(good_corpus(tmp_path / "c.jsonl"))))
     build_datastore(passages, hashing_encoder(), embedder="x", out_dir=tmp_path / "ds", nlist=2, progress=False)
-    with pytest.raises(DatastoreError, match="already exists"):
+    with pytest.raises(DatastoreError, match="already holds a datastore"):
         build_datastore(passages, hashing_encoder(), embedder="x", out_dir=tmp_path / "ds", nlist=2, progress=False)
     build_datastore(passages, hashing_encoder(), embedder="y", out_dir=tmp_path / "ds", nlist=3, overwrite=True, progress=False)
     assert Datastore.load(tmp_path / "ds").manifest.embedder == "y"
@@ -238,3 +238,110 @@ def test_builtin_wikipedia_source():
     titles = {a.title for a in articles}
     assert "Albert Einstein" in titles
     assert all(a.text.strip() for a in articles[:100])
+
+
+def _small_passages(tmp_path: Path):
+    return list(split_passages(read_jsonl(good_corpus(tmp_path / "c.jsonl"))))
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_never_builds_over_a_users_files(tmp_path, overwrite):
+    """A directory that is not a datastore, or a datastore with a user's file in it, is refused
+    before any embedding, and left exactly as it was; so is a file in the way."""
+    calls = []
+
+    def encoder(texts):
+        calls.append(len(texts))
+        return hashing_encoder()(texts)
+
+    passages = _small_passages(tmp_path)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's notes")
+    with pytest.raises(DatastoreError, match=f"{mine} exists and is not a datastore.*manifest.json is missing"):
+        build_datastore(passages, encoder, embedder="x", out_dir=mine, nlist=2, overwrite=overwrite, progress=False)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "the user's notes"
+
+    ds = tmp_path / "ds"
+    build_datastore(passages, hashing_encoder(), embedder="x", out_dir=ds, nlist=2, progress=False)
+    (ds / "extra.txt").write_text("keep me")
+    with pytest.raises(DatastoreError, match="also holds extra.txt"):
+        build_datastore(passages, encoder, embedder="y", out_dir=ds, nlist=2, overwrite=overwrite, progress=False)
+    assert (ds / "extra.txt").read_text() == "keep me" and Datastore.load(ds).manifest.embedder == "x"
+
+    a_file = tmp_path / "file"
+    a_file.write_text("data")
+    with pytest.raises(DatastoreError, match="is a file"):
+        build_datastore(passages, encoder, embedder="x", out_dir=a_file, nlist=2, overwrite=overwrite, progress=False)
+    assert a_file.read_text() == "data"
+    assert calls == []  # refused before the (long) embedding
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "ds", "file", "mine"]  # no temporary left
+
+
+def test_builds_into_an_empty_directory(tmp_path):
+    (tmp_path / "ds").mkdir()
+    build_datastore(_small_passages(tmp_path), hashing_encoder(), embedder="x", out_dir=tmp_path / "ds", nlist=2, progress=False)
+    assert Datastore.load(tmp_path / "ds").manifest.embedder == "x"
+
+
+def test_serving_never_builds_over_a_users_directory(tmp_path):
+    """`telerag serve --datastore DIR` with DIR holding a user's files (no manifest): refused,
+    naming DIR, nothing deleted (it used to build the Wikipedia datastore over them)."""
+    from pipelines.retriever import open_retriever
+
+    class Encoder:
+        name, dim = "hash-16", 16
+
+        def encode(self, texts):
+            raise AssertionError("nothing may be embedded")
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    with pytest.raises(DatastoreError, match=f"{mine} exists and is not a datastore"):
+        open_retriever(mine, Encoder(), build_if_missing=True)
+    assert [p.name for p in mine.iterdir()] == ["thesis.tex"] and (mine / "thesis.tex").read_text() == "years of work"
+
+
+_KILLED_BUILD = """
+import sys, time
+from pathlib import Path
+from retrieval import datastore
+from retrieval.builder import build_datastore
+from retrieval.corpus import read_jsonl, split_passages
+from tests.test_datastore import hashing_encoder
+
+slow_fsync = datastore._fsync
+def fsync(path):  # slow the write down so the parent can kill it part-way
+    time.sleep(0.2)
+    slow_fsync(path)
+datastore._fsync = fsync
+out, corpus = Path(sys.argv[1]), Path(sys.argv[2])
+build_datastore(list(split_passages(read_jsonl(corpus))), hashing_encoder(), embedder="new", out_dir=out,
+                nlist=2, overwrite=True, progress=False)
+"""
+
+
+def test_a_build_killed_midway_leaves_the_old_datastore(tmp_path):
+    """SIGKILL while the new datastore is being written: the old one still loads, and the next
+    build removes what the killed one left behind."""
+    import subprocess
+    import sys
+    import time
+
+    passages = _small_passages(tmp_path)
+    ds = tmp_path / "ds"
+    build_datastore(passages, hashing_encoder(), embedder="old", out_dir=ds, nlist=2, progress=False)
+    root = Path(__file__).resolve().parents[1]
+    process = subprocess.Popen([sys.executable, "-c", _KILLED_BUILD, str(ds), str(tmp_path / "c.jsonl")], cwd=root)
+    deadline = time.monotonic() + 60
+    while not any(tmp.is_dir() and any(tmp.iterdir()) for tmp in tmp_path.glob(".ds.tmp-*")):
+        assert process.poll() is None and time.monotonic() < deadline, "the build ended before it could be killed"
+        time.sleep(0.01)
+    process.kill()
+    process.wait()
+    assert Datastore.load(ds).manifest.embedder == "old"
+    assert list(tmp_path.glob(".ds.tmp-*"))  # the killed build's leftovers ...
+    build_datastore(passages, hashing_encoder(), embedder="next", out_dir=ds, nlist=2, overwrite=True, progress=False)
+    assert Datastore.load(ds).manifest.embedder == "next"
+    assert not list(tmp_path.glob(".ds.*"))  # ... are gone after the next build
