@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipelines.errors import EmbedderError, ModelNotFound
+from telerag.pipelines.errors import EmbedderError, ModelNotFound
 
 DEFAULT_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipelines.types import Pipeline, RagResult, ResultEvent, RunOptions
+from telerag.pipelines.types import Pipeline, RagResult, ResultEvent, RunOptions
 
 _TOPIC = re.compile(r"\s*\[(?P<title>[^\]]+)\]\s*$")
 

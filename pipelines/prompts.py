@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipelines.types import Document
+from telerag.pipelines.types import Document
 
 SYSTEM = "You answer questions using the documents given. Be concise and factual."
 

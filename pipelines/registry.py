@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from pipelines.errors import UnknownPipeline
-from pipelines.rag.base import RagPipeline
-from pipelines.rag.flare import FLARE
-from pipelines.rag.hyde import HyDE
-from pipelines.rag.iter_retgen import IterRetGen
-from pipelines.rag.iterative import Iterative
-from pipelines.rag.naive import Naive
-from pipelines.rag.self_rag import SelfRAG
-from pipelines.rag.subquestion import SubQuestion
-from pipelines.types import Engine, Retriever
+from telerag.pipelines.errors import UnknownPipeline
+from telerag.pipelines.rag.base import RagPipeline
+from telerag.pipelines.rag.flare import FLARE
+from telerag.pipelines.rag.hyde import HyDE
+from telerag.pipelines.rag.iter_retgen import IterRetGen
+from telerag.pipelines.rag.iterative import Iterative
+from telerag.pipelines.rag.naive import Naive
+from telerag.pipelines.rag.self_rag import SelfRAG
+from telerag.pipelines.rag.subquestion import SubQuestion
+from telerag.pipelines.types import Engine, Retriever
 
 PIPELINES: dict[str, type[RagPipeline]] = {
     cls.name: cls for cls in (Naive, HyDE, SubQuestion, Iterative, IterRetGen, FLARE, SelfRAG)

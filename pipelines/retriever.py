@@ -18,11 +18,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from pipelines.types import Document, PrefetchRequest, PrefetchTicket, SearchOptions, SearchOutcome, SearchRequest
-from retrieval.builder import build_datastore
-from retrieval.corpus import read_wikipedia, split_passages
-from retrieval.datastore import MANIFEST, Datastore
-from retrieval.engine import RetrievalEngine
+from telerag.pipelines.types import Document, PrefetchRequest, PrefetchTicket, SearchOptions, SearchOutcome, SearchRequest
+from telerag.retrieval.builder import build_datastore
+from telerag.retrieval.corpus import read_wikipedia, split_passages
+from telerag.retrieval.datastore import MANIFEST, Datastore
+from telerag.retrieval.engine import RetrievalEngine
 
 log = logging.getLogger(__name__)
 

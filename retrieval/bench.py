@@ -12,12 +12,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from tqdm.auto import tqdm
 
-from retrieval.builder import write_clustered
-from retrieval.codecs import Codec
-from retrieval.datastore import Datastore
-from retrieval.engine import RetrievalEngine, SearchResult, resolve_device
-from retrieval.errors import DatastoreError
-from retrieval.ivf import same_results
+from telerag.retrieval.builder import write_clustered
+from telerag.retrieval.codecs import Codec
+from telerag.retrieval.datastore import Datastore
+from telerag.retrieval.engine import RetrievalEngine, SearchResult, resolve_device
+from telerag.retrieval.errors import DatastoreError
+from telerag.retrieval.ivf import same_results
 
 
 @dataclass

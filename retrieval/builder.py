@@ -11,10 +11,10 @@ import faiss
 import numpy as np
 from tqdm.auto import tqdm
 
-from retrieval.codecs import Codec
-from retrieval.corpus import Passage
-from retrieval.datastore import Manifest, check_target, write_datastore
-from retrieval.errors import CorpusError, DatastoreError
+from telerag.retrieval.codecs import Codec
+from telerag.retrieval.corpus import Passage
+from telerag.retrieval.datastore import Manifest, check_target, write_datastore
+from telerag.retrieval.errors import CorpusError, DatastoreError
 
 log = logging.getLogger(__name__)
 

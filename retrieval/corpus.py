@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from retrieval.errors import CorpusError
+from telerag.retrieval.errors import CorpusError
 
 REQUIRED_FIELDS = ("id", "title", "text")
 

@@ -35,9 +35,9 @@ from typing import Protocol
 import numpy as np
 from tqdm.auto import tqdm
 
-from retrieval.codecs import Codec
-from retrieval.corpus import Passage
-from retrieval.errors import DatastoreCorruptError, DatastoreError, DatastoreMismatchError
+from telerag.retrieval.codecs import Codec
+from telerag.retrieval.corpus import Passage
+from telerag.retrieval.errors import DatastoreCorruptError, DatastoreError, DatastoreMismatchError
 
 log = logging.getLogger(__name__)
 

@@ -16,13 +16,13 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from retrieval.cache import ClusterCache, Lease
-from retrieval.datastore import Datastore
-from retrieval.demand import DemandCopyPolicy
-from retrieval.errors import SearchError
-from retrieval.ivf import CPUIndex
-from retrieval.prefetch import PrefetchHandle, PrefetchPlan, plan_prefetch
-from retrieval.search import merge_topk, scan_resident
+from telerag.retrieval.cache import ClusterCache, Lease
+from telerag.retrieval.datastore import Datastore
+from telerag.retrieval.demand import DemandCopyPolicy
+from telerag.retrieval.errors import SearchError
+from telerag.retrieval.ivf import CPUIndex
+from telerag.retrieval.prefetch import PrefetchHandle, PrefetchPlan, plan_prefetch
+from telerag.retrieval.search import merge_topk, scan_resident
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import faiss
 import numpy as np
 
-from retrieval.datastore import Datastore
-from retrieval.errors import SearchError
+from telerag.retrieval.datastore import Datastore
+from telerag.retrieval.errors import SearchError
 
 FAISS_PAD_SCORE = -np.finfo(np.float32).max  # what faiss puts beside a -1 label for inner product
 

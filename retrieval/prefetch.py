@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from retrieval.cache import Lease
+from telerag.retrieval.cache import Lease
 
 
 @dataclass

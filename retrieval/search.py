@@ -11,10 +11,10 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from retrieval import kernels
-from retrieval.cache import Segment
-from retrieval.codecs import Codec
-from retrieval.ivf import FAISS_PAD_SCORE
+from telerag.retrieval import kernels
+from telerag.retrieval.cache import Segment
+from telerag.retrieval.codecs import Codec
+from telerag.retrieval.ivf import FAISS_PAD_SCORE
 
 SCAN_CHUNK_BYTES = 256 << 20  # bound on the gathered rows held at once
 

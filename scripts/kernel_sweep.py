@@ -13,8 +13,8 @@ import json
 import numpy as np
 import torch
 
-from retrieval import kernels, search
-from retrieval.cache import Segment
+from telerag.retrieval import kernels, search
+from telerag.retrieval.cache import Segment
 
 
 def main() -> None:

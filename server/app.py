@@ -15,11 +15,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pipelines.types import Pipeline, RagResult, ResultEvent, RunEvent, RunOptions, StageEvent, TokenEvent
-from server import errors
-from server.errors import InvalidField, NotReady, RequestTimeout, Unauthorized
-from server.metrics import Metrics
-from server.protocol import (
+from telerag.pipelines.types import Pipeline, RagResult, ResultEvent, RunEvent, RunOptions, StageEvent, TokenEvent
+from telerag.server import errors
+from telerag.server.errors import InvalidField, NotReady, RequestTimeout, Unauthorized
+from telerag.server.metrics import Metrics
+from telerag.server.protocol import (
     ChatCompletionRequest,
     Health,
     PipelineInfo,
@@ -31,9 +31,9 @@ from server.protocol import (
     chat_completion,
     new_id,
 )
-from server.runtime import Runtime
-from server.scheduler import Admission, BatchingRetriever
-from server.streaming import sse, sse_data
+from telerag.server.runtime import Runtime
+from telerag.server.scheduler import Admission, BatchingRetriever
+from telerag.server.streaming import sse, sse_data
 
 
 class BodyLimit:

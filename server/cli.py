@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from server.commands import ask, bench_generate, bench_overlap, bench_retrieval, bench_server, datastore, serve
+from telerag.server.commands import ask, bench_generate, bench_overlap, bench_retrieval, bench_server, datastore, serve
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,7 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from pipelines.errors import (
+from telerag.pipelines.errors import (
     EmbedderError,
     EngineError,
     EngineOverloaded,
@@ -18,7 +18,7 @@ from pipelines.errors import (
     PipelineError,
     UnknownPipeline,
 )
-from retrieval.errors import DatastoreError, RetrievalError, SearchError
+from telerag.retrieval.errors import DatastoreError, RetrievalError, SearchError
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from pipelines.types import RagResult
+from telerag.pipelines.types import RagResult
 
 
 class QueryRequest(BaseModel):

@@ -12,11 +12,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from pipelines.errors import EngineUnavailable
-from pipelines.rag.base import RagPipeline
-from pipelines.registry import build_pipelines
-from pipelines.types import BatchRetriever, Engine, Retriever
-from server.settings import RetrievalSettings, Settings, pre_retrieval_profile
+from telerag.pipelines.errors import EngineUnavailable
+from telerag.pipelines.rag.base import RagPipeline
+from telerag.pipelines.registry import build_pipelines
+from telerag.pipelines.types import BatchRetriever, Engine, Retriever
+from telerag.server.settings import RetrievalSettings, Settings, pre_retrieval_profile
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -64,7 +64,7 @@ def build_engine(settings: Settings) -> Engine:
     """The configured engine: SGLang in this process on a GPU box, else transformers."""
     engine = settings.engine
     if engine.kind == "sglang":
-        from pipelines.engines.sglang import SGLangEngine
+        from telerag.pipelines.engines.sglang import SGLangEngine
 
         if engine.model_path is None:
             raise EngineUnavailable("engine.kind=sglang needs engine.model_path (a local model directory)")
@@ -74,7 +74,7 @@ def build_engine(settings: Settings) -> Engine:
             context_length=engine.context_length,
             tp_size=engine.tp_size,
         )
-    from pipelines.engines.cpu import CPUEngine
+    from telerag.pipelines.engines.cpu import CPUEngine
 
     device = _device(engine.device)
     if engine.model_path is None:
@@ -97,8 +97,8 @@ def cluster_cache_bytes(retrieval: RetrievalSettings, device: str) -> int:
 async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
     """Load the engine, then the embedder and the datastore (building the Wikipedia one on first
     run): the engine first, so that the cluster cache gets what the LLM leaves of the GPU."""
-    from pipelines.embedder import Embedder
-    from pipelines.retriever import open_retriever
+    from telerag.pipelines.embedder import Embedder
+    from telerag.pipelines.retriever import open_retriever
 
     retrieval = settings.retrieval
     device = _device(retrieval.device)

@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from pipelines.types import BatchRetriever, PrefetchRequest, PrefetchTicket, SearchOptions, SearchOutcome, SearchRequest
-from server.errors import Overloaded
+from telerag.pipelines.types import BatchRetriever, PrefetchRequest, PrefetchTicket, SearchOptions, SearchOutcome, SearchRequest
+from telerag.server.errors import Overloaded
 
 Item = TypeVar("Item")
 Out = TypeVar("Out")

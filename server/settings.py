@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from contextvars import ContextVar
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -13,9 +14,15 @@ import yaml
 from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
 _config_file: ContextVar[Path | None] = ContextVar("telerag_config_file", default=None)  # --config, while loading
-DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"
+
+
+def packaged_config(name: str) -> Path:
+    """A file of the defaults installed with the package (`config/` in the repository)."""
+    return Path(str(resources.files("telerag.config").joinpath(name)))
+
+
+DEFAULT_CONFIG = packaged_config("default.yaml")
 
 
 def user_cache_dir() -> Path:
@@ -113,9 +120,11 @@ class Settings(BaseSettings):
         return init_settings, env_settings, _YamlSource(settings_cls, path)
 
 
-def pre_retrieval_profile(path: Path = CONFIG_DIR / "prefetch_profiles.yaml") -> dict[str, float]:
+def pre_retrieval_profile(path: Path | None = None) -> dict[str, float]:
     """Each pipeline's expected pre-retrieval time in ms (t_LLM of TeleRAG §4.2), where its
-    prefetch budget starts; the pipelines refine it from their own calls."""
+    prefetch budget starts; the pipelines refine it from their own calls. Default: the packaged
+    `prefetch_profiles.yaml`."""
+    path = path or packaged_config("prefetch_profiles.yaml")
     data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     times = data.get("t_llm_ms") if isinstance(data, dict) else None
     if not isinstance(times, dict) or not all(isinstance(v, int | float) and v >= 0 for v in times.values()):

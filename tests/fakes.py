@@ -7,8 +7,8 @@ import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-from pipelines.errors import EngineError
-from pipelines.types import (
+from telerag.pipelines.errors import EngineError
+from telerag.pipelines.types import (
     Document,
     Generation,
     PrefetchRequest,

@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from retrieval.builder import assign_lists, train_centroids, write_clustered
-from retrieval.codecs import Codec
-from retrieval.datastore import Datastore
-from retrieval.demand import DemandCopyPolicy
+from telerag.retrieval.builder import assign_lists, train_centroids, write_clustered
+from telerag.retrieval.codecs import Codec
+from telerag.retrieval.datastore import Datastore
+from telerag.retrieval.demand import DemandCopyPolicy
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

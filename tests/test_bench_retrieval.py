@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from retrieval.bench import BenchConfig, run
-from server.cli import main
+from telerag.retrieval.bench import BenchConfig, run
+from telerag.server.cli import main
 
 REQUIRED = {
     "device", "n_vectors", "dim", "nlist", "nprobe", "batch", "budget_bytes", "overlap_rate", "faiss_ms_p50",

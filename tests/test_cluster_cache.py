@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from retrieval.cache import ClusterCache
-from retrieval.prefetch import plan_prefetch
+from telerag.retrieval.cache import ClusterCache
+from telerag.retrieval.prefetch import plan_prefetch
 from tests.retrieval_helpers import DEVICES
 
 DIM = 4

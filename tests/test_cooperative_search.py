@@ -7,10 +7,10 @@ import threading
 import numpy as np
 import pytest
 
-from retrieval.codecs import Codec
-from retrieval.engine import RetrievalEngine, SearchResult
-from retrieval.errors import SearchError
-from retrieval.ivf import same_results
+from telerag.retrieval.codecs import Codec
+from telerag.retrieval.engine import RetrievalEngine, SearchResult
+from telerag.retrieval.errors import SearchError
+from telerag.retrieval.ivf import same_results
 from tests.retrieval_helpers import DEVICES, CopyEveryMiss, random_datastore, random_queries
 
 

@@ -7,8 +7,8 @@ import faiss
 import numpy as np
 import pytest
 
-from retrieval.codecs import Codec
-from retrieval.ivf import CPUIndex
+from telerag.retrieval.codecs import Codec
+from telerag.retrieval.ivf import CPUIndex
 from tests.retrieval_helpers import random_datastore, random_queries
 
 

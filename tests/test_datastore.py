@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from retrieval.builder import assign_lists, build_datastore, default_nlist, write_clustered
-from retrieval import codecs as codecs_module
-from retrieval import datastore as datastore_module
-from retrieval.codecs import Codec
-from retrieval.corpus import Article, read_jsonl, read_wikipedia, split_passages
-from retrieval.datastore import CODEC_PARAMS, MANIFEST, VECTORS, Datastore, Manifest, write_datastore
-from retrieval.errors import CorpusError, DatastoreCorruptError, DatastoreError, DatastoreMismatchError
+from telerag.retrieval.builder import assign_lists, build_datastore, default_nlist, write_clustered
+from telerag.retrieval import codecs as codecs_module
+from telerag.retrieval import datastore as datastore_module
+from telerag.retrieval.codecs import Codec
+from telerag.retrieval.corpus import Article, read_jsonl, read_wikipedia, split_passages
+from telerag.retrieval.datastore import CODEC_PARAMS, MANIFEST, VECTORS, Datastore, Manifest, write_datastore
+from telerag.retrieval.errors import CorpusError, DatastoreCorruptError, DatastoreError, DatastoreMismatchError
 from tests.retrieval_helpers import random_datastore, stored_vectors
 
 
@@ -287,7 +287,7 @@ def test_builds_into_an_empty_directory(tmp_path):
 def test_serving_never_builds_over_a_users_directory(tmp_path):
     """`telerag serve --datastore DIR` with DIR holding a user's files (no manifest): refused,
     naming DIR, nothing deleted (it used to build the Wikipedia datastore over them)."""
-    from pipelines.retriever import open_retriever
+    from telerag.pipelines.retriever import open_retriever
 
     class Encoder:
         name, dim = "hash-16", 16
@@ -306,9 +306,9 @@ def test_serving_never_builds_over_a_users_directory(tmp_path):
 _KILLED_BUILD = """
 import sys, time
 from pathlib import Path
-from retrieval import datastore
-from retrieval.builder import build_datastore
-from retrieval.corpus import read_jsonl, split_passages
+from telerag.retrieval import datastore
+from telerag.retrieval.builder import build_datastore
+from telerag.retrieval.corpus import read_jsonl, split_passages
 from tests.test_datastore import hashing_encoder
 
 slow_fsync = datastore._fsync

@@ -6,8 +6,8 @@ import faiss
 import numpy as np
 import pytest
 
-from retrieval.demand import DemandCopyPolicy
-from retrieval.engine import RetrievalEngine
+from telerag.retrieval.demand import DemandCopyPolicy
+from telerag.retrieval.engine import RetrievalEngine
 from tests.retrieval_helpers import DEVICES, CopyEveryMiss, random_datastore, random_queries
 from tests.test_cooperative_search import assert_same_as_faiss
 

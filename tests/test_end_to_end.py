@@ -20,9 +20,9 @@ import httpx
 import openai
 import pytest
 
-from pipelines.embedder import Embedder
-from retrieval.builder import build_datastore
-from retrieval.corpus import read_wikipedia, split_passages
+from telerag.pipelines.embedder import Embedder
+from telerag.retrieval.builder import build_datastore
+from telerag.retrieval.corpus import read_wikipedia, split_passages
 from tests.test_server import EXPECTED_METRICS
 
 pytestmark = pytest.mark.slow
@@ -60,7 +60,7 @@ def served(wiki_slice) -> tuple[str, subprocess.Popen]:
         "TELERAG_RETRIEVAL__CACHE_MB": "0.5", "TELERAG_RETRIEVAL__PREFETCH_BUDGET_MB": "0.2",
     }
     process = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "serve", "--datastore", str(wiki_slice), "--port", str(port)],
+        [sys.executable, "-m", "telerag.server.cli", "serve", "--datastore", str(wiki_slice), "--port", str(port)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     base = f"http://127.0.0.1:{port}"

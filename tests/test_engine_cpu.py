@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipelines.engines import StopFilter, format_chat
-from pipelines.engines.cpu import CPUEngine, _Detokenizer, converted_gguf, tiny_random_lm
-from pipelines.errors import (
+from telerag.pipelines.engines import StopFilter, format_chat
+from telerag.pipelines.engines.cpu import CPUEngine, _Detokenizer, converted_gguf, tiny_random_lm
+from telerag.pipelines.errors import (
     EngineError,
     EngineOverloaded,
     EngineUnavailable,
@@ -22,7 +22,7 @@ from pipelines.errors import (
     ModelNotFound,
     PipelineError,
 )
-from pipelines.types import Engine, Generation, SamplingParams, TokenChunk
+from telerag.pipelines.types import Engine, Generation, SamplingParams, TokenChunk
 from tests.tiny_models import tiny_engine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

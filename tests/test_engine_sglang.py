@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from pipelines.engines.sglang import SGLangEngine, sampling_params
-from pipelines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted
-from pipelines.types import Engine, Generation, SamplingParams, TokenChunk
+from telerag.pipelines.engines.sglang import SGLangEngine, sampling_params
+from telerag.pipelines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted
+from telerag.pipelines.types import Engine, Generation, SamplingParams, TokenChunk
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from pipelines.overlap import overlap_study, read_questions
-from pipelines.registry import build_pipelines
-from pipelines.types import RunOptions
-from server.settings import CONFIG_DIR
+from telerag.pipelines.overlap import overlap_study, read_questions
+from telerag.pipelines.registry import build_pipelines
+from telerag.pipelines.types import RunOptions
+from telerag.server.settings import packaged_config
 from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
 
 
 def test_shipped_question_file():
-    questions = read_questions(CONFIG_DIR / "questions_wiki_en.txt")
+    questions = read_questions(packaged_config("questions_wiki_en.txt"))
     assert len(questions) >= 100
     assert all(q.text.endswith("?") and q.title for q in questions)
     assert len({q.text for q in questions}) == len(questions)
@@ -27,7 +27,7 @@ def test_read_questions_with_and_without_titles(tmp_path):
 async def test_study_reports_means_per_pipeline():
     engine = ScriptedEngine(lambda prompt: Reply("an answer"))
     pipelines = build_pipelines(engine, RecordingRetriever(), names=["naive", "hyde"])
-    questions = read_questions(CONFIG_DIR / "questions_wiki_en.txt", limit=2)
+    questions = read_questions(packaged_config("questions_wiki_en.txt"), limit=2)
     rows = await overlap_study(list(pipelines.values()), questions, RunOptions(max_tokens=8))
     assert [r.pipeline for r in rows] == ["naive", "hyde"]
     assert all(r.questions == 2 and r.overlap_rate == 0.75 for r in rows)  # the fake reports 0.75 per search

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from pipelines.errors import EngineError
-from pipelines.registry import PIPELINES, build_pipelines
-from pipelines.types import RagResult, ResultEvent, RunOptions, StageEvent, TokenEvent
+from telerag.pipelines.errors import EngineError
+from telerag.pipelines.registry import PIPELINES, build_pipelines
+from telerag.pipelines.types import RagResult, ResultEvent, RunOptions, StageEvent, TokenEvent
 from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
 
 SURE = math.log(0.9)
@@ -187,13 +187,13 @@ async def test_every_pipeline_runs_on_the_tiny_model():
 
 async def test_every_pipeline_on_the_tiny_model_and_a_small_datastore(tmp_path):
     """The real retriever (cache, prefetch, cooperative search) under every pipeline, greedy."""
-    from pipelines.retriever import open_retriever
+    from telerag.pipelines.retriever import open_retriever
     from tests.test_retriever import HashEmbedder, TOPICS
     from tests.tiny_models import tiny_engine
     import json as _json
 
-    from retrieval.builder import build_datastore
-    from retrieval.corpus import read_jsonl, split_passages
+    from telerag.retrieval.builder import build_datastore
+    from telerag.retrieval.corpus import read_jsonl, split_passages
 
     lines = [_json.dumps({"id": f"{t}-{i}", "title": t, "text": f"{TOPICS[t]} item{i}"}) for i in range(40) for t in TOPICS]
     (tmp_path / "c.jsonl").write_text("\n".join(lines))

@@ -7,12 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from pipelines.retriever import DirectRetriever, open_retriever
-from pipelines.types import PrefetchRequest, SearchOptions, SearchRequest
-from retrieval.builder import build_datastore
-from retrieval.corpus import read_jsonl, split_passages
-from retrieval.errors import DatastoreMismatchError
-from retrieval.ivf import same_results
+from telerag.pipelines.retriever import DirectRetriever, open_retriever
+from telerag.pipelines.types import PrefetchRequest, SearchOptions, SearchRequest
+from telerag.retrieval.builder import build_datastore
+from telerag.retrieval.corpus import read_jsonl, split_passages
+from telerag.retrieval.errors import DatastoreMismatchError
+from telerag.retrieval.ivf import same_results
 from tests.retrieval_helpers import CopyEveryMiss
 from tests.test_datastore import hashing_encoder
 

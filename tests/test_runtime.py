@@ -6,15 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.errors import EngineUnavailable
-from pipelines.registry import PIPELINES
-from server import runtime
-from server.settings import Settings
+from telerag.pipelines.errors import EngineUnavailable
+from telerag.pipelines.registry import PIPELINES
+from telerag.server import runtime
+from telerag.server.settings import Settings
 from tests.test_engine_sglang import FakeEngine, sglang  # noqa: F401 - the fixture
 
 
 def test_sglang_engine_from_settings(sglang, monkeypatch):  # noqa: F811
-    monkeypatch.setattr("pipelines.engines.sglang._import_sglang", lambda: sglang)
+    monkeypatch.setattr("telerag.pipelines.engines.sglang._import_sglang", lambda: sglang)
     settings = Settings(engine={"kind": "sglang", "model_path": "/models/llama", "mem_fraction_static": 0.55,
                                 "context_length": 4096, "tp_size": 1})
     engine = runtime.build_engine(settings)
@@ -37,7 +37,7 @@ def test_cluster_cache_takes_what_the_llm_leaves(monkeypatch):
 
 
 def test_pre_retrieval_profile(tmp_path: Path):
-    from server.settings import pre_retrieval_profile
+    from telerag.server.settings import pre_retrieval_profile
 
     profile = pre_retrieval_profile()
     assert set(PIPELINES) <= profile.keys() and profile["naive"] == 0 and profile["hyde"] > 0
@@ -51,7 +51,7 @@ def test_pre_retrieval_profile(tmp_path: Path):
 
 
 def test_settings_precedence(tmp_path: Path, monkeypatch):
-    from server.settings import load_settings
+    from telerag.server.settings import load_settings
 
     config = tmp_path / "c.yaml"
     config.write_text("server:\n  port: 7000\n  host: 0.0.0.0\nscheduler:\n  max_batch: 5\n")

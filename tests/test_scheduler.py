@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from pipelines.types import PrefetchRequest, PrefetchTicket, SearchOptions, SearchOutcome, SearchRequest
-from server.scheduler import BatchingRetriever
+from telerag.pipelines.types import PrefetchRequest, PrefetchTicket, SearchOptions, SearchOutcome, SearchRequest
+from telerag.server.scheduler import BatchingRetriever
 from tests.fakes import RecordingRetriever
 
 

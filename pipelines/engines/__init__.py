@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from pipelines.types import Generation, TokenChunk
+from telerag.pipelines.types import Generation, TokenChunk
 
 
 async def collect_generations(stream: AsyncIterator[TokenChunk | Generation], n_prompts: int) -> list[Generation]:

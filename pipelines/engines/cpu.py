@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from pipelines.engines import StopFilter, collect_generations, format_chat
-from pipelines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, ModelNotFound
-from pipelines.types import Generation, SamplingParams, TokenChunk
+from telerag.pipelines.engines import StopFilter, collect_generations, format_chat
+from telerag.pipelines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, ModelNotFound
+from telerag.pipelines.types import Generation, SamplingParams, TokenChunk
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from pipelines.engines import StopFilter, collect_generations, format_chat
-from pipelines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, PipelineError
-from pipelines.types import Generation, SamplingParams, TokenChunk
+from telerag.pipelines.engines import StopFilter, collect_generations, format_chat
+from telerag.pipelines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, PipelineError
+from telerag.pipelines.types import Generation, SamplingParams, TokenChunk
 
 OVERLOADED = (429, 503)  # the status codes SGLang gives an abort for lack of room or time
 

@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, TypeVar
 
-from pipelines import prompts
-from pipelines.types import (
+from telerag.pipelines import prompts
+from telerag.pipelines.types import (
     Document,
     Engine,
     Generation,

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 
-from pipelines import prompts
-from pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext, Stage
-from pipelines.types import Generation, TokenEvent
+from telerag.pipelines import prompts
+from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext, Stage
+from telerag.pipelines.types import Generation, TokenEvent
 
 MAX_SENTENCES = 4
 SENTENCE_TOKENS = 40

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pipelines import prompts
-from pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext, Stage
+from telerag.pipelines import prompts
+from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext, Stage
 
 
 class HyDE(RagPipeline):

@@ -6,7 +6,7 @@ of what is already known (question + the previous answer) are prefetched.
 
 from __future__ import annotations
 
-from pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext, Stage
+from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext, Stage
 
 ROUNDS = 3
 

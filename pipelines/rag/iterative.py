@@ -3,8 +3,8 @@ says the answer is good enough (or after a few iterations)."""
 
 from __future__ import annotations
 
-from pipelines import prompts
-from pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext, Stage, merge_documents
+from telerag.pipelines import prompts
+from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext, Stage, merge_documents
 
 MAX_ITERATIONS = 3
 

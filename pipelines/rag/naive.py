@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext
+from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext
 
 
 class Naive(RagPipeline):

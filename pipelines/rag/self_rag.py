@@ -4,9 +4,9 @@ documents in front of it, streamed."""
 
 from __future__ import annotations
 
-from pipelines import prompts
-from pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext, Stage
-from pipelines.types import TokenEvent
+from telerag.pipelines import prompts
+from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext, Stage
+from telerag.pipelines.types import TokenEvent
 
 
 class SelfRAG(RagPipeline):

@@ -9,10 +9,10 @@ import json
 import logging
 from dataclasses import asdict
 
-from pipelines.registry import PIPELINES
-from pipelines.types import RagResult, ResultEvent, RunOptions, TokenEvent
-from server.commands.serve import add_runtime_flags, overrides
-from server.settings import load_settings
+from telerag.pipelines.registry import PIPELINES
+from telerag.pipelines.types import RagResult, ResultEvent, RunOptions, TokenEvent
+from telerag.server.commands.serve import add_runtime_flags, overrides
+from telerag.server.settings import load_settings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -40,7 +40,7 @@ def print_result(result: RagResult) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from server.runtime import open_runtime
+    from telerag.server.runtime import open_runtime
 
     settings = load_settings(args.config, overrides(args))
     logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")

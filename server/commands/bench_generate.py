@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from pipelines.engines.cpu import EMBEDDED_NAME, CPUEngine, converted_gguf, left_pad, tiny_random_lm
-from pipelines.types import SamplingParams
+from telerag.pipelines.engines.cpu import EMBEDDED_NAME, CPUEngine, converted_gguf, left_pad, tiny_random_lm
+from telerag.pipelines.types import SamplingParams
 
 QUESTIONS = [
     "What is the capital of France?",

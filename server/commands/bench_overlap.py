@@ -10,17 +10,17 @@ import logging
 from dataclasses import asdict
 from pathlib import Path
 
-from pipelines.overlap import overlap_study, read_questions
-from pipelines.registry import PIPELINES
-from pipelines.types import RunOptions
-from server.commands.serve import add_runtime_flags, overrides
-from server.settings import CONFIG_DIR, load_settings
+from telerag.pipelines.overlap import overlap_study, read_questions
+from telerag.pipelines.registry import PIPELINES
+from telerag.pipelines.types import RunOptions
+from telerag.server.commands.serve import add_runtime_flags, overrides
+from telerag.server.settings import load_settings, packaged_config
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("overlap", help="cluster overlap of q_in and q_out per pipeline (TeleRAG Table 3.1)")
     parser.add_argument("--pipelines", default="all", help="comma-separated names, or all")
-    parser.add_argument("--questions", type=Path, default=CONFIG_DIR / "questions_wiki_en.txt")
+    parser.add_argument("--questions", type=Path, default=packaged_config("questions_wiki_en.txt"))
     parser.add_argument("--limit", type=int, default=None, help="first N questions only")
     parser.add_argument("--prefetch-clusters", type=int, default=None,
                         help="prefetch depth in clusters of average size (default: nprobe)")
@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from server.runtime import open_runtime
+    from telerag.server.runtime import open_runtime
 
     names = list(PIPELINES) if args.pipelines == "all" else [n.strip() for n in args.pipelines.split(",")]
     settings = load_settings(args.config, overrides(args))

@@ -6,8 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from retrieval.bench import BenchConfig, config_dict, format_table, run as run_bench
-from retrieval.codecs import Codec
+from telerag.retrieval.bench import BenchConfig, config_dict, format_table, run as run_bench
+from telerag.retrieval.codecs import Codec
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

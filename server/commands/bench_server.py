@@ -65,18 +65,18 @@ class _BareClient:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from pipelines.embedder import Embedder
-    from pipelines.engines.cpu import CPUEngine, tiny_random_lm
-    from pipelines.overlap import read_questions, run_one
-    from pipelines.retriever import open_retriever
-    from pipelines.types import RunOptions
-    from retrieval.builder import build_datastore
-    from retrieval.corpus import read_wikipedia, split_passages
-    from server.app import create_app
-    from server.runtime import Runtime, run_event_loop
-    from server.settings import CONFIG_DIR, load_settings
+    from telerag.pipelines.embedder import Embedder
+    from telerag.pipelines.engines.cpu import CPUEngine, tiny_random_lm
+    from telerag.pipelines.overlap import read_questions, run_one
+    from telerag.pipelines.retriever import open_retriever
+    from telerag.pipelines.types import RunOptions
+    from telerag.retrieval.builder import build_datastore
+    from telerag.retrieval.corpus import read_wikipedia, split_passages
+    from telerag.server.app import create_app
+    from telerag.server.runtime import Runtime, run_event_loop
+    from telerag.server.settings import load_settings, packaged_config
 
-    questions = [q.text for q in read_questions(CONFIG_DIR / "questions_wiki_en.txt")]
+    questions = [q.text for q in read_questions(packaged_config("questions_wiki_en.txt"))]
     questions = [questions[i % len(questions)] for i in range(args.requests)]
     embedder = Embedder.embedded_default()
     with tempfile.TemporaryDirectory() as tmp:

@@ -6,9 +6,9 @@ import argparse
 import logging
 from pathlib import Path
 
-from retrieval.codecs import Codec
-from retrieval.corpus import read_jsonl, read_wikipedia, split_passages
-from retrieval.builder import build_datastore
+from telerag.retrieval.codecs import Codec
+from telerag.retrieval.corpus import read_jsonl, read_wikipedia, split_passages
+from telerag.retrieval.builder import build_datastore
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipelines.embedder import Embedder
+    from telerag.pipelines.embedder import Embedder
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     embedder = Embedder(args.embedder, device=args.device) if args.embedder else Embedder.embedded_default(device=args.device)

@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from server.settings import load_settings
+from telerag.server.settings import load_settings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -61,8 +61,8 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from server.app import create_app
-    from server.runtime import open_runtime, run_event_loop
+    from telerag.server.app import create_app
+    from telerag.server.runtime import open_runtime, run_event_loop
 
     settings = load_settings(args.config, overrides(args))
     logging.basicConfig(level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,38 @@
+"""The import rules the package depends on: everything under the `telerag` namespace (an
+installed wheel has no top-level `server` or `retrieval`), and one-way layering
+server -> pipelines -> retrieval."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = ["retrieval", "pipelines", "server"]  # each may import only those before it
+SOURCES = [path for layer in LAYERS for path in sorted((ROOT / layer).rglob("*.py"))]
+
+
+def imported_modules(path: Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+    return names
+
+
+@pytest.mark.parametrize("path", SOURCES + sorted((ROOT / "tests").glob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_use_the_telerag_namespace(path):
+    bare = [name for name in imported_modules(path) if name.split(".")[0] in LAYERS + ["config"]]
+    assert not bare, f"import these as telerag.<name>: {bare}"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_layers_import_one_way(path):
+    layer = path.relative_to(ROOT).parts[0]
+    above = LAYERS[LAYERS.index(layer) + 1 :]
+    upward = [name for name in imported_modules(path) if name.split(".")[:2] in (["telerag", up] for up in above)]
+    assert not upward, f"{layer} must not import {upward}"
