@@ -198,6 +198,7 @@ class Step:
     tokens_out: int = 0
     ms: float = 0.0
     stats: dict[str, Any] = field(default_factory=dict)  # prefetch or search stats, overlap_rate included
+    start_ms: float = 0.0  # when it began, ms after the request did: a prefetch overlaps the pre-retrieval call
 
 
 @dataclass

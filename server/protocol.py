@@ -41,6 +41,7 @@ class StepOut(BaseModel):
     tokens_out: int
     ms: float
     stats: dict[str, Any]
+    start_ms: float = Field(description="when the step began, ms after the request did")
 
 
 class QueryResponse(BaseModel):

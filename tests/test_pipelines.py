@@ -73,12 +73,43 @@ async def test_naive_order_and_result():
     assert stages[:2] == [("prefetch", "start"), ("prefetch", "end")]
 
 
-async def test_hyde_prefetches_before_the_pre_retrieval_call_and_searches_after():
+async def test_hyde_prefetches_beside_the_pre_retrieval_call_and_searches_after_both():
     pipeline, engine, retriever, log = make("hyde")
     await run(pipeline)
-    assert kinds(log) == ["prefetch", "llm_start", "llm_end", "search", "release", "llm_start", "llm_end"]
+    order = kinds(log)
+    assert sorted(order[:3]) == ["llm_end", "llm_start", "prefetch"]  # in whichever order the loop runs them
+    assert order[3:] == ["search", "release", "llm_start", "llm_end"]
     assert retriever.prefetches == [["How long is the Nile?"]]
     assert retriever.searches == [["The Nile is a river in Africa"]]  # q_out is the hypothetical passage
+
+
+@pytest.mark.parametrize("name", [n for n, cls in PIPELINES.items() if any(s.role == "pre_retrieval" for s in cls.stages)])
+async def test_the_pre_retrieval_call_never_waits_for_the_prefetch(name):
+    """Embedding q_in, ranking and issuing copies run beside the LLM call: a prefetch that can
+    only finish once an LLM call has started must not hold the pipeline up, and the trace shows
+    the two overlapping."""
+    llm_started = asyncio.Event()
+
+    class Engine(ScriptedEngine):
+        async def stream(self, prompts, params):  # noqa: ANN001, ANN202
+            llm_started.set()
+            await asyncio.sleep(0.01)
+            async for item in super().stream(prompts, params):
+                yield item
+
+    class Retriever(RecordingRetriever):
+        async def prefetch(self, queries, *, enabled=True, overlap_ms=None):  # noqa: ANN001, ANN202
+            if overlap_ms != 0.0:  # a prefetch with a pre-retrieval call to hide behind
+                await asyncio.wait_for(llm_started.wait(), timeout=10)  # times out if the LLM waits for us
+            return await super().prefetch(queries, enabled=enabled, overlap_ms=overlap_ms)
+
+    retriever = Retriever()
+    pipeline = build_pipelines(Engine(script(decide="yes")), retriever, names=[name])[name]
+    result, _ = await run(pipeline)
+    prefetches = [s for s in result.steps if s.kind == "prefetch"]
+    calls = [s for s in result.steps if s.kind == "llm"]
+    assert any(p.start_ms <= c.start_ms + c.ms and c.start_ms <= p.start_ms + p.ms for p in prefetches for c in calls)
+    assert not retriever.outstanding
 
 
 async def test_subquestion_searches_all_sub_questions_in_one_batch():
@@ -102,10 +133,10 @@ async def test_iter_retgen_runs_three_rounds_and_feeds_answers_forward():
     await run(pipeline)
     assert len(retriever.searches) == 3
     assert retriever.searches[1] == ["How long is the Nile? The Nile is long"]
-    # each later round's prefetch is issued before that round's generation (its pre-retrieval call)
+    # each later round's prefetch runs beside that round's generation (its pre-retrieval call)
     order = kinds(log)
     assert order[:3] == ["prefetch", "search", "release"]
-    assert order[3:6] == ["prefetch", "llm_start", "llm_end"]
+    assert sorted(order[3:6]) == ["llm_end", "llm_start", "prefetch"] and order[6:8] == ["search", "release"]
 
 
 async def test_flare_retrieves_exactly_on_low_probability_tokens():

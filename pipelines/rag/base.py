@@ -10,6 +10,7 @@ releases its prefetch in `finally`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -101,13 +102,20 @@ class RagPipeline:
 
     # -- building blocks ------------------------------------------------------------------------
 
-    async def stage(self, ctx: RunContext, name: str, work: Awaitable[T]) -> tuple[T, float]:
+    def stage(self, ctx: RunContext, name: str, work: Awaitable[T]) -> asyncio.Future[tuple[T, float, float]]:
+        """Start `work` as a traced stage: its start event and time are taken now, so stages
+        started side by side are traced in the order they were started. The task gives the
+        result, when the stage started (ms after the request did) and how long it took (ms)."""
         ctx.events.put_nowait(StageEvent(name, "start"))
         started = time.perf_counter()
-        result = await work
-        ms = (time.perf_counter() - started) * 1e3
-        ctx.events.put_nowait(StageEvent(name, "end", ms))
-        return result, ms
+
+        async def traced() -> tuple[T, float, float]:
+            result = await work
+            ms = (time.perf_counter() - started) * 1e3
+            ctx.events.put_nowait(StageEvent(name, "end", ms))
+            return result, (started - ctx.started) * 1e3, ms
+
+        return asyncio.ensure_future(traced())
 
     async def llm(
         self,
@@ -124,12 +132,12 @@ class RagPipeline:
             max_tokens=max_tokens, temperature=ctx.options.temperature, stop=tuple(stop), logprobs=logprobs
         )
         formatted = [self.engine.format_prompt(p) for p in prompt_texts]
-        generations, ms = await self.stage(ctx, stage, self.engine.generate(formatted, params))
+        generations, start_ms, ms = await self.stage(ctx, stage, self.engine.generate(formatted, params))
         for text, generation in zip(prompt_texts, generations, strict=True):
             ctx.tokens_generated += generation.completion_tokens
             ctx.steps.append(
                 Step(stage, "llm", text[-200:], generation.prompt_tokens, generation.completion_tokens, ms,
-                     {"ttft_ms": generation.ttft_ms, "finish_reason": generation.finish_reason})
+                     {"ttft_ms": generation.ttft_ms, "finish_reason": generation.finish_reason}, start_ms)
             )
         return generations
 
@@ -140,29 +148,46 @@ class RagPipeline:
         pre_retrieval: Callable[[], Awaitable[T]] | None,
         q_out: Callable[[T | None], Sequence[str] | None],
     ) -> tuple[T | None, list[list[Document]]]:
-        """Prefetch q_in's clusters, run the pre-retrieval call meanwhile, then search q_out
-        (no search when `q_out` returns None: the copies were speculative)."""
+        """Start the pre-retrieval call at once and prefetch q_in's clusters beside it (embedding
+        q_in, ranking centroids, issuing copies), then search q_out once both are done (no search
+        when `q_out` returns None: the copies were speculative). The LLM never waits for the
+        prefetch; the search waits for both."""
         # nothing to hide copies behind without a pre-retrieval call: the search copies on demand
         overlap_ms = self.pre_retrieval_ms if pre_retrieval is not None else 0.0
-        prefetch = self.retriever.prefetch(list(q_in), enabled=ctx.options.prefetch, overlap_ms=overlap_ms)
-        ticket, ms = await self.stage(ctx, "prefetch", prefetch)
-        ctx.steps.append(Step("prefetch", "prefetch", " | ".join(q_in)[:200], ms=ms, stats=dict(ticket.stats)))
+        prefetch = self.stage(
+            ctx, "prefetch", self.retriever.prefetch(list(q_in), enabled=ctx.options.prefetch, overlap_ms=overlap_ms)
+        )
         try:
             produced = None
             if pre_retrieval is not None:
                 started = time.perf_counter()
                 produced = await pre_retrieval()
                 self._observe_pre_retrieval((time.perf_counter() - started) * 1e3)
+            ticket, start_ms, ms = await asyncio.shield(prefetch)  # a cancelled request must not cancel it
+        except BaseException:
+            # Never cancelled mid-way (its clusters would stay pinned): released once it lands,
+            # which is normally before the error leaves this call.
+            prefetch.add_done_callback(self._release_unclaimed)
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(prefetch)
+            raise
+        ctx.steps.append(Step("prefetch", "prefetch", " | ".join(q_in)[:200], ms=ms, stats=dict(ticket.stats), start_ms=start_ms))
+        try:
             wanted = q_out(produced)
             if wanted is None:
                 return produced, []
             queries = [q for q in wanted if q.strip()] or [ctx.query]
             options = SearchOptions(top_k=ctx.options.top_k, nprobe=ctx.options.nprobe, prefetch=ctx.options.prefetch)
-            outcome, ms = await self.stage(ctx, "search", self.retriever.search(queries, options, ticket))
-            ctx.steps.append(Step("search", "retrieval", " | ".join(queries)[:200], ms=ms, stats=dict(outcome.stats)))
+            outcome, start_ms, ms = await self.stage(ctx, "search", self.retriever.search(queries, options, ticket))
+            ctx.steps.append(Step("search", "retrieval", " | ".join(queries)[:200], ms=ms, stats=dict(outcome.stats), start_ms=start_ms))
         finally:
             self.retriever.release(ticket)
         return produced, outcome.documents
+
+    def _release_unclaimed(self, prefetch: asyncio.Future) -> None:
+        """The ticket of a prefetch whose request failed or went away before its search."""
+        if not prefetch.cancelled() and prefetch.exception() is None:
+            self.retriever.release(prefetch.result()[0])
 
     def _observe_pre_retrieval(self, ms: float) -> None:
         """A moving average over this pipeline's calls, so the budget follows the model and load."""
@@ -188,7 +213,7 @@ class RagPipeline:
         ctx.tokens_generated += final.completion_tokens
         ctx.steps.append(
             Step("generate", "llm", ctx.query[:200], final.prompt_tokens, final.completion_tokens, ms,
-                 {"ttft_ms": final.ttft_ms, "finish_reason": final.finish_reason})
+                 {"ttft_ms": final.ttft_ms, "finish_reason": final.finish_reason}, (started - ctx.started) * 1e3)
         )
         return final.text.strip()
 
@@ -230,7 +255,7 @@ class RagPipeline:
             answer=answer,
             pipeline=self.name,
             documents=ctx.documents,
-            steps=ctx.steps,
+            steps=sorted(ctx.steps, key=lambda step: step.start_ms),  # a prefetch is appended after the call beside it
             timings=timings,
             prefetch=prefetch,
             tokens_generated=ctx.tokens_generated,
