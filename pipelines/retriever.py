@@ -141,6 +141,8 @@ class DirectRetriever:
                         "clusters_device": sum(s.clusters_device for s in per_query),
                         "clusters_cpu": sum(s.clusters_cpu for s in per_query),
                         "clusters_copied_on_demand": sum(s.clusters_copied_on_demand for s in per_query),
+                        "clusters_late": sum(s.clusters_late for s in per_query),
+                        "copy_wait_ms": result.copy_wait_ms,
                         "nprobe": nprobe,
                         "batch": len(rows),
                     },
@@ -231,7 +233,7 @@ def open_retriever(
         datastore.manifest.embedder,
         engine.device,
         engine.cache.capacity_bytes / 2**20,
-        "on" if engine.demand is not None else "off",
+        "on" if engine.demand is not None and engine.demand.copy_missed else "off",
     )
     if not engine.cache.capacity_rows:
         log.info("prefetch off: no cluster cache")

@@ -6,8 +6,11 @@ are placed in one extent when one is free, so they arrive in one copy. A cluster
 or a prefetch holds is pinned (reference-counted) and never evicted; eviction takes unpinned
 clusters in order of a decaying hotness score, so popular clusters stay across requests.
 Copies run on a dedicated copy stream; each acquisition records one event after its copies and
-a search waits only on the events of the clusters it reads. Without CUDA the buffer is plain
-CPU memory and copies are synchronous, so the same code runs (and is tested) everywhere.
+a search waits only on the events of the clusters it reads. The stream is one queue shared by
+every request: the cache tracks what is issued and has not landed, so a new prefetch's budget
+can subtract what queues ahead of it and a search can tell how long a copy may still take.
+Without CUDA the buffer is plain CPU memory and copies are synchronous (nothing is ever in
+flight), so the same code runs (and is tested) everywhere.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -107,6 +111,7 @@ class ClusterCache:
         self._last_touch = np.zeros(nlist, dtype=np.float64)
         self._clock = 0.0
         self._hits = self._misses = self._evictions = self._bytes_copied = self._copies = 0
+        self._in_flight: deque[tuple[torch.cuda.Event, int]] = deque()  # (end of a copy window, its bytes), issue order
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -132,6 +137,35 @@ class ClusterCache:
     def cluster_bytes(self, clusters: Iterable[int] | None = None) -> np.ndarray:
         sizes = self.sizes if clusters is None else self.sizes[np.fromiter(clusters, dtype=np.int64)]
         return sizes * self.row_bytes
+
+    def resident_mask(self) -> np.ndarray:
+        """Which clusters are resident now (landed or in flight): a prefetch pins them for free."""
+        mask = np.zeros(len(self.sizes), dtype=bool)
+        with self._lock:
+            mask[list(self._slots)] = True
+        return mask
+
+    def queued_bytes(self) -> int:
+        """Bytes issued on the copy stream that have not landed: what a new copy waits behind."""
+        with self._lock:
+            self._forget_landed()
+            return sum(nbytes for _, nbytes in self._in_flight)
+
+    def pending(self, lease: Lease) -> dict[int, int]:
+        """The lease's clusters whose copies have not landed, each with the bytes queued on the
+        copy stream up to and including its own copy (at the copy rate, how long it may take)."""
+        with self._lock:
+            self._forget_landed()
+            ahead: dict[int, int] = {}
+            queued = 0
+            for event, nbytes in self._in_flight:
+                queued += nbytes
+                ahead[id(event)] = queued
+            return {
+                cluster: ahead[id(event)]
+                for cluster in lease.resident
+                if (event := self._slots[cluster].event) is not None and id(event) in ahead
+            }
 
     def acquire(self, clusters: Sequence[int] | np.ndarray, *, fetch: bool) -> Lease:
         """Pin the resident clusters among `clusters`; with `fetch`, copy in the missing ones too.
@@ -206,6 +240,11 @@ class ClusterCache:
 
     # -- internals (called with the lock held) -------------------------------------------------
 
+    def _forget_landed(self) -> None:
+        """Drop the copy windows that have landed (the stream runs them in issue order)."""
+        while self._in_flight and self._in_flight[0][0].query():
+            self._in_flight.popleft()
+
     def _touch(self, clusters: list[int]) -> None:
         if not clusters:
             return
@@ -235,12 +274,13 @@ class ClusterCache:
         if not copies:
             return
         window, lease.copy_ms = self._issue_copies(copies)
+        rows_copied = sum(rows for _, _, rows in copies)
         if window is not None:
             lease.copy_events = window
             for cluster in placed:
                 self._slots[cluster].event = window[1]
             lease.events.append(window[1])
-        rows_copied = sum(rows for _, _, rows in copies)
+            self._in_flight.append((window[1], rows_copied * self.row_bytes))
         lease.bytes_copied += rows_copied * self.row_bytes
         lease.copies += len(copies)
         self._bytes_copied += rows_copied * self.row_bytes

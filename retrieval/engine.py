@@ -50,6 +50,7 @@ class QueryStats:
     clusters_device: int  # of C_out, scanned on the device (those copied on demand included)
     clusters_cpu: int
     clusters_copied_on_demand: int = 0
+    clusters_late: int = 0  # of those on the CPU: resident, but faiss would finish before their copies land
 
 
 @dataclass
@@ -61,6 +62,7 @@ class SearchResult:
     device_ms: float
     cpu_ms: float
     total_ms: float
+    copy_wait_ms: float = 0.0  # how long the device scan waited for copies still in flight
 
 
 class RetrievalEngine:
@@ -123,11 +125,12 @@ class RetrievalEngine:
         return pinned
 
     def _demand_policy(self, demand_copy: bool | None) -> DemandCopyPolicy | None:
-        if demand_copy is None:
-            demand_copy = self.device.type == "cuda"
-        if not demand_copy or not self.cache.capacity_rows:
+        """With a cache, the policy that measures the rates and decides copy or scan (missed
+        clusters: only with `demand_copy`, by default on CUDA) and wait or scan (queued copies)."""
+        if not self.cache.capacity_rows:
             return None
-        return DemandCopyPolicy(self.copy_bytes_per_ms)
+        copy_missed = self.device.type == "cuda" if demand_copy is None else demand_copy
+        return DemandCopyPolicy(self.copy_bytes_per_ms, copy_missed=copy_missed)
 
     def resize_cache(self, cache_bytes: int, *, demand_copy: bool | None = None) -> None:
         """Replace the cluster cache with an empty one of `cache_bytes` (nothing may be pinned);
@@ -160,40 +163,49 @@ class RetrievalEngine:
         return self.prefetch_batch([q_in], [budget_bytes])[0]
 
     def prefetch_batch(self, groups: Sequence[np.ndarray], budgets: Sequence[int]) -> list[PrefetchHandle]:
-        """One ranking call for every group's q_in, then one plan and one lease per group.
-        Groups prefetched together share the cache: each budget is capped at an equal share of
-        it, so the first group cannot pin all of it and leave the others nothing."""
+        """One ranking call and one plan for every group's q_in, then one lease per group.
+
+        The copy stream is one queue shared by every request, so the batch copies what can land
+        within the largest of its budgets after the bytes already queued ahead of it. The plan
+        interleaves the ranks of all the batch's queries (a cluster several of them want comes
+        first; clusters already resident cost nothing and are pinned), and each group pins the
+        planned clusters its own queries ranked, so no group is left out."""
         started = time.perf_counter()
         sizes = [len(g) for g in groups]
-        if not sum(sizes) or not any(budgets) or not self.cache.capacity_rows:
-            return [self._empty_handle(len(g)) for g in groups]
-        queries = self.index.check(np.concatenate([np.asarray(g, dtype=np.float32) for g in groups]), 1, 1)
+        active = [g for g, (size, budget) in enumerate(zip(sizes, budgets, strict=True)) if size and budget > 0]
+        handles = [self._empty_handle(size) for size in sizes]
+        if not active or not self.cache.capacity_rows:
+            return handles
+        queries = self.index.check(np.concatenate([np.asarray(groups[g], dtype=np.float32) for g in active]), 1, 1)
         ranked = self.rank_clusters(queries)
-        rank_ms = (time.perf_counter() - started) * 1e3
+        resident = self.cache.resident_mask()
+        queued = self.cache.queued_bytes()
+        budget = max(0, min(max(int(budgets[g]) for g in active) - queued, self.cache.capacity_bytes))
         cluster_bytes = self.cache.cluster_bytes()
-        share = self.cache.capacity_bytes // len(groups)
-        handles = []
+        plan = plan_prefetch(ranked, cluster_bytes, budget, resident=resident, depth=self.nprobe)
+        plan_ms = (time.perf_counter() - started) * 1e3
         offset = 0
-        for size, budget in zip(sizes, budgets, strict=True):
-            t0 = time.perf_counter()
-            plan = plan_prefetch(ranked[offset : offset + size], cluster_bytes, min(int(budget), share))
-            offset += size
-            lease = self.cache.acquire(plan.clusters, fetch=True) if plan.clusters else None
-            handles.append(
-                PrefetchHandle(
-                    plan=plan,
-                    lease=lease,
-                    stats={
-                        "clusters_requested": len(plan.clusters),
-                        "bytes_requested": plan.bytes,
-                        "clusters_resident": lease.clusters_already_resident if lease else 0,
-                        "clusters_copied": lease.clusters_copied if lease else 0,
-                        "clusters_skipped": lease.clusters_skipped if lease else 0,
-                        "bytes_copied": lease.bytes_copied if lease else 0,
-                        "copies": lease.copies if lease else 0,
-                        "plan_ms": rank_ms + (time.perf_counter() - t0) * 1e3,
-                    },
-                )
+        for g in active:
+            per_query = plan.per_query[offset : offset + sizes[g]]
+            offset += sizes[g]
+            mine = frozenset().union(*per_query)
+            clusters = [c for c in plan.clusters if c in mine]
+            lease = self.cache.acquire(clusters, fetch=True) if clusters else None
+            to_copy = int(cluster_bytes[[c for c in clusters if not resident[c]]].sum())
+            handles[g] = PrefetchHandle(
+                plan=PrefetchPlan(clusters, per_query, to_copy),
+                lease=lease,
+                stats={
+                    "clusters_requested": len(clusters),
+                    "bytes_requested": to_copy,
+                    "clusters_resident": lease.clusters_already_resident if lease else 0,
+                    "clusters_copied": lease.clusters_copied if lease else 0,
+                    "clusters_skipped": lease.clusters_skipped if lease else 0,
+                    "bytes_copied": lease.bytes_copied if lease else 0,
+                    "copies": lease.copies if lease else 0,
+                    "bytes_queued_ahead": queued,
+                    "plan_ms": plan_ms,
+                },
             )
         return handles
 
@@ -214,7 +226,9 @@ class RetrievalEngine:
         """Exact IVF search at `nprobe`: resident clusters of each query's C_out on the device,
         then those copied on demand (see `retrieval.demand`), the rest by faiss on the CPU at the
         same time, merged on the device. The search uses whatever is resident and waits only on
-        the copies of the clusters it reads.
+        the copies of the clusters it reads, and only where that is sooner than faiss scanning
+        them: a cluster whose copy is still queued goes to faiss when the measured rates say
+        faiss would finish first.
 
         `prefetch` (one handle for all queries, or one per query) gives the overlap statistics,
         and the search ends it: once the search has pinned the clusters it reads, the prefetch's
@@ -246,15 +260,19 @@ class RetrievalEngine:
         lease: Lease | None = None
         demand: Lease | None = None
         resident_mask = np.zeros(lists.shape, dtype=bool)
+        late_mask = np.zeros(lists.shape, dtype=bool)
         demand_mask = np.zeros(lists.shape, dtype=bool)
         chosen_mask = np.zeros(lists.shape, dtype=bool)
+        wait_ms = 0.0
         try:
             if use_cache and self.cache.capacity_rows:
                 lease = self.cache.acquire(np.unique(lists[lists >= 0]), fetch=False)
                 resident_mask = _held(lists, lease)
+                late_mask = self._late_copies(lists, resident_mask, lease)
+                resident_mask &= ~late_mask
             _end_prefetches(handles)  # from here the search's own lease pins what it reads
             if lease is not None:
-                chosen_mask = self._demand_choice(lists, resident_mask)
+                chosen_mask = self._demand_choice(lists, resident_mask | late_mask)
             cpu_lists = np.where(resident_mask | chosen_mask, -1, lists)
             parts: list[tuple[torch.Tensor, torch.Tensor]] = []
             device_ms = cpu_ms = 0.0
@@ -276,7 +294,7 @@ class RetrievalEngine:
                 # what is resident first; the demand copies land meanwhile and are scanned next
                 passes = [(m, h) for m, h in ((resident_mask, lease), (demand_mask, demand)) if h is not None and m.any()]
                 if passes:
-                    device_parts, device_ms = self._device_search(q, k, lists, passes)
+                    device_parts, device_ms, wait_ms = self._device_search(q, k, lists, passes)
                     parts.extend(device_parts)
                 for future in cpu_futures:
                     cpu_scores, cpu_ids, ms = future.result()
@@ -302,7 +320,9 @@ class RetrievalEngine:
                 c_in = frozenset().union(*handle.plan.per_query) if handle.plan.per_query else frozenset()
                 overlap = len(c_in & c_out) / len(c_out)
             device_clusters = int(on_device[i].sum())
-            per_query.append(QueryStats(overlap, device_clusters, len(c_out) - device_clusters, int(demand_mask[i].sum())))
+            per_query.append(QueryStats(
+                overlap, device_clusters, len(c_out) - device_clusters, int(demand_mask[i].sum()), int(late_mask[i].sum())
+            ))
         return SearchResult(
             scores=scores,
             ids=ids,
@@ -311,13 +331,34 @@ class RetrievalEngine:
             device_ms=device_ms,
             cpu_ms=cpu_ms,
             total_ms=(time.perf_counter() - started) * 1e3,
+            copy_wait_ms=wait_ms,
         )
+
+    def _late_copies(self, lists: np.ndarray, held_mask: np.ndarray, lease: Lease) -> np.ndarray:
+        """Which entries of `lists` the lease holds but whose copies are still queued and would
+        land after faiss could scan them (see `DemandCopyPolicy.late_to_cpu`): those go to faiss."""
+        late = np.zeros(lists.shape, dtype=bool)
+        pending = self.cache.pending(lease) if self.demand is not None else {}
+        if not pending:
+            return late
+        row_bytes = self.cache.row_bytes
+        held, readers = np.unique(lists[held_mask], return_counts=True)
+        waiting = [
+            (cluster, pending[cluster], int(self.cache.sizes[cluster]) * row_bytes * count)
+            for cluster, count in zip(held.tolist(), readers.tolist(), strict=True)
+            if cluster in pending
+        ]
+        missed = lists[(lists >= 0) & ~held_mask]
+        to_cpu = self.demand.late_to_cpu(waiting, int(self.cache.sizes[missed].sum()) * row_bytes)
+        if to_cpu:
+            late = np.isin(lists, np.asarray(to_cpu, dtype=np.int64)) & held_mask
+        return late
 
     def _demand_choice(self, lists: np.ndarray, resident_mask: np.ndarray) -> np.ndarray:
         """Which entries of `lists` to copy to the device on demand: the missed clusters the
         policy picks (none without a policy)."""
         chosen_mask = np.zeros(lists.shape, dtype=bool)
-        if self.demand is None:
+        if self.demand is None or not self.demand.copy_missed:
             return chosen_mask
         missed, counts = np.unique(lists[(lists >= 0) & ~resident_mask], return_counts=True)
         missed_sizes = self.cache.sizes[missed]
@@ -373,20 +414,28 @@ class RetrievalEngine:
 
     def _device_search(
         self, q: torch.Tensor, k: int, lists: np.ndarray, passes: Sequence[tuple[np.ndarray, Lease]]
-    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], float]:
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], float, float]:
         """Scan each pass's clusters (`mask` over `lists`, held by its lease) in order. On CUDA all
         passes are queued before one wait: a pass waits on the stream for its own copies only,
-        while the host already prepares the next."""
+        while the host already prepares the next. Returns the results, the scan time and how
+        long the stream waited for copies (both ms)."""
         cuda = self.device.type == "cuda"
         stream = torch.cuda.current_stream(self.device) if cuda else None
         begin = end = None
+        waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         started = time.perf_counter()
         results = []
         for mask, lease in passes:
             probes = [lists[i][mask[i]].tolist() for i in range(len(q))]
             if stream is not None:
-                for event in lease.events:
-                    stream.wait_event(event)
+                in_flight = [event for event in lease.events if not event.query()]
+                if in_flight:  # timed on the stream: from where it stops to where its copies landed
+                    stop, landed = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    stop.record(stream)
+                    for event in in_flight:
+                        stream.wait_event(event)
+                    landed.record(stream)
+                    waits.append((stop, landed))
                 if begin is None:  # timed from the first pass's start, after its copies landed
                     begin = torch.cuda.Event(enable_timing=True)
                     begin.record(stream)
@@ -401,7 +450,7 @@ class RetrievalEngine:
             end.record(stream)
             end.synchronize()
         ms = begin.elapsed_time(end) if begin is not None and end is not None else (time.perf_counter() - started) * 1e3
-        return results, ms
+        return results, ms, sum(stop.elapsed_time(landed) for stop, landed in waits)
 
 
 def _end_prefetches(handles: Sequence[PrefetchHandle | None]) -> None:

@@ -45,6 +45,8 @@ class Metrics:
         self.prefetched_bytes = Counter("telerag_prefetched_bytes", "bytes copied by prefetches", ["pipeline"], registry=r)
         self.clusters_searched = Counter("telerag_clusters_searched", "clusters searched, by where", ["pipeline", "where"], registry=r)
         self.demand_copies = Counter("telerag_clusters_copied_on_demand", "searched clusters copied to the device on demand (of those searched on the device)", ["pipeline"], registry=r)
+        self.late_clusters = Counter("telerag_clusters_late", "resident clusters scanned by faiss because their copies would land after faiss finished", ["pipeline"], registry=r)
+        self.copy_wait = Histogram("telerag_search_copy_wait_seconds", "how long a search's device scan waited for copies in flight (searches that waited)", ["pipeline"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge("telerag_queue_depth", "requests waiting for a slot", registry=r)
         self.in_flight = Gauge("telerag_requests_in_flight", "requests running", registry=r)
         self.batch_size = Histogram("telerag_batch_size", "queries per batched retrieval call", ["kind"], buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
@@ -56,10 +58,13 @@ class Metrics:
         p = result.pipeline
         for step in result.steps:
             self.stage_latency.labels(p, step.stage).observe(step.ms / 1e3)
+            if step.kind == "retrieval" and step.stats.get("copy_wait_ms"):
+                self.copy_wait.labels(p).observe(step.stats["copy_wait_ms"] / 1e3)
         if result.prefetch.get("overlap_rate") is not None:
             self.overlap.labels(p).observe(result.prefetch["overlap_rate"])
         self.prefetched_bytes.labels(p).inc(result.prefetch.get("bytes_prefetched", 0))
         self.clusters_searched.labels(p, "device").inc(result.prefetch.get("clusters_device", 0))
         self.clusters_searched.labels(p, "cpu").inc(result.prefetch.get("clusters_cpu", 0))
         self.demand_copies.labels(p).inc(result.prefetch.get("clusters_copied_on_demand", 0))
+        self.late_clusters.labels(p).inc(result.prefetch.get("clusters_late", 0))
         self.tokens.labels(p).inc(result.tokens_generated)

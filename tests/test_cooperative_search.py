@@ -159,15 +159,18 @@ def test_bad_arguments(tmp_path):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_groups_prefetched_together_share_the_cache(tmp_path, device):
-    """Three requests each asking for the whole cache: each gets a third, none is left out."""
+    """Three requests each asking for the whole cache: one plan interleaves their ranks, so
+    each gets its nearest clusters (none is left out) and together they fit the cache."""
     ds = random_datastore(tmp_path / "ds", n=3000, nlist=30)
     total = ds.n_vectors * ds.dim * 4
     engine = RetrievalEngine(ds, device=device, cache_bytes=total // 2)
     groups = [random_queries(1, ds.dim, seed) for seed in (1, 2, 3)]
     handles = engine.prefetch_batch(groups, [total] * 3)
-    for handle in handles:
-        assert 0 < handle.plan.bytes <= engine.cache.capacity_bytes // 3
+    for group, handle in zip(groups, handles, strict=True):
+        nearest = engine.rank_clusters(group)[0, :3].tolist()
+        assert set(nearest) <= set(handle.plan.clusters) <= set(handle.lease.resident)
         assert handle.stats["clusters_skipped"] == 0
+    assert sum(h.stats["bytes_copied"] for h in handles) <= engine.cache.capacity_bytes
     stats = engine.cache.stats()
     assert stats.occupancy_bytes <= stats.capacity_bytes
     for group, handle in zip(groups, handles, strict=True):

@@ -250,6 +250,7 @@ class RagPipeline:
             "clusters_device": int(sum(s.stats.get("clusters_device") or 0 for s in searches)),
             "clusters_cpu": int(sum(s.stats.get("clusters_cpu") or 0 for s in searches)),
             "clusters_copied_on_demand": int(sum(s.stats.get("clusters_copied_on_demand") or 0 for s in searches)),
+            "clusters_late": int(sum(s.stats.get("clusters_late") or 0 for s in searches)),
         }
         return RagResult(
             answer=answer,
