@@ -36,37 +36,37 @@ def plan_prefetch(
     not copied. `ranked` is (n_queries, width): each query's clusters, nearest first.
     """
     n_queries, width = ranked.shape if ranked.ndim == 2 else (0, 0)
+    nclusters = len(cluster_bytes)
     depth = width if depth is None else min(depth, width)
     costs = np.where(resident, 0, cluster_bytes) if resident is not None else np.asarray(cluster_bytes)
+    rank = np.full((n_queries, nclusters), np.iinfo(np.int64).max, dtype=np.int64)  # rank[q, c]
+    rows, cols = np.nonzero(ranked >= 0)
+    rank[rows, ranked[rows, cols]] = cols
+    best = rank.min(axis=0, initial=np.iinfo(np.int64).max)
+    near = rank < depth
+    key = best / np.maximum(near.sum(axis=0), 1)
+    candidates = np.flatnonzero((best < width) & (costs > 0))
+    order = candidates[np.lexsort((candidates, best[candidates], key[candidates]))]
     positive = costs[costs > 0]
     smallest = int(positive.min()) if len(positive) else 0
     chosen: dict[int, None] = {}
-    per_query: list[set[int]] = [set() for _ in range(n_queries)]
-    queries, ranks = np.nonzero(ranked >= 0) if n_queries and width else (np.zeros(0, np.int64),) * 2
-    clusters = ranked[queries, ranks]
-    best = np.full(len(costs), np.inf)
-    np.minimum.at(best, clusters, ranks)
-    wanted_by = np.bincount(clusters[ranks < depth], minlength=len(costs))
-    key = best[clusters] / np.maximum(wanted_by[clusters], 1)
-    order = np.lexsort((queries, ranks, key))
     spent = 0
-    for query, cluster in zip(queries[order].tolist(), clusters[order].tolist(), strict=True):
-        if not smallest or budget_bytes - spent < smallest:
+    for cluster, size in zip(order.tolist(), costs[order].tolist(), strict=True):
+        if budget_bytes - spent < smallest:
             break  # nothing more can be copied
-        size = int(costs[cluster])
-        if not size or cluster in chosen:
-            continue  # resident ones are taken within depth, below
         if spent + size <= budget_bytes:
             chosen[cluster] = None
-            per_query[query].add(cluster)
             spent += size
-    # Each query's C_in is every planned cluster it ranks within depth; resident ones there are
-    # planned too (pinned for free), whatever the budget reached.
-    near = ranks < depth
-    for query, cluster in zip(queries[near].tolist(), clusters[near].tolist(), strict=True):
-        if cluster in chosen or (resident is not None and costs[cluster] == 0):
+    # Each query's C_in: the planned clusters it ranks within depth, and those it ranks best.
+    # Clusters already resident within depth are planned too (pinned for free).
+    taken = np.zeros(nclusters, dtype=bool)
+    taken[list(chosen)] = True
+    owner = rank.argmin(axis=0) if n_queries else np.zeros(nclusters, dtype=np.int64)
+    if resident is not None:
+        for cluster in np.flatnonzero(near.any(axis=0) & (costs == 0)).tolist():
             chosen.setdefault(cluster, None)
-            per_query[query].add(cluster)
+        taken[list(chosen)] = True
+    per_query = [set(np.flatnonzero(taken & (near[q] | (owner == q))).tolist()) for q in range(n_queries)]
     return PrefetchPlan(clusters=list(chosen), per_query=[frozenset(q) for q in per_query], bytes=spent)
 
 
