@@ -63,6 +63,7 @@ class SearchResult:
     cpu_ms: float
     total_ms: float
     copy_wait_ms: float = 0.0  # how long the device scan waited for copies still in flight
+    missed_bytes: int = 0  # with a cache: bytes of the probed lists not resident, once per query probing them
 
 
 class RetrievalEngine:
@@ -274,6 +275,7 @@ class RetrievalEngine:
             if lease is not None:
                 chosen_mask = self._demand_choice(lists, resident_mask | late_mask)
             cpu_lists = np.where(resident_mask | chosen_mask, -1, lists)
+            missed_bytes = int(self.cache.sizes[lists[(lists >= 0) & ~resident_mask]].sum()) * self.cache.row_bytes
             parts: list[tuple[torch.Tensor, torch.Tensor]] = []
             device_ms = cpu_ms = 0.0
             if not (resident_mask.any() or chosen_mask.any()):
@@ -332,6 +334,7 @@ class RetrievalEngine:
             cpu_ms=cpu_ms,
             total_ms=(time.perf_counter() - started) * 1e3,
             copy_wait_ms=wait_ms,
+            missed_bytes=missed_bytes,
         )
 
     def _late_copies(self, lists: np.ndarray, held_mask: np.ndarray, lease: Lease) -> np.ndarray:

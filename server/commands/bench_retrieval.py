@@ -32,6 +32,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="extra cache for the demand-copy run (default 0: the same cache as the other runs)",
     )
     parser.add_argument("--overlap-noise", type=float, default=defaults.overlap_noise, help="q_out = q_in + noise")
+    parser.add_argument(
+        "--distinct-queries",
+        type=int,
+        default=None,
+        help="draw the --queries stream from this many distinct queries by a Zipf law, so popular ones repeat (default: no repeats)",
+    )
     parser.add_argument("--codec", choices=[c.value for c in Codec], default=defaults.codec)
     parser.add_argument("--device", default=defaults.device, help="auto, cpu or cuda")
     parser.add_argument(
@@ -62,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         cache_mb=args.cache_mb,
         demand_mb=args.demand_mb,
         overlap_noise=args.overlap_noise,
+        distinct_queries=args.distinct_queries,
         codec=args.codec,
         device=args.device,
         cpu_threads=args.cpu_threads,
