@@ -112,8 +112,10 @@ async def serve(settings: Settings) -> int:
         loop.add_signal_handler(signum, lifecycle.on_signal, signum)
     app = create_app(settings, lifecycle)
     server = _Server(uvicorn_config(app, settings))
-    listening = asyncio.create_task(server.serve())
-    while not server.started:  # uvicorn exits the process itself if it cannot bind
+    listening = asyncio.create_task(_listen(server))
+    while not server.started:
+        if listening.done():  # uvicorn could not start (the port is taken, ...) and said why
+            return 1
         await asyncio.sleep(0.01)
     log.info("listening on http://%s:%d; loading", settings.server.host, settings.server.port)
 
@@ -152,6 +154,13 @@ async def serve(settings: Settings) -> int:
     await runtime.close()
     log.info("stopped: every accepted request finished")
     return 0
+
+
+async def _listen(server: uvicorn.Server) -> None:
+    """uvicorn's `serve`, which ends the process (SystemExit) when it cannot start: here it ends
+    only this task, after uvicorn has logged why."""
+    with contextlib.suppress(SystemExit):
+        await server.serve()
 
 
 async def _first(awaited: Awaitable[Any], interrupt: Awaitable[Any], *, deadline: float | None = None) -> bool:
