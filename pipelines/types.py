@@ -180,6 +180,24 @@ class BatchRetriever(Retriever, Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class DatastoreInfo:
+    """What an operator needs to know of the served datastore and its retrieval engine (no host
+    paths: this is shown to clients)."""
+
+    passages: int
+    documents: int
+    nlist: int
+    dim: int
+    embedder: str
+    codec: str
+    nprobe: int  # the default
+    device: str  # where the cluster cache and the device search run
+    cache_bytes: int
+    prefetch_budget_bytes: int | None  # None: B · each request's expected pre-retrieval time
+    copy_gbps: float | None  # B, measured at start-up (None without a cache)
+
+
 # ---------------------------------------------------------------------------------------------
 # A pipeline run
 # ---------------------------------------------------------------------------------------------

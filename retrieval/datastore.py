@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Passage
 from telerag.retrieval.errors import DatastoreCorruptError, DatastoreError, DatastoreMismatchError
+from telerag.retrieval.progress import ProgressBar
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +98,18 @@ class Manifest:
             )
         return manifest
 
+    def check_embedder(self, path: Path, *, embedder: str | None = None, dim: int | None = None) -> None:
+        """Refuse a datastore (at `path`) built with another embedder or dimension than configured."""
+        if embedder is not None and self.embedder != embedder:
+            raise DatastoreMismatchError(
+                f"{path} was built with embedder {self.embedder!r}, but {embedder!r} is configured; "
+                "rebuild the datastore or configure its embedder"
+            )
+        if dim is not None and self.dim != dim:
+            raise DatastoreMismatchError(f"{path} holds {self.dim}-d vectors, but the embedder makes {dim}-d vectors")
 
-def _sha256(path: Path, bar: tqdm | None = None) -> str:
+
+def _sha256(path: Path, bar: ProgressBar | None = None) -> str:
     digest = hashlib.sha256()
     buffer = bytearray(4 << 20)  # one buffer reused: reading every byte allocates nothing more
     view = memoryview(buffer)
@@ -120,7 +130,7 @@ def _write_rows(path: Path, vectors: VectorRows, progress: bool) -> None:
     with path.open("wb") as handle:
         header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (n, dim)}
         np.lib.format.write_array_header_1_0(handle, header)
-        for start in tqdm(range(0, n, step), desc="write vectors", unit="block", disable=not progress):
+        for start in ProgressBar(range(0, n, step), desc="write vectors", unit="block", disable=not progress):
             block = np.ascontiguousarray(vectors[start : start + step], dtype=dtype)
             if block.shape != (min(step, n - start), dim):
                 raise DatastoreError(f"rows {start}:{start + step} of the vectors have shape {block.shape}")
@@ -241,7 +251,7 @@ def write_datastore(
         manifest.files = {}
         files = sorted(tmp.iterdir())
         total = sum(file.stat().st_size for file in files)
-        with tqdm(total=total, desc="checksum", unit="B", unit_scale=True, disable=not progress) as bar:
+        with ProgressBar(total=total, desc="checksum", unit="B", unit_scale=True, disable=not progress) as bar:
             for file in files:
                 _fsync(file)
                 manifest.files[file.name] = {"bytes": file.stat().st_size, "sha256": _sha256(file, bar)}
@@ -303,13 +313,7 @@ class Datastore:
         if not path.is_dir():
             raise DatastoreError(f"no datastore at {path}")
         manifest = Manifest.read(path)
-        if embedder is not None and manifest.embedder != embedder:
-            raise DatastoreMismatchError(
-                f"{path} was built with embedder {manifest.embedder!r}, but {embedder!r} is configured; "
-                "rebuild the datastore or configure its embedder"
-            )
-        if dim is not None and manifest.dim != dim:
-            raise DatastoreMismatchError(f"{path} holds {manifest.dim}-d vectors, but the embedder makes {dim}-d vectors")
+        manifest.check_embedder(path, embedder=embedder, dim=dim)
         for name, meta in manifest.files.items():
             file = path / name
             if not file.is_file():
@@ -319,7 +323,7 @@ class Datastore:
                 raise DatastoreCorruptError(f"{file} is {size} bytes, the manifest says {meta['bytes']} (truncated?)")
         if verify_checksums:
             total = sum(int(meta["bytes"]) for meta in manifest.files.values())
-            with tqdm(total=total, desc="verify checksums", unit="B", unit_scale=True, disable=not progress) as bar:
+            with ProgressBar(total=total, desc="verify checksums", unit="B", unit_scale=True, disable=not progress) as bar:
                 for name, meta in manifest.files.items():
                     if _sha256(path / name, bar) != meta["sha256"]:
                         raise DatastoreCorruptError(f"{path / name} fails its sha256 checksum")

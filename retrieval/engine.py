@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from telerag.retrieval.cache import ClusterCache, Lease
 from telerag.retrieval.datastore import Datastore
@@ -22,6 +21,7 @@ from telerag.retrieval.demand import DemandCopyPolicy
 from telerag.retrieval.errors import SearchError
 from telerag.retrieval.ivf import CPUIndex
 from telerag.retrieval.prefetch import PrefetchHandle, PrefetchPlan, plan_prefetch
+from telerag.retrieval.progress import ProgressBar
 from telerag.retrieval.search import merge_topk, scan_resident
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class RetrievalEngine:
             return mapped
         pinned = torch.empty(mapped.shape, dtype=mapped.dtype, pin_memory=True)
         step = max(1, (256 << 20) // max(1, mapped.shape[1] * mapped.element_size()))
-        for start in tqdm(range(0, len(mapped), step), desc="pin host vectors", unit="chunk", disable=not progress):
+        for start in ProgressBar(range(0, len(mapped), step), desc="pin host vectors", unit="chunk", disable=not progress):
             pinned[start : start + step].copy_(mapped[start : start + step])
         return pinned
 

@@ -18,10 +18,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from telerag.pipelines.types import Pipeline, RagResult, ResultEvent, RunEvent, RunOptions, StageEvent, TokenEvent
 from telerag.server import errors
 from telerag.server.errors import InvalidField, NotReady, RequestTimeout, Unauthorized
+from telerag.server.lifecycle import RETRY_AFTER_S, Lifecycle, Phase
 from telerag.server.metrics import Metrics
 from telerag.server.protocol import (
     ChatCompletionRequest,
     Health,
+    LoadProgress,
     PipelineInfo,
     PipelineList,
     QueryRequest,
@@ -33,6 +35,7 @@ from telerag.server.protocol import (
 )
 from telerag.server.runtime import Runtime
 from telerag.server.scheduler import Admission, BatchingRetriever
+from telerag.server.settings import Settings
 from telerag.server.streaming import sse, sse_data
 
 
@@ -77,10 +80,10 @@ class _TooLarge(Exception):
 class Service:
     """What the routes share: the runtime, the pipelines over the batching retriever, admission, metrics."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, metrics: Metrics) -> None:
         self.runtime = runtime
         self.settings = runtime.settings
-        self.metrics = Metrics(runtime.cache_stats)
+        self.metrics = metrics
         scheduler = self.settings.scheduler
         self.retriever = BatchingRetriever(
             runtime.retriever,
@@ -99,8 +102,6 @@ class Service:
               pipeline_field: str = "pipeline") -> tuple[Pipeline, RunOptions]:
         """Validate a request against the server's limits; the error names the field."""
         limits = self.settings.limits
-        if not self.runtime.ready:
-            raise NotReady("the server is still loading")
         if not query.strip():
             raise InvalidField("query", "query must not be empty")
         if len(query) > limits.max_query_chars:
@@ -109,8 +110,8 @@ class Service:
             raise InvalidField(pipeline_field, f"unknown pipeline {pipeline!r}; one of: {', '.join(self.pipelines)}")
         if top_k is not None and top_k > limits.max_top_k:
             raise InvalidField("top_k", f"top_k must be at most {limits.max_top_k}")
-        nlist = int(self.runtime.datastore_info.get("nlist", 0))
-        if nprobe is not None and nlist and nprobe > nlist:
+        nlist = self.runtime.datastore_info.nlist
+        if nprobe is not None and nprobe > nlist:
             raise InvalidField("nprobe", f"nprobe must be at most nlist ({nlist})")
         if max_tokens > limits.max_tokens:
             raise InvalidField("max_tokens", f"max_tokens must be at most {limits.max_tokens}")
@@ -166,23 +167,40 @@ class Service:
                     await task
 
 
-def create_app(runtime: Runtime) -> FastAPI:
-    settings = runtime.settings
-    service = Service(runtime)
+class ServingGate:
+    """`/v1/*` answers 503 (with Retry-After, in the one error body) unless the server is ready:
+    while it loads, and while it drains before stopping. The rest (`/health`, `/ready`,
+    `/metrics`, the docs) always answers."""
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
-        await service.admission.drain()  # accepted requests finish before the process exits
-        await runtime.close()
+    def __init__(self, app: ASGIApp, lifecycle: Lifecycle) -> None:
+        self.app, self.lifecycle = app, lifecycle
 
-    app = FastAPI(title="telerag", version="0.1.0", lifespan=lifespan,
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and self.lifecycle.phase != Phase.READY:
+            refusal = NotReady(self.lifecycle.unavailable_reason, retry_after=RETRY_AFTER_S)
+            await errors.response_for(refusal)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAPI:
+    """The HTTP API, before anything is loaded: `/health` answers at once, `/ready` and `/v1/*`
+    answer 503 until `start_serving` hands it a loaded runtime."""
+    lifecycle = lifecycle or Lifecycle()
+    app = FastAPI(title="telerag", version="0.1.0",
                   description="RAG inference server with lookahead retrieval (TeleRAG).")
-    app.state.service = service
+    app.state.lifecycle = lifecycle
+    app.state.service = None
+    app.state.metrics = Metrics(lambda: app.state.service.runtime.cache_stats() if app.state.service else {})
     errors.install(app)
+    app.add_middleware(ServingGate, lifecycle=lifecycle)
     app.add_middleware(BodyLimit, limit=settings.limits.max_body_bytes)
     if settings.server.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.server.cors_origins, allow_methods=["*"], allow_headers=["*"])
+
+    def serving() -> Service:
+        """The service behind `/v1/*` (ServingGate lets requests through only once there is one)."""
+        return app.state.service
 
     async def authorized(request: Request) -> None:
         key = settings.server.api_key
@@ -196,24 +214,35 @@ def create_app(runtime: Runtime) -> FastAPI:
     async def health() -> Health:
         return Health()
 
-    @app.get("/ready", response_model=Ready)
+    @app.get("/ready", response_model=Ready, responses={503: {"model": Ready, "description": "loading or draining"}})
     async def ready() -> Response:
-        body = Ready(ready=runtime.ready, engine=getattr(runtime.engine, "name", None), datastore=runtime.datastore_info)
-        return JSONResponse(body.model_dump(), status_code=200 if runtime.ready else 503)
+        service: Service | None = app.state.service
+        progress = lifecycle.progress
+        body = Ready(
+            ready=lifecycle.phase == Phase.READY,
+            status=lifecycle.phase.value,
+            loading=lifecycle.step if lifecycle.phase == Phase.LOADING else None,
+            progress=None if progress is None else LoadProgress(
+                task=progress.step, done=progress.done, total=progress.total, unit=progress.unit, fraction=progress.fraction,
+            ),
+            engine=None if service is None else getattr(service.runtime.engine, "name", None),
+            datastore=None if service is None else service.runtime.datastore_info,
+        )
+        return Response(body.model_dump_json(), media_type="application/json", status_code=200 if body.ready else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/pipelines", response_model=PipelineList, dependencies=[Depends(authorized)])
-    async def pipelines() -> PipelineList:
+    async def pipelines(service: Service = Depends(serving)) -> PipelineList:
         return PipelineList(pipelines=[
             PipelineInfo(name=name, description=p.description, stages=[{"name": s.name, "role": s.role} for s in p.stages])
             for name, p in service.pipelines.items()
         ])
 
     @app.post("/v1/rag/query", response_model=QueryResponse, dependencies=[Depends(authorized)])
-    async def rag_query(body: QueryRequest, request: Request) -> Response:
+    async def rag_query(body: QueryRequest, request: Request, service: Service = Depends(serving)) -> Response:
         pipeline, options = service.check(query=body.query, pipeline=body.pipeline, top_k=body.top_k,
                                           nprobe=body.nprobe, max_tokens=body.max_tokens)
         options.temperature, options.prefetch = body.temperature, body.prefetch
@@ -242,7 +271,7 @@ def create_app(runtime: Runtime) -> FastAPI:
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, request: Request, service: Service = Depends(serving)) -> Response:
         users = [m.content for m in body.messages if m.role == "user"]
         if not users:
             raise InvalidField("messages", "at least one user message is required")
@@ -273,6 +302,14 @@ def create_app(runtime: Runtime) -> FastAPI:
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     return app
+
+
+def start_serving(app: FastAPI, runtime: Runtime) -> Service:
+    """Serve `/v1/*` from `runtime`, now loaded: `/ready` turns 200."""
+    service = Service(runtime, app.state.metrics)
+    app.state.service = service
+    app.state.lifecycle.ready()
+    return service
 
 
 def _usage(result: RagResult) -> dict[str, Any]:

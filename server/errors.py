@@ -42,7 +42,13 @@ class Unauthorized(ServerError):
 
 
 class NotReady(ServerError):
+    """Still loading, or draining before shutdown: come back (or go elsewhere) after `retry_after` s."""
+
     code = "not_ready"
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class RequestTimeout(ServerError):
@@ -91,9 +97,10 @@ def error_body(exc: BaseException) -> dict:
 
 def response_for(exc: BaseException) -> JSONResponse:
     status = status_of(exc)
-    if status >= 500:
+    if status >= 500 and not isinstance(exc, NotReady):  # loading and draining are states, not failures
         log.error("request failed: %s", exc, exc_info=exc)
-    headers = {"Retry-After": str(getattr(exc, "retry_after", 1))} if status == 429 else None
+    retry_after = getattr(exc, "retry_after", 1 if status == 429 else None)
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
     if isinstance(exc, Unauthorized):
         headers = {"WWW-Authenticate": "Bearer"}
     return JSONResponse(error_body(exc), status_code=status, headers=headers)

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from telerag.pipelines.types import RagResult
+from telerag.pipelines.types import DatastoreInfo, RagResult
 
 
 class QueryRequest(BaseModel):
@@ -82,10 +82,25 @@ class Health(BaseModel):
     status: Literal["ok"] = "ok"
 
 
+class LoadProgress(BaseModel):
+    """How far the current load step's work is (a checksum pass, a build's embedding, ...)."""
+
+    task: str = Field(description='e.g. "verify checksums", "embed passages", "pin host vectors"')
+    done: float
+    total: float | None = Field(description="null when unknown")
+    unit: str = Field(description='"B" for bytes, else the task\'s own unit')
+    fraction: float | None = Field(description="done / total, 0..1")
+
+
 class Ready(BaseModel):
+    """`GET /ready`: 200 once the engine and datastore are up; 503 while loading or draining."""
+
     ready: bool
+    status: Literal["loading", "ready", "draining"]
+    loading: str | None = Field(None, description='while loading: the step, e.g. "checking datastore", "loading model"')
+    progress: LoadProgress | None = None
     engine: str | None = None
-    datastore: dict[str, Any] | None = None
+    datastore: DatastoreInfo | None = None
 
 
 # -- OpenAI-compatible chat completions ------------------------------------------------------

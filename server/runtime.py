@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
+import functools
 import logging
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
+from telerag.pipelines.embedder import Embedder, configured_name
 from telerag.pipelines.errors import EngineUnavailable
 from telerag.pipelines.rag.base import RagPipeline
 from telerag.pipelines.registry import build_pipelines
-from telerag.pipelines.types import BatchRetriever, Engine, Retriever
+from telerag.pipelines.retriever import build_wikipedia_datastore, open_retriever
+from telerag.pipelines.types import BatchRetriever, DatastoreInfo, Engine, Retriever
+from telerag.retrieval.datastore import MANIFEST, Datastore
+from telerag.retrieval.progress import StepProgress, observe_progress
 from telerag.server.settings import RetrievalSettings, Settings, pre_retrieval_profile
 
 log = logging.getLogger(__name__)
@@ -39,9 +47,8 @@ class Runtime:
     settings: Settings
     engine: Engine
     retriever: BatchRetriever
-    datastore_info: dict[str, Any] = field(default_factory=dict)
+    datastore_info: DatastoreInfo
     cache_stats: Callable[[], dict[str, Any]] = dict
-    ready: bool = True
     closers: list[Callable[[], Any]] = field(default_factory=list)
 
     def pipelines(self, retriever: Retriever, names: Sequence[str] | None = None) -> dict[str, RagPipeline]:
@@ -55,9 +62,26 @@ class Runtime:
             close()
 
 
+class LoadObserver(Protocol):
+    """What watches a load: each step as it begins, and the progress of its long tasks."""
+
+    def loading(self, step: str) -> None: ...
+
+    def report(self, progress: StepProgress) -> None: ...
+
+
+class LogSteps:
+    """A LoadObserver for commands that only log (the progress bars show on the terminal)."""
+
+    def loading(self, step: str) -> None:
+        log.info("start-up: %s", step)
+
+    def report(self, progress: StepProgress) -> None:
+        pass
+
+
 def _device(name: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
-
 
 
 def build_engine(settings: Settings) -> Engine:
@@ -82,6 +106,13 @@ def build_engine(settings: Settings) -> Engine:
     return CPUEngine.from_pretrained(engine.model_path, device=device)
 
 
+def load_embedder(retrieval: RetrievalSettings) -> Embedder:
+    device = _device(retrieval.embedder_device)
+    embedder = Embedder(retrieval.embedder, device=device) if retrieval.embedder else Embedder.embedded_default(device=device)
+    log.info("embedder %s (%d-d) on %s", embedder.name, embedder.dim, device)
+    return embedder
+
+
 def cluster_cache_bytes(retrieval: RetrievalSettings, device: str) -> int:
     """The configured cache size; by default none on CPU (faiss alone is fastest there) and on
     CUDA the memory still free (call it after the LLM has taken its share) less the headroom."""
@@ -93,45 +124,100 @@ def cluster_cache_bytes(retrieval: RetrievalSettings, device: str) -> int:
     return max(0, free - int(retrieval.cache_headroom_mb * 2**20))
 
 
-@asynccontextmanager
-async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
-    """Load the engine, then the embedder and the datastore (building the Wikipedia one on first
-    run): the engine first, so that the cluster cache gets what the LLM leaves of the GPU."""
-    from telerag.pipelines.embedder import Embedder
-    from telerag.pipelines.retriever import open_retriever
+async def load_runtime(settings: Settings, observer: LoadObserver | None = None) -> Runtime:
+    """Load what the server runs on, in the order that fails fast and sizes the cache right:
+    the datastore is checked first (manifest, file sizes, checksums), so damage is refused in
+    seconds rather than after the LLM has loaded; then the engine; then the embedder and the
+    retrieval engine, whose cluster cache gets what GPU memory the LLM left. On the embedded
+    default's first run the embedder loads first, to build the datastore.
 
+    Each step runs in a worker thread and tells `observer`, so an event loop serving `/health`
+    and `/ready` meanwhile keeps answering and can say what is loading and how far it is."""
+    observer = observer or LogSteps()
     retrieval = settings.retrieval
-    device = _device(retrieval.device)
-    engine = build_engine(settings)
-    log.info("engine %s (%s)", getattr(engine, "name", "?"), settings.engine.kind)
-    try:
-        embedder_device = _device(retrieval.embedder_device)
-        embedder = Embedder(retrieval.embedder, device=embedder_device) if retrieval.embedder else Embedder.embedded_default(device=embedder_device)
-        log.info("embedder %s (%d-d) on %s", embedder.name, embedder.dim, embedder_device)
-        retriever = open_retriever(
-            retrieval.datastore,
-            embedder,
-            device=device,
-            cache_bytes=cluster_cache_bytes(retrieval, device),
-            prefetch_budget_bytes=None if retrieval.prefetch_budget_mb is None else int(retrieval.prefetch_budget_mb * 2**20),
-            nprobe=retrieval.nprobe,
-            demand_copy=retrieval.demand_copy,
-            cpu_threads=retrieval.cpu_threads,
-            build_if_missing=retrieval.build_if_missing,
-            verify_checksums=retrieval.verify_checksums,
+    path = retrieval.datastore.expanduser()
+    with observe_progress(observer.report):
+        embedder: Embedder | None = None
+        if retrieval.build_if_missing and not (path / MANIFEST).is_file():
+            observer.loading("loading embedder")
+            embedder = await _in_thread(load_embedder, retrieval)
+            observer.loading("building datastore (first run)")
+            await _in_thread(build_wikipedia_datastore, path, embedder)
+        observer.loading("checking datastore")
+        datastore = await _in_thread(
+            functools.partial(
+                Datastore.load, path, embedder=configured_name(retrieval.embedder),
+                verify_checksums=retrieval.verify_checksums, progress=True,
+            )
         )
-    except BaseException:
-        await engine.close()
-        raise
+        try:
+            observer.loading("loading model")
+            engine = await _in_thread(build_engine, settings)
+        except BaseException:
+            datastore.close()
+            raise
+        log.info("engine %s (%s)", getattr(engine, "name", "?"), settings.engine.kind)
+        try:
+            if embedder is None:
+                observer.loading("loading embedder")
+                embedder = await _in_thread(load_embedder, retrieval)
+            observer.loading("opening datastore")
+            device = _device(retrieval.device)
+            retriever = await _in_thread(
+                functools.partial(
+                    open_retriever, datastore, embedder, device=device,
+                    cache_bytes=cluster_cache_bytes(retrieval, device),
+                    prefetch_budget_bytes=None if retrieval.prefetch_budget_mb is None else int(retrieval.prefetch_budget_mb * 2**20),
+                    nprobe=retrieval.nprobe, demand_copy=retrieval.demand_copy, cpu_threads=retrieval.cpu_threads,
+                )
+            )
+        except BaseException:
+            await engine.close()
+            datastore.close()
+            raise
+    return Runtime(
+        settings=settings,
+        engine=engine,
+        retriever=retriever,
+        datastore_info=retriever.datastore_info(),
+        cache_stats=retriever.cache_stats,
+        closers=[retriever.close],
+    )
+
+
+@asynccontextmanager
+async def open_runtime(settings: Settings, observer: LoadObserver | None = None) -> AsyncIterator[Runtime]:
+    """`load_runtime`, closed (engine, retrieval engine, datastore) on exit."""
+    runtime = await load_runtime(settings, observer)
     try:
-        runtime = Runtime(
-            settings=settings,
-            engine=engine,
-            retriever=retriever,
-            datastore_info=retriever.datastore_info(),
-            cache_stats=retriever.cache_stats,
-            closers=[retriever.close],
-        )
         yield runtime
     finally:
-        retriever.close()
+        await runtime.close()
+
+
+async def _in_thread(call: Callable[[], T] | Callable[..., T], *args: Any) -> T:
+    """`call(*args)` in a daemon thread with a copy of this context (so the progress observer
+    sees its bars): the event loop keeps serving meanwhile, and a load abandoned when the
+    process is told to stop does not keep it alive."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = context.run(call, *args), None
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="telerag-load", daemon=True).start()
+    return await future

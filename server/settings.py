@@ -75,6 +75,9 @@ class ServerSettings(BaseModel):
     api_key: SecretStr | None = None
     cors_origins: list[str] = Field(default_factory=list)
     log_level: str = "info"
+    # After SIGTERM (or SIGINT) the server answers 503 to new work and waits this long for the
+    # requests it accepted; past it, or at a second signal, it stops at once (exit status 1).
+    shutdown_grace_s: float = Field(30.0, ge=0)
     # How long a thread may hold the GIL before another one waiting for it gets a turn (Python's
     # default: 5 ms). The CPU engine and the retrieval workers are threads of this process; with
     # the default the event loop can wait 5 ms at each wake-up while they run.

@@ -6,32 +6,22 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
+import signal
 import subprocess
 import sys
-import time
 import zipfile
 from pathlib import Path
 
 import httpx
 import pytest
 
-from telerag.pipelines.engines.cpu import tiny_random_lm
-from telerag.pipelines.embedder import Embedder
-from telerag.retrieval.builder import build_datastore
-from telerag.retrieval.corpus import Article, split_passages
+from tests.serving import build_small_datastore, save_tiny_lm, start_server
 from tests.tiny_models import tiny_embedder_dir
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 DISTRIBUTED = ["pyproject.toml", "README.md", "config", "pipelines", "retrieval", "server"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -71,41 +61,19 @@ def test_installed_wheel_serves_from_another_directory(wheel, tmp_path):
     ).stdout.split()
     assert all(Path(path).is_relative_to(site) for path in where), where  # the install, not this checkout
 
-    model_dir = tmp_path / "tiny-lm"
-    model, tokenizer = tiny_random_lm(0)
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    model_dir = save_tiny_lm(tmp_path / "tiny-lm")
     embedder_dir = tiny_embedder_dir(32, 0)
-    embedder = Embedder(embedder_dir)
-    articles = [Article(id=f"a{i}", title=f"Article {i}", text=f"Article {i} is about topic {i % 7}. " * 20) for i in range(60)]
-    datastore = tmp_path / "datastore"
-    build_datastore(split_passages(articles), embedder.encode, embedder=embedder.name, out_dir=datastore, progress=False)
-
-    port = free_port()
-    process = subprocess.Popen(
-        [str(site / "bin" / "telerag"), "serve", "--model", str(model_dir), "--embedder", str(embedder_dir),
-         "--datastore", str(datastore), "--port", str(port)],
-        cwd=elsewhere, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    datastore = build_small_datastore(tmp_path / "datastore", embedder_dir)
+    server = start_server(
+        ["--model", str(model_dir), "--embedder", str(embedder_dir), "--datastore", str(datastore)],
+        tmp_path / "server.log", env=env, cwd=elsewhere, command=[str(site / "bin" / "telerag")],
     )
-    base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"telerag serve exited with {process.returncode}:\n{process.stdout.read()[-4000:]}")
-            try:
-                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "telerag serve did not become ready"
-            time.sleep(0.5)
-        response = httpx.post(f"{base}/v1/rag/query", json={"query": "What is topic 3 about?", "max_tokens": 8}, timeout=120)
+        server.wait_ready()
+        response = httpx.post(f"{server.base}/v1/rag/query", json={"query": "What is topic 3 about?", "max_tokens": 8}, timeout=120)
         assert response.status_code == 200, response.text
         assert response.json()["documents"]
+        server.signal(signal.SIGTERM)
+        assert server.process.wait(timeout=60) == 0
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        server.stop()

@@ -132,7 +132,8 @@ def test_refuses_a_datastore_of_another_embedder(retriever, tmp_path):
 
 def test_datastore_info(retriever):
     info = retriever.datastore_info()
-    assert info["passages"] == 80 and info["nlist"] == 2 and info["embedder"] == "hash-32"
+    assert info.passages == 80 and info.nlist == 2 and info.embedder == "hash-32"
+    assert str(retriever.datastore.path) not in repr(info)  # shown to clients: no host paths
 
 
 def test_budget_is_copy_rate_times_overlap_capped_by_the_cache(retriever):

@@ -8,9 +8,13 @@ import pytest
 
 from telerag.pipelines.errors import EngineUnavailable
 from telerag.pipelines.registry import PIPELINES
+from telerag.retrieval.errors import DatastoreCorruptError
+from telerag.retrieval.progress import StepProgress
 from telerag.server import runtime
 from telerag.server.settings import Settings
+from tests.serving import build_small_datastore, save_tiny_lm
 from tests.test_engine_sglang import FakeEngine, sglang  # noqa: F401 - the fixture
+from tests.tiny_models import tiny_embedder_dir
 
 
 def test_sglang_engine_from_settings(sglang, monkeypatch):  # noqa: F811
@@ -62,3 +66,40 @@ def test_settings_precedence(tmp_path: Path, monkeypatch):
     assert settings.scheduler.max_batch == 9  # flags beat both
     with pytest.raises(FileNotFoundError):
         load_settings(tmp_path / "missing.yaml")
+
+
+class Watch:
+    """A LoadObserver that records the steps and the progress reports."""
+
+    def __init__(self) -> None:
+        self.steps: list[str] = []
+        self.reports: list[StepProgress] = []
+
+    def loading(self, step: str) -> None:
+        self.steps.append(step)
+
+    def report(self, progress: StepProgress) -> None:
+        self.reports.append(progress)
+
+
+async def test_load_checks_the_datastore_then_loads_the_model_then_opens_it(tmp_path: Path):
+    embedder = tiny_embedder_dir(32, 0)
+    settings = Settings(engine={"model_path": save_tiny_lm(tmp_path / "lm")},
+                        retrieval={"datastore": build_small_datastore(tmp_path / "ds", embedder), "embedder": embedder})
+    watch = Watch()
+    async with runtime.open_runtime(settings, watch) as loaded:
+        assert watch.steps == ["checking datastore", "loading model", "loading embedder", "opening datastore"]
+        checksums = [p for p in watch.reports if p.step == "verify checksums"]
+        assert checksums[0].fraction == 0 and checksums[-1].fraction == 1 and checksums[-1].unit == "B"
+        assert loaded.datastore_info.passages > 0 and loaded.datastore_info.embedder == embedder.name
+
+
+async def test_a_damaged_datastore_fails_the_load_before_the_model(tmp_path: Path):
+    embedder = tiny_embedder_dir(32, 0)
+    datastore = build_small_datastore(tmp_path / "ds", embedder)
+    (datastore / "offsets.npy").write_bytes(b"\x93NUMPY garbage of the same length"[: (datastore / "offsets.npy").stat().st_size])
+    settings = Settings(engine={"model_path": tmp_path / "no-such-model"}, retrieval={"datastore": datastore, "embedder": embedder})
+    watch = Watch()
+    with pytest.raises(DatastoreCorruptError, match="offsets.npy"):
+        await runtime.load_runtime(settings, watch)
+    assert watch.steps == ["checking datastore"]

@@ -9,7 +9,10 @@ import httpx
 import openai
 import pytest
 
-from telerag.server.app import create_app
+from telerag.pipelines.types import DatastoreInfo
+from telerag.retrieval.progress import StepProgress
+from telerag.server.app import create_app, start_serving
+from telerag.server.lifecycle import Lifecycle
 from telerag.server.runtime import Runtime
 from telerag.server.settings import Settings
 from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
@@ -43,15 +46,20 @@ METRIC_SERIES = (
 EXPECTED_METRICS = sorted({name.removesuffix("_bucket") for name, _ in METRIC_SERIES})
 
 
+DATASTORE_INFO = DatastoreInfo(passages=100, documents=10, nlist=64, dim=32, embedder="hash-32", codec="fp32", nprobe=8,
+                               device="cpu", cache_bytes=0, prefetch_budget_bytes=None, copy_gbps=None)
+
+
 class Harness:
     def __init__(self, delay: float = 0.0, **sections) -> None:  # noqa: ANN003
         self.retriever = BatchRecorder()
         self.engine = ScriptedEngine(lambda prompt: Reply("Paris is the capital of France"), delay=delay)
         self.runtime = Runtime(
             settings=settings(**sections), engine=self.engine, retriever=self.retriever,
-            datastore_info={"nlist": 64, "passages": 100}, cache_stats=lambda: {"hits": 3, "occupancy_bytes": 10},
+            datastore_info=DATASTORE_INFO, cache_stats=lambda: {"hits": 3, "occupancy_bytes": 10},
         )
-        self.app = create_app(self.runtime)
+        self.app = create_app(self.runtime.settings)
+        start_serving(self.app, self.runtime)
 
     def client(self, **kwargs) -> httpx.AsyncClient:  # noqa: ANN003
         return httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://test", timeout=30, **kwargs)
@@ -231,15 +239,44 @@ async def test_health_ready_pipelines():
     async with h.client() as client:
         assert (await client.get("/health")).json() == {"status": "ok"}
         ready = (await client.get("/ready")).json()
-        assert ready["ready"] and ready["datastore"]["nlist"] == 64
+        assert ready["ready"] and ready["status"] == "ready" and ready["loading"] is None
+        assert ready["datastore"] == {**vars(DATASTORE_INFO)} and ready["engine"] == h.engine.name
         pipelines = (await client.get("/v1/pipelines")).json()["pipelines"]
         assert {p["name"] for p in pipelines} == {"naive", "hyde", "subquestion", "iterative", "iter_retgen", "flare", "self_rag"}
         assert all(any(s["role"] == "prefetch" for s in p["stages"]) for p in pipelines)
         assert (await client.get("/docs")).status_code == 200
-    h.runtime.ready = False
+
+
+async def test_loading_answers_health_and_refuses_v1_with_retry_after():
+    lifecycle = Lifecycle()
+    app = create_app(settings(), lifecycle)
+    lifecycle.loading("checking datastore")
+    lifecycle.report(StepProgress("verify checksums", done=25, total=100, unit="B"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        assert (await client.get("/health")).status_code == 200
+        assert (await client.get("/metrics")).status_code == 200
+        ready = await client.get("/ready")
+        assert ready.status_code == 503
+        assert ready.json() == {
+            "ready": False, "status": "loading", "loading": "checking datastore", "engine": None, "datastore": None,
+            "progress": {"task": "verify checksums", "done": 25, "total": 100, "unit": "B", "fraction": 0.25},
+        }
+        for method, path in (("POST", "/v1/rag/query"), ("POST", "/v1/chat/completions"), ("GET", "/v1/pipelines")):
+            refused = await client.request(method, path, json={"query": "q"})
+            assert refused.status_code == 503 and int(refused.headers["retry-after"]) > 0
+            assert refused.json()["error"] == {"type": "not_ready", "message": "the server is still loading (checking datastore)"}
+
+
+async def test_draining_refuses_new_work_and_says_so():
+    h = Harness()
+    h.app.state.lifecycle.drain()
     async with h.client() as client:
-        assert (await client.get("/ready")).status_code == 503
-        assert (await client.post("/v1/rag/query", json={"query": "q"})).status_code == 503
+        ready = await client.get("/ready")
+        assert ready.status_code == 503 and ready.json()["status"] == "draining" and not ready.json()["ready"]
+        refused = await client.post("/v1/rag/query", json={"query": "q"})
+        assert refused.status_code == 503 and refused.headers["retry-after"]
+        assert refused.json()["error"]["type"] == "not_ready" and "shutting down" in refused.json()["error"]["message"]
+        assert (await client.get("/health")).status_code == 200
 
 
 async def test_metrics_expose_everything():

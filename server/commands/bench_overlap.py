@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         async with open_runtime(settings) as runtime:
             retriever = runtime.retriever
             info = runtime.datastore_info
-            depth = args.prefetch_clusters or info["nprobe"]
+            depth = args.prefetch_clusters or info.nprobe
             mean_cluster_bytes = retriever.engine.cache.cluster_bytes().mean()
             retriever.prefetch_budget_bytes = int(depth * mean_cluster_bytes)
             pipelines = runtime.pipelines(retriever, names)
@@ -54,13 +54,13 @@ def run(args: argparse.Namespace) -> int:
             return [rows, depth, info]
 
     rows, depth, info = asyncio.run(main())
-    print(f"{len(questions)} questions, nlist {info['nlist']}, nprobe {args.nprobe or info['nprobe']}, prefetch depth {depth} clusters")
+    print(f"{len(questions)} questions, nlist {info.nlist}, nprobe {args.nprobe or info.nprobe}, prefetch depth {depth} clusters")
     print(f"{'pipeline':<13}{'overlap':>9}{'pre-retrieval ms':>18}{'total ms':>10}{'article hit':>13}")
     for row in rows:
         overlap = f"{row.overlap_rate:.3f}" if row.overlap_rate is not None else "-"
         hit = f"{row.article_hit_rate:.2f}" if row.article_hit_rate is not None else "-"
         print(f"{row.pipeline:<13}{overlap:>9}{row.pre_retrieval_ms:>18.1f}{row.total_ms:>10.1f}{hit:>13}")
     if args.json:
-        print(json.dumps({"questions": len(questions), "nlist": info["nlist"], "prefetch_clusters": depth,
-                          "nprobe": args.nprobe or info["nprobe"], "rows": [asdict(r) for r in rows]}))
+        print(json.dumps({"questions": len(questions), "nlist": info.nlist, "prefetch_clusters": depth,
+                          "nprobe": args.nprobe or info.nprobe, "rows": [asdict(r) for r in rows]}))
     return 0

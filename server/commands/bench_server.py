@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     from telerag.pipelines.types import RunOptions
     from telerag.retrieval.builder import build_datastore
     from telerag.retrieval.corpus import read_wikipedia, split_passages
-    from telerag.server.app import create_app
+    from telerag.server.app import create_app, start_serving
     from telerag.server.runtime import Runtime, run_event_loop
     from telerag.server.settings import load_settings, packaged_config
 
@@ -96,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            server = uvicorn.Server(uvicorn.Config(create_app(runtime), host="127.0.0.1", port=port, log_level="warning"))
+            app = create_app(settings)
+            start_serving(app, runtime)
+            server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
             task = asyncio.create_task(server.serve())
             while not server.started:
                 await asyncio.sleep(0.05)

@@ -1,13 +1,28 @@
-"""`telerag serve`: load everything from the settings and serve the HTTP API with uvicorn."""
+"""`telerag serve`: the HTTP API with uvicorn, listening first and loading after, draining at SIGTERM."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from telerag.server.settings import load_settings
+import uvicorn
+from fastapi import FastAPI
+
+from telerag.pipelines.errors import PipelineError
+from telerag.retrieval.errors import DatastoreError, RetrievalError
+from telerag.server.commands.datastore import rebuild_command
+from telerag.server.lifecycle import Lifecycle
+from telerag.server.settings import Settings, load_settings
+
+log = logging.getLogger("telerag.server")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -59,22 +74,121 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from telerag.server.app import create_app
-    from telerag.server.runtime import open_runtime, run_event_loop
+    from telerag.server.runtime import run_event_loop
 
     settings = load_settings(args.config, overrides(args))
     logging.basicConfig(level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_event_loop(serve(settings), settings)
 
-    async def main() -> None:
-        async with open_runtime(settings) as runtime:
-            config = uvicorn.Config(
-                create_app(runtime), host=settings.server.host, port=settings.server.port,
-                log_level=settings.server.log_level, timeout_graceful_shutdown=int(settings.scheduler.request_timeout_s),
-            )
-            logging.getLogger("telerag").info("serving on http://%s:%d", settings.server.host, settings.server.port)
-            await uvicorn.Server(config).serve()
 
-    run_event_loop(main(), settings)
+def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
+    """Everything the server asks of uvicorn, in one place."""
+    return uvicorn.Config(app, host=settings.server.host, port=settings.server.port, log_level=settings.server.log_level)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, with SIGTERM and SIGINT left to the lifecycle (`serve` installs its
+    handlers): uvicorn's own close the listener at the first signal and re-raise it at exit."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def serve(settings: Settings) -> int:
+    """Listen at once, load after, serve, drain at SIGTERM; the process's exit status.
+
+    `/health` answers from the start and `/ready` says what is loading; a load that fails
+    stops the listener and returns 1 with the reason as one line. The first SIGTERM or SIGINT
+    turns new work away (503) and waits up to `server.shutdown_grace_s` for the accepted
+    requests, then returns 0; a second signal, or the end of the grace period, ends the process
+    at once with status 1. A signal while loading stops at once with status 0."""
+    from telerag.server.app import create_app, start_serving
+    from telerag.server.runtime import load_runtime
+
+    loop = asyncio.get_running_loop()
+    lifecycle = Lifecycle()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, lifecycle.on_signal, signum)
+    app = create_app(settings, lifecycle)
+    server = _Server(uvicorn_config(app, settings))
+    listening = asyncio.create_task(_listen(server))
+    while not server.started:
+        if listening.done():  # uvicorn could not start (the port is taken, ...) and said why
+            return 1
+        await asyncio.sleep(0.01)
+    log.info("listening on http://%s:%d; loading", settings.server.host, settings.server.port)
+
+    loading = asyncio.create_task(load_runtime(settings, lifecycle))
+    await _first(loading, lifecycle.stop.wait())
+    if not loading.done():
+        log.info("stopped while loading (%s)", lifecycle.step)
+        _exit_now(0)  # the load's thread cannot be interrupted, only left behind
+    if (failure := loading.exception()) is not None:
+        log.debug("start-up failed", exc_info=failure)
+        log.error("start-up failed: %s", startup_failure(failure, settings.retrieval.datastore.expanduser()))
+        server.should_exit = True
+        await listening
+        return 1
+    runtime = loading.result()
+    service = start_serving(app, runtime)
+    log.info("ready")
+
+    await _first(listening, lifecycle.stop.wait())
+    if listening.done():  # uvicorn stopped by itself: an error
+        await runtime.close()
+        listening.result()
+        return 1
+    lifecycle.drain()
+    grace = settings.server.shutdown_grace_s
+    deadline = loop.time() + grace
+    drained = await _first(service.admission.drain(), lifecycle.force.wait(), deadline=deadline)
+    if drained:
+        server.should_exit = True
+        drained = await _first(listening, lifecycle.force.wait(), deadline=deadline)
+    if not drained:
+        unfinished = service.admission.running + service.admission.waiting
+        why = "at a second signal" if lifecycle.force.is_set() else f"after the {grace:g} s grace period"
+        log.error("stopping %s with %d accepted request(s) unfinished", why, unfinished)
+        _exit_now(1)
+    await runtime.close()
+    log.info("stopped: every accepted request finished")
     return 0
+
+
+async def _listen(server: uvicorn.Server) -> None:
+    """uvicorn's `serve`, which ends the process (SystemExit) when it cannot start: here it ends
+    only this task, after uvicorn has logged why."""
+    with contextlib.suppress(SystemExit):
+        await server.serve()
+
+
+async def _first(awaited: Awaitable[Any], interrupt: Awaitable[Any], *, deadline: float | None = None) -> bool:
+    """Wait for `awaited` until `interrupt` happens or the loop's clock reaches `deadline`;
+    whether `awaited` finished (it is left running otherwise)."""
+    main = asyncio.ensure_future(awaited)
+    stop = asyncio.ensure_future(interrupt)
+    timeout = None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
+    try:
+        await asyncio.wait({main, stop}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+    return main.done()
+
+
+def _exit_now(status: int) -> NoReturn:
+    """End the process without waiting for threads still working (a load, a generation)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def startup_failure(error: BaseException, datastore: Path) -> str:
+    """Why start-up failed, as one line for the operator; for a datastore that is damaged,
+    missing or built for another embedder, with the command that rebuilds it."""
+    typed = isinstance(error, RetrievalError | PipelineError)
+    message = " ".join((str(error) if typed else f"{type(error).__name__}: {error}").split())
+    if isinstance(error, DatastoreError) and (command := rebuild_command(datastore)):
+        message += f"; to rebuild it: {command}"
+    return message

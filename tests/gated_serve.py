@@ -1,0 +1,54 @@
+"""`telerag serve` with gates that a test opens by creating a file, so it can look at a server
+in the middle of its load or of a request:
+
+    python -m tests.gated_serve [--checksum-gate FILE] [--search-gate FILE] serve ARGS...
+
+`--checksum-gate`: the load's checksum pass holds before `vectors.npy` (the other files are
+already counted in its progress) until FILE exists. `--search-gate`: every search holds until
+FILE exists (a request is then in flight for as long as the test wants). Only this test
+launcher patches the server; the server itself has no test hooks.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+
+def wait_for(gate: Path) -> None:
+    while not gate.exists():
+        time.sleep(0.02)
+
+
+def main(argv: list[str]) -> int:
+    import telerag.pipelines.retriever as retriever
+    import telerag.retrieval.datastore as datastore
+    from telerag.server.cli import main as telerag
+
+    while argv and argv[0].startswith("--"):
+        option, gate = argv.pop(0), Path(argv.pop(0))
+        if option == "--checksum-gate":
+            sha256 = datastore._sha256
+
+            def gated_sha256(path, bar=None, _gate=gate, _sha256=sha256):  # noqa: ANN001, ANN202
+                if path.name == datastore.VECTORS:
+                    wait_for(_gate)
+                return _sha256(path, bar)
+
+            datastore._sha256 = gated_sha256
+        elif option == "--search-gate":
+            search = retriever.DirectRetriever._search_batch
+
+            def gated_search(self, requests, _gate=gate, _search=search):  # noqa: ANN001, ANN202
+                wait_for(_gate)
+                return _search(self, requests)
+
+            retriever.DirectRetriever._search_batch = gated_search
+        else:
+            raise SystemExit(f"unknown option {option}")
+    return telerag(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,99 @@
+"""Real `telerag serve` processes for tests: a tiny random LM saved as a model directory, a small
+datastore built with the tiny embedder, and a server on a free loopback port, started and
+waited for. Its output goes to a file (a pipe nobody reads would fill and block the server)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from telerag.pipelines.embedder import Embedder
+from telerag.pipelines.engines.cpu import tiny_random_lm
+from telerag.retrieval.builder import build_datastore
+from telerag.retrieval.corpus import Article, split_passages
+from tests.tiny_models import tiny_embedder_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def save_tiny_lm(directory: Path, seed: int = 0) -> Path:
+    """The tiny random LM of `tiny_random_lm` as a transformers directory (`--model DIR`)."""
+    model, tokenizer = tiny_random_lm(seed)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def build_small_datastore(out_dir: Path, embedder_dir: Path | None = None, articles: int = 60) -> Path:
+    """A datastore of `articles` short articles, embedded with the tiny embedder (by default
+    `tiny_embedder_dir(32, 0)`, which `--embedder` must then name)."""
+    embedder = Embedder(embedder_dir or tiny_embedder_dir(32, 0))
+    corpus = [Article(id=f"a{i}", title=f"Article {i}", text=f"Article {i} is about topic {i % 7}. " * 20) for i in range(articles)]
+    return build_datastore(split_passages(corpus), embedder.encode, embedder=embedder.name, out_dir=out_dir, progress=False)
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen
+    base: str
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(encoding="utf-8", errors="replace")
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        """Until `/ready` answers 200; fails with the server's output if it exits first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise AssertionError(f"telerag serve exited with {self.process.returncode}:\n{self.output()[-4000:]}")
+            try:
+                if httpx.get(f"{self.base}/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"telerag serve did not become ready:\n{self.output()[-4000:]}"
+            time.sleep(0.2)
+
+    def signal(self, signum: int = signal.SIGTERM) -> None:
+        self.process.send_signal(signum)
+
+    def stop(self) -> None:
+        """Kill it if it still runs (test clean-up)."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+
+def start_server(
+    args: Sequence[str],
+    log: Path,
+    *,
+    env: dict[str, str] | None = None,
+    cwd: Path = ROOT,
+    command: Sequence[str] = (sys.executable, "-m", "telerag.server.cli"),
+) -> ServerProcess:
+    """`command serve ARGS --port PORT` on a free port, output to `log`; `env` adds to the environment."""
+    port = free_port()
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
+    environment.pop("TELERAG_CONFIG", None)
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [*command, "serve", *args, "--port", str(port)], cwd=cwd, env=environment, stdout=out, stderr=subprocess.STDOUT,
+        )
+    return ServerProcess(process, f"http://127.0.0.1:{port}", log)

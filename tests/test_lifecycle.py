@@ -1,0 +1,186 @@
+"""A real `telerag serve` process through its life, on loopback with the tiny random LM and a small
+datastore: it listens before it loads and says what is loading, refuses a damaged datastore
+before the model loads, drains at SIGTERM and exits 0, and stops at once at a second signal or
+the end of its grace period. The load and the requests are held where a test needs them by
+`tests/gated_serve.py`. Slow: each test starts a server process."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.serving import ServerProcess, build_small_datastore, save_tiny_lm, start_server
+from tests.tiny_models import tiny_embedder_dir
+
+pytestmark = pytest.mark.slow
+
+QUERY = {"query": "What is topic 3 about?", "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(model directory, embedder directory, datastore): made once, copied where a test damages it."""
+    root = tmp_path_factory.mktemp("assets")
+    embedder = tiny_embedder_dir(32, 0)
+    return save_tiny_lm(root / "tiny-lm"), embedder, build_small_datastore(root / "datastore", embedder)
+
+
+def serve(assets, tmp_path: Path, *gates: str, datastore: Path | None = None, model: Path | None = None,
+          env: dict[str, str] | None = None) -> ServerProcess:
+    lm, embedder, store = assets
+    args = ["--model", str(model or lm), "--embedder", str(embedder), "--datastore", str(datastore or store)]
+    command = (sys.executable, "-m", "tests.gated_serve", *gates) if gates else (sys.executable, "-m", "telerag.server.cli")
+    return start_server(args, tmp_path / "server.log", env=env, command=command)
+
+
+def poll(server: ServerProcess, path: str, until, timeout: float = 120) -> httpx.Response:  # noqa: ANN001
+    """GET `path` until `until(response)` holds (connection errors retried)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert server.process.poll() is None, f"exited with {server.process.returncode}:\n{server.output()[-3000:]}"
+        try:
+            response = httpx.get(server.base + path, timeout=5)
+            if until(response):
+                return response
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{path} never matched:\n{server.output()[-3000:]}"
+        time.sleep(0.1)
+
+
+def in_flight(server: ServerProcess) -> bool:
+    metrics = httpx.get(f"{server.base}/metrics", timeout=5).text
+    return any(line == "telerag_requests_in_flight 1.0" for line in metrics.splitlines())
+
+
+def send_query(server: ServerProcess, results: list) -> threading.Thread:  # noqa: ANN001
+    def run() -> None:
+        try:
+            results.append(httpx.post(f"{server.base}/v1/rag/query", json=QUERY, timeout=120))
+        except httpx.HTTPError as exc:
+            results.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_listens_at_once_and_reports_the_load_until_ready(assets, tmp_path):
+    gate = tmp_path / "checksums"
+    server = serve(assets, tmp_path, "--checksum-gate", str(gate))
+    try:
+        assert poll(server, "/health", lambda r: r.status_code == 200).json() == {"status": "ok"}
+        loading = poll(server, "/ready", lambda r: r.json().get("progress") is not None)
+        assert loading.status_code == 503
+        body = loading.json()
+        assert body["ready"] is False and body["status"] == "loading" and body["loading"] == "checking datastore"
+        assert body["progress"]["task"] == "verify checksums" and body["progress"]["unit"] == "B"
+        assert 0 < body["progress"]["fraction"] < 1  # every file but vectors.npy is counted
+        for method, path in (("POST", "/v1/rag/query"), ("GET", "/v1/pipelines")):
+            refused = httpx.request(method, server.base + path, json=QUERY, timeout=5)
+            assert refused.status_code == 503 and int(refused.headers["retry-after"]) > 0
+            assert refused.json()["error"]["type"] == "not_ready"
+            assert refused.json()["error"]["message"] == "the server is still loading (checking datastore)"
+
+        gate.touch()
+        server.wait_ready()
+        ready = httpx.get(f"{server.base}/ready", timeout=5)
+        assert ready.json()["status"] == "ready" and ready.json()["engine"] and ready.json()["progress"] is None
+        assert ready.json()["datastore"]["passages"] > 0 and ready.json()["datastore"]["embedder"] == assets[1].name
+        assert str(assets[2]) not in ready.text and str(Path.home()) not in ready.text  # no host paths
+        answered = httpx.post(f"{server.base}/v1/rag/query", json=QUERY, timeout=60)
+        assert answered.status_code == 200 and answered.json()["documents"]
+        server.signal(signal.SIGTERM)
+        assert server.process.wait(timeout=60) == 0
+    finally:
+        server.stop()
+    output = server.output()
+    steps = ["checking datastore", "loading model", "loading embedder", "opening datastore"]
+    assert [line.split("start-up: ")[1] for line in output.splitlines() if "start-up: " in line] == steps
+
+
+def truncate_vectors(datastore: Path) -> None:
+    vectors = datastore / "vectors.npy"
+    vectors.write_bytes(vectors.read_bytes()[:-100])
+
+
+def flip_a_vector_byte(datastore: Path) -> None:
+    vectors = datastore / "vectors.npy"
+    data = bytearray(vectors.read_bytes())
+    data[-1] ^= 0xFF
+    vectors.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(("damage", "reason"), [(truncate_vectors, "truncated?"), (flip_a_vector_byte, "fails its sha256 checksum")])
+def test_a_damaged_datastore_is_refused_before_the_model_loads(assets, tmp_path, damage, reason):
+    datastore = shutil.copytree(assets[2], tmp_path / "datastore")
+    damage(datastore)
+    # a model that is not there: had the server loaded the model first, it would fail on that instead
+    server = serve(assets, tmp_path, datastore=datastore, model=tmp_path / "no-such-model")
+    try:
+        status = server.process.wait(timeout=120)
+    finally:
+        server.stop()
+    output = server.output()
+    assert status == 1, output
+    assert "Traceback" not in output and "loading model" not in output
+    (failure,) = [line for line in output.splitlines() if "start-up failed" in line]
+    assert f"{datastore / 'vectors.npy'}" in failure and reason in failure
+    assert f"telerag datastore build --corpus FILE (or --wikipedia) --embedder DIR (the model {assets[1].name}) --out {datastore} --overwrite" in failure
+
+
+def test_sigterm_drains_the_request_in_flight_then_exits_0(assets, tmp_path):
+    gate = tmp_path / "searches"
+    server = serve(assets, tmp_path, "--search-gate", str(gate))
+    results: list = []
+    try:
+        server.wait_ready()
+        request = send_query(server, results)
+        poll(server, "/metrics", lambda r: in_flight(server))
+        server.signal(signal.SIGTERM)
+        draining = poll(server, "/ready", lambda r: r.json()["status"] == "draining")
+        assert draining.status_code == 503 and not draining.json()["ready"]
+        refused = httpx.post(f"{server.base}/v1/rag/query", json=QUERY, timeout=5)
+        assert refused.status_code == 503 and refused.headers["retry-after"]
+        assert refused.json()["error"]["message"] == "the server is shutting down"
+        assert httpx.get(f"{server.base}/health", timeout=5).status_code == 200
+
+        gate.touch()  # the request in flight may now finish
+        request.join(timeout=60)
+        (answered,) = results
+        assert isinstance(answered, httpx.Response) and answered.status_code == 200, answered
+        assert answered.json()["documents"]
+        assert server.process.wait(timeout=60) == 0
+    finally:
+        gate.touch()
+        server.stop()
+    assert "every accepted request finished" in server.output()
+
+
+@pytest.mark.parametrize("stop", ["second signal", "grace period"])
+def test_a_second_signal_or_the_end_of_the_grace_stops_at_once_with_1(assets, tmp_path, stop):
+    gate = tmp_path / "searches"  # never opened: the request in flight never finishes
+    grace = "600" if stop == "second signal" else "1"
+    server = serve(assets, tmp_path, "--search-gate", str(gate), env={"TELERAG_SERVER__SHUTDOWN_GRACE_S": grace})
+    results: list = []
+    try:
+        server.wait_ready()
+        request = send_query(server, results)
+        poll(server, "/metrics", lambda r: in_flight(server))
+        server.signal(signal.SIGTERM)
+        poll(server, "/ready", lambda r: r.json()["status"] == "draining")
+        if stop == "second signal":
+            server.signal(signal.SIGINT)
+        assert server.process.wait(timeout=30) == 1
+        request.join(timeout=30)
+    finally:
+        server.stop()
+    assert "with 1 accepted request(s) unfinished" in server.output()
+    assert not isinstance(results[0], httpx.Response)  # its connection closed without an answer
