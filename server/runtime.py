@@ -73,6 +73,7 @@ def build_engine(settings: Settings) -> Engine:
             mem_fraction_static=engine.mem_fraction_static,
             context_length=engine.context_length,
             tp_size=engine.tp_size,
+            log_level=settings.server.log_level,
         )
     from telerag.pipelines.engines.cpu import CPUEngine
 

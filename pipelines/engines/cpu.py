@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from telerag.pipelines.engines import StopFilter, collect_generations, format_chat
+from telerag.pipelines.engines import StopFilter, collect_generations, format_chat, prompt_token_ids
 from telerag.pipelines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, ModelNotFound
 from telerag.pipelines.types import Generation, SamplingParams, TokenChunk
 
@@ -568,12 +568,10 @@ class CPUEngine:
     # -- submission (caller's thread) -----------------------------------------------------------
 
     def encode_prompt(self, prompt: str) -> list[int]:
-        """The ids the model is given for `prompt`: the model's BOS token in front when it has
-        one (a chat template writes it into the text already), and no other special token."""
+        """The ids the model is given for `prompt` (`prompt_token_ids`: one BOS), checked
+        against the model's context."""
         with self._tokenizer_lock:
-            bos = self.tokenizer.bos_token
-            text = prompt if not bos or prompt.startswith(bos) else bos + prompt
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            ids = prompt_token_ids(self.tokenizer, prompt)
         if not ids:
             raise EngineError("empty prompt")
         if self.context_length and len(ids) >= self.context_length:
