@@ -15,7 +15,6 @@ import importlib.util
 import logging
 import os
 import signal
-import sys
 import threading
 import types
 from collections.abc import AsyncIterator, Iterator
@@ -27,8 +26,6 @@ import pytest
 from telerag.pipelines.engines.sglang import SGLangEngine, sampling_params
 from telerag.pipelines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted
 from telerag.pipelines.types import Engine, Generation, SamplingParams, TokenChunk
-from telerag.server.runtime import build_engine
-from telerag.server.settings import Settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -276,14 +273,6 @@ def test_sglang_logs_at_the_servers_level_and_leaves_its_logging_alone(sglang: t
     assert FakeEngine.instances[0].kwargs["log_level"] == "info"  # the level this process logs at
     assert root.handlers == handlers and root.level == logging.INFO
     assert logging.getLogger("telerag.server").isEnabledFor(logging.INFO)  # not silenced by SGLang
-
-
-def test_the_server_asks_sglang_for_its_own_log_level(sglang: types.ModuleType, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setitem(sys.modules, "sglang", sglang)
-    settings = Settings(engine={"kind": "sglang", "model_path": "/models/m"}, server={"log_level": "debug"})
-    build_engine(settings)
-    assert FakeEngine.instances[0].kwargs["log_level"] == "debug"
-    assert FakeEngine.instances[0].kwargs["mem_fraction_static"] == settings.engine.mem_fraction_static
 
 
 async def test_the_servers_signal_handlers_survive_sglang(sglang: types.ModuleType):

@@ -16,11 +16,12 @@ from tests.test_engine_sglang import FakeEngine, sglang  # noqa: F401 - the fixt
 def test_sglang_engine_from_settings(sglang, monkeypatch):  # noqa: F811
     monkeypatch.setattr("telerag.pipelines.engines.sglang._import_sglang", lambda: sglang)
     settings = Settings(engine={"kind": "sglang", "model_path": "/models/llama", "mem_fraction_static": 0.55,
-                                "context_length": 4096, "tp_size": 1})
+                                "context_length": 4096, "tp_size": 1}, server={"log_level": "debug"})
     engine = runtime.build_engine(settings)
     assert engine.name == "llama"
     assert FakeEngine.instances[-1].kwargs["mem_fraction_static"] == 0.55
     assert FakeEngine.instances[-1].kwargs["context_length"] == 4096
+    assert FakeEngine.instances[-1].kwargs["log_level"] == "debug"  # SGLang logs at the server's level
     with pytest.raises(EngineUnavailable, match="model_path"):
         runtime.build_engine(Settings(engine={"kind": "sglang"}))
 
