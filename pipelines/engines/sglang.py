@@ -267,5 +267,5 @@ def _import_sglang() -> ModuleType:
         return importlib.import_module("sglang")
     except Exception as exc:  # noqa: BLE001 - ImportError, or a broken CUDA install under it
         raise EngineUnavailable(
-            f"SGLang is not available ({exc}); install the 'sglang' extra on a CUDA machine, or use the CPU engine"
+            f"SGLang is not available ({exc}); install the 'sglang' extra on a CUDA machine, or use the transformers engine"
         ) from exc

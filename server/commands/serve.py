@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from telerag.server.settings import load_settings
+from telerag.server.settings import ENGINE_KIND_ALIASES, load_settings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -15,7 +15,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_runtime_flags(parser)
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
-    parser.add_argument("--engine", choices=["cpu", "sglang"])
+    parser.add_argument("--engine", choices=["transformers", "sglang", *ENGINE_KIND_ALIASES])
     parser.add_argument("--cache-mb", type=float, help="GPU cluster cache size")
     parser.add_argument("--prefetch-budget-mb", type=float)
     parser.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1")
