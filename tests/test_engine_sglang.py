@@ -12,15 +12,23 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import logging
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
 import types
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from telerag.pipelines.engines.sglang import SGLangEngine, sampling_params
@@ -28,6 +36,7 @@ from telerag.pipelines.errors import EngineError, EngineOverloaded, EngineUnavai
 from telerag.pipelines.types import Engine, Generation, SamplingParams, TokenChunk
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -98,6 +107,8 @@ class FakeEngine:
 
     instances: list[FakeEngine] = []
     scripts: dict[str, Script] = {}
+    default_script: Script | None = None  # for a prompt without its own script
+    token_delay_s = 0.0  # how long each token takes
     tokenizer: Any = None
     fail_start: Exception | None = None
     fail_request: Exception | None = None
@@ -175,7 +186,7 @@ class FakeEngine:
                     if FakeEngine.fail_midway:
                         raise FakeEngine.fail_midway
                     yield out
-                    await asyncio.sleep(0)
+                    await asyncio.sleep(FakeEngine.token_delay_s)
         finally:
             self.closed_streams += 1  # GeneratorExit here is where SGLang aborts the request
 
@@ -183,7 +194,9 @@ class FakeEngine:
         """SGLang's detokenizer, per prompt: deltas appended to a cumulative text; a stop string
         is found in the decoded text and trimmed from the end, but what was sent stays sent. The
         script is the one for the prompt's text (its special tokens skipped)."""
-        script = FakeEngine.scripts[self.tokenizer_manager.tokenizer.decode(model_input, skip_special_tokens=True)]
+        text = self.tokenizer_manager.tokenizer.decode(model_input, skip_special_tokens=True)
+        script = FakeEngine.scripts.get(text, FakeEngine.default_script)
+        assert script is not None, f"no script for {text!r}"
         stops = params.get("stop") or []
         sent = ""
         for n in range(1, len(script.pieces) + 1):
@@ -217,6 +230,7 @@ def sglang() -> Iterator[types.ModuleType]:
     """The fake module; the root logger and the signal handlers it may change are put back
     afterwards, whatever the adapter did."""
     FakeEngine.instances, FakeEngine.scripts, FakeEngine.tokenizer = [], {}, None
+    FakeEngine.default_script, FakeEngine.token_delay_s = None, 0.0
     FakeEngine.fail_start = FakeEngine.fail_request = FakeEngine.fail_midway = None
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
@@ -446,3 +460,45 @@ async def test_tokens_prompts_and_close_go_through_sglang(sglang: types.ModuleTy
     assert engine.format_prompt("Why?") == "<s><user>Why?<assistant>"
     await engine.close()
     assert FakeEngine.instances[0].shutdown_calls == 1
+
+
+@pytest.mark.slow  # a server process: about 20 s here, most of it importing torch
+def test_sigterm_drains_a_server_with_sglang_in_it_then_stops_sglang():
+    """The server's own shutdown, not SGLang's: a request accepted before SIGTERM gets its whole
+    answer, then SGLang is shut down and the process exits (tests/sglang_server.py)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen([sys.executable, "-m", "tests.sglang_server", str(port)], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while not _answers(f"{base}/health"):
+            assert process.poll() is None and time.time() < deadline, process.stdout.read() if process.stdout else ""
+            time.sleep(0.2)
+        query = {"query": "What is the capital of France?", "pipeline": "naive"}
+        first = httpx.post(f"{base}/v1/rag/query", json=query, timeout=30)  # SGLang installs its handlers here
+        assert first.status_code == 200, first.text
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(httpx.post, f"{base}/v1/rag/query", json=query, timeout=30)
+            while "telerag_requests_in_flight 1.0" not in httpx.get(f"{base}/metrics", timeout=5).text:
+                assert time.time() < deadline and not pending.done()
+                time.sleep(0.05)
+            process.send_signal(signal.SIGTERM)
+            response = pending.result()
+        assert response.status_code == 200 and response.json()["answer"] == first.json()["answer"] != ""
+        assert process.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises SIGTERM once drained
+        report = json.loads(process.stdout.read().strip().splitlines()[-1])
+        assert report == {"shutdown_calls": 1, "sglang_signals": []}
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
