@@ -36,7 +36,7 @@ def prompt_token_ids(tokenizer: Any, prompt: str) -> list[int]:
     `apply_chat_template(..., tokenize=True)`'s ids (the template writes BOS into the text, so no
     special token is added again); for a plain prompt its text after the model's BOS, where the
     model has one. Never two BOS tokens."""
-    bos = tokenizer.bos_token
+    bos = getattr(tokenizer, "bos_token", None)
     text = prompt if not bos or prompt.startswith(bos) else bos + prompt
     return tokenizer.encode(text, add_special_tokens=False)
 
