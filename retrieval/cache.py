@@ -100,8 +100,12 @@ class ClusterCache:
         self.row_bytes = host_vectors.shape[1] * host_vectors.element_size()
         # never more rows than the datastore has: a larger buffer could hold nothing more
         self.capacity_rows = max(0, min(int(capacity_bytes) // self.row_bytes, len(host_vectors)))
+        # made on the caller's current stream (the retrieval engine's), and written on the copy
+        # stream: once freed, its memory waits for the copies still queued there before reuse
         self.buffer = torch.empty((self.capacity_rows, host_vectors.shape[1]), dtype=host_vectors.dtype, device=device)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        if self.copy_stream is not None and self.capacity_rows:
+            self.buffer.record_stream(self.copy_stream)
         self._lock = threading.Lock()
         self._slots: dict[int, _Slot] = {}
         self._free_starts: list[int] = [0] if self.capacity_rows else []

@@ -1,15 +1,25 @@
 """The retrieval engine: lookahead prefetch into the device cluster cache, and exact
-GPU/CPU cooperative IVF search (TeleRAG chapter 4)."""
+GPU/CPU cooperative IVF search (TeleRAG chapter 4).
+
+On CUDA its device work (query copies, centroid products, scans, merges) runs on a stream of its
+own, created with high priority, never on the default stream: kernels other threads of the
+process queue there (the transformers engine's decode steps) would otherwise run first. The
+cache's copies have a stream of their own too; a search's stream waits on exactly the copies it
+reads (events), and a search reads its answer to the host only after its own stream's work.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import faiss
 import numpy as np
@@ -27,6 +37,10 @@ from telerag.retrieval.search import merge_topk, scan_resident
 log = logging.getLogger(__name__)
 
 PROBE_TIE_MARGIN = 1e-5  # relative centroid-score gap below which the device defers to faiss
+STREAM_PRIORITY = -1  # CUDA: lower is sooner; the search stream's blocks go before the default stream's
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -42,6 +56,17 @@ def resolve_device(device: str | torch.device) -> torch.device:
 def default_nprobe(nlist: int) -> int:
     """4·sqrt(nlist), the paper's setting (256 for 4096 lists)."""
     return max(1, min(nlist, int(round(4 * math.sqrt(nlist)))))
+
+
+def _on_stream(method: Callable[Concatenate[RetrievalEngine, P], R]) -> Callable[Concatenate[RetrievalEngine, P], R]:
+    """`method` run with its engine's stream current (see `RetrievalEngine.on_stream`)."""
+
+    @functools.wraps(method)
+    def run(engine: RetrievalEngine, *args: P.args, **kwargs: P.kwargs) -> R:
+        with engine.on_stream():
+            return method(engine, *args, **kwargs)
+
+    return run
 
 
 @dataclass
@@ -89,15 +114,18 @@ class RetrievalEngine:
         self.device = resolve_device(device)
         self.nlist = datastore.nlist
         self.nprobe = nprobe or default_nprobe(self.nlist)
+        self.stream: torch.cuda.Stream | None = None
         if self.device.type == "cuda":
             # Exact fp32 scores: TF32 would change the answers.
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
+            self.stream = torch.cuda.Stream(self.device, priority=STREAM_PRIORITY)
         self.host_vectors = self._host_tensor(progress)
         self.index = CPUIndex(datastore, vectors=self.host_vectors.numpy())  # faiss reads the same memory
-        self.cache = ClusterCache(self.host_vectors, datastore.offsets, cache_bytes, self.device)
-        self.centroids = torch.from_numpy(np.ascontiguousarray(datastore.centroids)).to(self.device)
-        self.codec_params = None if datastore.codec_params is None else torch.from_numpy(datastore.codec_params).to(self.device)
+        with self.on_stream():  # the device tensors searches read belong to the search stream
+            self.cache = ClusterCache(self.host_vectors, datastore.offsets, cache_bytes, self.device)
+            self.centroids = torch.from_numpy(np.ascontiguousarray(datastore.centroids)).to(self.device)
+            self.codec_params = None if datastore.codec_params is None else torch.from_numpy(datastore.codec_params).to(self.device)
         if cpu_threads is None and self.device.type == "cuda":
             cpu_threads = max(1, faiss.omp_get_max_threads() - 1)
         self._cpu_pool = ThreadPoolExecutor(
@@ -110,6 +138,11 @@ class RetrievalEngine:
         # B of TeleRAG §4.2: the copy rate prefetch budgets are computed from
         self.copy_bytes_per_ms = self.cache.measure_copy_rate()
         self.demand = self._demand_policy(demand_copy)
+
+    def on_stream(self) -> contextlib.AbstractContextManager[Any]:
+        """This engine's stream as the calling thread's current one (CUDA; nothing on the CPU):
+        kernels launched inside queue on it, and tensors made inside belong to it."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def _host_tensor(self, progress: bool) -> torch.Tensor:
         """The vectors as a tensor: the memory map itself on CPU; a pinned copy on CUDA, so that
@@ -138,10 +171,11 @@ class RetrievalEngine:
         `demand_copy` as in the constructor."""
         if self.cache.stats().pinned_clusters:
             raise SearchError("cannot resize the cluster cache while clusters are pinned")
-        self.cache = ClusterCache(self.host_vectors, self.datastore.offsets, 0, self.device)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        self.cache = ClusterCache(self.host_vectors, self.datastore.offsets, cache_bytes, self.device)
+        with self.on_stream():
+            self.cache = ClusterCache(self.host_vectors, self.datastore.offsets, 0, self.device)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.cache = ClusterCache(self.host_vectors, self.datastore.offsets, cache_bytes, self.device)
         self.copy_bytes_per_ms = self.cache.measure_copy_rate() or self.copy_bytes_per_ms
         self.demand = self._demand_policy(demand_copy)
 
@@ -150,6 +184,7 @@ class RetrievalEngine:
 
     # -- prefetch -------------------------------------------------------------------------------
 
+    @_on_stream
     def rank_clusters(self, queries: np.ndarray) -> np.ndarray:
         """Every query's clusters, nearest centroid first: scored on the GPU when there is one,
         else by faiss (whose thread pool is the only one a CPU search then wakes)."""
@@ -215,6 +250,7 @@ class RetrievalEngine:
 
     # -- search -----------------------------------------------------------------------------------
 
+    @_on_stream
     def search(
         self,
         q_out: np.ndarray,
@@ -422,8 +458,7 @@ class RetrievalEngine:
         passes are queued before one wait: a pass waits on the stream for its own copies only,
         while the host already prepares the next. Returns the results, the scan time and how
         long the stream waited for copies (both ms)."""
-        cuda = self.device.type == "cuda"
-        stream = torch.cuda.current_stream(self.device) if cuda else None
+        stream = self.stream
         begin = end = None
         waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         started = time.perf_counter()

@@ -97,13 +97,14 @@ def build_engine(settings: Settings) -> Engine:
             mem_fraction_static=engine.mem_fraction_static,
             context_length=engine.context_length,
             tp_size=engine.tp_size,
+            log_level=settings.server.log_level,
         )
-    from telerag.pipelines.engines.cpu import CPUEngine
+    from telerag.pipelines.engines.cpu import TransformersEngine
 
     device = _device(engine.device)
     if engine.model_path is None:
-        return CPUEngine.embedded_default(device=device)
-    return CPUEngine.from_pretrained(engine.model_path, device=device)
+        return TransformersEngine.embedded_default(device=device)
+    return TransformersEngine.from_pretrained(engine.model_path, device=device)
 
 
 def load_embedder(retrieval: RetrievalSettings) -> Embedder:

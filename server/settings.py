@@ -8,10 +8,10 @@ import os
 from contextvars import ContextVar
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, BeforeValidator, Field, SecretStr
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 _config_file: ContextVar[Path | None] = ContextVar("telerag_config_file", default=None)  # --config, while loading
@@ -29,8 +29,13 @@ def user_cache_dir() -> Path:
     return Path(os.environ.get("TELERAG_CACHE_DIR", Path.home() / ".cache" / "telerag")).expanduser()
 
 
+ENGINE_KIND_ALIASES = {"cpu": "transformers"}  # its old name: the transformers engine runs on CUDA too
+
+
 class EngineSettings(BaseModel):
-    kind: Literal["cpu", "sglang"] = "cpu"
+    kind: Annotated[
+        Literal["transformers", "sglang"], BeforeValidator(lambda kind: ENGINE_KIND_ALIASES.get(kind, kind))
+    ] = "transformers"
     model_path: Path | None = None  # None: the embedded Gemma 3 270M
     device: str = "auto"
     mem_fraction_static: float = Field(0.6, gt=0, lt=1)  # SGLang: leave room for the cluster cache
@@ -79,7 +84,7 @@ class ServerSettings(BaseModel):
     # requests it accepted; past it, or at a second signal, it stops at once (exit status 1).
     shutdown_grace_s: float = Field(30.0, ge=0)
     # How long a thread may hold the GIL before another one waiting for it gets a turn (Python's
-    # default: 5 ms). The CPU engine and the retrieval workers are threads of this process; with
+    # default: 5 ms). The transformers engine and the retrieval workers are threads of this process; with
     # the default the event loop can wait 5 ms at each wake-up while they run.
     switch_interval_ms: float = Field(0.5, gt=0)
 

@@ -1,4 +1,4 @@
-"""CPUEngine: what a caller relies on, on the tiny random Gemma 3 (fast) and on the embedded
+"""TransformersEngine: what a caller relies on, on the tiny random Gemma 3 (fast) and on the embedded
 Gemma 3 270M GGUF (slow: converts it once into a temporary cache)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from telerag.pipelines.engines import StopFilter, format_chat
-from telerag.pipelines.engines.cpu import CPUEngine, _Detokenizer, converted_gguf, tiny_random_lm
+from telerag.pipelines.engines.cpu import TransformersEngine, _Detokenizer, converted_gguf, tiny_random_lm
 from telerag.pipelines.errors import (
     EngineError,
     EngineOverloaded,
@@ -36,7 +36,7 @@ GREEDY = SamplingParams(max_tokens=12)
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[CPUEngine]:
+def engine() -> Iterator[TransformersEngine]:
     engine = tiny_engine()
     yield engine
     asyncio.run(engine.close())
@@ -52,7 +52,7 @@ def reference() -> torch.nn.Module:
 class Recorder:
     """A forward pre-hook on the model: records each step's batch size, and can fail a step."""
 
-    def __init__(self, engine: CPUEngine, fail_at: int | None = None) -> None:
+    def __init__(self, engine: TransformersEngine, fail_at: int | None = None) -> None:
         self.batch_sizes: list[int] = []
         self.fail_at = fail_at
         self.handle = engine.model.register_forward_pre_hook(self, with_kwargs=True)
@@ -66,7 +66,7 @@ class Recorder:
         self.handle.remove()
 
 
-async def collect(engine: CPUEngine, prompts: list[str], params: SamplingParams) -> tuple[dict[int, str], dict[int, Generation]]:
+async def collect(engine: TransformersEngine, prompts: list[str], params: SamplingParams) -> tuple[dict[int, str], dict[int, Generation]]:
     """Stream `prompts`: the concatenated chunk text and the Generation of each prompt."""
     texts: dict[int, str] = {i: "" for i in range(len(prompts))}
     finals: dict[int, Generation] = {}
@@ -79,11 +79,11 @@ async def collect(engine: CPUEngine, prompts: list[str], params: SamplingParams)
     return texts, finals
 
 
-def test_it_is_an_engine(engine: CPUEngine):
+def test_it_is_an_engine(engine: TransformersEngine):
     assert isinstance(engine, Engine)
 
 
-async def test_streaming_yields_the_same_text_as_generate(engine: CPUEngine):
+async def test_streaming_yields_the_same_text_as_generate(engine: TransformersEngine):
     params = SamplingParams(max_tokens=16, logprobs=True)
     texts, finals = await collect(engine, PROMPTS, params)
     generated = await engine.generate(PROMPTS, params)
@@ -97,7 +97,7 @@ async def test_streaming_yields_the_same_text_as_generate(engine: CPUEngine):
         assert 0 < generation.ttft_ms <= generation.total_ms
 
 
-async def test_greedy_is_deterministic_and_matches_transformers_generate(engine: CPUEngine, reference: torch.nn.Module):
+async def test_greedy_is_deterministic_and_matches_transformers_generate(engine: TransformersEngine, reference: torch.nn.Module):
     first = await engine.generate(PROMPTS, GREEDY)
     second = await engine.generate(PROMPTS, GREEDY)
     assert [g.token_ids for g in first] == [g.token_ids for g in second]
@@ -111,7 +111,7 @@ async def test_greedy_is_deterministic_and_matches_transformers_generate(engine:
         assert generation.text == engine.decode(generation.token_ids)
 
 
-async def test_a_batch_equals_individual_calls(engine: CPUEngine):
+async def test_a_batch_equals_individual_calls(engine: TransformersEngine):
     # The prompts differ in length (left padding) and run past the sliding window of 8 tokens.
     batch = await engine.generate(PROMPTS, GREEDY)
     for prompt, generation in zip(PROMPTS, batch, strict=True):
@@ -119,7 +119,7 @@ async def test_a_batch_equals_individual_calls(engine: CPUEngine):
         assert alone.token_ids == generation.token_ids and alone.text == generation.text
 
 
-async def test_concurrent_callers_share_batches_and_each_get_their_own_results(engine: CPUEngine):
+async def test_concurrent_callers_share_batches_and_each_get_their_own_results(engine: TransformersEngine):
     params = [SamplingParams(max_tokens=n) for n in (5, 12, 8)]
     alone = [(await engine.generate([p], sp))[0] for p, sp in zip(PROMPTS, params, strict=True)]
     recorder = Recorder(engine)
@@ -162,7 +162,7 @@ async def test_callers_arriving_mid_generation_join_the_running_batch():
     torch.testing.assert_close(torch.tensor(long.logprobs), torch.tensor(alone["long"].logprobs), atol=1e-4, rtol=0)
 
 
-async def test_stop_strings_cut_the_text_even_across_tokens(engine: CPUEngine):
+async def test_stop_strings_cut_the_text_even_across_tokens(engine: TransformersEngine):
     (free,) = await engine.generate([PROMPTS[1]], SamplingParams(max_tokens=16))
     # A stop string that starts inside one token's text and ends in the next one's.
     first_piece = engine.decode(free.token_ids[:3])
@@ -174,14 +174,14 @@ async def test_stop_strings_cut_the_text_even_across_tokens(engine: CPUEngine):
     assert finals[0].completion_tokens < free.completion_tokens
 
 
-async def test_max_tokens_is_respected(engine: CPUEngine):
+async def test_max_tokens_is_respected(engine: TransformersEngine):
     generations = await engine.generate(PROMPTS, SamplingParams(max_tokens=3))
     assert [(g.completion_tokens, g.finish_reason) for g in generations] == [(3, "length")] * 3
     (nothing,) = await engine.generate([PROMPTS[0]], SamplingParams(max_tokens=0))
     assert (nothing.text, nothing.completion_tokens, nothing.finish_reason) == ("", 0, "length")
 
 
-async def test_logprobs_are_those_of_a_plain_forward_pass(engine: CPUEngine, reference: torch.nn.Module):
+async def test_logprobs_are_those_of_a_plain_forward_pass(engine: TransformersEngine, reference: torch.nn.Module):
     generations = await engine.generate(PROMPTS, SamplingParams(max_tokens=10, logprobs=True))
     for prompt, generation in zip(PROMPTS, generations, strict=True):
         prompt_ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
@@ -262,7 +262,7 @@ async def test_a_failing_model_raises_engine_error_and_the_engine_recovers():
         await engine.close()
 
 
-async def test_requests_the_engine_cannot_serve_are_refused_typed(engine: CPUEngine):
+async def test_requests_the_engine_cannot_serve_are_refused_typed(engine: TransformersEngine):
     with pytest.raises(EngineError, match="empty prompt"):
         await engine.generate([""], GREEDY)
     with pytest.raises(EngineError, match="context"):
@@ -293,11 +293,11 @@ def test_errors_have_codes_and_a_common_base():
     assert len({cls.code for cls in (EngineError, EngineUnavailable, EngineOverloaded, GenerationAborted, ModelNotFound)}) == 5
 
 
-async def test_from_pretrained_loads_a_saved_model(engine: CPUEngine, tmp_path: Path):
+async def test_from_pretrained_loads_a_saved_model(engine: TransformersEngine, tmp_path: Path):
     model, tokenizer = tiny_random_lm(0)
     model.save_pretrained(tmp_path / "tiny")
     tokenizer.save_pretrained(tmp_path / "tiny")
-    loaded = CPUEngine.from_pretrained(tmp_path / "tiny")
+    loaded = TransformersEngine.from_pretrained(tmp_path / "tiny")
     try:
         assert loaded.name == "tiny"
         (from_disk,) = await loaded.generate([PROMPTS[1]], GREEDY)
@@ -309,13 +309,13 @@ async def test_from_pretrained_loads_a_saved_model(engine: CPUEngine, tmp_path: 
 
 def test_missing_or_broken_models_are_typed_errors(tmp_path: Path):
     with pytest.raises(ModelNotFound):
-        CPUEngine.from_pretrained(tmp_path / "nowhere")
+        TransformersEngine.from_pretrained(tmp_path / "nowhere")
     with pytest.raises(ModelNotFound):
-        CPUEngine.from_pretrained(tmp_path, gguf_file="nowhere.gguf")
+        TransformersEngine.from_pretrained(tmp_path, gguf_file="nowhere.gguf")
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text("{not json")
     with pytest.raises(EngineUnavailable):
-        CPUEngine.from_pretrained(tmp_path / "broken")
+        TransformersEngine.from_pretrained(tmp_path / "broken")
 
 
 class FakeGGUFReader:
@@ -355,7 +355,7 @@ def test_a_gguf_is_converted_once_into_the_cache(tmp_path: Path, monkeypatch: py
     assert converted_gguf(gguf, cache_dir=tmp_path / "cache") == target and reader.reads == 1
     assert [p.name for p in target.parent.iterdir()] == [target.name]  # no temporary left
     monkeypatch.undo()
-    assert CPUEngine.from_pretrained(target).tokenizer.vocab_size == reader.tokenizer.vocab_size
+    assert TransformersEngine.from_pretrained(target).tokenizer.vocab_size == reader.tokenizer.vocab_size
     gguf.write_bytes(b"GGUF" * 999)  # another file: converted again, into its own directory
     FakeGGUFReader(monkeypatch)
     assert converted_gguf(gguf, cache_dir=tmp_path / "cache") != target
@@ -370,7 +370,7 @@ def test_a_failed_gguf_conversion_leaves_nothing_behind(tmp_path: Path, monkeypa
     assert list((tmp_path / "cache" / "models").iterdir()) == []
 
 
-def test_format_prompt_uses_the_chat_template_only_when_there_is_one(engine: CPUEngine):
+def test_format_prompt_uses_the_chat_template_only_when_there_is_one(engine: TransformersEngine):
     assert engine.format_prompt("Why is the sky blue?") == "Why is the sky blue?"
     tokenizer = copy.deepcopy(engine.tokenizer)
     tokenizer.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}<model>"
@@ -432,7 +432,7 @@ async def test_the_embedded_gemma_answers_and_matches_transformers(gemma_dir: Pa
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("TELERAG_CACHE_DIR", str(gemma_dir.parent.parent))
-    engine = CPUEngine.embedded_default()
+    engine = TransformersEngine.embedded_default()
     reference = AutoModelForCausalLM.from_pretrained(gemma_dir, local_files_only=True, dtype=torch.float32).eval()
     try:
         assert engine.name == "gemma-3-270m" and engine.tokenizer.bos_token == "<bos>"

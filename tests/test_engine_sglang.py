@@ -1,19 +1,34 @@
-"""SGLangEngine against a fake `sglang` module whose `Engine` mirrors the signatures and the
-streamed output of sglang 0.5 (`sglang/srt/entrypoints/engine.py`, `managers/tokenizer_manager.py`,
-`managers/detokenizer_manager.py`): cumulative `text` and `output_ids`, `meta_info` with the
-token counts, `finish_reason` dicts and cumulative `(logprob, id, text)` triples, `index` per
-prompt of a batch, a matched stop string trimmed at the end, and abort when the stream closes."""
+"""SGLangEngine against a fake `sglang` module whose `Engine` mirrors the signatures, the
+streamed output and the side effects of sglang 0.5.23 (`sglang/srt/entrypoints/engine.py`,
+`managers/tokenizer_manager.py`, `managers/detokenizer_manager.py`, `utils/common.py`):
+cumulative `text` and `output_ids`, `meta_info` with the token counts, `finish_reason` dicts and
+cumulative `(logprob, id, text)` triples, `index` per prompt of a batch, a matched stop string
+trimmed at the end, abort when the stream closes; and, as SGLang does in its host process, a
+SIGQUIT handler installed at launch, SIGTERM and SIGQUIT handlers installed on the event loop
+by the first request, `logging.basicConfig(force=True)` at launch, and text prompts tokenised
+with the tokenizer's special tokens."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
+import logging
 import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
 import types
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from telerag.pipelines.engines.sglang import SGLangEngine, sampling_params
@@ -21,6 +36,7 @@ from telerag.pipelines.errors import EngineError, EngineOverloaded, EngineUnavai
 from telerag.pipelines.types import Engine, Generation, SamplingParams, TokenChunk
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -40,16 +56,50 @@ class Script:
 
 
 class FakeTokenizer:
+    """Characters as ids and "<s>" (BOS, id 1) as one token. Like a Llama tokenizer, `encode`
+    puts BOS in front unless told not to, and the chat template writes BOS into the text."""
+
+    bos_token, bos_token_id = "<s>", 1
     chat_template: str | None = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [ord(c) for c in text]
+        ids = [self.bos_token_id] if add_special_tokens else []
+        for i, part in enumerate(text.split(self.bos_token)):
+            ids += ([self.bos_token_id] if i else []) + [ord(c) for c in part]
+        return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(i) for i in ids)
+        bos = "" if skip_special_tokens else self.bos_token
+        return "".join(bos if i == self.bos_token_id else chr(i) for i in ids)
 
-    def apply_chat_template(self, messages: list[dict], tokenize: bool, add_generation_prompt: bool) -> str:
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+    def apply_chat_template(
+        self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = False
+    ) -> str | list[int]:
+        text = self.bos_token + "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        text += "<assistant>" if add_generation_prompt else ""
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+@dataclass
+class FakeTokenizerManager:
+    """SGLang's TokenizerManager: a text prompt is tokenised with the special tokens; the
+    output loop starts on the first request's event loop, which (in the main thread) gets
+    SGLang's own SIGTERM and SIGQUIT handlers."""
+
+    tokenizer: Any
+    event_loop: asyncio.AbstractEventLoop | None = None
+    signals: list[int] = field(default_factory=list)  # those SGLang's handlers received
+
+    def auto_create_handle_loop(self) -> None:
+        if self.event_loop is not None:
+            return
+        self.event_loop = asyncio.get_running_loop()
+        if threading.current_thread() is threading.main_thread():
+            self.event_loop.add_signal_handler(signal.SIGTERM, self.signals.append, signal.SIGTERM)
+            self.event_loop.add_signal_handler(signal.SIGQUIT, self.signals.append, signal.SIGQUIT)
+
+    def model_input(self, text: str | None, input_ids: list[int] | None) -> list[int]:
+        return self.tokenizer.encode(text) if input_ids is None else list(input_ids)
 
 
 class FakeEngine:
@@ -57,6 +107,9 @@ class FakeEngine:
 
     instances: list[FakeEngine] = []
     scripts: dict[str, Script] = {}
+    default_script: Script | None = None  # for a prompt without its own script
+    token_delay_s = 0.0  # how long each token takes
+    tokenizer: Any = None
     fail_start: Exception | None = None
     fail_request: Exception | None = None
     fail_midway: Exception | None = None
@@ -64,8 +117,13 @@ class FakeEngine:
     def __init__(self, **kwargs: Any) -> None:
         if FakeEngine.fail_start:
             raise FakeEngine.fail_start
-        self.kwargs = kwargs
-        self.tokenizer_manager = types.SimpleNamespace(tokenizer=FakeTokenizer())
+        self.kwargs = dict(kwargs)
+        kwargs.setdefault("log_level", "error")  # SGLang: "Do not print logs by default"
+        logging.basicConfig(level=kwargs["log_level"].upper(), format="[fake sglang] %(message)s", force=True)
+        self.launch_signals: list[int] = []
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGQUIT, lambda signum, frame: self.launch_signals.append(signum))
+        self.tokenizer_manager = FakeTokenizerManager(FakeEngine.tokenizer or FakeTokenizer())
         self.requests: list[dict[str, Any]] = []
         self.closed_streams = 0
         self.shutdown_calls = 0
@@ -97,18 +155,27 @@ class FakeEngine:
         stream: bool = False,
         **rest: Any,
     ) -> dict | AsyncIterator[dict]:
+        assert stream is True and isinstance(sampling_params, dict)
+        assert (prompt is None) != (input_ids is None), "one of text and input_ids"
+        batch = prompt if prompt is not None else input_ids
+        assert isinstance(batch, list) and batch and isinstance(batch[0], (str, list))
+        texts = prompt or [None] * len(batch)
+        ids = input_ids or [None] * len(batch)
+        model_inputs = [self.tokenizer_manager.model_input(t, i) for t, i in zip(texts, ids, strict=True)]
         self.requests.append(
-            {"prompt": prompt, "sampling_params": sampling_params, "return_logprob": return_logprob, "stream": stream}
+            {"prompt": prompt, "input_ids": input_ids, "model_inputs": model_inputs,
+             "sampling_params": sampling_params, "return_logprob": return_logprob, "stream": stream}
         )
-        assert stream is True and isinstance(prompt, list) and isinstance(sampling_params, dict)
-        return self._stream(prompt, sampling_params, bool(return_logprob))
+        return self._stream(model_inputs, sampling_params, bool(return_logprob))
 
-    async def _stream(self, prompts: list[str], params: dict, return_logprob: bool) -> AsyncIterator[dict]:
+    async def _stream(self, model_inputs: list[list[int]], params: dict, return_logprob: bool) -> AsyncIterator[dict]:
         """Interleaves the prompts' outputs, one token each in turn, the last prompt first. Like
-        SGLang's, it checks the request (and may refuse it) only when first asked for output."""
+        SGLang's, it starts the output loop and checks the request (and may refuse it) only when
+        first asked for output."""
+        self.tokenizer_manager.auto_create_handle_loop()
         if FakeEngine.fail_request:
             raise FakeEngine.fail_request
-        states = [self._outputs(index, prompt, params, return_logprob) for index, prompt in enumerate(prompts)]
+        states = [self._outputs(index, ids, params, return_logprob) for index, ids in enumerate(model_inputs)]
         try:
             while states:
                 for state in list(reversed(states)):
@@ -119,14 +186,17 @@ class FakeEngine:
                     if FakeEngine.fail_midway:
                         raise FakeEngine.fail_midway
                     yield out
-                    await asyncio.sleep(0)
+                    await asyncio.sleep(FakeEngine.token_delay_s)
         finally:
             self.closed_streams += 1  # GeneratorExit here is where SGLang aborts the request
 
-    def _outputs(self, index: int, prompt: str, params: dict, return_logprob: bool):
+    def _outputs(self, index: int, model_input: list[int], params: dict, return_logprob: bool) -> Iterator[dict]:
         """SGLang's detokenizer, per prompt: deltas appended to a cumulative text; a stop string
-        is found in the decoded text and trimmed from the end, but what was sent stays sent."""
-        script = FakeEngine.scripts[prompt]
+        is found in the decoded text and trimmed from the end, but what was sent stays sent. The
+        script is the one for the prompt's text (its special tokens skipped)."""
+        text = self.tokenizer_manager.tokenizer.decode(model_input, skip_special_tokens=True)
+        script = FakeEngine.scripts.get(text, FakeEngine.default_script)
+        assert script is not None, f"no script for {text!r}"
         stops = params.get("stop") or []
         sent = ""
         for n in range(1, len(script.pieces) + 1):
@@ -143,7 +213,7 @@ class FakeEngine:
             elif n == len(script.pieces):
                 finish = {"type": "stop", "matched": 2}  # the EOS token
             sent += decoded[len(sent):] if len(decoded) > len(sent) else ""
-            meta: dict[str, Any] = {"id": f"rid-{index}", "finish_reason": finish, "prompt_tokens": len(prompt),
+            meta: dict[str, Any] = {"id": f"rid-{index}", "finish_reason": finish, "prompt_tokens": len(model_input),
                                     "completion_tokens": n, "cached_tokens": 0}
             if return_logprob:
                 meta["output_token_logprobs"] = [
@@ -156,10 +226,23 @@ class FakeEngine:
 
 
 @pytest.fixture
-def sglang() -> types.ModuleType:
-    FakeEngine.instances, FakeEngine.scripts = [], {}
+def sglang() -> Iterator[types.ModuleType]:
+    """The fake module; the root logger and the signal handlers it may change are put back
+    afterwards, whatever the adapter did."""
+    FakeEngine.instances, FakeEngine.scripts, FakeEngine.tokenizer = [], {}, None
+    FakeEngine.default_script, FakeEngine.token_delay_s = None, 0.0
     FakeEngine.fail_start = FakeEngine.fail_request = FakeEngine.fail_midway = None
-    return types.SimpleNamespace(Engine=FakeEngine)  # type: ignore[return-value]
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    handlers_before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGQUIT)}
+    yield types.SimpleNamespace(Engine=FakeEngine)  # type: ignore[misc]
+    for engine in FakeEngine.instances:
+        if engine.tokenizer_manager.event_loop is not None and not engine.tokenizer_manager.event_loop.is_closed():
+            for sig in handlers_before:
+                engine.tokenizer_manager.event_loop.remove_signal_handler(sig)
+    for sig, handler in handlers_before.items():
+        signal.signal(sig, handler)
+    root.handlers[:], root.level = handlers, level
 
 
 async def collect(
@@ -185,13 +268,106 @@ def test_sampling_params_translate_to_sglang():
 
 def test_the_engine_is_configured_as_asked(sglang: types.ModuleType):
     engine = SGLangEngine("/models/Llama-3.2-3B/", mem_fraction_static=0.6, context_length=8192, tp_size=2,
-                          module=sglang, random_seed=7)
+                          log_level="debug", module=sglang, random_seed=7)
     assert isinstance(engine, Engine)
     assert engine.name == "Llama-3.2-3B"
     assert FakeEngine.instances[0].kwargs == {
         "model_path": "/models/Llama-3.2-3B/", "tp_size": 2, "mem_fraction_static": 0.6, "context_length": 8192,
-        "random_seed": 7, "incremental_streaming_output": False,
+        "log_level": "debug", "random_seed": 7, "incremental_streaming_output": False,
     }
+
+
+def test_sglang_logs_at_the_servers_level_and_leaves_its_logging_alone(sglang: types.ModuleType):
+    root = logging.getLogger()
+    ours = logging.StreamHandler()
+    root.addHandler(ours)
+    root.setLevel(logging.INFO)
+    handlers = list(root.handlers)
+    SGLangEngine("m", module=sglang)
+    assert FakeEngine.instances[0].kwargs["log_level"] == "info"  # the level this process logs at
+    assert root.handlers == handlers and root.level == logging.INFO
+    assert logging.getLogger("telerag.server").isEnabledFor(logging.INFO)  # not silenced by SGLang
+
+
+async def test_the_servers_signal_handlers_survive_sglang(sglang: types.ModuleType):
+    """uvicorn catches SIGTERM with `signal.signal` to drain; SGLang's handlers (at launch and on
+    the loop at the first request) must not replace it, nor be called beside it."""
+    received: list[int] = []
+
+    def ours(signum: int, frame: object) -> None:
+        received.append(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGQUIT):
+        signal.signal(sig, ours)
+    FakeEngine.scripts = {"q": Script(["x", "y"])}
+    engine = SGLangEngine("m", module=sglang)
+    await engine.generate(["q"], SamplingParams())
+    await engine.generate(["q"], SamplingParams())
+    fake = FakeEngine.instances[0]
+    assert fake.tokenizer_manager.event_loop is asyncio.get_running_loop()  # SGLang's loop runs on ours
+    for sig in (signal.SIGTERM, signal.SIGQUIT):
+        assert signal.getsignal(sig) is ours  # checked first: a default handler would end pytest
+        signal.raise_signal(sig)
+    await asyncio.sleep(0.05)  # a handler on the loop would run as a callback
+    assert received == [signal.SIGTERM, signal.SIGQUIT]
+    assert fake.tokenizer_manager.signals == [] and fake.launch_signals == []
+
+
+async def test_a_chat_prompt_reaches_the_model_with_one_bos(sglang: types.ModuleType):
+    """The ids SGLang gets are the chat template's own (`apply_chat_template(tokenize=True)`):
+    sent as text, SGLang would tokenise the rendered template, BOS included, with a second BOS."""
+    FakeEngine.tokenizer = tokenizer = FakeTokenizer()
+    tokenizer.chat_template = "..."
+    engine = SGLangEngine("m", module=sglang)
+    prompt = engine.format_prompt("Why?")
+    FakeEngine.scripts = {"<user>Why?<assistant>": Script(["Because"]), "plain": Script(["text"])}
+    texts, finals = await collect(engine, [prompt], SamplingParams())
+    model_input = FakeEngine.instances[0].requests[0]["model_inputs"][0]
+    messages = [{"role": "user", "content": "Why?"}]
+    assert model_input == tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    assert model_input.count(tokenizer.bos_token_id) == 1 and model_input[0] == tokenizer.bos_token_id
+    assert finals[0].prompt_tokens == len(model_input) and texts[0] == "Because"
+    tokenizer.chat_template = None  # a base model: the plain text after one BOS, as SGLang would send it
+    await engine.generate([engine.format_prompt("plain")], SamplingParams())
+    assert FakeEngine.instances[0].requests[1]["model_inputs"][0] == tokenizer.encode("plain")
+
+
+async def test_a_real_llama3_style_template_gets_one_bos(sglang: types.ModuleType):
+    FakeEngine.tokenizer = tokenizer = llama3_style_tokenizer()
+    engine = SGLangEngine("m", module=sglang)
+    prompt = engine.format_prompt("hello world")
+    messages = [{"role": "user", "content": "hello world"}]
+    FakeEngine.scripts = {tokenizer.decode(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                                         return_dict=False), skip_special_tokens=True): Script(["ok"])}
+    await engine.generate([prompt], SamplingParams())
+    model_input = FakeEngine.instances[0].requests[0]["model_inputs"][0]
+    assert model_input == tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert model_input.count(tokenizer.bos_token_id) == 1
+    assert tokenizer(prompt)["input_ids"].count(tokenizer.bos_token_id) == 2  # what sending the text would give
+
+
+def llama3_style_tokenizer() -> Any:
+    """A word-level tokenizer with Llama 3's special tokens, post-processor (BOS in front) and
+    chat template (which writes BOS itself), built in-process."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>", "[UNK]"]
+    words = ["user", "assistant", "hello", "world", "ok"]
+    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(special + words)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens(special)
+    backend.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B", special_tokens=[("<|begin_of_text|>", 0)]
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+                                        unk_token="[UNK]")
+    tokenizer.chat_template = (
+        "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|> "
+        "{{ m['content'] }}<|eot_id|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|> {% endif %}"
+    )
+    return tokenizer
 
 
 async def test_a_streamed_batch_translates_to_chunks_and_generations(sglang: types.ModuleType):
@@ -201,7 +377,7 @@ async def test_a_streamed_batch_translates_to_chunks_and_generations(sglang: typ
     assert FakeEngine.instances[0].requests[0]["return_logprob"] is True
     assert texts == {0: "Paris is", 1: "Rome"}
     a, b = finals[0], finals[1]
-    assert (a.text, a.finish_reason, a.completion_tokens, a.prompt_tokens, a.index) == ("Paris is", "length", 3, 1, 0)
+    assert (a.text, a.finish_reason, a.completion_tokens, a.prompt_tokens, a.index) == ("Paris is", "length", 3, 2, 0)
     assert a.token_ids == (1000, 1001, 1002) and a.logprobs == pytest.approx((-0.1, -0.2, -0.3))
     assert (b.text, b.finish_reason, b.completion_tokens) == ("Rome", "stop", 2)
     assert 0 < a.ttft_ms <= a.total_ms
@@ -278,9 +454,51 @@ def test_without_sglang_installed_the_engine_is_unavailable():
 
 async def test_tokens_prompts_and_close_go_through_sglang(sglang: types.ModuleType):
     engine = SGLangEngine("m", module=sglang)
-    assert engine.count_tokens("abc") == 3 and engine.decode([104, 105]) == "hi"
+    assert engine.count_tokens("abc") == 3 and engine.decode([1, 104, 105]) == "hi"
     assert engine.format_prompt("Why?") == "Why?"
     engine.tokenizer.chat_template = "..."
-    assert engine.format_prompt("Why?") == "<user>Why?<assistant>"
+    assert engine.format_prompt("Why?") == "<s><user>Why?<assistant>"
     await engine.close()
     assert FakeEngine.instances[0].shutdown_calls == 1
+
+
+@pytest.mark.slow  # a server process: about 20 s here, most of it importing torch
+def test_sigterm_drains_a_server_with_sglang_in_it_then_stops_sglang():
+    """The server's own shutdown, not SGLang's: a request accepted before SIGTERM gets its whole
+    answer, then SGLang is shut down and the process exits (tests/sglang_server.py)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen([sys.executable, "-m", "tests.sglang_server", str(port)], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while not _answers(f"{base}/health"):
+            assert process.poll() is None and time.time() < deadline, process.stdout.read() if process.stdout else ""
+            time.sleep(0.2)
+        query = {"query": "What is the capital of France?", "pipeline": "naive"}
+        first = httpx.post(f"{base}/v1/rag/query", json=query, timeout=30)  # SGLang installs its handlers here
+        assert first.status_code == 200, first.text
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(httpx.post, f"{base}/v1/rag/query", json=query, timeout=30)
+            while "telerag_requests_in_flight 1.0" not in httpx.get(f"{base}/metrics", timeout=5).text:
+                assert time.time() < deadline and not pending.done()
+                time.sleep(0.05)
+            process.send_signal(signal.SIGTERM)
+            response = pending.result()
+        assert response.status_code == 200 and response.json()["answer"] == first.json()["answer"] != ""
+        assert process.wait(timeout=30) == 0  # drained: a clean exit
+        report = json.loads(process.stdout.read().strip().splitlines()[-1])
+        assert report == {"shutdown_calls": 1, "sglang_signals": []}
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -6,12 +6,17 @@ from pathlib import Path
 
 import pytest
 
+from pydantic import ValidationError
+
+from telerag.pipelines.engines.cpu import TransformersEngine, tiny_random_lm
 from telerag.pipelines.errors import EngineUnavailable
 from telerag.pipelines.registry import PIPELINES
 from telerag.retrieval.errors import DatastoreCorruptError
 from telerag.retrieval.progress import StepProgress
 from telerag.server import runtime
-from telerag.server.settings import Settings
+from telerag.server.cli import build_parser
+from telerag.server.commands import serve
+from telerag.server.settings import Settings, load_settings
 from tests.serving import build_small_datastore, save_tiny_lm
 from tests.test_engine_sglang import FakeEngine, sglang  # noqa: F401 - the fixture
 from tests.tiny_models import tiny_embedder_dir
@@ -20,13 +25,39 @@ from tests.tiny_models import tiny_embedder_dir
 def test_sglang_engine_from_settings(sglang, monkeypatch):  # noqa: F811
     monkeypatch.setattr("telerag.pipelines.engines.sglang._import_sglang", lambda: sglang)
     settings = Settings(engine={"kind": "sglang", "model_path": "/models/llama", "mem_fraction_static": 0.55,
-                                "context_length": 4096, "tp_size": 1})
+                                "context_length": 4096, "tp_size": 1}, server={"log_level": "debug"})
     engine = runtime.build_engine(settings)
     assert engine.name == "llama"
     assert FakeEngine.instances[-1].kwargs["mem_fraction_static"] == 0.55
     assert FakeEngine.instances[-1].kwargs["context_length"] == 4096
+    assert FakeEngine.instances[-1].kwargs["log_level"] == "debug"  # SGLang logs at the server's level
     with pytest.raises(EngineUnavailable, match="model_path"):
         runtime.build_engine(Settings(engine={"kind": "sglang"}))
+
+
+@pytest.mark.parametrize("kind", ["transformers", "cpu"])
+async def test_the_transformers_engine_from_settings_and_flags(kind: str, tmp_path: Path):
+    """`transformers` names the engine (it runs on CUDA too); `cpu`, its old name, still works,
+    in the settings file, the environment and `telerag serve --engine`."""
+    model, tokenizer = tiny_random_lm(0)
+    model.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    args = build_parser().parse_args(["serve", "--engine", kind, "--model", str(tmp_path / "tiny"), "--device", "cpu"])
+    settings = load_settings(None, serve.overrides(args))
+    assert settings.engine.kind == "transformers"
+    engine = runtime.build_engine(settings)
+    assert isinstance(engine, TransformersEngine) and engine.name == "tiny"
+    await engine.close()
+
+
+def test_the_engine_kind_is_transformers_or_sglang(monkeypatch):
+    assert Settings().engine.kind == "transformers"
+    monkeypatch.setenv("TELERAG_ENGINE__KIND", "cpu")
+    assert load_settings().engine.kind == "transformers"
+    with pytest.raises(ValidationError, match="kind"):
+        Settings(engine={"kind": "vllm"})
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--engine", "vllm"])
 
 
 def test_cluster_cache_takes_what_the_llm_leaves(monkeypatch):

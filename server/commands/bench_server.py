@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from telerag.pipelines.embedder import Embedder
-    from telerag.pipelines.engines.cpu import CPUEngine, tiny_random_lm
+    from telerag.pipelines.engines.cpu import TransformersEngine, tiny_random_lm
     from telerag.pipelines.overlap import read_questions, run_one
     from telerag.pipelines.retriever import open_retriever
     from telerag.pipelines.types import RunOptions
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         build_datastore(split_passages(articles), embedder.encode, embedder=embedder.name, out_dir=Path(tmp) / "ds",
                         progress=not args.json)
         retriever = open_retriever(Path(tmp) / "ds", embedder, device="cpu")
-        engine = CPUEngine(*tiny_random_lm(), name="tiny-random")
+        engine = TransformersEngine(*tiny_random_lm(), name="tiny-random")
         window = {} if args.batch_window_ms is None else {"scheduler": {"batch_window_ms": args.batch_window_ms}}
         settings = load_settings(overrides=window)
         runtime = Runtime(settings=settings, engine=engine, retriever=retriever,

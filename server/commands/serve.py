@@ -20,7 +20,7 @@ from telerag.pipelines.errors import PipelineError
 from telerag.retrieval.errors import DatastoreError, RetrievalError
 from telerag.server.commands.datastore import rebuild_command
 from telerag.server.lifecycle import Lifecycle
-from telerag.server.settings import Settings, load_settings
+from telerag.server.settings import ENGINE_KIND_ALIASES, Settings, load_settings
 
 log = logging.getLogger("telerag.server")
 
@@ -30,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_runtime_flags(parser)
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
-    parser.add_argument("--engine", choices=["cpu", "sglang"])
+    parser.add_argument("--engine", choices=["transformers", "sglang", *ENGINE_KIND_ALIASES])
     parser.add_argument("--cache-mb", type=float, help="GPU cluster cache size")
     parser.add_argument("--prefetch-budget-mb", type=float)
     parser.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1")
@@ -109,7 +109,9 @@ async def serve(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     lifecycle = Lifecycle()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, lifecycle.on_signal, signum)
+        # Python-level handlers (as uvicorn's), not the loop's: an engine that adds its own to the
+        # loop (SGLang does) can see them and put them back (pipelines/engines/sglang.py).
+        signal.signal(signum, lambda received, _: loop.call_soon_threadsafe(lifecycle.on_signal, received))
     app = create_app(settings, lifecycle)
     server = _Server(uvicorn_config(app, settings))
     listening = asyncio.create_task(_listen(server))

@@ -1,0 +1,46 @@
+"""A server process with SGLangEngine over the fake `sglang` of `tests/test_engine_sglang.py`
+(SGLang's signal handlers and logging included) and a recording retriever, served exactly as
+`telerag serve` serves (its lifecycle: listen, load, drain at SIGTERM, exit):
+`python -m tests.sglang_server PORT`. Each answer takes about two seconds. On exit it prints
+one JSON line: what the fake SGLang saw of the shutdown."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+from telerag.pipelines.engines.sglang import SGLangEngine
+from telerag.server import runtime as runtime_module
+from telerag.server.commands.serve import serve
+from telerag.server.lifecycle import Lifecycle
+from telerag.server.runtime import Runtime, run_event_loop
+from telerag.server.settings import Settings
+from tests.fakes import RecordingRetriever
+from tests.test_engine_sglang import FakeEngine, Script
+from tests.test_server import DATASTORE_INFO
+
+ANSWER = ["Paris"] + [" is"] * 39
+
+
+async def load_fake_runtime(settings: Settings, lifecycle: Lifecycle) -> Runtime:
+    """What `load_runtime` would load, with SGLang's fake as the engine."""
+    engine = SGLangEngine("fake-model", module=types.SimpleNamespace(Engine=FakeEngine))  # type: ignore[arg-type]
+    fake = FakeEngine.instances[0]
+
+    def report() -> None:  # after the engine is closed
+        print(json.dumps({"shutdown_calls": fake.shutdown_calls, "sglang_signals": fake.tokenizer_manager.signals}), flush=True)
+
+    return Runtime(settings=settings, engine=engine, retriever=RecordingRetriever(), datastore_info=DATASTORE_INFO,
+                   closers=[report])
+
+
+def main(port: int) -> int:
+    FakeEngine.default_script, FakeEngine.token_delay_s = Script(ANSWER), 0.05
+    settings = Settings(server={"port": port, "log_level": "warning"})
+    runtime_module.load_runtime = load_fake_runtime  # serve() loads through this module attribute
+    return run_event_loop(serve(settings), settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1])))
