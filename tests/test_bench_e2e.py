@@ -91,6 +91,8 @@ def test_bench_e2e_rows_and_same_documents_in_every_mode(base_datastore, tmp_pat
     assert all(r["bytes_prefetched_mean"] > 0 for r in lookahead)
     assert all(r["overlap_rate"] is None and r["bytes_prefetched_mean"] == 0 for r in rows if r["mode"] != "lookahead")
     assert all(r["throughput_gain"] == 1.0 and r["latency_gain"] == 1.0 for r in rows if r["mode"] == "cpu")
+    assert all(r["retrieval_device_ms_mean"] == 0 for r in rows if r["mode"] == "cpu")  # every list on faiss
+    assert all(r["retrieval_cpu_ms_mean"] == 0 for r in rows if r["mode"] == "resident")  # every list on the device
     assert report["datastore"]["passages"] == 2000 and report["datastore"]["nlist"] == 32
     for name in ("latency_breakdown.png", "throughput.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

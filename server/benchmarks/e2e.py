@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -156,7 +156,9 @@ def configured(retriever: DirectRetriever, mode: Mode) -> Iterator[RunOptions]:
         engine.resize_cache(cache_bytes, demand_copy=demand_copy)
 
 
-async def run_e2e(engine: Engine, retriever: DirectRetriever, config: E2EConfig, *, log=print) -> list[E2ERow]:
+async def run_e2e(
+    engine: Engine, retriever: DirectRetriever, config: E2EConfig, *, log: Callable[[str], None] = print
+) -> list[E2ERow]:
     """Every pipeline at every batch size in every mode; one row each. The three modes of a
     (pipeline, batch) run back to back, so that a machine whose load drifts (a shared box)
     treats them alike; each run starts with its own warm-up. `log` reports progress."""
