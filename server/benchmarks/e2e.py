@@ -1,0 +1,255 @@
+"""`telerag bench e2e`: whole RAG requests (real pipelines, the server's batching scheduler, the
+real retriever and LLM) in three modes over the same requests, side by side in one run:
+
+  cpu        every list searched by faiss on the CPU (requests run with `prefetch` off): the
+             paper's baseline
+  lookahead  q_in's clusters prefetched beside the pre-retrieval LLM call into the configured
+             cluster cache, then the cooperative search: what the server does
+  resident   every list resident in a cache as large as the datastore before the first
+             request, nothing prefetched: the best possible
+
+At each batch size B, B clients each send their next request as soon as the previous one is
+answered (a closed loop, B requests in flight) until N requests are answered, after `warmup`
+unmeasured requests (which also refine each pipeline's estimate of its pre-retrieval time, the
+time its prefetch hides behind). Every run of `lookahead` starts from an empty cluster cache. Every request's documents are
+compared with the `cpu` mode's for the same question: prefetching changes speed, never answers.
+
+Without CUDA the "device" is CPU memory, and with no cluster cache configured (the CPU
+default) `lookahead` runs exactly as `cpu`: the machinery and the answers are still checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+import torch
+
+from telerag.pipelines.overlap import run_one
+from telerag.pipelines.rag.base import RagPipeline
+from telerag.pipelines.registry import build_pipelines
+from telerag.pipelines.retriever import DirectRetriever
+from telerag.pipelines.types import Engine, RagResult, RunOptions
+from telerag.server.scheduler import BatchingRetriever
+from telerag.server.settings import pre_retrieval_profile
+
+
+class Mode(str, Enum):
+    CPU = "cpu"
+    LOOKAHEAD = "lookahead"
+    RESIDENT = "resident"
+
+
+MODES = (Mode.CPU, Mode.LOOKAHEAD, Mode.RESIDENT)  # cpu first: the others are compared with it
+
+
+@dataclass(frozen=True)
+class E2EConfig:
+    pipelines: tuple[str, ...]
+    questions: tuple[str, ...]  # request i asks questions[i % len(questions)]
+    batches: tuple[int, ...] = (1, 4, 8)
+    requests: int = 16  # per (pipeline, batch, mode)
+    max_tokens: int = 32
+    top_k: int = 3
+    nprobe: int | None = None  # None: the retriever's default
+    warmup: int = 2  # unmeasured requests before each measured run
+    batch_window_ms: float = 0.0  # the scheduler's settings
+    max_batch: int = 32
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """What one answered request measured and returned."""
+
+    latency_ms: float  # from sending the request to its result, as the client sees it
+    result: RagResult
+
+    @property
+    def documents(self) -> tuple[int, ...]:
+        return tuple(d.id for d in self.result.documents)
+
+    @property
+    def queries(self) -> tuple[str | None, ...]:
+        """Every search's q_out, in order (what the LLM wrote, for pipelines that search its text)."""
+        return tuple(s.query for s in self.result.steps if s.kind == "retrieval")
+
+    def timing(self, key: str) -> float:
+        return float(self.result.timings.get(key) or 0.0)
+
+
+@dataclass(frozen=True)
+class E2ERow:
+    """One (pipeline, batch, mode): latency, throughput, where the time went, and the answers
+    against the `cpu` mode's. Gains are against the `cpu` row of the same pipeline and batch."""
+
+    pipeline: str
+    batch: int
+    mode: str
+    requests: int
+    llm: str
+    t_llm_ms: float  # mean pre-retrieval (and other non-final) LLM time per request: what a prefetch hides behind
+    latency_ms_p50: float
+    latency_ms_p99: float
+    latency_ms_mean: float
+    throughput_rps: float
+    retrieval_ms_p50: float  # the search stage per request (q_out's embedding, queueing, search)
+    retrieval_ms_mean: float
+    retrieval_cpu_ms_mean: float  # of which faiss on the CPU
+    retrieval_device_ms_mean: float  # and the device scan
+    generate_ms_mean: float  # the final, streamed answer
+    overlap_rate: float | None  # mean |C_in ∩ C_out| / |C_out|; None where nothing was prefetched
+    bytes_prefetched_mean: float
+    same_documents: float  # share of requests whose documents equal the cpu mode's
+    same_queries: float  # share of requests whose q_out texts equal the cpu mode's (the LLM wrote the same)
+    retrieval_share: float  # retrieval_ms_mean / latency_ms_mean in this mode
+    gain_bound: float  # 1 / (1 - the cpu mode's retrieval share): the latency gain if retrieval took no time
+    latency_gain: float  # cpu mode's mean latency / this mode's
+    throughput_gain: float  # this mode's throughput / cpu mode's
+
+
+async def serve_closed_loop(
+    pipeline: RagPipeline, questions: Sequence[str], concurrency: int, options: RunOptions
+) -> tuple[list[RequestRecord], float]:
+    """Answer every question with `concurrency` clients in flight; the records in question
+    order and the wall time in seconds."""
+    records: list[RequestRecord | None] = [None] * len(questions)
+    pending = iter(range(len(questions)))  # shared: each client takes the next question
+
+    async def client() -> None:
+        for i in pending:
+            started = time.perf_counter()
+            result = await run_one(pipeline, questions[i], options)
+            records[i] = RequestRecord((time.perf_counter() - started) * 1e3, result)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(max(1, min(concurrency, len(questions))))))
+    wall = time.perf_counter() - started
+    return [r for r in records if r is not None], wall
+
+
+@contextlib.contextmanager
+def configured(retriever: DirectRetriever, mode: Mode) -> Iterator[RunOptions]:
+    """Set the retriever up for `mode` (and back afterwards); the request options it runs with.
+    `resident` copies every cluster into a cache the size of the datastore, held for the whole
+    mode, and turns prefetching off (there is nothing left to copy)."""
+    if mode is not Mode.RESIDENT:
+        yield RunOptions(prefetch=mode is Mode.LOOKAHEAD)
+        return
+    engine = retriever.engine
+    cache_bytes, demand_copy, budget = engine.cache.capacity_bytes, engine.demand is not None, retriever.prefetch_budget_bytes
+    engine.resize_cache(retriever.datastore.n_vectors * engine.cache.row_bytes, demand_copy=False)
+    everything = engine.cache.acquire(range(engine.nlist), fetch=True)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)  # every copy landed before the first request
+    retriever.prefetch_budget_bytes = 0
+    try:
+        yield RunOptions(prefetch=True)
+    finally:
+        everything.release()
+        retriever.prefetch_budget_bytes = budget
+        engine.resize_cache(cache_bytes, demand_copy=demand_copy)
+
+
+async def run_e2e(
+    engine: Engine, retriever: DirectRetriever, config: E2EConfig, *, log: Callable[[str], None] = print
+) -> list[E2ERow]:
+    """Every pipeline at every batch size in every mode; one row each. The three modes of a
+    (pipeline, batch) run back to back, so that a machine whose load drifts (a shared box)
+    treats them alike; each run starts with its own warm-up. `log` reports progress."""
+    questions = [config.questions[i % len(config.questions)] for i in range(config.requests)]
+    warmup = [config.questions[-1 - i % len(config.questions)] for i in range(config.warmup)]
+    scheduler = BatchingRetriever(retriever, window_ms=config.batch_window_ms, max_batch=config.max_batch)
+    # one set of pipelines per mode, each starting from the profiled t_LLM as a server's do and
+    # refining it from its own calls in that mode
+    pipelines = {
+        mode: build_pipelines(engine, scheduler, names=config.pipelines, pre_retrieval_ms=pre_retrieval_profile())
+        for mode in MODES
+    }
+    rows = []
+    for name in config.pipelines:
+        for batch in config.batches:
+            measured: dict[Mode, tuple[list[RequestRecord], float]] = {}
+            for mode in MODES:
+                with configured(retriever, mode) as mode_options:
+                    options = RunOptions(
+                        top_k=config.top_k, nprobe=config.nprobe, max_tokens=config.max_tokens, prefetch=mode_options.prefetch
+                    )
+                    pipeline = pipelines[mode][name]
+                    if warmup:
+                        await serve_closed_loop(pipeline, warmup, batch, options)
+                    measured[mode] = await serve_closed_loop(pipeline, questions, batch, options)
+                records, wall = measured[mode]
+                log(f"{name} batch {batch} {mode.value}: {len(records) / wall:.2f} requests/s")
+            rows.extend(summarise(name, batch, mode, *measured[mode], measured[Mode.CPU], engine.name) for mode in MODES)
+    return rows
+
+
+def summarise(
+    pipeline: str,
+    batch: int,
+    mode: Mode,
+    records: list[RequestRecord],
+    wall_s: float,
+    baseline: tuple[list[RequestRecord], float],
+    llm: str,
+) -> E2ERow:
+    """One row from a mode's records and the cpu mode's records of the same requests."""
+    base_records, base_wall = baseline
+    latency = [r.latency_ms for r in records]
+    retrieval = [r.timing("search_ms") for r in records]
+    overlaps = [r.result.prefetch["overlap_rate"] for r in records if r.result.prefetch.get("overlap_rate") is not None]
+    base_latency = statistics.fmean(r.latency_ms for r in base_records)
+    base_share = statistics.fmean(r.timing("search_ms") for r in base_records) / base_latency
+    pairs = list(zip(records, base_records, strict=True))
+    return E2ERow(
+        pipeline=pipeline,
+        batch=batch,
+        mode=mode.value,
+        requests=len(records),
+        llm=llm,
+        t_llm_ms=statistics.fmean(r.timing("pre_retrieval_ms") for r in records),
+        latency_ms_p50=float(np.percentile(latency, 50)),
+        latency_ms_p99=float(np.percentile(latency, 99)),
+        latency_ms_mean=statistics.fmean(latency),
+        throughput_rps=len(records) / wall_s,
+        retrieval_ms_p50=float(np.percentile(retrieval, 50)),
+        retrieval_ms_mean=statistics.fmean(retrieval),
+        retrieval_cpu_ms_mean=statistics.fmean(r.timing("search_cpu_ms") for r in records),
+        retrieval_device_ms_mean=statistics.fmean(r.timing("search_device_ms") for r in records),
+        generate_ms_mean=statistics.fmean(r.timing("generate_ms") for r in records),
+        overlap_rate=statistics.fmean(overlaps) if overlaps else None,
+        bytes_prefetched_mean=statistics.fmean(r.result.prefetch.get("bytes_prefetched") or 0 for r in records),
+        same_documents=statistics.fmean(r.documents == b.documents for r, b in pairs),
+        same_queries=statistics.fmean(r.queries == b.queries for r, b in pairs),
+        retrieval_share=statistics.fmean(retrieval) / statistics.fmean(latency),
+        gain_bound=1.0 / max(1e-9, 1.0 - base_share),
+        latency_gain=base_latency / statistics.fmean(latency),
+        throughput_gain=(len(records) / wall_s) / (len(base_records) / base_wall),
+    )
+
+
+def format_table(rows: Sequence[E2ERow]) -> str:
+    header = (
+        f"{'pipeline':<12}{'batch':>6} {'mode':<10}{'req':>5}{'p50 ms':>10}{'p99 ms':>10}{'req/s':>8}"
+        f"{'retr p50':>10}{'t_LLM ms':>10}{'overlap':>9}{'same docs':>10}{'same q_out':>11}{'retr share':>11}"
+        f"{'lat gain':>9}{'tput gain':>10}{'bound':>7}"
+    )
+    lines = [header]
+    for r in rows:
+        overlap = f"{r.overlap_rate:.2f}" if r.overlap_rate is not None else "-"
+        lines.append(
+            f"{r.pipeline:<12}{r.batch:>6} {r.mode:<10}{r.requests:>5}{r.latency_ms_p50:>10.1f}{r.latency_ms_p99:>10.1f}"
+            f"{r.throughput_rps:>8.2f}{r.retrieval_ms_p50:>10.2f}{r.t_llm_ms:>10.1f}{overlap:>9}{r.same_documents:>10.2f}{r.same_queries:>11.2f}"
+            f"{r.retrieval_share:>11.2f}{r.latency_gain:>8.2f}x{r.throughput_gain:>9.2f}x{r.gain_bound:>6.2f}x"
+        )
+    lines.append(
+        "gains: against the cpu row of the same pipeline and batch; bound: 1 / (1 - the cpu row's retrieval share), "
+        "the latency gain if retrieval took no time"
+    )
+    return "\n".join(lines)

