@@ -73,12 +73,23 @@ class ServerSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     api_key: SecretStr | None = None
+    api_keys: list[SecretStr] = Field(default_factory=list)  # several clients, each with its own key (beside api_key)
     cors_origins: list[str] = Field(default_factory=list)
     log_level: str = "info"
     # How long a thread may hold the GIL before another one waiting for it gets a turn (Python's
     # default: 5 ms). The CPU engine and the retrieval workers are threads of this process; with
     # the default the event loop can wait 5 ms at each wake-up while they run.
     switch_interval_ms: float = Field(0.5, gt=0)
+    # Connections (server/connections.py): a request's headers must arrive within header_timeout_s
+    # of the connection opening (or of the request's first byte); an idle keep-alive connection is
+    # closed after keep_alive_timeout_s; past max_connections open, new ones get only the probes.
+    header_timeout_s: float = Field(10.0, gt=0)
+    keep_alive_timeout_s: float = Field(5.0, gt=0)
+    max_connections: int = Field(1024, ge=1)
+
+    def keys(self) -> list[SecretStr]:
+        """Every accepted API key (`api_key` and `api_keys`); none: the API is open."""
+        return ([self.api_key] if self.api_key is not None else []) + list(self.api_keys)
 
 
 class _YamlSource(PydanticBaseSettingsSource):

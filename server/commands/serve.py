@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from telerag.server.app import create_app
+    from telerag.server.connections import uvicorn_options
     from telerag.server.runtime import open_runtime, run_event_loop
 
     settings = load_settings(args.config, overrides(args))
@@ -72,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
             config = uvicorn.Config(
                 create_app(runtime), host=settings.server.host, port=settings.server.port,
                 log_level=settings.server.log_level, timeout_graceful_shutdown=int(settings.scheduler.request_timeout_s),
+                **uvicorn_options(settings.server),
             )
             logging.getLogger("telerag").info("serving on http://%s:%d", settings.server.host, settings.server.port)
             await uvicorn.Server(config).serve()
