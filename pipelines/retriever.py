@@ -167,6 +167,7 @@ class DirectRetriever:
             "path": str(self.datastore.path),
             "passages": manifest.n_vectors,
             "documents": manifest.n_documents,
+            "passage_words": manifest.passage_words,
             "nlist": manifest.nlist,
             "dim": manifest.dim,
             "embedder": manifest.embedder,

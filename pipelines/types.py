@@ -250,5 +250,6 @@ class Pipeline(Protocol):
 
     name: str
     description: str
+    llm_calls: int  # the most LLM calls one run makes (the scheduler's cost estimate)
 
     def run(self, query: str, options: RunOptions) -> AsyncIterator[RunEvent]: ...

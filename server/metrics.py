@@ -47,6 +47,8 @@ class Metrics:
         self.demand_copies = Counter("telerag_clusters_copied_on_demand", "searched clusters copied to the device on demand (of those searched on the device)", ["pipeline"], registry=r)
         self.queue_depth = Gauge("telerag_queue_depth", "requests waiting for a slot", registry=r)
         self.in_flight = Gauge("telerag_requests_in_flight", "requests running", registry=r)
+        self.refusals = Counter("telerag_admission_refusals", "requests refused by admission, by reason", ["reason"], registry=r)
+        self.expected_wait = Gauge("telerag_admission_expected_wait_seconds", "time the admitted work takes at the measured service rate", registry=r)
         self.batch_size = Histogram("telerag_batch_size", "queries per batched retrieval call", ["kind"], buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.tokens = Counter("telerag_tokens_generated", "tokens generated", ["pipeline"], registry=r)
         self.ttft = Histogram("telerag_time_to_first_token_seconds", "time to the first answer token", ["pipeline"], buckets=LATENCY_BUCKETS, registry=r)

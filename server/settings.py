@@ -60,12 +60,17 @@ class SchedulerSettings(BaseModel):
     max_concurrency: int = Field(16, ge=1)  # requests running at once
     max_queue: int = Field(64, ge=0)  # requests waiting beyond those; past it: 429
     request_timeout_s: float = Field(300.0, gt=0)
+    # A request that would finish later than this (its estimated work and all admitted before it,
+    # at the measured service rate) is refused at once: 429 with Retry-After. None: no deadline.
+    admission_deadline_s: float | None = Field(30.0, gt=0)
+    max_in_flight_per_key: int | None = Field(None, ge=1)  # requests one API key may have admitted; None: no bound
 
 
 class LimitSettings(BaseModel):
     max_query_chars: int = Field(4000, ge=1)
     max_top_k: int = Field(50, ge=1)
     max_tokens: int = Field(1024, ge=1)
+    max_prompt_tokens: int = Field(8192, ge=1)  # estimated: the query's tokens and top_k passages
     max_body_bytes: int = Field(256 * 1024, ge=1024)
 
 
