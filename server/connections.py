@@ -21,9 +21,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from telerag.server.errors import TooManyConnections, response_for
+from telerag.server.errors import TooManyConnections, error_body, status_of
 from telerag.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -66,8 +67,8 @@ class _ProbesOnly:
         if scope["type"] == "http" and scope["path"] in PROBE_PATHS:
             await self.app(scope, receive, closing)
             return
-        response = response_for(TooManyConnections("too many open connections; retry shortly"))
-        response.headers["Retry-After"] = "1"
+        refusal = TooManyConnections("too many open connections; retry shortly")  # not logged: a flood would flood the log
+        response = JSONResponse(error_body(refusal), status_code=status_of(refusal), headers={"Retry-After": "1"})
         await response(scope, receive, closing)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -53,6 +53,7 @@ class Metrics:
         self.tokens = Counter("telerag_tokens_generated", "tokens generated", ["pipeline"], registry=r)
         self.ttft = Histogram("telerag_time_to_first_token_seconds", "time to the first answer token", ["pipeline"], buckets=LATENCY_BUCKETS, registry=r)
         r.register(_CacheCollector(cache_stats))
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds (Linux)
 
     def observe_result(self, result: RagResult) -> None:
         p = result.pipeline

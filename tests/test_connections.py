@@ -28,11 +28,13 @@ GET_HEALTH = b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n"
 
 
 @contextlib.contextmanager
-def serving(implementation: str) -> Iterator[tuple[str, int]]:
-    """A real uvicorn server in a thread, with the limits above, on a free loopback port."""
-    runtime = Runtime(settings=Settings(), engine=ScriptedEngine(lambda prompt: Reply("an answer")),
+def serving(implementation: str = "auto", delay: float = 0.0, max_connections: int = MAX_CONNECTIONS,
+            **sections) -> Iterator[tuple[str, int]]:  # noqa: ANN003
+    """A real uvicorn server in a thread, with the limits above, on a free loopback port; the
+    app on fakes (an engine taking `delay` per call), with `sections` of settings."""
+    runtime = Runtime(settings=Settings(**sections), engine=ScriptedEngine(lambda prompt: Reply("an answer"), delay=delay),
                       retriever=RecordingRetriever(), datastore_info={"nlist": 8})
-    limits = ConnectionLimits(header_timeout_s=HEADER_TIMEOUT_S, max_connections=MAX_CONNECTIONS)
+    limits = ConnectionLimits(header_timeout_s=HEADER_TIMEOUT_S, max_connections=max_connections)
     config = uvicorn.Config(create_app(runtime), http=guarded_protocol(limits, implementation),
                             timeout_keep_alive=KEEP_ALIVE_S, log_level="warning", lifespan="off")
     server = uvicorn.Server(config)
