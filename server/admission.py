@@ -5,16 +5,18 @@ refused at once (429) with the time after which it would be admitted as `Retry-A
 Cost is counted in *work units*: per LLM call the pipeline may make, its output tokens
 (`max_tokens`, an upper bound) plus its prompt tokens (the query and `top_k` passages) at
 `PREFILL_WEIGHT` each, since a prompt token is processed in parallel and costs a fraction of a
-generated one. The running requests share the server: over `dt` seconds with `n` running, each
-gets `dt / n` of its whole attention. The service rate is measured in the same units: the
-estimated work of the requests that finished over the attention they got, averaged over about
-a minute. So a systematic bias of the estimate (answers shorter than `max_tokens`, passages
-longer than assumed) cancels out of `wait = work / rate`, and the rate is that of the recent
-load (a batching engine serves more per second when more run at once).
+generated one. The service rate is measured in the same units: the estimated work of the
+requests that finished per second the server was busy, averaged over about a minute. So a
+systematic bias of the estimate (answers shorter than `max_tokens`, passages longer than
+assumed) cancels out of `wait = work / rate`, and the rate is that of the recent load (a
+batching engine serves more per second when more run at once). Between completions the busy
+time grows and the rate falls: the estimate errs towards refusing. The running requests are
+taken to share the rate equally (their progress, for the work still to do).
 
 The expected finish of a new request is the work still to do of every admitted request plus its
 own, over the rate (admitted requests are served first come, first served). Until a request has
-finished there is no rate, and only `max_concurrency` requests are admitted (none waits).
+finished there is no rate: one request is admitted at a time, so the first measurement comes
+soon and a cold server never takes on more than it can finish in time.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NoReturn
 
 from telerag.server.errors import Overloaded
 
@@ -41,6 +44,7 @@ class Refusal(str, Enum):
     DEADLINE = "deadline"  # its expected finish is past the deadline
     QUEUE_FULL = "queue_full"  # max_concurrency running and max_queue waiting
     KEY_LIMIT = "key_limit"  # its API key has max_in_flight_per_key requests admitted
+    UNMEASURED = "unmeasured"  # no request has finished yet, and one is in flight
     PROMPT_TOKENS = "prompt_tokens"  # over limits.max_prompt_tokens (422, counted here too)
 
 
@@ -66,7 +70,7 @@ class Ticket:
     client: str | None
     running: bool = False
     finished: bool = False
-    attention_s: float = 0.0  # seconds of the server's whole attention it has had (its share while running)
+    attention_s: float = 0.0  # seconds of the whole server it has had (an equal share of the time it ran)
 
     def remaining(self, rate: float | None) -> float:
         """Work still to do at `rate` (all of it without a rate)."""
@@ -75,26 +79,25 @@ class Ticket:
 
 @dataclass
 class ServiceRate:
-    """Work units served per second of the server's attention, over the requests that finished,
-    exponentially weighted by how recently they did."""
+    """Work units of the requests that finished per second the server was busy, both
+    exponentially decayed with time (so the rate is that of about the last `time_constant_s`)."""
 
     time_constant_s: float = RATE_TIME_CONSTANT_S
     work: float = 0.0
-    attention_s: float = 0.0
+    busy_s: float = 0.0
 
-    def advance(self, dt: float) -> None:
+    def advance(self, dt: float, *, busy: bool) -> None:
         decay = math.exp(-dt / self.time_constant_s)
         self.work *= decay
-        self.attention_s *= decay
+        self.busy_s = self.busy_s * decay + (dt if busy else 0.0)
 
-    def served(self, work: float, attention_s: float) -> None:
+    def served(self, work: float) -> None:
         self.work += work
-        self.attention_s += attention_s
 
     @property
     def per_s(self) -> float | None:
         """None until a request has finished."""
-        return self.work / self.attention_s if self.work > 0 and self.attention_s > 0 else None
+        return self.work / self.busy_s if self.work > 0 and self.busy_s > 0 else None
 
 
 @dataclass
@@ -138,11 +141,13 @@ class Admission:
             if len(own) >= self.max_in_flight_per_key:
                 self._refuse(Refusal.KEY_LIMIT, f"this API key has {len(own)} requests in flight; the limit is "
                              f"{self.max_in_flight_per_key}", self._soonest(own, rate))
-        queue = self.max_queue if rate is not None else 0  # no measured rate yet: nothing waits
-        if self.n_running >= self.max_concurrency and self.n_waiting >= queue:
+        if self.n_running >= self.max_concurrency and self.n_waiting >= self.max_queue:
             self._refuse(Refusal.QUEUE_FULL, f"server busy: {self.n_running} running and {self.n_waiting} waiting",
                          self._soonest([t for t in self._admitted if t.running], rate))
-        if rate is not None and self.deadline_s is not None and self._admitted:
+        if self.deadline_s is not None and self._admitted:
+            if rate is None:
+                self._refuse(Refusal.UNMEASURED, "the server is measuring its service rate: one request at a time "
+                             "until the first has finished", None)
             finish = (self._backlog(rate) + cost.work) / rate
             if finish > self.deadline_s:
                 self._refuse(Refusal.DEADLINE, f"server busy: this request would finish in about {finish:.0f} s; "
@@ -175,7 +180,7 @@ class Admission:
         ahead = self._admitted[: self._admitted.index(ticket) + 1]
         return sum(t.remaining(rate) for t in ahead) / rate
 
-    def _refuse(self, reason: Refusal, message: str, retry_after_s: float | None) -> None:
+    def _refuse(self, reason: Refusal, message: str, retry_after_s: float | None) -> NoReturn:
         self.on_refuse(reason)
         # no measured rate yet: the soonest sensible retry
         raise Overloaded(message, retry_after=max(1, math.ceil(retry_after_s)) if retry_after_s is not None else 1)
@@ -194,13 +199,13 @@ class Admission:
         self._changed()
 
     def finish(self, ticket: Ticket, *, completed: bool) -> None:
-        """The request ended (idempotent); one that completed measures the rate (one that failed
-        or was cancelled says nothing about it)."""
+        """The request ended (idempotent). One that completed counts its work as served; the
+        service one that failed or was cancelled took is lost (busy time with no work)."""
         if ticket.finished:
             return
         self._advance()
         if completed:
-            self.rate.served(ticket.work, ticket.attention_s)
+            self.rate.served(ticket.work)
         if ticket.running:
             self._slots.release()
         self._forget(ticket)
@@ -222,13 +227,13 @@ class Admission:
         self._changed()
 
     def _advance(self) -> None:
-        """Bring the running requests' shares of attention and the rate's average up to now."""
+        """Bring the running requests' shares of the server and the rate's average up to now."""
         now = self.clock()
         dt, self._last = max(now - self._last, 0.0), now
         running = [t for t in self._admitted if t.running]
         for t in running:
             t.attention_s += dt / len(running)
-        self.rate.advance(dt)
+        self.rate.advance(dt, busy=bool(running))
 
     def _changed(self) -> None:
         if self._admitted:

@@ -3,7 +3,8 @@ what came back is counted (answers, 429s, failures apart) and the server's resid
 sampled from start to end.
 
 Each user is one keep-alive connection and a well-behaved client: after a 429 it waits the
-`Retry-After` it was given (never past the end of the run). The latency of an answer is the
+`Retry-After` it was given (never past the end of the run). At the end no new request is sent
+and those in flight are waited for (up to the timeout). The latency of an answer is the
 time from sending the request to the end of its body, queueing in the server included.
 Memory comes from `/proc/<pid>` when the server's pid is given (same machine), else from the
 server's `process_resident_memory_bytes` in `/metrics`.
@@ -36,6 +37,7 @@ class SoakConfig:
     max_tokens: int = 32
     api_key: str | None = None
     pid: int | None = None  # the server's process, to read its memory from /proc
+    timeout_s: float = 300.0  # a request not answered in this long is a failure (the server's request_timeout_s)
 
 
 @dataclass
@@ -81,7 +83,7 @@ async def _user(client: httpx.AsyncClient, config: SoakConfig, questions: iterto
     while (now := time.monotonic()) < end:
         body = {"query": next(questions), "pipeline": config.pipeline, "max_tokens": config.max_tokens}
         try:
-            response = await client.post("/v1/rag/query", json=body, timeout=max(end - now, 1.0) + 60.0)
+            response = await client.post("/v1/rag/query", json=body, timeout=config.timeout_s)
         except httpx.HTTPError as exc:
             tally.failures[type(exc).__name__] += 1
             continue

@@ -32,9 +32,10 @@ class Clock:
 
 
 def admission(clock: Clock, **options) -> tuple[Admission, list[Refusal]]:  # noqa: ANN003
+    """An Admission whose rate never forgets, so that the numbers below are exact."""
     refused: list[Refusal] = []
     options = {"max_concurrency": 8, "max_queue": 64, "deadline_s": 30.0, **options}
-    return Admission(clock=clock, on_refuse=refused.append, **options), refused
+    return Admission(clock=clock, on_refuse=refused.append, rate=ServiceRate(time_constant_s=math.inf), **options), refused
 
 
 async def measured(clock: Clock, rate: float = 10.0, **options) -> tuple[Admission, list[Refusal]]:  # noqa: ANN003
@@ -54,20 +55,22 @@ def test_cost_counts_every_llm_call_with_its_prompt_and_output():
     assert RequestCost(1000, 64, 1).work < cost.work and RequestCost(2000, 64, 3).work > cost.work
 
 
-def test_service_rate_is_work_per_second_of_attention_and_idle_time_does_not_change_it():
+def test_service_rate_is_work_per_busy_second_and_idle_time_does_not_change_it():
     rate = ServiceRate(time_constant_s=60)
     assert rate.per_s is None
-    rate.served(40.0, 4.0)
+    rate.advance(4.0, busy=True)
+    rate.served(40.0)
     assert rate.per_s == pytest.approx(10.0)
-    rate.advance(300.0)  # idle: both decay alike
+    rate.advance(300.0, busy=False)  # idle: both decay alike
     assert rate.per_s == pytest.approx(10.0)
-    rate.served(60.0, 2.0)  # faster now: the average moves towards 30/s, the newest weighing most
-    assert 20.0 < rate.per_s < 30.0
+    rate.advance(2.0, busy=True)
+    rate.served(60.0)  # faster now: the average moves towards 30/s
+    assert 10.0 < rate.per_s < 30.0
 
 
 async def test_requests_running_together_share_the_rate():
     clock = Clock()
-    a, _ = admission(clock)
+    a, _ = admission(clock, deadline_s=None)
     tickets = [a.admit(UNIT) for _ in range(4)]
     for t in tickets:
         await a.start(t)
@@ -77,14 +80,28 @@ async def test_requests_running_together_share_the_rate():
     assert a.rate.per_s == pytest.approx(20.0)
 
 
-async def test_before_any_request_finished_only_the_running_slots_are_admitted():
+async def test_before_any_request_finished_one_is_admitted_at_a_time():
     clock = Clock()
     a, refused = admission(clock, max_concurrency=2)
-    for _ in range(2):
-        await a.start(a.admit(UNIT))
+    first = a.admit(UNIT)
     with pytest.raises(Overloaded) as info:
         a.admit(UNIT)
-    assert info.value.retry_after == 1 and refused == [Refusal.QUEUE_FULL]
+    assert info.value.retry_after == 1 and refused == [Refusal.UNMEASURED]
+    await a.start(first)
+    clock.now += 5.0
+    a.finish(first, completed=True)
+    assert a.admit(UNIT) and a.admit(UNIT)  # measured: 20/s
+
+
+async def test_without_a_deadline_the_queue_bounds_what_is_admitted():
+    clock = Clock()
+    a, refused = admission(clock, max_concurrency=2, max_queue=1, deadline_s=None)
+    for _ in range(2):
+        await a.start(a.admit(UNIT))
+    a.admit(UNIT)
+    with pytest.raises(Overloaded) as info:
+        a.admit(UNIT)
+    assert info.value.retry_after == 1 and refused == [Refusal.QUEUE_FULL]  # no rate: the soonest sensible retry
 
 
 async def test_a_request_that_would_finish_past_the_deadline_is_refused_with_the_time_until_it_fits():
@@ -97,13 +114,14 @@ async def test_a_request_that_would_finish_past_the_deadline_is_refused_with_the
     assert info.value.retry_after == 10  # 40 - 30
     for t in tickets:
         await a.start(t)
-    clock.now += 4.0  # 40 units served, shared by the three running
+    clock.now += 10.0  # busy with nothing finished: the rate falls to 100 / 20 s, the estimate errs towards refusing
+    assert a.expected_wait_s() == pytest.approx((300 - 5 * 10) / 5) and a.rate.per_s == pytest.approx(5.0)
     with pytest.raises(Overloaded) as info:
-        a.admit(UNIT)  # (300 - 40 + 100) / 10 = 36 s
-    assert info.value.retry_after == 6
-    clock.now += 6.0  # the Retry-After was honest: now it is admitted
-    assert a.admit(UNIT).work == UNIT.work
-    assert a.expected_wait_s() == pytest.approx(30.0)
+        a.admit(UNIT)  # (300 - 5 * 10 + 100) / 5 = 70 s
+    assert info.value.retry_after == 40
+    a.finish(tickets[0], completed=True)  # 200 units in 20 busy s: 10/s again
+    assert a.expected_wait_s() == pytest.approx(2 * (100 - 10 * 10 / 3) / 10)
+    assert a.admit(UNIT)  # (133.3 + 100) / 10 = 23.3 s
 
 
 async def test_a_bigger_request_is_refused_where_a_smaller_one_is_admitted():
@@ -123,10 +141,10 @@ async def test_no_deadline_admits_up_to_the_queue_and_past_it_retry_after_is_whe
     running = a.admit(UNIT)
     await a.start(running)
     a.admit(UNIT)  # waits
-    clock.now += 3.0  # 30 of the running one's 100 units served
+    clock.now += 3.0  # the rate falls to 100 / 13 s; the running one has 100 - 300 / 13 units to go
     with pytest.raises(Overloaded) as info:
         a.admit(UNIT)
-    assert refused == [Refusal.QUEUE_FULL] and info.value.retry_after == 7
+    assert refused == [Refusal.QUEUE_FULL] and info.value.retry_after == 10  # (100 - 300 / 13) / (100 / 13)
     a.finish(running, completed=True)
     assert a.admit(UNIT)  # a place in the queue is free again
 
@@ -145,14 +163,14 @@ async def test_one_api_key_cannot_take_every_slot():
     assert a.admit(UNIT, "key-0")
 
 
-async def test_a_cancelled_request_does_not_change_the_rate():
+async def test_the_service_a_cancelled_request_took_is_lost():
     clock = Clock()
     a, _ = await measured(clock, rate=10.0)
     ticket = a.admit(UNIT)
     await a.start(ticket)
-    clock.now += 2.0  # 20 of its 100 units
+    clock.now += 2.0
     a.finish(ticket, completed=False)
-    assert a.rate.per_s == pytest.approx(10.0)  # neither faster nor slower than before
+    assert a.rate.per_s == pytest.approx(100 / 12)  # two busy seconds with no work done
     a.finish(ticket, completed=False)  # finishing twice is harmless
     assert a.n_running == 0 and a.n_waiting == 0
     await asyncio.wait_for(a.drain(), 1)
@@ -217,7 +235,7 @@ async def test_over_the_prompt_token_cap_is_422_naming_the_field():
 async def test_per_key_limit_with_several_api_keys_and_the_single_key_still_works():
     engine = ScriptedEngine(lambda prompt: Reply("slow answer"), delay=0.3)
     client, _ = app_client(engine, server={"api_key": "solo", "api_keys": ["alpha", "beta"]},
-                           scheduler={"max_in_flight_per_key": 1})
+                           scheduler={"max_in_flight_per_key": 1, "admission_deadline_s": None})
     body = {"query": "q?"}
     async with client:
         first = asyncio.create_task(client.post("/v1/rag/query", json=body, headers={"Authorization": "Bearer alpha"}))

@@ -134,7 +134,7 @@ async def test_openai_client():
 
 
 async def test_concurrent_requests_are_batched():
-    h = Harness()
+    h = Harness(scheduler={"admission_deadline_s": None})  # a cold server with a deadline admits one at a time
     async with h.client() as client:
         responses = await asyncio.gather(*[
             client.post("/v1/rag/query", json={"query": f"question {i}?", "top_k": 2}) for i in range(6)

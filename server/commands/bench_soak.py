@@ -16,6 +16,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seconds", type=float, default=300.0)
     parser.add_argument("--pipeline", default="naive")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before an unanswered request counts as a failure")
     parser.add_argument("--api-key")
     parser.add_argument("--pid", type=int, help="the server's pid, to read its memory from /proc (default: its /metrics)")
     parser.add_argument("--questions", type=Path, help="one question a line (default: the packaged Wikipedia questions)")
@@ -30,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
 
     questions = [q.text for q in read_questions(args.questions or packaged_config("questions_wiki_en.txt"))]
     config = SoakConfig(url=args.url, users=args.users, duration_s=args.seconds, pipeline=args.pipeline,
-                        max_tokens=args.max_tokens, api_key=args.api_key, pid=args.pid)
+                        max_tokens=args.max_tokens, api_key=args.api_key, pid=args.pid, timeout_s=args.timeout)
     report = asyncio.run(soak(config, questions))
     result = report.to_dict()
     rss = report.rss_mb
