@@ -181,8 +181,9 @@ class Admission:
         return sum(t.remaining(rate) for t in ahead) / rate
 
     def _refuse(self, reason: Refusal, message: str, retry_after_s: float | None) -> NoReturn:
+        """Count the refusal and raise the 429; without an estimate (no rate yet) the soonest
+        sensible retry is a second."""
         self.on_refuse(reason)
-        # no measured rate yet: the soonest sensible retry
         raise Overloaded(message, retry_after=max(1, math.ceil(retry_after_s)) if retry_after_s is not None else 1)
 
     # -- the life of an admitted request -------------------------------------------------------

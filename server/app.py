@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from telerag.pipelines.types import Pipeline, RagResult, ResultEvent, RunEvent, RunOptions, StageEvent, TokenEvent
 from telerag.server import errors
+from telerag.server.admission import DEFAULT_PASSAGE_WORDS, TOKENS_PER_WORD, Admission, Refusal, RequestCost, Ticket
 from telerag.server.errors import InvalidField, NotReady, RequestTimeout, Unauthorized
 from telerag.server.metrics import Metrics
 from telerag.server.protocol import (
@@ -33,7 +34,6 @@ from telerag.server.protocol import (
     new_id,
 )
 from telerag.server.runtime import Runtime
-from telerag.server.admission import DEFAULT_PASSAGE_WORDS, TOKENS_PER_WORD, Admission, Refusal, RequestCost, Ticket
 from telerag.server.scheduler import BatchingRetriever
 from telerag.server.streaming import sse, sse_data
 

@@ -278,3 +278,19 @@ async def test_on_the_tiny_model_a_request_past_the_deadline_gets_429_at_once():
     retry_after = int(refused.headers["retry-after"])
     assert retry_after >= 1 and retry_after == math.ceil(float(retry_after))
     assert refusals(metrics, "deadline") == 1
+
+
+async def test_streamed_requests_are_admitted_and_measured_like_the_others():
+    engine = ScriptedEngine(lambda prompt: Reply("a streamed answer"))
+    client, app = app_client(engine)
+    admission = app.state.service.admission
+    async with client:
+        async with client.stream("POST", "/v1/rag/query", json={"query": "q?", "stream": True}) as response:
+            assert response.status_code == 200
+            raw = "".join([chunk async for chunk in response.aiter_text()])
+        assert "event: result" in raw
+        assert admission.n_running == admission.n_waiting == 0 and admission.rate.per_s is not None
+        async with client.stream("POST", "/v1/chat/completions", json={"model": "naive", "stream": True,
+                                                                       "messages": [{"role": "user", "content": "q?"}]}) as response:
+            assert "[DONE]" in "".join([chunk async for chunk in response.aiter_text()])
+    assert admission.n_running == admission.n_waiting == 0
