@@ -168,6 +168,7 @@ class DirectRetriever:
         return DatastoreInfo(
             passages=manifest.n_vectors,
             documents=manifest.n_documents,
+            passage_words=manifest.passage_words,
             nlist=manifest.nlist,
             dim=manifest.dim,
             embedder=manifest.embedder,

@@ -187,6 +187,7 @@ class DatastoreInfo:
 
     passages: int
     documents: int
+    passage_words: int | None  # words per passage when built (None: not recorded)
     nlist: int
     dim: int
     embedder: str
@@ -269,5 +270,6 @@ class Pipeline(Protocol):
 
     name: str
     description: str
+    llm_calls: int  # the most LLM calls one run makes (the scheduler's cost estimate)
 
     def run(self, query: str, options: RunOptions) -> AsyncIterator[RunEvent]: ...

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,6 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from telerag.pipelines.types import Pipeline, RagResult, ResultEvent, RunEvent, RunOptions, StageEvent, TokenEvent
 from telerag.server import errors
+from telerag.server.admission import DEFAULT_PASSAGE_WORDS, TOKENS_PER_WORD, Admission, Refusal, RequestCost, Ticket
 from telerag.server.errors import InvalidField, NotReady, RequestTimeout, Unauthorized
 from telerag.server.lifecycle import RETRY_AFTER_S, Lifecycle, Phase
 from telerag.server.metrics import Metrics
@@ -34,7 +36,7 @@ from telerag.server.protocol import (
     new_id,
 )
 from telerag.server.runtime import Runtime
-from telerag.server.scheduler import Admission, BatchingRetriever
+from telerag.server.scheduler import BatchingRetriever
 from telerag.server.settings import Settings
 from telerag.server.streaming import sse, sse_data
 
@@ -95,8 +97,14 @@ class Service:
         self.admission = Admission(
             scheduler.max_concurrency,
             scheduler.max_queue,
+            deadline_s=scheduler.admission_deadline_s,
+            max_in_flight_per_key=scheduler.max_in_flight_per_key,
             on_change=lambda waiting, running: (self.metrics.queue_depth.set(waiting), self.metrics.in_flight.set(running)),
+            on_refuse=lambda reason: self.metrics.refusals.labels(reason.value).inc(),
         )
+        self.metrics.expected_wait.set_function(self.admission.expected_wait_s)
+        words = self.runtime.datastore_info.passage_words or DEFAULT_PASSAGE_WORDS
+        self.passage_tokens = math.ceil(TOKENS_PER_WORD * words)
 
     def check(self, *, query: str, pipeline: str, top_k: int | None, nprobe: int | None, max_tokens: int,
               pipeline_field: str = "pipeline") -> tuple[Pipeline, RunOptions]:
@@ -118,6 +126,20 @@ class Service:
         return self.pipelines[pipeline], RunOptions(
             top_k=top_k or self.settings.retrieval.top_k, nprobe=nprobe, max_tokens=max_tokens,
         )
+
+    def cost(self, pipeline: Pipeline, query: str, options: RunOptions, *, query_field: str = "query",
+             top_k_field: str | None = "top_k") -> RequestCost:
+        """The request's cost for admission; 422 past `limits.max_prompt_tokens`, naming the field
+        that put it there (`top_k` when the query alone fits)."""
+        query_tokens = self.runtime.engine.count_tokens(query)
+        prompt_tokens = query_tokens + options.top_k * self.passage_tokens
+        limit = self.settings.limits.max_prompt_tokens
+        if prompt_tokens > limit:
+            self.metrics.refusals.labels(Refusal.PROMPT_TOKENS.value).inc()
+            field = top_k_field if top_k_field and query_tokens <= limit else query_field
+            raise InvalidField(field, f"the prompt would be about {prompt_tokens} tokens (the query's {query_tokens} and "
+                                      f"{options.top_k} passages of about {self.passage_tokens}); the limit is {limit}")
+        return RequestCost(prompt_tokens=prompt_tokens, max_tokens=options.max_tokens, llm_calls=pipeline.llm_calls)
 
     async def events(self, pipeline: Pipeline, query: str, options: RunOptions) -> AsyncIterator[RunEvent]:
         """Run a pipeline (a slot must be held) with the request timeout, recording metrics."""
@@ -143,11 +165,12 @@ class Service:
         finally:
             self.metrics.request_latency.labels(pipeline.name, outcome).observe(time.perf_counter() - started)
 
-    async def result(self, request: Request, pipeline: Pipeline, query: str, options: RunOptions) -> RagResult:
-        """Run to the end; cancelled (LLM aborted, clusters released) if the client goes away."""
+    async def result(self, request: Request, pipeline: Pipeline, query: str, options: RunOptions,
+                     ticket: Ticket) -> RagResult:
+        """Run an admitted request to the end; cancelled (LLM aborted, clusters released) if the client goes away."""
 
         async def run() -> RagResult:
-            async with self.admission.slot():
+            async with self.admission.running(ticket):
                 async for event in self.events(pipeline, query, options):
                     if isinstance(event, ResultEvent):
                         return event.result
@@ -165,6 +188,7 @@ class Service:
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
+            self.admission.finish(ticket, completed=False)  # a no-op unless the task never began
 
 
 class ServingGate:
@@ -202,13 +226,18 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
         """The service behind `/v1/*` (ServingGate lets requests through only once there is one)."""
         return app.state.service
 
-    async def authorized(request: Request) -> None:
-        key = settings.server.api_key
-        if key is None:
-            return
+    keys = [key.get_secret_value().encode() for key in settings.server.keys()]
+
+    async def authorized(request: Request) -> str | None:
+        """The client: which API key it presented (`key-N`, N its place in the settings); None
+        when the API is open."""
+        if not keys:
+            return None
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.get_secret_value().encode()):
+        matches = [hmac.compare_digest(token.encode(), key) for key in keys]  # every key compared: constant time
+        if scheme.lower() != "bearer" or not any(matches):
             raise Unauthorized("missing or wrong API key (Authorization: Bearer …)")
+        return f"key-{matches.index(True)}"
 
     @app.get("/health", response_model=Health)
     async def health() -> Health:
@@ -241,19 +270,22 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
             for name, p in service.pipelines.items()
         ])
 
-    @app.post("/v1/rag/query", response_model=QueryResponse, dependencies=[Depends(authorized)])
-    async def rag_query(body: QueryRequest, request: Request, service: Service = Depends(serving)) -> Response:
+    @app.post("/v1/rag/query", response_model=QueryResponse)
+    async def rag_query(body: QueryRequest, request: Request, client: str | None = Depends(authorized),
+                        service: Service = Depends(serving)) -> Response:
         pipeline, options = service.check(query=body.query, pipeline=body.pipeline, top_k=body.top_k,
                                           nprobe=body.nprobe, max_tokens=body.max_tokens)
         options.temperature, options.prefetch = body.temperature, body.prefetch
+        ticket = service.admission.admit(service.cost(pipeline, body.query, options), client)  # or 429, at once
         request_id = new_id("rag")
         if not body.stream:
-            result = await service.result(request, pipeline, body.query, options)
+            result = await service.result(request, pipeline, body.query, options, ticket)
             response = QueryResponse.from_result(result, request_id=request_id, with_documents=body.return_documents)
             return Response(response.model_dump_json(), media_type="application/json")
-        await service.admission.acquire()  # refuse (429) before the stream starts, not inside it
+        await service.admission.start(ticket)  # wait for a slot before the stream starts
 
         async def stream() -> AsyncIterator[bytes]:
+            completed = False
             try:
                 async for event in service.events(pipeline, body.query, options):
                     if isinstance(event, StageEvent):
@@ -262,16 +294,18 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
                         yield sse("token", {"text": event.text})
                     else:
                         response = QueryResponse.from_result(event.result, request_id=request_id, with_documents=body.return_documents)
+                        completed = True
                         yield sse("result", response.model_dump())
             except Exception as exc:  # noqa: BLE001 - after the stream began, errors travel as an event
                 yield sse("error", errors.error_body(exc)["error"])
             finally:
-                service.admission.release()
+                service.admission.finish(ticket, completed=completed)
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
-    async def chat_completions(body: ChatCompletionRequest, request: Request, service: Service = Depends(serving)) -> Response:
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request, client: str | None = Depends(authorized),
+                               service: Service = Depends(serving)) -> Response:
         users = [m.content for m in body.messages if m.role == "user"]
         if not users:
             raise InvalidField("messages", "at least one user message is required")
@@ -279,24 +313,27 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
         pipeline, options = service.check(query=users[-1], pipeline=body.model, top_k=None, nprobe=None,
                                           max_tokens=max_tokens, pipeline_field="model")
         options.temperature = body.temperature
+        ticket = service.admission.admit(service.cost(pipeline, users[-1], options, query_field="messages", top_k_field=None), client)
         request_id = new_id("chatcmpl")
         if not body.stream:
-            result = await service.result(request, pipeline, users[-1], options)
+            result = await service.result(request, pipeline, users[-1], options, ticket)
             usage = _usage(result)
             return JSONResponse(chat_completion(request_id, body.model, result.answer, usage))
-        await service.admission.acquire()
+        await service.admission.start(ticket)
 
         async def stream() -> AsyncIterator[bytes]:
+            completed = False
             try:
                 yield sse_data(chat_chunk(request_id, body.model, {"role": "assistant", "content": ""}))
                 async for event in service.events(pipeline, users[-1], options):
                     if isinstance(event, TokenEvent):
                         yield sse_data(chat_chunk(request_id, body.model, {"content": event.text}))
+                completed = True
                 yield sse_data(chat_chunk(request_id, body.model, {}, finish_reason="stop"))
             except Exception as exc:  # noqa: BLE001 - after the stream began, errors travel in the stream
                 yield sse_data({"error": errors.error_body(exc)["error"]})
             finally:
-                service.admission.release()
+                service.admission.finish(ticket, completed=completed)
             yield sse_data("[DONE]")
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from telerag.server.commands import ask, bench_e2e, bench_generate, bench_overlap, bench_retrieval, bench_server, datastore, serve
+from telerag.server.commands import ask, bench_e2e, bench_generate, bench_overlap, bench_retrieval, bench_server, bench_soak, datastore, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_overlap.register(bench_commands)
     bench_server.register(bench_commands)
     bench_e2e.register(bench_commands)
+    bench_soak.register(bench_commands)
     return parser
 
 

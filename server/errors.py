@@ -37,6 +37,12 @@ class Overloaded(ServerError):
         self.retry_after = retry_after
 
 
+class TooManyConnections(ServerError):
+    """A connection opened past `server.max_connections` asked for something other than a probe."""
+
+    code = "too_many_connections"
+
+
 class Unauthorized(ServerError):
     code = "unauthorized"
 
@@ -74,6 +80,7 @@ STATUS: list[tuple[type[Exception], int]] = [
     (EngineOverloaded, 429),
     (GenerationAborted, 503),
     (NotReady, 503),
+    (TooManyConnections, 503),
     (RequestTimeout, 504),
     (EngineUnavailable, 503),
     (EmbedderError, 503),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -49,10 +49,13 @@ class Metrics:
         self.copy_wait = Histogram("telerag_search_copy_wait_seconds", "how long a search's device scan waited for copies in flight (searches that waited)", ["pipeline"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge("telerag_queue_depth", "requests waiting for a slot", registry=r)
         self.in_flight = Gauge("telerag_requests_in_flight", "requests running", registry=r)
+        self.refusals = Counter("telerag_admission_refusals", "requests refused by admission, by reason", ["reason"], registry=r)
+        self.expected_wait = Gauge("telerag_admission_expected_wait_seconds", "time the admitted work takes at the measured service rate", registry=r)
         self.batch_size = Histogram("telerag_batch_size", "queries per batched retrieval call", ["kind"], buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.tokens = Counter("telerag_tokens_generated", "tokens generated", ["pipeline"], registry=r)
         self.ttft = Histogram("telerag_time_to_first_token_seconds", "time to the first answer token", ["pipeline"], buckets=LATENCY_BUCKETS, registry=r)
         r.register(_CacheCollector(cache_stats))
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds (Linux)
 
     def observe_result(self, result: RagResult) -> None:
         p = result.pipeline

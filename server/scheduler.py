@@ -1,9 +1,7 @@
-"""Admission control and cross-request batching of retrieval.
+"""Cross-request batching of retrieval (admission is `server/admission.py`).
 
-`Admission` bounds how many requests run and wait; past that a request is refused at once
-(429 with Retry-After) rather than queued without end. `BatchingRetriever` is what the
-pipelines see as their retriever: prefetch and search calls that arrive while the previous
-batch runs (or within an optional window, or until a batch fills) become one call of the
+`BatchingRetriever` is what the pipelines see as their retriever: prefetch and search calls
+that arrive while the previous batch runs (or within an optional window, or until a batch fills) become one call of the
 underlying `BatchRetriever`, so their embedding, prefetch planning and search run as one
 batch; each caller gets its own result and waits only on its own copies.
 """
@@ -12,65 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from telerag.pipelines.types import BatchRetriever, PrefetchRequest, PrefetchTicket, SearchOptions, SearchOutcome, SearchRequest
-from telerag.server.errors import Overloaded
 
 Item = TypeVar("Item")
 Out = TypeVar("Out")
-
-
-class Admission:
-    """At most `max_concurrency` requests run; at most `max_queue` more wait; the rest are refused."""
-
-    def __init__(self, max_concurrency: int, max_queue: int, on_change: Callable[[int, int], None] | None = None) -> None:
-        self._slots = asyncio.Semaphore(max_concurrency)
-        self.max_queue = max_queue
-        self.waiting = 0
-        self.running = 0
-        self._on_change = on_change or (lambda waiting, running: None)
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    async def acquire(self) -> None:
-        """Take a running slot, waiting in the queue if needed; refuse when the queue is full."""
-        if self._slots.locked() and self.waiting >= self.max_queue:
-            raise Overloaded(f"server busy: {self.running} running and {self.waiting} waiting", retry_after=1)
-        self.waiting += 1
-        self._changed()
-        try:
-            await self._slots.acquire()
-        finally:
-            self.waiting -= 1
-        self.running += 1
-        self._changed()
-
-    def release(self) -> None:
-        self.running -= 1
-        self._slots.release()
-        self._changed()
-
-    @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        await self.acquire()
-        try:
-            yield
-        finally:
-            self.release()
-
-    def _changed(self) -> None:
-        if self.running or self.waiting:
-            self._idle.clear()
-        else:
-            self._idle.set()
-        self._on_change(self.waiting, self.running)
-
-    async def drain(self) -> None:
-        """Wait until every admitted request has finished (graceful shutdown)."""
-        await self._idle.wait()
 
 
 @dataclass

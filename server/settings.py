@@ -65,12 +65,17 @@ class SchedulerSettings(BaseModel):
     max_concurrency: int = Field(16, ge=1)  # requests running at once
     max_queue: int = Field(64, ge=0)  # requests waiting beyond those; past it: 429
     request_timeout_s: float = Field(300.0, gt=0)
+    # A request that would finish later than this (its estimated work and all admitted before it,
+    # at the measured service rate) is refused at once: 429 with Retry-After. None: no deadline.
+    admission_deadline_s: float | None = Field(30.0, gt=0)
+    max_in_flight_per_key: int | None = Field(None, ge=1)  # requests one API key may have admitted; None: no bound
 
 
 class LimitSettings(BaseModel):
     max_query_chars: int = Field(4000, ge=1)
     max_top_k: int = Field(50, ge=1)
     max_tokens: int = Field(1024, ge=1)
+    max_prompt_tokens: int = Field(8192, ge=1)  # estimated: the query's tokens and top_k passages
     max_body_bytes: int = Field(256 * 1024, ge=1024)
 
 
@@ -78,6 +83,7 @@ class ServerSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     api_key: SecretStr | None = None
+    api_keys: list[SecretStr] = Field(default_factory=list)  # several clients, each with its own key (beside api_key)
     cors_origins: list[str] = Field(default_factory=list)
     log_level: str = "info"
     # After SIGTERM (or SIGINT) the server answers 503 to new work and waits this long for the
@@ -87,6 +93,16 @@ class ServerSettings(BaseModel):
     # default: 5 ms). The transformers engine and the retrieval workers are threads of this process; with
     # the default the event loop can wait 5 ms at each wake-up while they run.
     switch_interval_ms: float = Field(0.5, gt=0)
+    # Connections (server/connections.py): a request's headers must arrive within header_timeout_s
+    # of the connection opening (or of the request's first byte); an idle keep-alive connection is
+    # closed after keep_alive_timeout_s; past max_connections open, new ones get only the probes.
+    header_timeout_s: float = Field(10.0, gt=0)
+    keep_alive_timeout_s: float = Field(5.0, gt=0)
+    max_connections: int = Field(1024, ge=1)
+
+    def keys(self) -> list[SecretStr]:
+        """Every accepted API key (`api_key` and `api_keys`); none: the API is open."""
+        return ([self.api_key] if self.api_key is not None else []) + list(self.api_keys)
 
 
 class _YamlSource(PydanticBaseSettingsSource):

@@ -48,6 +48,8 @@ def served(wiki_slice, tmp_path_factory) -> tuple[str, subprocess.Popen]:
         "TELERAG_SCHEDULER__REQUEST_TIMEOUT_S": "120", "TELERAG_SCHEDULER__BATCH_WINDOW_MS": "100",
         "TELERAG_SCHEDULER__MAX_CONCURRENCY": str(MAX_CONCURRENCY), "TELERAG_SCHEDULER__MAX_QUEUE": str(MAX_QUEUE),
         "TELERAG_RETRIEVAL__CACHE_MB": "0.5", "TELERAG_RETRIEVAL__PREFETCH_BUDGET_MB": "0.2",
+        # these tests count on the queue, not on this machine's speed (tests/test_admission.py tests the deadline)
+        "TELERAG_SCHEDULER__ADMISSION_DEADLINE_S": "600",
     }
     server = start_server(["--datastore", str(wiki_slice)], tmp_path_factory.mktemp("server") / "server.log", env=env)
     try:

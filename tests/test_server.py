@@ -46,7 +46,7 @@ METRIC_SERIES = (
 EXPECTED_METRICS = sorted({name.removesuffix("_bucket") for name, _ in METRIC_SERIES})
 
 
-DATASTORE_INFO = DatastoreInfo(passages=100, documents=10, nlist=64, dim=32, embedder="hash-32", codec="fp32", nprobe=8,
+DATASTORE_INFO = DatastoreInfo(passages=100, documents=10, passage_words=100, nlist=64, dim=32, embedder="hash-32", codec="fp32", nprobe=8,
                                device="cpu", cache_bytes=0, prefetch_budget_bytes=None, copy_gbps=None)
 
 
@@ -142,7 +142,7 @@ async def test_openai_client():
 
 
 async def test_concurrent_requests_are_batched():
-    h = Harness()
+    h = Harness(scheduler={"admission_deadline_s": None})  # a cold server with a deadline admits one at a time
     async with h.client() as client:
         responses = await asyncio.gather(*[
             client.post("/v1/rag/query", json={"query": f"question {i}?", "top_k": 2}) for i in range(6)

@@ -67,11 +67,12 @@ class RunContext:
 
 
 class RagPipeline:
-    """Base class. Subclasses set `name`, `description`, `stages` and write `body`."""
+    """Base class. Subclasses set `name`, `description`, `stages`, `llm_calls` and write `body`."""
 
     name: ClassVar[str]
     description: ClassVar[str]
     stages: ClassVar[tuple[Stage, ...]]
+    llm_calls: ClassVar[int]  # the most LLM calls one run makes; the server's admission estimates cost from it
 
     def __init__(self, engine: Engine, retriever: Retriever, *, pre_retrieval_ms: float | None = None) -> None:
         """`pre_retrieval_ms`: the expected time of this pipeline's pre-retrieval call, which its

@@ -31,6 +31,7 @@ class FLARE(RagPipeline):
     name = "flare"
     description = "Generate sentence by sentence; retrieve when a look-ahead token's probability is low."
     stages = (PREFETCH, Stage("lookahead_sentence", "pre_retrieval"), SEARCH, Stage("sentence", "llm"), GENERATE)
+    llm_calls = 2 * MAX_SENTENCES  # look ahead, and write again when it retrieved, each sentence
     threshold = THRESHOLD
 
     async def body(self, ctx: RunContext) -> str:

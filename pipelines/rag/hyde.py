@@ -10,6 +10,7 @@ class HyDE(RagPipeline):
     name = "hyde"
     description = "Generate a hypothetical passage (pre-retrieval), retrieve with it, then answer."
     stages = (PREFETCH, Stage("hypothetical_passage", "pre_retrieval"), SEARCH, GENERATE)
+    llm_calls = 2  # passage, answer
 
     async def body(self, ctx: RunContext) -> str:
         async def passage():

@@ -15,6 +15,7 @@ class IterRetGen(RagPipeline):
     name = "iter_retgen"
     description = "Three rounds of retrieval and generation; each answer refines the next retrieval."
     stages = (PREFETCH, Stage("round_answer", "pre_retrieval"), SEARCH, GENERATE)
+    llm_calls = ROUNDS  # a quiet answer each round but the last, then the answer
 
     async def body(self, ctx: RunContext) -> str:
         _, documents = await self.lookahead(ctx, [ctx.query], None, lambda _: [ctx.query])

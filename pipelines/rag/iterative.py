@@ -13,6 +13,7 @@ class Iterative(RagPipeline):
     name = "iterative"
     description = "Narrower question (pre-retrieval), retrieve, answer, judge; repeat until judged sufficient."
     stages = (PREFETCH, Stage("narrow_question", "pre_retrieval"), SEARCH, Stage("judge", "llm"), GENERATE)
+    llm_calls = 3 * MAX_ITERATIONS - 1  # narrow each iteration; draft and judge all but the last; answer
 
     async def body(self, ctx: RunContext) -> str:
         notes = ""

@@ -9,6 +9,7 @@ class Naive(RagPipeline):
     name = "naive"
     description = "Retrieve with the question, then answer."
     stages = (PREFETCH, SEARCH, GENERATE)
+    llm_calls = 1  # the answer
 
     async def body(self, ctx: RunContext) -> str:
         _, documents = await self.lookahead(ctx, [ctx.query], None, lambda _: [ctx.query])

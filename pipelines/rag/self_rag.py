@@ -13,6 +13,7 @@ class SelfRAG(RagPipeline):
     name = "self_rag"
     description = "Decide whether to retrieve (pre-retrieval), answer, critique support; regenerate if unsupported."
     stages = (PREFETCH, Stage("decide_retrieval", "pre_retrieval"), SEARCH, Stage("critique", "llm"), GENERATE)
+    llm_calls = 4  # decide, draft, critique, revise
 
     async def body(self, ctx: RunContext) -> str:
         async def decide() -> bool:

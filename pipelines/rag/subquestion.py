@@ -17,6 +17,7 @@ class SubQuestion(RagPipeline):
     name = "subquestion"
     description = "Decompose into sub-questions (pre-retrieval), retrieve them as one batch, then answer."
     stages = (PREFETCH, Stage("decompose", "pre_retrieval"), SEARCH, GENERATE)
+    llm_calls = 2  # decompose, answer
 
     async def body(self, ctx: RunContext) -> str:
         async def decompose():

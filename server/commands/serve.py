@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from telerag.pipelines.errors import PipelineError
 from telerag.retrieval.errors import DatastoreError, RetrievalError
 from telerag.server.commands.datastore import rebuild_command
+from telerag.server.connections import uvicorn_options
 from telerag.server.lifecycle import Lifecycle
 from telerag.server.settings import ENGINE_KIND_ALIASES, Settings, load_settings
 
@@ -83,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
 
 def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
     """Everything the server asks of uvicorn, in one place."""
-    return uvicorn.Config(app, host=settings.server.host, port=settings.server.port, log_level=settings.server.log_level)
+    return uvicorn.Config(app, host=settings.server.host, port=settings.server.port, log_level=settings.server.log_level,
+                          **uvicorn_options(settings.server))
 
 
 class _Server(uvicorn.Server):
@@ -149,7 +151,7 @@ async def serve(settings: Settings) -> int:
         server.should_exit = True
         drained = await _first(listening, lifecycle.force.wait(), deadline=deadline)
     if not drained:
-        unfinished = service.admission.running + service.admission.waiting
+        unfinished = service.admission.n_running + service.admission.n_waiting
         why = "at a second signal" if lifecycle.force.is_set() else f"after the {grace:g} s grace period"
         log.error("stopping %s with %d accepted request(s) unfinished", why, unfinished)
         _exit_now(1)

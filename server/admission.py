@@ -1,0 +1,248 @@
+"""Admission with a deadline: each request's cost is estimated, the server's service rate is
+measured, and a request that would not finish within `scheduler.admission_deadline_s` is
+refused at once (429) with the time after which it would be admitted as `Retry-After`.
+
+Cost is counted in *work units*: per LLM call the pipeline may make, its output tokens
+(`max_tokens`, an upper bound) plus its prompt tokens (the query and `top_k` passages) at
+`PREFILL_WEIGHT` each, since a prompt token is processed in parallel and costs a fraction of a
+generated one. The service rate is measured in the same units: the estimated work of the
+requests that finished per second the server was busy, averaged over about a minute. So a
+systematic bias of the estimate (answers shorter than `max_tokens`, passages longer than
+assumed) cancels out of `wait = work / rate`, and the rate is that of the recent load (a
+batching engine serves more per second when more run at once). Between completions the busy
+time grows and the rate falls: the estimate errs towards refusing. The running requests are
+taken to share the rate equally (their progress, for the work still to do).
+
+The expected finish of a new request is the work still to do of every admitted request plus its
+own, over the rate (admitted requests are served first come, first served). Until a request has
+finished there is no rate: one request is admitted at a time, so the first measurement comes
+soon and a cold server never takes on more than it can finish in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import NoReturn
+
+from telerag.server.errors import Overloaded
+
+TOKENS_PER_WORD = 1.5  # prompt tokens per word of a passage (English BPE; its title and separators included)
+DEFAULT_PASSAGE_WORDS = 100  # a datastore's passage length when its manifest does not say (the builder's default)
+PREFILL_WEIGHT = 0.1  # cost of a prompt token relative to a generated one
+RATE_TIME_CONSTANT_S = 60.0  # how long the measured service rate remembers
+
+
+class Refusal(str, Enum):
+    """Why a request was refused (the `reason` label of `telerag_admission_refusals_total`)."""
+
+    DEADLINE = "deadline"  # its expected finish is past the deadline
+    QUEUE_FULL = "queue_full"  # max_concurrency running and max_queue waiting
+    KEY_LIMIT = "key_limit"  # its API key has max_in_flight_per_key requests admitted
+    UNMEASURED = "unmeasured"  # no request has finished yet, and one is in flight
+    PROMPT_TOKENS = "prompt_tokens"  # over limits.max_prompt_tokens (422, counted here too)
+
+
+@dataclass(frozen=True)
+class RequestCost:
+    """What one request asks of the LLM: `llm_calls` calls (at most), each with about
+    `prompt_tokens` of prompt and at most `max_tokens` of output."""
+
+    prompt_tokens: int
+    max_tokens: int
+    llm_calls: int
+
+    @property
+    def work(self) -> float:
+        return self.llm_calls * (self.max_tokens + PREFILL_WEIGHT * self.prompt_tokens)
+
+
+@dataclass(eq=False)
+class Ticket:
+    """An admitted request."""
+
+    work: float
+    client: str | None
+    running: bool = False
+    finished: bool = False
+    attention_s: float = 0.0  # seconds of the whole server it has had (an equal share of the time it ran)
+
+    def remaining(self, rate: float | None) -> float:
+        """Work still to do at `rate` (all of it without a rate)."""
+        return max(self.work - (rate or 0.0) * self.attention_s, 0.0)
+
+
+@dataclass
+class ServiceRate:
+    """Work units of the requests that finished per second the server was busy, both
+    exponentially decayed with time (so the rate is that of about the last `time_constant_s`)."""
+
+    time_constant_s: float = RATE_TIME_CONSTANT_S
+    work: float = 0.0
+    busy_s: float = 0.0
+
+    def advance(self, dt: float, *, busy: bool) -> None:
+        decay = math.exp(-dt / self.time_constant_s)
+        self.work *= decay
+        self.busy_s = self.busy_s * decay + (dt if busy else 0.0)
+
+    def served(self, work: float) -> None:
+        self.work += work
+
+    @property
+    def per_s(self) -> float | None:
+        """None until a request has finished."""
+        return self.work / self.busy_s if self.work > 0 and self.busy_s > 0 else None
+
+
+@dataclass
+class Admission:
+    """At most `max_concurrency` requests run and `max_queue` more wait; a request is refused at
+    once when that is full, when its key has `max_in_flight_per_key` admitted, or when it would
+    finish later than `deadline_s` from now (None: no deadline)."""
+
+    max_concurrency: int
+    max_queue: int
+    deadline_s: float | None = None
+    max_in_flight_per_key: int | None = None
+    clock: Callable[[], float] = time.monotonic
+    on_change: Callable[[int, int], None] = lambda waiting, running: None
+    on_refuse: Callable[[Refusal], None] = lambda reason: None
+    rate: ServiceRate = field(default_factory=ServiceRate)
+
+    def __post_init__(self) -> None:
+        self._slots = asyncio.Semaphore(self.max_concurrency)
+        self._admitted: list[Ticket] = []  # in admission order
+        self._last = self.clock()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def n_running(self) -> int:
+        return sum(t.running for t in self._admitted)
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self._admitted) - self.n_running
+
+    # -- decisions ---------------------------------------------------------------------------
+
+    def admit(self, cost: RequestCost, client: str | None = None) -> Ticket:
+        """Admit the request (it then waits for a slot) or raise `Overloaded` with a Retry-After."""
+        self._advance()
+        rate = self.rate.per_s
+        if self.max_in_flight_per_key is not None and client is not None:
+            own = [t for t in self._admitted if t.client == client]
+            if len(own) >= self.max_in_flight_per_key:
+                self._refuse(Refusal.KEY_LIMIT, f"this API key has {len(own)} requests in flight; the limit is "
+                             f"{self.max_in_flight_per_key}", self._soonest(own, rate))
+        if self.n_running >= self.max_concurrency and self.n_waiting >= self.max_queue:
+            self._refuse(Refusal.QUEUE_FULL, f"server busy: {self.n_running} running and {self.n_waiting} waiting",
+                         self._soonest([t for t in self._admitted if t.running], rate))
+        if self.deadline_s is not None and self._admitted:
+            if rate is None:
+                self._refuse(Refusal.UNMEASURED, "the server is measuring its service rate: one request at a time "
+                             "until the first has finished", None)
+            finish = (self._backlog(rate) + cost.work) / rate
+            if finish > self.deadline_s:
+                self._refuse(Refusal.DEADLINE, f"server busy: this request would finish in about {finish:.0f} s; "
+                             f"the deadline is {self.deadline_s:g} s", finish - self.deadline_s)
+        ticket = Ticket(cost.work, client)
+        self._admitted.append(ticket)
+        self._changed()
+        return ticket
+
+    def expected_wait_s(self) -> float:
+        """How long the work already admitted takes to finish at the measured rate (0 when unknown)."""
+        self._advance()
+        rate = self.rate.per_s
+        return self._backlog(rate) / rate if rate else 0.0
+
+    def _backlog(self, rate: float | None) -> float:
+        return sum(t.remaining(rate) for t in self._admitted)
+
+    def _soonest(self, tickets: list[Ticket], rate: float | None) -> float | None:
+        """Expected seconds until the first of `tickets` finishes (None without a rate)."""
+        if rate is None or not tickets:
+            return None
+        return min(self._finish_in(t, rate) for t in tickets)
+
+    def _finish_in(self, ticket: Ticket, rate: float) -> float:
+        """Expected seconds until `ticket` finishes: a running request shares the rate with the
+        others running; a waiting one follows everything admitted before it."""
+        if ticket.running:
+            return ticket.remaining(rate) * self.n_running / rate
+        ahead = self._admitted[: self._admitted.index(ticket) + 1]
+        return sum(t.remaining(rate) for t in ahead) / rate
+
+    def _refuse(self, reason: Refusal, message: str, retry_after_s: float | None) -> NoReturn:
+        """Count the refusal and raise the 429; without an estimate (no rate yet) the soonest
+        sensible retry is a second."""
+        self.on_refuse(reason)
+        raise Overloaded(message, retry_after=max(1, math.ceil(retry_after_s)) if retry_after_s is not None else 1)
+
+    # -- the life of an admitted request -------------------------------------------------------
+
+    async def start(self, ticket: Ticket) -> None:
+        """Wait for a running slot (first come, first served)."""
+        try:
+            await self._slots.acquire()
+        except BaseException:
+            self._forget(ticket)
+            raise
+        self._advance()
+        ticket.running = True
+        self._changed()
+
+    def finish(self, ticket: Ticket, *, completed: bool) -> None:
+        """The request ended (idempotent). One that completed counts its work as served; the
+        service one that failed or was cancelled took is lost (busy time with no work)."""
+        if ticket.finished:
+            return
+        self._advance()
+        if completed:
+            self.rate.served(ticket.work)
+        if ticket.running:
+            self._slots.release()
+        self._forget(ticket)
+
+    @contextlib.asynccontextmanager
+    async def running(self, ticket: Ticket) -> AsyncIterator[None]:
+        """Wait for a slot, run; completed unless the body raised."""
+        await self.start(ticket)
+        completed = False
+        try:
+            yield
+            completed = True
+        finally:
+            self.finish(ticket, completed=completed)
+
+    def _forget(self, ticket: Ticket) -> None:
+        ticket.finished = True
+        self._admitted.remove(ticket)
+        self._changed()
+
+    def _advance(self) -> None:
+        """Bring the running requests' shares of the server and the rate's average up to now."""
+        now = self.clock()
+        dt, self._last = max(now - self._last, 0.0), now
+        running = [t for t in self._admitted if t.running]
+        for t in running:
+            t.attention_s += dt / len(running)
+        self.rate.advance(dt, busy=bool(running))
+
+    def _changed(self) -> None:
+        if self._admitted:
+            self._idle.clear()
+        else:
+            self._idle.set()
+        self.on_change(self.n_waiting, self.n_running)
+
+    async def drain(self) -> None:
+        """Wait until every admitted request has finished (graceful shutdown)."""
+        await self._idle.wait()

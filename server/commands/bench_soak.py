@@ -1,0 +1,54 @@
+"""`telerag bench soak`: hold N users against a running server for a while and report answers,
+429s, failures (apart), the latency of answers and the server's memory (see `server/soak.py`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("soak", help="N users for a duration against a running server; 429s and failures apart")
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--users", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=300.0)
+    parser.add_argument("--pipeline", default="naive")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before an unanswered request counts as a failure")
+    parser.add_argument("--api-key")
+    parser.add_argument("--pid", type=int, help="the server's pid, to read its memory from /proc (default: its /metrics)")
+    parser.add_argument("--questions", type=Path, help="one question a line (default: the packaged Wikipedia questions)")
+    parser.add_argument("--json", action="store_true", help="also print the report as one JSON line")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from telerag.pipelines.overlap import read_questions
+    from telerag.server.settings import packaged_config
+    from telerag.server.soak import SoakConfig, soak
+
+    questions = [q.text for q in read_questions(args.questions or packaged_config("questions_wiki_en.txt"))]
+    config = SoakConfig(url=args.url, users=args.users, duration_s=args.seconds, pipeline=args.pipeline,
+                        max_tokens=args.max_tokens, api_key=args.api_key, pid=args.pid, timeout_s=args.timeout)
+    report = asyncio.run(soak(config, questions))
+    result = report.to_dict()
+    rss = report.rss_mb
+    rows = {
+        "users": report.users, "seconds": report.duration_s, "requests": report.requests,
+        "answered (200)": report.answered, "refused (429)": report.refused,
+        "failures": sum(report.failures.values()), "answered/s": report.answered_per_s,
+        "answered p50 s": report.p50_s, "answered p99 s": report.p99_s,
+        "429 p50 ms": report.refused_p50_ms, "429 p99 ms": report.refused_p99_ms,
+        "rss start MB": rss[0][1] if rss else None, "rss end MB": rss[-1][1] if rss else None,
+        "rss growth": report.rss_growth,
+    }
+    width = max(len(k) for k in rows)
+    for key, value in rows.items():
+        print(f"{key:<{width}}  {value:.3f}" if isinstance(value, float) else f"{key:<{width}}  {value}")
+    for kind, count in report.failures.items():
+        print(f"{'  failure ' + kind:<{width}}  {count}")
+    if args.json:
+        print(json.dumps(result))
+    return 0

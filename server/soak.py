@@ -1,0 +1,144 @@
+"""A soak run: `users` clients send questions back to back to a running server for a while;
+what came back is counted (answers, 429s, failures apart) and the server's resident memory is
+sampled from start to end.
+
+Each user is one keep-alive connection and a well-behaved client: after a 429 it waits the
+`Retry-After` it was given (never past the end of the run). At the end no new request is sent
+and those in flight are waited for (up to the timeout). The latency of an answer is the
+time from sending the request to the end of its body, queueing in the server included.
+Memory comes from `/proc/<pid>` when the server's pid is given (same machine), else from the
+server's `process_resident_memory_bytes` in `/metrics`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import re
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+MEMORY_SAMPLE_S = 10.0
+RSS_METRIC = re.compile(r"^process_resident_memory_bytes\s+(\S+)$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    url: str
+    users: int = 64
+    duration_s: float = 300.0
+    pipeline: str = "naive"
+    max_tokens: int = 32
+    api_key: str | None = None
+    pid: int | None = None  # the server's process, to read its memory from /proc
+    timeout_s: float = 300.0  # a request not answered in this long is a failure (the server's request_timeout_s)
+
+
+@dataclass
+class SoakReport:
+    users: int
+    duration_s: float
+    requests: int = 0
+    answered: int = 0  # 200
+    refused: int = 0  # 429
+    failures: dict[str, int] = field(default_factory=dict)  # anything else, by status or error
+    answered_per_s: float = 0.0
+    p50_s: float | None = None  # of answered requests
+    p99_s: float | None = None
+    refused_p50_ms: float | None = None  # how fast a 429 comes back
+    refused_p99_ms: float | None = None
+    rss_mb: list[tuple[float, float]] = field(default_factory=list)  # (seconds into the run, MB)
+
+    @property
+    def rss_growth(self) -> float | None:
+        """Relative growth of the server's memory from the end of the first minute (or the start
+        of a shorter run) to the end: what is left once caches and models have warmed up."""
+        if len(self.rss_mb) < 2:
+            return None
+        base = next((mb for t, mb in self.rss_mb if t >= 60.0), self.rss_mb[0][1]) if self.duration_s > 60 else self.rss_mb[0][1]
+        return self.rss_mb[-1][1] / base - 1.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "rss_growth": self.rss_growth}
+
+
+def _percentile(values: Sequence[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.answered: list[float] = []
+        self.refused: list[float] = []
+        self.failures: Counter[str] = Counter()
+
+
+async def _user(client: httpx.AsyncClient, config: SoakConfig, questions: itertools.cycle, end: float, tally: _Tally) -> None:
+    while (now := time.monotonic()) < end:
+        body = {"query": next(questions), "pipeline": config.pipeline, "max_tokens": config.max_tokens}
+        try:
+            response = await client.post("/v1/rag/query", json=body, timeout=config.timeout_s)
+        except httpx.HTTPError as exc:
+            tally.failures[type(exc).__name__] += 1
+            continue
+        elapsed = time.monotonic() - now
+        if response.status_code == 200:
+            tally.answered.append(elapsed)
+        elif response.status_code == 429:
+            tally.refused.append(elapsed)
+            retry_after = float(response.headers.get("retry-after", 1))
+            await asyncio.sleep(min(retry_after, max(end - time.monotonic(), 0.0)))
+        else:
+            tally.failures[str(response.status_code)] += 1
+
+
+async def _resident_mb(client: httpx.AsyncClient, pid: int | None) -> float | None:
+    if pid is not None:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return None
+    try:
+        match = RSS_METRIC.search((await client.get("/metrics")).text)
+    except httpx.HTTPError:
+        return None
+    return float(match.group(1)) / 2**20 if match else None
+
+
+async def soak(config: SoakConfig, questions: Sequence[str]) -> SoakReport:
+    """Hold `config.users` users for `config.duration_s` against the server at `config.url`."""
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    limits = httpx.Limits(max_connections=config.users + 1, max_keepalive_connections=config.users + 1)
+    report = SoakReport(users=config.users, duration_s=config.duration_s)
+    tally = _Tally()
+    cycle = itertools.cycle(questions)
+    async with httpx.AsyncClient(base_url=config.url, headers=headers, limits=limits) as client:
+        start = time.monotonic()
+        end = start + config.duration_s
+
+        async def sample_memory() -> None:
+            while True:
+                mb = await _resident_mb(client, config.pid)
+                if mb is not None:
+                    report.rss_mb.append((round(time.monotonic() - start, 1), round(mb, 1)))
+                await asyncio.sleep(MEMORY_SAMPLE_S)
+
+        sampler = asyncio.create_task(sample_memory())
+        await asyncio.gather(*(_user(client, config, cycle, end, tally) for _ in range(config.users)))
+        took = time.monotonic() - start
+        sampler.cancel()
+        if (mb := await _resident_mb(client, config.pid)) is not None:
+            report.rss_mb.append((round(took, 1), round(mb, 1)))
+    report.requests = len(tally.answered) + len(tally.refused) + sum(tally.failures.values())
+    report.answered, report.refused, report.failures = len(tally.answered), len(tally.refused), dict(tally.failures)
+    report.answered_per_s = report.answered / took
+    report.p50_s, report.p99_s = _percentile(tally.answered, 50), _percentile(tally.answered, 99)
+    refused_ms = [s * 1e3 for s in tally.refused]
+    report.refused_p50_ms, report.refused_p99_ms = _percentile(refused_ms, 50), _percentile(refused_ms, 99)
+    return report

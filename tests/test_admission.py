@@ -1,0 +1,298 @@
+"""Admission with a deadline: the cost estimate, the measured service rate and each decision,
+on a fake clock (nothing here times anything); then through the HTTP API: the prompt-token
+cap, per-key limits and, on the tiny model, a 429 with Retry-After at once when the deadline
+would be passed."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import httpx
+import pytest
+
+from telerag.pipelines.registry import PIPELINES
+from telerag.server.admission import PREFILL_WEIGHT, Admission, Refusal, RequestCost, ServiceRate
+from telerag.server.app import create_app, start_serving
+from telerag.server.errors import Overloaded
+from telerag.server.runtime import Runtime
+from telerag.server.settings import Settings
+from tests.test_server import DATASTORE_INFO
+from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
+from tests.test_pipelines import UNSURE, make, run
+
+UNIT = RequestCost(prompt_tokens=0, max_tokens=100, llm_calls=1)  # 100 work units
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def admission(clock: Clock, **options) -> tuple[Admission, list[Refusal]]:  # noqa: ANN003
+    """An Admission whose rate never forgets, so that the numbers below are exact."""
+    refused: list[Refusal] = []
+    options = {"max_concurrency": 8, "max_queue": 64, "deadline_s": 30.0, **options}
+    return Admission(clock=clock, on_refuse=refused.append, rate=ServiceRate(time_constant_s=math.inf), **options), refused
+
+
+async def measured(clock: Clock, rate: float = 10.0, **options) -> tuple[Admission, list[Refusal]]:  # noqa: ANN003
+    """An Admission that has served one request of 100 units in 100 / rate seconds."""
+    a, refused = admission(clock, **options)
+    ticket = a.admit(UNIT)
+    await a.start(ticket)
+    clock.now += UNIT.work / rate
+    a.finish(ticket, completed=True)
+    assert a.rate.per_s == pytest.approx(rate)
+    return a, refused
+
+
+def test_cost_counts_every_llm_call_with_its_prompt_and_output():
+    cost = RequestCost(prompt_tokens=1000, max_tokens=64, llm_calls=3)
+    assert cost.work == pytest.approx(3 * (64 + PREFILL_WEIGHT * 1000))
+    assert RequestCost(1000, 64, 1).work < cost.work and RequestCost(2000, 64, 3).work > cost.work
+
+
+def test_service_rate_is_work_per_busy_second_and_idle_time_does_not_change_it():
+    rate = ServiceRate(time_constant_s=60)
+    assert rate.per_s is None
+    rate.advance(4.0, busy=True)
+    rate.served(40.0)
+    assert rate.per_s == pytest.approx(10.0)
+    rate.advance(300.0, busy=False)  # idle: both decay alike
+    assert rate.per_s == pytest.approx(10.0)
+    rate.advance(2.0, busy=True)
+    rate.served(60.0)  # faster now: the average moves towards 30/s
+    assert 10.0 < rate.per_s < 30.0
+
+
+async def test_requests_running_together_share_the_rate():
+    clock = Clock()
+    a, _ = admission(clock, deadline_s=None)
+    tickets = [a.admit(UNIT) for _ in range(4)]
+    for t in tickets:
+        await a.start(t)
+    clock.now += 20.0  # four at once, 100 units each in 20 s: 20 units/s in all
+    for t in tickets:
+        a.finish(t, completed=True)
+    assert a.rate.per_s == pytest.approx(20.0)
+
+
+async def test_before_any_request_finished_one_is_admitted_at_a_time():
+    clock = Clock()
+    a, refused = admission(clock, max_concurrency=2)
+    first = a.admit(UNIT)
+    with pytest.raises(Overloaded) as info:
+        a.admit(UNIT)
+    assert info.value.retry_after == 1 and refused == [Refusal.UNMEASURED]
+    await a.start(first)
+    clock.now += 5.0
+    a.finish(first, completed=True)
+    assert a.admit(UNIT) and a.admit(UNIT)  # measured: 20/s
+
+
+async def test_without_a_deadline_the_queue_bounds_what_is_admitted():
+    clock = Clock()
+    a, refused = admission(clock, max_concurrency=2, max_queue=1, deadline_s=None)
+    for _ in range(2):
+        await a.start(a.admit(UNIT))
+    a.admit(UNIT)
+    with pytest.raises(Overloaded) as info:
+        a.admit(UNIT)
+    assert info.value.retry_after == 1 and refused == [Refusal.QUEUE_FULL]  # no rate: the soonest sensible retry
+
+
+async def test_a_request_that_would_finish_past_the_deadline_is_refused_with_the_time_until_it_fits():
+    clock = Clock()
+    a, refused = await measured(clock, rate=10.0)  # 100 units take 10 s
+    tickets = [a.admit(UNIT) for _ in range(3)]  # they finish in 10, 20 and 30 s: within 30
+    with pytest.raises(Overloaded) as info:
+        a.admit(UNIT)  # would finish in 40 s
+    assert refused == [Refusal.DEADLINE]
+    assert info.value.retry_after == 10  # 40 - 30
+    for t in tickets:
+        await a.start(t)
+    clock.now += 10.0  # busy with nothing finished: the rate falls to 100 / 20 s, the estimate errs towards refusing
+    assert a.expected_wait_s() == pytest.approx((300 - 5 * 10) / 5) and a.rate.per_s == pytest.approx(5.0)
+    with pytest.raises(Overloaded) as info:
+        a.admit(UNIT)  # (300 - 5 * 10 + 100) / 5 = 70 s
+    assert info.value.retry_after == 40
+    a.finish(tickets[0], completed=True)  # 200 units in 20 busy s: 10/s again
+    assert a.expected_wait_s() == pytest.approx(2 * (100 - 10 * 10 / 3) / 10)
+    assert a.admit(UNIT)  # (133.3 + 100) / 10 = 23.3 s
+
+
+async def test_a_bigger_request_is_refused_where_a_smaller_one_is_admitted():
+    clock = Clock()
+    a, refused = await measured(clock, rate=10.0)
+    a.admit(RequestCost(prompt_tokens=0, max_tokens=200, llm_calls=1))  # 20 s of work ahead
+    big = RequestCost(prompt_tokens=1000, max_tokens=100, llm_calls=1)  # 200 units: 40 s in all
+    with pytest.raises(Overloaded):
+        a.admit(big)
+    assert a.admit(UNIT)  # 30 s in all
+    assert refused == [Refusal.DEADLINE]
+
+
+async def test_no_deadline_admits_up_to_the_queue_and_past_it_retry_after_is_when_a_slot_frees():
+    clock = Clock()
+    a, refused = await measured(clock, rate=10.0, max_concurrency=1, max_queue=1, deadline_s=None)
+    running = a.admit(UNIT)
+    await a.start(running)
+    a.admit(UNIT)  # waits
+    clock.now += 3.0  # the rate falls to 100 / 13 s; the running one has 100 - 300 / 13 units to go
+    with pytest.raises(Overloaded) as info:
+        a.admit(UNIT)
+    assert refused == [Refusal.QUEUE_FULL] and info.value.retry_after == 10  # (100 - 300 / 13) / (100 / 13)
+    a.finish(running, completed=True)
+    assert a.admit(UNIT)  # a place in the queue is free again
+
+
+async def test_one_api_key_cannot_take_every_slot():
+    clock = Clock()
+    a, refused = await measured(clock, rate=10.0, max_in_flight_per_key=2, deadline_s=None)
+    first = a.admit(UNIT, "key-0")
+    await a.start(first)
+    a.admit(UNIT, "key-0")
+    with pytest.raises(Overloaded) as info:
+        a.admit(UNIT, "key-0")
+    assert refused == [Refusal.KEY_LIMIT] and info.value.retry_after == 10  # when its first request finishes
+    assert a.admit(UNIT, "key-1") and a.admit(UNIT)  # another key, and the open API, are not held back
+    a.finish(first, completed=True)
+    assert a.admit(UNIT, "key-0")
+
+
+async def test_the_service_a_cancelled_request_took_is_lost():
+    clock = Clock()
+    a, _ = await measured(clock, rate=10.0)
+    ticket = a.admit(UNIT)
+    await a.start(ticket)
+    clock.now += 2.0
+    a.finish(ticket, completed=False)
+    assert a.rate.per_s == pytest.approx(100 / 12)  # two busy seconds with no work done
+    a.finish(ticket, completed=False)  # finishing twice is harmless
+    assert a.n_running == 0 and a.n_waiting == 0
+    await asyncio.wait_for(a.drain(), 1)
+
+
+async def test_a_request_cancelled_while_waiting_for_a_slot_leaves_nothing_behind():
+    clock = Clock()
+    a, _ = await measured(clock, rate=10.0, max_concurrency=1)
+    running = a.admit(UNIT)
+    await a.start(running)
+    waiter = asyncio.create_task(a.start(a.admit(UNIT)))
+    await asyncio.sleep(0)
+    assert a.n_waiting == 1
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert a.n_waiting == 0 and a.n_running == 1
+
+
+@pytest.mark.parametrize(("name", "script"), [
+    ("naive", {}), ("hyde", {}), ("subquestion", {}), ("iter_retgen", {}),
+    ("iterative", {"judge": "no"}), ("self_rag", {"critique": "no"}), ("flare", {"flare_logprobs": [(UNSURE,) * 4] * 8}),
+])
+async def test_each_pipeline_declares_the_most_llm_calls_it_makes(name, script):
+    pipeline, _, _, log = make(name, **script)  # scripted to take its longest path
+    await run(pipeline)
+    assert sum(kind == "llm_start" for kind, _ in log) == PIPELINES[name].llm_calls
+
+
+# -- through the HTTP API -------------------------------------------------------------------------
+
+
+def app_client(engine, **sections) -> tuple[httpx.AsyncClient, object]:  # noqa: ANN001, ANN003
+    settings = Settings(**sections)
+    runtime = Runtime(settings=settings, engine=engine, retriever=RecordingRetriever(), datastore_info=DATASTORE_INFO)
+    app = create_app(settings)
+    start_serving(app, runtime)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60), app
+
+
+def refusals(metrics: str, reason: str) -> float:
+    line = next(line for line in metrics.splitlines() if line.startswith(f'telerag_admission_refusals_total{{reason="{reason}"}}'))
+    return float(line.split()[-1])
+
+
+async def test_over_the_prompt_token_cap_is_422_naming_the_field():
+    engine = ScriptedEngine(lambda prompt: Reply("fine"))  # a token is a word
+    client, _ = app_client(engine, limits={"max_prompt_tokens": 1000})  # passages of 100 words: 150 tokens
+    async with client:
+        ok = await client.post("/v1/rag/query", json={"query": "short question", "top_k": 6})  # 2 + 900
+        too_many = await client.post("/v1/rag/query", json={"query": "short question", "top_k": 7})  # 2 + 1050
+        long_query = await client.post("/v1/rag/query", json={"query": "w " * 1001, "top_k": 1})
+        chat = await client.post("/v1/chat/completions", json={"model": "naive", "messages": [{"role": "user", "content": "w " * 999}]})
+        metrics = (await client.get("/metrics")).text
+    assert ok.status_code == 200
+    assert too_many.status_code == 422 and too_many.json()["error"]["field"] == "top_k"
+    assert "1000" in too_many.json()["error"]["message"]
+    assert long_query.status_code == 422 and long_query.json()["error"]["field"] == "query"
+    assert chat.status_code == 422 and chat.json()["error"]["field"] == "messages"
+    assert refusals(metrics, "prompt_tokens") == 3
+
+
+async def test_per_key_limit_with_several_api_keys_and_the_single_key_still_works():
+    engine = ScriptedEngine(lambda prompt: Reply("slow answer"), delay=0.3)
+    client, _ = app_client(engine, server={"api_key": "solo", "api_keys": ["alpha", "beta"]},
+                           scheduler={"max_in_flight_per_key": 1, "admission_deadline_s": None})
+    body = {"query": "q?"}
+    async with client:
+        first = asyncio.create_task(client.post("/v1/rag/query", json=body, headers={"Authorization": "Bearer alpha"}))
+        await asyncio.sleep(0.1)
+        second = await client.post("/v1/rag/query", json=body, headers={"Authorization": "Bearer alpha"})
+        other = await client.post("/v1/rag/query", json=body, headers={"Authorization": "Bearer beta"})
+        solo = await client.post("/v1/rag/query", json=body, headers={"Authorization": "Bearer solo"})
+        wrong = await client.post("/v1/rag/query", json=body, headers={"Authorization": "Bearer gamma"})
+        assert (await first).status_code == 200
+        metrics = (await client.get("/metrics")).text
+    assert second.status_code == 429 and int(second.headers["retry-after"]) >= 1
+    assert "API key" in second.json()["error"]["message"]
+    assert other.status_code == 200 and solo.status_code == 200 and wrong.status_code == 401
+    assert refusals(metrics, "key_limit") == 1
+
+
+@pytest.mark.slow  # about 18 s on two busy cores: the tiny model generates slowly there
+async def test_on_the_tiny_model_a_request_past_the_deadline_gets_429_at_once():
+    from tests.tiny_models import tiny_engine
+
+    engine = tiny_engine()
+    # a deadline so short that, once the rate is measured, nothing can join a request in flight
+    client, app = app_client(engine, scheduler={"admission_deadline_s": 0.001})
+    long = {"query": "Tell me everything about the Nile", "max_tokens": 24}
+    try:
+        async with client:
+            warm = await client.post("/v1/rag/query", json={"query": "warm up", "max_tokens": 4})
+            assert warm.status_code == 200  # idle: admitted whatever the deadline; measures the rate
+            running = asyncio.create_task(client.post("/v1/rag/query", json=long))
+            while app.state.service.admission.n_running == 0:
+                await asyncio.sleep(0.01)
+            refused = await client.post("/v1/rag/query", json=long)
+            assert not running.done()  # answered while the admitted request still runs
+            assert (await running).status_code == 200
+            metrics = (await client.get("/metrics")).text
+    finally:
+        await engine.close()
+    assert refused.status_code == 429
+    assert refused.json()["error"]["type"] == "overloaded" and "deadline" in refused.json()["error"]["message"]
+    retry_after = int(refused.headers["retry-after"])
+    assert retry_after >= 1 and retry_after == math.ceil(float(retry_after))
+    assert refusals(metrics, "deadline") == 1
+
+
+async def test_streamed_requests_are_admitted_and_measured_like_the_others():
+    engine = ScriptedEngine(lambda prompt: Reply("a streamed answer"))
+    client, app = app_client(engine)
+    admission = app.state.service.admission
+    async with client:
+        async with client.stream("POST", "/v1/rag/query", json={"query": "q?", "stream": True}) as response:
+            assert response.status_code == 200
+            raw = "".join([chunk async for chunk in response.aiter_text()])
+        assert "event: result" in raw
+        assert admission.n_running == admission.n_waiting == 0 and admission.rate.per_s is not None
+        async with client.stream("POST", "/v1/chat/completions", json={"model": "naive", "stream": True,
+                                                                       "messages": [{"role": "user", "content": "q?"}]}) as response:
+            assert "[DONE]" in "".join([chunk async for chunk in response.aiter_text()])
+    assert admission.n_running == admission.n_waiting == 0

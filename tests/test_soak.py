@@ -1,0 +1,43 @@
+"""`telerag bench soak` against a real server on loopback (fakes behind it): every request is
+counted once, 429s apart from failures, and the server's memory is read."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from telerag.server.cli import main
+from telerag.server.soak import SoakConfig, soak
+from tests.test_connections import serving
+
+
+async def test_soak_counts_answers_429s_and_failures_apart_and_reads_memory_from_metrics():
+    # long connection timeouts: a pooled connection closed by the server as a user reuses it
+    # would be a client error that says nothing about the soak
+    # two slots, nothing queues before the first answer: more users than slots get 429s
+    with serving(delay=0.2, max_connections=64, timeout_s=60, scheduler={"max_concurrency": 2, "max_queue": 0}) as (host, port):
+        report = await soak(SoakConfig(url=f"http://{host}:{port}", users=6, duration_s=2.0), ["q one?", "q two?"])
+    assert report.answered > 0 and report.refused > 0 and not report.failures
+    assert report.requests == report.answered + report.refused
+    assert report.p50_s is not None and report.p50_s <= report.p99_s
+    assert report.refused_p50_ms is not None
+    assert len(report.rss_mb) >= 2 and all(mb > 0 for _, mb in report.rss_mb)  # process_resident_memory_bytes
+    assert report.rss_growth is not None
+
+
+async def test_soak_counts_other_statuses_as_failures_and_reads_memory_from_proc():
+    with serving(max_connections=64, timeout_s=60, server={"api_key": "secret"}) as (host, port):
+        # no key: every request is a 401, a failure; the pid is this process, which runs the server
+        report = await soak(SoakConfig(url=f"http://{host}:{port}", users=2, duration_s=0.5, pid=os.getpid()), ["q?"])
+    assert report.answered == 0 and report.refused == 0
+    assert report.failures == {"401": report.requests} and report.requests > 0
+    assert report.rss_mb and report.rss_mb[0][1] > 0
+
+
+def test_the_command_prints_a_table_and_one_json_line(capsys):
+    with serving(delay=0.05, max_connections=64, timeout_s=60) as (host, port):
+        assert main(["bench", "soak", "--url", f"http://{host}:{port}", "--users", "2", "--seconds", "0.5", "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert any(line.startswith("refused (429)") for line in lines)
+    result = json.loads(lines[-1])
+    assert result["users"] == 2 and result["answered"] > 0 and result["failures"] == {}
