@@ -48,7 +48,7 @@ class Metrics:
         self.queue_depth = Gauge("telerag_queue_depth", "requests waiting for a slot", registry=r)
         self.in_flight = Gauge("telerag_requests_in_flight", "requests running", registry=r)
         self.batch_size = Histogram("telerag_batch_size", "queries per batched retrieval call", ["kind"], buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
-        self.tokens = Counter("telerag_tokens_generated", "tokens generated", ["pipeline"], registry=r)
+        self.tokens = Counter("telerag_tokens_generated", "tokens generated, cancelled requests' included", ["pipeline"], registry=r)
         self.ttft = Histogram("telerag_time_to_first_token_seconds", "time to the first answer token", ["pipeline"], buckets=LATENCY_BUCKETS, registry=r)
         r.register(_CacheCollector(cache_stats))
 
@@ -62,4 +62,3 @@ class Metrics:
         self.clusters_searched.labels(p, "device").inc(result.prefetch.get("clusters_device", 0))
         self.clusters_searched.labels(p, "cpu").inc(result.prefetch.get("clusters_cpu", 0))
         self.demand_copies.labels(p).inc(result.prefetch.get("clusters_copied_on_demand", 0))
-        self.tokens.labels(p).inc(result.tokens_generated)

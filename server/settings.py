@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 _config_file: ContextVar[Path | None] = ContextVar("telerag_config_file", default=None)  # --config, while loading
@@ -73,12 +73,19 @@ class ServerSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     api_key: SecretStr | None = None
+    protect_docs: bool = False  # /docs, /redoc, /openapi.json and /metrics need the API key too
     cors_origins: list[str] = Field(default_factory=list)
     log_level: str = "info"
     # How long a thread may hold the GIL before another one waiting for it gets a turn (Python's
     # default: 5 ms). The CPU engine and the retrieval workers are threads of this process; with
     # the default the event loop can wait 5 ms at each wake-up while they run.
     switch_interval_ms: float = Field(0.5, gt=0)
+
+    @model_validator(mode="after")
+    def _protect_docs_needs_a_key(self) -> ServerSettings:
+        if self.protect_docs and self.api_key is None:
+            raise ValueError("server.protect_docs needs server.api_key (the key that protects them)")
+        return self
 
 
 class _YamlSource(PydanticBaseSettingsSource):
