@@ -193,12 +193,9 @@ content, the last has `finish_reason`), then `[DONE]`; a failure after the strea
 as `{"error": ErrorDetail}` before `[DONE]`."""
 QUERY_STREAM = event_schema({"stage": json_data(StageUpdate), "token": json_data(TokenText),
                              "result": json_data(QueryResponse), "error": json_data(ErrorDetail)})
-CHAT_STREAM = event_schema({"message": {"anyOf": [
-    {"const": "[DONE]"},
-    {"type": "string", "contentMediaType": "application/json",
-     "contentSchema": {"anyOf": [json_data(ChatCompletionChunk)["contentSchema"], json_data(ErrorResponse)["contentSchema"]]}},
-]}})
-STREAMED_MODELS = [StageUpdate, TokenText, QueryResponse, ErrorDetail, ChatCompletionChunk, ErrorResponse]
+CHAT_STREAM = event_schema({"message": {"anyOf": [{"const": "[DONE]"}, json_data(ChatCompletionChunk, ErrorResponse)]}})
+# the models only the streams refer to, for the schema's components
+STREAMED_COMPONENTS = component_schemas([StageUpdate, TokenText, QueryResponse, ErrorDetail, ChatCompletionChunk, ErrorResponse])
 
 
 def _json_or_events(model: type, events: dict, description: str) -> dict:
@@ -229,7 +226,7 @@ def create_app(runtime: Runtime) -> FastAPI:
         """FastAPI's schema, plus the models that only streamed events refer to."""
         schema = openapi_of_routes()
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for name, definition in component_schemas(STREAMED_MODELS).items():
+        for name, definition in STREAMED_COMPONENTS.items():
             components.setdefault(name, definition)
         return schema
 

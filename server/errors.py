@@ -116,7 +116,7 @@ def status_of(exc: BaseException) -> int:
 
 def error_detail(exc: BaseException) -> ErrorDetail:
     return ErrorDetail(type=getattr(exc, "code", "internal_error"), message=str(exc) or type(exc).__name__,
-                       field=getattr(exc, "field", None))
+                       field=getattr(exc, "field", None) or None)
 
 
 def error_response(status: int, detail: ErrorDetail, headers: dict[str, str] | None = None) -> JSONResponse:

@@ -19,7 +19,10 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstr
 from telerag.pipelines.types import RagResult
 from telerag.server.settings import LimitSettings
 
-NON_BLANK = r"\S"  # a query needs one character that is not white space
+# A query needs one character that is not white space. Spelled out rather than `\S`, whose
+# meaning differs between regex engines (U+0085 and U+FEFF): so pydantic, JSON Schema (ECMA-262)
+# and a client's validator agree on which queries are blank.
+NON_BLANK = r"[^\t\n\x0b\f\r \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\ufeff]"
 
 
 def _integral(value: Any) -> Any:

@@ -23,9 +23,14 @@ def sse_data(data: Any) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
-def json_data(model: type[BaseModel]) -> dict[str, Any]:
-    """An event's `data` that is `model` as JSON."""
-    return {"type": "string", "contentMediaType": "application/json", "contentSchema": {"$ref": REF.format(model=model.__name__)}}
+def ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": REF.format(model=model.__name__)}
+
+
+def json_data(*models: type[BaseModel]) -> dict[str, Any]:
+    """An event's `data` that is one of `models` as JSON."""
+    schema = ref(models[0]) if len(models) == 1 else {"anyOf": [ref(m) for m in models]}
+    return {"type": "string", "contentMediaType": "application/json", "contentSchema": schema}
 
 
 def event_schema(events: Mapping[str, dict[str, Any]]) -> dict[str, Any]:

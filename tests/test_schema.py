@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from telerag.server.protocol import NON_BLANK
 from tests.test_server import Harness
 
 LIMITS = {"max_query_chars": 99, "max_top_k": 7, "max_tokens": 33}
@@ -19,7 +20,7 @@ async def test_the_configured_limits_are_in_the_schema():
     h = Harness(limits=LIMITS)
     components = (await schema_of(h))["components"]["schemas"]
     query = components["QueryRequest"]["properties"]
-    assert query["query"]["maxLength"] == 99 and query["query"]["minLength"] == 1 and query["query"]["pattern"] == r"\S"
+    assert query["query"]["maxLength"] == 99 and query["query"]["minLength"] == 1 and query["query"]["pattern"] == NON_BLANK
     assert query["top_k"]["anyOf"][0] == {"type": "integer", "minimum": 1, "maximum": 7}
     assert query["nprobe"]["anyOf"][0] == {"type": "integer", "minimum": 1, "maximum": 64}  # the datastore's nlist
     assert query["max_tokens"]["maximum"] == 33 and query["max_tokens"]["default"] == 33
@@ -144,3 +145,13 @@ async def test_the_event_streams_are_described_event_by_event():
 async def test_metrics_are_documented_as_text():
     schema = await schema_of(Harness())
     assert set(schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+
+
+@pytest.mark.parametrize(("query", "status"), [("\u0085", 422), ("\ufeff", 422), (" \u3000\t", 422), ("\u0085x", 200)])
+async def test_blank_means_the_same_to_the_server_and_to_json_schema(query, status):
+    """U+0085 is white space to Rust's and Python's regexes but not to ECMA-262's `\\s` (JSON
+    Schema's), U+FEFF the other way round: the server refuses exactly what its schema does."""
+    h = Harness()
+    async with h.client() as client:
+        response = await client.post("/v1/rag/query", json={"query": query})
+    assert response.status_code == status, response.text
