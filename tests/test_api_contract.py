@@ -199,3 +199,18 @@ async def test_tokens_of_a_finished_request_are_counted_once():
         metrics = (await client.get("/metrics")).text
     assert body["tokens_generated"] > 0 and len([s for s in body["steps"] if s["kind"] == "llm"]) == 2
     assert tokens_counted(metrics, "hyde") == body["tokens_generated"]
+
+
+async def test_a_tiny_temperature_samples_like_greedy():
+    """Any temperature the schema allows (here the smallest normal float32, found by the fuzzer)
+    generates: dividing unshifted logits by it overflowed to inf and the sampler failed (502)."""
+    from tests.tiny_models import tiny_engine
+
+    engine = tiny_engine()
+    try:
+        prompt = [engine.format_prompt("Question: what is a river?\nAnswer:")]
+        greedy = await engine.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0))
+        tiny = await engine.generate(prompt, SamplingParams(max_tokens=6, temperature=1.175494351e-38))
+    finally:
+        await engine.close()
+    assert tiny[0].token_ids == greedy[0].token_ids
