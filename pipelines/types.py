@@ -257,11 +257,19 @@ class TokenEvent:
 
 
 @dataclass(frozen=True)
+class UsageEvent:
+    """`tokens` more were generated (by any LLM call of the run), reported as they are, so that a
+    run cut short still accounts for what it cost."""
+
+    tokens: int
+
+
+@dataclass(frozen=True)
 class ResultEvent:
     result: RagResult
 
 
-RunEvent = StageEvent | TokenEvent | ResultEvent
+RunEvent = StageEvent | TokenEvent | UsageEvent | ResultEvent
 
 
 @runtime_checkable

@@ -21,10 +21,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from telerag.server.errors import TooManyConnections, error_body, status_of
+from telerag.server.errors import TooManyConnections, error_detail, error_response, status_of
 from telerag.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -68,7 +67,7 @@ class _ProbesOnly:
             await self.app(scope, receive, closing)
             return
         refusal = TooManyConnections("too many open connections; retry shortly")  # not logged: a flood would flood the log
-        response = JSONResponse(error_body(refusal), status_code=status_of(refusal), headers={"Retry-After": "1"})
+        response = error_response(status_of(refusal), error_detail(refusal), {"Retry-After": "1"})
         await response(scope, receive, closing)
 
 

@@ -52,7 +52,7 @@ class Metrics:
         self.refusals = Counter("telerag_admission_refusals", "requests refused by admission, by reason", ["reason"], registry=r)
         self.expected_wait = Gauge("telerag_admission_expected_wait_seconds", "time the admitted work takes at the measured service rate", registry=r)
         self.batch_size = Histogram("telerag_batch_size", "queries per batched retrieval call", ["kind"], buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
-        self.tokens = Counter("telerag_tokens_generated", "tokens generated", ["pipeline"], registry=r)
+        self.tokens = Counter("telerag_tokens_generated", "tokens generated, cancelled requests' included", ["pipeline"], registry=r)
         self.ttft = Histogram("telerag_time_to_first_token_seconds", "time to the first answer token", ["pipeline"], buckets=LATENCY_BUCKETS, registry=r)
         r.register(_CacheCollector(cache_stats))
         ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds (Linux)
@@ -70,4 +70,3 @@ class Metrics:
         self.clusters_searched.labels(p, "cpu").inc(result.prefetch.get("clusters_cpu", 0))
         self.demand_copies.labels(p).inc(result.prefetch.get("clusters_copied_on_demand", 0))
         self.late_clusters.labels(p).inc(result.prefetch.get("clusters_late", 0))
-        self.tokens.labels(p).inc(result.tokens_generated)

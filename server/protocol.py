@@ -1,28 +1,141 @@
-"""Pydantic models of every request and response of the HTTP API."""
+"""Pydantic models of every request and response of the HTTP API.
+
+The request models carry the server's limits (`Settings.limits`, the served pipelines, the
+datastore's nlist), so they are built per app by `request_models`: what the OpenAPI schema
+says a field accepts is exactly what the server accepts. Requests are strict (`"top_k": "3"`
+and `"stream": 0` are refused, not coerced).
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, create_model, field_serializer, field_validator
 
 from telerag.pipelines.types import DatastoreInfo, RagResult
+from telerag.server.settings import LimitSettings
+
+# A query needs one character that is not white space. Spelled out rather than `\S`, whose
+# meaning differs between regex engines (U+0085 and U+FEFF): so pydantic, JSON Schema (ECMA-262)
+# and a client's validator agree on which queries are blank.
+NON_BLANK = r"[^\t\n\x0b\f\r \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\ufeff]"
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 2.0 as an integer, so the server does too (but never "2" or true)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(low: int, high: int | None) -> Any:
+    """An integer in [low, high] (no upper bound with None); 2.0 counts, "2" and true do not."""
+    return Annotated[int, Field(ge=low, le=high), BeforeValidator(_integral)]
+
+
+class ErrorDetail(BaseModel):
+    type: str = Field(description="a stable slug, e.g. invalid_request, body_too_large, overloaded, not_found")
+    message: str = Field(description="what went wrong, for a human")
+    field: str | None = Field(None, description="the request field at fault (dotted path), when there is one")
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error the server answers, whatever its status."""
+
+    error: ErrorDetail
+
+
+# -- requests, built per app from its limits ---------------------------------------------------
 
 
 class QueryRequest(BaseModel):
-    query: str = Field(..., min_length=1, description="the user's question")
-    pipeline: str = Field("naive", description="one of GET /v1/pipelines")
-    top_k: int | None = Field(None, ge=1, description="documents to retrieve (default: the server's)")
-    nprobe: int | None = Field(None, ge=1, description="IVF lists to search (at most nlist)")
-    max_tokens: int = Field(256, ge=1)
+    """`POST /v1/rag/query`. The bounded fields get their bounds per app (`request_models`)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    query: str
+    pipeline: str = "naive"
+    top_k: int | None = None
+    nprobe: int | None = None
+    max_tokens: int = 256
     temperature: float = Field(0.0, ge=0.0, le=2.0)
-    stream: bool = False
-    return_documents: bool = True
+    stream: bool = Field(False, description="true: answer as server-sent events (text/event-stream)")
+    return_documents: bool = Field(True, description="false: the answer without its documents")
     prefetch: bool = Field(True, description="false: every cluster searched on the CPU (the baseline)")
 
-    model_config = {"extra": "forbid"}
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class ChatCompletionRequest(BaseModel):
+    """`POST /v1/chat/completions`: the last user message is the question, `model` the pipeline.
+    Other OpenAI fields are accepted and ignored, as OpenAI clients send them. The bounded
+    fields get their bounds per app (`request_models`)."""
+
+    model_config = ConfigDict(strict=True)
+
+    model: str
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    stream: bool = Field(False, description="true: chat.completion.chunk objects as server-sent events")
+
+    @field_validator("messages")
+    @classmethod
+    def _has_question(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        if not any(m.role == "user" for m in messages):
+            raise ValueError("at least one user message is required")
+        return messages
+
+    @property
+    def question(self) -> str:
+        return next(m.content for m in reversed(self.messages) if m.role == "user")
+
+
+@dataclass(frozen=True)
+class RequestModels:
+    query: type[QueryRequest]
+    chat: type[ChatCompletionRequest]
+
+
+def request_models(limits: LimitSettings, pipelines: Sequence[str], nlist: int | None = None) -> RequestModels:
+    """The request models of one app: `limits`, the pipeline names and the datastore's `nlist`
+    (None: not known yet, so nprobe's upper bound is checked per request instead) become the
+    fields' constraints, and so appear in the OpenAPI schema."""
+    pipeline = Literal[tuple(pipelines)]  # type: ignore[valid-type]
+    question = Annotated[str, StringConstraints(min_length=1, max_length=limits.max_query_chars, pattern=NON_BLANK)]
+    max_tokens = min(256, limits.max_tokens)
+    query = create_model(
+        "QueryRequest", __base__=QueryRequest, __module__=__name__,
+        query=(question, Field(description=f"the user's question (at most {limits.max_query_chars} characters, not blank)")),
+        pipeline=(pipeline, Field("naive" if "naive" in pipelines else pipelines[0], description="one of GET /v1/pipelines")),
+        top_k=(integer(1, limits.max_top_k) | None, Field(None, description="documents to retrieve (default: the server's)")),
+        nprobe=(integer(1, nlist) | None, Field(None, description="IVF lists to search (at most the datastore's nlist)")),
+        max_tokens=(integer(1, limits.max_tokens), Field(max_tokens, description="tokens of the answer, at most")),
+    )
+    user = create_model("UserMessage", __base__=ChatMessage, __module__=__name__, role=(Literal["user"], ...),
+                        content=(question, Field(description="a question (the last one is answered)")))
+    other = create_model("OtherMessage", __base__=ChatMessage, __module__=__name__,
+                         role=(Literal["system", "assistant", "tool"], ...), content=(str, ...))
+    chat = create_model(
+        "ChatCompletionRequest", __base__=ChatCompletionRequest, __module__=__name__,
+        model=(pipeline, Field(description="the pipeline that answers (one of GET /v1/models)")),
+        messages=(list[Annotated[user | other, Field(discriminator="role")]], Field(  # type: ignore[valid-type]
+            min_length=1, description="the conversation; it needs a user message, and the last one is the question",
+            json_schema_extra={"contains": {"type": "object", "properties": {"role": {"const": "user"}}, "required": ["role"]}},
+        )),
+        max_tokens=(integer(1, limits.max_tokens) | None, Field(None, description=f"tokens of the answer, at most (default {max_tokens})")),
+    )
+    return RequestModels(query=query, chat=chat)
+
+
+# -- responses ----------------------------------------------------------------------------------
 
 
 class DocumentOut(BaseModel):
@@ -68,6 +181,20 @@ class QueryResponse(BaseModel):
         )
 
 
+class StageUpdate(BaseModel):
+    """The data of a streamed `stage` event."""
+
+    stage: str
+    status: Literal["start", "end"]
+    ms: float | None = None
+
+
+class TokenText(BaseModel):
+    """The data of a streamed `token` event: the next piece of the answer."""
+
+    text: str
+
+
 class PipelineInfo(BaseModel):
     name: str
     description: str
@@ -103,42 +230,75 @@ class Ready(BaseModel):
     datastore: DatastoreInfo | None = None
 
 
-# -- OpenAI-compatible chat completions ------------------------------------------------------
+# -- OpenAI-compatible responses ------------------------------------------------------------------
 
 
-class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "tool"]
+class Model(BaseModel):
+    """A model a client may name in `model`: here, a pipeline."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "telerag"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Model]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
     content: str
 
 
-class ChatCompletionRequest(BaseModel):
-    model: str = Field(..., description="the pipeline")
-    messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(0.0, ge=0.0, le=2.0)
-    stream: bool = False
+class ChatCompletionChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"] = "stop"
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    """What a chunk adds: the role once, first; then pieces of the content."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: Literal["stop", "length"] | None = None
+
+    @field_serializer("delta")
+    def _delta(self, delta: ChatDelta) -> dict[str, str]:
+        return delta.model_dump(exclude_none=True)  # OpenAI sends only what a delta sets
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion (`data: {...}`, then `data: [DONE]`)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def chat_completion(request_id: str, model: str, answer: str, usage: dict[str, int]) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}],
-        "usage": usage,
-    }
-
-
-def chat_chunk(request_id: str, model: str, delta: dict[str, str], finish_reason: str | None = None) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
-    }

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, Field, SecretStr
+from pydantic import BaseModel, BeforeValidator, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 _config_file: ContextVar[Path | None] = ContextVar("telerag_config_file", default=None)  # --config, while loading
@@ -84,6 +84,7 @@ class ServerSettings(BaseModel):
     port: int = Field(8000, ge=0, le=65535)
     api_key: SecretStr | None = None
     api_keys: list[SecretStr] = Field(default_factory=list)  # several clients, each with its own key (beside api_key)
+    protect_docs: bool = False  # /docs, /redoc, /openapi.json and /metrics need the API key too
     cors_origins: list[str] = Field(default_factory=list)
     log_level: str = "info"
     # After SIGTERM (or SIGINT) the server answers 503 to new work and waits this long for the
@@ -103,6 +104,12 @@ class ServerSettings(BaseModel):
     def keys(self) -> list[SecretStr]:
         """Every accepted API key (`api_key` and `api_keys`); none: the API is open."""
         return ([self.api_key] if self.api_key is not None else []) + list(self.api_keys)
+
+    @model_validator(mode="after")
+    def _protect_docs_needs_a_key(self) -> ServerSettings:
+        if self.protect_docs and not self.keys():
+            raise ValueError("server.protect_docs needs an API key (server.api_key or server.api_keys)")
+        return self
 
 
 class _YamlSource(PydanticBaseSettingsSource):

@@ -1,20 +1,24 @@
 """Real `telerag serve` processes for tests: a tiny random LM saved as a model directory, a small
 datastore built with the tiny embedder, and a server on a free loopback port, started and
-waited for. Its output goes to a file (a pipe nobody reads would fill and block the server)."""
+waited for. Its output goes to a file (a pipe nobody reads would fill and block the server).
+And an ASGI app served by uvicorn over a real socket, in a thread of the test process."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import uvicorn
 
 from telerag.pipelines.embedder import Embedder
 from telerag.pipelines.engines.cpu import tiny_random_lm
@@ -97,3 +101,23 @@ def start_server(
             [*command, "serve", *args, "--port", str(port)], cwd=cwd, env=environment, stdout=out, stderr=subprocess.STDOUT,
         )
     return ServerProcess(process, f"http://127.0.0.1:{port}", log)
+
+
+@contextlib.contextmanager
+def serving(app) -> Iterator[str]:  # noqa: ANN001
+    """`app` under uvicorn on a free loopback port; yields its base URL, stops it on exit."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        sock.close()

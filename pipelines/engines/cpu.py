@@ -688,7 +688,10 @@ class TransformersEngine:
         chosen = logits.argmax(dim=-1)
         sampled = temperature > 0
         if bool(sampled.any()):
-            probs = torch.softmax(logits[sampled] / temperature[sampled, None], dim=-1)
+            # shifted so the largest logit is 0 before dividing: a tiny temperature then gives
+            # -inf (probability 0) below the top instead of inf - inf = nan, i.e. greedy
+            shifted = logits[sampled] - logits[sampled].max(dim=-1, keepdim=True).values
+            probs = torch.softmax(shifted / temperature[sampled, None], dim=-1)
             nucleus = top_p[sampled, None]
             if bool((nucleus < 1).any()):
                 ordered, order = probs.sort(dim=-1, descending=True)

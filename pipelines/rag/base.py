@@ -32,6 +32,7 @@ from telerag.pipelines.types import (
     Step,
     TokenChunk,
     TokenEvent,
+    UsageEvent,
 )
 
 T = TypeVar("T")
@@ -64,6 +65,12 @@ class RunContext:
     documents: list[Document] = field(default_factory=list)
     tokens_generated: int = 0
     started: float = field(default_factory=time.perf_counter)
+
+    def generated(self, tokens: int) -> None:
+        """Account for `tokens` newly generated tokens (in the result, and at once as a UsageEvent)."""
+        if tokens:
+            self.tokens_generated += tokens
+            self.events.put_nowait(UsageEvent(tokens))
 
 
 class RagPipeline:
@@ -135,7 +142,7 @@ class RagPipeline:
         formatted = [self.engine.format_prompt(p) for p in prompt_texts]
         generations, start_ms, ms = await self.stage(ctx, stage, self.engine.generate(formatted, params))
         for text, generation in zip(prompt_texts, generations, strict=True):
-            ctx.tokens_generated += generation.completion_tokens
+            ctx.generated(generation.completion_tokens)
             ctx.steps.append(
                 Step(stage, "llm", text[-200:], generation.prompt_tokens, generation.completion_tokens, ms,
                      {"ttft_ms": generation.ttft_ms, "finish_reason": generation.finish_reason}, start_ms)
@@ -202,8 +209,11 @@ class RagPipeline:
         ctx.events.put_nowait(StageEvent("generate", "start"))
         started = time.perf_counter()
         final: Generation | None = None
+        streamed = 0  # tokens accounted for as they came
         async for item in self.engine.stream([self.engine.format_prompt(prompt)], params):
             if isinstance(item, TokenChunk):
+                ctx.generated(len(item.token_ids))
+                streamed += len(item.token_ids)
                 if item.text:
                     ctx.events.put_nowait(TokenEvent(item.text))
             else:
@@ -211,7 +221,7 @@ class RagPipeline:
         ms = (time.perf_counter() - started) * 1e3
         ctx.events.put_nowait(StageEvent("generate", "end", ms))
         assert final is not None
-        ctx.tokens_generated += final.completion_tokens
+        ctx.generated(max(0, final.completion_tokens - streamed))  # chunks need not carry their token ids
         ctx.steps.append(
             Step("generate", "llm", ctx.query[:200], final.prompt_tokens, final.completion_tokens, ms,
                  {"ttft_ms": final.ttft_ms, "finish_reason": final.finish_reason}, (started - ctx.started) * 1e3)

@@ -1,0 +1,217 @@
+"""The HTTP contract a client relies on: one error body for every status, `Retry-After` where
+a retry helps, `/v1/models`, documentation and metrics behind the key on request, and the
+token count of requests that never finished."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+import httpx
+import openai
+import pytest
+from pydantic import ValidationError
+
+from telerag.pipelines.types import Generation, SamplingParams, TokenChunk
+from telerag.server.app import create_app, start_serving
+from telerag.server.settings import Settings
+from tests.fakes import Reply, ScriptedEngine
+from tests.serving import serving
+from tests.test_server import Harness
+
+KEY = "contract-key"
+AUTH = {"authorization": f"Bearer {KEY}"}
+JSON = {**AUTH, "content-type": "application/json"}
+Send = Callable[[httpx.AsyncClient, Harness], Awaitable[httpx.Response]]
+
+
+async def _overloaded(client: httpx.AsyncClient, h: Harness) -> httpx.Response:
+    first = asyncio.create_task(client.post("/v1/rag/query", json={"query": "slow?"}, headers=AUTH))
+    while not h.engine.log:  # the first request holds the only slot
+        await asyncio.sleep(0.01)
+    try:
+        return await client.post("/v1/rag/query", json={"query": "refused?"}, headers=AUTH)
+    finally:
+        first.cancel()
+
+
+async def _chunked(size: int) -> AsyncIterator[bytes]:
+    for _ in range(size // 8192 + 1):
+        yield b" " * 8192
+
+
+def _break_pipeline(h: Harness) -> None:
+    async def broken(query, options):  # noqa: ANN001
+        raise RuntimeError("secret detail at /srv/data")
+        yield  # an async generator
+
+    h.app.state.service.pipelines["naive"].run = broken
+
+
+# (name, harness options, what to break, the request, status, error type, route that documents it)
+CASES: list[tuple[str, dict, Callable[[Harness], None] | None, Send, int, str, tuple[str, str] | None]] = [
+    ("invalid JSON", {}, None, lambda c, h: c.post("/v1/rag/query", content=b'{"query":', headers=JSON),
+     400, "invalid_json", ("post", "/v1/rag/query")),
+    ("invalid UTF-8", {}, None, lambda c, h: c.post("/v1/rag/query", content=b'{"query": "\xff"}', headers=JSON),
+     400, "invalid_json", ("post", "/v1/rag/query")),
+    ("deeply nested JSON", {}, None, lambda c, h: c.post("/v1/rag/query", content=b"[" * 60_000 + b"]" * 60_000, headers=JSON),
+     400, "invalid_json", ("post", "/v1/rag/query")),
+    ("no API key", {}, None, lambda c, h: c.post("/v1/rag/query", json={"query": "q"}),
+     401, "unauthorized", ("post", "/v1/rag/query")),
+    ("unknown route", {}, None, lambda c, h: c.get("/v1/nothing-here", headers=AUTH), 404, "not_found", None),
+    ("wrong method", {}, None, lambda c, h: c.get("/v1/rag/query", headers=AUTH), 405, "method_not_allowed", None),
+    ("declared body over the limit", {}, None,
+     lambda c, h: c.post("/v1/rag/query", content=b" " * 300_000, headers=JSON), 413, "body_too_large", ("post", "/v1/rag/query")),
+    ("chunked body over the limit", {}, None,
+     lambda c, h: c.post("/v1/rag/query", content=_chunked(300_000), headers=JSON), 413, "body_too_large", ("post", "/v1/rag/query")),
+    ("invalid field", {}, None, lambda c, h: c.post("/v1/rag/query", json={"query": "q", "top_k": 0}, headers=AUTH),
+     422, "invalid_request", ("post", "/v1/rag/query")),
+    ("overloaded", {"delay": 1.0, "scheduler": {"max_concurrency": 1, "max_queue": 0}}, None, _overloaded,
+     429, "overloaded", ("post", "/v1/rag/query")),
+    ("a bug", {}, _break_pipeline, lambda c, h: c.post("/v1/rag/query", json={"query": "q"}, headers=AUTH),
+     500, "internal_error", None),
+    ("engine failure", {}, lambda h: setattr(h.engine, "fail", True),
+     lambda c, h: c.post("/v1/chat/completions", json={"model": "naive", "messages": [{"role": "user", "content": "q"}]}, headers=AUTH),
+     502, "engine_error", ("post", "/v1/chat/completions")),
+    ("not ready", {}, lambda h: h.app.state.lifecycle.drain(),
+     lambda c, h: c.post("/v1/rag/query", json={"query": "q"}, headers=AUTH), 503, "not_ready", ("post", "/v1/rag/query")),
+    ("timeout", {"delay": 5.0, "scheduler": {"request_timeout_s": 0.2}}, None,
+     lambda c, h: c.post("/v1/rag/query", json={"query": "q"}, headers=AUTH), 504, "timeout", ("post", "/v1/rag/query")),
+]
+
+
+@pytest.mark.parametrize(("name", "options", "breaks", "send", "status", "kind", "route"), CASES, ids=[c[0] for c in CASES])
+async def test_every_error_has_the_one_body(name, options, breaks, send, status, kind, route):
+    options = {**options, "server": {"api_key": KEY}}
+    h = Harness(**options)
+    if breaks:
+        breaks(h)
+    transport = httpx.ASGITransport(app=h.app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
+        response = await send(client, h)
+        schema = (await client.get("/openapi.json")).json()
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    body = response.json()
+    assert list(body) == ["error"] and {"type", "message"} <= body["error"].keys() <= {"type", "message", "field"}
+    assert body["error"]["type"] == kind and body["error"]["message"]
+    assert ("retry-after" in response.headers) == (status in (429, 503))
+    if status == 401:
+        assert response.headers["www-authenticate"] == "Bearer"
+    if status == 405:
+        assert response.headers["allow"] == "POST"
+    if status == 500:
+        assert "secret" not in response.text and "Traceback" not in response.text  # nothing of the exception leaks
+    if route:  # and the schema says so
+        documented = schema["paths"][route[1]][route[0]]["responses"][str(status)]
+        assert documented["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+
+
+async def test_chunked_body_over_the_limit_is_413_over_a_socket():
+    """Through uvicorn: a body sent in chunks with no Content-Length, over `limits.max_body_bytes`."""
+    h = Harness(limits={"max_body_bytes": 4096})
+    with serving(h.app) as base:
+        async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+            response = await client.post("/v1/rag/query", content=_chunked(20_000), headers={"content-type": "application/json"})
+            small = await client.post("/v1/rag/query", json={"query": "q?"})
+    assert response.status_code == 413
+    assert response.json() == {"error": {"type": "body_too_large", "message": "the request body is over 4096 bytes"}}
+    assert small.status_code == 200
+
+
+async def test_models_lists_what_a_chat_completion_may_name():
+    h = Harness(server={"api_key": KEY})
+    async with h.client() as http:
+        assert (await http.get("/v1/models")).status_code == 401
+        client = openai.AsyncOpenAI(base_url="http://test/v1", api_key=KEY, http_client=http)
+        models = [m.id async for m in client.models.list()]
+        assert models == list(h.app.state.service.pipelines)
+        for model in models:  # each one a chat completion accepts
+            completion = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Capital?"}])
+            assert completion.choices[0].message.content
+        schema = (await http.get("/openapi.json", headers=AUTH)).json()
+    assert schema["paths"]["/v1/models"]["get"]["security"] == [{"HTTPBearer": []}]
+    assert set(schema["paths"]["/v1/models"]["get"]["responses"]) == {"200", "401", "503"}  # 503: loading
+
+
+@pytest.mark.parametrize("protect", [False, True])
+async def test_protect_docs_puts_docs_and_metrics_behind_the_key(protect):
+    h = Harness(server={"api_key": KEY, "protect_docs": protect})
+    async with h.client() as client:
+        for path in ("/docs", "/redoc", "/openapi.json", "/metrics"):
+            anonymous = await client.get(path)
+            assert anonymous.status_code == (401 if protect else 200), path
+            if protect:
+                assert anonymous.json()["error"]["type"] == "unauthorized"
+            assert (await client.get(path, headers=AUTH)).status_code == 200, path
+        assert (await client.get("/health")).status_code == 200  # probes never need the key
+        schema = (await client.get("/openapi.json", headers=AUTH)).json()
+    assert ("401" in schema["paths"]["/metrics"]["get"]["responses"]) == protect
+
+
+def test_protect_docs_needs_an_api_key():
+    with pytest.raises(ValidationError, match="protect_docs needs an API key"):
+        Settings(server={"protect_docs": True})
+
+
+class StallingEngine(ScriptedEngine):
+    """Streams the first `emit` tokens of its answer, with their ids, then never finishes."""
+
+    def __init__(self, emit: int) -> None:
+        super().__init__(lambda prompt: Reply("one two three four five"))
+        self.emit = emit
+        self.stalled = asyncio.Event()
+
+    async def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncIterator[TokenChunk | Generation]:
+        for token_id, word in enumerate("one two three four five".split()[: self.emit]):
+            yield TokenChunk(0, word + " ", token_ids=(token_id,))
+        self.stalled.set()
+        await asyncio.Event().wait()
+
+
+def tokens_counted(metrics: str, pipeline: str) -> float:
+    found = re.search(rf'^telerag_tokens_generated_total{{pipeline="{pipeline}"}} (\S+)$', metrics, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+async def test_tokens_of_a_cancelled_request_are_counted():
+    h = Harness()
+    h.runtime.engine = StallingEngine(emit=3)
+    h.app = create_app(h.runtime.settings)
+    start_serving(h.app, h.runtime)
+    async with h.client() as client:
+        request = asyncio.create_task(client.post("/v1/rag/query", json={"query": "q?", "pipeline": "naive"}))
+        await asyncio.wait_for(h.runtime.engine.stalled.wait(), 10)
+        request.cancel()  # the client goes away mid-answer
+        for _ in range(200):
+            metrics = (await client.get("/metrics")).text
+            if 'outcome="cancelled"' in metrics:
+                break
+            await asyncio.sleep(0.02)
+    assert 'telerag_request_seconds_count{outcome="cancelled",pipeline="naive"} 1.0' in metrics
+    assert tokens_counted(metrics, "naive") == 3
+
+
+async def test_tokens_of_a_finished_request_are_counted_once():
+    h = Harness()
+    async with h.client() as client:
+        body = (await client.post("/v1/rag/query", json={"query": "q?", "pipeline": "hyde"})).json()
+        metrics = (await client.get("/metrics")).text
+    assert body["tokens_generated"] > 0 and len([s for s in body["steps"] if s["kind"] == "llm"]) == 2
+    assert tokens_counted(metrics, "hyde") == body["tokens_generated"]
+
+
+async def test_a_tiny_temperature_samples_like_greedy():
+    """Any temperature the schema allows (here the smallest normal float32, found by the fuzzer)
+    generates: dividing unshifted logits by it overflowed to inf and the sampler failed (502)."""
+    from tests.tiny_models import tiny_engine
+
+    engine = tiny_engine()
+    try:
+        prompt = [engine.format_prompt("Question: what is a river?\nAnswer:")]
+        greedy = await engine.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0))
+        tiny = await engine.generate(prompt, SamplingParams(max_tokens=6, temperature=1.175494351e-38))
+    finally:
+        await engine.close()
+    assert tiny[0].token_ids == greedy[0].token_ids
