@@ -34,6 +34,7 @@ import yaml
 from packaging.requirements import Requirement
 
 from telerag.server.metrics import Metrics
+from telerag.server.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -264,6 +265,8 @@ def test_compose_runs_either_server_with_monitoring():
         check = " ".join(server["healthcheck"]["test"])
         assert "127.0.0.1:8000/ready" in check, f"{name}: the healthcheck must wait for /ready"
         assert server["healthcheck"]["start_period"].endswith("m")
+        # docker stop waits at least the server's drain before it kills
+        assert float(server["stop_grace_period"].removesuffix("s")) > Settings().server.shutdown_grace_s
     (gpu,) = [s for s in servers.values() if s["profiles"] == ["gpu"]]
     assert gpu["build"]["target"] == "cuda" and (gpu.get("ipc") == "host" or "shm_size" in gpu)
     (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
