@@ -16,7 +16,15 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from telerag.pipelines.types import BatchRetriever, PrefetchRequest, PrefetchTicket, SearchOptions, SearchOutcome, SearchRequest
+from telerag.pipelines.types import (
+    BatchRetriever,
+    PrefetchRequest,
+    PrefetchTicket,
+    SearchOptions,
+    SearchOutcome,
+    SearchQuery,
+    SearchRequest,
+)
 from telerag.server.errors import Overloaded
 
 Item = TypeVar("Item")
@@ -164,7 +172,9 @@ class BatchingRetriever:
     ) -> PrefetchTicket:
         return await self._prefetch.submit(PrefetchRequest(list(queries), enabled, overlap_ms))
 
-    async def search(self, queries: Sequence[str], options: SearchOptions, ticket: PrefetchTicket | None = None) -> SearchOutcome:
+    async def search(
+        self, queries: Sequence[SearchQuery], options: SearchOptions, ticket: PrefetchTicket | None = None
+    ) -> SearchOutcome:
         return await self._search.submit(SearchRequest(list(queries), options, ticket))
 
     def release(self, ticket: PrefetchTicket) -> None:

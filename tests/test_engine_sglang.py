@@ -282,5 +282,6 @@ async def test_tokens_prompts_and_close_go_through_sglang(sglang: types.ModuleTy
     assert engine.format_prompt("Why?") == "Why?"
     engine.tokenizer.chat_template = "..."
     assert engine.format_prompt("Why?") == "<user>Why?<assistant>"
+    assert engine.format_prompt("Why?", system="Be brief.") == "<system>Be brief.<user>Why?<assistant>"
     await engine.close()
     assert FakeEngine.instances[0].shutdown_calls == 1
