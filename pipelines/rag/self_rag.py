@@ -27,5 +27,6 @@ class SelfRAG(RagPipeline):
             verdict = await self.reply(ctx, "critique", prompts.critique(ctx.query, ctx.documents, draft), max_tokens=3)
             if not prompts.is_yes(verdict):
                 return await self.answer(ctx, ctx.documents, prompt=prompts.revise(ctx.query, ctx.documents, draft))
-        ctx.events.put_nowait(TokenEvent(draft))
+        if draft:
+            ctx.events.put_nowait(TokenEvent(draft))
         return draft
