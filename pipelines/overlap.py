@@ -1,6 +1,7 @@
 """The overlap study (TeleRAG Table 3.1): for each pipeline, how much of q_out's clusters the
 prefetch of q_in already covered, and how long the pre-retrieval call ran (the time a prefetch
-has to hide behind)."""
+has to hide behind); beside it, how often the question's article was retrieved and how many
+answers are empty or loop on the answer cue."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
+from telerag.pipelines.prompts import ANSWER_CUE
 from telerag.pipelines.types import Pipeline, RagResult, ResultEvent, RunOptions
 
 _TOPIC = re.compile(r"\s*\[(?P<title>[^\]]+)\]\s*$")
@@ -28,7 +32,9 @@ class OverlapRow:
     overlap_rate: float | None  # mean over searches of |C_in ∩ C_out| / |C_out|
     pre_retrieval_ms: float  # mean per question
     total_ms: float
-    article_hit_rate: float | None  # share of questions whose article was among the documents
+    article_hit_rate: float | None  # share of questions whose article was among the documents (recall@top_k)
+    empty_answers: int  # answers with no text (a model that only repeated the cue gives one)
+    cue_answers: int  # answers that still hold the answer cue ("Answer:"): a reply looping on it
 
 
 def read_questions(path: Path, limit: int | None = None) -> list[Question]:
@@ -51,16 +57,21 @@ async def run_one(pipeline: Pipeline, question: str, options: RunOptions) -> Rag
 
 
 async def overlap_study(
-    pipelines: Sequence[Pipeline], questions: Sequence[Question], options: RunOptions
+    pipelines: Sequence[Pipeline], questions: Sequence[Question], options: RunOptions, *, progress: bool = False
 ) -> list[OverlapRow]:
     rows = []
+    bar = tqdm(total=len(pipelines) * len(questions), desc="questions", unit="q", disable=not progress)
     for pipeline in pipelines:
         overlaps: list[float] = []
         pre_ms: list[float] = []
         total_ms: list[float] = []
         hits: list[bool] = []
+        answers: list[str] = []
         for question in questions:
+            bar.set_postfix_str(pipeline.name)
             result = await run_one(pipeline, question.text, options)
+            bar.update()
+            answers.append(result.answer)
             overlaps.extend(s.stats["overlap_rate"] for s in result.steps
                             if s.kind == "retrieval" and s.stats.get("overlap_rate") is not None)
             pre_ms.append(result.timings["pre_retrieval_ms"])
@@ -74,5 +85,8 @@ async def overlap_study(
             pre_retrieval_ms=statistics.fmean(pre_ms),
             total_ms=statistics.fmean(total_ms),
             article_hit_rate=statistics.fmean(hits) if hits else None,
+            empty_answers=sum(not answer for answer in answers),
+            cue_answers=sum(ANSWER_CUE in answer for answer in answers),
         ))
+    bar.close()
     return rows

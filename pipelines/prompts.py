@@ -1,17 +1,38 @@
 """Every prompt, in one place.
 
-Layout rule: a fixed instruction prefix first, then documents in a canonical order (by id),
-then the variable parts, so an engine with a prefix cache (SGLang's RadixAttention) reuses
-the longest possible prefix across requests and iterations.
+A prompt is a fixed system text (the instruction for that kind of call) and a user turn; the
+engine puts them in the model's chat template (`Engine.format_prompt`), or, for a base model
+without one, writes the system text above the user turn. Layout rule: the fixed instruction
+first, then documents in a canonical order (by id), then the variable parts, so an engine
+with a prefix cache (SGLang's RadixAttention) reuses the longest possible prefix across
+requests and iterations. The user turn ends in a cue ("Answer:"): a base model continues
+after it, and an instruction-tuned one reads it as the format to reply in.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from telerag.pipelines.types import Document
 
 SYSTEM = "You answer questions using the documents given. Be concise and factual."
+ANSWER_CUE = "Answer:"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One LLM call's prompt: `system` is the same for every call of its kind, `user` ends in `cue`."""
+
+    system: str
+    user: str
+    cue: str
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        """Where a reply has run past itself: the cue again on a new line (a model that loops
+        "Answer:\\nAnswer:..."), or a question of its own."""
+        return (f"\n{self.cue}", "\nQuestion:")
 
 
 def format_documents(documents: Sequence[Document]) -> str:
@@ -19,57 +40,69 @@ def format_documents(documents: Sequence[Document]) -> str:
     return "\n\n".join(f"[{i + 1}] {d.title}\n{d.text}" for i, d in enumerate(ordered))
 
 
-def answer(question: str, documents: Sequence[Document], draft: str = "") -> str:
-    context = format_documents(documents) if documents else "(no documents)"
+def _documents_block(documents: Sequence[Document]) -> str:
+    return f"Documents:\n{format_documents(documents) if documents else '(no documents)'}\n\n"
+
+
+def answer(question: str, documents: Sequence[Document], draft: str = "") -> Prompt:
     tail = f"\nAnswer so far: {draft}" if draft else ""
-    return f"{SYSTEM}\n\nDocuments:\n{context}\n\nQuestion: {question}{tail}\nAnswer:"
+    return Prompt(SYSTEM, f"{_documents_block(documents)}Question: {question}{tail}\n{ANSWER_CUE}", ANSWER_CUE)
 
 
-def hypothetical_passage(question: str) -> str:
-    return f"Write a short encyclopedia passage that answers the question.\n\nQuestion: {question}\nPassage:"
-
-
-def sub_questions(question: str, limit: int) -> str:
-    return (
-        f"Break the question into at most {limit} simpler questions, one per line, "
-        f"that together answer it.\n\nQuestion: {question}\nSimpler questions:"
+def hypothetical_passage(question: str) -> Prompt:
+    return Prompt(
+        "Write a short encyclopedia passage that answers the question.", f"Question: {question}\nPassage:", "Passage:"
     )
 
 
-def narrower_question(question: str, notes: str) -> str:
+def sub_questions(question: str, limit: int) -> Prompt:
+    return Prompt(
+        f"Break the question into at most {limit} simpler questions, one per line, that together answer it.",
+        f"Question: {question}\nSimpler questions:",
+        "Simpler questions:",
+    )
+
+
+def narrower_question(question: str, notes: str) -> Prompt:
     known = f"\nWhat we know so far: {notes}" if notes else ""
-    return (
-        "Write one short search question for the next fact needed to answer the question."
-        f"\n\nQuestion: {question}{known}\nSearch question:"
+    return Prompt(
+        "Write one short search question for the next fact needed to answer the question.",
+        f"Question: {question}{known}\nSearch question:",
+        "Search question:",
     )
 
 
-def judge(question: str, answer_text: str) -> str:
-    return (
-        "Does the answer fully answer the question? Reply yes or no."
-        f"\n\nQuestion: {question}\nAnswer: {answer_text}\nReply:"
+def judge(question: str, answer_text: str) -> Prompt:
+    return Prompt(
+        "Does the answer fully answer the question? Reply yes or no.",
+        f"Question: {question}\nAnswer: {answer_text}\nReply:",
+        "Reply:",
     )
 
 
-def needs_retrieval(question: str) -> str:
-    return (
-        "Would looking up documents help answer this question accurately? Reply yes or no."
-        f"\n\nQuestion: {question}\nReply:"
+def needs_retrieval(question: str) -> Prompt:
+    return Prompt(
+        "Would looking up documents help answer this question accurately? Reply yes or no.",
+        f"Question: {question}\nReply:",
+        "Reply:",
     )
 
 
-def critique(question: str, documents: Sequence[Document], answer_text: str) -> str:
-    return (
-        "Is the answer supported by the documents? Reply yes or no."
-        f"\n\nDocuments:\n{format_documents(documents)}\n\nQuestion: {question}\nAnswer: {answer_text}\nReply:"
+def critique(question: str, documents: Sequence[Document], answer_text: str) -> Prompt:
+    return Prompt(
+        "Is the answer supported by the documents? Reply yes or no.",
+        f"{_documents_block(documents)}Question: {question}\nAnswer: {answer_text}\nReply:",
+        "Reply:",
     )
 
 
-def revise(question: str, documents: Sequence[Document], draft: str) -> str:
+def revise(question: str, documents: Sequence[Document], draft: str) -> Prompt:
     """Self-RAG: rewrite an answer the critique found unsupported."""
-    return (
-        f"{SYSTEM}\n\nDocuments:\n{format_documents(documents)}\n\nQuestion: {question}\n"
-        f"Draft answer: {draft}\nRewrite the answer using only facts stated in the documents.\nAnswer:"
+    return Prompt(
+        SYSTEM,
+        f"{_documents_block(documents)}Question: {question}\nDraft answer: {draft}\n"
+        f"Rewrite the answer using only facts stated in the documents.\n{ANSWER_CUE}",
+        ANSWER_CUE,
     )
 
 

@@ -18,7 +18,17 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from telerag.pipelines.types import DatastoreInfo, Document, PrefetchRequest, PrefetchTicket, SearchOptions, SearchOutcome, SearchRequest
+from telerag.pipelines.types import (
+    DatastoreInfo,
+    Document,
+    PrefetchRequest,
+    PrefetchTicket,
+    SearchOptions,
+    SearchOutcome,
+    SearchQuery,
+    SearchRequest,
+    query_texts,
+)
 from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import WIKIPEDIA_SOURCE, read_wikipedia, split_passages
 from telerag.retrieval.datastore import MANIFEST, Datastore
@@ -67,7 +77,7 @@ class DirectRetriever:
         return (await self.prefetch_batch([PrefetchRequest(list(queries), enabled, overlap_ms)]))[0]
 
     async def search(
-        self, queries: Sequence[str], options: SearchOptions, ticket: PrefetchTicket | None = None
+        self, queries: Sequence[SearchQuery], options: SearchOptions, ticket: PrefetchTicket | None = None
     ) -> SearchOutcome:
         return (await self.search_batch([SearchRequest(list(queries), options, ticket)]))[0]
 
@@ -105,11 +115,22 @@ class DirectRetriever:
             tickets[i].stats = {"enabled": True, "embed_ms": embed_ms, "batch": len(active), **handle.stats}
         return tickets
 
+    def _embed_queries(self, queries: list[SearchQuery]) -> tuple[np.ndarray, float]:
+        """One vector per query, all texts embedded in one call; a MeanQuery's is the mean of
+        its texts' vectors."""
+        parts = [query_texts(query) for query in queries]
+        vectors, embed_ms = self._embed([text for texts in parts for text in texts])
+        if all(len(texts) == 1 for texts in parts):
+            return vectors, embed_ms
+        starts = np.cumsum([0] + [len(texts) for texts in parts])
+        means = np.stack([vectors[start:end].mean(axis=0) for start, end in zip(starts[:-1], starts[1:])])
+        return np.ascontiguousarray(means, dtype=np.float32), embed_ms
+
     def _search_batch(self, requests: list[SearchRequest]) -> list[SearchOutcome]:
-        texts = [text for request in requests for text in request.queries]
-        if not texts:
+        queries = [query for request in requests for query in request.queries]
+        if not queries:
             return [SearchOutcome(documents=[], stats={}) for _ in requests]
-        vectors, embed_ms = self._embed(texts)
+        vectors, embed_ms = self._embed_queries(queries)
         starts = np.concatenate(([0], np.cumsum([len(r.queries) for r in requests])))
         outcomes: list[SearchOutcome | None] = [None] * len(requests)
         by_setting: dict[tuple[int, int, bool], list[int]] = {}

@@ -69,8 +69,9 @@ class Engine(Protocol):
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
-    def format_prompt(self, user_text: str) -> str:
-        """The user turn in the model's chat format (identity for a base model)."""
+    def format_prompt(self, user_text: str, *, system: str = "") -> str:
+        """`system` and the user turn in the model's chat template; for a base model without
+        one, the system text above the user text."""
         ...
 
     async def close(self) -> None: ...
@@ -90,6 +91,30 @@ class Document:
     title: str
     text: str
     score: float
+
+
+@dataclass(frozen=True)
+class MeanQuery:
+    """A search query that is the mean of several texts' embeddings (HyDE: the question and its
+    hypothetical passages). Inner product is linear, so a document's score is the mean of its
+    scores against each text: no single text can pull the search away from the others."""
+
+    texts: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.texts:
+            raise ValueError("a MeanQuery needs at least one text")
+
+    def __str__(self) -> str:
+        return " + ".join(self.texts)
+
+
+SearchQuery = str | MeanQuery  # a text, or the mean of several texts' embeddings
+
+
+def query_texts(query: SearchQuery) -> tuple[str, ...]:
+    """The texts a query's embedding is made of."""
+    return query.texts if isinstance(query, MeanQuery) else (query,)
 
 
 @dataclass(frozen=True)
@@ -137,7 +162,7 @@ class Retriever(Protocol):
         ...
 
     async def search(
-        self, queries: Sequence[str], options: SearchOptions, ticket: PrefetchTicket | None = None
+        self, queries: Sequence[SearchQuery], options: SearchOptions, ticket: PrefetchTicket | None = None
     ) -> SearchOutcome:
         """Embed `queries` (q_out) and run the cooperative search, waiting only on `ticket`'s copies."""
         ...
@@ -160,7 +185,7 @@ class PrefetchRequest:
 class SearchRequest:
     """One caller's search inside a batch: its queries, options and (optional) prefetch ticket."""
 
-    queries: list[str]
+    queries: list[SearchQuery]
     options: SearchOptions
     ticket: PrefetchTicket | None = None
 

@@ -14,7 +14,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from telerag.pipelines.types import BatchRetriever, PrefetchRequest, PrefetchTicket, SearchOptions, SearchOutcome, SearchRequest
+from telerag.pipelines.types import (
+    BatchRetriever,
+    PrefetchRequest,
+    PrefetchTicket,
+    SearchOptions,
+    SearchOutcome,
+    SearchQuery,
+    SearchRequest,
+)
 
 Item = TypeVar("Item")
 Out = TypeVar("Out")
@@ -111,7 +119,9 @@ class BatchingRetriever:
     ) -> PrefetchTicket:
         return await self._prefetch.submit(PrefetchRequest(list(queries), enabled, overlap_ms))
 
-    async def search(self, queries: Sequence[str], options: SearchOptions, ticket: PrefetchTicket | None = None) -> SearchOutcome:
+    async def search(
+        self, queries: Sequence[SearchQuery], options: SearchOptions, ticket: PrefetchTicket | None = None
+    ) -> SearchOutcome:
         return await self._search.submit(SearchRequest(list(queries), options, ticket))
 
     def release(self, ticket: PrefetchTicket) -> None:

@@ -16,6 +16,7 @@ from telerag.pipelines.types import (
     SamplingParams,
     SearchOptions,
     SearchOutcome,
+    SearchQuery,
     SearchRequest,
     TokenChunk,
 )
@@ -43,8 +44,8 @@ class ScriptedEngine:
         self.prompts: list[str] = []
         self.vocab: list[str] = []
 
-    def format_prompt(self, user_text: str) -> str:
-        return user_text
+    def format_prompt(self, user_text: str, *, system: str = "") -> str:
+        return f"{system}\n\n{user_text}" if system else user_text  # as for a base model
 
     def count_tokens(self, text: str) -> int:
         return len(text.split())
@@ -116,11 +117,13 @@ class RecordingRetriever:
         self.outstanding.add(id(ticket))
         return ticket
 
-    async def search(self, queries: Sequence[str], options: SearchOptions, ticket: PrefetchTicket | None = None) -> SearchOutcome:
+    async def search(
+        self, queries: Sequence[SearchQuery], options: SearchOptions, ticket: PrefetchTicket | None = None
+    ) -> SearchOutcome:
         self.searches.append(list(queries))
-        self.log.append(("search", " | ".join(queries)))
+        self.log.append(("search", " | ".join(map(str, queries))))
         documents = [
-            [Document(id=zlib.crc32(f"{q}|{j}".encode()) % 10_000, doc_id=f"doc-{q[:10]}-{j}", title=f"T{j}", text=f"about {q}", score=1.0 - j / 10)
+            [Document(id=zlib.crc32(f"{q}|{j}".encode()) % 10_000, doc_id=f"doc-{str(q)[:10]}-{j}", title=f"T{j}", text=f"about {q}", score=1.0 - j / 10)
              for j in range(min(self.docs_per_query, options.top_k))]
             for q in queries
         ]

@@ -370,11 +370,55 @@ def test_a_failed_gguf_conversion_leaves_nothing_behind(tmp_path: Path, monkeypa
     assert list((tmp_path / "cache" / "models").iterdir()) == []
 
 
+# A chat template with a system role, and one that refuses it (as Mistral's and Gemma 2's do).
+CHAT = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}{% if add_generation_prompt %}<model>{% endif %}"
+NO_SYSTEM = (
+    "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "<{{ m.role }}>{{ m.content }}[unused1]{% endfor %}{% if add_generation_prompt %}<model>{% endif %}"
+)
+
+
 def test_format_prompt_uses_the_chat_template_only_when_there_is_one(engine: TransformersEngine):
     assert engine.format_prompt("Why is the sky blue?") == "Why is the sky blue?"
+    assert engine.format_prompt("Why?", system="Be brief.") == "Be brief.\n\nWhy?"  # a base model: plain text
     tokenizer = copy.deepcopy(engine.tokenizer)
-    tokenizer.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}<model>"
+    tokenizer.chat_template = CHAT
     assert format_chat(tokenizer, "Why?") == "<user>Why?</user><model>"
+    assert format_chat(tokenizer, "Why?", "Be brief.") == "<system>Be brief.</system><user>Why?</user><model>"
+
+
+def test_a_template_without_a_system_role_gets_the_system_text_in_the_user_turn(engine: TransformersEngine):
+    tokenizer = copy.deepcopy(engine.tokenizer)
+    tokenizer.chat_template = NO_SYSTEM
+    assert format_chat(tokenizer, "Why?", "Be brief.") == "<user>Be brief.\n\nWhy?[unused1]<model>"
+
+
+def test_the_engine_stops_on_the_chat_templates_end_of_turn():
+    """An instruction-tuned model ends its reply with the template's end-of-turn marker (here
+    `[unused1]`): the engine stops there, and without a template nothing makes it a stop."""
+    model, tokenizer = tiny_random_lm(0)
+    marker = tokenizer.convert_tokens_to_ids("[unused1]")
+
+    def always_the_marker(module, args, logits):  # noqa: ANN001, ANN202
+        forced = torch.full_like(logits, -1e4)
+        forced[..., marker] = 0.0
+        return forced
+
+    model.lm_head.register_forward_hook(always_the_marker)
+    plain = TransformersEngine(copy.deepcopy(model), copy.deepcopy(tokenizer))
+    tokenizer.chat_template = NO_SYSTEM
+    chat = TransformersEngine(model, tokenizer)
+
+    async def generate(engine: TransformersEngine) -> Generation:
+        try:
+            return (await engine.generate([engine.format_prompt("Why?")], SamplingParams(max_tokens=5)))[0]
+        finally:
+            await engine.close()
+
+    stopped, ran_on = asyncio.run(generate(chat)), asyncio.run(generate(plain))
+    assert marker in chat.eos_ids and marker not in plain.eos_ids
+    assert (stopped.finish_reason, stopped.completion_tokens, stopped.text) == ("stop", 0, "")
+    assert (ran_on.finish_reason, ran_on.completion_tokens) == ("length", 5)
 
 
 def test_streamed_pieces_add_up_to_the_decoded_text():

@@ -458,6 +458,7 @@ async def test_tokens_prompts_and_close_go_through_sglang(sglang: types.ModuleTy
     assert engine.format_prompt("Why?") == "Why?"
     engine.tokenizer.chat_template = "..."
     assert engine.format_prompt("Why?") == "<s><user>Why?<assistant>"
+    assert engine.format_prompt("Why?", system="Be brief.") == "<s><system>Be brief.<user>Why?<assistant>"
     await engine.close()
     assert FakeEngine.instances[0].shutdown_calls == 1
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from telerag.pipelines.overlap import overlap_study, read_questions
+from telerag.pipelines.overlap import Question, overlap_study, read_questions
 from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.types import RunOptions
 from telerag.server.settings import packaged_config
@@ -33,3 +33,12 @@ async def test_study_reports_means_per_pipeline():
     assert all(r.questions == 2 and r.overlap_rate == 0.75 for r in rows)  # the fake reports 0.75 per search
     assert rows[0].pre_retrieval_ms == 0.0 and rows[1].pre_retrieval_ms > 0.0
     assert rows[0].article_hit_rate == 0.0  # the fake's documents are never the real article
+
+
+async def test_study_counts_answers_that_are_empty_or_loop_on_the_cue():
+    """The model of issue 17 that only repeats the cue gives empty answers, never a looping one."""
+    engine = ScriptedEngine(lambda prompt: Reply("Answer: Answer: Answer:" if "Nile" in prompt else "Answer: Paris"))
+    pipelines = build_pipelines(engine, RecordingRetriever(), names=["naive"])
+    questions = [Question("How long is the Nile?", None), Question("Capital of France?", None)]
+    (row,) = await overlap_study(list(pipelines.values()), questions, RunOptions(max_tokens=8))
+    assert (row.empty_answers, row.cue_answers) == (1, 0)

@@ -7,23 +7,27 @@ import math
 
 import pytest
 
+from telerag.pipelines import prompts
 from telerag.pipelines.errors import EngineError
 from telerag.pipelines.registry import PIPELINES, build_pipelines
-from telerag.pipelines.types import RagResult, ResultEvent, RunOptions, StageEvent, TokenEvent
+from telerag.pipelines.types import MeanQuery, RagResult, ResultEvent, RunOptions, StageEvent, TokenEvent
 from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
 
 SURE = math.log(0.9)
 UNSURE = math.log(0.1)
 
 
-def script(judge: str = "yes", decide: str = "yes", critique: str = "yes", flare_logprobs=None):  # noqa: ANN001
+def script(judge: str = "yes", decide: str = "yes", critique: str = "yes", flare_logprobs=None,  # noqa: ANN001
+           passage: str = "The Nile is a river in Africa",
+           sub_questions: str = "Where is the Nile\nHow long is the Nile\nWhich seas does it reach",
+           answer: str = "The Nile is long"):
     flare_calls = iter(flare_logprobs or [])
 
     def reply(prompt: str) -> Reply:
         if prompt.startswith("Write a short encyclopedia passage"):
-            return Reply("The Nile is a river in Africa")
+            return Reply(passage)
         if prompt.startswith("Break the question"):
-            return Reply("Where is the Nile\nHow long is the Nile\nWhich seas does it reach")
+            return Reply(sub_questions)
         if prompt.startswith("Write one short search question"):
             return Reply("Nile length")
         if prompt.startswith("Does the answer fully answer"):
@@ -36,7 +40,7 @@ def script(judge: str = "yes", decide: str = "yes", critique: str = "yes", flare
             logprobs = next(flare_calls, None)
             if logprobs is not None:
                 return Reply("The Nile flows north", logprobs)
-        return Reply("The Nile is long")
+        return Reply(answer)
 
     return reply
 
@@ -55,6 +59,10 @@ def make(name: str, **script_args):  # noqa: ANN003
     return build_pipelines(engine, retriever, names=[name])[name], engine, retriever, log
 
 
+def streamed(events: list) -> str:
+    return "".join(e.text for e in events if isinstance(e, TokenEvent))
+
+
 def kinds(log: list) -> list[str]:
     return [k for k, _ in log]
 
@@ -64,7 +72,7 @@ async def test_naive_order_and_result():
     result, events = await run(pipeline, top_k=2)
     assert kinds(log) == ["prefetch", "search", "release", "llm_start", "llm_end"]
     assert result.answer == "The Nile is long"
-    assert "".join(e.text for e in events if isinstance(e, TokenEvent)).strip() == "The Nile is long"
+    assert streamed(events) == "The Nile is long"
     assert len(result.documents) == 2 and result.pipeline == "naive"
     assert [s.stage for s in result.steps] == ["prefetch", "search", "generate"]
     assert result.prefetch["overlap_rate"] == 0.75 and result.prefetch["clusters_device"] == 3
@@ -79,8 +87,15 @@ async def test_hyde_prefetches_beside_the_pre_retrieval_call_and_searches_after_
     order = kinds(log)
     assert sorted(order[:3]) == ["llm_end", "llm_start", "prefetch"]  # in whichever order the loop runs them
     assert order[3:] == ["search", "release", "llm_start", "llm_end"]
-    assert retriever.prefetches == [["How long is the Nile?"]]
-    assert retriever.searches == [["The Nile is a river in Africa"]]  # q_out is the hypothetical passage
+    assert retriever.prefetches == [["How long is the Nile?"]]  # q_in: what is known before the call
+    # q_out: the mean of the question's and the hypothetical passage's embeddings
+    assert retriever.searches == [[MeanQuery(("How long is the Nile?", "The Nile is a river in Africa"))]]
+
+
+async def test_hyde_searches_with_the_question_when_the_passage_is_only_a_cue():
+    pipeline, engine, retriever, log = make("hyde", passage="Passage:\nPassage:")
+    await run(pipeline)
+    assert retriever.searches == [["How long is the Nile?"]]
 
 
 @pytest.mark.parametrize("name", [n for n, cls in PIPELINES.items() if any(s.role == "pre_retrieval" for s in cls.stages)])
@@ -112,11 +127,25 @@ async def test_the_pre_retrieval_call_never_waits_for_the_prefetch(name):
     assert not retriever.outstanding
 
 
-async def test_subquestion_searches_all_sub_questions_in_one_batch():
+async def test_subquestion_searches_the_question_and_its_sub_questions_in_one_batch():
     pipeline, engine, retriever, log = make("subquestion")
     result, _ = await run(pipeline, top_k=3)
-    assert retriever.searches == [["Where is the Nile", "How long is the Nile", "Which seas does it reach"]]
+    assert retriever.searches == [["How long is the Nile?", "Where is the Nile", "How long is the Nile", "Which seas does it reach"]]
     assert kinds(log).count("search") == 1 and len(result.documents) == 3
+
+
+async def test_subquestion_drops_repeated_sub_questions():
+    sub = "Where is the Nile?\nwhere is  the NILE?\nHow long is the Nile?\nWhere is the Nile?"
+    pipeline, engine, retriever, log = make("subquestion", sub_questions=sub)
+    await run(pipeline)
+    assert retriever.searches == [["How long is the Nile?", "Where is the Nile?"]]
+
+
+async def test_iterative_searches_with_the_question_beside_its_narrower_question():
+    pipeline, engine, retriever, log = make("iterative", judge="no")
+    await run(pipeline)
+    assert retriever.searches == [[MeanQuery(("How long is the Nile?", "Nile length"))]] * 3
+    assert retriever.prefetches[0] == ["How long is the Nile?"]
 
 
 async def test_iterative_stops_on_a_positive_judgement():
@@ -212,6 +241,7 @@ async def test_every_pipeline_runs_on_the_tiny_model():
     for name, pipeline in build_pipelines(engine, retriever).items():
         result, events = await run(pipeline, max_tokens=8)
         assert result.pipeline == name
+        assert streamed(events) == result.answer, name  # real tokenizer pieces, leading spaces and all
         assert result.steps and result.timings["total_ms"] > 0
         assert not retriever.outstanding
 
@@ -263,3 +293,58 @@ async def test_prefetch_budget_follows_the_pre_retrieval_time():
     assert retriever.overlaps_ms[-1] == observed
     await run(pipelines["naive"])
     assert retriever.overlaps_ms[-1] == 0.0
+
+
+@pytest.mark.parametrize("name", list(PIPELINES))
+async def test_the_streamed_text_is_the_answer(name):
+    """What a client is streamed, concatenated, is exactly `RagResult.answer`: no leading space
+    (the fake's tokens are words followed by a space, as a real tokenizer's pieces often lead
+    with one), no trailing one."""
+    pipeline, engine, retriever, log = make(name, decide="yes", critique="no", answer=" Answer: The Nile is long ")
+    result, events = await run(pipeline)
+    assert result.answer and streamed(events) == result.answer
+    assert result.answer == result.answer.strip() and "Answer:" not in result.answer
+
+
+@pytest.mark.parametrize(
+    ("generated", "answer"),
+    [
+        ("Answer:\nAnswer:\nAnswer:\nAnswer:", ""),  # a model looping on the cue
+        ("Answer: The Nile is long Answer: The Nile is long Answer:", "The Nile is long"),  # looping on one line
+        ("The Nile is long\nAnswer: The Nile", "The Nile is long"),
+    ],
+)
+async def test_a_repeated_answer_cue_is_cut_and_ends_the_generation(generated, answer):
+    pipeline, engine, retriever, log = make("naive", answer=generated)
+    chunks = []
+
+    async def recording_stream(prompts, params):  # noqa: ANN001, ANN202
+        async for item in ScriptedEngine.stream(engine, prompts, params):
+            chunks.append(item)
+            yield item
+
+    engine.stream = recording_stream
+    result, events = await run(pipeline, max_tokens=64)
+    assert result.answer == answer and streamed(events) == answer
+    # the generation stops at the repeated cue: the rest is never asked of the engine
+    assert len(chunks) <= len(generated.split("Answer:")[0].split()) + len(answer.split()) + 2
+
+
+async def test_the_answer_prompt_keeps_a_stable_prefix_and_stops_at_the_cue():
+    """System text and instruction first, then the documents, then the question, so a prefix
+    cache hits across requests; the engine is told to stop at the cue on a new line."""
+    pipeline, engine, retriever, log = make("naive")
+    seen = []
+    original = engine.stream
+
+    def stream(prompts, params):  # noqa: ANN001, ANN202
+        seen.append((prompts[0], params.stop))
+        return original(prompts, params)
+
+    engine.stream = stream
+    await run(pipeline, query="How long is the Nile?")
+    await run(pipeline, query="Where does the Amazon flow?")
+    (first, stops), (second, _) = seen
+    assert first.startswith(prompts.SYSTEM + "\n\nDocuments:\n") and second.startswith(prompts.SYSTEM + "\n\nDocuments:\n")
+    assert first.index("Documents:") < first.index("Question: How long is the Nile?") < first.index("\nAnswer:")
+    assert first.endswith("\nAnswer:") and "\nAnswer:" in stops

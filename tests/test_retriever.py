@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import numpy as np
 import pytest
 
 from telerag.pipelines.retriever import DirectRetriever, open_retriever
-from telerag.pipelines.types import PrefetchRequest, SearchOptions, SearchRequest
+from telerag.pipelines.types import MeanQuery, PrefetchRequest, SearchOptions, SearchRequest
 from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import read_jsonl, split_passages
 from telerag.retrieval.errors import DatastoreMismatchError
@@ -153,3 +154,31 @@ async def test_no_overlap_means_no_prefetch(retriever):
     retriever.prefetch_budget_bytes = None
     ticket = await retriever.prefetch(["river fish"], overlap_ms=0.0)
     assert ticket.handle is None and ticket.stats == {"enabled": False}
+
+
+async def test_a_mean_query_scores_each_document_by_its_mean_score_over_the_texts(retriever):
+    """HyDE's query: the mean of the texts' embeddings. Inner product is linear, so with every
+    list probed each document's score is the mean of its scores against each text alone."""
+    every = SearchOptions(top_k=80, nprobe=2)
+    texts = ("river water fish boat", "piano concert song")
+    mean, river, piano = (await retriever.search([MeanQuery(texts), *texts], every)).documents
+    alone = {d.id: d.score for d in river}, {d.id: d.score for d in piano}
+    assert len(mean) == 80
+    for doc in mean:
+        assert doc.score == pytest.approx((alone[0][doc.id] + alone[1][doc.id]) / 2, abs=1e-5)
+    single = (await retriever.search([MeanQuery(texts[:1])], every)).documents[0]
+    assert [d.id for d in single] == [d.id for d in river]
+
+
+async def test_the_batching_scheduler_carries_mean_queries(retriever):
+    """A mean query and a plain one batched into one call get what each gets alone."""
+    from telerag.server.scheduler import BatchingRetriever
+
+    batching = BatchingRetriever(retriever, window_ms=50, max_batch=8)
+    options = SearchOptions(top_k=5, nprobe=2)
+    queries = [[MeanQuery(("river flood", "comet galaxy"))], ["bread oven"]]
+    together = await asyncio.gather(*(batching.search(q, options) for q in queries))
+    for query, outcome in zip(queries, together, strict=True):
+        assert outcome.stats["batch"] == 2  # one search for both callers
+        alone = await retriever.search(query, options)
+        assert [d.id for d in outcome.documents[0]] == [d.id for d in alone.documents[0]]

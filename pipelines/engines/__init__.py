@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from jinja2 import TemplateError
+
 from telerag.pipelines.types import Generation, TokenChunk
 
 
@@ -20,15 +22,42 @@ async def collect_generations(stream: AsyncIterator[TokenChunk | Generation], n_
     return [results[i] for i in range(n_prompts)]
 
 
-def format_chat(tokenizer: Any, user_text: str) -> str:
-    """`user_text` as one user turn in the tokenizer's chat template, ready for the model's
-    reply; unchanged when the tokenizer has no template (a base model, such as the embedded
-    Gemma 3 270M, which answers plain completion prompts better than chat turns)."""
+def format_chat(tokenizer: Any, user_text: str, system: str = "") -> str:
+    """`system` and `user_text` in the tokenizer's chat template, ready for the model's reply.
+
+    A template without a system role (Mistral's, Gemma 2's refuse one) gets the system text at
+    the top of the user turn, as Gemma 3's template does itself. Without a template (a base
+    model, such as the embedded Gemma 3 270M) the system text is written above the user text,
+    as a plain completion prompt."""
     if not getattr(tokenizer, "chat_template", None):
-        return user_text
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": user_text}], tokenize=False, add_generation_prompt=True
-    )
+        return f"{system}\n\n{user_text}" if system else user_text
+    user = {"role": "user", "content": user_text}
+    if system:
+        try:
+            return _apply_chat_template(tokenizer, [{"role": "system", "content": system}, user])
+        except TemplateError:
+            user = {"role": "user", "content": f"{system}\n\n{user_text}"}
+    return _apply_chat_template(tokenizer, [user])
+
+
+def _apply_chat_template(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def end_of_turn(tokenizer: Any) -> str | None:
+    """The marker the chat template closes the model's turn with (Gemma's `<end_of_turn>`,
+    ChatML's `<|im_end|>`, Llama 3's `<|eot_id|>`): an instruction-tuned model emits it when
+    its reply is done, so generation stops there. None without a template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    reply = "\x00reply\x00"  # a text no template writes
+    turns = [{"role": "user", "content": "?"}, {"role": "assistant", "content": reply}]
+    try:
+        rendered = tokenizer.apply_chat_template(turns, tokenize=False)
+    except TemplateError:
+        return None
+    after = rendered.partition(reply)[2].split()
+    return after[0] if after else None
 
 
 def prompt_token_ids(tokenizer: Any, prompt: str) -> list[int]:

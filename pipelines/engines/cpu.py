@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 
-from telerag.pipelines.engines import StopFilter, collect_generations, format_chat, prompt_token_ids
+from telerag.pipelines.engines import StopFilter, collect_generations, end_of_turn, format_chat, prompt_token_ids
 from telerag.pipelines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, ModelNotFound
 from telerag.pipelines.types import Generation, SamplingParams, TokenChunk
 
 log = logging.getLogger(__name__)
 
-END_OF_TURN = "<end_of_turn>"  # ends a turn in Gemma's chat format; a stop token whenever it exists
+END_OF_TURN = "<end_of_turn>"  # ends a turn in Gemma's chat format: a stop token whenever it exists, template or not
 EMBEDDED_NAME = "gemma-3-270m"
 
 
@@ -465,8 +465,8 @@ class TransformersEngine:
         eos = getattr(model.generation_config, "eos_token_id", None)
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos_ids = {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None}
-        if END_OF_TURN in tokenizer.get_vocab():
-            self.eos_ids.add(int(tokenizer.convert_tokens_to_ids(END_OF_TURN)))
+        vocab = tokenizer.get_vocab()
+        self.eos_ids |= {vocab[marker] for marker in (end_of_turn(tokenizer), END_OF_TURN) if marker in vocab}
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         # Fast tokenizers raise "Already borrowed" when used from two threads at once; the
         # worker decodes while callers encode and FLARE decodes.
@@ -520,10 +520,10 @@ class TransformersEngine:
 
     # -- the Engine protocol ------------------------------------------------------------------
 
-    def format_prompt(self, user_text: str) -> str:
-        """The user turn in the model's chat template, or as is for a model without one."""
+    def format_prompt(self, user_text: str, *, system: str = "") -> str:
+        """The system text and user turn in the model's chat template (see `format_chat`)."""
         with self._tokenizer_lock:
-            return format_chat(self.tokenizer, user_text)
+            return format_chat(self.tokenizer, user_text, system)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         with self._tokenizer_lock:

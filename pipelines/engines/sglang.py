@@ -112,8 +112,8 @@ class SGLangEngine:
 
     # -- the Engine protocol ------------------------------------------------------------------
 
-    def format_prompt(self, user_text: str) -> str:
-        return format_chat(self.tokenizer, user_text)
+    def format_prompt(self, user_text: str, *, system: str = "") -> str:
+        return format_chat(self.tokenizer, user_text, system)
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar, TypeVar
 
 from telerag.pipelines import prompts
+from telerag.pipelines.prompts import Prompt
+from telerag.pipelines.replies import ReplyStream, clean_reply
 from telerag.pipelines.types import (
     Document,
     Engine,
@@ -28,11 +30,12 @@ from telerag.pipelines.types import (
     RunOptions,
     SamplingParams,
     SearchOptions,
+    SearchQuery,
     StageEvent,
     Step,
-    TokenChunk,
     TokenEvent,
     UsageEvent,
+    query_texts,
 )
 
 T = TypeVar("T")
@@ -46,8 +49,8 @@ class Stage:
     role: str  # "prefetch" (q_in), "pre_retrieval" (LLM, overlaps the prefetch), "search" (q_out), "llm", "generate"
 
 
-# A base model answering a completion prompt goes on to invent the next question: stop there.
-ANSWER_STOPS = ("\nQuestion:", "\n\n")
+# An answer is one paragraph: a base model that goes on after it starts something else.
+ANSWER_STOPS = ("\n\n",)
 
 PRE_RETRIEVAL_SMOOTHING = 0.2  # weight of the newest pre-retrieval time in the pipeline's estimate
 
@@ -129,32 +132,42 @@ class RagPipeline:
         self,
         ctx: RunContext,
         stage: str,
-        prompt_texts: Sequence[str],
+        batch: Sequence[Prompt],
         *,
         max_tokens: int = 64,
         stop: Sequence[str] = (),
         logprobs: bool = False,
     ) -> list[Generation]:
-        """A traced, non-streamed LLM call (greedy unless the request asks otherwise)."""
+        """A traced, non-streamed LLM call (greedy unless the request asks otherwise), stopped
+        where each prompt's reply runs past itself (`Prompt.stops`) and at any of `stop`. The
+        Generations are the engine's; `replies.clean_reply` gives the reply in one."""
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=ctx.options.temperature, stop=tuple(stop), logprobs=logprobs
+            max_tokens=max_tokens,
+            temperature=ctx.options.temperature,
+            stop=tuple(dict.fromkeys([*stop, *(s for p in batch for s in p.stops)])),
+            logprobs=logprobs,
         )
-        formatted = [self.engine.format_prompt(p) for p in prompt_texts]
+        formatted = [self.engine.format_prompt(p.user, system=p.system) for p in batch]
         generations, start_ms, ms = await self.stage(ctx, stage, self.engine.generate(formatted, params))
-        for text, generation in zip(prompt_texts, generations, strict=True):
+        for prompt, generation in zip(batch, generations, strict=True):
             ctx.generated(generation.completion_tokens)
             ctx.steps.append(
-                Step(stage, "llm", text[-200:], generation.prompt_tokens, generation.completion_tokens, ms,
+                Step(stage, "llm", prompt.user[-200:], generation.prompt_tokens, generation.completion_tokens, ms,
                      {"ttft_ms": generation.ttft_ms, "finish_reason": generation.finish_reason}, start_ms)
             )
         return generations
+
+    async def reply(self, ctx: RunContext, stage: str, prompt: Prompt, *, max_tokens: int = 64, stop: Sequence[str] = ()) -> str:
+        """A traced LLM call's reply: its generation without a restated or repeated cue."""
+        generation = (await self.llm(ctx, stage, [prompt], max_tokens=max_tokens, stop=stop))[0]
+        return clean_reply(generation.text, prompt.cue)
 
     async def lookahead(
         self,
         ctx: RunContext,
         q_in: Sequence[str],
         pre_retrieval: Callable[[], Awaitable[T]] | None,
-        q_out: Callable[[T | None], Sequence[str] | None],
+        q_out: Callable[[T | None], Sequence[SearchQuery] | None],
     ) -> tuple[T | None, list[list[Document]]]:
         """Start the pre-retrieval call at once and prefetch q_in's clusters beside it (embedding
         q_in, ranking centroids, issuing copies), then search q_out once both are done (no search
@@ -184,10 +197,10 @@ class RagPipeline:
             wanted = q_out(produced)
             if wanted is None:
                 return produced, []
-            queries = [q for q in wanted if q.strip()] or [ctx.query]
+            queries = [q for q in wanted if any(text.strip() for text in query_texts(q))] or [ctx.query]
             options = SearchOptions(top_k=ctx.options.top_k, nprobe=ctx.options.nprobe, prefetch=ctx.options.prefetch)
             outcome, start_ms, ms = await self.stage(ctx, "search", self.retriever.search(queries, options, ticket))
-            ctx.steps.append(Step("search", "retrieval", " | ".join(queries)[:200], ms=ms, stats=dict(outcome.stats), start_ms=start_ms))
+            ctx.steps.append(Step("search", "retrieval", " | ".join(map(str, queries))[:200], ms=ms, stats=dict(outcome.stats), start_ms=start_ms))
         finally:
             self.retriever.release(ticket)
         return produced, outcome.documents
@@ -202,36 +215,49 @@ class RagPipeline:
         previous = self.pre_retrieval_ms
         self.pre_retrieval_ms = ms if previous is None else (1 - PRE_RETRIEVAL_SMOOTHING) * previous + PRE_RETRIEVAL_SMOOTHING * ms
 
-    async def answer(self, ctx: RunContext, documents: Sequence[Document], *, prompt: str | None = None) -> str:
-        """The final answer, streamed to the client token by token."""
+    async def answer(self, ctx: RunContext, documents: Sequence[Document], *, prompt: Prompt | None = None) -> str:
+        """The final answer, streamed to the client as it is generated: the text streamed is
+        exactly the answer returned (see `replies.ReplyStream`), and generation ends as soon as
+        the reply does (the cue repeated on the same line, which no stop string catches)."""
         prompt = prompt or prompts.answer(ctx.query, documents)
-        params = SamplingParams(max_tokens=ctx.options.max_tokens, temperature=ctx.options.temperature, stop=ANSWER_STOPS)
+        params = SamplingParams(
+            max_tokens=ctx.options.max_tokens, temperature=ctx.options.temperature, stop=(*prompt.stops, *ANSWER_STOPS)
+        )
+        formatted = self.engine.format_prompt(prompt.user, system=prompt.system)
+        reply = ReplyStream(prompt.cue)
         ctx.events.put_nowait(StageEvent("generate", "start"))
         started = time.perf_counter()
         final: Generation | None = None
         streamed = 0  # tokens accounted for as they came
-        async for item in self.engine.stream([self.engine.format_prompt(prompt)], params):
-            if isinstance(item, TokenChunk):
+        async with contextlib.aclosing(self.engine.stream([formatted], params)) as stream:
+            async for item in stream:
+                if isinstance(item, Generation):
+                    final = item
+                    continue
                 ctx.generated(len(item.token_ids))
                 streamed += len(item.token_ids)
-                if item.text:
-                    ctx.events.put_nowait(TokenEvent(item.text))
-            else:
-                final = item
+                if piece := reply.push(item.text):
+                    ctx.events.put_nowait(TokenEvent(piece))
+                if reply.complete:
+                    break  # closing the stream aborts the generation
+        if piece := reply.finish():
+            ctx.events.put_nowait(TokenEvent(piece))
         ms = (time.perf_counter() - started) * 1e3
         ctx.events.put_nowait(StageEvent("generate", "end", ms))
-        assert final is not None
-        ctx.generated(max(0, final.completion_tokens - streamed))  # chunks need not carry their token ids
+        if final is not None:
+            prompt_tokens, completion_tokens = final.prompt_tokens, final.completion_tokens
+            stats = {"ttft_ms": final.ttft_ms, "finish_reason": final.finish_reason}
+        else:  # stopped here, when the reply was over
+            prompt_tokens, completion_tokens, stats = self.engine.count_tokens(formatted), streamed, {"finish_reason": "stop"}
+        ctx.generated(max(0, completion_tokens - streamed))  # chunks need not carry their token ids
         ctx.steps.append(
-            Step("generate", "llm", ctx.query[:200], final.prompt_tokens, final.completion_tokens, ms,
-                 {"ttft_ms": final.ttft_ms, "finish_reason": final.finish_reason}, (started - ctx.started) * 1e3)
+            Step("generate", "llm", ctx.query[:200], prompt_tokens, completion_tokens, ms, stats, (started - ctx.started) * 1e3)
         )
-        return final.text.strip()
+        return reply.text
 
     async def generate_quietly(self, ctx: RunContext, stage: str, documents: Sequence[Document], draft: str = "") -> str:
         """An intermediate answer (not streamed to the client): a round of Iter-RetGen or Iter."""
-        generations = await self.llm(ctx, stage, [prompts.answer(ctx.query, documents, draft)], max_tokens=ctx.options.max_tokens, stop=ANSWER_STOPS)
-        return generations[0].text.strip()
+        return await self.reply(ctx, stage, prompts.answer(ctx.query, documents, draft), max_tokens=ctx.options.max_tokens, stop=ANSWER_STOPS)
 
     # -- the result ---------------------------------------------------------------------------
 

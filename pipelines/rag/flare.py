@@ -12,11 +12,13 @@ import math
 
 from telerag.pipelines import prompts
 from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext, Stage
+from telerag.pipelines.replies import clean_reply
 from telerag.pipelines.types import Generation, TokenEvent
 
 MAX_SENTENCES = 4
 SENTENCE_TOKENS = 40
 THRESHOLD = 0.4  # a token whose probability is below this triggers retrieval
+SENTENCE_STOPS = (".", "\n")
 
 
 def unsure_query(engine, generation: Generation, threshold: float) -> str | None:  # noqa: ANN001
@@ -41,7 +43,7 @@ class FLARE(RagPipeline):
 
             async def lookahead_sentence(written=written) -> Generation:
                 prompt = prompts.answer(ctx.query, ctx.documents, written)
-                reply = await self.llm(ctx, "lookahead_sentence", [prompt], max_tokens=SENTENCE_TOKENS, stop=(".", "\n"), logprobs=True)
+                reply = await self.llm(ctx, "lookahead_sentence", [prompt], max_tokens=SENTENCE_TOKENS, stop=SENTENCE_STOPS, logprobs=True)
                 return reply[0]
 
             def retrieval_query(generation: Generation) -> list[str] | None:
@@ -53,10 +55,10 @@ class FLARE(RagPipeline):
             if documents:  # retrieval was triggered: write the sentence again with the new documents
                 ctx.documents = documents[0]
                 redo = await self.llm(
-                    ctx, "sentence", [prompts.answer(ctx.query, ctx.documents, written)], max_tokens=SENTENCE_TOKENS, stop=(".", "\n")
+                    ctx, "sentence", [prompts.answer(ctx.query, ctx.documents, written)], max_tokens=SENTENCE_TOKENS, stop=SENTENCE_STOPS
                 )
                 sentence, text = redo[0], redo[0].text
-            piece = text.strip()
+            piece = clean_reply(text, prompts.ANSWER_CUE)
             if piece:
                 piece = piece + ("." if sentence.finish_reason == "stop" and not piece.endswith(".") else "")
                 ctx.events.put_nowait(TokenEvent(("" if not written else " ") + piece))

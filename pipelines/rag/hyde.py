@@ -1,21 +1,27 @@
-"""HyDE: write a hypothetical passage that would answer the question, retrieve with it, answer."""
+"""HyDE: write a hypothetical passage that would answer the question, retrieve with the mean of
+the question's and the passage's embeddings (as the HyDE paper does), answer. The question
+keeps the search anchored when a small model's passage drifts off it."""
 
 from __future__ import annotations
 
 from telerag.pipelines import prompts
 from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext, Stage
+from telerag.pipelines.types import MeanQuery, SearchQuery
 
 
 class HyDE(RagPipeline):
     name = "hyde"
-    description = "Generate a hypothetical passage (pre-retrieval), retrieve with it, then answer."
+    description = "Generate a hypothetical passage (pre-retrieval), retrieve with it and the question, then answer."
     stages = (PREFETCH, Stage("hypothetical_passage", "pre_retrieval"), SEARCH, GENERATE)
     llm_calls = 2  # passage, answer
 
     async def body(self, ctx: RunContext) -> str:
-        async def passage():
-            return (await self.llm(ctx, "hypothetical_passage", [prompts.hypothetical_passage(ctx.query)], max_tokens=96))[0]
+        async def passage() -> str:
+            return await self.reply(ctx, "hypothetical_passage", prompts.hypothetical_passage(ctx.query), max_tokens=96)
 
-        _, documents = await self.lookahead(ctx, [ctx.query], passage, lambda g: [g.text])
+        def query(passage: str) -> list[SearchQuery]:
+            return [MeanQuery((ctx.query, passage)) if passage else ctx.query]
+
+        _, documents = await self.lookahead(ctx, [ctx.query], passage, query)
         ctx.documents = documents[0]
         return await self.answer(ctx, ctx.documents)

@@ -1,10 +1,12 @@
-"""Iterative (Iter): ask a narrower search question, retrieve, answer, judge; stop when the judge
-says the answer is good enough (or after a few iterations)."""
+"""Iterative (Iter): ask a narrower search question, retrieve with it and the question (the mean
+of their embeddings, so the search keeps the question in view), answer, judge; stop when the
+judge says the answer is good enough (or after a few iterations)."""
 
 from __future__ import annotations
 
 from telerag.pipelines import prompts
 from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext, Stage, merge_documents
+from telerag.pipelines.types import MeanQuery, SearchQuery
 
 MAX_ITERATIONS = 3
 
@@ -22,17 +24,18 @@ class Iterative(RagPipeline):
         for iteration in range(MAX_ITERATIONS):
 
             async def narrow(notes=notes) -> str:
-                reply = await self.llm(ctx, "narrow_question", [prompts.narrower_question(ctx.query, notes)], max_tokens=32, stop=("\n",))
-                return reply[0].text.strip()
+                return await self.reply(ctx, "narrow_question", prompts.narrower_question(ctx.query, notes), max_tokens=32, stop=("\n",))
 
-            question, documents = await self.lookahead(ctx, [q_in], narrow, lambda q: [q or ctx.query])
+            def query(narrower: str) -> list[SearchQuery]:
+                return [MeanQuery((ctx.query, narrower)) if narrower else ctx.query]
+
+            question, documents = await self.lookahead(ctx, [q_in], narrow, query)
             gathered.append(documents[0])
             ctx.documents = merge_documents(gathered, ctx.options.top_k)
             if iteration == MAX_ITERATIONS - 1:
                 break
             draft = await self.generate_quietly(ctx, "draft_answer", ctx.documents)
-            verdict = await self.llm(ctx, "judge", [prompts.judge(ctx.query, draft)], max_tokens=3)
-            if prompts.is_yes(verdict[0].text):
+            if prompts.is_yes(await self.reply(ctx, "judge", prompts.judge(ctx.query, draft), max_tokens=3)):
                 break
             notes, q_in = draft, question or ctx.query
         return await self.answer(ctx, ctx.documents)

@@ -17,8 +17,7 @@ class SelfRAG(RagPipeline):
 
     async def body(self, ctx: RunContext) -> str:
         async def decide() -> bool:
-            reply = await self.llm(ctx, "decide_retrieval", [prompts.needs_retrieval(ctx.query)], max_tokens=3)
-            return prompts.is_yes(reply[0].text)
+            return prompts.is_yes(await self.reply(ctx, "decide_retrieval", prompts.needs_retrieval(ctx.query), max_tokens=3))
 
         # The question's clusters are prefetched while the model decides; if it decides
         # against retrieval the copies were speculative and no search runs.
@@ -26,8 +25,9 @@ class SelfRAG(RagPipeline):
         ctx.documents = documents[0] if documents else []
         draft = await self.generate_quietly(ctx, "draft_answer", ctx.documents)
         if ctx.documents:
-            verdict = await self.llm(ctx, "critique", [prompts.critique(ctx.query, ctx.documents, draft)], max_tokens=3)
-            if not prompts.is_yes(verdict[0].text):
+            verdict = await self.reply(ctx, "critique", prompts.critique(ctx.query, ctx.documents, draft), max_tokens=3)
+            if not prompts.is_yes(verdict):
                 return await self.answer(ctx, ctx.documents, prompt=prompts.revise(ctx.query, ctx.documents, draft))
-        ctx.events.put_nowait(TokenEvent(draft))
+        if draft:
+            ctx.events.put_nowait(TokenEvent(draft))
         return draft

@@ -1,4 +1,6 @@
-"""SubQuestion: decompose the question, retrieve for every sub-question in one batched search, answer."""
+"""SubQuestion: decompose the question, retrieve for the question and every sub-question in one
+batched search, answer. The question itself stays among the queries, so a decomposition that
+drifts off it never loses what retrieving with the question finds."""
 
 from __future__ import annotations
 
@@ -13,19 +15,31 @@ def parse_sub_questions(text: str, limit: int = MAX_SUB_QUESTIONS) -> list[str]:
     return [line for line in lines if len(line) > 3][:limit]
 
 
+def search_queries(question: str, sub_questions: list[str]) -> list[str]:
+    """The question, then each sub-question once (a repeat differs only in case or spacing)."""
+    seen: set[str] = set()
+    queries = []
+    for text in [question, *sub_questions]:
+        key = " ".join(text.lower().split())
+        if key not in seen:
+            seen.add(key)
+            queries.append(text)
+    return queries
+
+
 class SubQuestion(RagPipeline):
     name = "subquestion"
-    description = "Decompose into sub-questions (pre-retrieval), retrieve them as one batch, then answer."
+    description = "Decompose into sub-questions (pre-retrieval), retrieve them with the question as one batch, then answer."
     stages = (PREFETCH, Stage("decompose", "pre_retrieval"), SEARCH, GENERATE)
     llm_calls = 2  # decompose, answer
 
     async def body(self, ctx: RunContext) -> str:
-        async def decompose():
+        async def decompose() -> str:
             prompt = prompts.sub_questions(ctx.query, MAX_SUB_QUESTIONS)
-            return (await self.llm(ctx, "decompose", [prompt], max_tokens=96))[0]
+            return await self.reply(ctx, "decompose", prompt, max_tokens=96)
 
         _, documents = await self.lookahead(
-            ctx, [ctx.query], decompose, lambda g: parse_sub_questions(g.text) or [ctx.query]
+            ctx, [ctx.query], decompose, lambda text: search_queries(ctx.query, parse_sub_questions(text))
         )
         ctx.documents = merge_documents(documents, ctx.options.top_k)
         return await self.answer(ctx, ctx.documents)

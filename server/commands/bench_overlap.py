@@ -50,16 +50,18 @@ def run(args: argparse.Namespace) -> int:
             retriever.prefetch_budget_bytes = int(depth * mean_cluster_bytes)
             pipelines = runtime.pipelines(retriever, names)
             options = RunOptions(top_k=settings.retrieval.top_k, nprobe=args.nprobe, max_tokens=args.max_tokens)
-            rows = await overlap_study(list(pipelines.values()), questions, options)
+            rows = await overlap_study(list(pipelines.values()), questions, options, progress=True)
             return [rows, depth, info]
 
     rows, depth, info = asyncio.run(main())
     print(f"{len(questions)} questions, nlist {info.nlist}, nprobe {args.nprobe or info.nprobe}, prefetch depth {depth} clusters")
-    print(f"{'pipeline':<13}{'overlap':>9}{'pre-retrieval ms':>18}{'total ms':>10}{'article hit':>13}")
+    print(f"{'pipeline':<13}{'overlap':>9}{'pre-retrieval ms':>18}{'total ms':>10}{'article hit':>13}"
+          f"{'empty answers':>15}{'cue answers':>13}")
     for row in rows:
         overlap = f"{row.overlap_rate:.3f}" if row.overlap_rate is not None else "-"
-        hit = f"{row.article_hit_rate:.2f}" if row.article_hit_rate is not None else "-"
-        print(f"{row.pipeline:<13}{overlap:>9}{row.pre_retrieval_ms:>18.1f}{row.total_ms:>10.1f}{hit:>13}")
+        hit = f"{row.article_hit_rate:.3f}" if row.article_hit_rate is not None else "-"
+        print(f"{row.pipeline:<13}{overlap:>9}{row.pre_retrieval_ms:>18.1f}{row.total_ms:>10.1f}{hit:>13}"
+              f"{row.empty_answers:>15}{row.cue_answers:>13}")
     if args.json:
         print(json.dumps({"questions": len(questions), "nlist": info.nlist, "prefetch_clusters": depth,
                           "nprobe": args.nprobe or info.nprobe, "rows": [asdict(r) for r in rows]}))
