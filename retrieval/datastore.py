@@ -77,6 +77,8 @@ class Manifest:
     metric: str = "ip"
     n_documents: int = 0
     passage_words: int | None = None
+    passage_overlap: int = 0
+    passage_title: bool = False  # the embedded text is the article's title, a newline, the passage
     source: str = ""
     created_at: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION
