@@ -16,7 +16,7 @@ from pathlib import Path
 from locust import HttpUser, between, task
 
 QUESTIONS = [
-    re.sub(r"\s*\[[^\]]+\]\s*$", "", line).strip()
+    re.sub(r"\s*(\[[^\]]+\])?\s*(=>.*)?$", "", line).strip()  # drop `[Article] => answer`
     for line in (Path(__file__).resolve().parent.parent / "config" / "questions_wiki_en.txt").read_text().splitlines()
     if line.strip() and not line.startswith("#")
 ]

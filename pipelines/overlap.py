@@ -4,21 +4,12 @@ has to hide behind)."""
 
 from __future__ import annotations
 
-import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-from telerag.pipelines.types import Pipeline, RagResult, ResultEvent, RunOptions
-
-_TOPIC = re.compile(r"\s*\[(?P<title>[^\]]+)\]\s*$")
-
-
-@dataclass(frozen=True)
-class Question:
-    text: str
-    title: str | None  # the article that answers it, when the file says
+from telerag.pipelines.questions import Question, run_questions
+from telerag.pipelines.types import Pipeline, RagResult, RunOptions
 
 
 @dataclass
@@ -31,23 +22,10 @@ class OverlapRow:
     article_hit_rate: float | None  # share of questions whose article was among the documents
 
 
-def read_questions(path: Path, limit: int | None = None) -> list[Question]:
-    """One question per line, optionally ending in `[Article title]`; `#` lines are comments."""
-    questions = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        match = _TOPIC.search(line)
-        text = line[: match.start()].strip() if match else line.strip()
-        questions.append(Question(text, match.group("title") if match else None))
-    return questions[:limit] if limit else questions
-
-
-async def run_one(pipeline: Pipeline, question: str, options: RunOptions) -> RagResult:
-    async for event in pipeline.run(question, options):
-        if isinstance(event, ResultEvent):
-            return event.result
-    raise RuntimeError(f"{pipeline.name} ended without a result")
+def overlap_rates(result: RagResult) -> list[float]:
+    """|C_in ∩ C_out| / |C_out| of each search of a run that had a prefetch."""
+    return [s.stats["overlap_rate"] for s in result.steps
+            if s.kind == "retrieval" and s.stats.get("overlap_rate") is not None]
 
 
 async def overlap_study(
@@ -59,10 +37,8 @@ async def overlap_study(
         pre_ms: list[float] = []
         total_ms: list[float] = []
         hits: list[bool] = []
-        for question in questions:
-            result = await run_one(pipeline, question.text, options)
-            overlaps.extend(s.stats["overlap_rate"] for s in result.steps
-                            if s.kind == "retrieval" and s.stats.get("overlap_rate") is not None)
+        async for question, result in run_questions(pipeline, questions, options):
+            overlaps.extend(overlap_rates(result))
             pre_ms.append(result.timings["pre_retrieval_ms"])
             total_ms.append(result.timings["total_ms"])
             if question.title is not None:

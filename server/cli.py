@@ -6,7 +6,16 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from telerag.server.commands import ask, bench_generate, bench_overlap, bench_retrieval, bench_server, datastore, serve
+from telerag.server.commands import (
+    ask,
+    bench_generate,
+    bench_overlap,
+    bench_quality,
+    bench_retrieval,
+    bench_server,
+    datastore,
+    serve,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_retrieval.register(bench_commands)
     bench_generate.register(bench_commands)
     bench_overlap.register(bench_commands)
+    bench_quality.register(bench_commands)
     bench_server.register(bench_commands)
     return parser
 

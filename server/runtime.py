@@ -8,7 +8,7 @@ import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -17,6 +17,9 @@ from telerag.pipelines.rag.base import RagPipeline
 from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.types import BatchRetriever, Engine, Retriever
 from telerag.server.settings import RetrievalSettings, Settings, pre_retrieval_profile
+
+if TYPE_CHECKING:
+    from telerag.pipelines.retriever import DirectRetriever
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -93,33 +96,39 @@ def cluster_cache_bytes(retrieval: RetrievalSettings, device: str) -> int:
     return max(0, free - int(retrieval.cache_headroom_mb * 2**20))
 
 
-@asynccontextmanager
-async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
-    """Load the engine, then the embedder and the datastore (building the Wikipedia one on first
-    run): the engine first, so that the cluster cache gets what the LLM leaves of the GPU."""
+def open_retrieval(settings: Settings) -> DirectRetriever:
+    """The configured embedder and datastore (building the Wikipedia one on first run) behind a
+    retriever; on CUDA call it after the engine has taken its share of the GPU."""
     from telerag.pipelines.embedder import Embedder
     from telerag.pipelines.retriever import open_retriever
 
     retrieval = settings.retrieval
     device = _device(retrieval.device)
+    embedder_device = _device(retrieval.embedder_device)
+    embedder = Embedder(retrieval.embedder, device=embedder_device) if retrieval.embedder else Embedder.embedded_default(device=embedder_device)
+    log.info("embedder %s (%d-d) on %s", embedder.name, embedder.dim, embedder_device)
+    return open_retriever(
+        retrieval.datastore,
+        embedder,
+        device=device,
+        cache_bytes=cluster_cache_bytes(retrieval, device),
+        prefetch_budget_bytes=None if retrieval.prefetch_budget_mb is None else int(retrieval.prefetch_budget_mb * 2**20),
+        nprobe=retrieval.nprobe,
+        demand_copy=retrieval.demand_copy,
+        cpu_threads=retrieval.cpu_threads,
+        build_if_missing=retrieval.build_if_missing,
+        verify_checksums=retrieval.verify_checksums,
+    )
+
+
+@asynccontextmanager
+async def open_runtime(settings: Settings) -> AsyncIterator[Runtime]:
+    """Load the engine, then the embedder and the datastore (building the Wikipedia one on first
+    run): the engine first, so that the cluster cache gets what the LLM leaves of the GPU."""
     engine = build_engine(settings)
     log.info("engine %s (%s)", getattr(engine, "name", "?"), settings.engine.kind)
     try:
-        embedder_device = _device(retrieval.embedder_device)
-        embedder = Embedder(retrieval.embedder, device=embedder_device) if retrieval.embedder else Embedder.embedded_default(device=embedder_device)
-        log.info("embedder %s (%d-d) on %s", embedder.name, embedder.dim, embedder_device)
-        retriever = open_retriever(
-            retrieval.datastore,
-            embedder,
-            device=device,
-            cache_bytes=cluster_cache_bytes(retrieval, device),
-            prefetch_budget_bytes=None if retrieval.prefetch_budget_mb is None else int(retrieval.prefetch_budget_mb * 2**20),
-            nprobe=retrieval.nprobe,
-            demand_copy=retrieval.demand_copy,
-            cpu_threads=retrieval.cpu_threads,
-            build_if_missing=retrieval.build_if_missing,
-            verify_checksums=retrieval.verify_checksums,
-        )
+        retriever = open_retrieval(settings)
     except BaseException:
         await engine.close()
         raise
