@@ -96,7 +96,9 @@ class Manifest:
             raise DatastoreCorruptError(f"{file}: unreadable manifest ({exc})") from None
         if manifest.format_version != FORMAT_VERSION:
             raise DatastoreMismatchError(
-                f"{path}: format version {manifest.format_version}, this server reads version {FORMAT_VERSION}; rebuild it"
+                f"{path}: format version {manifest.format_version}, this server reads version {FORMAT_VERSION}; rebuild it "
+                f"with `telerag datastore build --wikipedia --out {path} --overwrite` (or `--corpus FILE` for your own "
+                "corpus), or, for the server's default datastore, delete it and restart the server, which builds it on first run"
             )
         return manifest
 

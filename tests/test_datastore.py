@@ -106,6 +106,15 @@ def test_a_title_in_front_is_embedded_not_stored(tmp_path):
     np.testing.assert_allclose(ds.vectors[:5], hashing_encoder()([f"{p.title}\n{p.text}" for p in stored]), rtol=1e-6)
 
 
+def test_a_datastore_of_another_format_version_says_how_to_rebuild(tmp_path):
+    ds = random_datastore(tmp_path / "ds")
+    manifest = json.loads((ds.path / MANIFEST).read_text())
+    manifest["format_version"] -= 1
+    (ds.path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(DatastoreMismatchError, match="telerag datastore build --wikipedia --out .* --overwrite"):
+        Datastore.load(ds.path)
+
+
 def test_fp16_codec_halves_the_bytes(tmp_path):
     fp32 = random_datastore(tmp_path / "a", codec=Codec.FP32)
     fp16 = random_datastore(tmp_path / "b", codec=Codec.FP16)
