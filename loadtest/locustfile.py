@@ -21,7 +21,7 @@ from locust import HttpUser, between, events, task
 from sweep import ENDPOINT, THROTTLED, ResponseTally, outcome_of, request_name  # locust puts this file's directory on sys.path
 
 QUESTIONS = [
-    re.sub(r"\s*\[[^\]]+\]\s*$", "", line).strip()
+    re.sub(r"\s*(\[[^\]]+\])?\s*(=>.*)?$", "", line).strip()  # drop `[Article] => answer`
     for line in (Path(__file__).resolve().parent.parent / "config" / "questions_wiki_en.txt").read_text().splitlines()
     if line.strip() and not line.startswith("#")
 ]

@@ -5,24 +5,15 @@ answers are empty or loop on the answer cue."""
 
 from __future__ import annotations
 
-import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from tqdm import tqdm
 
 from telerag.pipelines.prompts import ANSWER_CUE
-from telerag.pipelines.types import Pipeline, RagResult, ResultEvent, RunOptions
-
-_TOPIC = re.compile(r"\s*\[(?P<title>[^\]]+)\]\s*$")
-
-
-@dataclass(frozen=True)
-class Question:
-    text: str
-    title: str | None  # the article that answers it, when the file says
+from telerag.pipelines.questions import Question, run_questions
+from telerag.pipelines.types import Pipeline, RagResult, RunOptions
 
 
 @dataclass
@@ -37,23 +28,10 @@ class OverlapRow:
     cue_answers: int  # answers that still hold the answer cue ("Answer:"): a reply looping on it
 
 
-def read_questions(path: Path, limit: int | None = None) -> list[Question]:
-    """One question per line, optionally ending in `[Article title]`; `#` lines are comments."""
-    questions = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        match = _TOPIC.search(line)
-        text = line[: match.start()].strip() if match else line.strip()
-        questions.append(Question(text, match.group("title") if match else None))
-    return questions[:limit] if limit else questions
-
-
-async def run_one(pipeline: Pipeline, question: str, options: RunOptions) -> RagResult:
-    async for event in pipeline.run(question, options):
-        if isinstance(event, ResultEvent):
-            return event.result
-    raise RuntimeError(f"{pipeline.name} ended without a result")
+def overlap_rates(result: RagResult) -> list[float]:
+    """|C_in ∩ C_out| / |C_out| of each search of a run that had a prefetch."""
+    return [s.stats["overlap_rate"] for s in result.steps
+            if s.kind == "retrieval" and s.stats.get("overlap_rate") is not None]
 
 
 async def overlap_study(
@@ -67,13 +45,11 @@ async def overlap_study(
         total_ms: list[float] = []
         hits: list[bool] = []
         answers: list[str] = []
-        for question in questions:
-            bar.set_postfix_str(pipeline.name)
-            result = await run_one(pipeline, question.text, options)
+        bar.set_postfix_str(pipeline.name)
+        async for question, result in run_questions(pipeline, questions, options):
             bar.update()
             answers.append(result.answer)
-            overlaps.extend(s.stats["overlap_rate"] for s in result.steps
-                            if s.kind == "retrieval" and s.stats.get("overlap_rate") is not None)
+            overlaps.extend(overlap_rates(result))
             pre_ms.append(result.timings["pre_retrieval_ms"])
             total_ms.append(result.timings["total_ms"])
             if question.title is not None:

@@ -30,7 +30,7 @@ from telerag.pipelines.types import (
     query_texts,
 )
 from telerag.retrieval.builder import build_datastore
-from telerag.retrieval.corpus import WIKIPEDIA_SOURCE, read_wikipedia, split_passages
+from telerag.retrieval.corpus import WIKIPEDIA_SOURCE, PassageShape, read_wikipedia
 from telerag.retrieval.datastore import MANIFEST, Datastore
 from telerag.retrieval.engine import RetrievalEngine
 
@@ -210,13 +210,9 @@ def build_wikipedia_datastore(path: Path, embedder: TextEncoder) -> Path:
     """The built-in Wikipedia datastore at `path` (first run of the embedded default): only into
     a new or empty directory, never over a user's files."""
     log.info("building the Wikipedia datastore at %s (first run; cached afterwards)", path)
+    shape = PassageShape()
     return build_datastore(
-        split_passages(read_wikipedia()),
-        embedder.encode,
-        embedder=embedder.name,
-        out_dir=path,
-        source=WIKIPEDIA_SOURCE,
-        passage_words=100,
+        shape.split(read_wikipedia()), embedder.encode, embedder=embedder.name, out_dir=path, source=WIKIPEDIA_SOURCE, shape=shape,
     )
 
 

@@ -11,7 +11,7 @@ import faiss
 import numpy as np
 
 from telerag.retrieval.codecs import Codec
-from telerag.retrieval.corpus import Passage
+from telerag.retrieval.corpus import Passage, PassageShape
 from telerag.retrieval.datastore import Manifest, check_target, write_datastore
 from telerag.retrieval.errors import CorpusError, DatastoreError
 from telerag.retrieval.progress import ProgressBar
@@ -97,7 +97,7 @@ def write_clustered(
     embedder: str,
     passages: Sequence[Passage] | None = None,
     source: str = "",
-    passage_words: int | None = None,
+    shape: PassageShape | None = None,
     overwrite: bool = False,
     progress: bool = False,
 ) -> Path:
@@ -121,7 +121,9 @@ def write_clustered(
         n_vectors=len(vectors),
         codec=codec.value,
         n_documents=len({p.doc_id for p in passages}) if passages is not None else 0,
-        passage_words=passage_words,
+        passage_words=shape.words if shape else None,
+        passage_overlap=shape.overlap if shape else 0,
+        passage_title=shape.title if shape else False,
         source=source,
     )
     return write_datastore(
@@ -147,21 +149,23 @@ def build_datastore(
     codec: Codec = Codec.FP32,
     batch_size: int = 1024,  # texts per encode call: the embedder sorts each call by length, so bigger calls pad less
     source: str = "",
-    passage_words: int | None = None,
+    shape: PassageShape | None = None,
     overwrite: bool = False,
     progress: bool = True,
     seed: int = 1234,
 ) -> Path:
     """Embed `passages` with `encode`, train an IVF over them and write the datastore to `out_dir`
-    (refused at once, before the embedding, if `out_dir` may not be written)."""
+    (refused at once, before the embedding, if `out_dir` may not be written). `shape`: how the
+    passages were cut and what of each to embed (None: its text, shape unrecorded)."""
     check_target(out_dir, overwrite=overwrite)
     items = list(passages)
+    embedding_text = shape.embedding_text if shape else (lambda passage: passage.text)
     if not items:
         raise CorpusError("empty corpus: no passages to index")
     vectors: np.ndarray | None = None  # allocated once the first batch gives the dimension
     for start in ProgressBar(range(0, len(items), batch_size), desc="embed passages", unit="batch", disable=not progress):
         batch = items[start : start + batch_size]
-        chunk = np.asarray(encode([p.text for p in batch]), dtype=np.float32)
+        chunk = np.asarray(encode([embedding_text(p) for p in batch]), dtype=np.float32)
         if chunk.ndim != 2 or len(chunk) != len(batch) or (vectors is not None and chunk.shape[1] != vectors.shape[1]):
             raise DatastoreError(f"the encoder returned shape {chunk.shape} for a batch of {len(batch)}")
         if vectors is None:
@@ -181,7 +185,7 @@ def build_datastore(
         embedder=embedder,
         passages=items,
         source=source,
-        passage_words=passage_words,
+        shape=shape,
         overwrite=overwrite,
         progress=progress,
     )

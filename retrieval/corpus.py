@@ -100,19 +100,47 @@ def read_wikipedia(path: Path | None = None) -> Iterator[Article]:
             yield Article(id=key, title=entry.get("title") or key, text=text)
 
 
-def split_passages(articles: Iterable[Article], passage_words: int = 100) -> Iterator[Passage]:
-    """Split each article into passages of about `passage_words` words.
+@dataclass(frozen=True)
+class PassageShape:
+    """How articles become passages and what of a passage the embedder reads; a datastore's
+    manifest records it. `telerag bench quality --retrieval-only` compares shapes (README,
+    "Passage shape")."""
 
-    A short tail (under a third of a passage) joins the previous passage rather than
-    standing alone, so no passage is a useless fragment.
+    words: int = 100
+    overlap: int = 0  # words each passage repeats from the end of the one before
+    title: bool = False  # embed the article's title in front of the text (as DPR and FlashRAG do)
+
+    def __post_init__(self) -> None:
+        if self.words < 1:
+            raise ValueError("passage words must be positive")
+        if not 0 <= self.overlap < self.words:
+            raise ValueError("passage overlap must be at least 0 and less than the passage length")
+
+    def split(self, articles: Iterable[Article]) -> Iterator[Passage]:
+        return split_passages(articles, self.words, self.overlap)
+
+    def embedding_text(self, passage: Passage) -> str:
+        """What the embedder reads for `passage` (the stored and prompted text stays `passage.text`)."""
+        return f"{passage.title}\n{passage.text}" if self.title else passage.text
+
+
+def split_passages(articles: Iterable[Article], passage_words: int = 100, overlap_words: int = 0) -> Iterator[Passage]:
+    """Split each article into passages of about `passage_words` words, each after the first
+    starting `overlap_words` before the previous one ends.
+
+    A short tail (under a third of a passage of new words) joins the previous passage rather
+    than standing alone, so no passage is a useless fragment.
     """
     if passage_words < 1:
         raise ValueError("passage_words must be positive")
+    if not 0 <= overlap_words < passage_words:
+        raise ValueError("overlap_words must be at least 0 and less than passage_words")
+    stride = passage_words - overlap_words
     for article in articles:
         words = article.text.split()
-        bounds = list(range(0, len(words), passage_words))
-        if len(bounds) > 1 and len(words) - bounds[-1] < passage_words / 3:
-            bounds.pop()
-        for i, start in enumerate(bounds):
-            end = bounds[i + 1] if i + 1 < len(bounds) else len(words)
+        starts = list(range(0, max(len(words) - overlap_words, 1), stride))
+        if len(starts) > 1 and len(words) - (starts[-1] + overlap_words) < passage_words / 3:
+            starts.pop()
+        for i, start in enumerate(starts):
+            end = start + passage_words if i + 1 < len(starts) else len(words)
             yield Passage(doc_id=article.id, title=article.title, text=" ".join(words[start:end]))

@@ -35,7 +35,7 @@ from typing import Protocol
 import numpy as np
 
 from telerag.retrieval.codecs import Codec
-from telerag.retrieval.corpus import Passage
+from telerag.retrieval.corpus import Passage, PassageShape
 from telerag.retrieval.errors import DatastoreCorruptError, DatastoreError, DatastoreMismatchError
 from telerag.retrieval.progress import ProgressBar
 
@@ -77,10 +77,17 @@ class Manifest:
     metric: str = "ip"
     n_documents: int = 0
     passage_words: int | None = None
+    passage_overlap: int = 0
+    passage_title: bool = False  # the embedded text is the article's title, a newline, the passage
     source: str = ""
     created_at: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION
     files: dict[str, dict[str, int | str]] = field(default_factory=dict)
+
+    @property
+    def shape(self) -> PassageShape | None:
+        """How the passages were cut and what of them was embedded (None: not recorded)."""
+        return None if self.passage_words is None else PassageShape(self.passage_words, self.passage_overlap, self.passage_title)
 
     @classmethod
     def read(cls, path: Path) -> Manifest:
@@ -94,7 +101,9 @@ class Manifest:
             raise DatastoreCorruptError(f"{file}: unreadable manifest ({exc})") from None
         if manifest.format_version != FORMAT_VERSION:
             raise DatastoreMismatchError(
-                f"{path}: format version {manifest.format_version}, this server reads version {FORMAT_VERSION}; rebuild it"
+                f"{path}: format version {manifest.format_version}, this server reads version {FORMAT_VERSION}; rebuild it "
+                f"with `telerag datastore build --wikipedia --out {path} --overwrite` (or `--corpus FILE` for your own "
+                "corpus), or, for the server's default datastore, delete it and restart the server, which builds it on first run"
             )
         return manifest
 

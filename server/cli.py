@@ -6,7 +6,18 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from telerag.server.commands import ask, bench_e2e, bench_generate, bench_overlap, bench_retrieval, bench_server, bench_soak, datastore, serve
+from telerag.server.commands import (
+    ask,
+    bench_e2e,
+    bench_generate,
+    bench_overlap,
+    bench_quality,
+    bench_retrieval,
+    bench_server,
+    bench_soak,
+    datastore,
+    serve,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_retrieval.register(bench_commands)
     bench_generate.register(bench_commands)
     bench_overlap.register(bench_commands)
+    bench_quality.register(bench_commands)
     bench_server.register(bench_commands)
     bench_e2e.register(bench_commands)
     bench_soak.register(bench_commands)

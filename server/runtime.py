@@ -20,7 +20,7 @@ from telerag.pipelines.embedder import Embedder, configured_name
 from telerag.pipelines.errors import EngineUnavailable
 from telerag.pipelines.rag.base import RagPipeline
 from telerag.pipelines.registry import build_pipelines
-from telerag.pipelines.retriever import build_wikipedia_datastore, open_retriever
+from telerag.pipelines.retriever import DirectRetriever, build_wikipedia_datastore, open_retriever
 from telerag.pipelines.types import BatchRetriever, DatastoreInfo, Engine, Retriever
 from telerag.retrieval.datastore import MANIFEST, Datastore
 from telerag.retrieval.progress import StepProgress, observe_progress
@@ -125,6 +125,30 @@ def cluster_cache_bytes(retrieval: RetrievalSettings, device: str) -> int:
     return max(0, free - int(retrieval.cache_headroom_mb * 2**20))
 
 
+def open_retrieval(settings: Settings) -> DirectRetriever:
+    """The configured embedder and datastore behind a retriever, with no LLM (a benchmark of
+    retrieval alone); the Wikipedia datastore is built on first run as `load_runtime` does."""
+    retrieval = settings.retrieval
+    path = retrieval.datastore.expanduser()
+    embedder = load_embedder(retrieval)
+    if retrieval.build_if_missing and not (path / MANIFEST).is_file():
+        build_wikipedia_datastore(path, embedder)
+    datastore = Datastore.load(path, embedder=embedder.name, verify_checksums=retrieval.verify_checksums, progress=True)
+    return open_configured_retriever(datastore, embedder, retrieval)
+
+
+def open_configured_retriever(datastore: Datastore, embedder: Embedder, retrieval: RetrievalSettings) -> DirectRetriever:
+    """The retrieval engine over a loaded datastore, as the settings configure it (device,
+    cluster cache, prefetch budget, nprobe, demand copies, faiss threads)."""
+    device = _device(retrieval.device)
+    return open_retriever(
+        datastore, embedder, device=device,
+        cache_bytes=cluster_cache_bytes(retrieval, device),
+        prefetch_budget_bytes=None if retrieval.prefetch_budget_mb is None else int(retrieval.prefetch_budget_mb * 2**20),
+        nprobe=retrieval.nprobe, demand_copy=retrieval.demand_copy, cpu_threads=retrieval.cpu_threads,
+    )
+
+
 async def load_runtime(settings: Settings, observer: LoadObserver | None = None) -> Runtime:
     """Load what the server runs on, in the order that fails fast and sizes the cache right:
     the datastore is checked first (manifest, file sizes, checksums), so damage is refused in
@@ -163,15 +187,7 @@ async def load_runtime(settings: Settings, observer: LoadObserver | None = None)
                 observer.loading("loading embedder")
                 embedder = await _in_thread(load_embedder, retrieval)
             observer.loading("opening datastore")
-            device = _device(retrieval.device)
-            retriever = await _in_thread(
-                functools.partial(
-                    open_retriever, datastore, embedder, device=device,
-                    cache_bytes=cluster_cache_bytes(retrieval, device),
-                    prefetch_budget_bytes=None if retrieval.prefetch_budget_mb is None else int(retrieval.prefetch_budget_mb * 2**20),
-                    nprobe=retrieval.nprobe, demand_copy=retrieval.demand_copy, cpu_threads=retrieval.cpu_threads,
-                )
-            )
+            retriever = await _in_thread(open_configured_retriever, datastore, embedder, retrieval)
         except BaseException:
             await engine.close()
             datastore.close()

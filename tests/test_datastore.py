@@ -14,7 +14,7 @@ from telerag.retrieval.builder import assign_lists, build_datastore, default_nli
 from telerag.retrieval import codecs as codecs_module
 from telerag.retrieval import datastore as datastore_module
 from telerag.retrieval.codecs import Codec
-from telerag.retrieval.corpus import Article, read_jsonl, read_wikipedia, split_passages
+from telerag.retrieval.corpus import Article, PassageShape, read_jsonl, read_wikipedia, split_passages
 from telerag.retrieval.datastore import CODEC_PARAMS, MANIFEST, VECTORS, Datastore, Manifest, write_datastore
 from telerag.retrieval.errors import CorpusError, DatastoreCorruptError, DatastoreError, DatastoreMismatchError
 from tests.retrieval_helpers import random_datastore, stored_vectors
@@ -77,6 +77,42 @@ def test_split_passages_word_count():
     parts = list(split_passages([article], passage_words=100))
     assert [len(p.text.split()) for p in parts] == [100, 130]  # a short tail joins the previous passage
     assert all(p.doc_id == "a" and p.title == "A" for p in parts)
+
+
+def test_split_passages_with_overlap():
+    article = Article(id="a", title="A", text=" ".join(f"w{i}" for i in range(230)))
+    parts = [p.text.split() for p in split_passages([article], passage_words=100, overlap_words=20)]
+    # windows of 100 words every 80; the last, with 70 new words, stands alone
+    assert [(p[0], len(p)) for p in parts] == [("w0", 100), ("w80", 100), ("w160", 70)]
+    # a tail of under a third of a passage of new words joins the passage before it
+    short = Article(id="b", title="B", text=" ".join(f"w{i}" for i in range(200)))
+    assert [len(p.text.split()) for p in split_passages([short], passage_words=100, overlap_words=20)] == [100, 120]
+    assert [len(p.text.split()) for p in split_passages([short], passage_words=100)] == [100, 100]
+    for words, overlap in ((100, 100), (100, -1), (0, 0)):
+        with pytest.raises(ValueError):
+            PassageShape(words=words, overlap=overlap)
+
+
+def test_a_title_in_front_is_embedded_not_stored(tmp_path):
+    articles = list(read_jsonl(good_corpus(tmp_path / "c.jsonl")))
+    shape = PassageShape(words=20, overlap=5, title=True)
+    passages = list(shape.split(articles))
+    out = build_datastore(passages, hashing_encoder(), embedder="hash-16", out_dir=tmp_path / "ds", nlist=4,
+                          shape=shape, progress=False)
+    ds = Datastore.load(out, embedder="hash-16", dim=16)
+    assert (ds.manifest.passage_words, ds.manifest.passage_overlap, ds.manifest.passage_title) == (20, 5, True)
+    stored = ds.passages(range(5))
+    assert not any(p.text.startswith(p.title) for p in stored)  # prompts show the passage text alone
+    np.testing.assert_allclose(ds.vectors[:5], hashing_encoder()([f"{p.title}\n{p.text}" for p in stored]), rtol=1e-6)
+
+
+def test_a_datastore_of_another_format_version_says_how_to_rebuild(tmp_path):
+    ds = random_datastore(tmp_path / "ds")
+    manifest = json.loads((ds.path / MANIFEST).read_text())
+    manifest["format_version"] -= 1
+    (ds.path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(DatastoreMismatchError, match="telerag datastore build --wikipedia --out .* --overwrite"):
+        Datastore.load(ds.path)
 
 
 def test_fp16_codec_halves_the_bytes(tmp_path):

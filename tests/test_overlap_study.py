@@ -1,27 +1,13 @@
-"""The overlap study: question files, and per-pipeline means from the traced runs."""
+"""The overlap study: per-pipeline means from the traced runs."""
 
 from __future__ import annotations
 
-from telerag.pipelines.overlap import Question, overlap_study, read_questions
+from telerag.pipelines.overlap import overlap_study
+from telerag.pipelines.questions import Question, read_questions
 from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.types import RunOptions
 from telerag.server.settings import packaged_config
 from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
-
-
-def test_shipped_question_file():
-    questions = read_questions(packaged_config("questions_wiki_en.txt"))
-    assert len(questions) >= 100
-    assert all(q.text.endswith("?") and q.title for q in questions)
-    assert len({q.text for q in questions}) == len(questions)
-
-
-def test_read_questions_with_and_without_titles(tmp_path):
-    path = tmp_path / "q.txt"
-    path.write_text("# comment\nWho wrote Hamlet? [William Shakespeare]\n\nWhat is iron?\n")
-    questions = read_questions(path)
-    assert [(q.text, q.title) for q in questions] == [("Who wrote Hamlet?", "William Shakespeare"), ("What is iron?", None)]
-    assert len(read_questions(path, limit=1)) == 1
 
 
 async def test_study_reports_means_per_pipeline():

@@ -31,7 +31,7 @@ from enum import Enum
 import numpy as np
 import torch
 
-from telerag.pipelines.overlap import run_one
+from telerag.pipelines.questions import run_one
 from telerag.pipelines.rag.base import RagPipeline
 from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.retriever import DirectRetriever

@@ -105,6 +105,6 @@ def scaled_datastore(
         embedder=base.manifest.embedder,
         passages=ReplicaPassages(passages, sources),
         source=f"{base.manifest.source or base.path.name}, scaled to {n_vectors} vectors (noise {noise:g})",
-        passage_words=base.manifest.passage_words,
+        shape=base.manifest.shape,
         progress=progress,
     )

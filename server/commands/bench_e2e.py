@@ -10,7 +10,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from telerag.pipelines.overlap import read_questions
+from telerag.pipelines.questions import read_questions
 from telerag.pipelines.registry import PIPELINES
 from telerag.server.commands.serve import add_runtime_flags, overrides
 from telerag.server.settings import ENGINE_KIND_ALIASES, load_settings, packaged_config, user_cache_dir

@@ -10,7 +10,8 @@ import logging
 from dataclasses import asdict
 from pathlib import Path
 
-from telerag.pipelines.overlap import overlap_study, read_questions
+from telerag.pipelines.overlap import overlap_study
+from telerag.pipelines.questions import read_questions
 from telerag.pipelines.registry import PIPELINES
 from telerag.pipelines.types import RunOptions
 from telerag.server.commands.serve import add_runtime_flags, overrides

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
     from telerag.pipelines.embedder import Embedder
     from telerag.pipelines.engines.cpu import TransformersEngine, tiny_random_lm
-    from telerag.pipelines.overlap import read_questions, run_one
+    from telerag.pipelines.questions import read_questions, run_one
     from telerag.pipelines.retriever import open_retriever
     from telerag.pipelines.types import RunOptions
     from telerag.retrieval.builder import build_datastore

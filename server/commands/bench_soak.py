@@ -25,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from telerag.pipelines.overlap import read_questions
+    from telerag.pipelines.questions import read_questions
     from telerag.server.settings import packaged_config
     from telerag.server.soak import SoakConfig, soak
 

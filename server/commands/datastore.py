@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 from telerag.retrieval.codecs import Codec
-from telerag.retrieval.corpus import WIKIPEDIA_SOURCE, read_jsonl, read_wikipedia, split_passages
+from telerag.retrieval.corpus import WIKIPEDIA_SOURCE, PassageShape, read_jsonl, read_wikipedia
 from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.datastore import MANIFEST, Manifest
 from telerag.retrieval.errors import DatastoreError
@@ -22,7 +22,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--embedder", default=None, help="sentence-transformers model path (default: packaged MiniLM)")
     parser.add_argument("--device", default="cpu", help="embedding device")
     parser.add_argument("--nlist", type=int, default=None, help="IVF lists (default: about 4*sqrt(passages))")
-    parser.add_argument("--passage-words", type=int, default=100)
+    default = PassageShape()
+    parser.add_argument("--passage-words", type=int, default=default.words, help="words per passage")
+    parser.add_argument("--passage-overlap", type=int, default=default.overlap,
+                        help="words each passage repeats from the end of the one before")
+    parser.add_argument("--title", action=argparse.BooleanOptionalAction, default=default.title,
+                        help="embed the article's title in front of each passage")
     parser.add_argument("--codec", choices=[c.value for c in Codec], default=Codec.FP32.value)
     parser.add_argument("--batch-size", type=int, default=1024, help="passages per embedding call")
     parser.add_argument("--overwrite", action="store_true")
@@ -35,8 +40,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     embedder = Embedder(args.embedder, device=args.device) if args.embedder else Embedder.embedded_default(device=args.device)
     articles = read_jsonl(args.corpus) if args.corpus else read_wikipedia()
+    shape = PassageShape(words=args.passage_words, overlap=args.passage_overlap, title=args.title)
     path = build_datastore(
-        split_passages(articles, args.passage_words),
+        shape.split(articles),
         embedder.encode,
         embedder=embedder.name,
         out_dir=args.out,
@@ -44,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         codec=Codec(args.codec),
         batch_size=args.batch_size,
         source=str(args.corpus) if args.corpus else WIKIPEDIA_SOURCE,
-        passage_words=args.passage_words,
+        shape=shape,
         overwrite=args.overwrite,
     )
     print(f"datastore written to {path}")

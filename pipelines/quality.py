@@ -1,0 +1,261 @@
+"""The quality benchmark: for each pipeline over a question set with tagged articles and reference
+answers, how often the article is among the documents the answer drew on (at the configured
+nprobe, and had those searches been exact), how good the answer is (SQuAD's exact match and
+token F1), the cluster overlap rate and the mean time of each stage.
+
+Exact search is a replay, not a second run: every search a pipeline makes is recorded, and once
+the question is answered the searches its final documents came from are run again with every
+list probed (nprobe = nlist), on the same queries, merged best score first as the pipelines
+merge several queries' results. So the LLM runs once per question, its timings are its own, and
+the two recalls differ only by what the IVF probe missed. For a pipeline that answers from one
+search (naive, HyDE, SubQuestion, Iter-RetGen, FLARE, Self-RAG) the replay is exactly what the
+pipeline would have had; for Iterative, which merges the searches of several rounds, only the
+rounds its documents came from are replayed.
+
+Neither recall bounds the other: probing more lists can bring in passages of other articles
+that push the tagged one out of the top k. What holds is that with nprobe = nlist the two are
+equal, and that exact search's i-th best score is never below the probed search's.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import string
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from telerag.pipelines.overlap import overlap_rates
+from telerag.pipelines.questions import Question, run_questions
+from telerag.pipelines.rag.base import merge_documents
+from telerag.pipelines.types import (
+    Document,
+    Pipeline,
+    PrefetchTicket,
+    Retriever,
+    RunOptions,
+    SearchOptions,
+    SearchOutcome,
+)
+
+# -------------------------------------------------------------------------------------------------
+# Answer metrics (SQuAD v1.1's evaluation script, rewritten)
+# -------------------------------------------------------------------------------------------------
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """Lowercase, strip punctuation and the articles a/an/the, collapse whitespace."""
+    return " ".join(_ARTICLES.sub(" ", text.lower().translate(_PUNCTUATION)).split())
+
+
+def exact_match(prediction: str, references: Sequence[str]) -> float:
+    """1.0 when the normalised prediction equals any normalised reference."""
+    predicted = normalize_answer(prediction)
+    return float(any(predicted == normalize_answer(r) for r in references))
+
+
+def token_f1(prediction: str, references: Sequence[str]) -> float:
+    """The best, over the references, F1 of the normalised tokens shared with the prediction."""
+    predicted = normalize_answer(prediction).split()
+
+    def f1(reference: str) -> float:
+        expected = normalize_answer(reference).split()
+        if not predicted or not expected:
+            return float(predicted == expected)
+        shared = sum((Counter(predicted) & Counter(expected)).values())
+        if shared == 0:
+            return 0.0
+        precision, recall = shared / len(predicted), shared / len(expected)
+        return 2 * precision * recall / (precision + recall)
+
+    return max((f1(r) for r in references), default=0.0)
+
+
+def article_found(documents: Sequence[Document], title: str, k: int) -> bool:
+    """Whether a passage of the article `title` is among the first `k` documents."""
+    return any(d.title == title for d in documents[:k])
+
+
+# -------------------------------------------------------------------------------------------------
+# Recording a pipeline's searches and replaying them exactly
+# -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RecordedSearch:
+    queries: list[str]
+    options: SearchOptions
+    outcome: SearchOutcome
+
+
+class SearchRecorder:
+    """Passes every call to `inner` and keeps each search the current question made, so that
+    the ones its answer drew on can be replayed with exact search afterwards."""
+
+    def __init__(self, inner: Retriever) -> None:
+        self.inner = inner
+        self.searches: list[RecordedSearch] = []
+
+    async def prefetch(
+        self, queries: Sequence[str], *, enabled: bool = True, overlap_ms: float | None = None
+    ) -> PrefetchTicket:
+        return await self.inner.prefetch(queries, enabled=enabled, overlap_ms=overlap_ms)
+
+    async def search(
+        self, queries: Sequence[str], options: SearchOptions, ticket: PrefetchTicket | None = None
+    ) -> SearchOutcome:
+        outcome = await self.inner.search(queries, options, ticket)
+        self.searches.append(RecordedSearch(list(queries), options, outcome))
+        return outcome
+
+    def release(self, ticket: PrefetchTicket) -> None:
+        self.inner.release(ticket)
+
+    async def exact_documents(self, documents: Sequence[Document], nlist: int, k: int) -> list[Document]:
+        """`documents` (a run's final ones) as exact search would have given them: the searches
+        they came from run again with every list probed, merged best score first. Forgets the
+        recorded searches."""
+        searches, self.searches = self.searches, []
+        sources: dict[int, RecordedSearch] = {}
+        for document in documents:
+            source = _source(searches, document)
+            if source is not None:
+                sources[id(source)] = source
+        groups: list[list[Document]] = []
+        for search in sources.values():
+            exact = replace(search.options, top_k=k, nprobe=nlist, prefetch=False)
+            groups.extend((await self.inner.search(search.queries, exact)).documents)
+        return merge_documents(groups, k)
+
+
+def _source(searches: Sequence[RecordedSearch], document: Document) -> RecordedSearch | None:
+    """The search that returned `document`: the one holding this very object (pipelines pass
+    documents on unchanged), else the latest that returned its passage."""
+    for match in (lambda d: d is document, lambda d: d.id == document.id):
+        for search in reversed(searches):
+            if any(match(d) for group in search.outcome.documents for d in group):
+                return search
+    return None
+
+
+# -------------------------------------------------------------------------------------------------
+# The benchmark
+# -------------------------------------------------------------------------------------------------
+
+STAGES = ("prefetch", "pre_retrieval", "search", "generate", "total")
+
+
+@dataclass
+class StageLatency:
+    """Mean milliseconds per question of each stage (a stage a pipeline lacks counts as 0)."""
+
+    prefetch: float
+    pre_retrieval: float
+    search: float
+    generate: float
+    total: float
+
+
+@dataclass
+class QualityRow:
+    pipeline: str
+    questions: int
+    k: int
+    nprobe: int
+    nlist: int
+    recall: float | None  # share of tagged questions whose article is among the answer's top-k documents
+    recall_exact: float | None  # the same had those searches been exact (nprobe = nlist)
+    exact_match: float | None  # mean over questions with a reference answer; None without generation
+    f1: float | None
+    overlap_rate: float | None  # mean over searches with a prefetch of |C_in ∩ C_out| / |C_out|
+    latency_ms: StageLatency
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+class _Tally:
+    """Per-question numbers of one row, and the row they make."""
+
+    def __init__(self) -> None:
+        self.found: list[bool] = []
+        self.found_exact: list[bool] = []
+        self.em: list[float] = []
+        self.f1: list[float] = []
+        self.overlaps: list[float] = []
+        self.ms: dict[str, list[float]] = {stage: [] for stage in STAGES}
+
+    def add_timings(self, timings: dict[str, float]) -> None:
+        for stage in STAGES:
+            self.ms[stage].append(timings.get(f"{stage}_ms", 0.0))
+
+    def row(self, pipeline: str, questions: int, k: int, nprobe: int, nlist: int) -> QualityRow:
+        return QualityRow(
+            pipeline=pipeline, questions=questions, k=k, nprobe=nprobe, nlist=nlist,
+            recall=_mean(self.found), recall_exact=_mean(self.found_exact),
+            exact_match=_mean(self.em), f1=_mean(self.f1), overlap_rate=_mean(self.overlaps),
+            latency_ms=StageLatency(**{stage: _mean(ms) or 0.0 for stage, ms in self.ms.items()}),
+        )
+
+
+async def quality_study(
+    pipelines: Sequence[Pipeline],
+    recorder: SearchRecorder,
+    questions: Sequence[Question],
+    options: RunOptions,
+    *,
+    nprobe: int,
+    nlist: int,
+    on_question: Callable[[], None] = lambda: None,
+) -> list[QualityRow]:
+    """One row per pipeline; every pipeline must search through `recorder`. `nprobe` is what
+    `options.nprobe` resolves to (reported); `on_question` is called after each question."""
+    rows = []
+    for pipeline in pipelines:
+        tally = _Tally()
+        recorder.searches.clear()
+        async for question, result in run_questions(pipeline, questions, options):
+            exact = await recorder.exact_documents(result.documents, nlist, options.top_k)
+            if question.title is not None:
+                tally.found.append(article_found(result.documents, question.title, options.top_k))
+                tally.found_exact.append(article_found(exact, question.title, options.top_k))
+            if question.answers:
+                tally.em.append(exact_match(result.answer, question.answers))
+                tally.f1.append(token_f1(result.answer, question.answers))
+            tally.overlaps.extend(overlap_rates(result))
+            tally.add_timings(result.timings)
+            on_question()
+        rows.append(tally.row(pipeline.name, len(questions), options.top_k, nprobe, nlist))
+    return rows
+
+
+async def retrieval_study(
+    retriever: Retriever,
+    questions: Sequence[Question],
+    *,
+    k: int,
+    nprobe: int,
+    nlist: int,
+    on_question: Callable[[], None] = lambda: None,
+) -> QualityRow:
+    """Naive's retrieval alone, no LLM: each question's own top-k at `nprobe` and exactly
+    (what the passage shape and the embedder decide, in seconds rather than hours)."""
+    tally = _Tally()
+    for question in questions:
+        started = time.perf_counter()
+        outcome = await retriever.search([question.text], SearchOptions(top_k=k, nprobe=nprobe, prefetch=False))
+        ms = (time.perf_counter() - started) * 1e3
+        exact = await retriever.search([question.text], SearchOptions(top_k=k, nprobe=nlist, prefetch=False))
+        if question.title is not None:
+            tally.found.append(article_found(outcome.documents[0], question.title, k))
+            tally.found_exact.append(article_found(exact.documents[0], question.title, k))
+        tally.add_timings({"search_ms": ms, "total_ms": ms})
+        on_question()
+    return tally.row("retrieval", len(questions), k, nprobe, nlist)
+
