@@ -249,7 +249,8 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
     answer 503 until `start_serving` hands it a loaded runtime."""
     lifecycle = lifecycle or Lifecycle()
     # the request models carry the configured limits and the pipelines; nprobe's bound (the
-    # datastore's nlist) is checked per request, since the datastore loads after the app exists
+    # datastore's nlist) is checked per request and added to the schema once the datastore is
+    # loaded, since it loads after the app exists
     models = request_models(settings.limits, list(PIPELINES), None)
     default_max_tokens = models.query.model_fields["max_tokens"].default
     started = int(time.time())
@@ -263,11 +264,15 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
     openapi_of_routes = app.openapi
 
     def openapi_schema() -> dict:
-        """FastAPI's schema, plus the models that only streamed events refer to."""
+        """FastAPI's schema, plus the models that only streamed events refer to and, once the
+        datastore is loaded, nprobe's upper bound (its nlist)."""
         schema = openapi_of_routes()
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         for name, definition in STREAMED_COMPONENTS.items():
             components.setdefault(name, definition)
+        if app.state.service is not None:
+            nprobe = components["QueryRequest"]["properties"]["nprobe"]["anyOf"][0]
+            nprobe["maximum"] = app.state.service.runtime.datastore_info.nlist
         return schema
 
     app.openapi = openapi_schema

@@ -22,8 +22,7 @@ async def test_the_configured_limits_are_in_the_schema():
     query = components["QueryRequest"]["properties"]
     assert query["query"]["maxLength"] == 99 and query["query"]["minLength"] == 1 and query["query"]["pattern"] == NON_BLANK
     assert query["top_k"]["anyOf"][0] == {"type": "integer", "minimum": 1, "maximum": 7}
-    # nprobe's upper bound is the datastore's nlist, which loads after the app exists: checked per request
-    assert query["nprobe"]["anyOf"][0] == {"type": "integer", "minimum": 1}
+    assert query["nprobe"]["anyOf"][0] == {"type": "integer", "minimum": 1, "maximum": 64}  # the datastore's nlist
     assert query["max_tokens"]["maximum"] == 33 and query["max_tokens"]["default"] == 33
     assert query["pipeline"]["enum"] == list(h.app.state.service.pipelines)
     assert components["QueryRequest"]["additionalProperties"] is False

@@ -19,7 +19,7 @@ import pytest
 from telerag.pipelines.retriever import open_retriever
 from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import read_jsonl, split_passages
-from telerag.server.app import create_app
+from telerag.server.app import create_app, start_serving
 from telerag.server.runtime import Runtime
 from telerag.server.settings import Settings
 from tests.serving import serving
@@ -55,7 +55,9 @@ def served(tmp_path) -> Iterator[str]:
     )
     runtime = Runtime(settings=settings, engine=tiny_engine(), retriever=retriever,
                       datastore_info=retriever.datastore_info(), cache_stats=retriever.cache_stats, closers=[retriever.close])
-    with serving(create_app(runtime)) as base:
+    app = create_app(settings)
+    start_serving(app, runtime)
+    with serving(app) as base:
         yield base
 
 

@@ -57,10 +57,10 @@ async def _pipelines(settings: Settings, names: list[str], questions: list[Quest
         info = runtime.datastore_info
         recorder = SearchRecorder(runtime.retriever)
         pipelines = runtime.pipelines(recorder, names)
-        options = RunOptions(top_k=k, nprobe=info["nprobe"], max_tokens=max_tokens)
+        options = RunOptions(top_k=k, nprobe=info.nprobe, max_tokens=max_tokens)
         with tqdm(total=len(pipelines) * len(questions), desc="questions", unit="q") as bar:
             return await quality_study(list(pipelines.values()), recorder, questions, options,
-                                       nprobe=info["nprobe"], nlist=info["nlist"], on_question=bar.update)
+                                       nprobe=info.nprobe, nlist=info.nlist, on_question=bar.update)
 
 
 async def _retrieval_only(settings: Settings, questions: list[Question], k: int) -> list[QualityRow]:
@@ -70,7 +70,7 @@ async def _retrieval_only(settings: Settings, questions: list[Question], k: int)
     try:
         info = retriever.datastore_info()
         with tqdm(total=len(questions), desc="questions", unit="q") as bar:
-            return [await retrieval_study(retriever, questions, k=k, nprobe=info["nprobe"], nlist=info["nlist"],
+            return [await retrieval_study(retriever, questions, k=k, nprobe=info.nprobe, nlist=info.nlist,
                                           on_question=bar.update)]
     finally:
         retriever.close()
