@@ -127,14 +127,18 @@ def cluster_cache_bytes(retrieval: RetrievalSettings, device: str) -> int:
 
 def open_retrieval(settings: Settings) -> DirectRetriever:
     """The configured embedder and datastore behind a retriever, with no LLM (a benchmark of
-    retrieval alone); the Wikipedia datastore is built on first run as `load_runtime` does."""
-    retrieval = settings.retrieval
+    retrieval alone)."""
+    embedder = load_embedder(settings.retrieval)
+    return open_configured_retriever(load_datastore(settings.retrieval, embedder), embedder, settings.retrieval)
+
+
+def load_datastore(retrieval: RetrievalSettings, embedder: Embedder) -> Datastore:
+    """The configured datastore, checked against `embedder`; the Wikipedia one is built on first
+    run as `load_runtime` does (for commands that load without a server's progress reports)."""
     path = retrieval.datastore.expanduser()
-    embedder = load_embedder(retrieval)
     if retrieval.build_if_missing and not (path / MANIFEST).is_file():
         build_wikipedia_datastore(path, embedder)
-    datastore = Datastore.load(path, embedder=embedder.name, verify_checksums=retrieval.verify_checksums, progress=True)
-    return open_configured_retriever(datastore, embedder, retrieval)
+    return Datastore.load(path, embedder=embedder.name, verify_checksums=retrieval.verify_checksums, progress=True)
 
 
 def open_configured_retriever(datastore: Datastore, embedder: Embedder, retrieval: RetrievalSettings) -> DirectRetriever:

@@ -104,11 +104,12 @@ def start_server(
 
 
 @contextlib.contextmanager
-def serving(app) -> Iterator[str]:  # noqa: ANN001
-    """`app` under uvicorn on a free loopback port; yields its base URL, stops it on exit."""
+def serving(app, **options) -> Iterator[str]:  # noqa: ANN001, ANN003
+    """`app` under uvicorn (`options` for its Config) on a free loopback port; yields its base
+    URL, stops it on exit."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, **{"log_level": "warning", **options}))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

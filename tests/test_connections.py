@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 
@@ -18,6 +17,7 @@ from telerag.server.connections import OVER_BOUND_GRACE_S, ConnectionLimits, gua
 from telerag.server.runtime import Runtime
 from telerag.server.settings import ServerSettings, Settings
 from tests.test_server import DATASTORE_INFO
+from tests.serving import serving as serve_app
 from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
 
 HEADER_TIMEOUT_S = 1.0
@@ -40,23 +40,9 @@ def serving(implementation: str = "auto", delay: float = 0.0, max_connections: i
     app = create_app(settings)
     start_serving(app, runtime)
     limits = ConnectionLimits(header_timeout_s=timeout_s, max_connections=max_connections)
-    config = uvicorn.Config(app, http=guarded_protocol(limits, implementation),
-                            timeout_keep_alive=max(KEEP_ALIVE_S, timeout_s), log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield sock.getsockname()
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
+    with serve_app(app, http=guarded_protocol(limits, implementation), timeout_keep_alive=max(KEEP_ALIVE_S, timeout_s),
+                   lifespan="off") as base:
+        yield "127.0.0.1", int(base.rsplit(":", 1)[1])
 
 
 @pytest.fixture(params=["httptools", "h11"])

@@ -47,14 +47,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from telerag.pipelines.embedder import Embedder
     from telerag.pipelines.engines.cpu import TransformersEngine, tiny_random_lm
-    from telerag.pipelines.retriever import open_retriever
+    from telerag.retrieval.datastore import Datastore
     from telerag.retrieval.engine import resolve_device
     from telerag.server.benchmarks.e2e import E2EConfig, format_table, run_e2e
     from telerag.server.benchmarks.random_llm import random_weight_engine
     from telerag.server.benchmarks.scaled import scaled_datastore
-    from telerag.server.runtime import build_engine, cluster_cache_bytes, run_event_loop
+    from telerag.server.runtime import build_engine, load_datastore, load_embedder, open_configured_retriever, run_event_loop
 
     if args.tiny and args.model:
         raise SystemExit("--tiny and --model exclude each other")
@@ -75,30 +74,16 @@ def run(args: argparse.Namespace) -> int:
         engine = random_weight_engine(args.model, device=str(resolve_device(settings.engine.device)))
     else:
         engine = build_engine(settings)
-    embedder_device = str(resolve_device(retrieval.embedder_device))
-    embedder = Embedder(retrieval.embedder, device=embedder_device) if retrieval.embedder else Embedder.embedded_default(device=embedder_device)
-    datastore = retrieval.datastore
+    embedder = load_embedder(retrieval)
+    datastore = load_datastore(retrieval, embedder)
     if args.scale_vectors:
-        base = open_retriever(datastore, embedder, device="cpu", build_if_missing=retrieval.build_if_missing,
-                              verify_checksums=retrieval.verify_checksums)
         try:
-            datastore = scaled_datastore(base.datastore, args.scale_dir or user_cache_dir() / "bench", n_vectors=args.scale_vectors,
-                                         nlist=args.nlist, noise=args.replica_noise, seed=args.seed)
+            scaled = scaled_datastore(datastore, args.scale_dir or user_cache_dir() / "bench", n_vectors=args.scale_vectors,
+                                      nlist=args.nlist, noise=args.replica_noise, seed=args.seed)
         finally:
-            base.close()
-    device = str(resolve_device(retrieval.device))
-    retriever = open_retriever(
-        datastore,
-        embedder,
-        device=device,
-        cache_bytes=cluster_cache_bytes(retrieval, device),
-        prefetch_budget_bytes=None if retrieval.prefetch_budget_mb is None else int(retrieval.prefetch_budget_mb * 2**20),
-        nprobe=retrieval.nprobe,
-        demand_copy=retrieval.demand_copy,
-        cpu_threads=retrieval.cpu_threads,
-        build_if_missing=retrieval.build_if_missing and not args.scale_vectors,
-        verify_checksums=retrieval.verify_checksums,
-    )
+            datastore.close()
+        datastore = Datastore.load(scaled, embedder=embedder.name, verify_checksums=retrieval.verify_checksums, progress=True)
+    retriever = open_configured_retriever(datastore, embedder, retrieval)
     config = E2EConfig(
         pipelines=names,
         questions=tuple(q.text for q in read_questions(args.questions)),
