@@ -12,6 +12,9 @@ included. Here the HTTP protocol (httptools or h11, as uvicorn would pick) is su
   its headers; it may then ask for a probe path (`/health`, `/ready`, `/metrics`), which is
   answered, and anything else gets a 503 at once; either way it is closed after that one
   response. A flood past the bound costs a descriptor for at most the grace each.
+
+What the guards do is reported to a `ConnectionObserver` (the app's metrics): the connections
+open, and each one they act on.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, Protocol
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -32,6 +35,25 @@ PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})  # answered even past
 OVER_BOUND_GRACE_S = 1.0  # how long a connection past the bound may take to send its headers (a probe sends them at once)
 
 
+GuardAction = Literal["header_timeout", "over_bound"]
+
+
+class ConnectionObserver(Protocol):
+    def connections_open(self, count: int) -> None:
+        """The connections open now (called as each opens and closes)."""
+
+    def guarded(self, action: GuardAction) -> None:
+        """A connection closed for late headers, or opened past the bound."""
+
+
+class _Unobserved:
+    def connections_open(self, count: int) -> None:
+        pass
+
+    def guarded(self, action: GuardAction) -> None:
+        pass
+
+
 @dataclass(frozen=True)
 class ConnectionLimits:
     header_timeout_s: float
@@ -42,10 +64,10 @@ class ConnectionLimits:
         return cls(header_timeout_s=server.header_timeout_s, max_connections=server.max_connections)
 
 
-def uvicorn_options(server: ServerSettings) -> dict[str, Any]:
-    """The keyword arguments of `uvicorn.Config` that enforce these limits."""
+def uvicorn_options(server: ServerSettings, observer: ConnectionObserver | None = None) -> dict[str, Any]:
+    """The keyword arguments of `uvicorn.Config` that enforce these limits (reporting to `observer`)."""
     return {
-        "http": guarded_protocol(ConnectionLimits.from_settings(server)),
+        "http": guarded_protocol(ConnectionLimits.from_settings(server), observer=observer),
         "timeout_keep_alive": server.keep_alive_timeout_s,
     }
 
@@ -76,13 +98,16 @@ class _HeaderDeadline:
     `self.cycle` when a request's headers are complete, and feed bytes through `data_received`)."""
 
     limits: ConnectionLimits
+    observer: ConnectionObserver
     _header_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
+        self.observer.connections_open(len(self.connections))  # type: ignore[attr-defined]
         timeout = self.limits.header_timeout_s
         if len(self.connections) > self.limits.max_connections:  # type: ignore[attr-defined]
             self.app = _ProbesOnly(self.app)  # type: ignore[has-type]
+            self.observer.guarded("over_bound")
             timeout = min(timeout, OVER_BOUND_GRACE_S)
         self._arm(timeout)
 
@@ -97,6 +122,7 @@ class _HeaderDeadline:
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)  # type: ignore[misc]
+        self.observer.connections_open(len(self.connections))  # type: ignore[attr-defined]
 
     def _arm(self, timeout: float) -> None:
         self._disarm()
@@ -111,10 +137,12 @@ class _HeaderDeadline:
         self._header_timer = None
         log.debug("closing a connection from %s: request headers not complete in time", self.client)  # type: ignore[attr-defined]
         if not self.transport.is_closing():  # type: ignore[attr-defined]
+            self.observer.guarded("header_timeout")
             self.transport.close()  # type: ignore[attr-defined]
 
 
-def guarded_protocol(limits: ConnectionLimits, implementation: str = "auto") -> type[asyncio.Protocol]:
+def guarded_protocol(limits: ConnectionLimits, implementation: str = "auto",
+                     observer: ConnectionObserver | None = None) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol (`auto`: httptools when installed, else h11) with these limits."""
     if implementation == "auto":
         try:
@@ -129,4 +157,4 @@ def guarded_protocol(limits: ConnectionLimits, implementation: str = "auto") -> 
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
     else:
         raise ValueError(f"unknown HTTP implementation {implementation!r}: auto, httptools or h11")
-    return type(f"Guarded{base.__name__}", (_HeaderDeadline, base), {"limits": limits})
+    return type(f"Guarded{base.__name__}", (_HeaderDeadline, base), {"limits": limits, "observer": observer or _Unobserved()})

@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from telerag.pipelines.types import RagResult
+from telerag.server.admission import Refusal
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
@@ -35,6 +36,23 @@ class _CacheCollector(Collector):
             yield family
 
 
+class ConnectionMetrics:
+    """The connection guards' reports (`server/connections.py`'s `ConnectionObserver`)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.open = Gauge("telerag_connections_open", "HTTP connections open", registry=registry)
+        self.actions = Counter("telerag_connections_guarded", "connections the guards acted on: closed for late headers "
+                               "(header_timeout) or opened past server.max_connections (over_bound)", ["action"], registry=registry)
+        for action in ("header_timeout", "over_bound"):
+            self.actions.labels(action)
+
+    def connections_open(self, count: int) -> None:
+        self.open.set(count)
+
+    def guarded(self, action: str) -> None:
+        self.actions.labels(action).inc()
+
+
 class Metrics:
     def __init__(self, cache_stats: Callable[[], dict[str, Any]]) -> None:
         self.registry = CollectorRegistry()
@@ -50,10 +68,13 @@ class Metrics:
         self.queue_depth = Gauge("telerag_queue_depth", "requests waiting for a slot", registry=r)
         self.in_flight = Gauge("telerag_requests_in_flight", "requests running", registry=r)
         self.refusals = Counter("telerag_admission_refusals", "requests refused by admission, by reason", ["reason"], registry=r)
+        for reason in Refusal:
+            self.refusals.labels(reason.value)
         self.expected_wait = Gauge("telerag_admission_expected_wait_seconds", "time the admitted work takes at the measured service rate", registry=r)
         self.batch_size = Histogram("telerag_batch_size", "queries per batched retrieval call", ["kind"], buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.tokens = Counter("telerag_tokens_generated", "tokens generated, cancelled requests' included", ["pipeline"], registry=r)
         self.ttft = Histogram("telerag_time_to_first_token_seconds", "time to the first answer token", ["pipeline"], buckets=LATENCY_BUCKETS, registry=r)
+        self.connections = ConnectionMetrics(r)
         r.register(_CacheCollector(cache_stats))
         ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds (Linux)
 

@@ -40,7 +40,7 @@ def serving(implementation: str = "auto", delay: float = 0.0, max_connections: i
     app = create_app(settings)
     start_serving(app, runtime)
     limits = ConnectionLimits(header_timeout_s=timeout_s, max_connections=max_connections)
-    with serve_app(app, http=guarded_protocol(limits, implementation), timeout_keep_alive=max(KEEP_ALIVE_S, timeout_s),
+    with serve_app(app, http=guarded_protocol(limits, implementation, observer=app.state.metrics.connections), timeout_keep_alive=max(KEEP_ALIVE_S, timeout_s),
                    lifespan="off") as base:
         yield "127.0.0.1", int(base.rsplit(":", 1)[1])
 
@@ -154,6 +154,35 @@ def test_past_the_connection_bound_new_connections_are_refused_at_once_and_the_p
     with connect(address) as sock:  # below the bound again: a request is served as usual
         sock.sendall(b"GET /v1/pipelines HTTP/1.1\r\nHost: t\r\n\r\n")
         assert read_response(sock)[0] == 200
+
+
+def metric(address: tuple[str, int], name: str) -> float:
+    with connect(address) as sock:
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n")
+        _, _, body = read_response(sock)
+    values = [float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines() if line.startswith(name + " ")]
+    assert len(values) == 1, f"{name} not in /metrics"
+    return values[0]
+
+
+def test_the_guards_actions_and_the_open_connections_are_in_the_metrics(address):
+    late = 'telerag_connections_guarded_total{action="header_timeout"}'
+    over = 'telerag_connections_guarded_total{action="over_bound"}'
+    before = metric(address, late), metric(address, over)
+    with connect(address) as sock:
+        assert closed_by_server(sock)
+    assert metric(address, late) == before[0] + 1
+    idle = [connect(address) for _ in range(MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.2)
+        # the scrape itself is past the bound: it is answered, and counted
+        assert metric(address, over) >= before[1] + 1
+        assert metric(address, "telerag_connections_open") == MAX_CONNECTIONS + 1
+    finally:
+        for sock in idle:
+            sock.close()
+    time.sleep(0.2)
+    assert metric(address, "telerag_connections_open") == 1  # the scrape's own
 
 
 def test_uvicorn_options_come_from_the_settings():
