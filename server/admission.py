@@ -17,6 +17,13 @@ The expected finish of a new request is the work still to do of every admitted r
 own, over the rate (admitted requests are served first come, first served). Until a request has
 finished there is no rate: one request is admitted at a time, so the first measurement comes
 soon and a cold server never takes on more than it can finish in time.
+
+The model is still a model: a batching engine's throughput moves with its load, a busy event
+loop delays what the estimate does not count, and on a small machine the clients' own work
+competes with the server. So each completed request's time from admission to finish is
+compared with the finish that was estimated when it was admitted (`EstimateError`), and every
+estimate is scaled by a high quantile of that ratio over the recent requests (never below 1):
+an estimate that ran 1.6x optimistic here becomes 1.6x more careful.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import asyncio
 import contextlib
 import math
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -36,6 +44,10 @@ TOKENS_PER_WORD = 1.5  # prompt tokens per word of a passage (English BPE; its t
 DEFAULT_PASSAGE_WORDS = 100  # a datastore's passage length when its manifest does not say (the builder's default)
 PREFILL_WEIGHT = 0.1  # cost of a prompt token relative to a generated one
 RATE_TIME_CONSTANT_S = 60.0  # how long the measured service rate remembers
+ERROR_WINDOW = 100  # completed requests whose estimate error is remembered
+ERROR_QUANTILE = 0.95  # the quantile of that error that scales every estimate
+ERROR_MIN_SAMPLES = 10  # below this many, estimates are not scaled
+ERROR_MIN_ESTIMATE_S = 1.0  # an estimate shorter than this counts as this long (a 0.1 s estimate that took 0.5 s says little about 30 s)
 
 
 class Refusal(str, Enum):
@@ -68,6 +80,8 @@ class Ticket:
 
     work: float
     client: str | None
+    admitted_at: float = 0.0
+    estimated_s: float | None = None  # the finish estimated at admission, unscaled (None without a rate)
     running: bool = False
     finished: bool = False
     attention_s: float = 0.0  # seconds of the whole server it has had (an equal share of the time it ran)
@@ -101,6 +115,31 @@ class ServiceRate:
 
 
 @dataclass
+class EstimateError:
+    """How much later than estimated the recent requests finished: the ratio of each completed
+    request's time from admission to finish over its unscaled estimate, for the last `window`."""
+
+    window: int = ERROR_WINDOW
+    quantile: float = ERROR_QUANTILE
+    min_samples: int = ERROR_MIN_SAMPLES
+    ratios: deque[float] = field(default_factory=deque)
+
+    def observe(self, estimated_s: float, took_s: float) -> None:
+        self.ratios.append(took_s / max(estimated_s, ERROR_MIN_ESTIMATE_S))
+        while len(self.ratios) > self.window:
+            self.ratios.popleft()
+
+    @property
+    def factor(self) -> float:
+        """What every estimate is multiplied by: the quantile of the ratios, at least 1 (1 until
+        `min_samples` are in)."""
+        if len(self.ratios) < self.min_samples:
+            return 1.0
+        ordered = sorted(self.ratios)
+        return max(1.0, ordered[min(len(ordered) - 1, math.ceil(self.quantile * len(ordered)) - 1)])
+
+
+@dataclass
 class Admission:
     """At most `max_concurrency` requests run and `max_queue` more wait; a request is refused at
     once when that is full, when its key has `max_in_flight_per_key` admitted, or when it would
@@ -114,6 +153,7 @@ class Admission:
     on_change: Callable[[int, int], None] = lambda waiting, running: None
     on_refuse: Callable[[Refusal], None] = lambda reason: None
     rate: ServiceRate = field(default_factory=ServiceRate)
+    error: EstimateError = field(default_factory=EstimateError)
 
     def __post_init__(self) -> None:
         self._slots = asyncio.Semaphore(self.max_concurrency)
@@ -144,15 +184,16 @@ class Admission:
         if self.n_running >= self.max_concurrency and self.n_waiting >= self.max_queue:
             self._refuse(Refusal.QUEUE_FULL, f"server busy: {self.n_running} running and {self.n_waiting} waiting",
                          self._soonest([t for t in self._admitted if t.running], rate))
+        estimate = (self._backlog(rate) + cost.work) / rate if rate else None
         if self.deadline_s is not None and self._admitted:
-            if rate is None:
+            if estimate is None:
                 self._refuse(Refusal.UNMEASURED, "the server is measuring its service rate: one request at a time "
                              "until the first has finished", None)
-            finish = (self._backlog(rate) + cost.work) / rate
+            finish = estimate * self.error.factor
             if finish > self.deadline_s:
                 self._refuse(Refusal.DEADLINE, f"server busy: this request would finish in about {finish:.0f} s; "
                              f"the deadline is {self.deadline_s:g} s", finish - self.deadline_s)
-        ticket = Ticket(cost.work, client)
+        ticket = Ticket(cost.work, client, admitted_at=self._last, estimated_s=estimate)
         self._admitted.append(ticket)
         self._changed()
         return ticket
@@ -161,7 +202,7 @@ class Admission:
         """How long the work already admitted takes to finish at the measured rate (0 when unknown)."""
         self._advance()
         rate = self.rate.per_s
-        return self._backlog(rate) / rate if rate else 0.0
+        return self._backlog(rate) / rate * self.error.factor if rate else 0.0
 
     def _backlog(self, rate: float | None) -> float:
         return sum(t.remaining(rate) for t in self._admitted)
@@ -170,7 +211,7 @@ class Admission:
         """Expected seconds until the first of `tickets` finishes (None without a rate)."""
         if rate is None or not tickets:
             return None
-        return min(self._finish_in(t, rate) for t in tickets)
+        return min(self._finish_in(t, rate) for t in tickets) * self.error.factor
 
     def _finish_in(self, ticket: Ticket, rate: float) -> float:
         """Expected seconds until `ticket` finishes: a running request shares the rate with the
@@ -207,6 +248,8 @@ class Admission:
         self._advance()
         if completed:
             self.rate.served(ticket.work)
+            if ticket.estimated_s is not None:
+                self.error.observe(ticket.estimated_s, self._last - ticket.admitted_at)
         if ticket.running:
             self._slots.release()
         self._forget(ticket)

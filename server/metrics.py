@@ -70,7 +70,10 @@ class Metrics:
         self.refusals = Counter("telerag_admission_refusals", "requests refused by admission, by reason", ["reason"], registry=r)
         for reason in Refusal:
             self.refusals.labels(reason.value)
-        self.expected_wait = Gauge("telerag_admission_expected_wait_seconds", "time the admitted work takes at the measured service rate", registry=r)
+        self.expected_wait = Gauge("telerag_admission_expected_wait_seconds", "time the admitted work takes at the measured service rate "
+                                   "(scaled by the estimate factor)", registry=r)
+        self.estimate_factor = Gauge("telerag_admission_estimate_factor", "what admission multiplies its estimates by: a high quantile of "
+                                     "recent requests' time to finish over their estimate, at least 1", registry=r)
         self.batch_size = Histogram("telerag_batch_size", "queries per batched retrieval call", ["kind"], buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.tokens = Counter("telerag_tokens_generated", "tokens generated, cancelled requests' included", ["pipeline"], registry=r)
         self.ttft = Histogram("telerag_time_to_first_token_seconds", "time to the first answer token", ["pipeline"], buckets=LATENCY_BUCKETS, registry=r)

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from telerag.pipelines.registry import PIPELINES
-from telerag.server.admission import PREFILL_WEIGHT, Admission, Refusal, RequestCost, ServiceRate
+from telerag.server.admission import PREFILL_WEIGHT, Admission, EstimateError, Refusal, RequestCost, ServiceRate
 from telerag.server.app import create_app, start_serving
 from telerag.server.errors import Overloaded
 from telerag.server.runtime import Runtime
@@ -123,6 +123,41 @@ async def test_a_request_that_would_finish_past_the_deadline_is_refused_with_the
     a.finish(tickets[0], completed=True)  # 200 units in 20 busy s: 10/s again
     assert a.expected_wait_s() == pytest.approx(2 * (100 - 10 * 10 / 3) / 10)
     assert a.admit(UNIT)  # (133.3 + 100) / 10 = 23.3 s
+
+
+def test_the_estimate_error_is_a_high_quantile_of_took_over_estimated_and_never_below_one():
+    error = EstimateError(window=20, quantile=0.9, min_samples=5)
+    for _ in range(4):
+        error.observe(10.0, 30.0)
+    assert error.factor == 1.0  # too few to say
+    error.observe(10.0, 30.0)
+    assert error.factor == pytest.approx(3.0)
+    for took in range(1, 21):  # the window now holds ratios 0.1 .. 2.0; the 90th percentile is 1.8
+        error.observe(10.0, float(took))
+    assert len(error.ratios) == 20 and error.factor == pytest.approx(1.8)
+    for _ in range(20):
+        error.observe(10.0, 5.0)  # finished sooner than estimated: estimates are not loosened
+    assert error.factor == 1.0
+    error.observe(0.01, 0.5)  # a tiny estimate counts as a second: ratio 0.5, not 50
+    assert max(error.ratios) == pytest.approx(0.5)
+
+
+async def test_requests_that_finished_later_than_estimated_make_admission_more_careful():
+    clock = Clock()
+    a, refused = await measured(clock, rate=10.0, max_concurrency=1)  # 100 units take 10 s
+    for _ in range(10):  # each estimated at 10 s (alone), each takes 20 s: twice as long
+        ticket = a.admit(UNIT)
+        await a.start(ticket)
+        assert ticket.estimated_s == pytest.approx(10.0)
+        clock.now += 20.0
+        a.finish(ticket, completed=True)
+        a.rate = ServiceRate(time_constant_s=math.inf, work=UNIT.work, busy_s=UNIT.work / 10.0)  # only the error changes
+    assert a.error.factor == pytest.approx(2.0)
+    assert a.admit(UNIT)  # 10 s estimated, 20 s scaled: within 30
+    assert a.expected_wait_s() == pytest.approx(20.0)
+    with pytest.raises(Overloaded) as info:
+        a.admit(UNIT)  # 20 s estimated would pass; 40 s scaled does not
+    assert refused == [Refusal.DEADLINE] and info.value.retry_after == 10
 
 
 async def test_a_bigger_request_is_refused_where_a_smaller_one_is_admitted():
