@@ -99,6 +99,13 @@ def test_settings_precedence(tmp_path: Path, monkeypatch):
         load_settings(tmp_path / "missing.yaml")
 
 
+def test_the_default_datastore_follows_the_cache_directory(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("TELERAG_CACHE_DIR", str(tmp_path / "cache"))
+    assert load_settings().retrieval.datastore == tmp_path / "cache" / "datastores" / "wiki-en"
+    monkeypatch.setenv("TELERAG_RETRIEVAL__DATASTORE", str(tmp_path / "mine"))
+    assert load_settings().retrieval.datastore == tmp_path / "mine"
+
+
 class Watch:
     """A LoadObserver that records the steps and the progress reports."""
 
