@@ -98,6 +98,7 @@ def joined(batch: Batch | None, fresh: Batch | None) -> Batch:
 
 
 def calls_in(batch: Batch | None) -> set[StreamCall]:
+    """The callers with rows in `batch` (none without a batch): whom a failed step must tell."""
     return {d.row.call for d in batch.live} if batch is not None else set()
 
 
