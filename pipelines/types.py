@@ -53,7 +53,7 @@ class Generation:
 
 @runtime_checkable
 class Engine(Protocol):
-    """An LLM. Implementations: `pipelines.engines.cpu.TransformersEngine`, `pipelines.engines.sglang.SGLangEngine`."""
+    """An LLM. Implementations: `pipelines.engines.transformers.TransformersEngine`, `pipelines.engines.sglang.SGLangEngine`."""
 
     name: str
 

@@ -20,7 +20,6 @@ project did not create is deleted.
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import logging
 import mmap
@@ -37,6 +36,7 @@ import numpy as np
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Passage, PassageShape
 from telerag.retrieval.errors import DatastoreCorruptError, DatastoreError, DatastoreMismatchError
+from telerag.retrieval.files import file_sha256
 from telerag.retrieval.progress import ProgressBar
 
 log = logging.getLogger(__name__)
@@ -116,18 +116,6 @@ class Manifest:
             )
         if dim is not None and self.dim != dim:
             raise DatastoreMismatchError(f"{path} holds {self.dim}-d vectors, but the embedder makes {dim}-d vectors")
-
-
-def _sha256(path: Path, bar: ProgressBar | None = None) -> str:
-    digest = hashlib.sha256()
-    buffer = bytearray(4 << 20)  # one buffer reused: reading every byte allocates nothing more
-    view = memoryview(buffer)
-    with path.open("rb") as handle:
-        while size := handle.readinto(buffer):
-            digest.update(view[:size])
-            if bar is not None:
-                bar.update(size)
-    return digest.hexdigest()
 
 
 def _write_rows(path: Path, vectors: VectorRows, progress: bool) -> None:
@@ -263,7 +251,7 @@ def write_datastore(
         with ProgressBar(total=total, desc="checksum", unit="B", unit_scale=True, disable=not progress) as bar:
             for file in files:
                 _fsync(file)
-                manifest.files[file.name] = {"bytes": file.stat().st_size, "sha256": _sha256(file, bar)}
+                manifest.files[file.name] = {"bytes": file.stat().st_size, "sha256": file_sha256(file, bar)}
         (tmp / MANIFEST).write_text(json.dumps(asdict(manifest), indent=2), encoding="utf-8")
         _fsync(tmp / MANIFEST)
         check_target(out_dir, overwrite=overwrite)  # again: the directory may have changed during the build
@@ -334,7 +322,7 @@ class Datastore:
             total = sum(int(meta["bytes"]) for meta in manifest.files.values())
             with ProgressBar(total=total, desc="verify checksums", unit="B", unit_scale=True, disable=not progress) as bar:
                 for name, meta in manifest.files.items():
-                    if _sha256(path / name, bar) != meta["sha256"]:
+                    if file_sha256(path / name, bar) != meta["sha256"]:
                         raise DatastoreCorruptError(f"{path / name} fails its sha256 checksum")
         return cls(path, manifest)
 

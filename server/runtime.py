@@ -99,7 +99,7 @@ def build_engine(settings: Settings) -> Engine:
             tp_size=engine.tp_size,
             log_level=settings.server.log_level,
         )
-    from telerag.pipelines.engines.cpu import TransformersEngine
+    from telerag.pipelines.engines.transformers import TransformersEngine
 
     device = _device(engine.device)
     if engine.model_path is None:

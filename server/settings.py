@@ -14,6 +14,8 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from telerag.retrieval.files import user_cache_dir
+
 _config_file: ContextVar[Path | None] = ContextVar("telerag_config_file", default=None)  # --config, while loading
 
 
@@ -23,10 +25,6 @@ def packaged_config(name: str) -> Path:
 
 
 DEFAULT_CONFIG = packaged_config("default.yaml")
-
-
-def user_cache_dir() -> Path:
-    return Path(os.environ.get("TELERAG_CACHE_DIR", Path.home() / ".cache" / "telerag")).expanduser()
 
 
 ENGINE_KIND_ALIASES = {"cpu": "transformers"}  # its old name: the transformers engine runs on CUDA too

@@ -29,14 +29,14 @@ def main(argv: list[str]) -> int:
     while argv and argv[0].startswith("--"):
         option, gate = argv.pop(0), Path(argv.pop(0))
         if option == "--checksum-gate":
-            sha256 = datastore._sha256
+            sha256 = datastore.file_sha256
 
             def gated_sha256(path, bar=None, _gate=gate, _sha256=sha256):  # noqa: ANN001, ANN202
                 if path.name == datastore.VECTORS:
                     wait_for(_gate)
                 return _sha256(path, bar)
 
-            datastore._sha256 = gated_sha256
+            datastore.file_sha256 = gated_sha256
         elif option == "--search-gate":
             search = retriever.DirectRetriever._search_batch
 

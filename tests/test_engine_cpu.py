@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from telerag.pipelines.engines import StopFilter, format_chat
-from telerag.pipelines.engines.cpu import TransformersEngine, _Detokenizer, converted_gguf, tiny_random_lm
+from telerag.pipelines.engines.checkpoints import converted_gguf
+from telerag.pipelines.engines.decoding import Detokenizer
+from telerag.pipelines.engines.transformers import TransformersEngine
 from telerag.pipelines.errors import (
     EngineError,
     EngineOverloaded,
@@ -23,6 +25,7 @@ from telerag.pipelines.errors import (
     PipelineError,
 )
 from telerag.pipelines.types import Engine, Generation, SamplingParams, TokenChunk
+from telerag.server.benchmarks.random_llm import tiny_random_lm
 from tests.tiny_models import tiny_engine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -425,12 +428,12 @@ def test_streamed_pieces_add_up_to_the_decoded_text():
     # Byte-level tokens: a character of several bytes is released only once it is complete.
     text = "Zoë lives in 日本 🙂."
     data = text.encode()
-    detokenizer = _Detokenizer(lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+    detokenizer = Detokenizer(lambda ids: bytes(ids).decode("utf-8", errors="replace"))
     pieces = [detokenizer.push(byte) for byte in data]
     assert "".join(pieces) + detokenizer.flush() == text and not any("\ufffd" in p for p in pieces)
     # SentencePiece-like words, whose decoder drops the space before the first word decoded.
     words = [" The", " Nile", " flows", " north"]
-    spaced = _Detokenizer(lambda ids: "".join(words[i] for i in ids).removeprefix(" "))
+    spaced = Detokenizer(lambda ids: "".join(words[i] for i in ids).removeprefix(" "))
     assert "".join(spaced.push(i) for i in range(4)) == "The Nile flows north"
 
 

@@ -8,7 +8,6 @@ import json
 import pytest
 
 from telerag.pipelines.embedder import Embedder
-from telerag.pipelines.engines.cpu import tiny_random_lm
 from telerag.pipelines.quality import (
     SearchRecorder,
     article_found,
@@ -22,6 +21,7 @@ from telerag.pipelines.types import Document, SearchOptions
 from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import read_wikipedia, split_passages
 from telerag.server import cli
+from telerag.server.benchmarks.random_llm import tiny_random_lm
 from telerag.server.settings import packaged_config
 from tests.tiny_models import tiny_embedder_dir
 

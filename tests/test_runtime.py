@@ -8,12 +8,13 @@ import pytest
 
 from pydantic import ValidationError
 
-from telerag.pipelines.engines.cpu import TransformersEngine, tiny_random_lm
+from telerag.pipelines.engines.transformers import TransformersEngine
 from telerag.pipelines.errors import EngineUnavailable
 from telerag.pipelines.registry import PIPELINES
 from telerag.retrieval.errors import DatastoreCorruptError
 from telerag.retrieval.progress import StepProgress
 from telerag.server import runtime
+from telerag.server.benchmarks.random_llm import tiny_random_lm
 from telerag.server.cli import build_parser
 from telerag.server.commands import serve
 from telerag.server.settings import Settings, load_settings

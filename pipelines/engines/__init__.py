@@ -1,7 +1,8 @@
-"""Generation engines behind `pipelines.types.Engine`: `cpu.TransformersEngine` (any local causal
-LM on the CPU or a GPU; the embedded default) and `sglang.SGLangEngine` (production on a GPU). Import each from its module; they load
-heavy libraries. This module holds what both share: chat formatting, the prompt's token ids,
-stop-string handling, and `generate` as the collected `stream`."""
+"""Generation engines behind `pipelines.types.Engine`: `transformers.TransformersEngine` (any local
+causal LM on the CPU or a GPU; the embedded default) and `sglang.SGLangEngine` (production on a
+GPU). Import each from its module; they load heavy libraries. This module holds what both share:
+chat formatting, the prompt's token ids, stop-string handling, and `generate` as the collected
+`stream`."""
 
 from __future__ import annotations
 

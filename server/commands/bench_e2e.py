@@ -12,8 +12,9 @@ from pathlib import Path
 
 from telerag.pipelines.questions import read_questions
 from telerag.pipelines.registry import PIPELINES
+from telerag.retrieval.files import user_cache_dir
 from telerag.server.commands.serve import add_runtime_flags, overrides
-from telerag.server.settings import ENGINE_KIND_ALIASES, load_settings, packaged_config, user_cache_dir
+from telerag.server.settings import ENGINE_KIND_ALIASES, load_settings, packaged_config
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -47,11 +48,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from telerag.pipelines.engines.cpu import TransformersEngine, tiny_random_lm
+    from telerag.pipelines.engines.transformers import TransformersEngine
     from telerag.retrieval.datastore import Datastore
     from telerag.retrieval.engine import resolve_device
     from telerag.server.benchmarks.e2e import E2EConfig, format_table, run_e2e
-    from telerag.server.benchmarks.random_llm import random_weight_engine
+    from telerag.server.benchmarks.random_llm import random_weight_engine, tiny_random_lm
     from telerag.server.benchmarks.scaled import scaled_datastore
     from telerag.server.runtime import build_engine, load_datastore, load_embedder, open_configured_retriever, run_event_loop
 

@@ -28,8 +28,11 @@ from pathlib import Path
 
 import torch
 
-from telerag.pipelines.engines.cpu import EMBEDDED_NAME, TransformersEngine, converted_gguf, left_pad, tiny_random_lm
+from telerag.pipelines.engines.batching import left_pad
+from telerag.pipelines.engines.checkpoints import converted_gguf
+from telerag.pipelines.engines.transformers import EMBEDDED_NAME, TransformersEngine
 from telerag.pipelines.types import SamplingParams
+from telerag.server.benchmarks.random_llm import tiny_random_lm
 
 QUESTIONS = [
     "What is the capital of France?",

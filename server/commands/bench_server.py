@@ -66,13 +66,14 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from telerag.pipelines.embedder import Embedder
-    from telerag.pipelines.engines.cpu import TransformersEngine, tiny_random_lm
+    from telerag.pipelines.engines.transformers import TransformersEngine
     from telerag.pipelines.questions import read_questions, run_one
     from telerag.pipelines.retriever import open_retriever
     from telerag.pipelines.types import RunOptions
     from telerag.retrieval.builder import build_datastore
     from telerag.retrieval.corpus import read_wikipedia, split_passages
     from telerag.server.app import create_app, start_serving
+    from telerag.server.benchmarks.random_llm import tiny_random_lm
     from telerag.server.runtime import Runtime, run_event_loop
     from telerag.server.settings import load_settings, packaged_config
 

