@@ -16,7 +16,7 @@ from telerag.retrieval import datastore as datastore_module
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Article, PassageShape, read_jsonl, read_wikipedia, split_passages
 from telerag.retrieval.datastore import CODEC_PARAMS, MANIFEST, VECTORS, Datastore, Manifest, write_datastore
-from telerag.retrieval.errors import CorpusError, DatastoreCorruptError, DatastoreError, DatastoreMismatchError
+from telerag.retrieval.errors import CorpusError, DatastoreCorruptError, DatastoreError, DatastoreMismatchError, LayoutError, PassageNotFound
 from tests.retrieval_helpers import random_datastore, stored_vectors
 
 
@@ -53,13 +53,15 @@ def test_build_and_load_roundtrip(tmp_path):
     out = build_datastore(passages, hashing_encoder(), embedder="hash-16", out_dir=tmp_path / "ds", nlist=4, progress=False)
     ds = Datastore.load(out, embedder="hash-16", dim=16)
     assert ds.n_vectors == len(passages) and ds.nlist == 4
-    assert ds.offsets[-1] == ds.n_vectors and ds.cluster_sizes.sum() == ds.n_vectors
+    assert ds.offsets[0] == 0 and ds.offsets[-1] == ds.n_vectors and (np.diff(ds.offsets) >= 0).all()
     manifest = json.loads((out / MANIFEST).read_text())
     assert {"embedder", "dim", "metric", "codec", "n_vectors", "nlist", "files", "format_version"} <= manifest.keys()
     assert all("sha256" in meta for meta in manifest["files"].values())
     # every passage is stored once, in cluster order, and its vector is the encoding of its text
     stored = ds.passages(range(ds.n_vectors))
     assert sorted(p.text for p in stored) == sorted(p.text for p in passages)
+    with pytest.raises(PassageNotFound):
+        ds.passages([ds.n_vectors])
     encode = hashing_encoder()
     np.testing.assert_allclose(ds.vectors[:5], encode([p.text for p in stored[:5]]), rtol=1e-6)
     # vectors of a cluster are nearer to their own centroid than to any other
@@ -142,6 +144,8 @@ def test_codec_parameters_must_match_the_codec(tmp_path):
     with pytest.raises(DatastoreError, match="sq8 needs"):
         write_datastore(tmp_path / "out", manifest=manifest, centroids=ds.centroids, offsets=ds.offsets, vectors=codes, passages=None)
     assert not (tmp_path / "out").exists()
+    with pytest.raises(LayoutError, match="sq8 needs"):
+        Codec.SQ8.to_codes(np.asarray(ds.vectors), None)
 
 
 @pytest.mark.parametrize(

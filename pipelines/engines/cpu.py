@@ -32,6 +32,7 @@ import torch
 from telerag.pipelines.engines import StopFilter, collect_generations, end_of_turn, format_chat, prompt_token_ids
 from telerag.pipelines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, ModelNotFound
 from telerag.pipelines.types import Generation, SamplingParams, TokenChunk
+from telerag.retrieval.device import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -495,8 +496,7 @@ class TransformersEngine:
             path = converted_gguf(path / gguf_file if gguf_file else path, cache_dir=cache_dir)
         if not path.is_dir():
             raise ModelNotFound(f"no model directory at {path}")
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise EngineUnavailable(f"device {device!r} asked for, but CUDA is not available")
+        device = str(resolve_device(device))
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         log.info("loading the model from %s on %s", path, device)
