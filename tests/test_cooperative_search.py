@@ -8,25 +8,10 @@ import numpy as np
 import pytest
 
 from telerag.retrieval.codecs import Codec
-from telerag.retrieval.engine import RetrievalEngine, SearchResult
+from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.errors import SearchError
 from telerag.retrieval.ivf import same_results
-from tests.retrieval_helpers import DEVICES, CopyEveryMiss, random_datastore, random_queries
-
-
-def assert_same_as_faiss(engine: RetrievalEngine, queries: np.ndarray, k: int, nprobe: int, **kwargs) -> SearchResult:
-    ref_scores, ref_ids = engine.index.search(queries, k, nprobe)
-    result = engine.search(queries, k, nprobe, **kwargs)
-    assert result.ids.shape == (len(queries), k)
-    for i in range(len(queries)):
-        assert same_results(result.ids[i], result.scores[i], ref_ids[i], ref_scores[i]), (
-            i,
-            result.ids[i],
-            ref_ids[i],
-            result.scores[i],
-            ref_scores[i],
-        )
-    return result
+from tests.retrieval_helpers import DEVICES, CopyEveryMiss, assert_same_as_faiss, random_datastore, random_queries
 
 
 @pytest.mark.parametrize("device", DEVICES)

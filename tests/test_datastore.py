@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import tracemalloc
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -17,21 +16,7 @@ from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Article, PassageShape, read_jsonl, read_wikipedia, split_passages
 from telerag.retrieval.datastore import CODEC_PARAMS, MANIFEST, VECTORS, Datastore, Manifest, write_datastore
 from telerag.retrieval.errors import CorpusError, DatastoreCorruptError, DatastoreError, DatastoreMismatchError, LayoutError, PassageNotFound
-from tests.retrieval_helpers import random_datastore, stored_vectors
-
-
-def hashing_encoder(dim: int = 16):
-    """A deterministic bag-of-words encoder: texts sharing words get near vectors."""
-
-    def encode(texts):
-        out = np.zeros((len(texts), dim), dtype=np.float32)
-        for i, text in enumerate(texts):
-            for word in text.lower().split():
-                out[i, zlib.crc32(word.encode()) % dim] += 1.0
-        out += 1e-3
-        return out / np.linalg.norm(out, axis=1, keepdims=True)
-
-    return encode
+from tests.retrieval_helpers import hashing_encoder, random_datastore, stored_vectors
 
 
 def write_corpus(path: Path, lines: list[str]) -> Path:
@@ -349,7 +334,7 @@ from pathlib import Path
 from telerag.retrieval import datastore
 from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import read_jsonl, split_passages
-from tests.test_datastore import hashing_encoder
+from tests.retrieval_helpers import hashing_encoder
 
 slow_fsync = datastore._fsync
 def fsync(path):  # slow the write down so the parent can kill it part-way

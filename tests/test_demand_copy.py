@@ -8,8 +8,7 @@ import pytest
 
 from telerag.retrieval.demand import DemandCopyPolicy
 from telerag.retrieval.engine import RetrievalEngine
-from tests.retrieval_helpers import DEVICES, CopyEveryMiss, random_datastore, random_queries
-from tests.test_cooperative_search import assert_same_as_faiss
+from tests.retrieval_helpers import DEVICES, CopyEveryMiss, assert_same_as_faiss, random_datastore, random_queries
 
 MB = 1 << 20
 

@@ -22,11 +22,11 @@ from telerag.server.errors import status_of
 from telerag.server.settings import Settings, load_settings
 from tests.retrieval_helpers import random_datastore
 from tests.serving import build_small_datastore, save_tiny_lm
-from tests.test_engine_sglang import FakeEngine, sglang  # noqa: F401 - the fixture
+from tests.fake_sglang import FakeEngine
 from tests.tiny_models import tiny_embedder_dir
 
 
-def test_sglang_engine_from_settings(sglang, monkeypatch):  # noqa: F811
+def test_sglang_engine_from_settings(sglang, monkeypatch):
     monkeypatch.setattr("telerag.pipelines.engines.sglang._import_sglang", lambda: sglang)
     settings = Settings(engine={"kind": "sglang", "model_path": "/models/llama", "mem_fraction_static": 0.55,
                                 "context_length": 4096, "tp_size": 1}, server={"log_level": "debug"})
