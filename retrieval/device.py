@@ -15,8 +15,8 @@ def resolve_device(name: str | torch.device) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
-    except RuntimeError as exc:
-        raise DeviceUnavailable(f"unknown device {str(name)!r} (auto, cpu or cuda): {exc}") from None
+    except RuntimeError:
+        raise DeviceUnavailable(f"unknown device {str(name)!r}: auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DeviceUnavailable(f"device {str(name)!r} asked for, but CUDA is not available here (use auto or cpu)")
     return device
