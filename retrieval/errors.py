@@ -41,7 +41,26 @@ class DatastoreCorruptError(DatastoreError):
     code = "datastore_corrupt"
 
 
+class LayoutError(RetrievalError):
+    """Vectors, codes or codec parameters not laid out as the datastore or codec needs: a caller's
+    mistake (wrong shape, dtype or memory order), never a user's input."""
+
+    code = "bad_layout"
+
+
+class PassageNotFound(RetrievalError):
+    """A vector id with no passage in the datastore (outside its rows)."""
+
+    code = "passage_not_found"
+
+
 class SearchError(RetrievalError):
     """A search request is invalid (bad nprobe, k, or query shape)."""
 
     code = "bad_search"
+
+
+class DeviceUnavailable(RetrievalError):
+    """The configured device cannot be used: torch does not know it, or it is CUDA and there is none."""
+
+    code = "device_unavailable"

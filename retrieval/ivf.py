@@ -7,7 +7,7 @@ import faiss
 import numpy as np
 
 from telerag.retrieval.datastore import Datastore
-from telerag.retrieval.errors import SearchError
+from telerag.retrieval.errors import LayoutError, SearchError
 
 FAISS_PAD_SCORE = -np.finfo(np.float32).max  # what faiss puts beside a -1 label for inner product
 
@@ -24,7 +24,7 @@ class CPUIndex:
         self.nlist = datastore.nlist
         self.vectors = datastore.vectors if vectors is None else vectors
         if self.vectors.shape != datastore.vectors.shape or self.vectors.dtype != datastore.vectors.dtype:
-            raise ValueError(f"vectors must be {datastore.vectors.dtype} {datastore.vectors.shape} like the datastore's")
+            raise LayoutError(f"vectors must be {datastore.vectors.dtype} {datastore.vectors.shape} like the datastore's")
         self.index, self.quantizer = datastore.codec.empty_faiss_index(datastore.centroids, datastore.codec_params)
         _view_lists(faiss.downcast_InvertedLists(self.index.invlists), self.vectors, datastore.offsets)
         self.index.ntotal = datastore.n_vectors
@@ -102,10 +102,10 @@ def _view_lists(invlists: faiss.ArrayInvertedLists, vectors: np.ndarray, offsets
     no constructor for a view without an owner, so its fields are set directly)."""
     code_size = invlists.code_size
     if not vectors.flags.c_contiguous:
-        raise ValueError("the lists can only view C-contiguous vectors")
+        raise LayoutError("the lists can only view C-contiguous vectors")
     flat = vectors.reshape(-1).view(np.uint8)
     if len(flat) != int(offsets[-1]) * code_size:
-        raise ValueError(f"vectors hold {len(flat)} bytes, not {int(offsets[-1])} codes of {code_size} bytes")
+        raise LayoutError(f"vectors hold {len(flat)} bytes, not {int(offsets[-1])} codes of {code_size} bytes")
     no_codes = np.zeros(1, dtype=np.uint8)
     views = faiss.MaybeOwnedVectorUInt8Vector()
     invlists.code_size = 0  # add the ids alone: faiss copies no codes

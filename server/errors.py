@@ -21,7 +21,7 @@ from telerag.pipelines.errors import (
     PipelineError,
     UnknownPipeline,
 )
-from telerag.retrieval.errors import DatastoreError, RetrievalError, SearchError
+from telerag.retrieval.errors import DatastoreError, DeviceUnavailable, RetrievalError, SearchError
 from telerag.server.protocol import ErrorDetail, ErrorResponse
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,7 @@ STATUS: list[tuple[type[Exception], int]] = [
     (EngineUnavailable, 503),
     (EmbedderError, 503),
     (DatastoreError, 503),
+    (DeviceUnavailable, 503),
     (EngineError, 502),
     (PipelineError, 500),
     (RetrievalError, 500),

@@ -23,6 +23,7 @@ from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.retriever import DirectRetriever, build_wikipedia_datastore, open_retriever
 from telerag.pipelines.types import BatchRetriever, DatastoreInfo, Engine, Retriever
 from telerag.retrieval.datastore import MANIFEST, Datastore
+from telerag.retrieval.device import resolve_device
 from telerag.retrieval.progress import StepProgress, observe_progress
 from telerag.server.settings import RetrievalSettings, Settings, pre_retrieval_profile
 
@@ -80,10 +81,6 @@ class LogSteps:
         pass
 
 
-def _device(name: str) -> str:
-    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
-
-
 def build_engine(settings: Settings) -> Engine:
     """The configured engine: SGLang in this process on a GPU box, else transformers."""
     engine = settings.engine
@@ -101,14 +98,14 @@ def build_engine(settings: Settings) -> Engine:
         )
     from telerag.pipelines.engines.transformers import TransformersEngine
 
-    device = _device(engine.device)
+    device = str(resolve_device(engine.device))
     if engine.model_path is None:
         return TransformersEngine.embedded_default(device=device)
     return TransformersEngine.from_pretrained(engine.model_path, device=device)
 
 
 def load_embedder(retrieval: RetrievalSettings) -> Embedder:
-    device = _device(retrieval.embedder_device)
+    device = str(resolve_device(retrieval.embedder_device))
     embedder = Embedder(retrieval.embedder, device=device) if retrieval.embedder else Embedder.embedded_default(device=device)
     log.info("embedder %s (%d-d) on %s", embedder.name, embedder.dim, device)
     return embedder
@@ -144,7 +141,7 @@ def load_datastore(retrieval: RetrievalSettings, embedder: Embedder) -> Datastor
 def open_configured_retriever(datastore: Datastore, embedder: Embedder, retrieval: RetrievalSettings) -> DirectRetriever:
     """The retrieval engine over a loaded datastore, as the settings configure it (device,
     cluster cache, prefetch budget, nprobe, demand copies, faiss threads)."""
-    device = _device(retrieval.device)
+    device = str(resolve_device(retrieval.device))
     return open_retriever(
         datastore, embedder, device=device,
         cache_bytes=cluster_cache_bytes(retrieval, device),

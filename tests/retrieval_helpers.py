@@ -1,16 +1,24 @@
-"""Small random datastores for the retrieval tests (built in milliseconds, no models)."""
+"""Small datastores for the retrieval tests, built in milliseconds with no models: random
+vectors, or a four-topic corpus under a bag-of-words embedder; and the check that a search
+equals faiss's."""
 
 from __future__ import annotations
 
+import json
+import zlib
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from telerag.retrieval.builder import assign_lists, train_centroids, write_clustered
+from telerag.retrieval.builder import assign_lists, build_datastore, train_centroids, write_clustered
 from telerag.retrieval.codecs import Codec
+from telerag.retrieval.corpus import read_jsonl, split_passages
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.demand import DemandCopyPolicy
+from telerag.retrieval.engine import RetrievalEngine, SearchResult
+from telerag.retrieval.ivf import same_results
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -66,3 +74,65 @@ class CopyEveryMiss(DemandCopyPolicy):
 
     def observe_cpu(self, scanned_bytes: int, ms: float) -> None:
         pass
+
+
+def assert_same_as_faiss(engine: RetrievalEngine, queries: np.ndarray, k: int, nprobe: int, **kwargs) -> SearchResult:
+    """The engine's search (`kwargs`: its options) as faiss's own at the same nprobe."""
+    ref_scores, ref_ids = engine.index.search(queries, k, nprobe)
+    result = engine.search(queries, k, nprobe, **kwargs)
+    assert result.ids.shape == (len(queries), k)
+    for i in range(len(queries)):
+        assert same_results(result.ids[i], result.scores[i], ref_ids[i], ref_scores[i]), (
+            i,
+            result.ids[i],
+            ref_ids[i],
+            result.scores[i],
+            ref_scores[i],
+        )
+    return result
+
+
+def hashing_encoder(dim: int = 16) -> Callable[[Sequence[str]], np.ndarray]:
+    """A deterministic bag-of-words encoder: texts sharing words get near vectors."""
+
+    def encode(texts):
+        out = np.zeros((len(texts), dim), dtype=np.float32)
+        for i, text in enumerate(texts):
+            for word in text.lower().split():
+                out[i, zlib.crc32(word.encode()) % dim] += 1.0
+        out += 1e-3
+        return out / np.linalg.norm(out, axis=1, keepdims=True)
+
+    return encode
+
+
+class HashEmbedder:
+    """`hashing_encoder` as the pipelines' embedder."""
+
+    name = "hash-32"
+    dim = 32
+
+    def __init__(self) -> None:
+        self._encode = hashing_encoder(self.dim)
+
+    def encode(self, texts):
+        return self._encode(list(texts))
+
+
+TOPICS = {
+    "rivers": "river water fish boat delta flood bank",
+    "space": "star planet orbit moon telescope galaxy comet",
+    "music": "piano music song concert orchestra violin",
+    "baking": "bread flour oven bake yeast dough crust",
+}
+
+
+def topic_datastore(root: Path, *, per_topic: int, nlist: int) -> tuple[HashEmbedder, Path]:
+    """A datastore at `root`/ds of `per_topic` passages on each of the four TOPICS (ids
+    `topic-i`), under a HashEmbedder; the corpus it was built from is `root`/c.jsonl."""
+    lines = [json.dumps({"id": f"{t}-{i}", "title": t, "text": f"{TOPICS[t]} item{i}"}) for i in range(per_topic) for t in TOPICS]
+    (root / "c.jsonl").write_text("\n".join(lines))
+    embedder = HashEmbedder()
+    build_datastore(split_passages(read_jsonl(root / "c.jsonl")), embedder.encode, embedder=embedder.name,
+                    out_dir=root / "ds", nlist=nlist, progress=False)
+    return embedder, root / "ds"

@@ -1,4 +1,4 @@
-"""A server process with SGLangEngine over the fake `sglang` of `tests/test_engine_sglang.py`
+"""A server process with SGLangEngine over the fake `sglang` of `tests/fake_sglang.py`
 (SGLang's signal handlers and logging included) and a recording retriever, served exactly as
 `telerag serve` serves (its lifecycle: listen, load, drain at SIGTERM, exit):
 `python -m tests.sglang_server PORT`. Each answer takes about two seconds. On exit it prints
@@ -17,8 +17,8 @@ from telerag.server.lifecycle import Lifecycle
 from telerag.server.runtime import Runtime, run_event_loop
 from telerag.server.settings import Settings
 from tests.fakes import RecordingRetriever
-from tests.test_engine_sglang import FakeEngine, Script
-from tests.test_server import DATASTORE_INFO
+from tests.fake_sglang import FakeEngine, Script
+from tests.fake_app import DATASTORE_INFO
 
 ANSWER = ["Paris"] + [" is"] * 39
 

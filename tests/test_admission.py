@@ -17,9 +17,9 @@ from telerag.server.app import create_app, start_serving
 from telerag.server.errors import Overloaded
 from telerag.server.runtime import Runtime
 from telerag.server.settings import Settings
-from tests.test_server import DATASTORE_INFO
+from tests.fake_app import DATASTORE_INFO
 from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
-from tests.test_pipelines import UNSURE, make, run
+from tests.scripted_pipelines import UNSURE, make, run
 
 UNIT = RequestCost(prompt_tokens=0, max_tokens=100, llm_calls=1)  # 100 work units
 

@@ -18,7 +18,7 @@ from telerag.server.app import create_app, start_serving
 from telerag.server.settings import Settings
 from tests.fakes import Reply, ScriptedEngine
 from tests.serving import serving
-from tests.test_server import Harness
+from tests.fake_app import Harness
 
 KEY = "contract-key"
 AUTH = {"authorization": f"Bearer {KEY}"}

@@ -12,42 +12,18 @@ from collections.abc import Iterator
 import pytest
 import uvicorn
 
-from telerag.server.app import create_app, start_serving
-from telerag.server.connections import OVER_BOUND_GRACE_S, ConnectionLimits, guarded_protocol, uvicorn_options
-from telerag.server.runtime import Runtime
-from telerag.server.settings import ServerSettings, Settings
-from tests.test_server import DATASTORE_INFO
-from tests.serving import serving as serve_app
-from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
+from telerag.server.connections import OVER_BOUND_GRACE_S, ConnectionLimits, uvicorn_options
+from telerag.server.settings import ServerSettings
+from tests.fake_app import HEADER_TIMEOUT_S, KEEP_ALIVE_S, MAX_CONNECTIONS, serving_on_fakes
 
-HEADER_TIMEOUT_S = 1.0
-KEEP_ALIVE_S = 1.0
-MAX_CONNECTIONS = 6
 SLACK_S = 3.0  # how much later than its deadline a close may come on a busy machine (never asserted as a timing)
 
 GET_HEALTH = b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n"
 
 
-@contextlib.contextmanager
-def serving(implementation: str = "auto", delay: float = 0.0, max_connections: int = MAX_CONNECTIONS,
-            timeout_s: float = HEADER_TIMEOUT_S, **sections) -> Iterator[tuple[str, int]]:  # noqa: ANN003
-    """A real uvicorn server in a thread, with the limits above (`timeout_s`: the header and
-    keep-alive timeouts), on a free loopback port; the app on fakes (an engine taking `delay`
-    per call), with `sections` of settings."""
-    settings = Settings(**sections)
-    runtime = Runtime(settings=settings, engine=ScriptedEngine(lambda prompt: Reply("an answer"), delay=delay),
-                      retriever=RecordingRetriever(), datastore_info=DATASTORE_INFO)
-    app = create_app(settings)
-    start_serving(app, runtime)
-    limits = ConnectionLimits(header_timeout_s=timeout_s, max_connections=max_connections)
-    with serve_app(app, http=guarded_protocol(limits, implementation, observer=app.state.metrics.connections), timeout_keep_alive=max(KEEP_ALIVE_S, timeout_s),
-                   lifespan="off") as base:
-        yield "127.0.0.1", int(base.rsplit(":", 1)[1])
-
-
 @pytest.fixture(params=["httptools", "h11"])
 def address(request) -> Iterator[tuple[str, int]]:  # noqa: ANN001
-    with serving(request.param) as addr:
+    with serving_on_fakes(request.param) as addr:
         yield addr
 
 

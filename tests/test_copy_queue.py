@@ -11,8 +11,7 @@ import pytest
 from telerag.retrieval.demand import DemandCopyPolicy
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.prefetch import plan_prefetch
-from tests.retrieval_helpers import random_datastore, random_queries
-from tests.test_cooperative_search import assert_same_as_faiss
+from tests.retrieval_helpers import assert_same_as_faiss, random_datastore, random_queries
 
 
 class QueuedCopy:

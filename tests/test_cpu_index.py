@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from telerag.retrieval.codecs import Codec
+from telerag.retrieval.errors import LayoutError
 from telerag.retrieval.ivf import CPUIndex
 from tests.retrieval_helpers import random_datastore, random_queries
 
@@ -54,7 +55,7 @@ def test_the_lists_view_the_given_memory(tmp_path):
 
 def test_refuses_memory_of_another_shape(tmp_path):
     ds = random_datastore(tmp_path / "ds", n=1000, nlist=8)
-    with pytest.raises(ValueError, match="like the datastore"):
+    with pytest.raises(LayoutError, match="like the datastore"):
         CPUIndex(ds, vectors=np.zeros((10, ds.dim), dtype=np.float32))
-    with pytest.raises(ValueError, match="C-contiguous"):
+    with pytest.raises(LayoutError, match="C-contiguous"):
         CPUIndex(ds, vectors=np.asfortranarray(np.array(ds.vectors)))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import tracemalloc
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -16,22 +15,8 @@ from telerag.retrieval import datastore as datastore_module
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Article, PassageShape, read_jsonl, read_wikipedia, split_passages
 from telerag.retrieval.datastore import CODEC_PARAMS, MANIFEST, VECTORS, Datastore, Manifest, write_datastore
-from telerag.retrieval.errors import CorpusError, DatastoreCorruptError, DatastoreError, DatastoreMismatchError
-from tests.retrieval_helpers import random_datastore, stored_vectors
-
-
-def hashing_encoder(dim: int = 16):
-    """A deterministic bag-of-words encoder: texts sharing words get near vectors."""
-
-    def encode(texts):
-        out = np.zeros((len(texts), dim), dtype=np.float32)
-        for i, text in enumerate(texts):
-            for word in text.lower().split():
-                out[i, zlib.crc32(word.encode()) % dim] += 1.0
-        out += 1e-3
-        return out / np.linalg.norm(out, axis=1, keepdims=True)
-
-    return encode
+from telerag.retrieval.errors import CorpusError, DatastoreCorruptError, DatastoreError, DatastoreMismatchError, LayoutError, PassageNotFound
+from tests.retrieval_helpers import hashing_encoder, random_datastore, stored_vectors
 
 
 def write_corpus(path: Path, lines: list[str]) -> Path:
@@ -53,13 +38,15 @@ def test_build_and_load_roundtrip(tmp_path):
     out = build_datastore(passages, hashing_encoder(), embedder="hash-16", out_dir=tmp_path / "ds", nlist=4, progress=False)
     ds = Datastore.load(out, embedder="hash-16", dim=16)
     assert ds.n_vectors == len(passages) and ds.nlist == 4
-    assert ds.offsets[-1] == ds.n_vectors and ds.cluster_sizes.sum() == ds.n_vectors
+    assert ds.offsets[0] == 0 and ds.offsets[-1] == ds.n_vectors and (np.diff(ds.offsets) >= 0).all()
     manifest = json.loads((out / MANIFEST).read_text())
     assert {"embedder", "dim", "metric", "codec", "n_vectors", "nlist", "files", "format_version"} <= manifest.keys()
     assert all("sha256" in meta for meta in manifest["files"].values())
     # every passage is stored once, in cluster order, and its vector is the encoding of its text
     stored = ds.passages(range(ds.n_vectors))
     assert sorted(p.text for p in stored) == sorted(p.text for p in passages)
+    with pytest.raises(PassageNotFound):
+        ds.passages([ds.n_vectors])
     encode = hashing_encoder()
     np.testing.assert_allclose(ds.vectors[:5], encode([p.text for p in stored[:5]]), rtol=1e-6)
     # vectors of a cluster are nearer to their own centroid than to any other
@@ -142,6 +129,8 @@ def test_codec_parameters_must_match_the_codec(tmp_path):
     with pytest.raises(DatastoreError, match="sq8 needs"):
         write_datastore(tmp_path / "out", manifest=manifest, centroids=ds.centroids, offsets=ds.offsets, vectors=codes, passages=None)
     assert not (tmp_path / "out").exists()
+    with pytest.raises(LayoutError, match="sq8 needs"):
+        Codec.SQ8.to_codes(np.asarray(ds.vectors), None)
 
 
 @pytest.mark.parametrize(
@@ -345,7 +334,7 @@ from pathlib import Path
 from telerag.retrieval import datastore
 from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import read_jsonl, split_passages
-from tests.test_datastore import hashing_encoder
+from tests.retrieval_helpers import hashing_encoder
 
 slow_fsync = datastore._fsync
 def fsync(path):  # slow the write down so the parent can kill it part-way

@@ -8,8 +8,7 @@ import pytest
 
 from telerag.retrieval.demand import DemandCopyPolicy
 from telerag.retrieval.engine import RetrievalEngine
-from tests.retrieval_helpers import DEVICES, CopyEveryMiss, random_datastore, random_queries
-from tests.test_cooperative_search import assert_same_as_faiss
+from tests.retrieval_helpers import DEVICES, CopyEveryMiss, assert_same_as_faiss, random_datastore, random_queries
 
 MB = 1 << 20
 
@@ -67,7 +66,7 @@ def test_parity_with_demand_copies(tmp_path, device, seed):
     rng = np.random.default_rng(seed)
     nlist = int(rng.integers(8, 40))
     ds = random_datastore(tmp_path / "ds", n=int(rng.integers(1000, 3000)), dim=24, nlist=nlist, seed=seed, empty_lists=2)
-    total = int(ds.cluster_sizes.sum()) * ds.dim * 4
+    total = ds.n_vectors * ds.dim * 4
     engine = RetrievalEngine(ds, device=device, cache_bytes=total // 2, demand_copy=True)
     assert engine.demand is not None and engine.demand.copy_bytes_per_ms, "the copy rate is measured at start"
     engine.demand = CopyEveryMiss()
@@ -106,7 +105,7 @@ def test_which_prefetched_clusters_demand_copies_may_evict(tmp_path, device, own
     q = random_queries(1, ds.dim)
     handle = engine.prefetch(-q, total // 4)
     held = set(handle.lease.resident)
-    assert engine.cache.stats().occupancy_bytes > engine.cache.capacity_bytes - ds.cluster_sizes.max() * ds.dim * 4
+    assert engine.cache.stats().occupancy_bytes > engine.cache.capacity_bytes - np.diff(ds.offsets).max() * ds.dim * 4
     result = assert_same_as_faiss(engine, q, 5, 8, prefetch=handle if own else None)
     if own:
         assert handle.lease.released

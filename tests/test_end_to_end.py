@@ -21,7 +21,7 @@ from telerag.pipelines.embedder import Embedder
 from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import read_wikipedia, split_passages
 from tests.serving import start_server
-from tests.test_server import EXPECTED_METRICS
+from tests.fake_app import EXPECTED_METRICS
 
 pytestmark = pytest.mark.slow
 

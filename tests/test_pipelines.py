@@ -3,60 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import math
 
 import pytest
 
 from telerag.pipelines import prompts
 from telerag.pipelines.errors import EngineError
 from telerag.pipelines.registry import PIPELINES, build_pipelines
-from telerag.pipelines.types import MeanQuery, RagResult, ResultEvent, RunOptions, StageEvent, TokenEvent
-from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
-
-SURE = math.log(0.9)
-UNSURE = math.log(0.1)
-
-
-def script(judge: str = "yes", decide: str = "yes", critique: str = "yes", flare_logprobs=None,  # noqa: ANN001
-           passage: str = "The Nile is a river in Africa",
-           sub_questions: str = "Where is the Nile\nHow long is the Nile\nWhich seas does it reach",
-           answer: str = "The Nile is long"):
-    flare_calls = iter(flare_logprobs or [])
-
-    def reply(prompt: str) -> Reply:
-        if prompt.startswith("Write a short encyclopedia passage"):
-            return Reply(passage)
-        if prompt.startswith("Break the question"):
-            return Reply(sub_questions)
-        if prompt.startswith("Write one short search question"):
-            return Reply("Nile length")
-        if prompt.startswith("Does the answer fully answer"):
-            return Reply(judge)
-        if prompt.startswith("Would looking up documents help"):
-            return Reply(decide)
-        if prompt.startswith("Is the answer supported"):
-            return Reply(critique)
-        if "Answer so far:" in prompt or flare_logprobs is not None:
-            logprobs = next(flare_calls, None)
-            if logprobs is not None:
-                return Reply("The Nile flows north", logprobs)
-        return Reply(answer)
-
-    return reply
-
-
-async def run(pipeline, query: str = "How long is the Nile?", **options) -> tuple[RagResult, list]:  # noqa: ANN001
-    events = [e async for e in pipeline.run(query, RunOptions(**options))]
-    assert isinstance(events[-1], ResultEvent)
-    assert sum(isinstance(e, ResultEvent) for e in events) == 1
-    return events[-1].result, events
-
-
-def make(name: str, **script_args):  # noqa: ANN003
-    log: list = []
-    engine = ScriptedEngine(script(**script_args), log)
-    retriever = RecordingRetriever(log)
-    return build_pipelines(engine, retriever, names=[name])[name], engine, retriever, log
+from telerag.pipelines.types import MeanQuery, RunOptions, StageEvent, TokenEvent
+from tests.fakes import RecordingRetriever, ScriptedEngine
+from tests.scripted_pipelines import SURE, UNSURE, make, run, script
 
 
 def streamed(events: list) -> str:
@@ -249,19 +204,11 @@ async def test_every_pipeline_runs_on_the_tiny_model():
 async def test_every_pipeline_on_the_tiny_model_and_a_small_datastore(tmp_path):
     """The real retriever (cache, prefetch, cooperative search) under every pipeline, greedy."""
     from telerag.pipelines.retriever import open_retriever
-    from tests.test_retriever import HashEmbedder, TOPICS
+    from tests.retrieval_helpers import topic_datastore
     from tests.tiny_models import tiny_engine
-    import json as _json
 
-    from telerag.retrieval.builder import build_datastore
-    from telerag.retrieval.corpus import read_jsonl, split_passages
-
-    lines = [_json.dumps({"id": f"{t}-{i}", "title": t, "text": f"{TOPICS[t]} item{i}"}) for i in range(40) for t in TOPICS]
-    (tmp_path / "c.jsonl").write_text("\n".join(lines))
-    embedder = HashEmbedder()
-    build_datastore(split_passages(read_jsonl(tmp_path / "c.jsonl")), embedder.encode, embedder=embedder.name,
-                    out_dir=tmp_path / "ds", nlist=4, progress=False)
-    retriever = open_retriever(tmp_path / "ds", embedder, device="cpu", cache_bytes=1 << 20, prefetch_budget_bytes=1 << 20)
+    embedder, path = topic_datastore(tmp_path, per_topic=40, nlist=4)
+    retriever = open_retriever(path, embedder, device="cpu", cache_bytes=1 << 20, prefetch_budget_bytes=1 << 20)
     engine = tiny_engine()
     try:
         for name, pipeline in build_pipelines(engine, retriever).items():

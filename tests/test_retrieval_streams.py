@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from telerag.retrieval.engine import RetrievalEngine
-from tests.retrieval_helpers import random_datastore, random_queries
-from tests.test_cooperative_search import assert_same_as_faiss
+from tests.retrieval_helpers import assert_same_as_faiss, random_datastore, random_queries
 
 GENERATION_MATMULS = 200  # fp32 8192² products: seconds of default-stream work on an H100 or RTX 4090
 MATMUL_SIZE = 8192

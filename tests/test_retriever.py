@@ -3,57 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-import json
 
 import numpy as np
 import pytest
 
 from telerag.pipelines.retriever import DirectRetriever, open_retriever
 from telerag.pipelines.types import MeanQuery, PrefetchRequest, SearchOptions, SearchRequest
-from telerag.retrieval.builder import build_datastore
-from telerag.retrieval.corpus import read_jsonl, split_passages
 from telerag.retrieval.errors import DatastoreMismatchError
 from telerag.retrieval.ivf import same_results
-from tests.retrieval_helpers import CopyEveryMiss
-from tests.test_datastore import hashing_encoder
-
-
-class HashEmbedder:
-    name = "hash-32"
-    dim = 32
-
-    def __init__(self) -> None:
-        self._encode = hashing_encoder(self.dim)
-
-    def encode(self, texts):
-        return self._encode(list(texts))
-
-
-TOPICS = {
-    "rivers": "river water fish boat delta flood bank",
-    "space": "star planet orbit moon telescope galaxy comet",
-    "music": "piano music song concert orchestra violin",
-    "baking": "bread flour oven bake yeast dough crust",
-}
-
-
-def corpus_datastore(tmp_path) -> tuple[HashEmbedder, object]:
-    lines = []
-    for i in range(80):
-        topic = list(TOPICS)[i % 4]
-        lines.append(json.dumps({"id": f"{topic}-{i}", "title": f"{topic.title()} {i}", "text": f"{TOPICS[topic]} item{i}"}))
-    (tmp_path / "c.jsonl").write_text("\n".join(lines))
-    embedder = HashEmbedder()
-    build_datastore(
-        split_passages(read_jsonl(tmp_path / "c.jsonl")), embedder.encode, embedder=embedder.name,
-        out_dir=tmp_path / "ds", nlist=2, progress=False,
-    )
-    return embedder, tmp_path / "ds"
+from tests.retrieval_helpers import CopyEveryMiss, HashEmbedder, topic_datastore
 
 
 @pytest.fixture()
 def retriever(tmp_path) -> DirectRetriever:
-    embedder, path = corpus_datastore(tmp_path)
+    embedder, path = topic_datastore(tmp_path, per_topic=20, nlist=2)
     r = open_retriever(path, embedder, device="cpu", cache_bytes=1 << 20, prefetch_budget_bytes=1 << 20)
     yield r
     r.close()
@@ -62,7 +25,7 @@ def retriever(tmp_path) -> DirectRetriever:
 async def test_demand_copies_take_misses_to_the_device(tmp_path):
     """No prefetch budget, demand copies on: the missed clusters are copied and scanned on the
     device, and the documents are faiss's."""
-    embedder, path = corpus_datastore(tmp_path)
+    embedder, path = topic_datastore(tmp_path, per_topic=20, nlist=2)
     r = open_retriever(path, embedder, device="cpu", cache_bytes=1 << 20, prefetch_budget_bytes=0, demand_copy=True)
     r.engine.demand = CopyEveryMiss()
     outcome = await r.search(["river water fish boat"], SearchOptions(top_k=3, nprobe=2))

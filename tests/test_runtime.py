@@ -11,19 +11,23 @@ from pydantic import ValidationError
 from telerag.pipelines.engines.transformers import TransformersEngine
 from telerag.pipelines.errors import EngineUnavailable
 from telerag.pipelines.registry import PIPELINES
-from telerag.retrieval.errors import DatastoreCorruptError
+from telerag.retrieval.device import resolve_device
+from telerag.retrieval.engine import RetrievalEngine
+from telerag.retrieval.errors import DatastoreCorruptError, DeviceUnavailable
 from telerag.retrieval.progress import StepProgress
 from telerag.server import runtime
 from telerag.server.benchmarks.random_llm import tiny_random_lm
 from telerag.server.cli import build_parser
 from telerag.server.commands import serve
+from telerag.server.errors import status_of
 from telerag.server.settings import Settings, load_settings
+from tests.retrieval_helpers import random_datastore
 from tests.serving import build_small_datastore, save_tiny_lm
-from tests.test_engine_sglang import FakeEngine, sglang  # noqa: F401 - the fixture
+from tests.fake_sglang import FakeEngine
 from tests.tiny_models import tiny_embedder_dir
 
 
-def test_sglang_engine_from_settings(sglang, monkeypatch):  # noqa: F811
+def test_sglang_engine_from_settings(sglang, monkeypatch):
     monkeypatch.setattr("telerag.pipelines.engines.sglang._import_sglang", lambda: sglang)
     settings = Settings(engine={"kind": "sglang", "model_path": "/models/llama", "mem_fraction_static": 0.55,
                                 "context_length": 4096, "tp_size": 1}, server={"log_level": "debug"})
@@ -59,6 +63,29 @@ def test_the_engine_kind_is_transformers_or_sglang(monkeypatch):
         Settings(engine={"kind": "vllm"})
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--engine", "vllm"])
+
+
+def test_a_device_that_is_not_there_is_one_start_up_failure(monkeypatch, tmp_path: Path):
+    """The engine, the embedder and the retrieval engine resolve a device the same way: CUDA
+    asked for without CUDA, or a name torch does not know, is `DeviceUnavailable` before
+    anything loads; start-up reports it as one line, and HTTP (were it ever to reach it) as a
+    503, not a 422."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu") and resolve_device("cpu") == torch.device("cpu")
+    for name in ("cuda", "cuda:1", "gpu"):
+        with pytest.raises(DeviceUnavailable):
+            resolve_device(name)
+    with pytest.raises(DeviceUnavailable, match="CUDA is not available"):
+        runtime.build_engine(Settings(engine={"device": "cuda"}))
+    with pytest.raises(DeviceUnavailable, match="CUDA is not available"):
+        runtime.load_embedder(Settings(retrieval={"embedder_device": "cuda"}).retrieval)
+    with pytest.raises(DeviceUnavailable, match="CUDA is not available"):
+        RetrievalEngine(random_datastore(tmp_path / "ds", n=200, nlist=4), device="cuda")
+    failure = DeviceUnavailable("device 'cuda' asked for, but CUDA is not available here (use auto or cpu)")
+    assert serve.startup_failure(failure, tmp_path) == str(failure)
+    assert status_of(failure) == 503
 
 
 def test_cluster_cache_takes_what_the_llm_leaves(monkeypatch):

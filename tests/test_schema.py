@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from telerag.server.protocol import NON_BLANK
-from tests.test_server import Harness
+from tests.fake_app import Harness
 
 LIMITS = {"max_query_chars": 99, "max_top_k": 7, "max_tokens": 33}
 

@@ -12,18 +12,15 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from telerag.pipelines.retriever import open_retriever
-from telerag.retrieval.builder import build_datastore
-from telerag.retrieval.corpus import read_jsonl, split_passages
 from telerag.server.app import create_app, start_serving
 from telerag.server.runtime import Runtime
 from telerag.server.settings import Settings
+from tests.retrieval_helpers import topic_datastore
 from tests.serving import serving
-from tests.test_retriever import TOPICS, HashEmbedder
 from tests.tiny_models import tiny_engine
 
 pytestmark = pytest.mark.slow  # about a minute: a few hundred requests, each through the tiny model
@@ -33,20 +30,11 @@ EXAMPLES = int(os.environ.get("TELERAG_FUZZ_EXAMPLES", "10"))
 SEED = os.environ.get("TELERAG_FUZZ_SEED", "1")  # fixed, so that CI runs the same requests each time
 
 
-def small_datastore(root: Path) -> tuple[HashEmbedder, Path]:
-    lines = [json.dumps({"id": f"{t}-{i}", "title": t, "text": f"{TOPICS[t]} item{i}"}) for i in range(20) for t in TOPICS]
-    (root / "c.jsonl").write_text("\n".join(lines))
-    embedder = HashEmbedder()
-    build_datastore(split_passages(read_jsonl(root / "c.jsonl")), embedder.encode, embedder=embedder.name,
-                    out_dir=root / "ds", nlist=4, progress=False)
-    return embedder, root / "ds"
-
-
 @pytest.fixture()
 def served(tmp_path) -> Iterator[str]:
     """The app over the tiny model and a small datastore, with an API key and small limits (so
     that generated requests stay cheap: at most 4 tokens, 5 documents)."""
-    embedder, path = small_datastore(tmp_path)
+    embedder, path = topic_datastore(tmp_path, per_topic=20, nlist=4)
     retriever = open_retriever(path, embedder, device="cpu", cache_bytes=1 << 20, prefetch_budget_bytes=1 << 20)
     settings = Settings(
         server={"api_key": KEY},

@@ -8,14 +8,14 @@ import os
 
 from telerag.server.cli import main
 from telerag.server.soak import SoakConfig, soak
-from tests.test_connections import serving
+from tests.fake_app import serving_on_fakes
 
 
 async def test_soak_counts_answers_429s_and_failures_apart_and_reads_memory_from_metrics():
     # long connection timeouts: a pooled connection closed by the server as a user reuses it
     # would be a client error that says nothing about the soak
     # two slots, nothing queues before the first answer: more users than slots get 429s
-    with serving(delay=0.2, max_connections=64, timeout_s=60, scheduler={"max_concurrency": 2, "max_queue": 0}) as (host, port):
+    with serving_on_fakes(delay=0.2, max_connections=64, timeout_s=60, scheduler={"max_concurrency": 2, "max_queue": 0}) as (host, port):
         report = await soak(SoakConfig(url=f"http://{host}:{port}", users=6, duration_s=2.0), ["q one?", "q two?"])
     assert report.answered > 0 and report.refused > 0 and not report.failures
     assert report.requests == report.answered + report.refused
@@ -26,7 +26,7 @@ async def test_soak_counts_answers_429s_and_failures_apart_and_reads_memory_from
 
 
 async def test_soak_counts_other_statuses_as_failures_and_reads_memory_from_proc():
-    with serving(max_connections=64, timeout_s=60, server={"api_key": "secret"}) as (host, port):
+    with serving_on_fakes(max_connections=64, timeout_s=60, server={"api_key": "secret"}) as (host, port):
         # no key: every request is a 401, a failure; the pid is this process, which runs the server
         report = await soak(SoakConfig(url=f"http://{host}:{port}", users=2, duration_s=0.5, pid=os.getpid()), ["q?"])
     assert report.answered == 0 and report.refused == 0
@@ -35,7 +35,7 @@ async def test_soak_counts_other_statuses_as_failures_and_reads_memory_from_proc
 
 
 def test_the_command_prints_a_table_and_one_json_line(capsys):
-    with serving(delay=0.05, max_connections=64, timeout_s=60) as (host, port):
+    with serving_on_fakes(delay=0.05, max_connections=64, timeout_s=60) as (host, port):
         assert main(["bench", "soak", "--url", f"http://{host}:{port}", "--users", "2", "--seconds", "0.5", "--json"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert any(line.startswith("refused (429)") for line in lines)

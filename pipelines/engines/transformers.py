@@ -34,6 +34,7 @@ from telerag.pipelines.engines.decoding import DecodingRow, PromptRow, StreamCal
 from telerag.pipelines.engines.skinny_linear import use_skinny_matmuls
 from telerag.pipelines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, ModelNotFound
 from telerag.pipelines.types import Generation, SamplingParams, TokenChunk
+from telerag.retrieval.device import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +104,7 @@ class TransformersEngine:
             path = converted_gguf(path / gguf_file if gguf_file else path, cache_dir=cache_dir)
         if not path.is_dir():
             raise ModelNotFound(f"no model directory at {path}")
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise EngineUnavailable(f"device {device!r} asked for, but CUDA is not available")
+        device = str(resolve_device(device))
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         log.info("loading the model from %s on %s", path, device)

@@ -1,0 +1,32 @@
+"""Fixtures shared by more than one test module (a fixture one module uses stays in it)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import types
+from collections.abc import Iterator
+
+import pytest
+
+from tests.fake_sglang import FakeEngine
+
+
+@pytest.fixture
+def sglang() -> Iterator[types.ModuleType]:
+    """The fake `sglang` module, its class state reset; the root logger and the signal handlers
+    it may change are put back afterwards, whatever the adapter did."""
+    FakeEngine.instances, FakeEngine.scripts, FakeEngine.tokenizer = [], {}, None
+    FakeEngine.default_script, FakeEngine.token_delay_s = None, 0.0
+    FakeEngine.fail_start = FakeEngine.fail_request = FakeEngine.fail_midway = None
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    handlers_before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGQUIT)}
+    yield types.SimpleNamespace(Engine=FakeEngine)  # type: ignore[misc]
+    for engine in FakeEngine.instances:
+        if engine.tokenizer_manager.event_loop is not None and not engine.tokenizer_manager.event_loop.is_closed():
+            for sig in handlers_before:
+                engine.tokenizer_manager.event_loop.remove_signal_handler(sig)
+    for sig, handler in handlers_before.items():
+        signal.signal(sig, handler)
+    root.handlers[:], root.level = handlers, level

@@ -1,0 +1,59 @@
+"""Every pipeline on a scripted engine and a recording retriever: the engine's replies keyed on
+the pipelines' prompts, one pipeline built over them, and a run collected to its result."""
+
+from __future__ import annotations
+
+import math
+
+from telerag.pipelines.registry import build_pipelines
+from telerag.pipelines.types import RagResult, ResultEvent, RunOptions
+from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
+
+SURE = math.log(0.9)
+UNSURE = math.log(0.1)
+
+
+def script(judge: str = "yes", decide: str = "yes", critique: str = "yes", flare_logprobs=None,  # noqa: ANN001
+           passage: str = "The Nile is a river in Africa",
+           sub_questions: str = "Where is the Nile\nHow long is the Nile\nWhich seas does it reach",
+           answer: str = "The Nile is long"):
+    """The engine's reply to each pipeline prompt: the arguments choose each judgement (and
+    FLARE's log-probabilities, one tuple per call), so a test can steer a pipeline's path."""
+    flare_calls = iter(flare_logprobs or [])
+
+    def reply(prompt: str) -> Reply:
+        if prompt.startswith("Write a short encyclopedia passage"):
+            return Reply(passage)
+        if prompt.startswith("Break the question"):
+            return Reply(sub_questions)
+        if prompt.startswith("Write one short search question"):
+            return Reply("Nile length")
+        if prompt.startswith("Does the answer fully answer"):
+            return Reply(judge)
+        if prompt.startswith("Would looking up documents help"):
+            return Reply(decide)
+        if prompt.startswith("Is the answer supported"):
+            return Reply(critique)
+        if "Answer so far:" in prompt or flare_logprobs is not None:
+            logprobs = next(flare_calls, None)
+            if logprobs is not None:
+                return Reply("The Nile flows north", logprobs)
+        return Reply(answer)
+
+    return reply
+
+
+async def run(pipeline, query: str = "How long is the Nile?", **options) -> tuple[RagResult, list]:  # noqa: ANN001
+    """Run `pipeline` to its one result; the result and every event."""
+    events = [e async for e in pipeline.run(query, RunOptions(**options))]
+    assert isinstance(events[-1], ResultEvent)
+    assert sum(isinstance(e, ResultEvent) for e in events) == 1
+    return events[-1].result, events
+
+
+def make(name: str, **script_args):  # noqa: ANN003
+    """Pipeline `name` over a scripted engine and a recording retriever sharing one call log."""
+    log: list = []
+    engine = ScriptedEngine(script(**script_args), log)
+    retriever = RecordingRetriever(log)
+    return build_pipelines(engine, retriever, names=[name])[name], engine, retriever, log
