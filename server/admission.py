@@ -22,10 +22,9 @@ soon and a cold server never takes on more than it can finish in time.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NoReturn
@@ -210,17 +209,6 @@ class Admission:
         if ticket.running:
             self._slots.release()
         self._forget(ticket)
-
-    @contextlib.asynccontextmanager
-    async def running(self, ticket: Ticket) -> AsyncIterator[None]:
-        """Wait for a slot, run; completed unless the body raised."""
-        await self.start(ticket)
-        completed = False
-        try:
-            yield
-            completed = True
-        finally:
-            self.finish(ticket, completed=completed)
 
     def _forget(self, ticket: Ticket) -> None:
         ticket.finished = True
