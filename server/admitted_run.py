@@ -45,7 +45,7 @@ class _Failed:
     error: Exception
 
 
-_END = object()  # the run is over: nothing follows in the queue
+_Item = RunEvent | _Failed | None  # what the run puts in its queue; None: the run is over
 
 
 class AdmittedRun:
@@ -53,7 +53,7 @@ class AdmittedRun:
 
     def __init__(self, request: Request, admission: Admission, ticket: Ticket, events: AsyncIterator[RunEvent]) -> None:
         self._request, self._admission, self._ticket = request, admission, ticket
-        self._queue: asyncio.Queue[RunEvent | _Failed | object] = asyncio.Queue()
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._settled = asyncio.Event()  # it holds a slot, or it ended without one
         self._started = self._completed = self._client_left = False
         self._task = asyncio.create_task(self._run(events))
@@ -67,13 +67,13 @@ class AdmittedRun:
         error handlers."""
         result = None
         try:
-            async for event in self.events():
+            async for event in self._read():
                 if isinstance(event, ResultEvent):
                     result = event.result
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         finally:
-            await self.close()
+            await self._close()
         if result is None:
             raise RuntimeError("the pipeline ended without a result")
         return Response(body(result).model_dump_json(), media_type="application/json")
@@ -84,39 +84,40 @@ class AdmittedRun:
         try:
             await self._settled.wait()
         except BaseException:
-            await self.close()
+            await self._close()
             raise
         if not self._started:
-            await self.close()
+            await self._close()
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return StreamingResponse(self._written(form), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _written(self, form: EventStream) -> AsyncIterator[bytes]:
         try:
-            async for chunk in form.events(self.events()):
-                yield chunk
+            async with contextlib.aclosing(form.events(self._read())) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         except ClientDisconnected:
             return
         except Exception as exc:  # noqa: BLE001 - after the stream began, errors travel in the stream
             yield form.error(errors.error_detail(exc))
         finally:
-            await self.close()
+            await self._close()
         if form.end is not None:
             yield form.end
 
     # -- the run --------------------------------------------------------------------------------
 
-    async def events(self) -> AsyncIterator[RunEvent]:
+    async def _read(self) -> AsyncIterator[RunEvent]:
         """The pipeline's events as they come; its error if it fails; `ClientDisconnected` if the
         client left first."""
-        while (item := await self._queue.get()) is not _END:
+        while (item := await self._queue.get()) is not None:
             if isinstance(item, _Failed):
                 raise item.error
-            yield item  # type: ignore[misc]
+            yield item
         if self._client_left:
             raise ClientDisconnected
 
-    async def close(self) -> None:
+    async def _close(self) -> None:
         """Cancel the run unless it has ended, and wait until it has (its ticket finished, its
         clusters released)."""
         if not self._task.done():
@@ -140,7 +141,7 @@ class AdmittedRun:
         """The run is over, however it ended: its ticket finishes, and its readers learn it."""
         self._admission.finish(self._ticket, completed=self._completed)
         self._settled.set()
-        self._queue.put_nowait(_END)
+        self._queue.put_nowait(None)
         self._watcher.cancel()
 
     async def _cancel_on_disconnect(self) -> None:
