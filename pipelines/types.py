@@ -245,9 +245,9 @@ class Step:
     start_ms: float = 0.0  # when it began, ms after the request did: a prefetch overlaps the pre-retrieval call
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunOptions:
-    """Per-request knobs a pipeline honours."""
+    """Per-request knobs a pipeline honours; validated where they are made, never changed after."""
 
     top_k: int = 3
     nprobe: int | None = None

@@ -29,11 +29,10 @@ an estimate that ran 1.6x optimistic here becomes 1.6x more careful.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NoReturn
@@ -253,17 +252,6 @@ class Admission:
         if ticket.running:
             self._slots.release()
         self._forget(ticket)
-
-    @contextlib.asynccontextmanager
-    async def running(self, ticket: Ticket) -> AsyncIterator[None]:
-        """Wait for a slot, run; completed unless the body raised."""
-        await self.start(ticket)
-        completed = False
-        try:
-            yield
-            completed = True
-        finally:
-            self.finish(ticket, completed=completed)
 
     def _forget(self, ticket: Ticket) -> None:
         ticket.finished = True

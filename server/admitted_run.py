@@ -1,0 +1,151 @@
+"""One admitted request's pipeline run, and the one place that owns its admission ticket and its
+cancellation, whether the answer goes back as one JSON body or as a stream of events.
+
+The run is a task of its own: it waits for a slot, then runs the pipeline into a queue that the
+response reads. Beside it a task waits on the client's connection (`request.receive()` returns
+`http.disconnect` when the client goes away) and cancels the run at once: the LLM call is
+aborted, the clusters it pinned are released, its slot is freed. A response that stops reading
+(the stream's client left, or the handler was cancelled) cancels the run as well.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+
+from telerag.pipelines.types import RagResult, ResultEvent, RunEvent
+from telerag.server import errors
+from telerag.server.admission import Admission, Ticket
+from telerag.server.protocol import ErrorDetail
+
+CLIENT_CLOSED_REQUEST = 499  # nobody reads it: the status for a response whose client left first
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its run ended."""
+
+
+@dataclass(frozen=True)
+class EventStream:
+    """How one API writes a run as server-sent events."""
+
+    events: Callable[[AsyncIterator[RunEvent]], AsyncIterator[bytes]]  # the run's events, as they come
+    error: Callable[[ErrorDetail], bytes]  # a failure after the stream began
+    end: bytes | None = None  # last, whether the run completed or failed
+
+
+@dataclass(frozen=True)
+class _Failed:
+    error: Exception
+
+
+_Item = RunEvent | _Failed | None  # what the run puts in its queue; None: the run is over
+
+
+class AdmittedRun:
+    """A run of `events` for an admitted `ticket`; it starts at once (waiting for a slot)."""
+
+    def __init__(self, request: Request, admission: Admission, ticket: Ticket, events: AsyncIterator[RunEvent]) -> None:
+        self._request, self._admission, self._ticket = request, admission, ticket
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._settled = asyncio.Event()  # it holds a slot, or it ended without one
+        self._started = self._completed = self._client_left = False
+        self._task = asyncio.create_task(self._run(events))
+        self._task.add_done_callback(self._ended)  # a callback: it runs even if the task is cancelled before it began
+        self._watcher = asyncio.create_task(self._cancel_on_disconnect())
+
+    # -- the two ways an answer goes back ---------------------------------------------------------
+
+    async def respond(self, body: Callable[[RagResult], BaseModel]) -> Response:
+        """The run to its end, answered as `body(result)` in JSON; its error raised for the app's
+        error handlers."""
+        result = None
+        try:
+            async for event in self._read():
+                if isinstance(event, ResultEvent):
+                    result = event.result
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        finally:
+            await self._close()
+        if result is None:
+            raise RuntimeError("the pipeline ended without a result")
+        return Response(body(result).model_dump_json(), media_type="application/json")
+
+    async def stream(self, form: EventStream) -> Response:
+        """The run's events as `form` writes them, once it holds a slot (the status line waits
+        for it, so a client that leaves meanwhile frees its place in the queue)."""
+        try:
+            await self._settled.wait()
+        except BaseException:
+            await self._close()
+            raise
+        if not self._started:
+            await self._close()
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return StreamingResponse(self._written(form), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def _written(self, form: EventStream) -> AsyncIterator[bytes]:
+        try:
+            async with contextlib.aclosing(form.events(self._read())) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        except ClientDisconnected:
+            return
+        except Exception as exc:  # noqa: BLE001 - after the stream began, errors travel in the stream
+            yield form.error(errors.error_detail(exc))
+        finally:
+            await self._close()
+        if form.end is not None:
+            yield form.end
+
+    # -- the run --------------------------------------------------------------------------------
+
+    async def _read(self) -> AsyncIterator[RunEvent]:
+        """The pipeline's events as they come; its error if it fails; `ClientDisconnected` if the
+        client left first."""
+        while (item := await self._queue.get()) is not None:
+            if isinstance(item, _Failed):
+                raise item.error
+            yield item
+        if self._client_left:
+            raise ClientDisconnected
+
+    async def _close(self) -> None:
+        """Cancel the run unless it has ended, and wait until it has (its ticket finished, its
+        clusters released)."""
+        if not self._task.done():
+            self._task.cancel()
+            await asyncio.wait({self._task})
+
+    async def _run(self, events: AsyncIterator[RunEvent]) -> None:
+        """Wait for a slot, then run the pipeline into the queue; completed once the result came."""
+        await self._admission.start(self._ticket)
+        self._started = True
+        self._settled.set()
+        try:
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    self._completed = self._completed or isinstance(event, ResultEvent)
+                    self._queue.put_nowait(event)
+        except Exception as exc:  # noqa: BLE001 - handed to the reader of the queue
+            self._queue.put_nowait(_Failed(exc))
+
+    def _ended(self, _: asyncio.Task[None]) -> None:
+        """The run is over, however it ended: its ticket finishes, and its readers learn it."""
+        self._admission.finish(self._ticket, completed=self._completed)
+        self._settled.set()
+        self._queue.put_nowait(None)
+        self._watcher.cancel()
+
+    async def _cancel_on_disconnect(self) -> None:
+        while (await self._request.receive())["type"] != "http.disconnect":
+            pass
+        self._client_left = True
+        self._task.cancel()

@@ -1,0 +1,66 @@
+"""The ASGI middleware in front of the routes: both answer before FastAPI sees the request."""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from telerag.server import errors
+from telerag.server.errors import BodyTooLarge, NotReady
+from telerag.server.lifecycle import RETRY_AFTER_S, Lifecycle, Phase
+
+
+class BodyLimit:
+    """Refuse request bodies over `limit` bytes (413), whether they declare their length or arrive
+    chunked. The body is read here, before the app sees the request: an error raised while
+    FastAPI reads it would reach the client as FastAPI's 400 ("error parsing the body")."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            await self._refuse(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before its body ended
+                replay = [message]
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+                break
+
+        async def replayed() -> Message:
+            return replay.pop() if replay else await receive()  # then the disconnect, when it comes
+
+        await self.app(scope, replayed, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await errors.response_for(BodyTooLarge(f"the request body is over {self.limit} bytes"))(scope, receive, send)
+
+
+class ServingGate:
+    """`/v1/*` answers 503 (with Retry-After, in the one error body) unless the server is ready:
+    while it loads, and while it drains before stopping. The rest (`/health`, `/ready`,
+    `/metrics`, the docs) always answers."""
+
+    def __init__(self, app: ASGIApp, lifecycle: Lifecycle) -> None:
+        self.app, self.lifecycle = app, lifecycle
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and self.lifecycle.phase != Phase.READY:
+            refusal = NotReady(self.lifecycle.unavailable_reason, retry_after=RETRY_AFTER_S)
+            await errors.response_for(refusal)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)

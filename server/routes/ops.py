@@ -1,0 +1,67 @@
+"""What operators and tools call: `/health`, `/ready`, `/metrics`, and the documentation
+(`/openapi.json`, `/docs`, `/redoc`, ours so that they can sit behind the API key). These answer
+whether or not the server is ready. (The endpoints have no docstrings: FastAPI would publish
+them in the schema.)"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from telerag.server import errors
+from telerag.server.auth import Access
+from telerag.server.lifecycle import Phase
+from telerag.server.protocol import Health, LoadProgress, Ready
+
+METRICS_RESPONSES = {200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}}
+
+
+def router(access: Access) -> APIRouter:
+    """The routes, the documentation and metrics behind `access.docs`."""
+    routes = APIRouter()
+    for path, endpoint in (("/openapi.json", openapi), ("/docs", docs), ("/redoc", redoc)):
+        routes.add_api_route(path, endpoint, methods=["GET"], include_in_schema=False, dependencies=access.docs)
+    routes.add_api_route("/health", health, methods=["GET"], response_model=Health)
+    routes.add_api_route("/ready", ready, methods=["GET"], response_model=Ready,
+                         responses={503: {"model": Ready, "description": "loading or draining"}})
+    routes.add_api_route("/metrics", metrics, methods=["GET"], dependencies=access.docs, response_class=PlainTextResponse,
+                         responses={**METRICS_RESPONSES, **errors.responses(*access.docs_errors)})
+    return routes
+
+
+async def openapi(request: Request) -> JSONResponse:
+    return JSONResponse(request.app.openapi())
+
+
+async def docs() -> HTMLResponse:
+    return get_swagger_ui_html(openapi_url="/openapi.json", title="telerag API")
+
+
+async def redoc() -> HTMLResponse:
+    return get_redoc_html(openapi_url="/openapi.json", title="telerag API")
+
+
+async def health() -> Health:
+    return Health()
+
+
+async def ready(request: Request) -> Response:
+    lifecycle, service = request.app.state.lifecycle, request.app.state.service
+    progress = lifecycle.progress
+    body = Ready(
+        ready=lifecycle.phase == Phase.READY,
+        status=lifecycle.phase.value,
+        loading=lifecycle.step if lifecycle.phase == Phase.LOADING else None,
+        progress=None if progress is None else LoadProgress(
+            task=progress.step, done=progress.done, total=progress.total, unit=progress.unit, fraction=progress.fraction,
+        ),
+        engine=None if service is None else getattr(service.runtime.engine, "name", None),
+        datastore=None if service is None else service.runtime.datastore_info,
+    )
+    return Response(body.model_dump_json(), media_type="application/json", status_code=200 if body.ready else 503)
+
+
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

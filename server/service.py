@@ -1,0 +1,114 @@
+"""What the routes share once the runtime is loaded: the pipelines over the batching retriever,
+admission, metrics, and what turns a request into an admitted run."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from telerag.pipelines.types import Pipeline, ResultEvent, RunEvent, RunOptions, TokenEvent, UsageEvent
+from telerag.server.admission import DEFAULT_PASSAGE_WORDS, TOKENS_PER_WORD, Admission, Refusal, RequestCost
+from telerag.server.admitted_run import AdmittedRun
+from telerag.server.errors import InvalidField, RequestTimeout
+from telerag.server.metrics import Metrics
+from telerag.server.runtime import Runtime
+from telerag.server.scheduler import BatchingRetriever
+
+
+class Service:
+    """The runtime, the pipelines over the batching retriever, admission, metrics."""
+
+    def __init__(self, runtime: Runtime, metrics: Metrics) -> None:
+        self.runtime = runtime
+        self.settings = runtime.settings
+        self.metrics = metrics
+        scheduler = self.settings.scheduler
+        self.retriever = BatchingRetriever(
+            runtime.retriever,
+            window_ms=scheduler.batch_window_ms,
+            max_batch=scheduler.max_batch,
+            on_batch=lambda kind, size: self.metrics.batch_size.labels(kind).observe(size),
+        )
+        self.pipelines: dict[str, Pipeline] = runtime.pipelines(self.retriever)
+        self.admission = Admission(
+            scheduler.max_concurrency,
+            scheduler.max_queue,
+            deadline_s=scheduler.admission_deadline_s,
+            max_in_flight_per_key=scheduler.max_in_flight_per_key,
+            on_change=lambda waiting, running: (self.metrics.queue_depth.set(waiting), self.metrics.in_flight.set(running)),
+            on_refuse=lambda reason: self.metrics.refusals.labels(reason.value).inc(),
+        )
+        self.metrics.expected_wait.set_function(self.admission.expected_wait_s)
+        self.metrics.estimate_factor.set_function(lambda: self.admission.error.factor)
+        words = self.runtime.datastore_info.passage_words or DEFAULT_PASSAGE_WORDS
+        self.passage_tokens = math.ceil(TOKENS_PER_WORD * words)
+
+    def options(self, *, top_k: int | None, nprobe: int | None, max_tokens: int, temperature: float,
+                prefetch: bool = True) -> RunOptions:
+        """A request's options, checked for what the request models cannot check: nprobe against
+        the datastore's nlist (the app's models are built before the datastore is loaded)."""
+        nlist = self.runtime.datastore_info.nlist
+        if nprobe is not None and nprobe > nlist:
+            raise InvalidField("nprobe", f"nprobe must be at most nlist ({nlist})")
+        return RunOptions(top_k=top_k or self.settings.retrieval.top_k, nprobe=nprobe, max_tokens=max_tokens,
+                          temperature=temperature, prefetch=prefetch)
+
+    def cost(self, pipeline: Pipeline, query: str, options: RunOptions, *, query_field: str = "query",
+             top_k_field: str | None = "top_k") -> RequestCost:
+        """The request's cost for admission; 422 past `limits.max_prompt_tokens`, naming the field
+        that put it there (`top_k` when the query alone fits)."""
+        query_tokens = self.runtime.engine.count_tokens(query)
+        prompt_tokens = query_tokens + options.top_k * self.passage_tokens
+        limit = self.settings.limits.max_prompt_tokens
+        if prompt_tokens > limit:
+            self.metrics.refusals.labels(Refusal.PROMPT_TOKENS.value).inc()
+            field = top_k_field if top_k_field and query_tokens <= limit else query_field
+            raise InvalidField(field, f"the prompt would be about {prompt_tokens} tokens (the query's {query_tokens} and "
+                                      f"{options.top_k} passages of about {self.passage_tokens}); the limit is {limit}")
+        return RequestCost(prompt_tokens=prompt_tokens, max_tokens=options.max_tokens, llm_calls=pipeline.llm_calls)
+
+    def admit(self, request: Request, pipeline: Pipeline, query: str, options: RunOptions, client: str | None, *,
+              query_field: str = "query", top_k_field: str | None = "top_k") -> AdmittedRun:
+        """Admit the request, or refuse it at once (422 over the prompt limit, 429 when busy);
+        its run starts waiting for a slot. The fields name what `cost` blames."""
+        cost = self.cost(pipeline, query, options, query_field=query_field, top_k_field=top_k_field)
+        ticket = self.admission.admit(cost, client)
+        return AdmittedRun(request, self.admission, ticket, self.events(pipeline, query, options))
+
+    async def events(self, pipeline: Pipeline, query: str, options: RunOptions) -> AsyncIterator[RunEvent]:
+        """Run a pipeline (a slot must be held) with the request timeout, recording metrics; the
+        tokens it generates count as they are generated, so a cancelled request's count too."""
+        started = time.perf_counter()
+        outcome = "error"
+        first_token = True
+        tokens = self.metrics.tokens.labels(pipeline.name)
+        try:
+            async with asyncio.timeout(self.settings.scheduler.request_timeout_s):
+                async for event in pipeline.run(query, options):
+                    if isinstance(event, UsageEvent):
+                        tokens.inc(event.tokens)
+                        continue
+                    if isinstance(event, TokenEvent) and first_token:
+                        first_token = False
+                        self.metrics.ttft.labels(pipeline.name).observe(time.perf_counter() - started)
+                    if isinstance(event, ResultEvent):
+                        self.metrics.observe_result(event.result)
+                        outcome = "ok"
+                    yield event
+        except TimeoutError:
+            outcome = "timeout"
+            raise RequestTimeout(f"the request took longer than {self.settings.scheduler.request_timeout_s} s") from None
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            self.metrics.request_latency.labels(pipeline.name, outcome).observe(time.perf_counter() - started)
+
+
+def serving(request: Request) -> Service:
+    """The service behind `/v1/*` (ServingGate lets requests through only once there is one)."""
+    return request.app.state.service
