@@ -70,17 +70,19 @@ class Lease:
         return self.copy_ms
 
 
-@dataclass
+@dataclass(frozen=True)
 class CacheStats:
-    capacity_bytes: int
-    occupancy_bytes: int
-    resident_clusters: int
-    pinned_clusters: int
-    hits: int
-    misses: int
-    evictions: int
-    bytes_copied: int
-    copies: int
+    """The cache's state and counters since it was made (all zero: no cache)."""
+
+    capacity_bytes: int = 0
+    occupancy_bytes: int = 0
+    resident_clusters: int = 0
+    pinned_clusters: int = 0
+    hits: int = 0  # searched clusters found resident
+    misses: int = 0
+    evictions: int = 0
+    bytes_copied: int = 0
+    copies: int = 0
 
 
 class ClusterCache:

@@ -28,17 +28,17 @@ from telerag.pipelines.types import (
     StageEvent,
     TokenEvent,
     UsageEvent,
+    run_result,
 )
+from telerag.retrieval.cache import CacheStats
 from telerag.server import errors
 from telerag.server.admission import DEFAULT_PASSAGE_WORDS, TOKENS_PER_WORD, Admission, Refusal, RequestCost, Ticket
 from telerag.server.errors import BodyTooLarge, InvalidField, NotReady, RequestTimeout, Unauthorized
 from telerag.server.lifecycle import RETRY_AFTER_S, Lifecycle, Phase
 from telerag.server.metrics import Metrics
 from telerag.server.protocol import (
-    AssistantMessage,
     ChatChunkChoice,
     ChatCompletion,
-    ChatCompletionChoice,
     ChatCompletionChunk,
     ChatDelta,
     ErrorDetail,
@@ -51,9 +51,9 @@ from telerag.server.protocol import (
     PipelineList,
     QueryResponse,
     Ready,
+    StageInfo,
     StageUpdate,
     TokenText,
-    Usage,
     new_id,
     request_models,
 )
@@ -190,10 +190,7 @@ class Service:
 
         async def run() -> RagResult:
             async with self.admission.running(ticket):
-                async for event in self.events(pipeline, query, options):
-                    if isinstance(event, ResultEvent):
-                        return event.result
-            raise RuntimeError("the pipeline ended without a result")
+                return await run_result(self.events(pipeline, query, options))
 
         task = asyncio.ensure_future(run())
         try:
@@ -260,7 +257,7 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
                               "status, has the body `{\"error\": {\"type\", \"message\", \"field\"?}}` (ErrorResponse).")
     app.state.lifecycle = lifecycle
     app.state.service = None
-    app.state.metrics = Metrics(lambda: app.state.service.runtime.cache_stats() if app.state.service else {})
+    app.state.metrics = Metrics(lambda: app.state.service.runtime.cache_stats() if app.state.service else CacheStats())
     openapi_of_routes = app.openapi
 
     def openapi_schema() -> dict:
@@ -349,7 +346,7 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
     @app.get("/v1/pipelines", response_model=PipelineList, dependencies=protected, responses=errors.responses(*auth_errors, 503))
     async def pipelines(service: Service = Depends(serving)) -> PipelineList:
         return PipelineList(pipelines=[
-            PipelineInfo(name=name, description=p.description, stages=[{"name": s.name, "role": s.role} for s in p.stages])
+            PipelineInfo(name=name, description=p.description, stages=[StageInfo(name=s.name, role=s.role) for s in p.stages])
             for name, p in service.pipelines.items()
         ])
 
@@ -401,8 +398,7 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
         request_id = new_id("chatcmpl")
         if not body.stream:
             result = await service.result(request, pipeline, question, options, ticket)
-            completion = ChatCompletion(id=request_id, model=body.model, usage=_usage(result),
-                                        choices=[ChatCompletionChoice(message=AssistantMessage(content=result.answer))])
+            completion = ChatCompletion.from_result(result, request_id=request_id, model=body.model)
             return Response(completion.model_dump_json(), media_type="application/json")
         await service.admission.start(ticket)
 
@@ -420,7 +416,7 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
                 completed = True
                 yield chunk(ChatDelta(), finish_reason="stop")
             except Exception as exc:  # noqa: BLE001 - after the stream began, errors travel in the stream
-                yield sse_data({"error": errors.error_detail(exc).model_dump(exclude_none=True)})
+                yield sse_data(ErrorResponse(error=errors.error_detail(exc)).model_dump(exclude_none=True))
             finally:
                 service.admission.finish(ticket, completed=completed)
             yield sse_data("[DONE]")
@@ -436,8 +432,3 @@ def start_serving(app: FastAPI, runtime: Runtime) -> Service:
     app.state.service = service
     app.state.lifecycle.ready()
     return service
-
-
-def _usage(result: RagResult) -> Usage:
-    prompt = sum(s.tokens_in for s in result.steps if s.kind == "llm")
-    return Usage(prompt_tokens=prompt, completion_tokens=result.tokens_generated, total_tokens=prompt + result.tokens_generated)

@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from telerag.pipelines.types import DatastoreInfo
+from telerag.retrieval.cache import CacheStats
 from telerag.retrieval.progress import StepProgress
 from telerag.server.app import create_app, start_serving
 from telerag.server.lifecycle import Lifecycle
@@ -56,7 +57,7 @@ class Harness:
         self.engine = ScriptedEngine(lambda prompt: Reply("Paris is the capital of France"), delay=delay)
         self.runtime = Runtime(
             settings=settings(**sections), engine=self.engine, retriever=self.retriever,
-            datastore_info=DATASTORE_INFO, cache_stats=lambda: {"hits": 3, "occupancy_bytes": 10},
+            datastore_info=DATASTORE_INFO, cache_stats=lambda: CacheStats(hits=3, occupancy_bytes=10),
         )
         self.app = create_app(self.runtime.settings)
         start_serving(self.app, self.runtime)
