@@ -7,6 +7,7 @@ server turns them into the JSON it documents (`server.protocol`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from telerag.retrieval.prefetch import PrefetchStats
 
@@ -15,7 +16,7 @@ from telerag.retrieval.prefetch import PrefetchStats
 class GenerationStats:
     """An LLM step's."""
 
-    finish_reason: str
+    finish_reason: Literal["stop", "length", "abort"]
     ttft_ms: float | None = None  # None: the reply was cut where it ended, before the engine's own report
 
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from telerag.pipelines.stats import PrefetchStepStats, PrefetchSummary, SearchStats, StepStats, Timings
+from telerag.retrieval.prefetch import PrefetchHandle
 
 # ---------------------------------------------------------------------------------------------
 # Generation
@@ -132,7 +133,7 @@ class PrefetchTicket:
 
     queries: list[str]
     stats: PrefetchStepStats = field(default_factory=PrefetchStepStats)
-    handle: Any = None  # the retrieval engine's own prefetch handle
+    handle: PrefetchHandle | None = None  # the retrieval engine's own (None: nothing was planned)
 
 
 @dataclass

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
@@ -24,7 +25,7 @@ class GenerationStatsOut(_OmitsAbsent):
     model_config = ConfigDict(from_attributes=True)
 
     ttft_ms: float | None = Field(None, description="time to its first token; absent when the reply was cut where it ended")
-    finish_reason: str = Field(description='"stop", "length" or "abort"')
+    finish_reason: Literal["stop", "length", "abort"]
 
 
 class PrefetchStatsOut(_OmitsAbsent):
@@ -74,6 +75,7 @@ StepStatsOut = GenerationStatsOut | PrefetchStatsOut | SearchStatsOut
 
 
 def step_stats(stats: StepStats | None) -> StepStatsOut | None:
+    """The JSON model of a step's stats, chosen by their type."""
     if isinstance(stats, PrefetchStepStats):
         return PrefetchStatsOut.of(stats)
     if isinstance(stats, SearchStats):
