@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from telerag.pipelines.prompts import ANSWER_CUE
 from telerag.pipelines.questions import Question, run_questions
-from telerag.pipelines.types import Pipeline, RagResult, RunOptions
+from telerag.pipelines.types import Pipeline, RunOptions, overlap_rates
 
 
 @dataclass
@@ -26,12 +26,6 @@ class OverlapRow:
     article_hit_rate: float | None  # share of questions whose article was among the documents (recall@top_k)
     empty_answers: int  # answers with no text (a model that only repeated the cue gives one)
     cue_answers: int  # answers that still hold the answer cue ("Answer:"): a reply looping on it
-
-
-def overlap_rates(result: RagResult) -> list[float]:
-    """|C_in ∩ C_out| / |C_out| of each search of a run that had a prefetch."""
-    return [s.stats["overlap_rate"] for s in result.steps
-            if s.kind == "retrieval" and s.stats.get("overlap_rate") is not None]
 
 
 async def overlap_study(
@@ -49,9 +43,9 @@ async def overlap_study(
         async for question, result in run_questions(pipeline, questions, options):
             bar.update()
             answers.append(result.answer)
-            overlaps.extend(overlap_rates(result))
-            pre_ms.append(result.timings["pre_retrieval_ms"])
-            total_ms.append(result.timings["total_ms"])
+            overlaps.extend(overlap_rates(result.steps))
+            pre_ms.append(result.timings.pre_retrieval_ms)
+            total_ms.append(result.timings.total_ms)
             if question.title is not None:
                 hits.append(question.title in {d.title for d in result.documents})
         rows.append(OverlapRow(

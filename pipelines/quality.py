@@ -27,9 +27,9 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from telerag.pipelines.overlap import overlap_rates
 from telerag.pipelines.questions import Question, run_questions
 from telerag.pipelines.rag.base import merge_documents
+from telerag.pipelines.stats import Timings
 from telerag.pipelines.types import (
     Document,
     Pipeline,
@@ -38,6 +38,7 @@ from telerag.pipelines.types import (
     RunOptions,
     SearchOptions,
     SearchOutcome,
+    overlap_rates,
 )
 
 # -------------------------------------------------------------------------------------------------
@@ -191,9 +192,9 @@ class _Tally:
         self.overlaps: list[float] = []
         self.ms: dict[str, list[float]] = {stage: [] for stage in STAGES}
 
-    def add_timings(self, timings: dict[str, float]) -> None:
+    def add_timings(self, timings: Timings) -> None:
         for stage in STAGES:
-            self.ms[stage].append(timings.get(f"{stage}_ms", 0.0))
+            self.ms[stage].append(getattr(timings, f"{stage}_ms"))
 
     def row(self, pipeline: str, questions: int, k: int, nprobe: int, nlist: int) -> QualityRow:
         return QualityRow(
@@ -228,7 +229,7 @@ async def quality_study(
             if question.answers:
                 tally.em.append(exact_match(result.answer, question.answers))
                 tally.f1.append(token_f1(result.answer, question.answers))
-            tally.overlaps.extend(overlap_rates(result))
+            tally.overlaps.extend(overlap_rates(result.steps))
             tally.add_timings(result.timings)
             on_question()
         rows.append(tally.row(pipeline.name, len(questions), options.top_k, nprobe, nlist))
@@ -255,7 +256,7 @@ async def retrieval_study(
         if question.title is not None:
             tally.found.append(article_found(outcome.documents[0], question.title, k))
             tally.found_exact.append(article_found(exact.documents[0], question.title, k))
-        tally.add_timings({"search_ms": ms, "total_ms": ms})
+        tally.add_timings(Timings(search_ms=ms, total_ms=ms))
         on_question()
     return tally.row("retrieval", len(questions), k, nprobe, nlist)
 

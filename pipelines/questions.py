@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from telerag.pipelines.types import Pipeline, RagResult, ResultEvent, RunOptions
+from telerag.pipelines.types import Pipeline, RagResult, RunOptions, run_result
 
 _LINE = re.compile(r"^(?P<text>.*?)\s*(?:\[(?P<title>[^\]]+)\])?\s*(?:=>\s*(?P<answers>.*?))?\s*$")
 ANSWER_SEPARATOR = "|"
@@ -48,10 +48,7 @@ def read_questions(path: Path, limit: int | None = None) -> list[Question]:
 
 
 async def run_one(pipeline: Pipeline, question: str, options: RunOptions) -> RagResult:
-    async for event in pipeline.run(question, options):
-        if isinstance(event, ResultEvent):
-            return event.result
-    raise RuntimeError(f"{pipeline.name} ended without a result")
+    return await run_result(pipeline.run(question, options))
 
 
 async def run_questions(

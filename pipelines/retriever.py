@@ -12,12 +12,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
+from telerag.pipelines.stats import PrefetchStepStats, SearchStats
 from telerag.pipelines.types import (
     DatastoreInfo,
     Document,
@@ -30,6 +30,7 @@ from telerag.pipelines.types import (
     query_texts,
 )
 from telerag.retrieval.builder import build_datastore
+from telerag.retrieval.cache import CacheStats
 from telerag.retrieval.corpus import WIKIPEDIA_SOURCE, PassageShape, read_wikipedia
 from telerag.retrieval.datastore import MANIFEST, Datastore
 from telerag.retrieval.engine import RetrievalEngine
@@ -103,7 +104,7 @@ class DirectRetriever:
     def _prefetch_batch(self, requests: list[PrefetchRequest]) -> list[PrefetchTicket]:
         budgets = [self.budget_bytes(r.overlap_ms) if r.enabled else 0 for r in requests]
         active = [i for i, r in enumerate(requests) if budgets[i] > 0 and r.queries]
-        tickets = [PrefetchTicket(queries=list(r.queries), stats={"enabled": False}) for r in requests]
+        tickets = [PrefetchTicket(queries=list(r.queries)) for r in requests]
         if not active:
             # nothing could be copied (no budget or no cache): do not even embed q_in
             return tickets
@@ -112,7 +113,7 @@ class DirectRetriever:
         handles = self.engine.prefetch_batch(np.split(vectors, splits), [budgets[i] for i in active])
         for i, handle in zip(active, handles, strict=True):
             tickets[i].handle = handle
-            tickets[i].stats = {"enabled": True, "embed_ms": embed_ms, "batch": len(active), **handle.stats}
+            tickets[i].stats = PrefetchStepStats(enabled=True, embed_ms=embed_ms, batch=len(active), plan=handle.stats)
         return tickets
 
     def _embed_queries(self, queries: list[SearchQuery]) -> tuple[np.ndarray, float]:
@@ -129,7 +130,7 @@ class DirectRetriever:
     def _search_batch(self, requests: list[SearchRequest]) -> list[SearchOutcome]:
         queries = [query for request in requests for query in request.queries]
         if not queries:
-            return [SearchOutcome(documents=[], stats={}) for _ in requests]
+            return [SearchOutcome(documents=[]) for _ in requests]
         vectors, embed_ms = self._embed_queries(queries)
         starts = np.concatenate(([0], np.cumsum([len(r.queries) for r in requests])))
         outcomes: list[SearchOutcome | None] = [None] * len(requests)
@@ -152,21 +153,21 @@ class DirectRetriever:
                 overlaps = [s.overlap_rate for s in per_query if s.overlap_rate is not None]
                 outcomes[i] = SearchOutcome(
                     documents=[self._documents(result.ids[j], result.scores[j]) for j in range(offset, offset + count)],
-                    stats={
-                        "embed_ms": embed_ms,
-                        "probe_ms": result.probe_ms,
-                        "device_ms": result.device_ms,
-                        "cpu_ms": result.cpu_ms,
-                        "total_ms": result.total_ms,
-                        "overlap_rate": float(np.mean(overlaps)) if overlaps else None,
-                        "clusters_device": sum(s.clusters_device for s in per_query),
-                        "clusters_cpu": sum(s.clusters_cpu for s in per_query),
-                        "clusters_copied_on_demand": sum(s.clusters_copied_on_demand for s in per_query),
-                        "clusters_late": sum(s.clusters_late for s in per_query),
-                        "copy_wait_ms": result.copy_wait_ms,
-                        "nprobe": nprobe,
-                        "batch": len(rows),
-                    },
+                    stats=SearchStats(
+                        embed_ms=embed_ms,
+                        probe_ms=result.probe_ms,
+                        device_ms=result.device_ms,
+                        cpu_ms=result.cpu_ms,
+                        total_ms=result.total_ms,
+                        overlap_rate=float(np.mean(overlaps)) if overlaps else None,
+                        clusters_device=sum(s.clusters_device for s in per_query),
+                        clusters_cpu=sum(s.clusters_cpu for s in per_query),
+                        clusters_copied_on_demand=sum(s.clusters_copied_on_demand for s in per_query),
+                        clusters_late=sum(s.clusters_late for s in per_query),
+                        copy_wait_ms=result.copy_wait_ms,
+                        nprobe=nprobe,
+                        batch=len(rows),
+                    ),
                 )
                 offset += count
         return [outcome for outcome in outcomes if outcome is not None]
@@ -181,8 +182,8 @@ class DirectRetriever:
 
     # -- introspection for the server -------------------------------------------------------------
 
-    def cache_stats(self) -> dict[str, Any]:
-        return asdict(self.engine.cache.stats())
+    def cache_stats(self) -> CacheStats:
+        return self.engine.cache.stats()
 
     def datastore_info(self) -> DatastoreInfo:
         manifest = self.datastore.manifest

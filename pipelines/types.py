@@ -6,9 +6,12 @@ pipeline without knowing which engine or retriever sits behind it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
+
+from telerag.pipelines.stats import PrefetchStepStats, PrefetchSummary, SearchStats, StepStats, Timings
+from telerag.retrieval.prefetch import PrefetchHandle
 
 # ---------------------------------------------------------------------------------------------
 # Generation
@@ -126,27 +129,19 @@ class SearchOptions:
 
 @dataclass
 class PrefetchTicket:
-    """What a prefetch started; hand it to `Retriever.search` and release it when done.
-
-    `stats` holds at least: clusters_requested, clusters_resident, clusters_copied,
-    bytes_requested, bytes_copied, embed_ms, plan_ms.
-    """
+    """What a prefetch started; hand it to `Retriever.search` and release it when done."""
 
     queries: list[str]
-    stats: dict[str, Any] = field(default_factory=dict)
-    handle: Any = None  # the retrieval engine's own prefetch handle
+    stats: PrefetchStepStats = field(default_factory=PrefetchStepStats)
+    handle: PrefetchHandle | None = None  # the retrieval engine's own (None: nothing was planned)
 
 
 @dataclass
 class SearchOutcome:
-    """Documents per query and the search stats.
-
-    `stats` holds at least: embed_ms, device_ms, cpu_ms, total_ms, overlap_rate (mean over
-    queries; None without a prefetch), clusters_device, clusters_cpu, clusters_copied_on_demand.
-    """
+    """Documents per query and the search stats."""
 
     documents: list[list[Document]]
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: SearchStats = field(default_factory=SearchStats)
 
 
 @runtime_checkable
@@ -241,8 +236,13 @@ class Step:
     tokens_in: int = 0
     tokens_out: int = 0
     ms: float = 0.0
-    stats: dict[str, Any] = field(default_factory=dict)  # prefetch or search stats, overlap_rate included
+    stats: StepStats | None = None  # an LLM call's, a prefetch's or a search's
     start_ms: float = 0.0  # when it began, ms after the request did: a prefetch overlaps the pre-retrieval call
+
+
+def overlap_rates(steps: Sequence[Step]) -> list[float]:
+    """|C_in ∩ C_out| / |C_out| of each search that had a prefetch."""
+    return [s.stats.overlap_rate for s in steps if isinstance(s.stats, SearchStats) and s.stats.overlap_rate is not None]
 
 
 @dataclass(frozen=True)
@@ -262,10 +262,8 @@ class RagResult:
     pipeline: str
     documents: list[Document]
     steps: list[Step]
-    # total_ms, embed_ms, pre_retrieval_ms, prefetch_ms, search_device_ms, search_cpu_ms, search_ms, generate_ms
-    timings: dict[str, float]
-    # clusters_prefetched, bytes_prefetched, overlap_rate, clusters_device, clusters_cpu, clusters_copied_on_demand
-    prefetch: dict[str, Any]
+    timings: Timings
+    prefetch: PrefetchSummary
     tokens_generated: int = 0
 
 
@@ -306,3 +304,13 @@ class Pipeline(Protocol):
     llm_calls: int  # the most LLM calls one run makes (the scheduler's cost estimate)
 
     def run(self, query: str, options: RunOptions) -> AsyncIterator[RunEvent]: ...
+
+
+async def run_result(events: AsyncIterable[RunEvent], on_event: Callable[[RunEvent], None] | None = None) -> RagResult:
+    """The result a run's events end with, each event before it shown to `on_event`."""
+    async for event in events:
+        if isinstance(event, ResultEvent):
+            return event.result
+        if on_event is not None:
+            on_event(event)
+    raise RuntimeError("the pipeline ended without a result")

@@ -15,7 +15,6 @@ flight), so the same code runs (and is tested) everywhere.
 
 from __future__ import annotations
 
-import bisect
 import threading
 import time
 from collections import deque
@@ -24,6 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from telerag.retrieval.extents import FreeRows
 
 HALF_LIFE_ACCESSES = 4096.0  # a cluster's hotness halves after this many cluster accesses
 
@@ -70,17 +71,19 @@ class Lease:
         return self.copy_ms
 
 
-@dataclass
+@dataclass(frozen=True)
 class CacheStats:
-    capacity_bytes: int
-    occupancy_bytes: int
-    resident_clusters: int
-    pinned_clusters: int
-    hits: int
-    misses: int
-    evictions: int
-    bytes_copied: int
-    copies: int
+    """The cache's state and counters since it was made (all zero: no cache)."""
+
+    capacity_bytes: int = 0
+    occupancy_bytes: int = 0
+    resident_clusters: int = 0
+    pinned_clusters: int = 0
+    hits: int = 0  # searched clusters found resident
+    misses: int = 0
+    evictions: int = 0
+    bytes_copied: int = 0
+    copies: int = 0
 
 
 class ClusterCache:
@@ -108,8 +111,7 @@ class ClusterCache:
             self.buffer.record_stream(self.copy_stream)
         self._lock = threading.Lock()
         self._slots: dict[int, _Slot] = {}
-        self._free_starts: list[int] = [0] if self.capacity_rows else []
-        self._free_len: dict[int, int] = {0: self.capacity_rows} if self.capacity_rows else {}
+        self._free = FreeRows(self.capacity_rows)
         nlist = len(self.sizes)
         self._hotness = np.zeros(nlist, dtype=np.float64)
         self._last_touch = np.zeros(nlist, dtype=np.float64)
@@ -214,7 +216,7 @@ class ClusterCache:
 
     def stats(self) -> CacheStats:
         with self._lock:
-            used = self.capacity_rows - sum(self._free_len.values())
+            used = self.capacity_rows - self._free.total
             return CacheStats(
                 capacity_bytes=self.capacity_bytes,
                 occupancy_bytes=used * self.row_bytes,
@@ -230,7 +232,7 @@ class ClusterCache:
     def check_invariants(self) -> None:
         """Every row is either free or owned by exactly one resident cluster (for tests)."""
         with self._lock:
-            spans = [(s, self._free_len[s]) for s in self._free_starts]
+            spans = self._free.extents()
             for cluster, slot in self._slots.items():
                 assert sum(seg.length for seg in slot.segments) == self.sizes[cluster], cluster
                 spans.extend((seg.start, seg.length) for seg in slot.segments)
@@ -263,14 +265,14 @@ class ClusterCache:
 
     def _fetch(self, missing: list[int], protected: set[int], lease: Lease) -> None:
         need = int(self.sizes[missing].sum())
-        free = sum(self._free_len.values())
+        free = self._free.total
         if free < need:
             self._evict(need - free, protected)
         copies: list[tuple[int, int, int]] = []  # (buffer start, host start, rows)
         placed: list[int] = []
         for run in self._runs(missing):
             rows = int(self.sizes[run].sum())
-            if rows <= sum(self._free_len.values()):
+            if rows <= self._free.total:
                 self._place(run, rows, copies, lease)
                 placed.extend(run)
             else:
@@ -302,7 +304,7 @@ class ClusterCache:
 
     def _place(self, run: list[int], rows: int, copies: list[tuple[int, int, int]], lease: Lease) -> None:
         """Allocate rows for a run of host-adjacent clusters (one extent if one fits) and queue copies."""
-        pieces = self._allocate(rows)
+        pieces = self._free.allocate(rows)
         host = int(self.offsets[run[0]])
         segments_by_cluster: dict[int, list[Segment]] = {c: [] for c in run}
         bounds = self.offsets[run[0] : run[-1] + 2]
@@ -323,44 +325,6 @@ class ClusterCache:
             lease.resident[cluster] = segments
             lease.clusters_copied += 1
 
-    def _allocate(self, rows: int) -> list[tuple[int, int]]:
-        """Take `rows` free rows: the smallest single extent that fits, else the largest extents."""
-        fitting = [s for s in self._free_starts if self._free_len[s] >= rows]
-        if fitting:
-            start = min(fitting, key=self._free_len.__getitem__)
-            self._take(start, rows)
-            return [(start, rows)]
-        pieces: list[tuple[int, int]] = []
-        for start in sorted(self._free_starts, key=self._free_len.__getitem__, reverse=True):
-            take = min(rows, self._free_len[start])
-            self._take(start, take)
-            pieces.append((start, take))
-            rows -= take
-            if not rows:
-                break
-        return pieces
-
-    def _take(self, start: int, rows: int) -> None:
-        length = self._free_len.pop(start)
-        index = bisect.bisect_left(self._free_starts, start)
-        self._free_starts.pop(index)
-        if length > rows:
-            self._free_len[start + rows] = length - rows
-            self._free_starts.insert(index, start + rows)
-
-    def _give_back(self, start: int, length: int) -> None:
-        index = bisect.bisect_left(self._free_starts, start)
-        if index > 0:
-            before = self._free_starts[index - 1]
-            if before + self._free_len[before] == start:
-                start, length = before, length + self._free_len.pop(before)
-                self._free_starts.pop(index - 1)
-                index -= 1
-        if index < len(self._free_starts) and self._free_starts[index] == start + length:
-            length += self._free_len.pop(self._free_starts.pop(index))
-        self._free_starts.insert(index, start)
-        self._free_len[start] = length
-
     def _evict(self, rows: int, protected: set[int]) -> None:
         """Free at least `rows` rows by evicting the coldest unpinned clusters (or all of them)."""
         candidates = np.fromiter(
@@ -373,7 +337,7 @@ class ClusterCache:
         for cluster in order.tolist():
             slot = self._slots.pop(cluster)
             for segment in slot.segments:
-                self._give_back(segment.start, segment.length)
+                self._free.give_back(segment.start, segment.length)
                 freed += segment.length
             self._evictions += 1
             if freed >= rows:

@@ -31,7 +31,7 @@ from telerag.retrieval.demand import DemandCopyPolicy
 from telerag.retrieval.device import resolve_device
 from telerag.retrieval.errors import SearchError
 from telerag.retrieval.ivf import CPUIndex
-from telerag.retrieval.prefetch import PrefetchHandle, PrefetchPlan, plan_prefetch
+from telerag.retrieval.prefetch import PrefetchHandle, PrefetchPlan, PrefetchStats, plan_prefetch
 from telerag.retrieval.progress import ProgressBar
 from telerag.retrieval.search import merge_topk, scan_resident
 
@@ -222,22 +222,22 @@ class RetrievalEngine:
             handles[g] = PrefetchHandle(
                 plan=PrefetchPlan(clusters, per_query, to_copy),
                 lease=lease,
-                stats={
-                    "clusters_requested": len(clusters),
-                    "bytes_requested": to_copy,
-                    "clusters_resident": lease.clusters_already_resident if lease else 0,
-                    "clusters_copied": lease.clusters_copied if lease else 0,
-                    "clusters_skipped": lease.clusters_skipped if lease else 0,
-                    "bytes_copied": lease.bytes_copied if lease else 0,
-                    "copies": lease.copies if lease else 0,
-                    "bytes_queued_ahead": queued,
-                    "plan_ms": plan_ms,
-                },
+                stats=PrefetchStats(
+                    clusters_requested=len(clusters),
+                    bytes_requested=to_copy,
+                    clusters_resident=lease.clusters_already_resident if lease else 0,
+                    clusters_copied=lease.clusters_copied if lease else 0,
+                    clusters_skipped=lease.clusters_skipped if lease else 0,
+                    bytes_copied=lease.bytes_copied if lease else 0,
+                    copies=lease.copies if lease else 0,
+                    bytes_queued_ahead=queued,
+                    plan_ms=plan_ms,
+                ),
             )
         return handles
 
     def _empty_handle(self, n: int) -> PrefetchHandle:
-        return PrefetchHandle(plan=PrefetchPlan([], [frozenset()] * n, 0), lease=None, stats={})
+        return PrefetchHandle(plan=PrefetchPlan([], [frozenset()] * n, 0), lease=None)
 
     # -- search -----------------------------------------------------------------------------------
 

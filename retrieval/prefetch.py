@@ -5,7 +5,6 @@ several of them rank near the top first."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -70,13 +69,28 @@ def plan_prefetch(
     return PrefetchPlan(clusters=list(chosen), per_query=[frozenset(q) for q in per_query], bytes=spent)
 
 
+@dataclass(frozen=True)
+class PrefetchStats:
+    """What one prefetch planned and copied (all zero when nothing was planned)."""
+
+    clusters_requested: int = 0  # planned for this caller's queries, resident ones included
+    bytes_requested: int = 0  # of those, the bytes not resident when planned
+    clusters_resident: int = 0  # already resident: pinned, not copied
+    clusters_copied: int = 0
+    clusters_skipped: int = 0  # planned, but they did not fit beside pinned clusters
+    bytes_copied: int = 0
+    copies: int = 0  # copy calls issued (adjacent clusters coalesce into one)
+    bytes_queued_ahead: int = 0  # on the copy stream before this prefetch's copies
+    plan_ms: float = 0.0  # ranking and planning
+
+
 @dataclass
 class PrefetchHandle:
     """A started prefetch: its plan, the lease pinning its clusters, and its stats."""
 
     plan: PrefetchPlan
     lease: Lease | None
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: PrefetchStats = field(default_factory=PrefetchStats)
 
     def release(self) -> None:
         if self.lease is not None:

@@ -9,6 +9,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from telerag.pipelines.registry import PIPELINES
+from telerag.retrieval.cache import CacheStats
 from telerag.server import errors
 from telerag.server.auth import Access
 from telerag.server.lifecycle import Lifecycle
@@ -37,7 +38,7 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
                               "status, has the body `{\"error\": {\"type\", \"message\", \"field\"?}}` (ErrorResponse).")
     app.state.lifecycle = lifecycle
     app.state.service = None
-    app.state.metrics = Metrics(lambda: app.state.service.runtime.cache_stats() if app.state.service else {})
+    app.state.metrics = Metrics(lambda: app.state.service.runtime.cache_stats() if app.state.service else CacheStats())
     app.state.started = int(time.time())  # when /v1/models says its models were created
     app.state.default_max_tokens = models.query.model_fields["max_tokens"].default  # a chat completion's, as a query's
     extend_schema(app, rag.STREAMED + openai.STREAMED)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from telerag.pipelines.stats import SearchStats
 from telerag.pipelines.types import RagResult
+from telerag.retrieval.cache import CacheStats
 from telerag.server.admission import Refusal
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -19,7 +20,7 @@ RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 class _CacheCollector(Collector):
     """Reads the cluster cache's counters at scrape time."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, stats: Callable[[], CacheStats]) -> None:
         self.stats = stats
 
     def collect(self):  # noqa: ANN201
@@ -27,12 +28,12 @@ class _CacheCollector(Collector):
         for name, doc in (("hits", "searched clusters found resident"), ("misses", "searched clusters not resident"),
                           ("evictions", "clusters evicted"), ("bytes_copied", "bytes copied into the cache")):
             family = CounterMetricFamily(f"telerag_cache_{name}", doc)
-            family.add_metric([], float(s.get(name, 0)))
+            family.add_metric([], float(getattr(s, name)))
             yield family
         for name, doc in (("occupancy_bytes", "bytes of the cache holding clusters"), ("capacity_bytes", "cache size"),
                           ("resident_clusters", "clusters resident"), ("pinned_clusters", "clusters pinned now")):
             family = GaugeMetricFamily(f"telerag_cache_{name}", doc)
-            family.add_metric([], float(s.get(name, 0)))
+            family.add_metric([], float(getattr(s, name)))
             yield family
 
 
@@ -54,7 +55,7 @@ class ConnectionMetrics:
 
 
 class Metrics:
-    def __init__(self, cache_stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, cache_stats: Callable[[], CacheStats]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.request_latency = Histogram("telerag_request_seconds", "request latency", ["pipeline", "outcome"], buckets=LATENCY_BUCKETS, registry=r)
@@ -85,12 +86,13 @@ class Metrics:
         p = result.pipeline
         for step in result.steps:
             self.stage_latency.labels(p, step.stage).observe(step.ms / 1e3)
-            if step.kind == "retrieval" and step.stats.get("copy_wait_ms"):
-                self.copy_wait.labels(p).observe(step.stats["copy_wait_ms"] / 1e3)
-        if result.prefetch.get("overlap_rate") is not None:
-            self.overlap.labels(p).observe(result.prefetch["overlap_rate"])
-        self.prefetched_bytes.labels(p).inc(result.prefetch.get("bytes_prefetched", 0))
-        self.clusters_searched.labels(p, "device").inc(result.prefetch.get("clusters_device", 0))
-        self.clusters_searched.labels(p, "cpu").inc(result.prefetch.get("clusters_cpu", 0))
-        self.demand_copies.labels(p).inc(result.prefetch.get("clusters_copied_on_demand", 0))
-        self.late_clusters.labels(p).inc(result.prefetch.get("clusters_late", 0))
+            if isinstance(step.stats, SearchStats) and step.stats.copy_wait_ms:
+                self.copy_wait.labels(p).observe(step.stats.copy_wait_ms / 1e3)
+        summary = result.prefetch
+        if summary.overlap_rate is not None:
+            self.overlap.labels(p).observe(summary.overlap_rate)
+        self.prefetched_bytes.labels(p).inc(summary.bytes_prefetched)
+        self.clusters_searched.labels(p, "device").inc(summary.clusters_device)
+        self.clusters_searched.labels(p, "cpu").inc(summary.clusters_cpu)
+        self.demand_copies.labels(p).inc(summary.clusters_copied_on_demand)
+        self.late_clusters.labels(p).inc(summary.clusters_late)

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, create_model, field_serializer, field_validator
 
 from telerag.pipelines.types import DatastoreInfo, RagResult
+from telerag.server.result_stats import PrefetchSummaryOut, StepStatsOut, TimingsOut, step_stats
 from telerag.server.settings import LimitSettings
 
 # A query needs one character that is not white space. Spelled out rather than `\S`, whose
@@ -153,7 +154,7 @@ class StepOut(BaseModel):
     tokens_in: int
     tokens_out: int
     ms: float
-    stats: dict[str, Any]
+    stats: StepStatsOut | None = Field(description="by kind: an LLM call's, a prefetch's or a search's")
     start_ms: float = Field(description="when the step began, ms after the request did")
 
 
@@ -163,8 +164,8 @@ class QueryResponse(BaseModel):
     pipeline: str
     documents: list[DocumentOut]
     steps: list[StepOut]
-    timings: dict[str, float]
-    prefetch: dict[str, Any]
+    timings: TimingsOut
+    prefetch: PrefetchSummaryOut
     tokens_generated: int
 
     @classmethod
@@ -174,9 +175,9 @@ class QueryResponse(BaseModel):
             answer=result.answer,
             pipeline=result.pipeline,
             documents=[DocumentOut(**vars(d)) for d in result.documents] if with_documents else [],
-            steps=[StepOut(**vars(s)) for s in result.steps],
-            timings=result.timings,
-            prefetch=result.prefetch,
+            steps=[StepOut(**{**vars(s), "stats": step_stats(s.stats)}) for s in result.steps],
+            timings=TimingsOut.model_validate(result.timings),
+            prefetch=PrefetchSummaryOut.model_validate(result.prefetch),
             tokens_generated=result.tokens_generated,
         )
 
@@ -195,10 +196,15 @@ class TokenText(BaseModel):
     text: str
 
 
+class StageInfo(BaseModel):
+    name: str
+    role: str = Field(description='"prefetch" (q_in), "pre_retrieval" (overlaps the prefetch), "search" (q_out), "llm" or "generate"')
+
+
 class PipelineInfo(BaseModel):
     name: str
     description: str
-    stages: list[dict[str, str]]
+    stages: list[StageInfo]
 
 
 class PipelineList(BaseModel):
@@ -252,6 +258,12 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
 
+    @classmethod
+    def of(cls, result: RagResult) -> Usage:
+        """Every LLM call's prompt, and every token generated."""
+        prompt = sum(s.tokens_in for s in result.steps if s.kind == "llm")
+        return cls(prompt_tokens=prompt, completion_tokens=result.tokens_generated, total_tokens=prompt + result.tokens_generated)
+
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
@@ -271,6 +283,11 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: Usage
+
+    @classmethod
+    def from_result(cls, result: RagResult, *, request_id: str, model: str) -> ChatCompletion:
+        return cls(id=request_id, model=model, usage=Usage.of(result),
+                   choices=[ChatCompletionChoice(message=AssistantMessage(content=result.answer))])
 
 
 class ChatDelta(BaseModel):

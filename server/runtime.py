@@ -22,6 +22,7 @@ from telerag.pipelines.rag.base import RagPipeline
 from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.retriever import DirectRetriever, build_wikipedia_datastore, open_retriever
 from telerag.pipelines.types import BatchRetriever, DatastoreInfo, Engine, Retriever
+from telerag.retrieval.cache import CacheStats
 from telerag.retrieval.datastore import MANIFEST, Datastore
 from telerag.retrieval.device import resolve_device
 from telerag.retrieval.progress import StepProgress, observe_progress
@@ -49,7 +50,7 @@ class Runtime:
     engine: Engine
     retriever: BatchRetriever
     datastore_info: DatastoreInfo
-    cache_stats: Callable[[], dict[str, Any]] = dict
+    cache_stats: Callable[[], CacheStats] = CacheStats  # without a cache: all zero
     closers: list[Callable[[], Any]] = field(default_factory=list)
 
     def pipelines(self, retriever: Retriever, names: Sequence[str] | None = None) -> dict[str, RagPipeline]:

@@ -14,6 +14,7 @@ from telerag.server.app import create_app, start_serving
 from telerag.server.connections import ConnectionLimits, guarded_protocol
 from telerag.server.runtime import Runtime
 from telerag.server.settings import Settings
+from telerag.retrieval.cache import CacheStats
 from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
 from tests.serving import serving
 
@@ -60,7 +61,7 @@ class Harness:
         self.engine = ScriptedEngine(lambda prompt: Reply("Paris is the capital of France"), delay=delay)
         self.runtime = Runtime(
             settings=settings(**sections), engine=self.engine, retriever=self.retriever,
-            datastore_info=DATASTORE_INFO, cache_stats=lambda: {"hits": 3, "occupancy_bytes": 10},
+            datastore_info=DATASTORE_INFO, cache_stats=lambda: CacheStats(hits=3, occupancy_bytes=10),
         )
         self.app = create_app(self.runtime.settings)
         start_serving(self.app, self.runtime)

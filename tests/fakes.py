@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from telerag.pipelines.errors import EngineError
+from telerag.pipelines.stats import PrefetchStepStats, SearchStats
 from telerag.pipelines.types import (
     Document,
     Generation,
@@ -20,6 +21,7 @@ from telerag.pipelines.types import (
     SearchRequest,
     TokenChunk,
 )
+from telerag.retrieval.prefetch import PrefetchStats
 
 
 @dataclass
@@ -113,7 +115,7 @@ class RecordingRetriever:
         self.prefetches.append(list(queries))
         self.overlaps_ms.append(overlap_ms)
         self.log.append(("prefetch", " | ".join(queries)))
-        ticket = PrefetchTicket(list(queries), {"enabled": enabled, "clusters_requested": 4, "bytes_copied": 1024})
+        ticket = PrefetchTicket(list(queries), PrefetchStepStats(enabled, plan=PrefetchStats(clusters_requested=4, bytes_copied=1024)))
         self.outstanding.add(id(ticket))
         return ticket
 
@@ -127,7 +129,7 @@ class RecordingRetriever:
              for j in range(min(self.docs_per_query, options.top_k))]
             for q in queries
         ]
-        return SearchOutcome(documents, {"overlap_rate": 0.75, "clusters_device": 3, "clusters_cpu": 1, "device_ms": 1.0, "cpu_ms": 2.0, "embed_ms": 0.5})
+        return SearchOutcome(documents, SearchStats(overlap_rate=0.75, clusters_device=3, clusters_cpu=1, device_ms=1.0, cpu_ms=2.0, embed_ms=0.5))
 
     async def prefetch_batch(self, requests: Sequence[PrefetchRequest]) -> list[PrefetchTicket]:
         return [await self.prefetch(r.queries, enabled=r.enabled, overlap_ms=r.overlap_ms) for r in requests]

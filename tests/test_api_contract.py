@@ -5,6 +5,7 @@ token count of requests that never finished."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
@@ -13,8 +14,11 @@ import openai
 import pytest
 from pydantic import ValidationError
 
-from telerag.pipelines.types import Generation, SamplingParams, TokenChunk
+from telerag.pipelines.stats import GenerationStats, PrefetchStepStats, PrefetchSummary, SearchStats, Timings
+from telerag.pipelines.types import Generation, RagResult, SamplingParams, Step, TokenChunk
+from telerag.retrieval.prefetch import PrefetchStats
 from telerag.server.app import create_app, start_serving
+from telerag.server.protocol import QueryResponse
 from telerag.server.settings import Settings
 from tests.fakes import Reply, ScriptedEngine
 from tests.serving import serving
@@ -215,3 +219,37 @@ async def test_a_tiny_temperature_samples_like_greedy():
     finally:
         await engine.close()
     assert tiny[0].token_ids == greedy[0].token_ids
+
+
+def test_a_result_is_sent_with_the_documented_field_names():
+    """The typed stats become the JSON clients parse: every name, in order; an LLM step's
+    `ttft_ms` and a prefetch that did not run leave out what they do not have."""
+    search = SearchStats(1.0, 2.0, 3.0, 4.0, 5.0, 0.5, 6, 7, 8, 9, 10.0, 11, 12)
+    steps = [
+        Step("prefetch", "prefetch", "q", stats=PrefetchStepStats(True, 0.25, 2, PrefetchStats(1, 2, 3, 4, 5, 6, 7, 8, 9.0))),
+        Step("prefetch", "prefetch", "q", stats=PrefetchStepStats()),
+        Step("search", "retrieval", "q", stats=search),
+        Step("generate", "llm", "q", 3, 4, 5.0, GenerationStats("length", 1.5), 6.0),
+        Step("generate", "llm", "q", stats=GenerationStats("stop")),
+    ]
+    result = RagResult("a", "naive", [], steps, Timings(*map(float, range(8))), PrefetchSummary(1, 2, None, 3, 4, 5, 6), 7)
+    body = json.loads(QueryResponse.from_result(result, request_id="rag-1", with_documents=True).model_dump_json())
+    assert list(body) == ["id", "answer", "pipeline", "documents", "steps", "timings", "prefetch", "tokens_generated"]
+    assert list(body["steps"][0]) == ["stage", "kind", "query", "tokens_in", "tokens_out", "ms", "stats", "start_ms"]
+    assert [list(step["stats"].items()) for step in body["steps"]] == [
+        [("enabled", True), ("embed_ms", 0.25), ("batch", 2), ("clusters_requested", 1), ("bytes_requested", 2),
+         ("clusters_resident", 3), ("clusters_copied", 4), ("clusters_skipped", 5), ("bytes_copied", 6), ("copies", 7),
+         ("bytes_queued_ahead", 8), ("plan_ms", 9.0)],
+        [("enabled", False)],
+        [("embed_ms", 1.0), ("probe_ms", 2.0), ("device_ms", 3.0), ("cpu_ms", 4.0), ("total_ms", 5.0), ("overlap_rate", 0.5),
+         ("clusters_device", 6), ("clusters_cpu", 7), ("clusters_copied_on_demand", 8), ("clusters_late", 9),
+         ("copy_wait_ms", 10.0), ("nprobe", 11), ("batch", 12)],
+        [("ttft_ms", 1.5), ("finish_reason", "length")],
+        [("finish_reason", "stop")],
+    ]
+    assert list(body["timings"].items()) == [
+        ("total_ms", 0.0), ("embed_ms", 1.0), ("prefetch_ms", 2.0), ("pre_retrieval_ms", 3.0), ("search_ms", 4.0),
+        ("search_device_ms", 5.0), ("search_cpu_ms", 6.0), ("generate_ms", 7.0)]
+    assert list(body["prefetch"].items()) == [
+        ("clusters_prefetched", 1), ("bytes_prefetched", 2), ("overlap_rate", None), ("clusters_device", 3),
+        ("clusters_cpu", 4), ("clusters_copied_on_demand", 5), ("clusters_late", 6)]

@@ -155,8 +155,8 @@ def test_groups_prefetched_together_share_the_cache(tmp_path, device):
     for group, handle in zip(groups, handles, strict=True):
         nearest = engine.rank_clusters(group)[0, :3].tolist()
         assert set(nearest) <= set(handle.plan.clusters) <= set(handle.lease.resident)
-        assert handle.stats["clusters_skipped"] == 0
-    assert sum(h.stats["bytes_copied"] for h in handles) <= engine.cache.capacity_bytes
+        assert handle.stats.clusters_skipped == 0
+    assert sum(h.stats.bytes_copied for h in handles) <= engine.cache.capacity_bytes
     stats = engine.cache.stats()
     assert stats.occupancy_bytes <= stats.capacity_bytes
     for group, handle in zip(groups, handles, strict=True):

@@ -95,10 +95,10 @@ def test_a_new_prefetch_budget_subtracts_what_is_queued_ahead(tmp_path, queued_c
     budget = engine.cache.capacity_bytes // 4
     q = random_queries(2, engine.datastore.dim)
     ahead = engine.prefetch(-q[:1], budget)  # another request's copies, still queued
-    queued = ahead.stats["bytes_copied"]
+    queued = ahead.stats.bytes_copied
     assert queued > 0 and engine.cache.queued_bytes() == queued
     handle = engine.prefetch(q[1:], budget)
-    assert handle.stats["bytes_queued_ahead"] == queued
+    assert handle.stats.bytes_queued_ahead == queued
     assert handle.plan.bytes <= budget - queued
     alone = engine_over(tmp_path / "alone", cache_fraction=1.0).prefetch(q[1:], budget)
     assert alone.plan.bytes > handle.plan.bytes  # without the queue ahead it would have copied more
@@ -125,7 +125,7 @@ def test_search_waits_or_hands_queued_copies_to_faiss_with_the_same_answer(tmp_p
     q = random_queries(1, engine.datastore.dim)
     nprobe = 8
     handle = engine.prefetch(q, engine.cache.capacity_bytes)
-    assert handle.stats["bytes_copied"] > 0  # all of it still queued
+    assert handle.stats.bytes_copied > 0  # all of it still queued
     engine.demand.copy_bytes_per_ms = 1e-3 if copy_is_slow else 1e12
     engine.demand.cpu_bytes_per_ms = 1e12 if copy_is_slow else 1e-3
     engine.demand.observe_cpu = lambda *args: None  # keep the rates the test set

@@ -33,6 +33,7 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
+from telerag.retrieval.cache import CacheStats
 from telerag.server.metrics import Metrics
 from telerag.server.settings import Settings
 
@@ -310,7 +311,7 @@ def test_grafana_provisioning_points_at_the_compose_prometheus_and_dashboards():
 def exported_metrics() -> set[str]:
     """The sample names the server's registry exposes (read from it, not listed by hand)."""
     suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum"), "summary": ("", "_count", "_sum")}
-    return {family.name + suffix for family in Metrics(cache_stats=dict).registry.collect() for suffix in suffixes[family.type]}
+    return {family.name + suffix for family in Metrics(cache_stats=CacheStats).registry.collect() for suffix in suffixes[family.type]}
 
 
 def metric_names(expr: str) -> set[str]:

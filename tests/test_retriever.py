@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from telerag.pipelines.retriever import DirectRetriever, open_retriever
+from telerag.pipelines.stats import PrefetchStepStats
 from telerag.pipelines.types import MeanQuery, PrefetchRequest, SearchOptions, SearchRequest
 from telerag.retrieval.errors import DatastoreMismatchError
 from telerag.retrieval.ivf import same_results
@@ -30,29 +31,29 @@ async def test_demand_copies_take_misses_to_the_device(tmp_path):
     r.engine.demand = CopyEveryMiss()
     outcome = await r.search(["river water fish boat"], SearchOptions(top_k=3, nprobe=2))
     reference = await r.search(["river water fish boat"], SearchOptions(top_k=3, nprobe=2, prefetch=False))
-    assert outcome.stats["clusters_device"] == 2 and reference.stats["clusters_cpu"] == 2
-    assert outcome.stats["clusters_copied_on_demand"] == 2 and reference.stats["clusters_copied_on_demand"] == 0
+    assert outcome.stats.clusters_device == 2 and reference.stats.clusters_cpu == 2
+    assert outcome.stats.clusters_copied_on_demand == 2 and reference.stats.clusters_copied_on_demand == 0
     (ids, scores), (ref_ids, ref_scores) = (
         (np.array([d.id for d in o.documents[0]]), np.array([d.score for d in o.documents[0]], dtype=np.float32))
         for o in (outcome, reference)
     )
     assert same_results(ids, scores, ref_ids, ref_scores)  # near-equal scores may swap places
-    assert r.cache_stats()["pinned_clusters"] == 0
+    assert r.cache_stats().pinned_clusters == 0
     r.close()
 
 
 async def test_prefetch_search_release(retriever):
     ticket = await retriever.prefetch(["river fish"])
-    assert ticket.stats["enabled"] and ticket.stats["clusters_requested"] >= 1
+    assert ticket.stats.enabled and ticket.stats.plan.clusters_requested >= 1
     outcome = await retriever.search(["river water fish boat"], SearchOptions(top_k=3, nprobe=2), ticket)
     retriever.release(ticket)
     retriever.release(ticket)  # idempotent
     docs = outcome.documents[0]
     assert len(docs) == 3 and all(d.doc_id.startswith("rivers-") for d in docs)
     assert docs[0].score >= docs[1].score >= docs[2].score
-    assert outcome.stats["overlap_rate"] == 1.0
-    assert outcome.stats["clusters_device"] + outcome.stats["clusters_cpu"] == 2
-    assert retriever.cache_stats()["pinned_clusters"] == 0
+    assert outcome.stats.overlap_rate == 1.0
+    assert outcome.stats.clusters_device + outcome.stats.clusters_cpu == 2
+    assert retriever.cache_stats().pinned_clusters == 0
 
 
 async def test_batched_requests_get_their_own_answers(retriever):
@@ -66,7 +67,7 @@ async def test_batched_requests_get_their_own_answers(retriever):
     assert [len(d) for d in outcomes[1].documents] == [4, 4]
     assert outcomes[1].documents[0][0].doc_id.startswith("baking-")
     assert outcomes[1].documents[1][0].doc_id.startswith("space-")
-    assert outcomes[2].stats["clusters_device"] == 0
+    assert outcomes[2].stats.clusters_device == 0
     # each equals its own search run alone, and faiss
     for request, outcome in zip(requests, outcomes):
         alone = await retriever.search(request.queries, request.options)
@@ -80,7 +81,7 @@ async def test_batched_requests_get_their_own_answers(retriever):
 
 async def test_prefetch_disabled_issues_no_copies(retriever):
     tickets = await retriever.prefetch_batch([PrefetchRequest(["river"], enabled=False), PrefetchRequest(["star"])])
-    assert tickets[0].handle is None and tickets[0].stats == {"enabled": False}
+    assert tickets[0].handle is None and tickets[0].stats == PrefetchStepStats()
     assert tickets[1].handle is not None
     for t in tickets:
         retriever.release(t)
@@ -116,7 +117,7 @@ def test_budget_is_copy_rate_times_overlap_capped_by_the_cache(retriever):
 async def test_no_overlap_means_no_prefetch(retriever):
     retriever.prefetch_budget_bytes = None
     ticket = await retriever.prefetch(["river fish"], overlap_ms=0.0)
-    assert ticket.handle is None and ticket.stats == {"enabled": False}
+    assert ticket.handle is None and ticket.stats == PrefetchStepStats()
 
 
 async def test_a_mean_query_scores_each_document_by_its_mean_score_over_the_texts(retriever):
@@ -142,6 +143,6 @@ async def test_the_batching_scheduler_carries_mean_queries(retriever):
     queries = [[MeanQuery(("river flood", "comet galaxy"))], ["bread oven"]]
     together = await asyncio.gather(*(batching.search(q, options) for q in queries))
     for query, outcome in zip(queries, together, strict=True):
-        assert outcome.stats["batch"] == 2  # one search for both callers
+        assert outcome.stats.batch == 2  # one search for both callers
         alone = await retriever.search(query, options)
         assert [d.id for d in outcome.documents[0]] == [d.id for d in alone.documents[0]]

@@ -19,6 +19,7 @@ from typing import ClassVar, TypeVar
 from telerag.pipelines import prompts
 from telerag.pipelines.prompts import Prompt
 from telerag.pipelines.replies import ReplyStream, clean_reply
+from telerag.pipelines.stats import GenerationStats, PrefetchStepStats, PrefetchSummary, SearchStats, Timings
 from telerag.pipelines.types import (
     Document,
     Engine,
@@ -35,6 +36,7 @@ from telerag.pipelines.types import (
     Step,
     TokenEvent,
     UsageEvent,
+    overlap_rates,
     query_texts,
 )
 
@@ -153,7 +155,7 @@ class RagPipeline:
             ctx.generated(generation.completion_tokens)
             ctx.steps.append(
                 Step(stage, "llm", prompt.user[-200:], generation.prompt_tokens, generation.completion_tokens, ms,
-                     {"ttft_ms": generation.ttft_ms, "finish_reason": generation.finish_reason}, start_ms)
+                     GenerationStats(generation.finish_reason, generation.ttft_ms), start_ms)
             )
         return generations
 
@@ -192,7 +194,7 @@ class RagPipeline:
             with contextlib.suppress(BaseException):
                 await asyncio.shield(prefetch)
             raise
-        ctx.steps.append(Step("prefetch", "prefetch", " | ".join(q_in)[:200], ms=ms, stats=dict(ticket.stats), start_ms=start_ms))
+        ctx.steps.append(Step("prefetch", "prefetch", " | ".join(q_in)[:200], ms=ms, stats=ticket.stats, start_ms=start_ms))
         try:
             wanted = q_out(produced)
             if wanted is None:
@@ -200,7 +202,7 @@ class RagPipeline:
             queries = [q for q in wanted if any(text.strip() for text in query_texts(q))] or [ctx.query]
             options = SearchOptions(top_k=ctx.options.top_k, nprobe=ctx.options.nprobe, prefetch=ctx.options.prefetch)
             outcome, start_ms, ms = await self.stage(ctx, "search", self.retriever.search(queries, options, ticket))
-            ctx.steps.append(Step("search", "retrieval", " | ".join(map(str, queries))[:200], ms=ms, stats=dict(outcome.stats), start_ms=start_ms))
+            ctx.steps.append(Step("search", "retrieval", " | ".join(map(str, queries))[:200], ms=ms, stats=outcome.stats, start_ms=start_ms))
         finally:
             self.retriever.release(ticket)
         return produced, outcome.documents
@@ -246,9 +248,9 @@ class RagPipeline:
         ctx.events.put_nowait(StageEvent("generate", "end", ms))
         if final is not None:
             prompt_tokens, completion_tokens = final.prompt_tokens, final.completion_tokens
-            stats = {"ttft_ms": final.ttft_ms, "finish_reason": final.finish_reason}
+            stats = GenerationStats(final.finish_reason, final.ttft_ms)
         else:  # stopped here, when the reply was over
-            prompt_tokens, completion_tokens, stats = self.engine.count_tokens(formatted), streamed, {"finish_reason": "stop"}
+            prompt_tokens, completion_tokens, stats = self.engine.count_tokens(formatted), streamed, GenerationStats("stop")
         ctx.generated(max(0, completion_tokens - streamed))  # chunks need not carry their token ids
         ctx.steps.append(
             Step("generate", "llm", ctx.query[:200], prompt_tokens, completion_tokens, ms, stats, (started - ctx.started) * 1e3)
@@ -262,33 +264,32 @@ class RagPipeline:
     # -- the result ---------------------------------------------------------------------------
 
     def _result(self, ctx: RunContext, answer: str) -> RagResult:
-        def total(kind: str, stage: str | None = None, key: str = "ms") -> float:
-            return float(sum((s.ms if key == "ms" else s.stats.get(key) or 0.0) for s in ctx.steps
-                             if s.kind == kind and (stage is None or s.stage == stage)))
+        searches = [s.stats for s in ctx.steps if isinstance(s.stats, SearchStats)]
+        prefetches = [s.stats for s in ctx.steps if isinstance(s.stats, PrefetchStepStats)]
+        overlaps = overlap_rates(ctx.steps)
 
-        searches = [s for s in ctx.steps if s.kind == "retrieval"]
-        prefetches = [s for s in ctx.steps if s.kind == "prefetch"]
-        overlaps = [s.stats["overlap_rate"] for s in searches if s.stats.get("overlap_rate") is not None]
-        pre_retrieval = [s for s in ctx.steps if s.kind == "llm" and s.stage not in ("generate",)]
-        timings = {
-            "total_ms": (time.perf_counter() - ctx.started) * 1e3,
-            "embed_ms": sum(float(s.stats.get("embed_ms") or 0.0) for s in searches + prefetches),
-            "prefetch_ms": total("prefetch"),
-            "pre_retrieval_ms": float(sum(s.ms for s in pre_retrieval)),
-            "search_ms": total("retrieval"),
-            "search_device_ms": total("retrieval", key="device_ms"),
-            "search_cpu_ms": total("retrieval", key="cpu_ms"),
-            "generate_ms": total("llm", "generate"),
-        }
-        prefetch = {
-            "clusters_prefetched": int(sum(s.stats.get("clusters_requested") or 0 for s in prefetches)),
-            "bytes_prefetched": int(sum(s.stats.get("bytes_copied") or 0 for s in prefetches)),
-            "overlap_rate": sum(overlaps) / len(overlaps) if overlaps else None,
-            "clusters_device": int(sum(s.stats.get("clusters_device") or 0 for s in searches)),
-            "clusters_cpu": int(sum(s.stats.get("clusters_cpu") or 0 for s in searches)),
-            "clusters_copied_on_demand": int(sum(s.stats.get("clusters_copied_on_demand") or 0 for s in searches)),
-            "clusters_late": int(sum(s.stats.get("clusters_late") or 0 for s in searches)),
-        }
+        def ms(kind: str, stage: str | None = None) -> float:
+            return float(sum(s.ms for s in ctx.steps if s.kind == kind and (stage is None or s.stage == stage)))
+
+        timings = Timings(
+            total_ms=(time.perf_counter() - ctx.started) * 1e3,
+            embed_ms=float(sum(s.embed_ms for s in [*searches, *prefetches])),
+            prefetch_ms=ms("prefetch"),
+            pre_retrieval_ms=float(sum(s.ms for s in ctx.steps if s.kind == "llm" and s.stage != "generate")),
+            search_ms=ms("retrieval"),
+            search_device_ms=float(sum(s.device_ms for s in searches)),
+            search_cpu_ms=float(sum(s.cpu_ms for s in searches)),
+            generate_ms=ms("llm", "generate"),
+        )
+        prefetch = PrefetchSummary(
+            clusters_prefetched=sum(s.plan.clusters_requested for s in prefetches),
+            bytes_prefetched=sum(s.plan.bytes_copied for s in prefetches),
+            overlap_rate=sum(overlaps) / len(overlaps) if overlaps else None,
+            clusters_device=sum(s.clusters_device for s in searches),
+            clusters_cpu=sum(s.clusters_cpu for s in searches),
+            clusters_copied_on_demand=sum(s.clusters_copied_on_demand for s in searches),
+            clusters_late=sum(s.clusters_late for s in searches),
+        )
         return RagResult(
             answer=answer,
             pipeline=self.name,

@@ -79,9 +79,6 @@ class RequestRecord:
         """Every search's q_out, in order (what the LLM wrote, for pipelines that search its text)."""
         return tuple(s.query for s in self.result.steps if s.kind == "retrieval")
 
-    def timing(self, key: str) -> float:
-        return float(self.result.timings.get(key) or 0.0)
-
 
 @dataclass(frozen=True)
 class E2ERow:
@@ -202,10 +199,10 @@ def summarise(
     """One row from a mode's records and the cpu mode's records of the same requests."""
     base_records, base_wall = baseline
     latency = [r.latency_ms for r in records]
-    retrieval = [r.timing("search_ms") for r in records]
-    overlaps = [r.result.prefetch["overlap_rate"] for r in records if r.result.prefetch.get("overlap_rate") is not None]
+    retrieval = [r.result.timings.search_ms for r in records]
+    overlaps = [r.result.prefetch.overlap_rate for r in records if r.result.prefetch.overlap_rate is not None]
     base_latency = statistics.fmean(r.latency_ms for r in base_records)
-    base_share = statistics.fmean(r.timing("search_ms") for r in base_records) / base_latency
+    base_share = statistics.fmean(r.result.timings.search_ms for r in base_records) / base_latency
     pairs = list(zip(records, base_records, strict=True))
     return E2ERow(
         pipeline=pipeline,
@@ -213,18 +210,18 @@ def summarise(
         mode=mode.value,
         requests=len(records),
         llm=llm,
-        t_llm_ms=statistics.fmean(r.timing("pre_retrieval_ms") for r in records),
+        t_llm_ms=statistics.fmean(r.result.timings.pre_retrieval_ms for r in records),
         latency_ms_p50=float(np.percentile(latency, 50)),
         latency_ms_p99=float(np.percentile(latency, 99)),
         latency_ms_mean=statistics.fmean(latency),
         throughput_rps=len(records) / wall_s,
         retrieval_ms_p50=float(np.percentile(retrieval, 50)),
         retrieval_ms_mean=statistics.fmean(retrieval),
-        retrieval_cpu_ms_mean=statistics.fmean(r.timing("search_cpu_ms") for r in records),
-        retrieval_device_ms_mean=statistics.fmean(r.timing("search_device_ms") for r in records),
-        generate_ms_mean=statistics.fmean(r.timing("generate_ms") for r in records),
+        retrieval_cpu_ms_mean=statistics.fmean(r.result.timings.search_cpu_ms for r in records),
+        retrieval_device_ms_mean=statistics.fmean(r.result.timings.search_device_ms for r in records),
+        generate_ms_mean=statistics.fmean(r.result.timings.generate_ms for r in records),
         overlap_rate=statistics.fmean(overlaps) if overlaps else None,
-        bytes_prefetched_mean=statistics.fmean(r.result.prefetch.get("bytes_prefetched") or 0 for r in records),
+        bytes_prefetched_mean=statistics.fmean(r.result.prefetch.bytes_prefetched for r in records),
         same_documents=statistics.fmean(r.documents == b.documents for r, b in pairs),
         same_queries=statistics.fmean(r.queries == b.queries for r, b in pairs),
         retrieval_share=statistics.fmean(retrieval) / statistics.fmean(latency),

@@ -7,11 +7,12 @@ import argparse
 import asyncio
 import json
 import logging
-from dataclasses import asdict
 
 from telerag.pipelines.registry import PIPELINES
-from telerag.pipelines.types import RagResult, ResultEvent, RunOptions, TokenEvent
+from telerag.pipelines.stats import SearchStats
+from telerag.pipelines.types import RagResult, RunEvent, RunOptions, TokenEvent, run_result
 from telerag.server.commands.serve import add_runtime_flags, overrides
+from telerag.server.protocol import QueryResponse
 from telerag.server.settings import load_settings
 
 
@@ -33,10 +34,15 @@ def print_result(result: RagResult) -> None:
         print(f"[{i}] {doc.title} (score {doc.score:.3f}, passage {doc.id})")
     print("\nstage                 ms  detail")
     for step in result.steps:
-        detail = step.stats.get("overlap_rate")
-        extra = f"overlap {detail:.2f}" if isinstance(detail, float) else (f"{step.tokens_out} tokens" if step.kind == "llm" else "")
+        overlap = step.stats.overlap_rate if isinstance(step.stats, SearchStats) else None
+        extra = f"overlap {overlap:.2f}" if overlap is not None else (f"{step.tokens_out} tokens" if step.kind == "llm" else "")
         print(f"{step.stage:<18}{step.ms:>8.1f}  {extra}")
-    print(f"{'total':<18}{result.timings['total_ms']:>8.1f}")
+    print(f"{'total':<18}{result.timings.total_ms:>8.1f}")
+
+
+def print_token(event: RunEvent) -> None:
+    if isinstance(event, TokenEvent):
+        print(event.text, end="", flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,16 +56,12 @@ def run(args: argparse.Namespace) -> int:
             pipeline = runtime.pipelines(runtime.retriever, [args.pipeline])[args.pipeline]
             options = RunOptions(top_k=args.top_k or settings.retrieval.top_k, nprobe=args.nprobe,
                                  max_tokens=args.max_tokens, prefetch=not args.no_prefetch)
-            async for event in pipeline.run(args.question, options):
-                if isinstance(event, TokenEvent) and not args.json:
-                    print(event.text, end="", flush=True)
-                if isinstance(event, ResultEvent):
-                    return event.result
-        raise RuntimeError("the pipeline ended without a result")
+            return await run_result(pipeline.run(args.question, options), None if args.json else print_token)
 
     result = asyncio.run(main())
     if args.json:
-        print(json.dumps(asdict(result), ensure_ascii=False))
+        response = QueryResponse.from_result(result, request_id="", with_documents=True)
+        print(json.dumps(response.model_dump(exclude={"id"}), ensure_ascii=False))
     else:
         print_result(result)
     return 0

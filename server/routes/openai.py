@@ -9,15 +9,13 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from telerag.pipelines.types import RagResult, RunEvent, TokenEvent
+from telerag.pipelines.types import RunEvent, TokenEvent
 from telerag.server import errors
 from telerag.server.admitted_run import EventStream
 from telerag.server.auth import Access
 from telerag.server.protocol import (
-    AssistantMessage,
     ChatChunkChoice,
     ChatCompletion,
-    ChatCompletionChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatDelta,
@@ -25,7 +23,6 @@ from telerag.server.protocol import (
     Model,
     ModelList,
     RequestModels,
-    Usage,
     new_id,
 )
 from telerag.server.routes.responses import generation_errors, json_or_events
@@ -66,9 +63,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, client
     request_id = new_id("chatcmpl")
     if body.stream:
         return await run.stream(chunks(request_id, body.model))
-    return await run.respond(lambda result: ChatCompletion(
-        id=request_id, model=body.model, usage=usage(result), choices=[ChatCompletionChoice(message=AssistantMessage(content=result.answer))],
-    ))
+    return await run.respond(lambda result: ChatCompletion.from_result(result, request_id=request_id, model=body.model))
 
 
 def chunks(request_id: str, model: str) -> EventStream:
@@ -85,10 +80,6 @@ def chunks(request_id: str, model: str) -> EventStream:
                 yield chunk(ChatDelta(content=event.text))
         yield chunk(ChatDelta(), finish_reason="stop")
 
-    return EventStream(events=events, error=lambda detail: sse_data({"error": detail.model_dump(exclude_none=True)}),
+    return EventStream(events=events, error=lambda detail: sse_data(ErrorResponse(error=detail).model_dump(exclude_none=True)),
                        end=sse_data("[DONE]"))
 
-
-def usage(result: RagResult) -> Usage:
-    prompt = sum(s.tokens_in for s in result.steps if s.kind == "llm")
-    return Usage(prompt_tokens=prompt, completion_tokens=result.tokens_generated, total_tokens=prompt + result.tokens_generated)

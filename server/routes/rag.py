@@ -19,6 +19,7 @@ from telerag.server.protocol import (
     PipelineList,
     QueryRequest,
     QueryResponse,
+    StageInfo,
     RequestModels,
     StageUpdate,
     TokenText,
@@ -49,7 +50,7 @@ def router(models: RequestModels, access: Access) -> APIRouter:
 
 async def pipelines(service: Service = Depends(serving)) -> PipelineList:
     return PipelineList(pipelines=[
-        PipelineInfo(name=name, description=p.description, stages=[{"name": s.name, "role": s.role} for s in p.stages])
+        PipelineInfo(name=name, description=p.description, stages=[StageInfo(name=s.name, role=s.role) for s in p.stages])
         for name, p in service.pipelines.items()
     ])
 

@@ -1,0 +1,81 @@
+"""What a pipeline run measures: each traced step's stats and the run's totals.
+
+Typed, so that a mistyped field is an AttributeError rather than a silent 0 in a metric. The
+server turns them into the JSON it documents (`server.protocol`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from telerag.retrieval.prefetch import PrefetchStats
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """An LLM step's."""
+
+    finish_reason: Literal["stop", "length", "abort"]
+    ttft_ms: float | None = None  # None: the reply was cut where it ended, before the engine's own report
+
+
+@dataclass(frozen=True)
+class PrefetchStepStats:
+    """A prefetch step's: its q_in embedding, how many callers' prefetches ran as one, and what
+    the engine planned and copied. One that did not run (turned off, no budget or no cache) is
+    not `enabled` and did nothing."""
+
+    enabled: bool = False
+    embed_ms: float = 0.0
+    batch: int = 0  # callers whose prefetches were planned together
+    plan: PrefetchStats = field(default_factory=PrefetchStats)
+
+
+@dataclass(frozen=True)
+class SearchStats:
+    """A search step's (summed over its queries, except `overlap_rate`)."""
+
+    embed_ms: float = 0.0
+    probe_ms: float = 0.0
+    device_ms: float = 0.0
+    cpu_ms: float = 0.0
+    total_ms: float = 0.0
+    overlap_rate: float | None = None  # mean over queries of |C_in ∩ C_out| / |C_out|; None without a prefetch
+    clusters_device: int = 0
+    clusters_cpu: int = 0
+    clusters_copied_on_demand: int = 0
+    clusters_late: int = 0  # resident, but scanned by faiss: their copies would have landed after it finished
+    copy_wait_ms: float = 0.0  # how long the device scan waited for copies in flight
+    nprobe: int = 0
+    batch: int = 0  # queries searched together, other callers' included
+
+
+StepStats = GenerationStats | PrefetchStepStats | SearchStats
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Where a run's time went (ms); stages that ran several times are summed."""
+
+    total_ms: float = 0.0
+    embed_ms: float = 0.0  # prefetches' and searches' embedding calls
+    prefetch_ms: float = 0.0
+    pre_retrieval_ms: float = 0.0  # every LLM call but the final answer's
+    search_ms: float = 0.0
+    search_device_ms: float = 0.0
+    search_cpu_ms: float = 0.0
+    generate_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class PrefetchSummary:
+    """A run's prefetches and where its searches scanned, summed over its steps."""
+
+    clusters_prefetched: int = 0
+    bytes_prefetched: int = 0
+    overlap_rate: float | None = None  # mean over searches with a prefetch
+    clusters_device: int = 0
+    clusters_cpu: int = 0
+    clusters_copied_on_demand: int = 0
+    clusters_late: int = 0

@@ -1,0 +1,114 @@
+"""Pydantic models of a RAG result's step stats, timings and prefetch summary: the JSON that
+`POST /v1/rag/query` documents for the typed stats of `pipelines.stats`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+
+from telerag.pipelines.stats import GenerationStats, PrefetchStepStats, SearchStats, StepStats
+
+
+class _OmitsAbsent(BaseModel):
+    """A model whose unset (None) fields are left out of the JSON rather than sent as null."""
+
+    @model_serializer(mode="wrap")
+    def _without_none(self, handler: SerializerFunctionWrapHandler):  # noqa: ANN202 - no annotation keeps the schema
+        return {name: value for name, value in handler(self).items() if value is not None}
+
+
+class GenerationStatsOut(_OmitsAbsent):
+    """An LLM step's stats."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    ttft_ms: float | None = Field(None, description="time to its first token; absent when the reply was cut where it ended")
+    finish_reason: Literal["stop", "length", "abort"]
+
+
+class PrefetchStatsOut(_OmitsAbsent):
+    """A prefetch step's stats: only `enabled` when it did not run (turned off, no budget or no cache)."""
+
+    enabled: bool
+    embed_ms: float | None = Field(None, description="embedding q_in")
+    batch: int | None = Field(None, description="callers whose prefetches were planned together")
+    clusters_requested: int | None = Field(None, description="clusters planned for this request, resident ones included")
+    bytes_requested: int | None = Field(None, description="bytes of those not resident when planned")
+    clusters_resident: int | None = Field(None, description="planned clusters already resident (pinned, not copied)")
+    clusters_copied: int | None = None
+    clusters_skipped: int | None = Field(None, description="planned clusters that did not fit beside pinned ones")
+    bytes_copied: int | None = None
+    copies: int | None = Field(None, description="copy calls issued (adjacent clusters coalesce)")
+    bytes_queued_ahead: int | None = Field(None, description="bytes on the copy stream ahead of this prefetch")
+    plan_ms: float | None = Field(None, description="ranking and planning")
+
+    @classmethod
+    def of(cls, stats: PrefetchStepStats) -> PrefetchStatsOut:
+        if not stats.enabled:
+            return cls(enabled=False)
+        return cls(enabled=True, embed_ms=stats.embed_ms, batch=stats.batch, **asdict(stats.plan))
+
+
+class SearchStatsOut(BaseModel):
+    """A search step's stats, summed over its queries (except `overlap_rate`)."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    embed_ms: float = Field(description="embedding q_out")
+    probe_ms: float = Field(description="ranking the centroids")
+    device_ms: float
+    cpu_ms: float
+    total_ms: float
+    overlap_rate: float | None = Field(description="mean over queries of |C_in ∩ C_out| / |C_out|; null without a prefetch")
+    clusters_device: int = Field(description="scanned on the device, those copied on demand included")
+    clusters_cpu: int = Field(description="scanned by faiss on the CPU")
+    clusters_copied_on_demand: int
+    clusters_late: int = Field(description="resident, but scanned by faiss: their copies would have landed after it finished")
+    copy_wait_ms: float = Field(description="how long the device scan waited for copies in flight")
+    nprobe: int
+    batch: int = Field(description="queries searched together, other requests' included")
+
+
+StepStatsOut = GenerationStatsOut | PrefetchStatsOut | SearchStatsOut
+
+
+def step_stats(stats: StepStats | None) -> StepStatsOut | None:
+    """The JSON model of a step's stats, chosen by their type."""
+    if isinstance(stats, PrefetchStepStats):
+        return PrefetchStatsOut.of(stats)
+    if isinstance(stats, SearchStats):
+        return SearchStatsOut.model_validate(stats)
+    if isinstance(stats, GenerationStats):
+        return GenerationStatsOut.model_validate(stats)
+    return None
+
+
+class TimingsOut(BaseModel):
+    """Where the request's time went (ms); stages that ran several times are summed."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    total_ms: float
+    embed_ms: float = Field(description="the prefetches' and searches' embedding calls")
+    prefetch_ms: float
+    pre_retrieval_ms: float = Field(description="every LLM call but the final answer's")
+    search_ms: float
+    search_device_ms: float
+    search_cpu_ms: float
+    generate_ms: float
+
+
+class PrefetchSummaryOut(BaseModel):
+    """The request's prefetches and where its searches scanned, summed over its steps."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    clusters_prefetched: int
+    bytes_prefetched: int
+    overlap_rate: float | None = Field(description="mean over searches with a prefetch; null without one")
+    clusters_device: int
+    clusters_cpu: int
+    clusters_copied_on_demand: int
+    clusters_late: int
