@@ -14,10 +14,7 @@ the wall time of the whole method. The greedy outputs are compared token for tok
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
-import logging
 import os
 import statistics
 import sys
@@ -61,78 +58,91 @@ class Measured:
     token_ids: list[list[int]]
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "generate", help="the transformers engine vs. plain model.generate: time to first token and tokens/s"
-    )
-    model = parser.add_mutually_exclusive_group()
-    model.add_argument("--tiny", action="store_true", help="a tiny random model (runs in seconds; its text is noise)")
-    model.add_argument("--model", help="a transformers model directory or a .gguf file (default: the embedded Gemma 3 270M)")
-    parser.add_argument("--prompts", type=int, default=8, help="requests (default 8)")
-    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default 32)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
-    parser.add_argument("--json", action="store_true", help="print one JSON line last")
-    parser.set_defaults(func=run)
+@dataclass(frozen=True)
+class GenerateConfig:
+    tiny: bool = False  # a tiny random model (runs in seconds; its text is noise)
+    model: str | None = None  # a transformers directory or a .gguf file; None: the embedded Gemma 3 270M
+    prompts: int = 8
+    max_tokens: int = 32
+    device: str = "cpu"
+    threads: int | None = None  # torch threads; None: torch's own choice
 
 
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # to stderr: the GGUF conversion's progress
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    engine, baseline = _load(args)
-    questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.prompts)]
+@dataclass(frozen=True)
+class GenerateReport:
+    """The four methods on the same requests, `generate_1by1` first: the others are compared with it."""
+
+    model: str
+    device: str
+    threads: int
+    load_average_1m: float
+    requests: int
+    max_tokens: int
+    methods: list[Measured]
+
+    def same_tokens_as_generate(self) -> dict[str, int]:
+        """Per method after the first: requests whose tokens equal `generate_1by1`'s."""
+        reference = self.methods[0].token_ids
+        return {m.method: sum(a == b for a, b in zip(m.token_ids, reference, strict=True)) for m in self.methods[1:]}
+
+    def to_dict(self) -> dict:
+        """The `--json` line."""
+        by_name = {m.method: m for m in self.methods}
+        return {
+            "model": self.model,
+            "device": self.device,
+            "threads": self.threads,
+            "load_average_1m": self.load_average_1m,
+            "requests": self.requests,
+            "max_tokens": self.max_tokens,
+            "methods": {m.method: {k: v for k, v in asdict(m).items() if k not in ("method", "token_ids")} for m in self.methods},
+            "same_tokens_as_generate": self.same_tokens_as_generate(),
+            "speedup_tokens_per_s": {
+                "engine_concurrent_vs_generate_1by1": by_name["engine_concurrent"].tokens_per_s / by_name["generate_1by1"].tokens_per_s,
+                "engine_concurrent_vs_generate_batch": by_name["engine_concurrent"].tokens_per_s / by_name["generate_batch"].tokens_per_s,
+                "engine_1by1_vs_generate_1by1": by_name["engine_1by1"].tokens_per_s / by_name["generate_1by1"].tokens_per_s,
+            },
+        }
+
+
+def run_generate(config: GenerateConfig) -> GenerateReport:
+    """Serve the same requests the four ways, one after another, after warming both up once."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    engine, baseline = _load(config)
+    questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(config.prompts)]
     prompts = [engine.format_prompt(f"Question: {q}\nAnswer:") for q in questions]
     ids = [engine.encode_prompt(p) for p in prompts]
-    params = SamplingParams(max_tokens=args.max_tokens)
-    _progress(f"{engine.name}: {args.prompts} requests x {args.max_tokens} tokens, greedy, {torch.get_num_threads()} threads")
+    params = SamplingParams(max_tokens=config.max_tokens)
+    _progress(f"{engine.name}: {config.prompts} requests x {config.max_tokens} tokens, greedy, {torch.get_num_threads()} threads")
 
     _hf_generate(engine, baseline, ids[:1], 2)  # warm both up once
     asyncio.run(engine.generate(prompts[:1], SamplingParams(max_tokens=2)))
     methods = [
-        _generate_one_by_one(engine, baseline, ids, args.max_tokens),
-        _generate_batched(engine, baseline, ids, args.max_tokens),
+        _generate_one_by_one(engine, baseline, ids, config.max_tokens),
+        _generate_batched(engine, baseline, ids, config.max_tokens),
         asyncio.run(_engine_one_by_one(engine, prompts, params)),
         asyncio.run(_engine_concurrent(engine, prompts, params)),
     ]
     asyncio.run(engine.close())
-
-    reference = methods[0].token_ids
-    report = {
-        "model": engine.name,
-        "device": args.device,
-        "threads": torch.get_num_threads(),
-        "load_average_1m": os.getloadavg()[0],
-        "requests": args.prompts,
-        "max_tokens": args.max_tokens,
-        "methods": {m.method: {k: v for k, v in asdict(m).items() if k not in ("method", "token_ids")} for m in methods},
-        "same_tokens_as_generate": {
-            m.method: sum(a == b for a, b in zip(m.token_ids, reference, strict=True)) for m in methods[1:]
-        },
-        "speedup_tokens_per_s": {
-            "engine_concurrent_vs_generate_1by1": methods[3].tokens_per_s / methods[0].tokens_per_s,
-            "engine_concurrent_vs_generate_batch": methods[3].tokens_per_s / methods[1].tokens_per_s,
-            "engine_1by1_vs_generate_1by1": methods[2].tokens_per_s / methods[0].tokens_per_s,
-        },
-    }
-    print(_table(methods, report))
-    if args.json:
-        print(json.dumps(report))
-    return 0
+    return GenerateReport(
+        model=engine.name, device=config.device, threads=torch.get_num_threads(), load_average_1m=os.getloadavg()[0],
+        requests=config.prompts, max_tokens=config.max_tokens, methods=methods,
+    )
 
 
-def _load(args: argparse.Namespace) -> tuple[TransformersEngine, torch.nn.Module]:
+def _load(config: GenerateConfig) -> tuple[TransformersEngine, torch.nn.Module]:
     """The engine, and the same weights loaded again as plain transformers has them."""
-    if args.tiny:
+    if config.tiny:
         model, tokenizer = tiny_random_lm(0)
         baseline, _ = tiny_random_lm(0)
-        return TransformersEngine(model, tokenizer, name="tiny-gemma3", device=args.device), baseline.eval().to(args.device)
+        return TransformersEngine(model, tokenizer, name="tiny-gemma3", device=config.device), baseline.eval().to(config.device)
     from transformers import AutoModelForCausalLM
 
-    directory = _model_dir(args.model)
-    engine = TransformersEngine.from_pretrained(directory, device=args.device, name=directory.name if args.model else EMBEDDED_NAME)
+    directory = _model_dir(config.model)
+    engine = TransformersEngine.from_pretrained(directory, device=config.device, name=directory.name if config.model else EMBEDDED_NAME)
     baseline = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=engine.model.dtype)
-    return engine, baseline.eval().to(args.device)
+    return engine, baseline.eval().to(config.device)
 
 
 def _model_dir(model: str | None) -> Path:
@@ -225,16 +235,17 @@ def _measured(method: str, tokens: list[list[int]], ttfts_ms: list[float], secon
                     statistics.median(ttfts_ms), tokens)
 
 
-def _table(methods: list[Measured], report: dict) -> str:
-    base = methods[0].tokens_per_s
+def format_table(report: GenerateReport) -> str:
+    base = report.methods[0].tokens_per_s
+    same_tokens = report.same_tokens_as_generate()
     lines = [
-        f"{report['model']} on {report['device']}, {report['threads']} threads, load average {report['load_average_1m']:.1f}; "
-        f"{report['requests']} requests x {report['max_tokens']} tokens",
+        f"{report.model} on {report.device}, {report.threads} threads, load average {report.load_average_1m:.1f}; "
+        f"{report.requests} requests x {report.max_tokens} tokens",
         f"{'method':<20}{'tokens':>8}{'seconds':>10}{'tokens/s':>10}{'ttft mean ms':>14}{'ttft p50 ms':>13}"
         f"{'speedup':>9}{'same':>6}",
     ]
-    for m in methods:
-        same = report["same_tokens_as_generate"].get(m.method, m.requests)
+    for m in report.methods:
+        same = same_tokens.get(m.method, m.requests)
         lines.append(
             f"{m.method:<20}{m.tokens:>8}{m.seconds:>10.2f}{m.tokens_per_s:>10.1f}{m.ttft_ms_mean:>14.1f}"
             f"{m.ttft_ms_p50:>13.1f}{m.tokens_per_s / base:>8.2f}x{same:>4}/{m.requests}"

@@ -1,82 +1,131 @@
-"""Time the device scan on a GPU: Triton kernel variants vs. the torch gather path, against the
-bytes they must read (each probed row once). Run on a CUDA machine:
+"""`telerag bench kernels`: the device scan on CUDA, every Triton kernel variant (block sizes,
+warps, stages) against the torch gather path, over the bytes they must read (each probed row
+once). The chosen defaults are `retrieval.kernels.BLOCK_N` and `BLOCK_D`.
 
-    python scripts/kernel_sweep.py --rows-per-cluster 1000 --clusters 256 --dim 768 --batch 1
-"""
+The buffer holds `buffer_clusters` clusters of `rows_per_cluster` random rows, one after another;
+every query probes the same `clusters` of them, picked at random."""
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
-from telerag.retrieval import kernels, search
+from telerag.retrieval import kernels
 from telerag.retrieval.cache import Segment
+from telerag.retrieval.search import scan_resident
+
+BLOCK_N = (32, 64, 128)
+BLOCK_D = (32, 64, 128)
+WARPS = (4, 8)
+STAGES = (2, 3, 4)
+TOP_K = 10  # of the whole-scan timings
+TIMED_RUNS = 20  # after 3 unmeasured ones
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rows-per-cluster", type=int, default=1000)
-    parser.add_argument("--clusters", type=int, default=256)
-    parser.add_argument("--buffer-clusters", type=int, default=800)
-    parser.add_argument("--dim", type=int, default=768)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32")
-    args = parser.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = False
+@dataclass(frozen=True)
+class KernelSweepConfig:
+    rows_per_cluster: int = 1000
+    clusters: int = 256  # probed by every query
+    buffer_clusters: int = 800
+    dim: int = 768
+    batch: int = 1
+    dtype: str = "fp32"  # or fp16
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compiled kernel variant: its launch parameters and, unless it failed, its time."""
+
+    block_n: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+    ms: float | None = None  # median
+    gbps: float | None = None  # bytes read / ms
+    rel_err: float | None = None  # max |kernel - torch| / max |torch| over the scores
+    error: str | None = None  # why it did not run (a variant that does not compile is skipped)
+
+
+@dataclass(frozen=True)
+class KernelSweep:
+    bytes: int  # rows the probed clusters hold: what a scan must read
+    torch_scan_ms: float  # `scan_resident` (top-k included) on the torch path
+    kernel_scan_ms: float  # and with the kernel at its defaults
+    variants: list[Variant]  # fastest first; failed ones last
+
+    @property
+    def best(self) -> Variant | None:
+        return self.variants[0] if self.variants and self.variants[0].ms is not None else None
+
+    def to_dict(self) -> dict:
+        """The `--json` line: the totals, the best variant and every variant."""
+        best = self.best
+        return {"bytes": self.bytes, "torch_scan_ms": self.torch_scan_ms, "kernel_scan_ms": self.kernel_scan_ms,
+                "best": asdict(best) if best else None, "variants": [asdict(v) for v in self.variants]}
+
+
+def _median_ms(fn: Callable[[], object]) -> float:
+    """Median CUDA-event time of `fn` over TIMED_RUNS runs, after three unmeasured ones."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(TIMED_RUNS):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end))
+    return float(np.median(times))
+
+
+def run_kernel_sweep(config: KernelSweepConfig) -> KernelSweep:
+    """Time every variant of `kernels.score_segments`, then the whole `scan_resident` with and
+    without the kernel (needs CUDA)."""
+    torch.backends.cuda.matmul.allow_tf32 = False  # the reference is plain fp32, as the kernel is
     device = torch.device("cuda")
-    dtype = torch.float32 if args.dtype == "fp32" else torch.float16
-    rows = args.rows_per_cluster
-    buffer = torch.randn(args.buffer_clusters * rows, args.dim, device=device).to(dtype)
-    rng = np.random.default_rng(0)
-    chosen = np.sort(rng.choice(args.buffer_clusters, args.clusters, replace=False))
+    dtype = torch.float32 if config.dtype == "fp32" else torch.float16
+    rows = config.rows_per_cluster
+    buffer = torch.randn(config.buffer_clusters * rows, config.dim, device=device).to(dtype)
+    chosen = np.sort(np.random.default_rng(0).choice(config.buffer_clusters, config.clusters, replace=False))
     resident = {int(c): [Segment(int(c) * rows, rows, int(c) * rows)] for c in chosen}
-    queries = torch.randn(args.batch, args.dim, device=device)
-    probes = [chosen.tolist()] * args.batch
-    nbytes = args.clusters * rows * args.dim * buffer.element_size()
+    queries = torch.randn(config.batch, config.dim, device=device)
+    probes = [chosen.tolist()] * config.batch
+    nbytes = config.clusters * rows * config.dim * buffer.element_size()
+    # (buffer start, length, owner) of each probed cluster, every query probing every one
+    segments = np.stack([chosen * rows, np.full(len(chosen), rows), np.arange(len(chosen))], axis=1).astype(np.int64)
+    member = torch.ones((config.batch, len(chosen)), dtype=torch.uint8, device=device)
+    reference = (queries @ torch.cat([buffer[c * rows : (c + 1) * rows] for c in chosen]).float().T)
+    variants = []
+    for block_n, block_d, warps, stages in itertools.product(BLOCK_N, BLOCK_D, WARPS, STAGES):
+        def score() -> torch.Tensor:
+            return kernels.score_segments(buffer, queries, member, segments, block_n=block_n, block_d=block_d,
+                                          num_warps=warps, num_stages=stages)
 
-    def time_it(fn) -> float:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(20):
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end))
-        return float(np.median(times))
-
-    table = search._segment_table(resident, sorted(resident))
-    member = torch.ones((args.batch, len(resident)), dtype=torch.uint8, device=device)
-    reference = (queries @ torch.cat([buffer[s.start : s.start + s.length] for c in sorted(resident) for s in resident[c]]).float().T)
-    results = []
-    for block_n, block_d, warps, stages in itertools.product([32, 64, 128], [32, 64, 128], [4, 8], [2, 3, 4]):
-        fn = lambda: kernels.score_segments(  # noqa: E731
-            buffer, queries, member, table[:, [0, 1, 3]], block_n=block_n, block_d=block_d, num_warps=warps, num_stages=stages
-        )
         try:
-            error = float(((fn() - reference).abs().max() / reference.abs().max()).item())
-            ms = time_it(fn)
+            error = float(((score() - reference).abs().max() / reference.abs().max()).item())
+            ms = _median_ms(score)
         except Exception as exc:  # noqa: BLE001 - a variant that does not compile is just skipped
-            results.append({"variant": [block_n, block_d, warps, stages], "error": str(exc)[:80]})
+            variants.append(Variant(block_n, block_d, warps, stages, error=str(exc)[:80]))
             continue
-        results.append({"variant": [block_n, block_d, warps, stages], "ms": ms, "gbps": nbytes / ms / 1e6, "rel_err": error})
-    saved = search.kernels.available
-    search.kernels.available = lambda device: False
-    torch_ms = time_it(lambda: search.scan_resident(buffer, queries, resident, probes, 10))
-    search.kernels.available = saved
-    kernel_ms = time_it(lambda: search.scan_resident(buffer, queries, resident, probes, 10))
-    ok = sorted((r for r in results if "ms" in r), key=lambda r: r["ms"])
-    for r in ok[:8]:
-        print(r)
-    print(json.dumps({"bytes": nbytes, "torch_scan_ms": torch_ms, "kernel_scan_ms": kernel_ms, "best": ok[0] if ok else None}))
+        variants.append(Variant(block_n, block_d, warps, stages, ms=ms, gbps=nbytes / ms / 1e6, rel_err=error))
+    torch_ms = _median_ms(lambda: scan_resident(buffer, queries, resident, probes, TOP_K, use_kernel=False))
+    kernel_ms = _median_ms(lambda: scan_resident(buffer, queries, resident, probes, TOP_K))
+    variants.sort(key=lambda v: (v.ms is None, v.ms or 0.0))
+    return KernelSweep(bytes=nbytes, torch_scan_ms=torch_ms, kernel_scan_ms=kernel_ms, variants=variants)
 
 
-if __name__ == "__main__":
-    main()
+def format_table(sweep: KernelSweep, rows: int = 8) -> str:
+    """The `rows` fastest variants, then the whole scan both ways."""
+    lines = [f"{'block_n':>8}{'block_d':>8}{'warps':>6}{'stages':>7}{'ms':>9}{'GB/s':>8}{'rel err':>10}"]
+    for v in [v for v in sweep.variants if v.ms is not None][:rows]:
+        lines.append(f"{v.block_n:>8}{v.block_d:>8}{v.num_warps:>6}{v.num_stages:>7}{v.ms:>9.3f}{v.gbps:>8.0f}{v.rel_err:>10.1e}")
+    failed = sum(v.ms is None for v in sweep.variants)
+    lines.append(f"{len(sweep.variants) - failed} variants ran, {failed} failed; {sweep.bytes / 1e6:.0f} MB probed")
+    lines.append(f"scan_resident: torch {sweep.torch_scan_ms:.3f} ms, kernel {sweep.kernel_scan_ms:.3f} ms")
+    return "\n".join(lines)

@@ -26,8 +26,9 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
-from telerag.pipelines.overlap import overlap_rates
+from telerag.benchmarks.overlap import overlap_rates
 from telerag.pipelines.questions import Question, run_questions
 from telerag.pipelines.rag.base import merge_documents
 from telerag.pipelines.types import (
@@ -259,3 +260,24 @@ async def retrieval_study(
         on_question()
     return tally.row("retrieval", len(questions), k, nprobe, nlist)
 
+
+def format_table(rows: list[QualityRow], datastore: Path) -> str:
+    """One line per row under a header naming the questions, the datastore, k and nprobe."""
+
+    def num(value: float | None, digits: int = 3) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    first = rows[0]
+    lines = [
+        f"{first.questions} questions, datastore {datastore}, k {first.k}, nprobe {first.nprobe} of {first.nlist} lists",
+        f"{'pipeline':<13}{'recall@k':>9}{'exact':>7}{'EM':>7}{'F1':>7}{'overlap':>9}"
+        f"{'prefetch':>10}{'pre-retr.':>11}{'search':>9}{'generate':>10}{'total ms':>10}",
+    ]
+    for row in rows:
+        ms = row.latency_ms
+        lines.append(
+            f"{row.pipeline:<13}{num(row.recall):>9}{num(row.recall_exact):>7}{num(row.exact_match):>7}{num(row.f1):>7}"
+            f"{num(row.overlap_rate):>9}{ms.prefetch:>10.1f}{ms.pre_retrieval:>11.1f}{ms.search:>9.1f}"
+            f"{ms.generate:>10.1f}{ms.total:>10.1f}"
+        )
+    return "\n".join(lines)

@@ -12,6 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from tqdm.auto import tqdm
 
+from telerag.benchmarks.report import key_value_table
 from telerag.retrieval.builder import write_clustered
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.datastore import Datastore
@@ -328,14 +329,7 @@ def run(config: BenchConfig, progress: bool = True) -> dict:
 
 
 def format_table(result: dict) -> str:
-    rows = [(key, value) for key, value in result.items()]
-    width = max(len(k) for k, _ in rows)
-    lines = []
-    for key, value in rows:
-        if isinstance(value, float):
-            value = f"{value:.4g}"
-        lines.append(f"{key:<{width}}  {value}")
-    return "\n".join(lines)
+    return key_value_table(result, float_format=".4g")
 
 
 def config_dict(config: BenchConfig) -> dict:

@@ -9,27 +9,41 @@ so what is measured is the server's work, not an HTTP library's."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import socket
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import uvicorn
+
+from telerag.pipelines.embedder import Embedder
+from telerag.pipelines.engines.cpu import TransformersEngine, tiny_random_lm
+from telerag.pipelines.questions import read_questions, run_one
+from telerag.pipelines.retriever import open_retriever
+from telerag.pipelines.types import RunOptions
+from telerag.retrieval.builder import build_datastore
+from telerag.retrieval.corpus import read_wikipedia, split_passages
+from telerag.server.app import create_app, start_serving
+from telerag.server.runtime import Runtime, run_event_loop
+from telerag.server.settings import Settings, load_settings, packaged_config
+
+WARMUP = 3  # first requests left out of the figures
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("server", help="HTTP + scheduling overhead vs in-process, tiny LM")
-    parser.add_argument("--requests", type=int, default=100)
-    parser.add_argument("--articles", type=int, default=200, help="Wikipedia articles in the throwaway datastore")
-    parser.add_argument("--pipeline", default="naive")
-    parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--batch-window-ms", type=float, help="the scheduler's batching window (default: the config's)")
-    parser.add_argument("--json", action="store_true")
-    parser.set_defaults(func=run)
+@dataclass(frozen=True)
+class ServerOverheadConfig:
+    requests: int = 100
+    articles: int = 200  # Wikipedia articles in the throwaway datastore
+    pipeline: str = "naive"
+    max_tokens: int = 8
+    batch_window_ms: float | None = None  # the scheduler's batching window; None: the config's
+    progress: bool = True  # the datastore build's progress bars
 
 
 def _percentiles(values: list[float]) -> tuple[float, float]:
@@ -62,73 +76,60 @@ class _BareClient:
         await self.writer.wait_closed()
 
 
-def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from telerag.pipelines.embedder import Embedder
-    from telerag.pipelines.engines.cpu import TransformersEngine, tiny_random_lm
-    from telerag.pipelines.questions import read_questions, run_one
-    from telerag.pipelines.retriever import open_retriever
-    from telerag.pipelines.types import RunOptions
-    from telerag.retrieval.builder import build_datastore
-    from telerag.retrieval.corpus import read_wikipedia, split_passages
-    from telerag.server.app import create_app, start_serving
-    from telerag.server.runtime import Runtime, run_event_loop
-    from telerag.server.settings import load_settings, packaged_config
-
+def run_server_overhead(config: ServerOverheadConfig) -> dict:
+    """Build a throwaway datastore of the first `articles` Wikipedia articles with the embedded
+    embedder, serve it with the tiny random LM, and time every question both ways; the report."""
     questions = [q.text for q in read_questions(packaged_config("questions_wiki_en.txt"))]
-    questions = [questions[i % len(questions)] for i in range(args.requests)]
+    questions = [questions[i % len(questions)] for i in range(config.requests)]
     embedder = Embedder.embedded_default()
     with tempfile.TemporaryDirectory() as tmp:
-        articles = list(read_wikipedia())[: args.articles]
+        articles = list(read_wikipedia())[: config.articles]
         build_datastore(split_passages(articles), embedder.encode, embedder=embedder.name, out_dir=Path(tmp) / "ds",
-                        progress=not args.json)
+                        progress=config.progress)
         retriever = open_retriever(Path(tmp) / "ds", embedder, device="cpu")
         engine = TransformersEngine(*tiny_random_lm(), name="tiny-random")
-        window = {} if args.batch_window_ms is None else {"scheduler": {"batch_window_ms": args.batch_window_ms}}
+        window = {} if config.batch_window_ms is None else {"scheduler": {"batch_window_ms": config.batch_window_ms}}
         settings = load_settings(overrides=window)
         runtime = Runtime(settings=settings, engine=engine, retriever=retriever,
                           datastore_info=retriever.datastore_info(), cache_stats=retriever.cache_stats)
-        options = RunOptions(max_tokens=args.max_tokens)
-
-        async def measure() -> tuple[list[float], list[float]]:
-            pipeline = runtime.pipelines(retriever, [args.pipeline])[args.pipeline]  # as the server builds it
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            app = create_app(settings)
-            start_serving(app, runtime)
-            server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-            task = asyncio.create_task(server.serve())
-            while not server.started:
-                await asyncio.sleep(0.05)
-            client = await _BareClient.connect(port)
-            direct, http = [], []
-            for i, question in enumerate(questions):
-                started = time.perf_counter()
-                await run_one(pipeline, question, options)
-                between = time.perf_counter()
-                await client.post_json("/v1/rag/query", {"query": question, "pipeline": args.pipeline, "max_tokens": args.max_tokens})
-                if i >= 3:  # warm-up
-                    direct.append((between - started) * 1e3)
-                    http.append((time.perf_counter() - between) * 1e3)
-            await client.close()
-            server.should_exit = True
-            await task
-            return direct, http
-
-        direct, http = run_event_loop(measure(), settings)  # both sides run in it
+        direct, http = run_event_loop(_paired_latencies(settings, runtime, questions, config), settings)  # both sides run in it
         retriever.close()
     overhead = [h - d for d, h in zip(direct, http, strict=True)]
     (d50, d99), (h50, h99), (o50, o99) = _percentiles(direct), _percentiles(http), _percentiles(overhead)
-    result = {
-        "pipeline": args.pipeline, "requests": len(direct), "batch_window_ms": settings.scheduler.batch_window_ms,
+    return {
+        "pipeline": config.pipeline, "requests": len(direct), "batch_window_ms": settings.scheduler.batch_window_ms,
         "in_process_ms_p50": d50, "in_process_ms_p99": d99, "http_ms_p50": h50, "http_ms_p99": h99,
         "overhead_ms_p50": o50, "overhead_ms_p99": o99, "overhead_ms_mean": statistics.fmean(overhead),
     }
-    width = max(len(k) for k in result)
-    for key, value in result.items():
-        print(f"{key:<{width}}  {value:.3f}" if isinstance(value, float) else f"{key:<{width}}  {value}")
-    if args.json:
-        print(json.dumps(result))
-    return 0
+
+
+async def _paired_latencies(
+    settings: Settings, runtime: Runtime, questions: Sequence[str], config: ServerOverheadConfig
+) -> tuple[list[float], list[float]]:
+    """Milliseconds of each question in-process and then over HTTP to the app serving `runtime`
+    on a free loopback port (the first WARMUP left out)."""
+    pipeline = runtime.pipelines(runtime.retriever, [config.pipeline])[config.pipeline]  # as the server builds it
+    options = RunOptions(max_tokens=config.max_tokens)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = create_app(settings)
+    start_serving(app, runtime)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.05)
+    client = await _BareClient.connect(port)
+    direct, http = [], []
+    for i, question in enumerate(questions):
+        started = time.perf_counter()
+        await run_one(pipeline, question, options)
+        between = time.perf_counter()
+        await client.post_json("/v1/rag/query", {"query": question, "pipeline": config.pipeline, "max_tokens": config.max_tokens})
+        if i >= WARMUP:
+            direct.append((between - started) * 1e3)
+            http.append((time.perf_counter() - between) * 1e3)
+    await client.close()
+    server.should_exit = True
+    await task
+    return direct, http

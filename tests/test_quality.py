@@ -9,7 +9,7 @@ import pytest
 
 from telerag.pipelines.embedder import Embedder
 from telerag.pipelines.engines.cpu import tiny_random_lm
-from telerag.pipelines.quality import (
+from telerag.benchmarks.quality import (
     SearchRecorder,
     article_found,
     exact_match,

@@ -1,5 +1,5 @@
 """`telerag bench quality`: retrieval recall, answer quality and stage latency per pipeline over a
-question file with the configured LLM and datastore (see `pipelines.quality`)."""
+question file with the configured LLM and datastore (see `benchmarks.quality`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from telerag.pipelines.quality import QualityRow, SearchRecorder, quality_study, retrieval_study
+from telerag.benchmarks.quality import QualityRow, SearchRecorder, format_table, quality_study, retrieval_study
 from telerag.pipelines.questions import Question, read_questions
 from telerag.pipelines.registry import PIPELINES
 from telerag.pipelines.types import RunOptions
@@ -74,23 +74,3 @@ async def _retrieval_only(settings: Settings, questions: list[Question], k: int)
                                           on_question=bar.update)]
     finally:
         retriever.close()
-
-
-def format_table(rows: list[QualityRow], datastore: Path) -> str:
-    def num(value: float | None, digits: int = 3) -> str:
-        return "-" if value is None else f"{value:.{digits}f}"
-
-    first = rows[0]
-    lines = [
-        f"{first.questions} questions, datastore {datastore}, k {first.k}, nprobe {first.nprobe} of {first.nlist} lists",
-        f"{'pipeline':<13}{'recall@k':>9}{'exact':>7}{'EM':>7}{'F1':>7}{'overlap':>9}"
-        f"{'prefetch':>10}{'pre-retr.':>11}{'search':>9}{'generate':>10}{'total ms':>10}",
-    ]
-    for row in rows:
-        ms = row.latency_ms
-        lines.append(
-            f"{row.pipeline:<13}{num(row.recall):>9}{num(row.recall_exact):>7}{num(row.exact_match):>7}{num(row.f1):>7}"
-            f"{num(row.overlap_rate):>9}{ms.prefetch:>10.1f}{ms.pre_retrieval:>11.1f}{ms.search:>9.1f}"
-            f"{ms.generate:>10.1f}{ms.total:>10.1f}"
-        )
-    return "\n".join(lines)
