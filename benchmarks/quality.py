@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from telerag.benchmarks.overlap import overlap_rates
 from telerag.pipelines.questions import Question, run_questions
 from telerag.pipelines.rag.base import merge_documents
@@ -40,6 +42,8 @@ from telerag.pipelines.types import (
     SearchOptions,
     SearchOutcome,
 )
+from telerag.server.runtime import open_retrieval, open_runtime
+from telerag.server.settings import Settings
 
 # -------------------------------------------------------------------------------------------------
 # Answer metrics (SQuAD v1.1's evaluation script, rewritten)
@@ -259,6 +263,33 @@ async def retrieval_study(
         tally.add_timings({"search_ms": ms, "total_ms": ms})
         on_question()
     return tally.row("retrieval", len(questions), k, nprobe, nlist)
+
+
+async def configured_quality_study(
+    settings: Settings, names: Sequence[str], questions: Sequence[Question], k: int, max_tokens: int
+) -> list[QualityRow]:
+    """`quality_study` of the named pipelines with the configured LLM and datastore, at the
+    configured nprobe, with a progress bar."""
+    async with open_runtime(settings) as runtime:
+        info = runtime.datastore_info
+        recorder = SearchRecorder(runtime.retriever)
+        pipelines = runtime.pipelines(recorder, names)
+        options = RunOptions(top_k=k, nprobe=info.nprobe, max_tokens=max_tokens)
+        with tqdm(total=len(pipelines) * len(questions), desc="questions", unit="q") as bar:
+            return await quality_study(list(pipelines.values()), recorder, questions, options,
+                                       nprobe=info.nprobe, nlist=info.nlist, on_question=bar.update)
+
+
+async def configured_retrieval_study(settings: Settings, questions: Sequence[Question], k: int) -> list[QualityRow]:
+    """`retrieval_study` of the configured datastore (no LLM loaded), with a progress bar."""
+    retriever = open_retrieval(settings)
+    try:
+        info = retriever.datastore_info()
+        with tqdm(total=len(questions), desc="questions", unit="q") as bar:
+            return [await retrieval_study(retriever, questions, k=k, nprobe=info.nprobe, nlist=info.nlist,
+                                          on_question=bar.update)]
+    finally:
+        retriever.close()
 
 
 def format_table(rows: list[QualityRow], datastore: Path) -> str:
