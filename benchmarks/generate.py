@@ -43,6 +43,12 @@ QUESTIONS = [
     "Who was the first person on the Moon?",
 ]
 
+SPEEDUPS = (  # (method, over method) pairs of the report's tokens/s ratios
+    ("engine_concurrent", "generate_1by1"),
+    ("engine_concurrent", "generate_batch"),
+    ("engine_1by1", "generate_1by1"),
+)
+
 
 @dataclass
 class Measured:
@@ -87,7 +93,7 @@ class GenerateReport:
 
     def to_dict(self) -> dict:
         """The `--json` line."""
-        by_name = {m.method: m for m in self.methods}
+        tokens_per_s = {m.method: m.tokens_per_s for m in self.methods}
         return {
             "model": self.model,
             "device": self.device,
@@ -97,11 +103,7 @@ class GenerateReport:
             "max_tokens": self.max_tokens,
             "methods": {m.method: {k: v for k, v in asdict(m).items() if k not in ("method", "token_ids")} for m in self.methods},
             "same_tokens_as_generate": self.same_tokens_as_generate(),
-            "speedup_tokens_per_s": {
-                "engine_concurrent_vs_generate_1by1": by_name["engine_concurrent"].tokens_per_s / by_name["generate_1by1"].tokens_per_s,
-                "engine_concurrent_vs_generate_batch": by_name["engine_concurrent"].tokens_per_s / by_name["generate_batch"].tokens_per_s,
-                "engine_1by1_vs_generate_1by1": by_name["engine_1by1"].tokens_per_s / by_name["generate_1by1"].tokens_per_s,
-            },
+            "speedup_tokens_per_s": {f"{a}_vs_{b}": tokens_per_s[a] / tokens_per_s[b] for a, b in SPEEDUPS},
         }
 
 

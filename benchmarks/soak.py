@@ -158,5 +158,8 @@ def format_table(report: SoakReport) -> str:
         "rss start MB": rss[0][1] if rss else None, "rss end MB": rss[-1][1] if rss else None,
         "rss growth": report.rss_growth,
     }
-    failures = {f"  failure {kind}": count for kind, count in report.failures.items()}
-    return "\n".join([key_value_table(rows), *([key_value_table(failures, width=max(map(len, rows)))] if failures else [])])
+    table = key_value_table(rows)
+    if report.failures:
+        failures = {f"  failure {kind}": count for kind, count in report.failures.items()}
+        table += "\n" + key_value_table(failures, width=max(map(len, rows)))
+    return table
