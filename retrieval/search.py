@@ -82,13 +82,15 @@ def scan_resident(
     *,
     codec: Codec = Codec.FP32,
     codec_params: torch.Tensor | None = None,
+    use_kernel: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k (scores, ids) of each query over the resident clusters it probes; -inf / -1 padded.
     The buffer holds `codec`'s codes (decoded with `codec_params` where the codec has them).
 
     The union of the batch's probed clusters is read once, against all the queries; a score
     counts only for the queries that probe that row's cluster. On CUDA a Triton kernel scores
-    the rows in place; elsewhere the rows are gathered in chunks and multiplied.
+    the rows in place (unless `use_kernel` is false: `telerag bench kernels` compares the two);
+    elsewhere the rows are gathered in chunks and multiplied.
     """
     n, dim = queries.shape
     union = sorted({c for query_probes in probes for c in query_probes})
@@ -102,7 +104,7 @@ def scan_resident(
         membership[i, [position[c] for c in query_probes]] = 1
     member = torch.from_numpy(membership).to(buffer.device, non_blocking=True)
     table = _segment_table(resident, union)
-    if kernels.available(buffer.device):
+    if use_kernel and kernels.available(buffer.device):
         scores = kernels.score_segments(buffer, queries, member, table[:, [0, 1, 3]], sq8_params=codec_params)
         return _topk_padded(scores, _ColumnIds(table, buffer.device), k)
     rows, ids, owner = _expand(table, buffer.device)

@@ -10,6 +10,7 @@ from telerag.server.commands import (
     ask,
     bench_e2e,
     bench_generate,
+    bench_kernels,
     bench_overlap,
     bench_quality,
     bench_retrieval,
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_group = commands.add_parser("bench", help="benchmarks (table, or one JSON line with --json)")
     bench_commands = bench_group.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     bench_retrieval.register(bench_commands)
+    bench_kernels.register(bench_commands)
     bench_generate.register(bench_commands)
     bench_overlap.register(bench_commands)
     bench_quality.register(bench_commands)

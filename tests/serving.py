@@ -23,7 +23,7 @@ import uvicorn
 from telerag.pipelines.embedder import Embedder
 from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import Article, split_passages
-from telerag.server.benchmarks.random_llm import tiny_random_lm
+from telerag.benchmarks.random_llm import tiny_random_lm
 from tests.tiny_models import tiny_embedder_dir
 
 ROOT = Path(__file__).resolve().parents[1]

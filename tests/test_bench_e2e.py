@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
+from telerag.benchmarks.random_llm import random_weight_engine
+from telerag.benchmarks.scaled import scaled_datastore
 from telerag.pipelines.embedder import Embedder
 from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import Article, split_passages
 from telerag.retrieval.datastore import Datastore
 from telerag.pipelines.types import SamplingParams
-from telerag.server.benchmarks.random_llm import random_weight_engine
-from telerag.server.benchmarks.scaled import scaled_datastore
 from telerag.server.cli import main
 from tests.tiny_models import tiny_embedder_dir
 

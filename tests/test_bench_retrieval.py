@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from telerag.retrieval.bench import BenchConfig, run
+from telerag.benchmarks.retrieval import BenchConfig, run
 from telerag.server.cli import main
 
 REQUIRED = {

@@ -501,7 +501,7 @@ def small_deployment(tmp_path_factory):  # noqa: ANN201
     import numpy as np
 
     from telerag.pipelines.embedder import Embedder
-    from telerag.server.benchmarks.random_llm import tiny_random_lm
+    from telerag.benchmarks.random_llm import tiny_random_lm
     from telerag.retrieval.builder import build_datastore
     from telerag.retrieval.corpus import Article, split_passages
     from telerag.server.settings import Settings

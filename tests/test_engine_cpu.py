@@ -25,7 +25,7 @@ from telerag.pipelines.errors import (
     PipelineError,
 )
 from telerag.pipelines.types import Engine, Generation, SamplingParams, TokenChunk
-from telerag.server.benchmarks.random_llm import tiny_random_lm
+from telerag.benchmarks.random_llm import tiny_random_lm
 from tests.tiny_models import tiny_engine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -1,6 +1,7 @@
 """The import rules the package depends on: everything under the `telerag` namespace (an
 installed wheel has no top-level `server` or `retrieval`), and one-way layering
-server -> pipelines -> retrieval."""
+benchmarks -> server -> pipelines -> retrieval, where only the thin `telerag bench` commands
+(server/commands/bench_*.py) reach up into benchmarks."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ["retrieval", "pipelines", "server"]  # each may import only those before it
+LAYERS = ["retrieval", "pipelines", "server", "benchmarks"]  # each may import only those before it
 SOURCES = [path for layer in LAYERS for path in sorted((ROOT / layer).rglob("*.py"))]
+BENCH_COMMANDS = sorted((ROOT / "server" / "commands").glob("bench_*.py"))  # may call into benchmarks
 
 
 def imported_modules(path: Path) -> list[str]:
@@ -33,6 +35,13 @@ def test_imports_use_the_telerag_namespace(path):
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_layers_import_one_way(path):
     layer = path.relative_to(ROOT).parts[0]
-    above = LAYERS[LAYERS.index(layer) + 1 :]
+    above = [up for up in LAYERS[LAYERS.index(layer) + 1 :] if not (up == "benchmarks" and path in BENCH_COMMANDS)]
     upward = [name for name in imported_modules(path) if name.split(".")[:2] in (["telerag", up] for up in above)]
     assert not upward, f"{layer} must not import {upward}"
+
+
+def test_every_bench_command_calls_into_benchmarks():
+    """The `telerag bench` commands parse flags and print; what they measure lives in benchmarks/."""
+    assert BENCH_COMMANDS
+    for path in BENCH_COMMANDS:
+        assert any(name.startswith("telerag.benchmarks.") for name in imported_modules(path)), path.name

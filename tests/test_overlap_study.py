@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from telerag.pipelines.overlap import overlap_study
+from telerag.benchmarks.overlap import overlap_study
 from telerag.pipelines.questions import Question, read_questions
 from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.types import RunOptions

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from telerag.pipelines.embedder import Embedder
-from telerag.pipelines.quality import (
+from telerag.benchmarks.quality import (
     SearchRecorder,
     article_found,
     exact_match,
@@ -21,7 +21,7 @@ from telerag.pipelines.types import Document, SearchOptions
 from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import read_wikipedia, split_passages
 from telerag.server import cli
-from telerag.server.benchmarks.random_llm import tiny_random_lm
+from telerag.benchmarks.random_llm import tiny_random_lm
 from telerag.server.settings import packaged_config
 from tests.tiny_models import tiny_embedder_dir
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from telerag.pipelines.quality import normalize_answer
+from telerag.benchmarks.quality import normalize_answer
 from telerag.pipelines.questions import Question, parse_question, read_questions
 from telerag.retrieval.corpus import read_wikipedia
 from telerag.server.settings import packaged_config

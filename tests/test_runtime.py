@@ -16,7 +16,7 @@ from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.errors import DatastoreCorruptError, DeviceUnavailable
 from telerag.retrieval.progress import StepProgress
 from telerag.server import runtime
-from telerag.server.benchmarks.random_llm import tiny_random_lm
+from telerag.benchmarks.random_llm import tiny_random_lm
 from telerag.server.cli import build_parser
 from telerag.server.commands import serve
 from telerag.server.errors import status_of

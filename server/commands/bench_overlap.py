@@ -1,5 +1,5 @@
 """`telerag bench overlap`: the overlap study over a question file with the configured LLM and
-datastore (see `pipelines.overlap`)."""
+datastore (see `benchmarks.overlap`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import logging
 from dataclasses import asdict
 from pathlib import Path
 
-from telerag.pipelines.overlap import overlap_study
+from telerag.benchmarks.overlap import overlap_study
 from telerag.pipelines.questions import read_questions
 from telerag.pipelines.registry import PIPELINES
 from telerag.pipelines.types import RunOptions

@@ -1,5 +1,5 @@
 """`telerag bench quality`: retrieval recall, answer quality and stage latency per pipeline over a
-question file with the configured LLM and datastore (see `pipelines.quality`)."""
+question file with the configured LLM and datastore (see `benchmarks.quality`)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,11 @@ import logging
 from dataclasses import asdict
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
-from telerag.pipelines.quality import QualityRow, SearchRecorder, quality_study, retrieval_study
-from telerag.pipelines.questions import Question, read_questions
+from telerag.benchmarks.quality import configured_quality_study, configured_retrieval_study, format_table
+from telerag.pipelines.questions import read_questions
 from telerag.pipelines.registry import PIPELINES
-from telerag.pipelines.types import RunOptions
 from telerag.server.commands.serve import add_runtime_flags, overrides
-from telerag.server.settings import Settings, load_settings, packaged_config
+from telerag.server.settings import load_settings, packaged_config
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -41,56 +38,10 @@ def run(args: argparse.Namespace) -> int:
     questions = read_questions(args.questions, args.limit)
     k = args.k or settings.retrieval.top_k
     if args.retrieval_only:
-        rows = asyncio.run(_retrieval_only(settings, questions, k))
+        rows = asyncio.run(configured_retrieval_study(settings, questions, k))
     else:
-        rows = asyncio.run(_pipelines(settings, names, questions, k, args.max_tokens))
+        rows = asyncio.run(configured_quality_study(settings, names, questions, k, args.max_tokens))
     print(format_table(rows, settings.retrieval.datastore))
     if args.json:
         print(json.dumps({"rows": [asdict(r) for r in rows]}))
     return 0
-
-
-async def _pipelines(settings: Settings, names: list[str], questions: list[Question], k: int, max_tokens: int) -> list[QualityRow]:
-    from telerag.server.runtime import open_runtime
-
-    async with open_runtime(settings) as runtime:
-        info = runtime.datastore_info
-        recorder = SearchRecorder(runtime.retriever)
-        pipelines = runtime.pipelines(recorder, names)
-        options = RunOptions(top_k=k, nprobe=info.nprobe, max_tokens=max_tokens)
-        with tqdm(total=len(pipelines) * len(questions), desc="questions", unit="q") as bar:
-            return await quality_study(list(pipelines.values()), recorder, questions, options,
-                                       nprobe=info.nprobe, nlist=info.nlist, on_question=bar.update)
-
-
-async def _retrieval_only(settings: Settings, questions: list[Question], k: int) -> list[QualityRow]:
-    from telerag.server.runtime import open_retrieval
-
-    retriever = open_retrieval(settings)
-    try:
-        info = retriever.datastore_info()
-        with tqdm(total=len(questions), desc="questions", unit="q") as bar:
-            return [await retrieval_study(retriever, questions, k=k, nprobe=info.nprobe, nlist=info.nlist,
-                                          on_question=bar.update)]
-    finally:
-        retriever.close()
-
-
-def format_table(rows: list[QualityRow], datastore: Path) -> str:
-    def num(value: float | None, digits: int = 3) -> str:
-        return "-" if value is None else f"{value:.{digits}f}"
-
-    first = rows[0]
-    lines = [
-        f"{first.questions} questions, datastore {datastore}, k {first.k}, nprobe {first.nprobe} of {first.nlist} lists",
-        f"{'pipeline':<13}{'recall@k':>9}{'exact':>7}{'EM':>7}{'F1':>7}{'overlap':>9}"
-        f"{'prefetch':>10}{'pre-retr.':>11}{'search':>9}{'generate':>10}{'total ms':>10}",
-    ]
-    for row in rows:
-        ms = row.latency_ms
-        lines.append(
-            f"{row.pipeline:<13}{num(row.recall):>9}{num(row.recall_exact):>7}{num(row.exact_match):>7}{num(row.f1):>7}"
-            f"{num(row.overlap_rate):>9}{ms.prefetch:>10.1f}{ms.pre_retrieval:>11.1f}{ms.search:>9.1f}"
-            f"{ms.generate:>10.1f}{ms.total:>10.1f}"
-        )
-    return "\n".join(lines)

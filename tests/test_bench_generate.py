@@ -1,0 +1,23 @@
+"""`telerag bench generate --tiny`: the four methods on the same requests, the table and the JSON
+line it promises, and the engine's greedy tokens equal to `model.generate`'s."""
+
+from __future__ import annotations
+
+import json
+
+from telerag.server.cli import main
+
+
+def test_the_command_prints_every_method_and_one_json_line(capsys):
+    assert main(["bench", "generate", "--tiny", "--prompts", "3", "--max-tokens", "4", "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    methods = ("generate_1by1", "generate_batch", "engine_1by1", "engine_concurrent")
+    assert [line.split()[0] for line in lines[2:6]] == list(methods)
+    report = json.loads(lines[-1])
+    assert report["model"] == "tiny-gemma3" and report["requests"] == 3 and report["max_tokens"] == 4
+    assert list(report["methods"]) == list(methods)
+    assert all(report["methods"][m]["tokens"] > 0 for m in methods)
+    assert report["same_tokens_as_generate"] == {m: 3 for m in methods[1:]}
+    assert set(report["speedup_tokens_per_s"]) == {
+        "engine_concurrent_vs_generate_1by1", "engine_concurrent_vs_generate_batch", "engine_1by1_vs_generate_1by1",
+    }
