@@ -19,24 +19,28 @@ equal, and that exact search's i-th best score is never below the probed search'
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 import statistics
 import string
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from telerag.pipelines.questions import Question, run_questions
+from telerag.pipelines.questions import Question, run_one
 from telerag.pipelines.rag.base import merge_documents
 from telerag.pipelines.stats import Timings
 from telerag.pipelines.types import (
     Document,
     Pipeline,
     PrefetchTicket,
+    RagResult,
     Retriever,
     RunOptions,
     SearchOptions,
@@ -105,7 +109,23 @@ class SearchRecorder:
 
     def __init__(self, inner: Retriever) -> None:
         self.inner = inner
-        self.searches: list[RecordedSearch] = []
+        self._question: ContextVar[list[RecordedSearch]] = ContextVar("recorded_searches")
+        self._outside: list[RecordedSearch] = []  # searches made outside any `question()`
+
+    @property
+    def searches(self) -> list[RecordedSearch]:
+        """The current question's searches so far."""
+        return self._question.get(self._outside)
+
+    @contextlib.contextmanager
+    def question(self) -> Iterator[None]:
+        """Searches made inside (and in the tasks started inside) belong to one question, so
+        questions run at the same time keep theirs apart."""
+        token = self._question.set([])
+        try:
+            yield
+        finally:
+            self._question.reset(token)
 
     async def prefetch(
         self, queries: Sequence[str], *, enabled: bool = True, overlap_ms: float | None = None
@@ -126,7 +146,8 @@ class SearchRecorder:
         """`documents` (a run's final ones) as exact search would have given them: the searches
         they came from run again with every list probed, merged best score first. Forgets the
         recorded searches."""
-        searches, self.searches = self.searches, []
+        searches = list(self.searches)
+        self.searches.clear()
         sources: dict[int, RecordedSearch] = {}
         for document in documents:
             source = _source(searches, document)
@@ -218,16 +239,28 @@ async def quality_study(
     *,
     nprobe: int,
     nlist: int,
+    concurrency: int = 1,
     on_question: Callable[[], None] = lambda: None,
 ) -> list[QualityRow]:
     """One row per pipeline; every pipeline must search through `recorder`. `nprobe` is what
-    `options.nprobe` resolves to (reported); `on_question` is called after each question."""
+    `options.nprobe` resolves to (reported); `on_question` is called after each question.
+    `concurrency` questions run at a time (the engine batches them: more questions per second,
+    but each one's stage times then include its neighbours')."""
     rows = []
+    slots = asyncio.Semaphore(concurrency)
+
+    async def answer(pipeline: Pipeline, question: Question) -> tuple[RagResult, list[Document]]:
+        async with slots:
+            with recorder.question():
+                result = await run_one(pipeline, question.text, options)
+                exact = await recorder.exact_documents(result.documents, nlist, options.top_k)
+            on_question()
+            return result, exact
+
     for pipeline in pipelines:
         tally = _Tally()
-        recorder.searches.clear()
-        async for question, result in run_questions(pipeline, questions, options):
-            exact = await recorder.exact_documents(result.documents, nlist, options.top_k)
+        answered = await asyncio.gather(*(answer(pipeline, q) for q in questions))
+        for question, (result, exact) in zip(questions, answered):
             if question.title is not None:
                 tally.found.append(article_found(result.documents, question.title, options.top_k))
                 tally.found_exact.append(article_found(exact, question.title, options.top_k))
@@ -236,7 +269,6 @@ async def quality_study(
                 tally.f1.append(token_f1(result.answer, question.answers))
             tally.overlaps.extend(overlap_rates(result.steps))
             tally.add_timings(result.timings)
-            on_question()
         rows.append(tally.row(pipeline.name, len(questions), options.top_k, nprobe, nlist))
     return rows
 
@@ -267,7 +299,7 @@ async def retrieval_study(
 
 
 async def configured_quality_study(
-    settings: Settings, names: Sequence[str], questions: Sequence[Question], k: int, max_tokens: int
+    settings: Settings, names: Sequence[str], questions: Sequence[Question], k: int, max_tokens: int, concurrency: int = 1
 ) -> list[QualityRow]:
     """`quality_study` of the named pipelines with the configured LLM and datastore, at the
     configured nprobe, with a progress bar."""
@@ -278,7 +310,7 @@ async def configured_quality_study(
         options = RunOptions(top_k=k, nprobe=info.nprobe, max_tokens=max_tokens)
         with tqdm(total=len(pipelines) * len(questions), desc="questions", unit="q") as bar:
             return await quality_study(list(pipelines.values()), recorder, questions, options,
-                                       nprobe=info.nprobe, nlist=info.nlist, on_question=bar.update)
+                                       nprobe=info.nprobe, nlist=info.nlist, concurrency=concurrency, on_question=bar.update)
 
 
 async def configured_retrieval_study(settings: Settings, questions: Sequence[Question], k: int) -> list[QualityRow]:

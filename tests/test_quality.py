@@ -3,6 +3,7 @@ command itself on tiny random models over a slice of the real corpus."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -105,6 +106,24 @@ async def test_replay_is_the_exact_search_of_the_queries_the_answer_came_from(wi
         retriever.close()
 
 
+async def test_questions_answered_together_keep_their_searches_apart():
+    class Echo:
+        async def search(self, queries, options, ticket=None):  # noqa: ANN001, ANN202
+            await asyncio.sleep(0)
+            return queries
+
+    recorder = SearchRecorder(Echo())
+
+    async def question(name: str) -> list[list[str]]:
+        with recorder.question():
+            await recorder.search([f"{name}1"], SearchOptions(top_k=3))
+            await asyncio.gather(recorder.search([f"{name}2"], SearchOptions(top_k=3)))  # from a task of its own
+            return [s.queries for s in recorder.searches]
+
+    assert await asyncio.gather(question("a"), question("b")) == [[["a1"], ["a2"]], [["b1"], ["b2"]]]
+    assert recorder.searches == []
+
+
 # -- the command ---------------------------------------------------------------------------------
 
 
@@ -134,6 +153,13 @@ def test_bench_quality_reports_every_pipeline(capsys, wiki_slice):
         # every list probed: the replay is the very search the pipeline made
         assert row["recall_exact"] == row["recall"], row["pipeline"]
     assert rows[0]["latency_ms"]["pre_retrieval"] == 0.0 and rows[1]["latency_ms"]["pre_retrieval"] > 0.0
+
+
+@pytest.mark.slow  # builds tiny models and a datastore: ~1 min on two busy cores
+def test_questions_at_a_time_change_no_retrieval_number(capsys, wiki_slice):
+    one = _run(capsys, wiki_slice, "--pipelines", "naive", "--nprobe", "1")[0]
+    four = _run(capsys, wiki_slice, "--pipelines", "naive", "--nprobe", "1", "--concurrency", "4")[0]
+    assert (four["recall"], four["recall_exact"]) == (one["recall"], one["recall_exact"])
 
 
 @pytest.mark.slow  # builds tiny models and a datastore: ~1 min on two busy cores

@@ -24,11 +24,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--limit", type=int, default=None, help="first N questions only")
     parser.add_argument("--k", type=int, default=None, help="documents per search (default: retrieval.top_k)")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=_at_least_one, default=1,
+                        help="questions at a time (the engine batches them; stage times then include their neighbours')")
     parser.add_argument("--retrieval-only", action="store_true",
                         help="no LLM: each question's own top-k (naive's retrieval), to compare datastores")
     parser.add_argument("--json", action="store_true", help="print one JSON line last")
     add_runtime_flags(parser)
     parser.set_defaults(func=run)
+
+
+def _at_least_one(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, not {text!r}")
+    return int(text)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     if args.retrieval_only:
         rows = asyncio.run(configured_retrieval_study(settings, questions, k))
     else:
-        rows = asyncio.run(configured_quality_study(settings, names, questions, k, args.max_tokens))
+        rows = asyncio.run(configured_quality_study(settings, names, questions, k, args.max_tokens, args.concurrency))
     print(format_table(rows, settings.retrieval.datastore))
     if args.json:
         print(json.dumps({"rows": [asdict(r) for r in rows]}))
