@@ -31,6 +31,8 @@ CPUResult = tuple[np.ndarray, np.ndarray, float]  # faiss's (scores, ids) and ho
 
 @dataclass
 class QueryStats:
+    """One query's overlap with its prefetch, and where its probed lists were scanned."""
+
     overlap_rate: float | None  # |C_in ∩ C_out| / |C_out| (TeleRAG Eq. 3.1); None without a prefetch
     clusters_device: int  # of C_out, scanned on the device (those copied on demand included)
     clusters_cpu: int
@@ -48,7 +50,7 @@ class SearchResources:
     cache: ClusterCache
     policy: DemandCopyPolicy | None  # None: no cache
     device: torch.device
-    stream: torch.cuda.Stream | None  # the search stream (CUDA)
+    stream: torch.cuda.Stream | None  # the search stream on CUDA; None on the CPU
     codec: Codec
     codec_params: torch.Tensor | None  # on the device
 
