@@ -1,5 +1,6 @@
 """The retrieval engine: lookahead prefetch into the device cluster cache, and exact
-GPU/CPU cooperative IVF search (TeleRAG chapter 4).
+GPU/CPU cooperative IVF search (TeleRAG chapter 4; the search's steps after the probe are in
+`retrieval.cooperative`).
 
 On CUDA its device work (query copies, centroid products, scans, merges) runs on a stream of its
 own, created with high priority, never on the default stream: kernels other threads of the
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import math
 import time
 import warnings
@@ -25,7 +25,8 @@ import faiss
 import numpy as np
 import torch
 
-from telerag.retrieval.cache import ClusterCache, Lease
+from telerag.retrieval.cache import ClusterCache
+from telerag.retrieval.cooperative import CooperativeSearch, QueryStats, SearchResources, faiss_part, merge_to_host
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.demand import DemandCopyPolicy
 from telerag.retrieval.device import resolve_device
@@ -33,9 +34,7 @@ from telerag.retrieval.errors import SearchError
 from telerag.retrieval.ivf import CPUIndex
 from telerag.retrieval.prefetch import PrefetchHandle, PrefetchPlan, PrefetchStats, plan_prefetch
 from telerag.retrieval.progress import ProgressBar
-from telerag.retrieval.search import merge_topk, scan_resident
 
-log = logging.getLogger(__name__)
 
 PROBE_TIE_MARGIN = 1e-5  # relative centroid-score gap below which the device defers to faiss
 STREAM_PRIORITY = -1  # CUDA: lower is sooner; the search stream's blocks go before the default stream's
@@ -58,15 +57,6 @@ def _on_stream(method: Callable[Concatenate[RetrievalEngine, P], R]) -> Callable
             return method(engine, *args, **kwargs)
 
     return run
-
-
-@dataclass
-class QueryStats:
-    overlap_rate: float | None  # |C_in ∩ C_out| / |C_out| (TeleRAG Eq. 3.1); None without a prefetch
-    clusters_device: int  # of C_out, scanned on the device (those copied on demand included)
-    clusters_cpu: int
-    clusters_copied_on_demand: int = 0
-    clusters_late: int = 0  # of those on the CPU: resident, but faiss would finish before their copies land
 
 
 @dataclass
@@ -265,142 +255,63 @@ class RetrievalEngine:
         started = time.perf_counter()
         nprobe = nprobe or self.nprobe
         queries = self.index.check(q_out, k, nprobe)
-        n = len(queries)
-        handles = self._handles_per_query(prefetch, n)
-        if not (use_cache and self.cache.capacity_rows) and not any(h is not None and h.plan.clusters for h in handles):
-            # Nothing can be on the device and no overlap to report: this is faiss, as is.
-            cpu_started = time.perf_counter()
-            scores, ids = _to_host(merge_topk([_to_torch(self.index.search(queries, k, nprobe), "cpu")], k))
-            cpu_ms = (time.perf_counter() - cpu_started) * 1e3
-            return SearchResult(
-                scores=scores,
-                ids=ids,
-                per_query=[QueryStats(None, 0, nprobe) for _ in range(n)],
-                probe_ms=0.0,
-                device_ms=0.0,
-                cpu_ms=cpu_ms,
-                total_ms=(time.perf_counter() - started) * 1e3,
-            )
+        handles = self._handles_per_query(prefetch, len(queries))
+        cached = bool(use_cache and self.cache.capacity_rows)
+        if not cached and not any(h is not None and h.plan.clusters for h in handles):
+            return self._faiss_search(queries, k, nprobe, started)  # nothing on the device, no overlap
         q = torch.from_numpy(queries).to(self.device, non_blocking=True)  # once, for probe and scan
         list_scores, lists = self.probe(queries, q, nprobe)
         probe_ms = (time.perf_counter() - started) * 1e3
-
-        lease: Lease | None = None
-        demand: Lease | None = None
-        resident_mask = np.zeros(lists.shape, dtype=bool)
-        late_mask = np.zeros(lists.shape, dtype=bool)
-        demand_mask = np.zeros(lists.shape, dtype=bool)
-        chosen_mask = np.zeros(lists.shape, dtype=bool)
-        wait_ms = 0.0
+        search = CooperativeSearch(self._search_resources(), queries, q, k, lists, list_scores)
         try:
-            if use_cache and self.cache.capacity_rows:
-                lease = self.cache.acquire(np.unique(lists[lists >= 0]), fetch=False)
-                resident_mask = _held(lists, lease)
-                late_mask = self._late_copies(lists, resident_mask, lease)
-                resident_mask &= ~late_mask
+            if cached:
+                search.pin_resident()
             _end_prefetches(handles)  # from here the search's own lease pins what it reads
-            if lease is not None:
-                chosen_mask = self._demand_choice(lists, resident_mask | late_mask)
-            cpu_lists = np.where(resident_mask | chosen_mask, -1, lists)
-            missed_bytes = int(self.cache.sizes[lists[(lists >= 0) & ~resident_mask]].sum()) * self.cache.row_bytes
-            parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-            device_ms = cpu_ms = 0.0
-            if not (resident_mask.any() or chosen_mask.any()):
-                cpu_scores, cpu_ids, cpu_ms = self._cpu_search(queries, k, cpu_lists, list_scores)
-                parts.append(_to_torch((cpu_scores, cpu_ids), self.device))
-            else:
-                # faiss, the longer half, starts first and runs in a worker thread; the demand
-                # copies are issued after, and what they could not place goes to faiss too
-                cpu_futures = []
-                if (cpu_lists >= 0).any():
-                    cpu_futures.append(self._cpu_pool.submit(self._cpu_search, queries, k, cpu_lists, list_scores))
-                if chosen_mask.any():
-                    demand = self.cache.acquire(np.unique(lists[chosen_mask]), fetch=True)
-                    demand_mask = _held(lists, demand) & chosen_mask
-                    not_placed = np.where(chosen_mask & ~demand_mask, lists, -1)
-                    if (not_placed >= 0).any():
-                        cpu_futures.append(self._cpu_pool.submit(self._cpu_search, queries, k, not_placed, list_scores))
-                # what is resident first; the demand copies land meanwhile and are scanned next
-                passes = [(m, h) for m, h in ((resident_mask, lease), (demand_mask, demand)) if h is not None and m.any()]
-                if passes:
-                    device_parts, device_ms, wait_ms = self._device_search(q, k, lists, passes)
-                    parts.extend(device_parts)
-                for future in cpu_futures:
-                    cpu_scores, cpu_ids, ms = future.result()
-                    parts.append(_to_torch((cpu_scores, cpu_ids), self.device))
-                    cpu_ms += ms
-            on_device = resident_mask | demand_mask
-            scores, ids = _to_host(merge_topk(parts, k))
+            search.choose_demand_copies()
+            search.scan()
+            scores, ids = search.merge()
         finally:
-            for held in (lease, demand):
-                if held is not None:
-                    held.release()
-        if demand is not None:
-            copy_ms = demand.copy_elapsed_ms()
-            if self.demand is not None and copy_ms:
-                self.demand.observe_copy(demand.bytes_copied, copy_ms)
-
-        per_query = []
-        for i in range(n):
-            c_out = set(lists[i][lists[i] >= 0].tolist())
-            handle = handles[i]
-            overlap = None
-            if handle is not None and c_out:
-                c_in = frozenset().union(*handle.plan.per_query) if handle.plan.per_query else frozenset()
-                overlap = len(c_in & c_out) / len(c_out)
-            device_clusters = int(on_device[i].sum())
-            per_query.append(QueryStats(
-                overlap, device_clusters, len(c_out) - device_clusters, int(demand_mask[i].sum()), int(late_mask[i].sum())
-            ))
+            search.release()
+        search.observe_demand_copies()
         return SearchResult(
             scores=scores,
             ids=ids,
-            per_query=per_query,
+            per_query=search.query_stats(handles),
             probe_ms=probe_ms,
-            device_ms=device_ms,
-            cpu_ms=cpu_ms,
+            device_ms=search.device_ms,
+            cpu_ms=search.cpu_ms,
             total_ms=(time.perf_counter() - started) * 1e3,
-            copy_wait_ms=wait_ms,
-            missed_bytes=missed_bytes,
+            copy_wait_ms=search.wait_ms,
+            missed_bytes=search.missed_bytes,
         )
 
-    def _late_copies(self, lists: np.ndarray, held_mask: np.ndarray, lease: Lease) -> np.ndarray:
-        """Which entries of `lists` the lease holds but whose copies are still queued and would
-        land after faiss could scan them (see `DemandCopyPolicy.late_to_cpu`): those go to faiss."""
-        late = np.zeros(lists.shape, dtype=bool)
-        pending = self.cache.pending(lease) if self.demand is not None else {}
-        if not pending:
-            return late
-        row_bytes = self.cache.row_bytes
-        held, readers = np.unique(lists[held_mask], return_counts=True)
-        waiting = [
-            (cluster, pending[cluster], int(self.cache.sizes[cluster]) * row_bytes * count)
-            for cluster, count in zip(held.tolist(), readers.tolist(), strict=True)
-            if cluster in pending
-        ]
-        missed = lists[(lists >= 0) & ~held_mask]
-        to_cpu = self.demand.late_to_cpu(waiting, int(self.cache.sizes[missed].sum()) * row_bytes)
-        if to_cpu:
-            late = np.isin(lists, np.asarray(to_cpu, dtype=np.int64)) & held_mask
-        return late
+    def _faiss_search(self, queries: np.ndarray, k: int, nprobe: int, started: float) -> SearchResult:
+        """faiss's search, as is (`started`: when the search began)."""
+        cpu_started = time.perf_counter()
+        scores, ids = merge_to_host([faiss_part(self.index.search(queries, k, nprobe), "cpu")], k)
+        cpu_ms = (time.perf_counter() - cpu_started) * 1e3
+        return SearchResult(
+            scores=scores,
+            ids=ids,
+            per_query=[QueryStats(None, 0, nprobe) for _ in range(len(queries))],
+            probe_ms=0.0,
+            device_ms=0.0,
+            cpu_ms=cpu_ms,
+            total_ms=(time.perf_counter() - started) * 1e3,
+        )
 
-    def _demand_choice(self, lists: np.ndarray, resident_mask: np.ndarray) -> np.ndarray:
-        """Which entries of `lists` to copy to the device on demand: the missed clusters the
-        policy picks (none without a policy)."""
-        chosen_mask = np.zeros(lists.shape, dtype=bool)
-        if self.demand is None or not self.demand.copy_missed:
-            return chosen_mask
-        missed, counts = np.unique(lists[(lists >= 0) & ~resident_mask], return_counts=True)
-        missed_sizes = self.cache.sizes[missed]
-        keep = missed_sizes > 0
-        missed, counts = missed[keep], counts[keep]
-        if not len(missed):
-            return chosen_mask
-        sizes = dict(zip(missed.tolist(), (missed_sizes[keep] * self.cache.row_bytes).tolist(), strict=True))
-        chosen = self.demand.choose(dict(zip(missed.tolist(), counts.tolist(), strict=True)), sizes)
-        if chosen:
-            chosen_mask = np.isin(lists, np.asarray(chosen, dtype=np.int64)) & ~resident_mask
-        return chosen_mask
+    def _search_resources(self) -> SearchResources:
+        """What a search starting now runs on (the cache and policy may be replaced later)."""
+        return SearchResources(
+            index=self.index,
+            cpu_pool=self._cpu_pool,
+            cache=self.cache,
+            policy=self.demand,
+            device=self.device,
+            stream=self.stream,
+            codec=self.datastore.codec,
+            codec_params=self.codec_params,
+        )
 
     def probe(self, queries: np.ndarray, q: torch.Tensor, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
         """C_out of each query (`queries` on the host, `q` the same on the device): the same
@@ -432,73 +343,8 @@ class RetrievalEngine:
             raise SearchError(f"{len(handles)} prefetch handles for {n} queries")
         return handles
 
-    def _cpu_search(
-        self, queries: np.ndarray, k: int, lists: np.ndarray, list_scores: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, float]:
-        started = time.perf_counter()
-        scores, ids = self.index.search_lists(queries, k, lists, list_scores)
-        ms = (time.perf_counter() - started) * 1e3
-        if self.demand is not None:
-            self.demand.observe_cpu(int(self.cache.sizes[lists[lists >= 0]].sum()) * self.cache.row_bytes, ms)
-        return scores, ids, ms
-
-    def _device_search(
-        self, q: torch.Tensor, k: int, lists: np.ndarray, passes: Sequence[tuple[np.ndarray, Lease]]
-    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], float, float]:
-        """Scan each pass's clusters (`mask` over `lists`, held by its lease) in order. On CUDA all
-        passes are queued before one wait: a pass waits on the stream for its own copies only,
-        while the host already prepares the next. Returns the results, the scan time and how
-        long the stream waited for copies (both ms)."""
-        stream = self.stream
-        begin = end = None
-        waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        started = time.perf_counter()
-        results = []
-        for mask, lease in passes:
-            probes = [lists[i][mask[i]].tolist() for i in range(len(q))]
-            if stream is not None:
-                in_flight = [event for event in lease.events if not event.query()]
-                if in_flight:  # timed on the stream: from where it stops to where its copies landed
-                    stop, landed = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    stop.record(stream)
-                    for event in in_flight:
-                        stream.wait_event(event)
-                    landed.record(stream)
-                    waits.append((stop, landed))
-                if begin is None:  # timed from the first pass's start, after its copies landed
-                    begin = torch.cuda.Event(enable_timing=True)
-                    begin.record(stream)
-            results.append(
-                scan_resident(
-                    self.cache.buffer, q, lease.resident, probes, k,
-                    codec=self.datastore.codec, codec_params=self.codec_params,
-                )
-            )
-        if stream is not None:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record(stream)
-            end.synchronize()
-        ms = begin.elapsed_time(end) if begin is not None and end is not None else (time.perf_counter() - started) * 1e3
-        return results, ms, sum(stop.elapsed_time(landed) for stop, landed in waits)
-
 
 def _end_prefetches(handles: Sequence[PrefetchHandle | None]) -> None:
     """Release each distinct prefetch of a search (the search now pins what it reads)."""
     for handle in {id(h): h for h in handles if h is not None}.values():
         handle.release()
-
-
-def _to_torch(part: tuple[np.ndarray, np.ndarray], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A (scores, ids) result from faiss on `device` (a view on the CPU, a small copy elsewhere)."""
-    return tuple(torch.from_numpy(a).to(device, non_blocking=True) for a in part)  # type: ignore[return-value]
-
-
-def _to_host(part: tuple[torch.Tensor, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
-    return part[0].cpu().numpy(), part[1].cpu().numpy()
-
-
-def _held(lists: np.ndarray, lease: Lease) -> np.ndarray:
-    """Which entries of `lists` are clusters the lease holds on the device."""
-    if not lease.resident:
-        return np.zeros(lists.shape, dtype=bool)
-    return np.isin(lists, np.fromiter(lease.resident, dtype=np.int64))
