@@ -112,10 +112,7 @@ class PassageShape:
     title: bool = False  # embed the article's title in front of the text (as DPR and FlashRAG do)
 
     def __post_init__(self) -> None:
-        if self.words < 1:
-            raise ValueError("passage words must be positive")
-        if not 0 <= self.overlap < self.words:
-            raise ValueError("passage overlap must be at least 0 and less than the passage length")
+        check_passage_words(self.words, self.overlap)
 
     def split(self, articles: Iterable[Article]) -> Iterator[Passage]:
         return split_passages(articles, self.words, self.overlap)
@@ -125,6 +122,13 @@ class PassageShape:
         return f"{passage.title}\n{passage.text}" if self.title else passage.text
 
 
+def check_passage_words(words: int, overlap: int) -> None:
+    if words < 1:
+        raise CorpusError(f"passage words must be at least 1, not {words}")
+    if not 0 <= overlap < words:
+        raise CorpusError(f"passage overlap must be at least 0 and less than the passage's {words} words, not {overlap}")
+
+
 def split_passages(articles: Iterable[Article], passage_words: int = 100, overlap_words: int = 0) -> Iterator[Passage]:
     """Split each article into passages of about `passage_words` words, each after the first
     starting `overlap_words` before the previous one ends.
@@ -132,10 +136,7 @@ def split_passages(articles: Iterable[Article], passage_words: int = 100, overla
     A short tail (under a third of a passage of new words) joins the previous passage rather
     than standing alone, so no passage is a useless fragment.
     """
-    if passage_words < 1:
-        raise ValueError("passage_words must be positive")
-    if not 0 <= overlap_words < passage_words:
-        raise ValueError("overlap_words must be at least 0 and less than passage_words")
+    check_passage_words(passage_words, overlap_words)
     stride = passage_words - overlap_words
     for article in articles:
         words = article.text.split()

@@ -6,6 +6,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from telerag.pipelines.errors import PipelineError
+from telerag.retrieval.errors import RetrievalError
+
 from telerag.server.commands import (
     ask,
     bench_e2e,
@@ -45,8 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (RetrievalError, PipelineError) as exc:  # what the user can fix (a corpus, a path, a device): one line
+        print(f"{parser.prog} {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Article, PassageShape, read_jsonl, read_wikipedia, split_passages
 from telerag.retrieval.datastore import CODEC_PARAMS, MANIFEST, VECTORS, Datastore, Manifest, write_datastore
 from telerag.retrieval.errors import CorpusError, DatastoreCorruptError, DatastoreError, DatastoreMismatchError, LayoutError, PassageNotFound
+from telerag.server import cli
 from tests.retrieval_helpers import hashing_encoder, random_datastore, stored_vectors
 
 
@@ -76,8 +77,10 @@ def test_split_passages_with_overlap():
     assert [len(p.text.split()) for p in split_passages([short], passage_words=100, overlap_words=20)] == [100, 120]
     assert [len(p.text.split()) for p in split_passages([short], passage_words=100)] == [100, 100]
     for words, overlap in ((100, 100), (100, -1), (0, 0)):
-        with pytest.raises(ValueError):
+        with pytest.raises(CorpusError):
             PassageShape(words=words, overlap=overlap)
+        with pytest.raises(CorpusError):
+            list(split_passages([short], passage_words=words, overlap_words=overlap))
 
 
 def test_a_title_in_front_is_embedded_not_stored(tmp_path):
@@ -370,3 +373,11 @@ def test_a_build_killed_midway_leaves_the_old_datastore(tmp_path):
     build_datastore(passages, hashing_encoder(), embedder="next", out_dir=ds, nlist=2, overwrite=True, progress=False)
     assert Datastore.load(ds).manifest.embedder == "next"
     assert not list(tmp_path.glob(".ds.*"))  # ... are gone after the next build
+
+
+def test_the_build_command_refuses_bad_input_in_one_line(tmp_path: Path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1}\n')
+    assert cli.main(["datastore", "build", "--corpus", str(bad), "--out", str(tmp_path / "ds"), "--passage-words", "0"]) == 1
+    assert capsys.readouterr().err.strip() == "telerag datastore: passage words must be at least 1, not 0"
+    assert not (tmp_path / "ds").exists()

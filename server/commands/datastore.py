@@ -38,9 +38,9 @@ def run(args: argparse.Namespace) -> int:
     from telerag.pipelines.embedder import Embedder
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    shape = PassageShape(words=args.passage_words, overlap=args.passage_overlap, title=args.title)  # checked before loading
     embedder = Embedder(args.embedder, device=args.device) if args.embedder else Embedder.embedded_default(device=args.device)
     articles = read_jsonl(args.corpus) if args.corpus else read_wikipedia()
-    shape = PassageShape(words=args.passage_words, overlap=args.passage_overlap, title=args.title)
     path = build_datastore(
         shape.split(articles),
         embedder.encode,
