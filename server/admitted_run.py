@@ -19,7 +19,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
-from telerag.pipelines.types import RagResult, ResultEvent, RunEvent, run_result
+from telerag.pipelines.types import RagResult, ResultEvent, RunEvent
 from telerag.server import errors
 from telerag.server.admission import Admission, Ticket
 from telerag.server.protocol import ErrorDetail
@@ -65,12 +65,17 @@ class AdmittedRun:
     async def respond(self, body: Callable[[RagResult], BaseModel]) -> Response:
         """The run to its end, answered as `body(result)` in JSON; its error raised for the app's
         error handlers."""
+        result = None
         try:
-            result = await run_result(self._read())
+            async for event in self._read():  # to the run's end: its ticket is finished before the answer leaves
+                if isinstance(event, ResultEvent):
+                    result = event.result
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         finally:
             await self._close()
+        if result is None:
+            raise RuntimeError("the pipeline ended without a result")
         return Response(body(result).model_dump_json(), media_type="application/json")
 
     async def stream(self, form: EventStream) -> Response:

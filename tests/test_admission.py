@@ -252,6 +252,19 @@ def refusals(metrics: str, reason: str) -> float:
     return float(line.split()[-1])
 
 
+async def test_a_client_asking_one_question_after_another_is_never_refused():
+    """An answer leaves only once its request has left admission, so a client with a limit of one
+    request in flight can send the next as soon as it has the last."""
+    engine = ScriptedEngine(lambda prompt: Reply("fine"))
+    client, app = app_client(engine, scheduler={"max_in_flight_per_key": 1}, server={"api_key": "k"})
+    admission = app.state.service.admission
+    async with client:
+        for _ in range(20):
+            answer = await client.post("/v1/rag/query", json={"query": "q?"}, headers={"Authorization": "Bearer k"})
+            assert answer.status_code == 200
+            assert admission.n_running + admission.n_waiting == 0
+
+
 async def test_over_the_prompt_token_cap_is_422_naming_the_field():
     engine = ScriptedEngine(lambda prompt: Reply("fine"))  # a token is a word
     client, _ = app_client(engine, limits={"max_prompt_tokens": 1000})  # passages of 100 words: 150 tokens
