@@ -70,7 +70,6 @@ class E2EConfig:
     max_batch: int = 32
 
 
-@dataclass(frozen=True)
 class LLMChoice(str, Enum):
     """Which LLM `run_configured_e2e` loads."""
 
