@@ -16,6 +16,9 @@ compared with the `cpu` mode's for the same question: prefetching changes speed,
 
 Without CUDA the "device" is CPU memory, and with no cluster cache configured (the CPU
 default) `lookahead` runs exactly as `cpu`: the machinery and the answers are still checked.
+
+`run_configured_e2e` runs it on what the settings configure, or on a tiny or random-weight LLM
+and the datastore scaled up (`telerag bench e2e`).
 """
 
 from __future__ import annotations
@@ -31,13 +34,17 @@ from enum import Enum
 import numpy as np
 import torch
 
+from telerag.benchmarks.scaled import DatastoreScale, open_scaled_retriever
+from telerag.pipelines.errors import ModelNotFound
 from telerag.pipelines.questions import run_one
 from telerag.pipelines.rag.base import RagPipeline
 from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.retriever import DirectRetriever
-from telerag.pipelines.types import Engine, RagResult, RunOptions
+from telerag.pipelines.types import DatastoreInfo, Engine, RagResult, RunOptions
+from telerag.retrieval.device import resolve_device
+from telerag.server.runtime import build_engine, run_event_loop
 from telerag.server.scheduler import BatchingRetriever
-from telerag.server.settings import pre_retrieval_profile
+from telerag.server.settings import Settings, pre_retrieval_profile
 
 
 class Mode(str, Enum):
@@ -61,6 +68,14 @@ class E2EConfig:
     warmup: int = 2  # unmeasured requests before each measured run
     batch_window_ms: float = 0.0  # the scheduler's settings
     max_batch: int = 32
+
+
+class LLMChoice(str, Enum):
+    """Which LLM `run_configured_e2e` loads."""
+
+    CONFIGURED = "configured"  # the settings' engine, as `serve` builds it
+    TINY = "tiny"  # a tiny random LLM (seconds; its text is noise): for CI
+    RANDOM_WEIGHTS = "random-weights"  # engine.model_path's architecture with random weights, nothing loaded
 
 
 @dataclass(frozen=True)
@@ -108,6 +123,16 @@ class E2ERow:
     gain_bound: float  # 1 / (1 - the cpu mode's retrieval share): the latency gain if retrieval took no time
     latency_gain: float  # cpu mode's mean latency / this mode's
     throughput_gain: float  # this mode's throughput / cpu mode's
+
+
+@dataclass(frozen=True)
+class E2EReport:
+    """The rows of one run and what it ran on."""
+
+    llm: str  # the engine's name
+    datastore: DatastoreInfo  # after the run (the lookahead mode's cache)
+    config: E2EConfig
+    rows: list[E2ERow]
 
 
 async def serve_closed_loop(
@@ -231,14 +256,64 @@ def summarise(
     )
 
 
-def format_table(rows: Sequence[E2ERow]) -> str:
+def run_configured_e2e(
+    settings: Settings,
+    config: E2EConfig,
+    *,
+    llm: LLMChoice = LLMChoice.CONFIGURED,
+    scale: DatastoreScale | None = None,
+    log: Callable[[str], None] = print,
+) -> E2EReport:
+    """`run_e2e` in the server's event loop on the LLM `llm` names and the configured retriever,
+    over the configured datastore or, with `scale`, that datastore scaled up. The engine loads
+    first, so that the default cluster cache gets what the LLM leaves of the GPU (as `serve`)."""
+    engine = build_llm(settings, llm)
+    retriever = open_scaled_retriever(settings.retrieval, scale)
+
+    async def main() -> list[E2ERow]:
+        try:
+            return await run_e2e(engine, retriever, config, log=log)
+        finally:
+            await engine.close()
+
+    try:
+        rows = run_event_loop(main(), settings)
+        info = retriever.datastore_info()
+    finally:
+        retriever.close()
+    return E2EReport(llm=engine.name, datastore=info, config=config, rows=rows)
+
+
+def build_llm(settings: Settings, llm: LLMChoice) -> Engine:
+    """The engine `llm` names, on the configured engine device."""
+    if llm is LLMChoice.CONFIGURED:
+        return build_engine(settings)
+    from telerag.benchmarks.random_llm import random_weight_engine, tiny_random_lm
+    from telerag.pipelines.engines.transformers import TransformersEngine
+
+    device = str(resolve_device(settings.engine.device))
+    if llm is LLMChoice.TINY:
+        return TransformersEngine(*tiny_random_lm(0), name="tiny-random", device=device)
+    if settings.engine.model_path is None:
+        raise ModelNotFound("random weights need engine.model_path: a directory with a config.json and a tokenizer")
+    return random_weight_engine(settings.engine.model_path, device=device)
+
+
+def format_table(report: E2EReport) -> str:
+    """A header naming the LLM, the datastore and the run's shape; one line per row; the gains' legend."""
+    info, config = report.datastore, report.config
     header = (
         f"{'pipeline':<12}{'batch':>6} {'mode':<10}{'req':>5}{'p50 ms':>10}{'p99 ms':>10}{'req/s':>8}"
         f"{'retr p50':>10}{'t_LLM ms':>10}{'overlap':>9}{'same docs':>10}{'same q_out':>11}{'retr share':>11}"
         f"{'lat gain':>9}{'tput gain':>10}{'bound':>7}"
     )
-    lines = [header]
-    for r in rows:
+    lines = [
+        f"LLM {report.llm}; datastore {info.passages} vectors, nlist {info.nlist}, nprobe {info.nprobe}, "
+        f"device {info.device}, lookahead cache {info.cache_bytes / 2**20:.3g} MB; "
+        f"{config.requests} requests per row, top-{config.top_k}, {config.max_tokens} tokens",
+        header,
+    ]
+    for r in report.rows:
         overlap = f"{r.overlap_rate:.2f}" if r.overlap_rate is not None else "-"
         lines.append(
             f"{r.pipeline:<12}{r.batch:>6} {r.mode:<10}{r.requests:>5}{r.latency_ms_p50:>10.1f}{r.latency_ms_p99:>10.1f}"

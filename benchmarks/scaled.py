@@ -4,27 +4,45 @@ base plus noisy replicas of it, each replica mapped back to its source's passage
 Real pipeline text (queries written by a real LLM, embedded by the real embedder) then meets
 clusters of realistic count and size (e.g. 4M vectors in 4096 lists, nprobe 256, as TeleRAG
 measured), while every document retrieved is still a real passage. The result is cached: the
-directory name holds the base's vectors checksum and every parameter.
+directory name holds the base's vectors checksum and every parameter. `open_scaled_retriever`
+opens the configured retriever over the configured datastore so scaled (`telerag bench e2e`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
+from telerag.pipelines.retriever import DirectRetriever
 from telerag.retrieval.builder import assign_lists, default_nlist, train_centroids, write_clustered
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Passage
 from telerag.retrieval.datastore import MANIFEST, VECTORS, Datastore
 from telerag.retrieval.errors import DatastoreError
+from telerag.retrieval.files import user_cache_dir
+from telerag.server.runtime import load_datastore, load_embedder, open_configured_retriever
+from telerag.server.settings import RetrievalSettings
 
 log = logging.getLogger(__name__)
 
 REPLICA_BLOCK = 1 << 16  # replicas made per step
+
+
+@dataclass(frozen=True)
+class DatastoreScale:
+    """How `open_scaled_retriever` scales the configured datastore: to `vectors` vectors, its
+    own and noisy replicas of them."""
+
+    vectors: int
+    nlist: int | None = None  # None: 4*sqrt(vectors)
+    noise: float = 0.5  # replica = normalise(v + noise*g/sqrt(dim))
+    seed: int = 0
+    directory: Path | None = None  # where scaled datastores are kept; None: the cache dir's bench/
 
 
 class ReplicaPassages(Sequence[Passage]):
@@ -108,3 +126,18 @@ def scaled_datastore(
         shape=base.manifest.shape,
         progress=progress,
     )
+
+
+def open_scaled_retriever(retrieval: RetrievalSettings, scale: DatastoreScale | None) -> DirectRetriever:
+    """The configured retriever over the configured datastore, or over its scaled copy (built
+    once, kept under `scale.directory`)."""
+    embedder = load_embedder(retrieval)
+    datastore = load_datastore(retrieval, embedder)
+    if scale is not None:
+        try:
+            path = scaled_datastore(datastore, scale.directory or user_cache_dir() / "bench", n_vectors=scale.vectors,
+                                    nlist=scale.nlist, noise=scale.noise, seed=scale.seed)
+        finally:
+            datastore.close()
+        datastore = Datastore.load(path, embedder=embedder.name, verify_checksums=retrieval.verify_checksums, progress=True)
+    return open_configured_retriever(datastore, embedder, retrieval)

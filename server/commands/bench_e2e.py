@@ -12,7 +12,6 @@ from pathlib import Path
 
 from telerag.pipelines.questions import read_questions
 from telerag.pipelines.registry import PIPELINES
-from telerag.retrieval.files import user_cache_dir
 from telerag.server.commands.serve import add_runtime_flags, overrides
 from telerag.server.settings import ENGINE_KIND_ALIASES, load_settings, packaged_config
 
@@ -48,13 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from telerag.benchmarks.e2e import E2EConfig, format_table, run_e2e
-    from telerag.benchmarks.random_llm import random_weight_engine, tiny_random_lm
-    from telerag.benchmarks.scaled import scaled_datastore
-    from telerag.pipelines.engines.transformers import TransformersEngine
-    from telerag.retrieval.datastore import Datastore
-    from telerag.retrieval.device import resolve_device
-    from telerag.server.runtime import build_engine, load_datastore, load_embedder, open_configured_retriever, run_event_loop
+    from telerag.benchmarks.e2e import E2EConfig, LLMChoice, format_table, run_configured_e2e
+    from telerag.benchmarks.scaled import DatastoreScale
 
     if args.tiny and args.model:
         raise SystemExit("--tiny and --model exclude each other")
@@ -64,61 +58,31 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--nlist sets the lists of a scaled datastore: give --scale-vectors too")
     names = tuple(PIPELINES) if args.pipelines == "all" else tuple(n.strip() for n in args.pipelines.split(","))
     settings = load_settings(args.config, overrides(args))
-    retrieval = settings.retrieval
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    log = logging.getLogger("telerag.bench.e2e")
-
-    # the engine first, so the default cluster cache gets what the LLM leaves of the GPU (as `serve`)
-    if args.tiny:
-        engine = TransformersEngine(*tiny_random_lm(0), name="tiny-random", device=str(resolve_device(settings.engine.device)))
-    elif args.random_weights:
-        engine = random_weight_engine(args.model, device=str(resolve_device(settings.engine.device)))
-    else:
-        engine = build_engine(settings)
-    embedder = load_embedder(retrieval)
-    datastore = load_datastore(retrieval, embedder)
-    if args.scale_vectors:
-        try:
-            scaled = scaled_datastore(datastore, args.scale_dir or user_cache_dir() / "bench", n_vectors=args.scale_vectors,
-                                      nlist=args.nlist, noise=args.replica_noise, seed=args.seed)
-        finally:
-            datastore.close()
-        datastore = Datastore.load(scaled, embedder=embedder.name, verify_checksums=retrieval.verify_checksums, progress=True)
-    retriever = open_configured_retriever(datastore, embedder, retrieval)
+    llm = LLMChoice.TINY if args.tiny else LLMChoice.RANDOM_WEIGHTS if args.random_weights else LLMChoice.CONFIGURED
+    scale = DatastoreScale(vectors=args.scale_vectors, nlist=args.nlist, noise=args.replica_noise, seed=args.seed,
+                           directory=args.scale_dir) if args.scale_vectors else None
     config = E2EConfig(
         pipelines=names,
         questions=tuple(q.text for q in read_questions(args.questions)),
         batches=tuple(args.batch),
         requests=args.requests,
         max_tokens=args.max_tokens,
-        top_k=args.top_k or retrieval.top_k,
+        top_k=args.top_k or settings.retrieval.top_k,
         warmup=args.warmup,
         batch_window_ms=settings.scheduler.batch_window_ms,
         max_batch=settings.scheduler.max_batch,
     )
-
-    async def main() -> list:
-        try:
-            return await run_e2e(engine, retriever, config, log=log.info)
-        finally:
-            await engine.close()
-
-    try:
-        rows = run_event_loop(main(), settings)
-        info = retriever.datastore_info()
-    finally:
-        retriever.close()
-    print(f"LLM {engine.name}; datastore {info.passages} vectors, nlist {info.nlist}, nprobe {info.nprobe}, "
-          f"device {info.device}, lookahead cache {info.cache_bytes / 2**20:.3g} MB; "
-          f"{config.requests} requests per row, top-{config.top_k}, {config.max_tokens} tokens")
-    print(format_table(rows))
+    report = run_configured_e2e(settings, config, llm=llm, scale=scale, log=logging.getLogger("telerag.bench.e2e").info)
+    print(format_table(report))
     plots = []
     if args.plot_dir is not None:
         from telerag.benchmarks.plots import write_plots
 
-        plots = [str(p) for p in write_plots(rows, args.plot_dir)]
+        plots = [str(p) for p in write_plots(report.rows, args.plot_dir)]
         print("plots: " + ", ".join(plots))
     if args.json:
-        print(json.dumps({"llm": engine.name, "datastore": asdict(info), "requests": config.requests, "max_tokens": config.max_tokens,
-                          "top_k": config.top_k, "plots": plots, "rows": [asdict(r) for r in rows]}))
+        print(json.dumps({"llm": report.llm, "datastore": asdict(report.datastore), "requests": config.requests,
+                          "max_tokens": config.max_tokens, "top_k": config.top_k, "plots": plots,
+                          "rows": [asdict(r) for r in report.rows]}))
     return 0
