@@ -18,7 +18,7 @@ from telerag.retrieval.progress import StepProgress
 from telerag.server import runtime
 from telerag.benchmarks.random_llm import tiny_random_lm
 from telerag.server.cli import build_parser
-from telerag.server.commands import serve
+from telerag.server.commands import runtime_flags, serve
 from telerag.server.errors import status_of
 from telerag.server.settings import Settings, load_settings
 from tests.retrieval_helpers import random_datastore
@@ -48,7 +48,7 @@ async def test_the_transformers_engine_from_settings_and_flags(kind: str, tmp_pa
     model.save_pretrained(tmp_path / "tiny")
     tokenizer.save_pretrained(tmp_path / "tiny")
     args = build_parser().parse_args(["serve", "--engine", kind, "--model", str(tmp_path / "tiny"), "--device", "cpu"])
-    settings = load_settings(None, serve.overrides(args))
+    settings = load_settings(None, runtime_flags.overrides(args))
     assert settings.engine.kind == "transformers"
     engine = runtime.build_engine(settings)
     assert isinstance(engine, TransformersEngine) and engine.name == "tiny"

@@ -13,7 +13,7 @@ from pathlib import Path
 from telerag.benchmarks.overlap import OverlapConfig, configured_overlap_study, format_table
 from telerag.pipelines.questions import read_questions
 from telerag.pipelines.registry import PIPELINES
-from telerag.server.commands.serve import add_runtime_flags, overrides
+from telerag.server.commands.runtime_flags import add_runtime_flags, overrides
 from telerag.server.settings import load_settings, packaged_config
 
 
