@@ -107,4 +107,13 @@ def revise(question: str, documents: Sequence[Document], draft: str) -> Prompt:
 
 
 def is_yes(reply: str) -> bool:
-    return reply.strip().lower().lstrip("*\"' ").startswith("yes")
+    return _first_word(reply) == "yes"
+
+
+def is_no(reply: str) -> bool:
+    return _first_word(reply) == "no"
+
+
+def _first_word(reply: str) -> str:
+    words = reply.strip().lower().lstrip("*\"' ").split(maxsplit=1)
+    return words[0].rstrip(".,!:;*\"'") if words else ""

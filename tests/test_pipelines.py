@@ -143,7 +143,7 @@ async def test_flare_never_retrieves_when_all_tokens_are_sure():
     assert len(retriever.released) == len(retriever.prefetches) > 0
 
 
-@pytest.mark.parametrize(("decide", "searches"), [("yes", 1), ("no", 0)])
+@pytest.mark.parametrize(("decide", "searches"), [("yes", 1), ("no", 0), ("No.", 0), ("Jupiter", 1), ("nothing", 1)])
 async def test_self_rag_decides_whether_to_retrieve(decide, searches):
     pipeline, engine, retriever, log = make("self_rag", decide=decide)
     result, _ = await run(pipeline)

@@ -17,7 +17,9 @@ class SelfRAG(RagPipeline):
 
     async def body(self, ctx: RunContext) -> str:
         async def decide() -> bool:
-            return prompts.is_yes(await self.reply(ctx, "decide_retrieval", prompts.needs_retrieval(ctx.query), max_tokens=3))
+            # Retrieve unless the model declines: one that cannot follow the instruction (a small
+            # base model answers the question instead) still gets its documents.
+            return not prompts.is_no(await self.reply(ctx, "decide_retrieval", prompts.needs_retrieval(ctx.query), max_tokens=3))
 
         # The question's clusters are prefetched while the model decides; if it decides
         # against retrieval the copies were speculative and no search runs.
