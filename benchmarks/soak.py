@@ -28,6 +28,7 @@ from telerag.benchmarks.report import key_value_table
 
 MEMORY_SAMPLE_S = 10.0
 RSS_METRIC = re.compile(r"^process_resident_memory_bytes\s+(\S+)$", re.MULTILINE)
+KEEPALIVE_EXPIRY_S = 2.0  # below any sane server keep-alive timeout
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,10 @@ async def _resident_mb(client: httpx.AsyncClient, pid: int | None) -> float | No
 async def soak(config: SoakConfig, questions: Sequence[str]) -> SoakReport:
     """Hold `config.users` users for `config.duration_s` against the server at `config.url`."""
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    limits = httpx.Limits(max_connections=config.users + 1, max_keepalive_connections=config.users + 1)
+    # idle connections are dropped before the server's keep-alive timeout (5 s by default) can close
+    # them under a request about to be sent: a client's race, not the server's failure
+    limits = httpx.Limits(max_connections=config.users + 1, max_keepalive_connections=config.users + 1,
+                          keepalive_expiry=KEEPALIVE_EXPIRY_S)
     report = SoakReport(users=config.users, duration_s=config.duration_s)
     tally = _Tally()
     cycle = itertools.cycle(questions)

@@ -43,8 +43,8 @@ TOKENS_PER_WORD = 1.5  # prompt tokens per word of a passage (English BPE; its t
 DEFAULT_PASSAGE_WORDS = 100  # a datastore's passage length when its manifest does not say (the builder's default)
 PREFILL_WEIGHT = 0.1  # cost of a prompt token relative to a generated one
 RATE_TIME_CONSTANT_S = 60.0  # how long the measured service rate remembers
-ERROR_WINDOW = 50  # completed requests whose estimate error is remembered
-ERROR_QUANTILE = 0.95  # the quantile of that error that scales every estimate
+ERROR_WINDOW = 100  # completed requests whose estimate error is remembered
+ERROR_QUANTILE = 0.99  # the quantile of that error that scales every estimate (the deadline is to hold for 99 in 100)
 ERROR_MIN_SAMPLES = 3  # below this many, estimates are not scaled (from 3 on, the quantile of few is near their worst)
 ERROR_MIN_ESTIMATE_S = 1.0  # an estimate shorter than this counts as this long (a 0.1 s estimate that took 0.5 s says little about 30 s)
 
