@@ -67,7 +67,10 @@ class AdmittedRun:
         error handlers."""
         result = None
         try:
-            async for event in self._read():  # to the run's end: its ticket is finished before the answer leaves
+            # the run to its end first (its ticket finished before the answer leaves), then its
+            # events at once: one wake-up for the whole run, not one per token
+            await asyncio.wait({self._task})
+            async for event in self._read():
                 if isinstance(event, ResultEvent):
                     result = event.result
         except ClientDisconnected:
