@@ -136,16 +136,24 @@ def test_a_damaged_datastore_is_refused_before_the_model_loads(assets, tmp_path,
     assert f"telerag datastore build --corpus FILE (or --wikipedia) --embedder DIR (the model {assets[1].name}) --out {datastore} --overwrite" in failure
 
 
+def sigterm_with_one_in_flight(server: ServerProcess, results: list) -> threading.Thread:
+    """Once the server is ready, send a query, wait until it runs, then send SIGTERM and wait
+    until the server says it is draining; the thread that waits for the query's answer."""
+    server.wait_ready()
+    request = send_query(server, results)
+    poll(server, "/metrics", lambda r: in_flight(server))
+    server.signal(signal.SIGTERM)
+    poll(server, "/ready", lambda r: r.json()["status"] == "draining")
+    return request
+
+
 def test_sigterm_drains_the_request_in_flight_then_exits_0(assets, tmp_path):
     gate = tmp_path / "searches"
     server = serve(assets, tmp_path, "--search-gate", str(gate))
     results: list = []
     try:
-        server.wait_ready()
-        request = send_query(server, results)
-        poll(server, "/metrics", lambda r: in_flight(server))
-        server.signal(signal.SIGTERM)
-        draining = poll(server, "/ready", lambda r: r.json()["status"] == "draining")
+        request = sigterm_with_one_in_flight(server, results)
+        draining = httpx.get(f"{server.base}/ready", timeout=5)
         assert draining.status_code == 503 and not draining.json()["ready"]
         refused = httpx.post(f"{server.base}/v1/rag/query", json=QUERY, timeout=5)
         assert refused.status_code == 503 and refused.headers["retry-after"]
@@ -171,11 +179,7 @@ def test_a_second_signal_or_the_end_of_the_grace_stops_at_once_with_1(assets, tm
     server = serve(assets, tmp_path, "--search-gate", str(gate), env={"TELERAG_SERVER__SHUTDOWN_GRACE_S": grace})
     results: list = []
     try:
-        server.wait_ready()
-        request = send_query(server, results)
-        poll(server, "/metrics", lambda r: in_flight(server))
-        server.signal(signal.SIGTERM)
-        poll(server, "/ready", lambda r: r.json()["status"] == "draining")
+        request = sigterm_with_one_in_flight(server, results)
         if stop == "second signal":
             server.signal(signal.SIGINT)
         assert server.process.wait(timeout=30) == 1
