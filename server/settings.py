@@ -88,6 +88,9 @@ class ServerSettings(BaseModel):
     # After SIGTERM (or SIGINT) the server answers 503 to new work and waits this long for the
     # requests it accepted; past it, or at a second signal, it stops at once (exit status 1).
     shutdown_grace_s: float = Field(30.0, ge=0)
+    # Before /ready turns 200, one short request runs through the whole path, so that what the
+    # engine, the embedder and the search set up on first use does not stall the first clients.
+    warm_up: bool = True
     # How long a thread may hold the GIL before another one waiting for it gets a turn (Python's
     # default: 5 ms). The transformers engine and the retrieval workers are threads of this process; with
     # the default the event loop can wait 5 ms at each wake-up while they run.

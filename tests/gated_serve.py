@@ -11,6 +11,7 @@ launcher patches the server; the server itself has no test hooks.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,7 @@ def main(argv: list[str]) -> int:
 
             datastore.file_sha256 = gated_sha256
         elif option == "--search-gate":
+            os.environ["TELERAG_SERVER__WARM_UP"] = "false"  # the warm-up's search would wait at the gate
             search = retriever.DirectRetriever._search_batch
 
             def gated_search(self, requests, _gate=gate, _search=search):  # noqa: ANN001, ANN202

@@ -267,11 +267,11 @@ def test_sigterm_drains_a_server_with_sglang_in_it_then_stops_sglang():
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 120
-        while not _answers(f"{base}/health"):
+        while not _answers(f"{base}/ready"):  # SGLang installs its signal handlers at the first request: the warm-up
             assert process.poll() is None and time.time() < deadline, process.stdout.read() if process.stdout else ""
             time.sleep(0.2)
         query = {"query": "What is the capital of France?", "pipeline": "naive"}
-        first = httpx.post(f"{base}/v1/rag/query", json=query, timeout=30)  # SGLang installs its handlers here
+        first = httpx.post(f"{base}/v1/rag/query", json=query, timeout=30)
         assert first.status_code == 200, first.text
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(httpx.post, f"{base}/v1/rag/query", json=query, timeout=30)

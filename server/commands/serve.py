@@ -11,7 +11,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import uvicorn
 from fastapi import FastAPI
@@ -23,6 +23,9 @@ from telerag.server.commands.runtime_flags import add_runtime_flags, overrides
 from telerag.server.connections import uvicorn_options
 from telerag.server.lifecycle import Lifecycle
 from telerag.server.settings import ENGINE_KIND_ALIASES, Settings, load_settings
+
+if TYPE_CHECKING:
+    from telerag.server.runtime import Runtime  # imported when serving: it brings torch
 
 log = logging.getLogger("telerag.server")
 
@@ -71,7 +74,6 @@ async def serve(settings: Settings) -> int:
     requests, then returns 0; a second signal, or the end of the grace period, ends the process
     at once with status 1. A signal while loading stops at once with status 0."""
     from telerag.server.app import create_app, start_serving
-    from telerag.server.runtime import load_runtime
 
     loop = asyncio.get_running_loop()
     lifecycle = Lifecycle()
@@ -88,7 +90,7 @@ async def serve(settings: Settings) -> int:
         await asyncio.sleep(0.01)
     log.info("listening on http://%s:%d; loading", settings.server.host, settings.server.port)
 
-    loading = asyncio.create_task(load_runtime(settings, lifecycle))
+    loading = asyncio.create_task(_load(settings, lifecycle))
     await _first(loading, lifecycle.stop.wait())
     if not loading.done():
         log.info("stopped while loading (%s)", lifecycle.step)
@@ -123,6 +125,21 @@ async def serve(settings: Settings) -> int:
     await runtime.close()
     log.info("stopped: every accepted request finished")
     return 0
+
+
+async def _load(settings: Settings, lifecycle: Lifecycle) -> Runtime:
+    """The runtime, loaded and (unless `server.warm_up` is off) warmed up by one request."""
+    from telerag.server import runtime as runtime_module  # the module's attribute: a test launcher may replace it
+
+    runtime = await runtime_module.load_runtime(settings, lifecycle)
+    if settings.server.warm_up:
+        lifecycle.loading("warming up")
+        try:
+            await runtime_module.warm_up(runtime)
+        except BaseException:
+            await runtime.close()
+            raise
+    return runtime
 
 
 async def _listen(server: uvicorn.Server) -> None:
