@@ -13,10 +13,16 @@ batching engine serves more per second when more run at once). Between completio
 time grows and the rate falls: the estimate errs towards refusing. The running requests are
 taken to share the rate equally (their progress, for the work still to do).
 
-The expected finish of a new request is the work still to do of every admitted request plus its
-own, over the rate (admitted requests are served first come, first served). Until a request has
-finished there is no rate: one request is admitted at a time, so the first measurement comes
-soon and a cold server never takes on more than it can finish in time.
+The admitted requests share the server (a batching engine decodes them side by side), so the
+model is processor sharing: with the rate split equally among them, the one with least work left
+finishes first, and each admission delays every request already admitted. A request is admitted
+only if, with it, every admitted request (itself included) is expected to finish within the
+deadline of its own admission: a request that arrived in a lull is not pushed past its deadline
+by the ones admitted after it. Each ticket keeps the finish the model last expected for it,
+later admissions included, and that is what its real finish is compared with. Until the rate and
+the error below are measured (a request finished, then `ERROR_MIN_SAMPLES` more whose finish was
+estimated), one request is admitted at a time, so the first measurements come soon and a cold
+server never takes on more than it can finish in time.
 
 The model is still a model: a batching engine's throughput moves with its load, a busy event
 loop delays what the estimate does not count, and on a small machine the clients' own work
@@ -55,7 +61,7 @@ class Refusal(str, Enum):
     DEADLINE = "deadline"  # its expected finish is past the deadline
     QUEUE_FULL = "queue_full"  # max_concurrency running and max_queue waiting
     KEY_LIMIT = "key_limit"  # its API key has max_in_flight_per_key requests admitted
-    UNMEASURED = "unmeasured"  # no request has finished yet, and one is in flight
+    UNMEASURED = "unmeasured"  # the rate or the estimates' error is not measured yet, and one request is in flight
     PROMPT_TOKENS = "prompt_tokens"  # over limits.max_prompt_tokens (422, counted here too)
 
 
@@ -80,7 +86,8 @@ class Ticket:
     work: float
     client: str | None
     admitted_at: float = 0.0
-    estimated_s: float | None = None  # the finish estimated at admission, unscaled (None without a rate)
+    estimated_s: float | None = None  # seconds from admission to the finish the model expects, unscaled, as
+    # of the latest admission (which may have delayed it); None without a rate
     running: bool = False
     finished: bool = False
     attention_s: float = 0.0  # seconds of the whole server it has had (an equal share of the time it ran)
@@ -129,10 +136,14 @@ class EstimateError:
             self.ratios.popleft()
 
     @property
+    def calibrated(self) -> bool:
+        return len(self.ratios) >= self.min_samples
+
+    @property
     def factor(self) -> float:
         """What every estimate is multiplied by: the quantile of the ratios, at least 1 (1 until
         `min_samples` are in)."""
-        if len(self.ratios) < self.min_samples:
+        if not self.calibrated or not self.ratios:
             return 1.0
         ordered = sorted(self.ratios)
         return max(1.0, ordered[min(len(ordered) - 1, math.ceil(self.quantile * len(ordered)) - 1)])
@@ -183,19 +194,47 @@ class Admission:
         if self.n_running >= self.max_concurrency and self.n_waiting >= self.max_queue:
             self._refuse(Refusal.QUEUE_FULL, f"server busy: {self.n_running} running and {self.n_waiting} waiting",
                          self._soonest([t for t in self._admitted if t.running], rate))
-        estimate = (self._backlog(rate) + cost.work) / rate if rate else None
+        ticket = Ticket(cost.work, client, admitted_at=self._last)
+        finishes = self._shared_finishes(rate, [*self._admitted, ticket]) if rate else None
         if self.deadline_s is not None and self._admitted:
-            if estimate is None:
-                self._refuse(Refusal.UNMEASURED, "the server is measuring its service rate: one request at a time "
-                             "until the first has finished", None)
-            finish = estimate * self.error.factor
-            if finish > self.deadline_s:
-                self._refuse(Refusal.DEADLINE, f"server busy: this request would finish in about {finish:.0f} s; "
-                             f"the deadline is {self.deadline_s:g} s", finish - self.deadline_s)
-        ticket = Ticket(cost.work, client, admitted_at=self._last, estimated_s=estimate)
+            if finishes is None or not self.error.calibrated:
+                self._refuse(Refusal.UNMEASURED, "the server is measuring its service rate and the error of its "
+                             f"estimates: one request at a time until {self.error.min_samples + 1} have finished",
+                             self._soonest(self._admitted, rate))
+            self._check_deadlines(rate, finishes, ticket)
+        if finishes is not None:
+            for t, in_s in finishes.items():
+                t.estimated_s = self._last + in_s - t.admitted_at
         self._admitted.append(ticket)
         self._changed()
         return ticket
+
+    def _shared_finishes(self, rate: float, tickets: list[Ticket]) -> dict[Ticket, float]:
+        """Seconds from now until each of `tickets` finishes, sharing `rate` equally while they
+        last (processor sharing) with nothing else admitted: with the work left sorted
+        r_1 <= ... <= r_n, the k-th finishes after (r_1 + ... + r_k-1 + (n-k+1) r_k) / rate."""
+        left = sorted(((t.remaining(rate), t) for t in tickets), key=lambda pair: pair[0])
+        finishes, done = {}, 0.0
+        for k, (work, t) in enumerate(left):
+            finishes[t] = (done + (len(left) - k) * work) / rate
+            done += work
+        return finishes
+
+    def _check_deadlines(self, rate: float, finishes: dict[Ticket, float], new: Ticket) -> None:
+        """Refuse `new` if, with it, it or an admitted request would finish past the deadline of
+        its own admission, the estimates scaled by their measured error. `Retry-After`: how much
+        later `new` itself would fit, or, when an admitted request would be late, how long until
+        that one finishes (admitting more would only make it later)."""
+        factor = self.error.factor
+        deadline = self.deadline_s
+        late = [(t, self._last + in_s * factor - (t.admitted_at + deadline)) for t, in_s in finishes.items()]
+        blockers = [(t, lateness) for t, lateness in late if lateness > 0]
+        if not blockers:
+            return
+        without = self._shared_finishes(rate, self._admitted)
+        retry = max(lateness if t is new else without[t] * factor for t, lateness in blockers)
+        self._refuse(Refusal.DEADLINE, f"server busy: this request would finish in about {finishes[new] * factor:.0f} s, "
+                     f"or make an admitted one finish later than the deadline of {deadline:g} s", retry)
 
     def expected_wait_s(self) -> float:
         """How long the work already admitted takes to finish at the measured rate (0 when unknown)."""

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from telerag.pipelines.registry import PIPELINES
-from telerag.server.admission import PREFILL_WEIGHT, Admission, EstimateError, Refusal, RequestCost, ServiceRate
+from telerag.server.admission import ERROR_MIN_SAMPLES, PREFILL_WEIGHT, Admission, EstimateError, Refusal, RequestCost, ServiceRate
 from telerag.server.app import create_app, start_serving
 from telerag.server.errors import Overloaded
 from telerag.server.runtime import Runtime
@@ -35,7 +35,7 @@ class Clock:
 def admission(clock: Clock, **options) -> tuple[Admission, list[Refusal]]:  # noqa: ANN003
     """An Admission whose rate never forgets, so that the numbers below are exact."""
     refused: list[Refusal] = []
-    options = {"max_concurrency": 8, "max_queue": 64, "deadline_s": 30.0, **options}
+    options = {"max_concurrency": 8, "max_queue": 64, "deadline_s": 30.0, "error": EstimateError(min_samples=0), **options}
     return Admission(clock=clock, on_refuse=refused.append, rate=ServiceRate(time_constant_s=math.inf), **options), refused
 
 
@@ -94,6 +94,23 @@ async def test_before_any_request_finished_one_is_admitted_at_a_time():
     assert a.admit(UNIT) and a.admit(UNIT)  # measured: 20/s
 
 
+async def test_until_its_estimates_error_is_measured_one_request_is_admitted_at_a_time():
+    clock = Clock()
+    a, refused = admission(clock, error=EstimateError(min_samples=3))
+    for n in range(4):  # the first measures the rate; the next three, each estimated, the error
+        ticket = a.admit(UNIT)
+        await a.start(ticket)
+        with pytest.raises(Overloaded) as info:
+            a.admit(UNIT)
+        assert refused[-1] == Refusal.UNMEASURED
+        if n:  # estimated at 10 s, it has 10 s to go: retry then
+            assert ticket.estimated_s == pytest.approx(10.0) and info.value.retry_after == 10
+        clock.now += 10.0
+        a.finish(ticket, completed=True)
+    assert a.error.calibrated and a.error.factor == 1.0
+    assert a.admit(UNIT) and a.admit(UNIT)  # now side by side: 10 and 20 s
+
+
 async def test_without_a_deadline_the_queue_bounds_what_is_admitted():
     clock = Clock()
     a, refused = admission(clock, max_concurrency=2, max_queue=1, deadline_s=None)
@@ -108,21 +125,59 @@ async def test_without_a_deadline_the_queue_bounds_what_is_admitted():
 async def test_a_request_that_would_finish_past_the_deadline_is_refused_with_the_time_until_it_fits():
     clock = Clock()
     a, refused = await measured(clock, rate=10.0)  # 100 units take 10 s
-    tickets = [a.admit(UNIT) for _ in range(3)]  # they finish in 10, 20 and 30 s: within 30
+    tickets = [a.admit(UNIT) for _ in range(3)]  # sharing the server, all three finish in 30 s: within 30
+    assert [t.estimated_s for t in tickets] == pytest.approx([30.0] * 3)
     with pytest.raises(Overloaded) as info:
-        a.admit(UNIT)  # would finish in 40 s
-    assert refused == [Refusal.DEADLINE]
-    assert info.value.retry_after == 10  # 40 - 30
+        a.admit(UNIT)  # it would finish in 40 s, and so would the three
+    assert refused == [Refusal.DEADLINE] and "40 s" in str(info.value)
+    assert info.value.retry_after == 30  # when the three are done
     for t in tickets:
         await a.start(t)
     clock.now += 10.0  # busy with nothing finished: the rate falls to 100 / 20 s, the estimate errs towards refusing
     assert a.expected_wait_s() == pytest.approx((300 - 5 * 10) / 5) and a.rate.per_s == pytest.approx(5.0)
     with pytest.raises(Overloaded) as info:
-        a.admit(UNIT)  # (300 - 5 * 10 + 100) / 5 = 70 s
-    assert info.value.retry_after == 40
-    a.finish(tickets[0], completed=True)  # 200 units in 20 busy s: 10/s again
-    assert a.expected_wait_s() == pytest.approx(2 * (100 - 10 * 10 / 3) / 10)
-    assert a.admit(UNIT)  # (133.3 + 100) / 10 = 23.3 s
+        a.admit(UNIT)  # the three now expected in 250 / 5 = 50 s, past their deadline: nothing more until then
+    assert info.value.retry_after == 50
+    a.finish(tickets[0], completed=True)
+    a.finish(tickets[1], completed=True)  # 300 units in 20 busy s: 15/s; the last has 100 - 15 * 10 / 3 = 50 left
+    assert a.expected_wait_s() == pytest.approx(50 / 15)
+    fits = a.admit(UNIT)  # shared: the last in 2 * 50 / 15 s, this one in (50 + 100) / 15 = 10 s
+    assert fits.estimated_s == pytest.approx(10.0) and tickets[2].estimated_s == pytest.approx(10.0 + 100 / 15)
+
+
+async def test_a_request_is_refused_if_it_would_push_an_admitted_one_past_its_deadline():
+    """Admitted requests share the server: a small one admitted late delays a big one admitted
+    early, though it would itself finish in time."""
+    clock = Clock()
+    a, refused = await measured(clock, rate=10.0)
+    big = a.admit(RequestCost(prompt_tokens=0, max_tokens=250, llm_calls=1))
+    assert big.estimated_s == pytest.approx(25.0)  # alone
+    await a.start(big)
+    clock.now += 10.0
+    a.expected_wait_s()  # brings the shares up to now: the big one has had 10 s
+    a.rate = ServiceRate(time_constant_s=math.inf, work=100.0, busy_s=10.0)  # still 10/s: 150 units left of the big one
+    small = RequestCost(prompt_tokens=0, max_tokens=50, llm_calls=1)
+    first = a.admit(small)  # shared: it finishes in 10 s, the big one in (50 + 150) / 10 = 20 s, at its deadline
+    assert first.estimated_s == pytest.approx(10.0) and big.estimated_s == pytest.approx(30.0)
+    with pytest.raises(Overloaded) as info:
+        a.admit(small)  # it would finish in 15 s, but the big one in 25 s: 5 s past its deadline
+    assert refused == [Refusal.DEADLINE] and info.value.retry_after == 20  # when the big one is done
+    assert "15 s" in str(info.value)
+
+
+async def test_an_admitted_request_expected_late_holds_admission_until_it_finishes():
+    """Admitting more would only make it later; Retry-After is when it should be done."""
+    clock = Clock()
+    a, refused = await measured(clock, rate=10.0)
+    big = a.admit(RequestCost(prompt_tokens=0, max_tokens=250, llm_calls=1))
+    await a.start(big)
+    clock.now += 20.0
+    a.expected_wait_s()
+    a.rate = ServiceRate(time_constant_s=math.inf, work=100.0, busy_s=10.0)  # 10/s, but only 50 units done in 20 s:
+    big.attention_s = 5.0  # 200 left: 20 s more, past its deadline
+    with pytest.raises(Overloaded) as info:
+        a.admit(RequestCost(prompt_tokens=0, max_tokens=50, llm_calls=1))  # 10 s for itself
+    assert refused == [Refusal.DEADLINE] and info.value.retry_after == 20
 
 
 def test_the_estimate_error_is_a_high_quantile_of_took_over_estimated_and_never_below_one():
@@ -156,8 +211,8 @@ async def test_requests_that_finished_later_than_estimated_make_admission_more_c
     assert a.admit(UNIT)  # 10 s estimated, 20 s scaled: within 30
     assert a.expected_wait_s() == pytest.approx(20.0)
     with pytest.raises(Overloaded) as info:
-        a.admit(UNIT)  # 20 s estimated would pass; 40 s scaled does not
-    assert refused == [Refusal.DEADLINE] and info.value.retry_after == 10
+        a.admit(UNIT)  # the two sharing: 20 s estimated would pass; 40 s scaled does not, for either
+    assert refused == [Refusal.DEADLINE] and info.value.retry_after == 20  # when the admitted one is done
 
 
 async def test_a_bigger_request_is_refused_where_a_smaller_one_is_admitted():
@@ -312,8 +367,9 @@ async def test_on_the_tiny_model_a_request_past_the_deadline_gets_429_at_once():
     long = {"query": "Tell me everything about the Nile", "max_tokens": 24}
     try:
         async with client:
-            warm = await client.post("/v1/rag/query", json={"query": "warm up", "max_tokens": 4})
-            assert warm.status_code == 200  # idle: admitted whatever the deadline; measures the rate
+            for _ in range(ERROR_MIN_SAMPLES + 1):  # idle: admitted whatever the deadline; they measure the rate and error
+                warm = await client.post("/v1/rag/query", json={"query": "warm up", "max_tokens": 4})
+                assert warm.status_code == 200
             running = asyncio.create_task(client.post("/v1/rag/query", json=long))
             while app.state.service.admission.n_running == 0:
                 await asyncio.sleep(0.01)
