@@ -3,7 +3,10 @@ what came back is counted (answers, 429s, failures apart) and the server's resid
 sampled from start to end.
 
 Each user is one keep-alive connection and a well-behaved client: after a 429 it waits the
-`Retry-After` it was given (never past the end of the run). At the end no new request is sent
+`Retry-After` it was given (never past the end of the run). Users start evenly spread over the
+first `ramp_s` seconds, as a load generator's spawn rate spreads them (with all 64 starting in
+the same instant, the server answers their first burst one after another, and the last 429s of
+that burst wait behind the others'). At the end no new request is sent
 and those in flight are waited for (up to the timeout). The latency of an answer is the
 time from sending the request to the end of its body, queueing in the server included.
 Memory comes from `/proc/<pid>` when the server's pid is given (same machine), else from the
@@ -41,6 +44,11 @@ class SoakConfig:
     api_key: str | None = None
     pid: int | None = None  # the server's process, to read its memory from /proc
     timeout_s: float = 300.0  # a request not answered in this long is a failure (the server's request_timeout_s)
+    ramp_s: float = 10.0  # users start evenly spread over this long (0: all at once)
+
+    def start_s(self, user: int) -> float:
+        """When user number `user` (from 0) sends its first request, in seconds into the run."""
+        return user * self.ramp_s / self.users
 
 
 @dataclass
@@ -82,7 +90,9 @@ class _Tally:
         self.failures: Counter[str] = Counter()
 
 
-async def _user(client: httpx.AsyncClient, config: SoakConfig, questions: itertools.cycle, end: float, tally: _Tally) -> None:
+async def _user(client: httpx.AsyncClient, config: SoakConfig, questions: itertools.cycle, start: float, end: float,
+                tally: _Tally) -> None:
+    await asyncio.sleep(max(start - time.monotonic(), 0.0))
     while (now := time.monotonic()) < end:
         body = {"query": next(questions), "pipeline": config.pipeline, "max_tokens": config.max_tokens}
         try:
@@ -136,7 +146,7 @@ async def soak(config: SoakConfig, questions: Sequence[str]) -> SoakReport:
                 await asyncio.sleep(MEMORY_SAMPLE_S)
 
         sampler = asyncio.create_task(sample_memory())
-        await asyncio.gather(*(_user(client, config, cycle, end, tally) for _ in range(config.users)))
+        await asyncio.gather(*(_user(client, config, cycle, start + config.start_s(i), end, tally) for i in range(config.users)))
         took = time.monotonic() - start
         sampler.cancel()
         if (mb := await _resident_mb(client, config.pid)) is not None:

@@ -16,7 +16,7 @@ async def test_soak_counts_answers_429s_and_failures_apart_and_reads_memory_from
     # would be a client error that says nothing about the soak
     # two slots, nothing queues before the first answer: more users than slots get 429s
     with serving_on_fakes(delay=0.2, max_connections=64, timeout_s=60, scheduler={"max_concurrency": 2, "max_queue": 0}) as (host, port):
-        report = await soak(SoakConfig(url=f"http://{host}:{port}", users=6, duration_s=2.0), ["q one?", "q two?"])
+        report = await soak(SoakConfig(url=f"http://{host}:{port}", users=6, duration_s=2.0, ramp_s=0), ["q one?", "q two?"])
     assert report.answered > 0 and report.refused > 0 and not report.failures
     assert report.requests == report.answered + report.refused
     assert report.p50_s is not None and report.p50_s <= report.p99_s
@@ -28,7 +28,7 @@ async def test_soak_counts_answers_429s_and_failures_apart_and_reads_memory_from
 async def test_soak_counts_other_statuses_as_failures_and_reads_memory_from_proc():
     with serving_on_fakes(max_connections=64, timeout_s=60, server={"api_key": "secret"}) as (host, port):
         # no key: every request is a 401, a failure; the pid is this process, which runs the server
-        report = await soak(SoakConfig(url=f"http://{host}:{port}", users=2, duration_s=0.5, pid=os.getpid()), ["q?"])
+        report = await soak(SoakConfig(url=f"http://{host}:{port}", users=2, duration_s=0.5, pid=os.getpid(), ramp_s=0), ["q?"])
     assert report.answered == 0 and report.refused == 0
     assert report.failures == {"401": report.requests} and report.requests > 0
     assert report.rss_mb and report.rss_mb[0][1] > 0
@@ -36,8 +36,21 @@ async def test_soak_counts_other_statuses_as_failures_and_reads_memory_from_proc
 
 def test_the_command_prints_a_table_and_one_json_line(capsys):
     with serving_on_fakes(delay=0.05, max_connections=64, timeout_s=60) as (host, port):
-        assert main(["bench", "soak", "--url", f"http://{host}:{port}", "--users", "2", "--seconds", "0.5", "--json"]) == 0
+        assert main(["bench", "soak", "--url", f"http://{host}:{port}", "--users", "2", "--seconds", "0.5", "--ramp-seconds", "0", "--json"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert any(line.startswith("refused (429)") for line in lines)
     result = json.loads(lines[-1])
     assert result["users"] == 2 and result["answered"] > 0 and result["failures"] == {}
+
+
+def test_users_start_evenly_spread_over_the_ramp():
+    config = SoakConfig(url="http://unused", users=4, ramp_s=10.0)
+    assert [config.start_s(i) for i in range(4)] == [0.0, 2.5, 5.0, 7.5]
+    assert SoakConfig(url="http://unused", users=4, ramp_s=0).start_s(3) == 0.0
+
+
+async def test_a_user_whose_start_comes_after_the_end_sends_nothing():
+    with serving_on_fakes(delay=0.05, max_connections=64, timeout_s=60) as (host, port):
+        report = await soak(SoakConfig(url=f"http://{host}:{port}", users=2, duration_s=0.5, ramp_s=2.0), ["q?"])
+    assert report.answered > 0 and not report.failures
+    assert report.answered == report.requests  # one user, one request at a time: nothing refused
