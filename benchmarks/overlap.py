@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from telerag.pipelines.prompts import ANSWER_CUE
+from telerag.pipelines.prompts import holds_answer_cue
 from telerag.pipelines.questions import Question, run_questions
 from telerag.pipelines.types import Pipeline, RunOptions, overlap_rates
 from telerag.server.runtime import open_runtime
@@ -79,7 +79,7 @@ async def overlap_study(
             total_ms=statistics.fmean(total_ms),
             article_hit_rate=statistics.fmean(hits) if hits else None,
             empty_answers=sum(not answer for answer in answers),
-            cue_answers=sum(ANSWER_CUE in answer for answer in answers),
+            cue_answers=sum(map(holds_answer_cue, answers)),
         ))
     bar.close()
     return rows

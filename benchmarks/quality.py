@@ -33,6 +33,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from telerag.pipelines.prompts import holds_answer_cue
 from telerag.pipelines.questions import Question, run_one
 from telerag.pipelines.rag.base import merge_documents
 from telerag.pipelines.stats import Timings
@@ -199,6 +200,7 @@ class QualityRow:
     recall_exact: float | None  # the same had those searches been exact (nprobe = nlist)
     exact_match: float | None  # mean over questions with a reference answer; None without generation
     f1: float | None
+    cue_answers: int | None  # answers still holding the answer cue (a reply looping on it); None without generation
     overlap_rate: float | None  # mean over searches with a prefetch of |C_in ∩ C_out| / |C_out|
     latency_ms: StageLatency
 
@@ -215,6 +217,7 @@ class _Tally:
         self.found_exact: list[bool] = []
         self.em: list[float] = []
         self.f1: list[float] = []
+        self.cue: list[bool] = []  # per answer generated: does it hold the answer cue
         self.overlaps: list[float] = []
         self.ms: dict[str, list[float]] = {stage: [] for stage in STAGES}
 
@@ -226,7 +229,8 @@ class _Tally:
         return QualityRow(
             pipeline=pipeline, questions=questions, k=k, nprobe=nprobe, nlist=nlist,
             recall=_mean(self.found), recall_exact=_mean(self.found_exact),
-            exact_match=_mean(self.em), f1=_mean(self.f1), overlap_rate=_mean(self.overlaps),
+            exact_match=_mean(self.em), f1=_mean(self.f1), cue_answers=sum(self.cue) if self.cue else None,
+            overlap_rate=_mean(self.overlaps),
             latency_ms=StageLatency(**{stage: _mean(ms) or 0.0 for stage, ms in self.ms.items()}),
         )
 
@@ -267,6 +271,7 @@ async def quality_study(
             if question.answers:
                 tally.em.append(exact_match(result.answer, question.answers))
                 tally.f1.append(token_f1(result.answer, question.answers))
+            tally.cue.append(holds_answer_cue(result.answer))
             tally.overlaps.extend(overlap_rates(result.steps))
             tally.add_timings(result.timings)
         rows.append(tally.row(pipeline.name, len(questions), options.top_k, nprobe, nlist))
@@ -334,14 +339,14 @@ def format_table(rows: list[QualityRow], datastore: Path) -> str:
     first = rows[0]
     lines = [
         f"{first.questions} questions, datastore {datastore}, k {first.k}, nprobe {first.nprobe} of {first.nlist} lists",
-        f"{'pipeline':<13}{'recall@k':>9}{'exact':>7}{'EM':>7}{'F1':>7}{'overlap':>9}"
+        f"{'pipeline':<13}{'recall@k':>9}{'exact':>7}{'EM':>7}{'F1':>7}{'cue':>5}{'overlap':>9}"
         f"{'prefetch':>10}{'pre-retr.':>11}{'search':>9}{'generate':>10}{'total ms':>10}",
     ]
     for row in rows:
         ms = row.latency_ms
         lines.append(
             f"{row.pipeline:<13}{num(row.recall):>9}{num(row.recall_exact):>7}{num(row.exact_match):>7}{num(row.f1):>7}"
-            f"{num(row.overlap_rate):>9}{ms.prefetch:>10.1f}{ms.pre_retrieval:>11.1f}{ms.search:>9.1f}"
+            f"{'-' if row.cue_answers is None else row.cue_answers:>5}{num(row.overlap_rate):>9}{ms.prefetch:>10.1f}{ms.pre_retrieval:>11.1f}{ms.search:>9.1f}"
             f"{ms.generate:>10.1f}{ms.total:>10.1f}"
         )
     return "\n".join(lines)

@@ -117,3 +117,9 @@ def is_no(reply: str) -> bool:
 def _first_word(reply: str) -> str:
     words = reply.strip().lower().lstrip("*\"' ").split(maxsplit=1)
     return words[0].rstrip(".,!:;*\"'") if words else ""
+
+
+def holds_answer_cue(answer: str) -> bool:
+    """An answer that still holds the answer cue: a reply that looped on it past what the
+    stops and `clean_reply` cut (what the benchmarks count: none should)."""
+    return ANSWER_CUE in answer

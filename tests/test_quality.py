@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from telerag.pipelines.prompts import holds_answer_cue
 from telerag.pipelines.embedder import Embedder
 from telerag.benchmarks.quality import (
     SearchRecorder,
@@ -58,6 +59,11 @@ def test_token_f1_on_known_inputs():
 
 def _doc(i: int, title: str, score: float = 1.0) -> Document:
     return Document(id=i, doc_id=title, title=title, text="", score=score)
+
+
+def test_an_answer_still_holding_the_cue_is_counted():
+    assert holds_answer_cue("Paris\nAnswer: Paris") and holds_answer_cue("Answer:")
+    assert not holds_answer_cue("Paris") and not holds_answer_cue("The answer is Paris")
 
 
 def test_article_found_counts_only_the_first_k():
@@ -147,6 +153,7 @@ def test_bench_quality_reports_every_pipeline(capsys, wiki_slice):
         assert row["questions"] == 8 and row["k"] == 10 and row["nprobe"] == 8 and row["nlist"] == 8
         for name in ("recall", "recall_exact", "exact_match", "f1"):
             assert 0.0 <= row[name] <= 1.0, (row["pipeline"], name)
+        assert 0 <= row["cue_answers"] <= 8, row["pipeline"]
         assert set(row["latency_ms"]) == {"prefetch", "pre_retrieval", "search", "generate", "total"}
         assert row["latency_ms"]["total"] > 0.0
         assert row["latency_ms"]["generate"] + row["latency_ms"]["pre_retrieval"] > 0.0  # FLARE writes in sentences
@@ -167,6 +174,7 @@ def test_retrieval_only_is_naives_retrieval(capsys, wiki_slice):
     naive = _run(capsys, wiki_slice, "--pipelines", "naive", "--nprobe", "1")[0]
     alone = _run(capsys, wiki_slice, "--retrieval-only", "--nprobe", "1")[0]
     assert alone["pipeline"] == "retrieval" and alone["exact_match"] is None and alone["f1"] is None
+    assert alone["cue_answers"] is None
     assert (alone["recall"], alone["recall_exact"]) == (naive["recall"], naive["recall_exact"])
     assert alone["recall_exact"] > 0.0  # 10 of ~55 passages: not every question misses
     assert alone["latency_ms"]["generate"] == 0.0 and alone["latency_ms"]["search"] > 0.0
