@@ -14,15 +14,18 @@ time grows and the rate falls: the estimate errs towards refusing. The running r
 taken to share the rate equally (their progress, for the work still to do).
 
 The admitted requests share the server (a batching engine decodes them side by side), so the
-model is processor sharing: with the rate split equally among them, the one with least work left
-finishes first, and each admission delays every request already admitted. A request is admitted
-only if, with it, every admitted request (itself included) is expected to finish within the
-deadline of its own admission: a request that arrived in a lull is not pushed past its deadline
-by the ones admitted after it. Each ticket keeps the finish the model last expected for it,
-later admissions included, and that is what its real finish is compared with. Until the rate and
-the error below are measured (a request finished, then `ERROR_MIN_SAMPLES` more whose finish was
-estimated), one request is admitted at a time, so the first measurements come soon and a cold
-server never takes on more than it can finish in time.
+model is processor sharing among the `max_concurrency` running, the others taking the slots as
+they free, first come first served: with the rate split equally among the running, the one with
+least work left finishes first and the next waiting one starts, and each admission delays every
+request already admitted. A request is admitted only if, with it, every admitted request (itself
+included) is expected to finish within the deadline of its own admission: a request that
+arrived in a lull is not pushed past its deadline by the ones admitted after it. Each ticket
+keeps the finish the model last expected for it, later admissions included, and that is what its
+real finish is compared with. Every `Retry-After` comes from the same model: when the request
+that blocks this one should be done. Until the rate and the error below are measured (a request
+finished, then `ERROR_MIN_SAMPLES` more whose finish was estimated), one request is admitted at a
+time, so the first measurements come soon and a cold server never takes on more than it can
+finish in time.
 
 The model is still a model: a batching engine's throughput moves with its load, a busy event
 loop delays what the estimate does not count, and on a small machine the clients' own work
@@ -35,6 +38,8 @@ an estimate that ran 1.6x optimistic here becomes 1.6x more careful.
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import math
 import time
 from collections import deque
@@ -186,22 +191,23 @@ class Admission:
         """Admit the request (it then waits for a slot) or raise `Overloaded` with a Retry-After."""
         self._advance()
         rate = self.rate.per_s
+        now_finishes = self._finishes(rate, self._admitted) if rate else {}
         if self.max_in_flight_per_key is not None and client is not None:
             own = [t for t in self._admitted if t.client == client]
             if len(own) >= self.max_in_flight_per_key:
                 self._refuse(Refusal.KEY_LIMIT, f"this API key has {len(own)} requests in flight; the limit is "
-                             f"{self.max_in_flight_per_key}", self._soonest(own, rate))
+                             f"{self.max_in_flight_per_key}", self._soonest(now_finishes, own))
         if self.n_running >= self.max_concurrency and self.n_waiting >= self.max_queue:
             self._refuse(Refusal.QUEUE_FULL, f"server busy: {self.n_running} running and {self.n_waiting} waiting",
-                         self._soonest([t for t in self._admitted if t.running], rate))
+                         self._soonest(now_finishes, self._admitted))
         ticket = Ticket(cost.work, client, admitted_at=self._last)
-        finishes = self._shared_finishes(rate, [*self._admitted, ticket]) if rate else None
+        finishes = self._finishes(rate, [*self._admitted, ticket]) if rate else None
         if self.deadline_s is not None and self._admitted:
             if finishes is None or not self.error.calibrated:
                 self._refuse(Refusal.UNMEASURED, "the server is measuring its service rate and the error of its "
                              f"estimates: one request at a time until {self.error.min_samples + 1} have finished",
-                             self._soonest(self._admitted, rate))
-            self._check_deadlines(rate, finishes, ticket)
+                             self._soonest(now_finishes, self._admitted))
+            self._check_deadlines(finishes, now_finishes, ticket)
         if finishes is not None:
             for t, in_s in finishes.items():
                 t.estimated_s = self._last + in_s - t.admitted_at
@@ -209,18 +215,36 @@ class Admission:
         self._changed()
         return ticket
 
-    def _shared_finishes(self, rate: float, tickets: list[Ticket]) -> dict[Ticket, float]:
-        """Seconds from now until each of `tickets` finishes, sharing `rate` equally while they
-        last (processor sharing) with nothing else admitted: with the work left sorted
-        r_1 <= ... <= r_n, the k-th finishes after (r_1 + ... + r_k-1 + (n-k+1) r_k) / rate."""
-        left = sorted(((t.remaining(rate), t) for t in tickets), key=lambda pair: pair[0])
-        finishes, done = {}, 0.0
-        for k, (work, t) in enumerate(left):
-            finishes[t] = (done + (len(left) - k) * work) / rate
-            done += work
+    def _finishes(self, rate: float, tickets: list[Ticket]) -> dict[Ticket, float]:
+        """Seconds from now until each of `tickets` (in admission order) finishes with nothing
+        else admitted: the running ones share `rate` equally, and the waiting ones take the slots
+        as they free, in order. Each running ticket finishes when the work served to every running
+        one since now reaches its mark (what it had left when it joined, plus what had been served
+        by then); between finishes that work grows at rate / (tickets running)."""
+        order = itertools.count()
+        marks: list[tuple[float, int, Ticket]] = []
+        served = 0.0
+
+        def join(t: Ticket) -> None:
+            heapq.heappush(marks, (served + t.remaining(rate), next(order), t))
+
+        waiting = deque(t for t in tickets if not t.running)
+        for t in tickets:
+            if t.running:
+                join(t)
+        while waiting and len(marks) < self.max_concurrency:
+            join(waiting.popleft())
+        finishes, now = {}, 0.0
+        while marks:
+            mark, _, t = heapq.heappop(marks)
+            now += (mark - served) * (len(marks) + 1) / rate
+            served = mark
+            finishes[t] = now
+            if waiting:
+                join(waiting.popleft())
         return finishes
 
-    def _check_deadlines(self, rate: float, finishes: dict[Ticket, float], new: Ticket) -> None:
+    def _check_deadlines(self, finishes: dict[Ticket, float], without: dict[Ticket, float], new: Ticket) -> None:
         """Refuse `new` if, with it, it or an admitted request would finish past the deadline of
         its own admission, the estimates scaled by their measured error. `Retry-After`: how much
         later `new` itself would fit, or, when an admitted request would be late, how long until
@@ -231,7 +255,6 @@ class Admission:
         blockers = [(t, lateness) for t, lateness in late if lateness > 0]
         if not blockers:
             return
-        without = self._shared_finishes(rate, self._admitted)
         retry = max(lateness if t is new else without[t] * factor for t, lateness in blockers)
         self._refuse(Refusal.DEADLINE, f"server busy: this request would finish in about {finishes[new] * factor:.0f} s, "
                      f"or make an admitted one finish later than the deadline of {deadline:g} s", retry)
@@ -240,24 +263,11 @@ class Admission:
         """How long the work already admitted takes to finish at the measured rate (0 when unknown)."""
         self._advance()
         rate = self.rate.per_s
-        return self._backlog(rate) / rate * self.error.factor if rate else 0.0
+        return sum(t.remaining(rate) for t in self._admitted) / rate * self.error.factor if rate else 0.0
 
-    def _backlog(self, rate: float | None) -> float:
-        return sum(t.remaining(rate) for t in self._admitted)
-
-    def _soonest(self, tickets: list[Ticket], rate: float | None) -> float | None:
+    def _soonest(self, finishes: dict[Ticket, float], tickets: list[Ticket]) -> float | None:
         """Expected seconds until the first of `tickets` finishes (None without a rate)."""
-        if rate is None or not tickets:
-            return None
-        return min(self._finish_in(t, rate) for t in tickets) * self.error.factor
-
-    def _finish_in(self, ticket: Ticket, rate: float) -> float:
-        """Expected seconds until `ticket` finishes: a running request shares the rate with the
-        others running; a waiting one follows everything admitted before it."""
-        if ticket.running:
-            return ticket.remaining(rate) * self.n_running / rate
-        ahead = self._admitted[: self._admitted.index(ticket) + 1]
-        return sum(t.remaining(rate) for t in ahead) / rate
+        return min(finishes[t] for t in tickets) * self.error.factor if finishes and tickets else None
 
     def _refuse(self, reason: Refusal, message: str, retry_after_s: float | None) -> NoReturn:
         """Count the refusal and raise the 429; without an estimate (no rate yet) the soonest

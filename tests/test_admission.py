@@ -145,6 +145,26 @@ async def test_a_request_that_would_finish_past_the_deadline_is_refused_with_the
     assert fits.estimated_s == pytest.approx(10.0) and tickets[2].estimated_s == pytest.approx(10.0 + 100 / 15)
 
 
+async def test_a_request_waiting_for_a_slot_gets_no_share_until_one_frees():
+    """Past `max_concurrency` running, a request waits in line: the running ones finish as if it
+    were not there, and it starts when the first of them is done."""
+    clock = Clock()
+    a, _ = await measured(clock, rate=10.0, max_concurrency=2, deadline_s=None)
+    first, second = a.admit(UNIT), a.admit(UNIT)
+    for t in (first, second):
+        await a.start(t)
+    third = a.admit(UNIT)  # the two running share: both done in 20 s; then the third alone, 10 s more
+    assert [t.estimated_s for t in (first, second, third)] == pytest.approx([20.0, 20.0, 30.0])
+    clock.now += 10.0
+    a.expected_wait_s()  # brings the shares up to now: the running two are half done
+    a.rate = ServiceRate(time_constant_s=math.inf, work=100.0, busy_s=10.0)  # still 10/s
+    fourth = a.admit(RequestCost(prompt_tokens=0, max_tokens=50, llm_calls=1))
+    # the running two are done in 10 s; the third and the fourth then share until the fourth is
+    # done, 10 s later, and the third has 50 units left alone: 5 s more (both counted from admission)
+    assert third.estimated_s == pytest.approx(10.0 + 25) and fourth.estimated_s == pytest.approx(20.0)
+    assert first.estimated_s == pytest.approx(20.0)
+
+
 async def test_a_request_is_refused_if_it_would_push_an_admitted_one_past_its_deadline():
     """Admitted requests share the server: a small one admitted late delays a big one admitted
     early, though it would itself finish in time."""
@@ -211,8 +231,8 @@ async def test_requests_that_finished_later_than_estimated_make_admission_more_c
     assert a.admit(UNIT)  # 10 s estimated, 20 s scaled: within 30
     assert a.expected_wait_s() == pytest.approx(20.0)
     with pytest.raises(Overloaded) as info:
-        a.admit(UNIT)  # the two sharing: 20 s estimated would pass; 40 s scaled does not, for either
-    assert refused == [Refusal.DEADLINE] and info.value.retry_after == 20  # when the admitted one is done
+        a.admit(UNIT)  # after the first, in its one slot: 20 s estimated would pass; 40 s scaled does not
+    assert refused == [Refusal.DEADLINE] and info.value.retry_after == 10  # the first then has 10 s (scaled) to go
 
 
 async def test_a_bigger_request_is_refused_where_a_smaller_one_is_admitted():
@@ -248,7 +268,7 @@ async def test_one_api_key_cannot_take_every_slot():
     a.admit(UNIT, "key-0")
     with pytest.raises(Overloaded) as info:
         a.admit(UNIT, "key-0")
-    assert refused == [Refusal.KEY_LIMIT] and info.value.retry_after == 10  # when its first request finishes
+    assert refused == [Refusal.KEY_LIMIT] and info.value.retry_after == 20  # when its first request finishes: the two share
     assert a.admit(UNIT, "key-1") and a.admit(UNIT)  # another key, and the open API, are not held back
     a.finish(first, completed=True)
     assert a.admit(UNIT, "key-0")
