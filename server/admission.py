@@ -5,13 +5,12 @@ refused at once (429) with the time after which it would be admitted as `Retry-A
 Cost is counted in *work units*: per LLM call the pipeline may make, its output tokens
 (`max_tokens`, an upper bound) plus its prompt tokens (the query and `top_k` passages) at
 `PREFILL_WEIGHT` each, since a prompt token is processed in parallel and costs a fraction of a
-generated one. The service rate is measured in the same units: the estimated work of the
-requests that finished per second the server was busy, averaged over about a minute. So a
-systematic bias of the estimate (answers shorter than `max_tokens`, passages longer than
-assumed) cancels out of `wait = work / rate`, and the rate is that of the recent load (a
-batching engine serves more per second when more run at once). Between completions the busy
-time grows and the rate falls: the estimate errs towards refusing. The running requests are
-taken to share the rate equally (their progress, for the work still to do).
+generated one. The service rate is measured in the same units (`ServiceRate`): the work of the
+requests that completed, their output counted as generated, over the share of the server's time
+each had, averaged over about a minute. So estimates err towards refusing (answers are often
+shorter than `max_tokens`), a systematic error of the prompt estimate cancels out of
+`wait = work / rate`, and the rate is that of the recent load (a batching engine serves more per
+second when more run at once).
 
 The admitted requests share the server (a batching engine decodes them side by side), so the
 model is processor sharing among the `max_concurrency` running, the others taking the slots as
@@ -27,12 +26,13 @@ finished, then `ERROR_MIN_SAMPLES` more whose finish was estimated), one request
 time, so the first measurements come soon and a cold server never takes on more than it can
 finish in time.
 
-The model is still a model: a batching engine's throughput moves with its load, a busy event
-loop delays what the estimate does not count, and on a small machine the clients' own work
-competes with the server. So each completed request's time from admission to finish is
-compared with the finish that was estimated when it was admitted (`EstimateError`), and every
-estimate is scaled by a high quantile of that ratio over the recent requests (never below 1):
-an estimate that ran 1.6x optimistic here becomes 1.6x more careful.
+The model is still a model: a batching engine's throughput moves with its load, a prompt's
+prefill holds up the others' decoding, a busy event loop delays what the estimate does not
+count, and on a small machine the clients' own work competes with the server. So each completed
+request's time from admission to finish is compared with the finish the model last expected for
+it (`EstimateError`), and every estimate, from admission to finish, is scaled by a high quantile
+of that ratio over the recent requests (never below 1): an estimate that ran 1.6x optimistic
+here becomes 1.6x more careful.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NoReturn
@@ -83,12 +83,16 @@ class RequestCost:
     def work(self) -> float:
         return self.llm_calls * (self.max_tokens + PREFILL_WEIGHT * self.prompt_tokens)
 
+    def served(self, tokens_generated: int) -> float:
+        """The work it turned out to be: its prompts as estimated, its output as generated."""
+        return self.llm_calls * PREFILL_WEIGHT * self.prompt_tokens + tokens_generated
+
 
 @dataclass(eq=False)
 class Ticket:
     """An admitted request."""
 
-    work: float
+    cost: RequestCost
     client: str | None
     admitted_at: float = 0.0
     estimated_s: float | None = None  # seconds from admission to the finish the model expects, unscaled, as
@@ -97,6 +101,10 @@ class Ticket:
     finished: bool = False
     attention_s: float = 0.0  # seconds of the whole server it has had (an equal share of the time it ran)
 
+    @property
+    def work(self) -> float:
+        return self.cost.work
+
     def remaining(self, rate: float | None) -> float:
         """Work still to do at `rate` (all of it without a rate)."""
         return max(self.work - (rate or 0.0) * self.attention_s, 0.0)
@@ -104,25 +112,42 @@ class Ticket:
 
 @dataclass
 class ServiceRate:
-    """Work units of the requests that finished per second the server was busy, both
-    exponentially decayed with time (so the rate is that of about the last `time_constant_s`)."""
+    """Work units per second of the whole server, measured on the requests that ended: their
+    estimated work (none for one cancelled or failed: its service was lost) over the share of the
+    server each had while it ran (`Ticket.attention_s`), both summed with weights that decay
+    with time (so the rate is that of about the last `time_constant_s`).
+
+    Each request's work counts with the server time that served it, not with all the time the
+    server was busy: the time given to requests still running is not set against work that has
+    not been counted yet, so the rate does not jump when several finish together (it did, and
+    admission then took on more than it could finish in time). A running request that has had
+    more time than its work takes at that rate is counted as it stands (its work, its time so
+    far): a request that runs over, or a stalled engine, lowers the rate before it ends."""
 
     time_constant_s: float = RATE_TIME_CONSTANT_S
     work: float = 0.0
     busy_s: float = 0.0
 
-    def advance(self, dt: float, *, busy: bool) -> None:
+    def advance(self, dt: float) -> None:
         decay = math.exp(-dt / self.time_constant_s)
         self.work *= decay
-        self.busy_s = self.busy_s * decay + (dt if busy else 0.0)
+        self.busy_s *= decay
 
-    def served(self, work: float) -> None:
+    def served(self, work: float, attention_s: float) -> None:
         self.work += work
+        self.busy_s += attention_s
 
-    @property
-    def per_s(self) -> float | None:
-        """None until a request has finished."""
-        return self.work / self.busy_s if self.work > 0 and self.busy_s > 0 else None
+    def per_s(self, running: Iterable[tuple[float, float]] = ()) -> float | None:
+        """The rate, given the (work, attention_s) of the requests running; None until a request
+        has completed."""
+        if self.work <= 0 or self.busy_s <= 0:
+            return None
+        ended = self.work / self.busy_s
+        work, busy_s = self.work, self.busy_s
+        for their_work, attention_s in running:
+            if their_work < ended * attention_s:
+                work, busy_s = work + their_work, busy_s + attention_s
+        return work / busy_s
 
 
 @dataclass
@@ -190,7 +215,7 @@ class Admission:
     def admit(self, cost: RequestCost, client: str | None = None) -> Ticket:
         """Admit the request (it then waits for a slot) or raise `Overloaded` with a Retry-After."""
         self._advance()
-        rate = self.rate.per_s
+        rate = self._rate()
         now_finishes = self._finishes(rate, self._admitted) if rate else {}
         if self.max_in_flight_per_key is not None and client is not None:
             own = [t for t in self._admitted if t.client == client]
@@ -200,7 +225,7 @@ class Admission:
         if self.n_running >= self.max_concurrency and self.n_waiting >= self.max_queue:
             self._refuse(Refusal.QUEUE_FULL, f"server busy: {self.n_running} running and {self.n_waiting} waiting",
                          self._soonest(now_finishes, self._admitted))
-        ticket = Ticket(cost.work, client, admitted_at=self._last)
+        ticket = Ticket(cost, client, admitted_at=self._last)
         finishes = self._finishes(rate, [*self._admitted, ticket]) if rate else None
         if self.deadline_s is not None and self._admitted:
             if finishes is None or not self.error.calibrated:
@@ -251,7 +276,7 @@ class Admission:
         that one finishes (admitting more would only make it later)."""
         factor = self.error.factor
         deadline = self.deadline_s
-        late = [(t, self._last + in_s * factor - (t.admitted_at + deadline)) for t, in_s in finishes.items()]
+        late = [(t, (self._last - t.admitted_at + in_s) * factor - deadline) for t, in_s in finishes.items()]
         blockers = [(t, lateness) for t, lateness in late if lateness > 0]
         if not blockers:
             return
@@ -259,10 +284,14 @@ class Admission:
         self._refuse(Refusal.DEADLINE, f"server busy: this request would finish in about {finishes[new] * factor:.0f} s, "
                      f"or make an admitted one finish later than the deadline of {deadline:g} s", retry)
 
+    def service_rate(self) -> float | None:
+        """The measured service rate, in work units per second (None until a request completed)."""
+        self._advance()
+        return self._rate()
+
     def expected_wait_s(self) -> float:
         """How long the work already admitted takes to finish at the measured rate (0 when unknown)."""
-        self._advance()
-        rate = self.rate.per_s
+        rate = self.service_rate()
         return sum(t.remaining(rate) for t in self._admitted) / rate * self.error.factor if rate else 0.0
 
     def _soonest(self, finishes: dict[Ticket, float], tickets: list[Ticket]) -> float | None:
@@ -288,16 +317,17 @@ class Admission:
         ticket.running = True
         self._changed()
 
-    def finish(self, ticket: Ticket, *, completed: bool) -> None:
-        """The request ended (idempotent). One that completed counts its work as served; the
+    def finish(self, ticket: Ticket, *, completed: bool, tokens_generated: int | None = None) -> None:
+        """The request ended (idempotent). One that completed counts its work as served, with
+        the tokens it generated when they are known (its estimate counted `max_tokens`); the
         service one that failed or was cancelled took is lost (busy time with no work)."""
         if ticket.finished:
             return
         self._advance()
-        if completed:
-            self.rate.served(ticket.work)
-            if ticket.estimated_s is not None:
-                self.error.observe(ticket.estimated_s, self._last - ticket.admitted_at)
+        served = (ticket.work if tokens_generated is None else ticket.cost.served(tokens_generated)) if completed else 0.0
+        self.rate.served(served, ticket.attention_s)
+        if completed and ticket.estimated_s is not None:
+            self.error.observe(ticket.estimated_s, self._last - ticket.admitted_at)
         if ticket.running:
             self._slots.release()
         self._forget(ticket)
@@ -314,7 +344,10 @@ class Admission:
         running = [t for t in self._admitted if t.running]
         for t in running:
             t.attention_s += dt / len(running)
-        self.rate.advance(dt, busy=bool(running))
+        self.rate.advance(dt)
+
+    def _rate(self) -> float | None:
+        return self.rate.per_s((t.work, t.attention_s) for t in self._admitted if t.running)
 
     def _changed(self) -> None:
         if self._admitted:

@@ -55,7 +55,8 @@ class AdmittedRun:
         self._request, self._admission, self._ticket = request, admission, ticket
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._settled = asyncio.Event()  # it holds a slot, or it ended without one
-        self._started = self._completed = self._client_left = False
+        self._started = self._client_left = False
+        self._result: RagResult | None = None  # once the run has completed
         self._task = asyncio.create_task(self._run(events))
         self._task.add_done_callback(self._ended)  # a callback: it runs even if the task is cancelled before it began
         self._watcher = asyncio.create_task(self._cancel_on_disconnect())
@@ -135,14 +136,17 @@ class AdmittedRun:
         try:
             async with contextlib.aclosing(events):
                 async for event in events:
-                    self._completed = self._completed or isinstance(event, ResultEvent)
+                    if isinstance(event, ResultEvent):
+                        self._result = event.result
                     self._queue.put_nowait(event)
         except Exception as exc:  # noqa: BLE001 - handed to the reader of the queue
             self._queue.put_nowait(_Failed(exc))
 
     def _ended(self, _: asyncio.Task[None]) -> None:
         """The run is over, however it ended: its ticket finishes, and its readers learn it."""
-        self._admission.finish(self._ticket, completed=self._completed)
+        result = self._result
+        self._admission.finish(self._ticket, completed=result is not None,
+                               tokens_generated=result.tokens_generated if result is not None else None)
         self._settled.set()
         self._queue.put_nowait(None)
         self._watcher.cancel()

@@ -43,6 +43,7 @@ class Service:
             on_refuse=lambda reason: self.metrics.refusals.labels(reason.value).inc(),
         )
         self.metrics.expected_wait.set_function(self.admission.expected_wait_s)
+        self.metrics.service_rate.set_function(lambda: self.admission.service_rate() or 0.0)
         self.metrics.estimate_factor.set_function(lambda: self.admission.error.factor)
         words = self.runtime.datastore_info.passage_words or DEFAULT_PASSAGE_WORDS
         self.passage_tokens = math.ceil(TOKENS_PER_WORD * words)

@@ -46,7 +46,7 @@ async def measured(clock: Clock, rate: float = 10.0, **options) -> tuple[Admissi
     await a.start(ticket)
     clock.now += UNIT.work / rate
     a.finish(ticket, completed=True)
-    assert a.rate.per_s == pytest.approx(rate)
+    assert a.rate.per_s() == pytest.approx(rate)
     return a, refused
 
 
@@ -56,17 +56,18 @@ def test_cost_counts_every_llm_call_with_its_prompt_and_output():
     assert RequestCost(1000, 64, 1).work < cost.work and RequestCost(2000, 64, 3).work > cost.work
 
 
-def test_service_rate_is_work_per_busy_second_and_idle_time_does_not_change_it():
+def test_service_rate_is_work_over_the_server_time_that_served_it():
     rate = ServiceRate(time_constant_s=60)
-    assert rate.per_s is None
-    rate.advance(4.0, busy=True)
-    rate.served(40.0)
-    assert rate.per_s == pytest.approx(10.0)
-    rate.advance(300.0, busy=False)  # idle: both decay alike
-    assert rate.per_s == pytest.approx(10.0)
-    rate.advance(2.0, busy=True)
-    rate.served(60.0)  # faster now: the average moves towards 30/s
-    assert 10.0 < rate.per_s < 30.0
+    assert rate.per_s() is None
+    rate.served(40.0, 4.0)
+    assert rate.per_s() == pytest.approx(10.0)
+    rate.advance(300.0)  # idle: both decay alike
+    assert rate.per_s() == pytest.approx(10.0)
+    rate.served(60.0, 2.0)  # faster now: the average moves towards 30/s
+    steady = rate.per_s()
+    assert 10.0 < steady < 30.0
+    assert rate.per_s([(100.0, 1.0)]) == pytest.approx(steady)  # running, within its work at this rate: not counted
+    assert rate.per_s([(10.0, 5.0)]) == pytest.approx((rate.work + 10.0) / (rate.busy_s + 5.0))  # running over: counted
 
 
 async def test_requests_running_together_share_the_rate():
@@ -78,7 +79,7 @@ async def test_requests_running_together_share_the_rate():
     clock.now += 20.0  # four at once, 100 units each in 20 s: 20 units/s in all
     for t in tickets:
         a.finish(t, completed=True)
-    assert a.rate.per_s == pytest.approx(20.0)
+    assert a.rate.per_s() == pytest.approx(20.0)
 
 
 async def test_before_any_request_finished_one_is_admitted_at_a_time():
@@ -133,16 +134,45 @@ async def test_a_request_that_would_finish_past_the_deadline_is_refused_with_the
     assert info.value.retry_after == 30  # when the three are done
     for t in tickets:
         await a.start(t)
-    clock.now += 10.0  # busy with nothing finished: the rate falls to 100 / 20 s, the estimate errs towards refusing
-    assert a.expected_wait_s() == pytest.approx((300 - 5 * 10) / 5) and a.rate.per_s == pytest.approx(5.0)
+    clock.now += 10.0  # each has had a third of the server: 33 of its 100 units, none finished, none overdue
+    assert a.rate.per_s() == pytest.approx(10.0) and a.expected_wait_s() == pytest.approx(200 / 10)
     with pytest.raises(Overloaded) as info:
-        a.admit(UNIT)  # the three now expected in 250 / 5 = 50 s, past their deadline: nothing more until then
-    assert info.value.retry_after == 50
-    a.finish(tickets[0], completed=True)
-    a.finish(tickets[1], completed=True)  # 300 units in 20 busy s: 15/s; the last has 100 - 15 * 10 / 3 = 50 left
-    assert a.expected_wait_s() == pytest.approx(50 / 15)
-    fits = a.admit(UNIT)  # shared: the last in 2 * 50 / 15 s, this one in (50 + 100) / 15 = 10 s
-    assert fits.estimated_s == pytest.approx(10.0) and tickets[2].estimated_s == pytest.approx(10.0 + 100 / 15)
+        a.admit(UNIT)  # the four sharing: the three done in 4 * 66.7 / 10 = 26.7 s, 36.7 s after their admission
+    assert info.value.retry_after == 20  # when the three are done without it
+    clock.now += 26.0  # none done: each has had 12 s of the server, more than 100 units take at 10/s
+    assert a.service_rate() == pytest.approx((100 + 300) / (10 + 36))  # they count as they stand: the rate falls
+    for t in tickets:
+        a.finish(t, completed=True)
+    assert a.rate.per_s() == pytest.approx((100 + 300) / (10 + 36))
+    assert a.admit(UNIT).estimated_s == pytest.approx(100 / (400 / 46))
+
+
+async def test_the_rate_holds_while_requests_run_within_their_estimate():
+    """The server time given to requests still running is not set against work not yet counted:
+    the rate does not sag while they run, nor jump when they finish together."""
+    clock = Clock()
+    a, _ = await measured(clock, rate=10.0, deadline_s=None)
+    tickets = [a.admit(UNIT) for _ in range(4)]
+    for t in tickets:
+        await a.start(t)
+    for _ in range(4):
+        clock.now += 10.0
+        assert a.service_rate() == pytest.approx(10.0)
+    for t in tickets:
+        a.finish(t, completed=True)
+    assert a.rate.per_s() == pytest.approx(10.0)
+
+
+async def test_a_completed_request_counts_the_tokens_it_generated_not_its_max_tokens():
+    """Short answers do not make the rate look faster than it is; estimates stay at max_tokens."""
+    clock = Clock()
+    a, _ = admission(clock, deadline_s=None)
+    ticket = a.admit(RequestCost(prompt_tokens=100, max_tokens=100, llm_calls=1))  # 110 units estimated
+    await a.start(ticket)
+    clock.now += 6.0
+    a.finish(ticket, completed=True, tokens_generated=20)  # 10 + 20 units served
+    assert a.rate.per_s() == pytest.approx(30 / 6)
+    assert a.admit(RequestCost(prompt_tokens=100, max_tokens=100, llm_calls=1)).estimated_s == pytest.approx(110 / 5)
 
 
 async def test_a_request_waiting_for_a_slot_gets_no_share_until_one_frees():
@@ -235,6 +265,22 @@ async def test_requests_that_finished_later_than_estimated_make_admission_more_c
     assert refused == [Refusal.DEADLINE] and info.value.retry_after == 10  # the first then has 10 s (scaled) to go
 
 
+async def test_the_error_scales_the_whole_estimate_as_it_was_measured():
+    """The error is measured as time from admission to finish over the estimate of it, so it
+    scales that whole time, not only what is left of it: a request 12 s in with 8 s to go, at
+    1.6x, is expected at 32 s, past a 30 s deadline (12 + 1.6 * 8 = 24.8 s would pass)."""
+    clock = Clock()
+    a, refused = await measured(clock, rate=10.0)
+    big = a.admit(RequestCost(prompt_tokens=0, max_tokens=200, llm_calls=1))
+    await a.start(big)
+    clock.now += 12.0  # 120 units done: 8 s to go alone
+    a.error.observe(10.0, 16.0)
+    assert a.error.factor == pytest.approx(1.6)
+    with pytest.raises(Overloaded):
+        a.admit(RequestCost(prompt_tokens=0, max_tokens=1, llm_calls=1))
+    assert refused == [Refusal.DEADLINE]
+
+
 async def test_a_bigger_request_is_refused_where_a_smaller_one_is_admitted():
     clock = Clock()
     a, refused = await measured(clock, rate=10.0)
@@ -252,10 +298,10 @@ async def test_no_deadline_admits_up_to_the_queue_and_past_it_retry_after_is_whe
     running = a.admit(UNIT)
     await a.start(running)
     a.admit(UNIT)  # waits
-    clock.now += 3.0  # the rate falls to 100 / 13 s; the running one has 100 - 300 / 13 units to go
+    clock.now += 3.0  # the running one has 70 units to go at 10/s
     with pytest.raises(Overloaded) as info:
         a.admit(UNIT)
-    assert refused == [Refusal.QUEUE_FULL] and info.value.retry_after == 10  # (100 - 300 / 13) / (100 / 13)
+    assert refused == [Refusal.QUEUE_FULL] and info.value.retry_after == 7
     a.finish(running, completed=True)
     assert a.admit(UNIT)  # a place in the queue is free again
 
@@ -281,7 +327,7 @@ async def test_the_service_a_cancelled_request_took_is_lost():
     await a.start(ticket)
     clock.now += 2.0
     a.finish(ticket, completed=False)
-    assert a.rate.per_s == pytest.approx(100 / 12)  # two busy seconds with no work done
+    assert a.rate.per_s() == pytest.approx(100 / 12)  # two busy seconds with no work done
     a.finish(ticket, completed=False)  # finishing twice is harmless
     assert a.n_running == 0 and a.n_waiting == 0
     await asyncio.wait_for(a.drain(), 1)
@@ -415,7 +461,7 @@ async def test_streamed_requests_are_admitted_and_measured_like_the_others():
             assert response.status_code == 200
             raw = "".join([chunk async for chunk in response.aiter_text()])
         assert "event: result" in raw
-        assert admission.n_running == admission.n_waiting == 0 and admission.rate.per_s is not None
+        assert admission.n_running == admission.n_waiting == 0 and admission.rate.per_s() is not None
         async with client.stream("POST", "/v1/chat/completions", json={"model": "naive", "stream": True,
                                                                        "messages": [{"role": "user", "content": "q?"}]}) as response:
             assert "[DONE]" in "".join([chunk async for chunk in response.aiter_text()])
