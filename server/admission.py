@@ -30,8 +30,8 @@ The model is still a model: a batching engine's throughput moves with its load, 
 prefill holds up the others' decoding, a busy event loop delays what the estimate does not
 count, and on a small machine the clients' own work competes with the server. So each completed
 request's time from admission to finish is compared with the finish the model last expected for
-it (`EstimateError`), and every estimate, from admission to finish, is scaled by a high quantile
-of that ratio over the recent requests (never below 1): an estimate that ran 1.6x optimistic
+it (`EstimateError`), and every estimate, from admission to finish, is scaled by the largest
+of that ratio over the last 100 requests (never below 1): an estimate that ran 1.6x optimistic
 here becomes 1.6x more careful.
 """
 
@@ -55,7 +55,9 @@ DEFAULT_PASSAGE_WORDS = 100  # a datastore's passage length when its manifest do
 PREFILL_WEIGHT = 0.1  # cost of a prompt token relative to a generated one
 RATE_TIME_CONSTANT_S = 60.0  # how long the measured service rate remembers
 ERROR_WINDOW = 100  # completed requests whose estimate error is remembered
-ERROR_QUANTILE = 0.99  # the quantile of that error that scales every estimate (the deadline is to hold for 99 in 100)
+ERROR_QUANTILE = 1.0  # the quantile of that error that scales every estimate: the largest, so that the next request,
+# if its error is like theirs, has odds of 1 in ERROR_WINDOW + 1 to be larger (the deadline is to hold for 99 in 100;
+# the 99th percentile of 100, their second largest, would hold for 98)
 ERROR_MIN_SAMPLES = 3  # below this many, estimates are not scaled (from 3 on, the quantile of few is near their worst)
 ERROR_MIN_ESTIMATE_S = 1.0  # an estimate shorter than this counts as this long (a 0.1 s estimate that took 0.5 s says little about 30 s)
 
@@ -82,6 +84,11 @@ class RequestCost:
     @property
     def work(self) -> float:
         return self.llm_calls * (self.max_tokens + PREFILL_WEIGHT * self.prompt_tokens)
+
+    @property
+    def prefill_work(self) -> float:
+        """The work of one call's prompt, which the engine prefills before the call shares it."""
+        return PREFILL_WEIGHT * self.prompt_tokens
 
     def served(self, tokens_generated: int) -> float:
         """The work it turned out to be: its prompts as estimated, its output as generated."""
@@ -243,15 +250,23 @@ class Admission:
     def _finishes(self, rate: float, tickets: list[Ticket]) -> dict[Ticket, float]:
         """Seconds from now until each of `tickets` (in admission order) finishes with nothing
         else admitted: the running ones share `rate` equally, and the waiting ones take the slots
-        as they free, in order. Each running ticket finishes when the work served to every running
-        one since now reaches its mark (what it had left when it joined, plus what had been served
-        by then); between finishes that work grows at rate / (tickets running)."""
+        as they free, in order. One that starts has its first prompt prefilled at the whole rate
+        while the others wait (the engine prefills a joining prompt between two decode steps), then
+        shares. Each running ticket finishes when the work served to every running one since now
+        reaches its mark (what it had left when it joined, plus what had been served by then);
+        between finishes and prefills that work grows at rate / (tickets running)."""
         order = itertools.count()
         marks: list[tuple[float, int, Ticket]] = []
-        served = 0.0
+        served = now = 0.0
 
         def join(t: Ticket) -> None:
-            heapq.heappush(marks, (served + t.remaining(rate), next(order), t))
+            nonlocal now
+            left = t.remaining(rate)
+            if not t.running:
+                prefill = min(t.cost.prefill_work, left)
+                now += prefill / rate
+                left -= prefill
+            heapq.heappush(marks, (served + left, next(order), t))
 
         waiting = deque(t for t in tickets if not t.running)
         for t in tickets:
@@ -259,7 +274,7 @@ class Admission:
                 join(t)
         while waiting and len(marks) < self.max_concurrency:
             join(waiting.popleft())
-        finishes, now = {}, 0.0
+        finishes = {}
         while marks:
             mark, _, t = heapq.heappop(marks)
             now += (mark - served) * (len(marks) + 1) / rate

@@ -75,7 +75,7 @@ class Metrics:
                                    "(scaled by the estimate factor)", registry=r)
         self.service_rate = Gauge("telerag_admission_service_rate", "work units the server completes per second of its time, as "
                                   "admission measures it (0 until a request completed)", registry=r)
-        self.estimate_factor = Gauge("telerag_admission_estimate_factor", "what admission multiplies its estimates by: a high quantile of "
+        self.estimate_factor = Gauge("telerag_admission_estimate_factor", "what admission multiplies its estimates by: the largest of "
                                      "recent requests' time to finish over their estimate, at least 1", registry=r)
         self.batch_size = Histogram("telerag_batch_size", "queries per batched retrieval call", ["kind"], buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.tokens = Counter("telerag_tokens_generated", "tokens generated, cancelled requests' included", ["pipeline"], registry=r)

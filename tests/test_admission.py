@@ -195,6 +195,19 @@ async def test_a_request_waiting_for_a_slot_gets_no_share_until_one_frees():
     assert first.estimated_s == pytest.approx(20.0)
 
 
+async def test_a_request_that_starts_holds_up_the_running_ones_while_its_prompt_is_prefilled():
+    """The engine prefills a joining prompt between two decode steps: the running requests wait
+    for it whole, however little they have left."""
+    clock = Clock()
+    a, _ = await measured(clock, rate=10.0, deadline_s=None)
+    running = a.admit(UNIT)
+    await a.start(running)
+    clock.now += 9.0  # 10 units left: 1 s alone
+    joining = a.admit(RequestCost(prompt_tokens=300, max_tokens=20, llm_calls=1))  # a 30-unit prompt: 3 s
+    # then the two share: the running one's 10 units in 2 s; the joining one's last 10 alone in 1 s
+    assert running.estimated_s == pytest.approx(9.0 + 3 + 2) and joining.estimated_s == pytest.approx(3 + 2 + 1.0)
+
+
 async def test_a_request_is_refused_if_it_would_push_an_admitted_one_past_its_deadline():
     """Admitted requests share the server: a small one admitted late delays a big one admitted
     early, though it would itself finish in time."""
