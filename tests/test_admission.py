@@ -33,9 +33,11 @@ class Clock:
 
 
 def admission(clock: Clock, **options) -> tuple[Admission, list[Refusal]]:  # noqa: ANN003
-    """An Admission whose rate never forgets, so that the numbers below are exact."""
+    """An Admission whose rate never forgets and that plans for the whole deadline, so that the
+    numbers below are exact."""
     refused: list[Refusal] = []
-    options = {"max_concurrency": 8, "max_queue": 64, "deadline_s": 30.0, "error": EstimateError(min_samples=0), **options}
+    options = {"max_concurrency": 8, "max_queue": 64, "deadline_s": 30.0, "margin": 0.0, "error": EstimateError(min_samples=0),
+               **options}
     return Admission(clock=clock, on_refuse=refused.append, rate=ServiceRate(time_constant_s=math.inf), **options), refused
 
 
@@ -292,6 +294,16 @@ async def test_the_error_scales_the_whole_estimate_as_it_was_measured():
     with pytest.raises(Overloaded):
         a.admit(RequestCost(prompt_tokens=0, max_tokens=1, llm_calls=1))
     assert refused == [Refusal.DEADLINE]
+
+
+async def test_admission_plans_to_finish_within_the_deadline_less_its_margin():
+    clock = Clock()
+    a, refused = await measured(clock, rate=10.0, margin=0.1)  # plans for 27 of the 30 s
+    a.admit(UNIT)
+    with pytest.raises(Overloaded):
+        a.admit(RequestCost(prompt_tokens=0, max_tokens=180, llm_calls=1))  # shared: 20 + 8 = 28 s
+    assert refused == [Refusal.DEADLINE]
+    assert a.admit(RequestCost(prompt_tokens=0, max_tokens=170, llm_calls=1)).estimated_s == pytest.approx(27.0)
 
 
 async def test_a_bigger_request_is_refused_where_a_smaller_one_is_admitted():
