@@ -57,8 +57,8 @@ DEFAULT_PASSAGE_WORDS = 100  # a datastore's passage length when its manifest do
 PREFILL_WEIGHT = 0.1  # cost of a prompt token relative to a generated one
 RATE_TIME_CONSTANT_S = 60.0  # how long the measured service rate remembers
 DEADLINE_MARGIN = 0.1  # the share of the deadline kept in reserve: admission plans to finish within the rest, for
-# what the error's window has not seen yet (simulated, 64 clients on a batching engine: 1% of the accepted past the
-# deadline planning for all of it, 0.1% planning for 90%, at 2% fewer answers)
+# what the error's window has not seen yet (the simulated load of tests/test_admission_load.py, 20 runs: 0.9% of the
+# accepted past the deadline planning for all of it, 0.1% planning for 90%, at 2% fewer answers)
 ERROR_WINDOW = 100  # completed requests whose estimate error is remembered
 ERROR_QUANTILE = 1.0  # the quantile of that error that scales every estimate: the largest, so that the next request,
 # if its error is like theirs, has odds of 1 in ERROR_WINDOW + 1 to be larger (the deadline is to hold for 99 in 100;
@@ -97,7 +97,7 @@ class RequestCost:
 
     def served(self, tokens_generated: int) -> float:
         """The work it turned out to be: its prompts as estimated, its output as generated."""
-        return self.llm_calls * PREFILL_WEIGHT * self.prompt_tokens + tokens_generated
+        return self.llm_calls * self.prefill_work + tokens_generated
 
 
 @dataclass(eq=False)
@@ -125,9 +125,9 @@ class Ticket:
 @dataclass
 class ServiceRate:
     """Work units per second of the whole server, measured on the requests that ended: their
-    estimated work (none for one cancelled or failed: its service was lost) over the share of the
-    server each had while it ran (`Ticket.attention_s`), both summed with weights that decay
-    with time (so the rate is that of about the last `time_constant_s`).
+    work (`RequestCost.served`; none for one cancelled or failed: its service was lost) over the
+    share of the server each had while it ran (`Ticket.attention_s`), both summed with weights
+    that decay with time (so the rate is that of about the last `time_constant_s`).
 
     Each request's work counts with the server time that served it, not with all the time the
     server was busy: the time given to requests still running is not set against work that has
