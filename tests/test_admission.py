@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections import deque
 
 import httpx
 import pytest
 
 from telerag.pipelines.registry import PIPELINES
-from telerag.server.admission import ERROR_MIN_SAMPLES, PREFILL_WEIGHT, Admission, EstimateError, Refusal, RequestCost, ServiceRate
+from telerag.server.admission import ERROR_MIN_SAMPLES, ERROR_WINDOW, PREFILL_WEIGHT, Admission, EstimateError, Refusal, RequestCost, ServiceRate
 from telerag.server.app import create_app, start_serving
 from telerag.server.errors import Overloaded
 from telerag.server.runtime import Runtime
@@ -33,11 +34,11 @@ class Clock:
 
 
 def admission(clock: Clock, **options) -> tuple[Admission, list[Refusal]]:  # noqa: ANN003
-    """An Admission whose rate never forgets and that plans for the whole deadline, so that the
-    numbers below are exact."""
+    """An Admission whose rate never forgets, whose estimates have been exact on a whole window of
+    requests and that plans for the whole deadline, so that the numbers below are exact."""
     refused: list[Refusal] = []
-    options = {"max_concurrency": 8, "max_queue": 64, "deadline_s": 30.0, "margin": 0.0, "error": EstimateError(min_samples=0),
-               **options}
+    exact = EstimateError(ratios=deque([1.0] * ERROR_WINDOW))
+    options = {"max_concurrency": 8, "max_queue": 64, "deadline_s": 30.0, "margin": 0.0, "error": exact, **options}
     return Admission(clock=clock, on_refuse=refused.append, rate=ServiceRate(time_constant_s=math.inf), **options), refused
 
 
@@ -112,6 +113,28 @@ async def test_until_its_estimates_error_is_measured_one_request_is_admitted_at_
         a.finish(ticket, completed=True)
     assert a.error.calibrated and a.error.factor == 1.0
     assert a.admit(UNIT) and a.admit(UNIT)  # now side by side: 10 and 20 s
+
+
+async def test_then_no_more_run_at_once_than_have_finished_under_an_estimate():
+    """The first errors are measured on requests alone; each further request at once waits for one
+    more measurement, so a burst right after calibration cannot outrun what has been seen."""
+    clock = Clock()
+    a, refused = admission(clock, deadline_s=1000.0, error=EstimateError(min_samples=3))
+    for _ in range(4):  # the rate, then three estimates checked, one at a time
+        ticket = a.admit(UNIT)
+        await a.start(ticket)
+        clock.now += 10.0
+        a.finish(ticket, completed=True)
+    held = [a.admit(UNIT) for _ in range(3)]
+    with pytest.raises(Overloaded):
+        a.admit(UNIT)
+    assert refused == [Refusal.UNMEASURED] and a.error.calibrated
+    await a.start(held[0])
+    clock.now += 5.0
+    a.finish(held[0], completed=True)  # a fourth estimate checked: four at once from now on
+    assert a.admit(UNIT) and a.admit(UNIT)
+    with pytest.raises(Overloaded):
+        a.admit(UNIT)
 
 
 async def test_without_a_deadline_the_queue_bounds_what_is_admitted():
