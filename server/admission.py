@@ -232,15 +232,14 @@ class Admission:
         """Admit the request (it then waits for a slot) or raise `Overloaded` with a Retry-After."""
         self._advance()
         rate = self._rate()
-        now_finishes = self._finishes(rate, self._admitted) if rate else {}
         if self.max_in_flight_per_key is not None and client is not None:
             own = [t for t in self._admitted if t.client == client]
             if len(own) >= self.max_in_flight_per_key:
                 self._refuse(Refusal.KEY_LIMIT, f"this API key has {len(own)} requests in flight; the limit is "
-                             f"{self.max_in_flight_per_key}", self._soonest(now_finishes, own))
+                             f"{self.max_in_flight_per_key}", self._soonest(rate, own))
         if self.n_running >= self.max_concurrency and self.n_waiting >= self.max_queue:
             self._refuse(Refusal.QUEUE_FULL, f"server busy: {self.n_running} running and {self.n_waiting} waiting",
-                         self._soonest(now_finishes, self._admitted))
+                         self._soonest(rate, self._admitted))
         ticket = Ticket(cost, client, admitted_at=self._last)
         finishes = self._finishes(rate, [*self._admitted, ticket]) if rate else None
         if self.deadline_s is not None and self._admitted:
@@ -249,8 +248,8 @@ class Admission:
                 self._refuse(Refusal.UNMEASURED, "the server is measuring its service rate and the error of its "
                              f"estimates: one request at a time until {self.error.min_samples + 1} have finished, then "
                              f"no more at once than have finished under an estimate ({measured})",
-                             self._soonest(now_finishes, self._admitted))
-            self._check_deadlines(finishes, now_finishes, ticket)
+                             self._soonest(rate, self._admitted))
+            self._check_deadlines(rate, finishes, ticket)
         if finishes is not None:
             for t, in_s in finishes.items():
                 t.estimated_s = self._last + in_s - t.admitted_at
@@ -295,7 +294,7 @@ class Admission:
                 join(waiting.popleft())
         return finishes
 
-    def _check_deadlines(self, finishes: dict[Ticket, float], without: dict[Ticket, float], new: Ticket) -> None:
+    def _check_deadlines(self, rate: float, finishes: dict[Ticket, float], new: Ticket) -> None:
         """Refuse `new` if, with it, it or an admitted request would finish past the deadline of
         its own admission, the estimates scaled by their measured error. `Retry-After`: how much
         later `new` itself would fit, or, when an admitted request would be late, how long until
@@ -306,6 +305,7 @@ class Admission:
         blockers = [(t, lateness) for t, lateness in late if lateness > 0]
         if not blockers:
             return
+        without = self._finishes(rate, self._admitted)
         retry = max(lateness if t is new else without[t] * factor for t, lateness in blockers)
         self._refuse(Refusal.DEADLINE, f"server busy: this request would finish in about {finishes[new] * factor:.0f} s, "
                      f"or make an admitted one finish later than the deadline of {self.deadline_s:g} s", retry)
@@ -320,9 +320,13 @@ class Admission:
         rate = self.service_rate()
         return sum(t.remaining(rate) for t in self._admitted) / rate * self.error.factor if rate else 0.0
 
-    def _soonest(self, finishes: dict[Ticket, float], tickets: list[Ticket]) -> float | None:
-        """Expected seconds until the first of `tickets` finishes (None without a rate)."""
-        return min(finishes[t] for t in tickets) * self.error.factor if finishes and tickets else None
+    def _soonest(self, rate: float | None, tickets: list[Ticket]) -> float | None:
+        """Expected seconds until the first of `tickets` (admitted ones) finishes, with nothing
+        more admitted (None without a rate)."""
+        if rate is None or not tickets:
+            return None
+        finishes = self._finishes(rate, self._admitted)
+        return min(finishes[t] for t in tickets) * self.error.factor
 
     def _refuse(self, reason: Refusal, message: str, retry_after_s: float | None) -> NoReturn:
         """Count the refusal and raise the 429; without an estimate (no rate yet) the soonest
