@@ -20,6 +20,7 @@ open, and each one they act on.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -145,12 +146,7 @@ def guarded_protocol(limits: ConnectionLimits, implementation: str = "auto",
                      observer: ConnectionObserver | None = None) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol (`auto`: httptools when installed, else h11) with these limits."""
     if implementation == "auto":
-        try:
-            import httptools  # noqa: F401
-        except ImportError:
-            implementation = "h11"
-        else:
-            implementation = "httptools"
+        implementation = "httptools" if importlib.util.find_spec("httptools") else "h11"
     if implementation == "httptools":
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     elif implementation == "h11":
