@@ -42,7 +42,8 @@ from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.retriever import DirectRetriever
 from telerag.pipelines.types import DatastoreInfo, Engine, RagResult, RunOptions
 from telerag.retrieval.device import resolve_device
-from telerag.server.runtime import build_engine, run_event_loop
+from telerag.server.event_loop import run_event_loop
+from telerag.server.runtime import build_engine
 from telerag.server.scheduler import BatchingRetriever
 from telerag.server.settings import Settings, pre_retrieval_profile
 

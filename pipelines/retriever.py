@@ -30,10 +30,10 @@ from telerag.pipelines.types import (
     query_texts,
 )
 from telerag.retrieval.builder import build_datastore
-from telerag.retrieval.cache import CacheStats
 from telerag.retrieval.corpus import WIKIPEDIA_SOURCE, PassageShape, read_wikipedia
 from telerag.retrieval.datastore import MANIFEST, Datastore
 from telerag.retrieval.engine import RetrievalEngine
+from telerag.retrieval.stats import CacheStats
 
 log = logging.getLogger(__name__)
 

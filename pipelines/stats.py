@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from telerag.retrieval.prefetch import PrefetchStats
+from telerag.retrieval.stats import PrefetchStats
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from telerag.retrieval.extents import FreeRows
+from telerag.retrieval.stats import CacheStats
 
 HALF_LIFE_ACCESSES = 4096.0  # a cluster's hotness halves after this many cluster accesses
 
@@ -69,21 +70,6 @@ class Lease:
         if self.copy_events is not None and self.copy_events[1].query():
             return self.copy_events[0].elapsed_time(self.copy_events[1])
         return self.copy_ms
-
-
-@dataclass(frozen=True)
-class CacheStats:
-    """The cache's state and counters since it was made (all zero: no cache)."""
-
-    capacity_bytes: int = 0
-    occupancy_bytes: int = 0
-    resident_clusters: int = 0
-    pinned_clusters: int = 0
-    hits: int = 0  # searched clusters found resident
-    misses: int = 0
-    evictions: int = 0
-    bytes_copied: int = 0
-    copies: int = 0
 
 
 class ClusterCache:

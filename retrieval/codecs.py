@@ -10,12 +10,15 @@ vectors in the datastore).
 from __future__ import annotations
 
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import faiss
 import numpy as np
-import torch
 
 from telerag.retrieval.errors import LayoutError
+
+if TYPE_CHECKING:
+    import torch
 
 SQ8_TRAIN_SAMPLE = 1 << 18  # vectors the 8-bit quantizer's ranges are trained on
 
@@ -31,6 +34,8 @@ class Codec(str, Enum):
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch  # here, not at the top: the server reads manifests (their codec) before torch loads
+
         return {Codec.FP32: torch.float32, Codec.FP16: torch.float16, Codec.SQ8: torch.uint8}[self]
 
     @property

@@ -32,8 +32,9 @@ from telerag.retrieval.demand import DemandCopyPolicy
 from telerag.retrieval.device import resolve_device
 from telerag.retrieval.errors import SearchError
 from telerag.retrieval.ivf import CPUIndex
-from telerag.retrieval.prefetch import PrefetchHandle, PrefetchPlan, PrefetchStats, plan_prefetch
+from telerag.retrieval.prefetch import PrefetchHandle, PrefetchPlan, plan_prefetch
 from telerag.retrieval.progress import ProgressBar
+from telerag.retrieval.stats import PrefetchStats
 
 
 PROBE_TIE_MARGIN = 1e-5  # relative centroid-score gap below which the device defers to faiss

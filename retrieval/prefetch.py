@@ -5,10 +5,14 @@ several of them rank near the top first."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from telerag.retrieval.cache import Lease
+from telerag.retrieval.stats import PrefetchStats
+
+if TYPE_CHECKING:
+    from telerag.retrieval.cache import Lease
 
 
 @dataclass
@@ -67,21 +71,6 @@ def plan_prefetch(
         taken[list(chosen)] = True
     per_query = [set(np.flatnonzero(taken & (near[q] | (owner == q))).tolist()) for q in range(n_queries)]
     return PrefetchPlan(clusters=list(chosen), per_query=[frozenset(q) for q in per_query], bytes=spent)
-
-
-@dataclass(frozen=True)
-class PrefetchStats:
-    """What one prefetch planned and copied (all zero when nothing was planned)."""
-
-    clusters_requested: int = 0  # planned for this caller's queries, resident ones included
-    bytes_requested: int = 0  # of those, the bytes not resident when planned
-    clusters_resident: int = 0  # already resident: pinned, not copied
-    clusters_copied: int = 0
-    clusters_skipped: int = 0  # planned, but they did not fit beside pinned clusters
-    bytes_copied: int = 0
-    copies: int = 0  # copy calls issued (adjacent clusters coalesce into one)
-    bytes_queued_ahead: int = 0  # on the copy stream before this prefetch's copies
-    plan_ms: float = 0.0  # ranking and planning
 
 
 @dataclass

@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from telerag.pipelines.registry import PIPELINES
-from telerag.retrieval.cache import CacheStats
+from telerag.retrieval.stats import CacheStats
 from telerag.server import errors
 from telerag.server.auth import Access
 from telerag.server.lifecycle import Lifecycle
@@ -18,9 +19,11 @@ from telerag.server.middleware import BodyLimit, ServingGate
 from telerag.server.openapi import extend_schema
 from telerag.server.protocol import request_models
 from telerag.server.routes import openai, ops, rag
-from telerag.server.runtime import Runtime
 from telerag.server.service import Service
 from telerag.server.settings import Settings
+
+if TYPE_CHECKING:
+    from telerag.server.runtime import Runtime  # brings torch: loaded after the server listens
 
 
 def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAPI:

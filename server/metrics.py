@@ -10,7 +10,7 @@ from prometheus_client.registry import Collector
 
 from telerag.pipelines.stats import SearchStats
 from telerag.pipelines.types import RagResult
-from telerag.retrieval.cache import CacheStats
+from telerag.retrieval.stats import CacheStats
 from telerag.server.admission import Refusal
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

@@ -7,9 +7,8 @@ import contextlib
 import contextvars
 import functools
 import logging
-import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -22,26 +21,14 @@ from telerag.pipelines.rag.base import RagPipeline
 from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.retriever import DirectRetriever, build_wikipedia_datastore, open_retriever
 from telerag.pipelines.types import BatchRetriever, DatastoreInfo, Engine, Retriever, RunOptions, run_result
-from telerag.retrieval.cache import CacheStats
 from telerag.retrieval.datastore import MANIFEST, Datastore
 from telerag.retrieval.device import resolve_device
 from telerag.retrieval.progress import StepProgress, observe_progress
+from telerag.retrieval.stats import CacheStats
 from telerag.server.settings import RetrievalSettings, Settings, pre_retrieval_profile
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-def run_event_loop(main: Coroutine[Any, Any, T], settings: Settings) -> T:
-    """Run the server's event loop: uvloop when installed (uvicorn's own choice), asyncio
-    otherwise; with the GIL switch interval the settings ask for."""
-    sys.setswitchinterval(settings.server.switch_interval_ms / 1e3)
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(main)
 
 
 @dataclass

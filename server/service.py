@@ -7,6 +7,7 @@ import asyncio
 import math
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 
@@ -15,8 +16,10 @@ from telerag.server.admission import DEFAULT_PASSAGE_WORDS, TOKENS_PER_WORD, Adm
 from telerag.server.admitted_run import AdmittedRun
 from telerag.server.errors import InvalidField, RequestTimeout
 from telerag.server.metrics import Metrics
-from telerag.server.runtime import Runtime
 from telerag.server.scheduler import BatchingRetriever
+
+if TYPE_CHECKING:
+    from telerag.server.runtime import Runtime  # brings torch: loaded after the server listens
 
 
 class Service:

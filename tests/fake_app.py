@@ -10,11 +10,11 @@ from collections.abc import Iterator
 import httpx
 
 from telerag.pipelines.types import DatastoreInfo
+from telerag.retrieval.stats import CacheStats
 from telerag.server.app import create_app, start_serving
 from telerag.server.connections import ConnectionLimits, guarded_protocol
 from telerag.server.runtime import Runtime
 from telerag.server.settings import Settings
-from telerag.retrieval.cache import CacheStats
 from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
 from tests.serving import serving
 

@@ -21,7 +21,7 @@ from telerag.pipelines.types import (
     SearchRequest,
     TokenChunk,
 )
-from telerag.retrieval.prefetch import PrefetchStats
+from telerag.retrieval.stats import PrefetchStats
 
 
 @dataclass

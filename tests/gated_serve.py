@@ -1,9 +1,10 @@
 """`telerag serve` with gates that a test opens by creating a file, so it can look at a server
 in the middle of its load or of a request:
 
-    python -m tests.gated_serve [--checksum-gate FILE] [--search-gate FILE] serve ARGS...
+    python -m tests.gated_serve [--import-gate FILE] [--checksum-gate FILE] [--search-gate FILE] serve ARGS...
 
-`--checksum-gate`: the load's checksum pass holds before `vectors.npy` (the other files are
+`--import-gate`: the import of `telerag.server.runtime` (what brings torch) holds until FILE
+exists. `--checksum-gate`: the load's checksum pass holds before `vectors.npy` (the other files are
 already counted in its progress) until FILE exists. `--search-gate`: every search holds until
 FILE exists (a request is then in flight for as long as the test wants). Only this test
 launcher patches the server; the server itself has no test hooks.
@@ -22,14 +23,28 @@ def wait_for(gate: Path) -> None:
         time.sleep(0.02)
 
 
+class ImportGate:
+    """A meta-path finder that holds one module's import until the gate exists, then lets the
+    usual finders import it."""
+
+    def __init__(self, module: str, gate: Path) -> None:
+        self.module, self.gate = module, gate
+
+    def find_spec(self, name, path=None, target=None):  # noqa: ANN001, ANN201
+        if name == self.module:
+            wait_for(self.gate)
+        return None
+
+
 def main(argv: list[str]) -> int:
     import telerag.pipelines.retriever as retriever
     import telerag.retrieval.datastore as datastore
-    from telerag.server.cli import main as telerag
 
     while argv and argv[0].startswith("--"):
         option, gate = argv.pop(0), Path(argv.pop(0))
-        if option == "--checksum-gate":
+        if option == "--import-gate":
+            sys.meta_path.insert(0, ImportGate("telerag.server.runtime", gate))
+        elif option == "--checksum-gate":
             sha256 = datastore.file_sha256
 
             def gated_sha256(path, bar=None, _gate=gate, _sha256=sha256):  # noqa: ANN001, ANN202
@@ -49,6 +64,8 @@ def main(argv: list[str]) -> int:
             retriever.DirectRetriever._search_batch = gated_search
         else:
             raise SystemExit(f"unknown option {option}")
+    from telerag.server.cli import main as telerag  # after the gates: the import gate must see its module
+
     return telerag(argv)
 
 

@@ -14,7 +14,8 @@ from telerag.pipelines.engines.sglang import SGLangEngine
 from telerag.server import runtime as runtime_module
 from telerag.server.commands.serve import serve
 from telerag.server.lifecycle import Lifecycle
-from telerag.server.runtime import Runtime, run_event_loop
+from telerag.server.event_loop import run_event_loop
+from telerag.server.runtime import Runtime
 from telerag.server.settings import Settings
 from tests.fakes import RecordingRetriever
 from tests.fake_sglang import FakeEngine, Script

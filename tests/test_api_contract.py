@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from telerag.pipelines.stats import GenerationStats, PrefetchStepStats, PrefetchSummary, SearchStats, Timings
 from telerag.pipelines.types import Generation, RagResult, SamplingParams, Step, TokenChunk
-from telerag.retrieval.prefetch import PrefetchStats
+from telerag.retrieval.stats import PrefetchStats
 from telerag.server.app import create_app, start_serving
 from telerag.server.protocol import QueryResponse
 from telerag.server.settings import Settings

@@ -33,7 +33,7 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from telerag.retrieval.cache import CacheStats
+from telerag.retrieval.stats import CacheStats
 from telerag.server.metrics import Metrics
 from telerag.server.settings import Settings
 

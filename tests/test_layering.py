@@ -6,6 +6,8 @@ benchmarks -> server -> pipelines -> retrieval, where only the thin `telerag ben
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,3 +47,14 @@ def test_every_bench_command_calls_into_benchmarks():
     assert BENCH_COMMANDS
     for path in BENCH_COMMANDS:
         assert any(name.startswith("telerag.benchmarks.") for name in imported_modules(path)), path.name
+
+
+def test_the_command_line_and_the_app_load_without_torch():
+    """`telerag serve` listens before it imports torch (seconds; more with CUDA), and
+    `telerag --help` answers without it: the command line and the app import no torch,
+    transformers or sentence-transformers until a command runs."""
+    heavy = ("torch", "transformers", "sentence_transformers")
+    code = ("import sys, telerag.server.cli, telerag.server.app; "
+            f"print(','.join(name for name in {heavy!r} if name in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert loaded.stdout.strip() == ""

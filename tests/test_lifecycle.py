@@ -102,8 +102,25 @@ def test_listens_at_once_and_reports_the_load_until_ready(assets, tmp_path):
     finally:
         server.stop()
     output = server.output()
-    steps = ["checking datastore", "loading model", "loading embedder", "opening datastore", "warming up"]
+    steps = ["loading libraries", "checking datastore", "loading model", "loading embedder", "opening datastore", "warming up"]
     assert [line.split("start-up: ")[1] for line in output.splitlines() if "start-up: " in line] == steps
+
+
+def test_listens_before_torch_loads(assets, tmp_path):
+    """torch takes seconds to import (more with CUDA): the listener must not wait for it."""
+    gate = tmp_path / "imports"
+    server = serve(assets, tmp_path, "--import-gate", str(gate))
+    try:
+        assert poll(server, "/health", lambda r: r.status_code == 200).json() == {"status": "ok"}
+        loading = httpx.get(f"{server.base}/ready", timeout=5)
+        assert loading.status_code == 503 and loading.json()["loading"] == "loading libraries"
+        refused = httpx.post(f"{server.base}/v1/rag/query", json=QUERY, timeout=5)
+        assert refused.status_code == 503 and int(refused.headers["retry-after"]) > 0
+        gate.touch()
+        server.wait_ready()
+        assert httpx.post(f"{server.base}/v1/rag/query", json=QUERY, timeout=60).status_code == 200
+    finally:
+        server.stop()
 
 
 def truncate_vectors(datastore: Path) -> None:

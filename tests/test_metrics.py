@@ -6,7 +6,7 @@ import pytest
 
 from telerag.pipelines.stats import PrefetchSummary, SearchStats, Timings
 from telerag.pipelines.types import RagResult, Step
-from telerag.retrieval.cache import CacheStats
+from telerag.retrieval.stats import CacheStats
 from telerag.server.metrics import Metrics
 
 

@@ -10,7 +10,6 @@ import logging
 from dataclasses import asdict
 from pathlib import Path
 
-from telerag.benchmarks.overlap import OverlapConfig, configured_overlap_study, format_table
 from telerag.pipelines.questions import read_questions
 from telerag.pipelines.registry import PIPELINES
 from telerag.server.commands.runtime_flags import add_runtime_flags, overrides
@@ -31,6 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from telerag.benchmarks.overlap import OverlapConfig, configured_overlap_study, format_table  # brings torch: only when it runs
+
     names = tuple(PIPELINES) if args.pipelines == "all" else tuple(n.strip() for n in args.pipelines.split(","))
     settings = load_settings(args.config, overrides(args))
     logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")

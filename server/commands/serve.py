@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
 import logging
 import os
 import signal
@@ -21,6 +22,7 @@ from telerag.retrieval.errors import DatastoreError, RetrievalError
 from telerag.server.commands.datastore import rebuild_command
 from telerag.server.commands.runtime_flags import add_runtime_flags, overrides
 from telerag.server.connections import uvicorn_options
+from telerag.server.event_loop import run_event_loop
 from telerag.server.lifecycle import Lifecycle
 from telerag.server.settings import ENGINE_KIND_ALIASES, Settings, load_settings
 
@@ -43,8 +45,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from telerag.server.runtime import run_event_loop
-
     settings = load_settings(args.config, overrides(args))
     logging.basicConfig(level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return run_event_loop(serve(settings), settings)
@@ -129,8 +129,10 @@ async def serve(settings: Settings) -> int:
 
 async def _load(settings: Settings, lifecycle: Lifecycle) -> Runtime:
     """The runtime, loaded and (unless `server.warm_up` is off) warmed up by one request."""
-    from telerag.server import runtime as runtime_module  # the module's attribute: a test launcher may replace it
-
+    # imported here, in a thread: it brings torch (seconds), and `/health` answers meanwhile.
+    # The module's attribute is looked up, not imported by name: a test launcher may replace it.
+    lifecycle.loading("loading libraries")
+    runtime_module = await asyncio.to_thread(importlib.import_module, "telerag.server.runtime")
     runtime = await runtime_module.load_runtime(settings, lifecycle)
     if settings.server.warm_up:
         lifecycle.loading("warming up")
