@@ -97,8 +97,11 @@ class DirectRetriever:
     # -- work, in a worker thread -----------------------------------------------------------------
 
     def _embed(self, texts: list[str]) -> tuple[np.ndarray, float]:
+        """Embedded on retrieval's stream (CUDA): a query's embedding is the first step of its
+        search or prefetch, and must not queue behind generation kernels either."""
         started = time.perf_counter()
-        vectors = np.asarray(self.embedder.encode(texts), dtype=np.float32).reshape(len(texts), -1)
+        with self.engine.on_stream():
+            vectors = np.asarray(self.embedder.encode(texts), dtype=np.float32).reshape(len(texts), -1)
         return vectors, (time.perf_counter() - started) * 1e3
 
     def _prefetch_batch(self, requests: list[PrefetchRequest]) -> list[PrefetchTicket]:

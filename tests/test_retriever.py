@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import numpy as np
 import pytest
@@ -146,3 +147,24 @@ async def test_the_batching_scheduler_carries_mean_queries(retriever):
         assert outcome.stats.batch == 2  # one search for both callers
         alone = await retriever.search(query, options)
         assert [d.id for d in outcome.documents[0]] == [d.id for d in alone.documents[0]]
+
+
+async def test_queries_are_embedded_on_retrievals_stream(retriever):
+    """On CUDA `on_stream` makes retrieval's own stream current; q_in and q_out are embedded
+    inside it, so their kernels do not queue behind generation on the default stream."""
+    inside, entered = [], []
+    on_stream = retriever.engine.on_stream
+
+    @contextlib.contextmanager
+    def recording():
+        entered.append(True)
+        with on_stream():
+            yield
+        entered.pop()
+
+    encode = retriever.embedder.encode
+    retriever.engine.on_stream = recording
+    retriever.embedder.encode = lambda texts: (inside.append(bool(entered)), encode(texts))[1]
+    await retriever.prefetch(["river fish"])
+    await retriever.search(["river water"], SearchOptions(top_k=3, nprobe=2))
+    assert inside == [True, True]
