@@ -208,6 +208,7 @@ class Admission:
     clock: Callable[[], float] = time.monotonic
     on_change: Callable[[int, int], None] = lambda waiting, running: None
     on_refuse: Callable[[Refusal], None] = lambda reason: None
+    on_start: Callable[[float], None] = lambda waited_s: None  # a request got its slot after waiting this long
     rate: ServiceRate = field(default_factory=ServiceRate)
     error: EstimateError = field(default_factory=EstimateError)
 
@@ -345,6 +346,7 @@ class Admission:
             raise
         self._advance()
         ticket.running = True
+        self.on_start(self._last - ticket.admitted_at)
         self._changed()
 
     def finish(self, ticket: Ticket, *, completed: bool, tokens_generated: int | None = None) -> None:

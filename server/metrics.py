@@ -58,7 +58,8 @@ class Metrics:
     def __init__(self, cache_stats: Callable[[], CacheStats]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.request_latency = Histogram("telerag_request_seconds", "request latency", ["pipeline", "outcome"], buckets=LATENCY_BUCKETS, registry=r)
+        self.request_latency = Histogram("telerag_request_seconds", "request latency, from its slot to its end "
+                                         "(the wait for the slot: telerag_queue_wait_seconds)", ["pipeline", "outcome"], buckets=LATENCY_BUCKETS, registry=r)
         self.stage_latency = Histogram("telerag_stage_seconds", "stage latency", ["pipeline", "stage"], buckets=LATENCY_BUCKETS, registry=r)
         self.overlap = Histogram("telerag_cluster_overlap_rate", "|C_in ∩ C_out| / |C_out| per request", ["pipeline"], buckets=RATE_BUCKETS, registry=r)
         self.prefetched_bytes = Counter("telerag_prefetched_bytes", "bytes copied by prefetches", ["pipeline"], registry=r)
@@ -66,6 +67,8 @@ class Metrics:
         self.demand_copies = Counter("telerag_clusters_copied_on_demand", "searched clusters copied to the device on demand (of those searched on the device)", ["pipeline"], registry=r)
         self.late_clusters = Counter("telerag_clusters_late", "resident clusters scanned by faiss because their copies would land after faiss finished", ["pipeline"], registry=r)
         self.copy_wait = Histogram("telerag_search_copy_wait_seconds", "how long a search's device scan waited for copies in flight (searches that waited)", ["pipeline"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("telerag_queue_wait_seconds", "how long admitted requests waited for a slot",
+                                    buckets=LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge("telerag_queue_depth", "requests waiting for a slot", registry=r)
         self.in_flight = Gauge("telerag_requests_in_flight", "requests running", registry=r)
         self.refusals = Counter("telerag_admission_refusals", "requests refused by admission, by reason", ["reason"], registry=r)

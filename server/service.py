@@ -44,6 +44,7 @@ class Service:
             max_in_flight_per_key=scheduler.max_in_flight_per_key,
             on_change=lambda waiting, running: (self.metrics.queue_depth.set(waiting), self.metrics.in_flight.set(running)),
             on_refuse=lambda reason: self.metrics.refusals.labels(reason.value).inc(),
+            on_start=self.metrics.queue_wait.observe,
         )
         self.metrics.expected_wait.set_function(self.admission.expected_wait_s)
         self.metrics.service_rate.set_function(lambda: self.admission.service_rate() or 0.0)

@@ -41,6 +41,7 @@ METRIC_SERIES = (
     ("telerag_clusters_searched_total", ('pipeline="hyde"', 'where="cpu"')),
     ("telerag_clusters_copied_on_demand_total", ('pipeline="hyde"',)),
     ("telerag_queue_depth", ()),
+    ("telerag_queue_wait_seconds_bucket", ('le="0.005"',)),
     ("telerag_batch_size_bucket", ('kind="search"',)),
     ("telerag_tokens_generated_total", ('pipeline="hyde"',)),
     ("telerag_time_to_first_token_seconds_bucket", ('pipeline="hyde"',)),

@@ -220,6 +220,20 @@ async def test_a_request_waiting_for_a_slot_gets_no_share_until_one_frees():
     assert first.estimated_s == pytest.approx(20.0)
 
 
+async def test_each_request_reports_how_long_it_waited_for_its_slot():
+    clock = Clock()
+    waits: list[float] = []
+    a, _ = admission(clock, max_concurrency=1, deadline_s=None, on_start=waits.append)
+    first, second = a.admit(UNIT), a.admit(UNIT)
+    await a.start(first)
+    waiting = asyncio.create_task(a.start(second))
+    await asyncio.sleep(0)
+    clock.now += 7.0
+    a.finish(first, completed=True)
+    await waiting
+    assert waits == [0.0, 7.0]
+
+
 async def test_a_request_that_starts_holds_up_the_running_ones_while_its_prompt_is_prefilled():
     """The engine prefills a joining prompt between two decode steps: the running requests wait
     for it whole, however little they have left."""
