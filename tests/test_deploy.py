@@ -165,7 +165,7 @@ def test_both_images_install_the_wheel_and_configure_the_server_alike():
         assert json.loads(stage.args("CMD")[0])[:2] == ["telerag", "serve"]
         env = stage.env()
         assert env["TELERAG_SERVER__HOST"] == "0.0.0.0" and env["HF_HUB_OFFLINE"] == "1"
-        for cache in ("TELERAG_CACHE_DIR", "TELERAG_RETRIEVAL__DATASTORE", "TRITON_CACHE_DIR", "HF_HOME", "XDG_CACHE_HOME"):
+        for cache in ("TELERAG_CACHE_DIR", "TELERAG_RETRIEVAL__DATASTORE", "TRITON_CACHE_DIR", "HF_HOME", "XDG_CACHE_HOME", "HOME"):
             assert env[cache].startswith("/data/"), f"{stage.name}: {cache} is not on the /data volume"
     assert cpu.env() == {k: v for k, v in cuda.env().items() if k != "PATH"}
     # Triton compiles its launcher with a C compiler and Python's headers at the first kernel launch

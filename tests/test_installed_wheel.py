@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -55,20 +56,25 @@ def test_installed_wheel_serves_from_another_directory(wheel, tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site), str(wheel)], check=True)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1", "TELERAG_CACHE_DIR": str(tmp_path / "cache")}
+    # `-S`: no site processing, so the editable install of this checkout (a .pth hook in this
+    # environment's site-packages) cannot fill in what the wheel lacks; the dependencies come
+    # from that site-packages on the path
+    python = [sys.executable, "-S"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), sysconfig.get_paths()["purelib"]]),
+           "HF_HUB_OFFLINE": "1", "TELERAG_CACHE_DIR": str(tmp_path / "cache")}
     env.pop("TELERAG_CONFIG", None)
     where = subprocess.run(
-        [sys.executable, "-c", "import telerag.server.settings as s; print(s.__file__); print(s.DEFAULT_CONFIG)"],
+        [*python, "-c", "import telerag, telerag.server.settings as s; print(*telerag.__path__, s.__file__, s.DEFAULT_CONFIG)"],
         cwd=elsewhere, env=env, check=True, capture_output=True, text=True,
     ).stdout.split()
-    assert all(Path(path).is_relative_to(site) for path in where), where  # the install, not this checkout
+    assert all(Path(path).is_relative_to(site) for path in where), where  # the install alone, not this checkout
 
     model_dir = save_tiny_lm(tmp_path / "tiny-lm")
     embedder_dir = tiny_embedder_dir(32, 0)
     datastore = build_small_datastore(tmp_path / "datastore", embedder_dir)
     server = start_server(
         ["--model", str(model_dir), "--embedder", str(embedder_dir), "--datastore", str(datastore)],
-        tmp_path / "server.log", env=env, cwd=elsewhere, command=[str(site / "bin" / "telerag")],
+        tmp_path / "server.log", env=env, cwd=elsewhere, command=[*python, str(site / "bin" / "telerag")],
     )
     try:
         server.wait_ready()

