@@ -8,6 +8,7 @@ import asyncio
 import enum
 import logging
 import signal
+import time
 
 from telerag.retrieval.progress import StepProgress
 
@@ -32,13 +33,14 @@ class Lifecycle:
         self.phase = Phase.LOADING
         self.step = "starting"
         self.progress: StepProgress | None = None
+        self.started = self.step_started = time.monotonic()
         self.stop = asyncio.Event()  # the first SIGTERM / SIGINT: drain, then exit
         self.force = asyncio.Event()  # the second: stop at once
 
     def loading(self, step: str) -> None:
         """A new load step begins ("checking datastore", "loading model", ...)."""
         log.info("start-up: %s", step)
-        self.step, self.progress = step, None
+        self.step, self.progress, self.step_started = step, None, time.monotonic()
 
     def report(self, progress: StepProgress) -> None:
         """The progress of the current step's bar (a `retrieval.progress` observer)."""

@@ -231,7 +231,10 @@ class Ready(BaseModel):
     ready: bool
     status: Literal["loading", "ready", "draining"]
     loading: str | None = Field(None, description='while loading: the step, e.g. "checking datastore", "loading model"')
-    progress: LoadProgress | None = None
+    progress: LoadProgress | None = Field(None, description="while loading, for a step with a progress bar: how far it is")
+    loading_s: float | None = Field(None, description="while loading: seconds since the load began")
+    step_s: float | None = Field(None, description="while loading: seconds since the current step began (every step, "
+                                                   "with a progress bar or without)")
     engine: str | None = None
     datastore: DatastoreInfo | None = None
 

@@ -93,6 +93,7 @@ def test_listens_at_once_and_reports_the_load_until_ready(assets, tmp_path):
         server.wait_ready()
         ready = httpx.get(f"{server.base}/ready", timeout=5)
         assert ready.json()["status"] == "ready" and ready.json()["engine"] and ready.json()["progress"] is None
+        assert ready.json()["loading_s"] is None and ready.json()["step_s"] is None
         assert ready.json()["datastore"]["passages"] > 0 and ready.json()["datastore"]["embedder"] == assets[1].name
         assert str(assets[2]) not in ready.text and str(Path.home()) not in ready.text  # no host paths
         answered = httpx.post(f"{server.base}/v1/rag/query", json=QUERY, timeout=60)
@@ -114,6 +115,10 @@ def test_listens_before_torch_loads(assets, tmp_path):
         assert poll(server, "/health", lambda r: r.status_code == 200).json() == {"status": "ok"}
         loading = httpx.get(f"{server.base}/ready", timeout=5)
         assert loading.status_code == 503 and loading.json()["loading"] == "loading libraries"
+        # a step without a progress bar still shows that it is moving: its time so far
+        later = poll(server, "/ready", lambda r: r.json()["step_s"] > loading.json()["step_s"])
+        assert later.json()["progress"] is None and later.json()["loading"] == "loading libraries"
+        assert later.json()["loading_s"] >= later.json()["step_s"] > 0
         refused = httpx.post(f"{server.base}/v1/rag/query", json=QUERY, timeout=5)
         assert refused.status_code == 503 and int(refused.headers["retry-after"]) > 0
         gate.touch()

@@ -5,6 +5,8 @@ them in the schema.)"""
 
 from __future__ import annotations
 
+import time
+
 from fastapi import APIRouter, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
@@ -49,14 +51,16 @@ async def health() -> Health:
 
 async def ready(request: Request) -> Response:
     lifecycle, service = request.app.state.lifecycle, request.app.state.service
-    progress = lifecycle.progress
+    progress, loading, now = lifecycle.progress, lifecycle.phase == Phase.LOADING, time.monotonic()
     body = Ready(
         ready=lifecycle.phase == Phase.READY,
         status=lifecycle.phase.value,
-        loading=lifecycle.step if lifecycle.phase == Phase.LOADING else None,
+        loading=lifecycle.step if loading else None,
         progress=None if progress is None else LoadProgress(
             task=progress.step, done=progress.done, total=progress.total, unit=progress.unit, fraction=progress.fraction,
         ),
+        loading_s=round(now - lifecycle.started, 1) if loading else None,
+        step_s=round(now - lifecycle.step_started, 1) if loading else None,
         engine=None if service is None else getattr(service.runtime.engine, "name", None),
         datastore=None if service is None else service.runtime.datastore_info,
     )
