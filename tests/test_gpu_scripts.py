@@ -1,0 +1,46 @@
+"""The scripts a session with a GPU runs (`scripts/gpu_check`, `scripts/gpu_e2e`), end to end on
+the CPU with everything shrunk (`TELERAG_DRY_RUN=1`): a GPU is lent rarely and for minutes, so a
+script that broke with the code it drives must fail here, not there. The CUDA tests inside
+`gpu_check` skip on the CPU. Slow: minutes of building and serving."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(name: str, tmp_path: Path, *args: str, **env: str) -> list[str]:
+    """The script's stdout lines; its output on failure."""
+    environment = {**os.environ, "TELERAG_DRY_RUN": "1", "TELERAG_SITE": str(tmp_path / "site"),
+                   "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **env}
+    done = subprocess.run([str(ROOT / "scripts" / name), *args], cwd=ROOT, env=environment,
+                          capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, f"{name} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    return done.stdout.splitlines()
+
+
+def test_gpu_check_runs_its_tests_and_the_retrieval_benchmark(tmp_path):
+    report = json.loads(run_script("gpu_check", tmp_path, "--datastore-dir", str(tmp_path / "bench"))[-1])
+    assert report["identical_fraction"] == 1.0 and report["config"]["device"] == "cpu"
+
+
+def test_gpu_e2e_prepares_its_data_builds_its_models_and_runs_bench_e2e(tmp_path):
+    data = {"TELERAG_E2E_DATA": str(tmp_path / "data"), "TELERAG_PYTHON": sys.executable}
+    run_script("gpu_e2e", tmp_path, "prepare-data", **data)
+    assert (tmp_path / "data" / "tokenizer" / "vocab.txt").is_file()
+    out = tmp_path / "out"
+    lines = run_script("gpu_e2e", tmp_path, **data, TELERAG_E2E_DIR=str(tmp_path / "work"), OUT=str(out))
+    report = json.loads(lines[-1])
+    assert report["llm"] == "llama-3-8b (random weights)" and report["datastore"]["passages"] == 40000
+    assert {(r["batch"], r["mode"]) for r in report["rows"]} == {(b, m) for b in (1, 2) for m in ("cpu", "lookahead", "resident")}
+    assert all(r["same_documents"] == 1.0 for r in report["rows"])
+    assert (out / "e2e.txt").read_text().splitlines()[-1] == lines[-1]
