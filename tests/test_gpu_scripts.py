@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -54,7 +55,7 @@ def test_gpu_check_runs_its_tests_and_the_retrieval_benchmark(tmp_path):
     assert report["identical_fraction"] == 1.0 and report["config"]["device"] == "cpu"
 
 
-def test_gpu_e2e_prepares_its_data_builds_its_models_and_runs_bench_e2e(tmp_path):
+def test_gpu_e2e_prepares_its_data_builds_its_models_runs_bench_e2e_and_the_installed_server(tmp_path):
     data = {"TELERAG_E2E_DATA": str(tmp_path / "data"), "TELERAG_PYTHON": sys.executable}
     run_script("gpu_e2e", tmp_path, "prepare-data", image=False, **data)  # where the packages are
     assert (tmp_path / "data" / "tokenizer" / "vocab.txt").is_file()
@@ -65,3 +66,19 @@ def test_gpu_e2e_prepares_its_data_builds_its_models_and_runs_bench_e2e(tmp_path
     assert {(r["batch"], r["mode"]) for r in report["rows"]} == {(b, m) for b in (1, 2) for m in ("cpu", "lookahead", "resident")}
     assert all(r["same_documents"] == 1.0 for r in report["rows"])
     assert (out / "e2e.txt").read_text().splitlines()[-1] == lines[-1]
+
+    # then the server installed from the wheel on the same stand-ins, prefetch on and off; the
+    # dependencies are this environment's (the GPU box gets them from .whl/, which CI does not fetch)
+    served = run_script("gpu_e2e", tmp_path, "serve", image=False, **data, TELERAG_E2E_DIR=str(tmp_path / "work"),
+                        OUT=str(out), TELERAG_E2E_REQUESTS="2", TELERAG_E2E_PORT=str(free_port()))
+    rows = json.loads(served[-1])["rows"]
+    assert [(r["prefetch"], r["requests"]) for r in rows] == [(True, 2), (False, 2)]
+    assert rows[0]["bytes_prefetched"] > 0 and rows[1]["bytes_prefetched"] == 0
+    assert all(r["total_ms"] >= r["search_ms"] > 0 for r in rows)
+    assert "stopped: every accepted request finished" in (out / "serve.log").read_text()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
