@@ -42,6 +42,7 @@ from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.retriever import DirectRetriever
 from telerag.pipelines.types import DatastoreInfo, Engine, RagResult, RunOptions
 from telerag.retrieval.device import resolve_device
+from telerag.retrieval.errors import DeviceMemoryError
 from telerag.server.event_loop import run_event_loop
 from telerag.server.runtime import build_engine
 from telerag.server.scheduler import BatchingRetriever
@@ -69,6 +70,12 @@ class E2EConfig:
     warmup: int = 2  # unmeasured requests before each measured run
     batch_window_ms: float = 0.0  # the scheduler's settings
     max_batch: int = 32
+    modes: tuple[Mode, ...] = MODES  # in MODES' order; cpu always (the others are compared with it)
+
+    def __post_init__(self) -> None:
+        if Mode.CPU not in self.modes:
+            raise ValueError("the cpu mode is the baseline every other mode is compared with: it cannot be left out")
+        object.__setattr__(self, "modes", tuple(m for m in MODES if m in self.modes))
 
 
 class LLMChoice(str, Enum):
@@ -192,13 +199,13 @@ async def run_e2e(
     # refining it from its own calls in that mode
     pipelines = {
         mode: build_pipelines(engine, scheduler, names=config.pipelines, pre_retrieval_ms=pre_retrieval_profile())
-        for mode in MODES
+        for mode in config.modes
     }
     rows = []
     for name in config.pipelines:
         for batch in config.batches:
             measured: dict[Mode, tuple[list[RequestRecord], float]] = {}
-            for mode in MODES:
+            for mode in config.modes:
                 with configured(retriever, mode) as mode_options:
                     options = RunOptions(
                         top_k=config.top_k, nprobe=config.nprobe, max_tokens=config.max_tokens, prefetch=mode_options.prefetch
@@ -209,7 +216,7 @@ async def run_e2e(
                     measured[mode] = await serve_closed_loop(pipeline, questions, batch, options)
                 records, wall = measured[mode]
                 log(f"{name} batch {batch} {mode.value}: {len(records) / wall:.2f} requests/s")
-            rows.extend(summarise(name, batch, mode, *measured[mode], measured[Mode.CPU], engine.name) for mode in MODES)
+            rows.extend(summarise(name, batch, mode, *measured[mode], measured[Mode.CPU], engine.name) for mode in config.modes)
     return rows
 
 
@@ -270,6 +277,16 @@ def run_configured_e2e(
     first, so that the default cluster cache gets what the LLM leaves of the GPU (as `serve`)."""
     engine = build_llm(settings, llm)
     retriever = open_scaled_retriever(settings.retrieval, scale)
+    if Mode.RESIDENT in config.modes:  # before minutes of measuring, not after them
+        try:
+            retriever.engine.check_cache_fits(
+                retriever.datastore.n_vectors * retriever.engine.cache.row_bytes,
+                headroom_bytes=int(settings.retrieval.cache_headroom_mb * 2**20),
+            )
+        except DeviceMemoryError as exc:
+            retriever.close()
+            raise DeviceMemoryError(f"the resident mode holds the whole datastore: {exc}; run it on a larger GPU, or leave "
+                                    "it out with --modes cpu lookahead") from None
 
     async def main() -> list[E2ERow]:
         try:

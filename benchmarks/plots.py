@@ -28,7 +28,7 @@ def write_plots(rows: Sequence[E2ERow], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     pipelines = list(dict.fromkeys(r.pipeline for r in rows))
     batches = sorted({r.batch for r in rows})
-    modes = [m.value for m in MODES]
+    modes = [m.value for m in MODES if any(r.mode == m.value for r in rows)]  # those that ran
     by_key = {(r.pipeline, r.batch, r.mode): r for r in rows}
     title = f"LLM {rows[0].llm}" if rows else ""
 

@@ -1,143 +1,188 @@
-"""A real datastore scaled up to the size retrieval costs at in production: every vector of the
-base plus noisy replicas of it, each replica mapped back to its source's passage.
+"""A real datastore scaled up, in memory, to the size retrieval costs at in production: every
+vector of the base plus noisy replicas of it, each replica mapped back to its source's passage.
 
 Real pipeline text (queries written by a real LLM, embedded by the real embedder) then meets
-clusters of realistic count and size (e.g. 4M vectors in 4096 lists, nprobe 256, as TeleRAG
-measured), while every document retrieved is still a real passage. The result is cached: the
-directory name holds the base's vectors checksum and every parameter. `open_scaled_retriever`
-opens the configured retriever over the configured datastore so scaled (`telerag bench e2e`).
+clusters of realistic count and size (TeleRAG's 21M × 768 fp32 in 4096 lists, nprobe 256),
+while every document retrieved is still a real passage. The scaled set is made on the retrieval
+device and held in memory, pinned on CUDA so that the engine copies clusters straight from it:
+the paper's 61 GB fits a GPU box's 128 GiB of memory but not its 64 GiB disk, and on a GPU it is
+made faster than it could be read back from disk.
+
+The replicas are made a block of rows at a time, each block from a generator seeded by the seed
+and the block's number, so a block is the same every time it is made. Two passes: the first
+assigns every replica to its nearest centroid (spherical k-means on the device over a sample of
+whole blocks), the second makes each block again and puts its rows into their clusters' places,
+so the whole set is never held twice. `open_scaled_retriever` opens the configured retriever over
+the configured datastore so scaled (`telerag bench e2e`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
-from tqdm.auto import tqdm
+import torch
 
 from telerag.pipelines.retriever import DirectRetriever
-from telerag.retrieval.builder import assign_lists, default_nlist, train_centroids, write_clustered
+from telerag.retrieval.builder import default_nlist, lay_out_clusters
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Passage
-from telerag.retrieval.datastore import MANIFEST, VECTORS, Datastore
+from telerag.retrieval.datastore import Datastore
+from telerag.retrieval.device import resolve_device
 from telerag.retrieval.errors import DatastoreError
-from telerag.retrieval.files import user_cache_dir
+from telerag.retrieval.progress import ProgressBar
 from telerag.server.runtime import load_datastore, load_embedder, open_configured_retriever
 from telerag.server.settings import RetrievalSettings
 
 log = logging.getLogger(__name__)
 
-REPLICA_BLOCK = 1 << 16  # replicas made per step
+REPLICA_BLOCK = 1 << 16  # rows made per step; a block's noise comes from its own seed
+TRAIN_POINTS_PER_LIST = 256  # the k-means sample, as faiss's IVF training caps it
+KMEANS_ITERATIONS = 20
+SCORE_ROWS = 1 << 14  # rows scored against every centroid at once (nlist 4096: 256 MB of scores)
 
 
 @dataclass(frozen=True)
 class DatastoreScale:
     """How `open_scaled_retriever` scales the configured datastore: to `vectors` vectors, its
-    own and noisy replicas of them."""
+    own and noisy replicas of them, in `nlist` lists."""
 
     vectors: int
     nlist: int | None = None  # None: 4*sqrt(vectors)
-    noise: float = 0.5  # replica = normalise(v + noise*g/sqrt(dim))
+    noise: float = 0.5  # replica = normalise(v + noise*g/sqrt(dim)): cosine about 0.9 to its source
     seed: int = 0
-    directory: Path | None = None  # where scaled datastores are kept; None: the cache dir's bench/
 
 
-class ReplicaPassages(Sequence[Passage]):
-    """Passage `i` of the scaled datastore is the base's passage `sources[i]`."""
+class Replicas:
+    """The scaled vectors in row order, made a block at a time on `device`: row i copies base row
+    i % n_base, unchanged for the first n_base rows (the base itself) and as
+    normalise(v + noise · g / sqrt(dim)), g standard normal, after them."""
 
-    def __init__(self, base: Sequence[Passage], sources: np.ndarray) -> None:
+    def __init__(self, base: np.ndarray, n_vectors: int, noise: float, seed: int, device: torch.device) -> None:
+        self.base = torch.from_numpy(np.array(base, dtype=np.float32)).to(device)  # a copy: the map is read-only
+        self.n_base, self.dim = self.base.shape
+        self.n_vectors, self.noise, self.seed, self.device = n_vectors, noise, seed, device
+        self.n_blocks = -(-n_vectors // REPLICA_BLOCK)
+
+    def rows(self, block: int) -> slice:
+        return slice(block * REPLICA_BLOCK, min(self.n_vectors, (block + 1) * REPLICA_BLOCK))
+
+    def block(self, block: int) -> torch.Tensor:
+        """float32 (rows, dim) on the device: the rows of `block`."""
+        rows = self.rows(block)
+        out = self.base[torch.arange(rows.start, rows.stop, device=self.device) % self.n_base]
+        first = max(0, self.n_base - rows.start)  # rows before it are the base's own
+        if first < len(out):
+            seed = int(np.random.SeedSequence([self.seed, block]).generate_state(1)[0])
+            generator = torch.Generator(self.device).manual_seed(seed)
+            noise = torch.randn((len(out) - first, self.dim), generator=generator, device=self.device)
+            replicas = out[first:] + (self.noise / self.dim**0.5) * noise
+            out[first:] = replicas / replicas.norm(dim=1, keepdim=True)
+        return out
+
+
+def nearest_centroid(vectors: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """Each vector's nearest centroid by inner product (int64, on the vectors' device)."""
+    return torch.cat([(part @ centroids.T).argmax(dim=1) for part in vectors.split(SCORE_ROWS)])
+
+
+def spherical_kmeans(points: torch.Tensor, k: int, *, seed: int, progress: bool = False) -> torch.Tensor:
+    """k unit centroids for an inner-product IVF: k random points, then Lloyd's steps, each
+    centroid the normalised sum of its points; a centroid left with none restarts at a random
+    point. On the device: seconds on a GPU for a sample of a million, where faiss's CPU
+    training takes minutes."""
+    generator = torch.Generator(points.device).manual_seed(seed)
+    centroids = points[torch.randperm(len(points), generator=generator, device=points.device)[:k]].clone()
+    for _ in ProgressBar(range(KMEANS_ITERATIONS), desc="train IVF lists", unit="step", disable=not progress):
+        assigned = nearest_centroid(points, centroids)
+        sums = torch.zeros_like(centroids).index_add_(0, assigned, points)
+        empty = torch.bincount(assigned, minlength=k) == 0
+        if empty.any():
+            restart = torch.randint(len(points), (int(empty.sum()),), generator=generator, device=points.device)
+            sums[empty] = points[restart]
+        centroids = sums / sums.norm(dim=1, keepdim=True)
+    return centroids
+
+
+class ReplicaPassages:
+    """Passage `row` of the scaled datastore is the base's passage `sources[row]`."""
+
+    def __init__(self, base: Datastore, sources: np.ndarray) -> None:
         self.base, self.sources = base, sources
 
-    def __len__(self) -> int:
-        return len(self.sources)
+    def get(self, rows: Sequence[int]) -> list[Passage]:
+        return self.base.passages([int(self.sources[row]) for row in rows])
 
-    def __getitem__(self, i):  # type: ignore[override]
-        return self.base[int(self.sources[i])]
-
-    def __iter__(self) -> Iterator[Passage]:
-        return (self.base[s] for s in self.sources.tolist())
-
-
-def replica_sources(n_base: int, n_vectors: int) -> np.ndarray:
-    """Row of the base each vector copies: the base itself first (replica 0, no noise), then
-    each base row once more per round, so every passage has as many replicas as any other."""
-    return np.arange(n_vectors, dtype=np.int64) % n_base
-
-
-def replicate(base: np.ndarray, sources: np.ndarray, noise: float, seed: int, progress: bool) -> np.ndarray:
-    """float32 unit vectors: row i is base[sources[i]] itself for the first len(base) rows, and
-    normalise(base[sources[i]] + noise · g / sqrt(dim)) with g standard normal after them (noise
-    0.5 keeps a replica at cosine about 0.9 to its source)."""
-    n_base, dim = base.shape
-    out = np.empty((len(sources), dim), dtype=np.float32)
-    rng = np.random.default_rng(seed)
-    for start in tqdm(range(0, len(sources), REPLICA_BLOCK), desc="replicate vectors", unit="block", disable=not progress):
-        rows = sources[start : start + REPLICA_BLOCK]
-        block = np.asarray(base[rows], dtype=np.float32)
-        replicas = np.arange(start, start + len(rows)) >= n_base
-        block[replicas] += (noise / np.sqrt(dim)) * rng.standard_normal((int(replicas.sum()), dim), dtype=np.float32)
-        block /= np.linalg.norm(block, axis=1, keepdims=True)
-        out[start : start + len(rows)] = block
-    return out
+    def close(self) -> None:
+        self.base.close()
 
 
 def scaled_datastore(
-    base: Datastore,
-    cache_dir: Path,
-    *,
-    n_vectors: int,
-    nlist: int | None = None,
-    noise: float = 0.5,
-    seed: int = 0,
-    progress: bool = True,
-) -> Path:
-    """The base scaled to `n_vectors` (built under `cache_dir` once, reused after), with an IVF
-    of `nlist` lists (default: the builder's 4·sqrt(n)) trained on the scaled vectors."""
+    base: Datastore, scale: DatastoreScale, *, device: str | torch.device = "cpu", progress: bool = True
+) -> Datastore:
+    """The base scaled to `scale.vectors` in memory, made on `device` (pinned host memory on
+    CUDA), with an IVF of `scale.nlist` lists trained on the scaled vectors. It owns `base`
+    from here on (its passages are the base's): closing it closes the base."""
+    device = resolve_device(device)
+    n, nlist = scale.vectors, scale.nlist or default_nlist(scale.vectors)
     if base.codec is not Codec.FP32:
-        raise DatastoreError(f"{base.path}: scaling needs an fp32 base datastore, not {base.codec.value}")
+        raise DatastoreError(f"{base.where}: scaling needs an fp32 base datastore, not {base.codec.value}")
     if not base.has_passages:
-        raise DatastoreError(f"{base.path}: scaling needs a datastore with passages")
-    if n_vectors < base.n_vectors:
-        raise DatastoreError(f"cannot scale {base.n_vectors} vectors down to {n_vectors}")
-    nlist = nlist or default_nlist(n_vectors)
-    digest = str(base.manifest.files[VECTORS]["sha256"])[:12]
-    out = Path(cache_dir).expanduser() / f"{base.path.name}-{digest}-n{n_vectors}-l{nlist}-z{noise:g}-s{seed}"
-    if (out / MANIFEST).is_file():
-        log.info("scaled datastore %s (cached)", out)
-        return out
-    log.info("scaling %s from %d to %d vectors, %d lists (noise %g)", base.path, base.n_vectors, n_vectors, nlist, noise)
-    sources = replica_sources(base.n_vectors, n_vectors)
-    vectors = replicate(base.vectors, sources, noise, seed, progress)
-    centroids = train_centroids(vectors, nlist, seed=seed)
-    lists = assign_lists(vectors, centroids, progress=progress)
-    passages = base.passages(range(base.n_vectors))
-    return write_clustered(
-        out,
-        vectors=vectors,
-        lists=lists,
-        centroids=centroids,
-        codec=Codec.FP32,
-        embedder=base.manifest.embedder,
-        passages=ReplicaPassages(passages, sources),
-        source=f"{base.manifest.source or base.path.name}, scaled to {n_vectors} vectors (noise {noise:g})",
-        shape=base.manifest.shape,
-        progress=progress,
+        raise DatastoreError(f"{base.where}: scaling needs a datastore with passages")
+    if n < base.n_vectors:
+        raise DatastoreError(f"cannot scale {base.n_vectors} vectors down to {n}")
+    if not 1 <= nlist <= n:
+        raise DatastoreError(f"nlist must be between 1 and the number of vectors ({n}), got {nlist}")
+    started = time.perf_counter()
+    log.info("scaling %s from %d to %d vectors in %d lists on %s (noise %g): %.1f GiB in memory",
+             base.where, base.n_vectors, n, nlist, device, scale.noise, n * base.dim * 4 / 2**30)
+    replicas = Replicas(base.vectors, n, scale.noise, scale.seed, device)
+
+    # the k-means sample: whole blocks, spread evenly over the rows
+    wanted = min(n, nlist * TRAIN_POINTS_PER_LIST)
+    blocks = np.unique(np.linspace(0, replicas.n_blocks - 1, -(-wanted // REPLICA_BLOCK)).round().astype(int))
+    sample = torch.cat([replicas.block(int(b)) for b in blocks])
+    centroids = spherical_kmeans(sample, nlist, seed=scale.seed, progress=progress)
+    del sample
+
+    lists = np.empty(n, dtype=np.int64)
+    for block in ProgressBar(range(replicas.n_blocks), desc="assign lists", unit="block", disable=not progress):
+        lists[replicas.rows(block)] = nearest_centroid(replicas.block(block), centroids).cpu().numpy()
+    layout = lay_out_clusters(centroids.cpu().numpy(), lists)
+    del lists
+    positions = torch.empty(n, dtype=torch.int64)
+    positions[torch.from_numpy(layout.perm)] = torch.arange(n)
+
+    vectors = torch.empty((n, base.dim), dtype=torch.float32, pin_memory=device.type == "cuda")
+    for block in ProgressBar(range(replicas.n_blocks), desc="lay out vectors", unit="block", disable=not progress):
+        vectors.index_copy_(0, positions[replicas.rows(block)], replicas.block(block).cpu())
+    del positions
+    source = f"{base.manifest.source or base.where}, scaled to {n} vectors (noise {scale.noise:g}) in memory"
+    manifest = dataclasses.replace(base.manifest, nlist=nlist, n_vectors=n, source=source, created_at=time.time(), files={})
+    log.info("scaled datastore made in %.1f s", time.perf_counter() - started)
+    return Datastore(
+        manifest,
+        centroids=layout.centroids,
+        offsets=layout.offsets,
+        vectors=vectors.numpy(),  # the array keeps the (pinned) tensor alive
+        passages=ReplicaPassages(base, layout.perm % base.n_vectors),
+        where=f"{base.where} scaled to {n} vectors in memory",
     )
 
 
 def open_scaled_retriever(retrieval: RetrievalSettings, scale: DatastoreScale | None) -> DirectRetriever:
-    """The configured retriever over the configured datastore, or over its scaled copy (built
-    once, kept under `scale.directory`)."""
+    """The configured retriever over the configured datastore, or over it scaled up in memory on
+    the retrieval device."""
     embedder = load_embedder(retrieval)
     datastore = load_datastore(retrieval, embedder)
     if scale is not None:
         try:
-            path = scaled_datastore(datastore, scale.directory or user_cache_dir() / "bench", n_vectors=scale.vectors,
-                                    nlist=scale.nlist, noise=scale.noise, seed=scale.seed)
-        finally:
+            datastore = scaled_datastore(datastore, scale, device=retrieval.device)
+        except BaseException:
             datastore.close()
-        datastore = Datastore.load(path, embedder=embedder.name, verify_checksums=retrieval.verify_checksums, progress=True)
+            raise
     return open_configured_retriever(datastore, embedder, retrieval)

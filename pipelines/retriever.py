@@ -244,7 +244,7 @@ def open_retriever(
             path, embedder=embedder.name, dim=embedder.dim, verify_checksums=verify_checksums, progress=True
         )
     else:
-        datastore.manifest.check_embedder(datastore.path, embedder=embedder.name, dim=embedder.dim)
+        datastore.manifest.check_embedder(datastore.where, embedder=embedder.name, dim=embedder.dim)
     engine = RetrievalEngine(
         datastore,
         device=device,
@@ -256,7 +256,7 @@ def open_retriever(
     )
     log.info(
         "datastore %s: %d passages, %d lists, dim %d, embedder %s; device %s, cluster cache %.1f MB, demand copies %s",
-        datastore.path,
+        datastore.where,
         datastore.n_vectors,
         datastore.nlist,
         datastore.dim,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import faiss
@@ -12,7 +13,8 @@ import numpy as np
 
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Passage, PassageShape
-from telerag.retrieval.datastore import Manifest, check_target, write_datastore
+from telerag.retrieval.datastore import Manifest
+from telerag.retrieval.datastore_writer import check_target, write_datastore
 from telerag.retrieval.errors import CorpusError, DatastoreError
 from telerag.retrieval.progress import ProgressBar
 
@@ -74,6 +76,27 @@ def assign_lists(vectors: np.ndarray, centroids: np.ndarray, *, batch: int = 655
     return out
 
 
+@dataclass(frozen=True)
+class ClusterLayout:
+    """Where every vector goes in a cluster-contiguous datastore."""
+
+    centroids: np.ndarray  # float32 (nlist, dim), near ones adjacent (`order_centroids`)
+    perm: np.ndarray  # int64 (n,): the input row at each position, cluster after cluster
+    offsets: np.ndarray  # int64 (nlist + 1,): cluster c is positions offsets[c]:offsets[c+1]
+
+
+def lay_out_clusters(centroids: np.ndarray, lists: np.ndarray) -> ClusterLayout:
+    """Reorder the centroids for locality and sort the rows by their (reordered) list."""
+    nlist = len(centroids)
+    order = order_centroids(centroids)
+    rank = np.empty(nlist, dtype=np.int64)
+    rank[order] = np.arange(nlist)
+    lists = rank[lists]
+    offsets = np.zeros(nlist + 1, dtype=np.int64)
+    np.cumsum(np.bincount(lists, minlength=nlist), out=offsets[1:])
+    return ClusterLayout(np.ascontiguousarray(centroids[order], dtype=np.float32), np.argsort(lists, kind="stable"), offsets)
+
+
 class ClusterOrdered:
     """`vectors` in cluster order and encoded, made a block of rows at a time as the datastore
     is written, so the build never holds a second copy of the whole set."""
@@ -103,17 +126,11 @@ def write_clustered(
 ) -> Path:
     """Reorder centroids for locality, sort vectors (and passages) by list, and write the datastore."""
     nlist, dim = centroids.shape
-    order = order_centroids(centroids)
-    rank = np.empty(nlist, dtype=np.int64)
-    rank[order] = np.arange(nlist)
-    lists = rank[lists]
-    perm = np.argsort(lists, kind="stable")
-    offsets = np.zeros(nlist + 1, dtype=np.int64)
-    np.cumsum(np.bincount(lists, minlength=nlist), out=offsets[1:])
+    layout = lay_out_clusters(centroids, lists)
     params = codec.train(vectors)
     ordered_passages: Iterable[Passage] | None = None
     if passages is not None:
-        ordered_passages = (passages[i] for i in perm)
+        ordered_passages = (passages[i] for i in layout.perm)
     manifest = Manifest(
         embedder=embedder,
         dim=dim,
@@ -129,9 +146,9 @@ def write_clustered(
     return write_datastore(
         out_dir,
         manifest=manifest,
-        centroids=centroids[order],
-        offsets=offsets,
-        vectors=ClusterOrdered(vectors, perm, codec, params),
+        centroids=layout.centroids,
+        offsets=layout.offsets,
+        vectors=ClusterOrdered(vectors, layout.perm, codec, params),
         passages=ordered_passages,
         codec_params=params,
         overwrite=overwrite,

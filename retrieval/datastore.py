@@ -1,4 +1,5 @@
-"""The on-disk datastore: cluster-contiguous vectors, centroids, offsets, passages and a manifest.
+"""The datastore: cluster-contiguous vectors, centroids, offsets, passages and a manifest; its
+format and the loaded datastore (written by `retrieval.datastore_writer`).
 
 Layout of a datastore directory (`FORMAT_VERSION` 1):
 
@@ -11,23 +12,18 @@ Layout of a datastore directory (`FORMAT_VERSION` 1):
     passages.idx.npy   optional: int64 (n + 1) byte offsets of those lines
 
 A cluster is one slice of `vectors.npy`, so a prefetch is one contiguous copy, and adjacent
-clusters can be copied together. Directories are written under a temporary name and renamed
-into place, so a half-built directory is never mistaken for a datastore, and a datastore is
-only ever written into a new or empty directory or over one of its own kind: nothing this
-project did not create is deleted.
+clusters can be copied together. A loaded datastore memory-maps these files; a benchmark's
+datastore scaled up beyond what a disk holds keeps the same arrays in memory instead.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import mmap
-import os
-import shutil
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -50,22 +46,6 @@ CODEC_PARAMS = "codec.npy"
 PASSAGES = "passages.jsonl"
 PASSAGE_INDEX = "passages.idx.npy"
 FILES = frozenset({MANIFEST, CENTROIDS, OFFSETS, VECTORS, CODEC_PARAMS, PASSAGES, PASSAGE_INDEX})
-
-WRITE_BLOCK_BYTES = 64 << 20  # vectors are made and written this much at a time
-
-
-class VectorRows(Protocol):
-    """What `write_datastore` reads the vectors from, a block of rows at a time: an array, or
-    something that makes each block on demand so the whole set is never in RAM twice."""
-
-    @property
-    def shape(self) -> tuple[int, ...]: ...
-
-    @property
-    def dtype(self) -> np.dtype: ...
-
-    def __getitem__(self, rows: slice) -> np.ndarray: ...
-
 
 @dataclass
 class Manifest:
@@ -107,192 +87,88 @@ class Manifest:
             )
         return manifest
 
-    def check_embedder(self, path: Path, *, embedder: str | None = None, dim: int | None = None) -> None:
-        """Refuse a datastore (at `path`) built with another embedder or dimension than configured."""
+    def check_embedder(self, where: Path | str, *, embedder: str | None = None, dim: int | None = None) -> None:
+        """Refuse a datastore (`where`: its path, for the message) built with another embedder or
+        dimension than configured."""
         if embedder is not None and self.embedder != embedder:
             raise DatastoreMismatchError(
-                f"{path} was built with embedder {self.embedder!r}, but {embedder!r} is configured; "
+                f"{where} was built with embedder {self.embedder!r}, but {embedder!r} is configured; "
                 "rebuild the datastore or configure its embedder"
             )
         if dim is not None and self.dim != dim:
-            raise DatastoreMismatchError(f"{path} holds {self.dim}-d vectors, but the embedder makes {dim}-d vectors")
+            raise DatastoreMismatchError(f"{where} holds {self.dim}-d vectors, but the embedder makes {dim}-d vectors")
 
 
-def _write_rows(path: Path, vectors: VectorRows, progress: bool) -> None:
-    """`vectors` into a .npy file, block by block: plain writes, so neither the whole array
-    nor a mapping of the file is ever held in memory."""
-    n, dim = vectors.shape
-    dtype = np.dtype(vectors.dtype)
-    step = max(1, WRITE_BLOCK_BYTES // max(1, dim * dtype.itemsize))
-    with path.open("wb") as handle:
-        header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (n, dim)}
-        np.lib.format.write_array_header_1_0(handle, header)
-        for start in ProgressBar(range(0, n, step), desc="write vectors", unit="block", disable=not progress):
-            block = np.ascontiguousarray(vectors[start : start + step], dtype=dtype)
-            if block.shape != (min(step, n - start), dim):
-                raise DatastoreError(f"rows {start}:{start + step} of the vectors have shape {block.shape}")
-            handle.write(block.data)
-            del block  # before the next one is made
+class PassageStore(Protocol):
+    """Where a datastore's passages come from, by row (rows are checked by `Datastore.passages`)."""
+
+    def get(self, rows: Sequence[int]) -> list[Passage]: ...
+
+    def close(self) -> None: ...
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+class MappedPassages:
+    """`passages.jsonl` read through a memory map, each row's line found by `passages.idx.npy`."""
 
+    def __init__(self, file: Path, line_offsets: np.ndarray) -> None:
+        self.line_offsets = line_offsets
+        with file.open("rb") as handle:
+            self._map: mmap.mmap | None = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
 
-def is_datastore_dir(path: Path) -> bool:
-    """Whether `path` is a directory this project wrote: a manifest and nothing but datastore files."""
-    if not (path / MANIFEST).is_file():
-        return False
-    return all(entry.name in FILES for entry in path.iterdir())
+    def get(self, rows: Sequence[int]) -> list[Passage]:
+        if self._map is None:
+            raise DatastoreError("the datastore is closed")
+        out = []
+        for row in rows:
+            start, end = int(self.line_offsets[row]), int(self.line_offsets[row + 1])
+            record = json.loads(self._map[start:end])
+            out.append(Passage(doc_id=record["doc_id"], title=record["title"], text=record["text"]))
+        return out
 
-
-def check_target(out_dir: Path, *, overwrite: bool) -> None:
-    """Refuse, before any work, to write a datastore where it would delete something this
-    project did not create: only a new or empty directory, or (with `overwrite`) a datastore."""
-    out_dir = Path(out_dir)
-    if not out_dir.exists():
-        return
-    if not out_dir.is_dir():
-        raise DatastoreError(f"{out_dir} is a file, not a directory; refusing to replace it (nothing was changed)")
-    if not any(out_dir.iterdir()):
-        return
-    if not is_datastore_dir(out_dir):
-        strangers = sorted(entry.name for entry in out_dir.iterdir() if entry.name not in FILES)
-        what = f"{MANIFEST} is missing" if not (out_dir / MANIFEST).is_file() else f"it also holds {', '.join(strangers[:3])}"
-        raise DatastoreError(
-            f"{out_dir} exists and is not a datastore ({what}); refusing to write into it (nothing was changed): "
-            "choose a new or empty directory"
-        )
-    if not overwrite:
-        raise DatastoreError(f"{out_dir} already holds a datastore (pass overwrite, or --overwrite, to replace it)")
-
-
-def _remove_abandoned_siblings(out_dir: Path) -> None:
-    """Delete the temporary directories that builds of `out_dir` killed part-way left beside it
-    (named by this module, with the pid of a process that no longer runs)."""
-    for sibling in out_dir.parent.glob(f".{glob.escape(out_dir.name)}.*-*-*"):
-        kind, _, rest = sibling.name[len(out_dir.name) + 2 :].partition("-")
-        pid = rest.partition("-")[0]
-        if kind in ("tmp", "old") and pid.isdigit() and not _process_alive(int(pid)) and sibling.is_dir():
-            log.info("removing %s, left by a build that did not finish", sibling)
-            shutil.rmtree(sibling, ignore_errors=True)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def write_datastore(
-    out_dir: Path,
-    *,
-    manifest: Manifest,
-    centroids: np.ndarray,
-    offsets: np.ndarray,
-    vectors: VectorRows,
-    passages: Iterable[Passage] | None,
-    codec_params: np.ndarray | None = None,
-    overwrite: bool = False,
-    progress: bool = False,
-) -> Path:
-    """Write a datastore atomically: into a temporary sibling directory, then one rename.
-
-    `vectors` must already be cluster-contiguous and encoded with `manifest.codec` (and its
-    `codec_params`, for a codec that has them); they are read and written a block at a time.
-    `progress` shows a bar for writing them and for the checksums, which read every byte.
-    """
-    out_dir = Path(out_dir)
-    codec = Codec(manifest.codec)
-    if np.dtype(vectors.dtype) != codec.numpy_dtype or tuple(vectors.shape) != (manifest.n_vectors, manifest.dim):
-        raise DatastoreError(f"vectors must be {codec.numpy_dtype} of shape ({manifest.n_vectors}, {manifest.dim})")
-    if codec.has_params != (codec_params is not None) or (
-        codec_params is not None and np.shape(codec_params) != (2, manifest.dim)
-    ):
-        raise DatastoreError(f"codec {codec.value} needs {'its (2, dim) parameters' if codec.has_params else 'no parameters'}")
-    if centroids.shape != (manifest.nlist, manifest.dim) or offsets.shape != (manifest.nlist + 1,):
-        raise DatastoreError("centroids / offsets do not match the manifest's nlist and dim")
-    if offsets[0] != 0 or offsets[-1] != manifest.n_vectors or np.any(np.diff(offsets) < 0):
-        raise DatastoreError("offsets must rise from 0 to n_vectors")
-    check_target(out_dir, overwrite=overwrite)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned_siblings(out_dir)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
-    tmp.mkdir()
-    try:
-        np.save(tmp / CENTROIDS, np.ascontiguousarray(centroids, dtype=np.float32))
-        np.save(tmp / OFFSETS, np.ascontiguousarray(offsets, dtype=np.int64))
-        _write_rows(tmp / VECTORS, vectors, progress)
-        if codec_params is not None:
-            np.save(tmp / CODEC_PARAMS, np.ascontiguousarray(codec_params, dtype=np.float32))
-        if passages is not None:
-            line_offsets = [0]
-            with (tmp / PASSAGES).open("wb") as handle:
-                for passage in passages:
-                    line = json.dumps(
-                        {"doc_id": passage.doc_id, "title": passage.title, "text": passage.text}, ensure_ascii=False
-                    ).encode("utf-8") + b"\n"
-                    handle.write(line)
-                    line_offsets.append(line_offsets[-1] + len(line))
-            if len(line_offsets) - 1 != manifest.n_vectors:
-                raise DatastoreError(f"{len(line_offsets) - 1} passages for {manifest.n_vectors} vectors")
-            np.save(tmp / PASSAGE_INDEX, np.asarray(line_offsets, dtype=np.int64))
-        manifest.files = {}
-        files = sorted(tmp.iterdir())
-        total = sum(file.stat().st_size for file in files)
-        with ProgressBar(total=total, desc="checksum", unit="B", unit_scale=True, disable=not progress) as bar:
-            for file in files:
-                _fsync(file)
-                manifest.files[file.name] = {"bytes": file.stat().st_size, "sha256": file_sha256(file, bar)}
-        (tmp / MANIFEST).write_text(json.dumps(asdict(manifest), indent=2), encoding="utf-8")
-        _fsync(tmp / MANIFEST)
-        check_target(out_dir, overwrite=overwrite)  # again: the directory may have changed during the build
-        if out_dir.is_dir() and not any(out_dir.iterdir()):
-            out_dir.rmdir()
-        if out_dir.exists():  # a datastore, and overwrite was asked for
-            old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}-{time.monotonic_ns()}"
-            out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
 
 
 class Datastore:
-    """A loaded datastore: arrays memory-mapped from disk, passages read on demand."""
+    """A datastore's arrays and passages: memory-mapped from its directory (`load`), or held in
+    memory (a benchmark's datastore scaled up beyond what a disk holds, `benchmarks.scaled`)."""
 
-    def __init__(self, path: Path, manifest: Manifest) -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        *,
+        centroids: np.ndarray,
+        offsets: np.ndarray,
+        vectors: np.ndarray,
+        codec_params: np.ndarray | None = None,
+        passages: PassageStore | None = None,
+        path: Path | None = None,
+        where: str | None = None,
+    ) -> None:
+        """`path`: the directory it was loaded from (None: in memory); `where`: what messages
+        call it (default: the path)."""
         self.path = path
+        self.where = where or str(path)
         self.manifest = manifest
         self.codec = Codec(manifest.codec)
-        self.centroids: np.ndarray = self._load_array(CENTROIDS, (manifest.nlist, manifest.dim), np.float32)
-        self.offsets: np.ndarray = self._load_array(OFFSETS, (manifest.nlist + 1,), np.int64)
-        self.vectors: np.ndarray = self._load_array(
-            VECTORS, (manifest.n_vectors, manifest.dim), self.codec.numpy_dtype
-        )
-        self.codec_params: np.ndarray | None = None
+        expected = {
+            "centroids": (centroids, (manifest.nlist, manifest.dim), np.float32),
+            "offsets": (offsets, (manifest.nlist + 1,), np.int64),
+            "vectors": (vectors, (manifest.n_vectors, manifest.dim), self.codec.numpy_dtype),
+        }
         if self.codec.has_params:
-            self.codec_params = np.array(self._load_array(CODEC_PARAMS, (2, manifest.dim), np.float32))
-        if self.offsets[0] != 0 or self.offsets[-1] != manifest.n_vectors or np.any(np.diff(self.offsets) < 0):
-            raise DatastoreCorruptError(f"{path / OFFSETS}: offsets do not describe {manifest.n_vectors} vectors")
-        self._passage_index: np.ndarray | None = None
-        self._passage_map: mmap.mmap | None = None
-        if PASSAGES in manifest.files:
-            self._passage_index = self._load_array(PASSAGE_INDEX, (manifest.n_vectors + 1,), np.int64)
-            with (path / PASSAGES).open("rb") as handle:
-                self._passage_map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+            expected["codec parameters"] = (codec_params, (2, manifest.dim), np.float32)
+        for name, (array, shape, dtype) in expected.items():
+            if array is None or array.shape != shape or array.dtype != np.dtype(dtype):
+                got = "none" if array is None else f"{array.dtype}{array.shape}"
+                raise DatastoreCorruptError(f"{self.where}: {name} are {got}, expected {np.dtype(dtype)}{shape}")
+        if offsets[0] != 0 or offsets[-1] != manifest.n_vectors or np.any(np.diff(offsets) < 0):
+            raise DatastoreCorruptError(f"{self.where}: offsets do not describe {manifest.n_vectors} vectors")
+        self.centroids, self.offsets, self.vectors = centroids, offsets, vectors
+        self.codec_params = None if codec_params is None else np.array(codec_params)
+        self._passages = passages
 
     @classmethod
     def load(
@@ -324,19 +200,19 @@ class Datastore:
                 for name, meta in manifest.files.items():
                     if file_sha256(path / name, bar) != meta["sha256"]:
                         raise DatastoreCorruptError(f"{path / name} fails its sha256 checksum")
-        return cls(path, manifest)
-
-    def _load_array(self, name: str, shape: tuple[int, ...], dtype: type | np.dtype) -> np.ndarray:
-        file = self.path / name
-        if name not in self.manifest.files:
-            raise DatastoreCorruptError(f"{file} is not listed in the manifest")
-        try:
-            array = np.load(file, mmap_mode="r", allow_pickle=False)
-        except (ValueError, OSError) as exc:
-            raise DatastoreCorruptError(f"{file}: unreadable ({exc})") from None
-        if array.shape != shape or array.dtype != np.dtype(dtype):
-            raise DatastoreCorruptError(f"{file}: {array.dtype}{array.shape}, expected {np.dtype(dtype)}{shape}")
-        return array
+        codec = Codec(manifest.codec)
+        passages = None
+        if PASSAGES in manifest.files:
+            passages = MappedPassages(path / PASSAGES, _load_array(path, manifest, PASSAGE_INDEX, (manifest.n_vectors + 1,), np.int64))
+        return cls(
+            manifest,
+            centroids=_load_array(path, manifest, CENTROIDS, (manifest.nlist, manifest.dim), np.float32),
+            offsets=_load_array(path, manifest, OFFSETS, (manifest.nlist + 1,), np.int64),
+            vectors=_load_array(path, manifest, VECTORS, (manifest.n_vectors, manifest.dim), codec.numpy_dtype),
+            codec_params=_load_array(path, manifest, CODEC_PARAMS, (2, manifest.dim), np.float32) if codec.has_params else None,
+            passages=passages,
+            path=path,
+        )
 
     @property
     def dim(self) -> int:
@@ -352,22 +228,31 @@ class Datastore:
 
     @property
     def has_passages(self) -> bool:
-        return self._passage_map is not None
+        return self._passages is not None
 
     def passages(self, ids: Sequence[int]) -> list[Passage]:
         """The passages of the given vector ids (rows)."""
-        if self._passage_map is None or self._passage_index is None:
-            raise DatastoreError(f"{self.path} holds vectors only, no passages")
-        out = []
+        if self._passages is None:
+            raise DatastoreError(f"{self.where} holds vectors only, no passages")
         for row in ids:
             if not 0 <= row < self.n_vectors:
                 raise PassageNotFound(f"passage id {row} out of range 0..{self.n_vectors - 1}")
-            start, end = int(self._passage_index[row]), int(self._passage_index[row + 1])
-            record = json.loads(self._passage_map[start:end])
-            out.append(Passage(doc_id=record["doc_id"], title=record["title"], text=record["text"]))
-        return out
+        return self._passages.get(ids)
 
     def close(self) -> None:
-        if self._passage_map is not None:
-            self._passage_map.close()
-            self._passage_map = None
+        if self._passages is not None:
+            self._passages.close()
+
+
+def _load_array(path: Path, manifest: Manifest, name: str, shape: tuple[int, ...], dtype: type | np.dtype) -> np.ndarray:
+    """One of the datastore's arrays, memory-mapped, checked against the manifest."""
+    file = path / name
+    if name not in manifest.files:
+        raise DatastoreCorruptError(f"{file} is not listed in the manifest")
+    try:
+        array = np.load(file, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError) as exc:
+        raise DatastoreCorruptError(f"{file}: unreadable ({exc})") from None
+    if array.shape != shape or array.dtype != np.dtype(dtype):
+        raise DatastoreCorruptError(f"{file}: {array.dtype}{array.shape}, expected {np.dtype(dtype)}{shape}")
+    return array

@@ -30,7 +30,7 @@ from telerag.retrieval.cooperative import CooperativeSearch, QueryStats, SearchR
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.demand import DemandCopyPolicy
 from telerag.retrieval.device import resolve_device
-from telerag.retrieval.errors import SearchError
+from telerag.retrieval.errors import DeviceMemoryError, SearchError
 from telerag.retrieval.ivf import CPUIndex
 from telerag.retrieval.prefetch import PrefetchHandle, PrefetchPlan, plan_prefetch
 from telerag.retrieval.progress import ProgressBar
@@ -127,12 +127,13 @@ class RetrievalEngine:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def _host_tensor(self, progress: bool) -> torch.Tensor:
-        """The vectors as a tensor: the memory map itself on CPU; a pinned copy on CUDA, so that
-        every cluster copy is a true asynchronous DMA."""
+        """The vectors as a tensor: the datastore's own memory on CPU, or on CUDA where it is
+        pinned already (a datastore made in memory); else a pinned copy, so that every cluster
+        copy is a true asynchronous DMA."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # the memory map is read-only; we never write it
             mapped = torch.from_numpy(self.datastore.vectors)
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or mapped.is_pinned():
             return mapped
         pinned = torch.empty(mapped.shape, dtype=mapped.dtype, pin_memory=True)
         step = max(1, (256 << 20) // max(1, mapped.shape[1] * mapped.element_size()))
@@ -148,11 +149,28 @@ class RetrievalEngine:
         copy_missed = self.device.type == "cuda" if demand_copy is None else demand_copy
         return DemandCopyPolicy(self.copy_bytes_per_ms, copy_missed=copy_missed)
 
+    def check_cache_fits(self, cache_bytes: int, *, headroom_bytes: int = 0) -> None:
+        """Refuse (`DeviceMemoryError`) a cluster cache of `cache_bytes` in place of this one that
+        the device could not hold beside what else is on it now, with `headroom_bytes` left free
+        (CUDA only: a CPU "device" is host memory, which the operating system manages)."""
+        if self.device.type != "cuda":
+            return
+        free, _ = torch.cuda.mem_get_info(self.device)
+        idle = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)  # torch's, reusable
+        available = free + idle + self.cache.capacity_bytes - headroom_bytes
+        if cache_bytes > available:
+            raise DeviceMemoryError(
+                f"a cluster cache of {cache_bytes / 2**30:.1f} GiB does not fit on {self.device}: "
+                f"{max(0, available) / 2**30:.1f} GiB can be had beside what it holds now"
+                + (f", leaving {headroom_bytes / 2**30:.1f} GiB free" if headroom_bytes else "")
+            )
+
     def resize_cache(self, cache_bytes: int, *, demand_copy: bool | None = None) -> None:
-        """Replace the cluster cache with an empty one of `cache_bytes` (nothing may be pinned);
-        `demand_copy` as in the constructor."""
+        """Replace the cluster cache with an empty one of `cache_bytes` (nothing may be pinned,
+        and the device must hold it: `check_cache_fits`); `demand_copy` as in the constructor."""
         if self.cache.stats().pinned_clusters:
             raise SearchError("cannot resize the cluster cache while clusters are pinned")
+        self.check_cache_fits(cache_bytes)
         with self.on_stream():
             self.cache = ClusterCache(self.host_vectors, self.datastore.offsets, 0, self.device)
             if self.device.type == "cuda":

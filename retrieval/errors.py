@@ -64,3 +64,10 @@ class DeviceUnavailable(RetrievalError):
     """The configured device cannot be used: torch does not know it, or it is CUDA and there is none."""
 
     code = "device_unavailable"
+
+
+class DeviceMemoryError(RetrievalError):
+    """The device cannot hold what was asked of it: a cluster cache larger than the memory that
+    is free on it beside what else it holds (an LLM)."""
+
+    code = "device_memory"

@@ -11,13 +11,18 @@ import pytest
 import torch
 
 from telerag.benchmarks.random_llm import random_weight_engine
-from telerag.benchmarks.scaled import scaled_datastore
+from telerag.benchmarks.e2e import MODES, E2EConfig, Mode
+from telerag.benchmarks.scaled import DatastoreScale, scaled_datastore
 from telerag.pipelines.embedder import Embedder
 from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import Article, split_passages
 from telerag.retrieval.datastore import Datastore
+from telerag.retrieval.engine import RetrievalEngine
+from telerag.retrieval.errors import DatastoreError
+from telerag.retrieval.ivf import same_results
 from telerag.pipelines.types import SamplingParams
 from telerag.server.cli import main
+from telerag.server.commands.bench_e2e import MODE_NAMES
 from tests.tiny_models import tiny_embedder_dir
 
 ROW_KEYS = {
@@ -39,12 +44,12 @@ def base_datastore(tmp_path_factory):
     return out
 
 
-def test_scaled_datastore_keeps_the_base_and_maps_replicas_to_their_passages(base_datastore, tmp_path):
+def test_scaled_datastore_keeps_the_base_and_maps_replicas_to_their_passages(base_datastore):
     base = Datastore.load(base_datastore)
-    path = scaled_datastore(base, tmp_path, n_vectors=3 * base.n_vectors + 5, nlist=16, noise=0.5, progress=False)
-    scaled = Datastore.load(path)
-    assert (scaled.n_vectors, scaled.nlist, scaled.dim) == (3 * base.n_vectors + 5, 16, base.dim)
-    assert scaled.manifest.embedder == base.manifest.embedder
+    n = 3 * base.n_vectors + 5
+    scaled = scaled_datastore(base, DatastoreScale(vectors=n, nlist=16, noise=0.5), progress=False)
+    assert (scaled.n_vectors, scaled.nlist, scaled.dim) == (n, 16, base.dim)
+    assert scaled.manifest.embedder == base.manifest.embedder and scaled.path is None
     base_passages = base.passages(range(base.n_vectors))
     base_vectors = np.asarray(base.vectors)
     by_text = {(p.doc_id, p.text): i for i, p in enumerate(base_passages)}
@@ -58,17 +63,63 @@ def test_scaled_datastore_keeps_the_base_and_maps_replicas_to_their_passages(bas
     assert exact >= base.n_vectors  # the base itself is in it, unchanged
     counts = np.bincount([by_text[p.doc_id, p.text] for p in scaled.passages(range(scaled.n_vectors))])
     assert counts.min() >= 3 and counts.max() <= 4  # replicas spread evenly over the passages
-    # built once: the same parameters give the same directory, reused
-    assert scaled_datastore(base, tmp_path, n_vectors=3 * base.n_vectors + 5, nlist=16, noise=0.5, progress=False) == path
-    base.close()
-    scaled.close()
+    # cluster-contiguous: every row lies in its nearest centroid's list, and the lists cover every row
+    nearest = np.argmax(vectors @ scaled.centroids.T, axis=1)
+    assert np.array_equal(nearest, np.repeat(np.arange(scaled.nlist), np.diff(scaled.offsets)))
+    np.testing.assert_allclose(np.linalg.norm(scaled.centroids, axis=1), 1.0, rtol=1e-5)
+    # made from the seed: the same every time, another seed another set
+    again = scaled_datastore(Datastore.load(base_datastore), DatastoreScale(vectors=n, nlist=16, noise=0.5), progress=False)
+    assert np.array_equal(np.asarray(again.vectors), vectors) and np.array_equal(again.offsets, scaled.offsets)
+    other = scaled_datastore(Datastore.load(base_datastore), DatastoreScale(vectors=n, nlist=16, seed=1), progress=False)
+    assert not np.array_equal(np.asarray(other.vectors), vectors)
+    for datastore in (scaled, again, other):
+        datastore.close()  # and their bases with them
+    with pytest.raises(DatastoreError, match="closed"):
+        scaled.passages([0])
+
+
+def test_scaled_datastore_is_searched_exactly_as_faiss_searches_it(base_datastore):
+    """The engine over a datastore held in memory: the cooperative search with part of the lists
+    in the cache equals faiss's own search of the same index."""
+    scaled = scaled_datastore(Datastore.load(base_datastore), DatastoreScale(vectors=3000, nlist=32), progress=False)
+    engine = RetrievalEngine(scaled, cache_bytes=scaled.n_vectors * scaled.dim * 4 // 3, nprobe=8)
+    try:
+        queries = np.asarray(scaled.vectors[::250]) + 0.01
+        queries /= np.linalg.norm(queries, axis=1, keepdims=True)
+        engine.prefetch(queries, engine.cache.capacity_bytes).release()
+        ours = engine.search(queries, 5)
+        assert sum(s.clusters_device for s in ours.per_query) > 0  # part of it on the "device"
+        scores, ids = engine.index.search(queries, 5, 8)
+        assert all(same_results(ours.ids[i], ours.scores[i], ids[i], scores[i]) for i in range(len(queries)))
+    finally:
+        engine.close()
+        scaled.close()
+
+
+def test_scaling_refuses_what_it_cannot_make(base_datastore):
+    base = Datastore.load(base_datastore)
+    try:
+        with pytest.raises(DatastoreError, match="down to"):
+            scaled_datastore(base, DatastoreScale(vectors=base.n_vectors - 1), progress=False)
+        with pytest.raises(DatastoreError, match="nlist"):
+            scaled_datastore(base, DatastoreScale(vectors=base.n_vectors, nlist=base.n_vectors + 1), progress=False)
+    finally:
+        base.close()
+
+
+def test_the_cpu_mode_cannot_be_left_out():
+    with pytest.raises(ValueError, match="cpu"):
+        E2EConfig(pipelines=("hyde",), questions=("q",), modes=(Mode.LOOKAHEAD,))
+    config = E2EConfig(pipelines=("hyde",), questions=("q",), modes=(Mode.RESIDENT, Mode.CPU))
+    assert config.modes == (Mode.CPU, Mode.RESIDENT)  # cpu first: the others are compared with it
+    assert MODE_NAMES == tuple(m.value for m in MODES)  # the flag's choices, spelled without importing torch
 
 
 def test_bench_e2e_rows_and_same_documents_in_every_mode(base_datastore, tmp_path, capsys):
     plots = tmp_path / "plots"
     code = main([
         "bench", "e2e", "--tiny", "--embedder", str(tiny_embedder_dir(32, 0)), "--datastore", str(base_datastore),
-        "--device", "cpu", "--scale-vectors", "2000", "--nlist", "32", "--nprobe", "8", "--scale-dir", str(tmp_path),
+        "--device", "cpu", "--scale-vectors", "2000", "--nlist", "32", "--nprobe", "8",
         "--cache-mb", "0.05",  # a cache a fraction of the datastore, so lookahead prefetches and searches cooperatively
         "--pipelines", "hyde,subquestion", "--batch", "1", "3", "--requests", "3", "--warmup", "1",
         "--max-tokens", "4", "--plot-dir", str(plots), "--json",
@@ -96,6 +147,21 @@ def test_bench_e2e_rows_and_same_documents_in_every_mode(base_datastore, tmp_pat
     assert report["datastore"]["passages"] == 2000 and report["datastore"]["nlist"] == 32
     for name in ("latency_breakdown.png", "throughput.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_e2e_runs_the_modes_asked_for_and_always_cpu(base_datastore, tmp_path, capsys):
+    plots = tmp_path / "plots"
+    code = main([
+        "bench", "e2e", "--tiny", "--embedder", str(tiny_embedder_dir(32, 0)), "--datastore", str(base_datastore),
+        "--device", "cpu", "--scale-vectors", "1000", "--nlist", "16", "--nprobe", "4", "--cache-mb", "0.05",
+        "--pipelines", "hyde", "--batch", "2", "--requests", "2", "--warmup", "0", "--max-tokens", "2",
+        "--modes", "lookahead", "--plot-dir", str(plots), "--json",
+    ])
+    assert code == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert [r["mode"] for r in rows] == ["cpu", "lookahead"]
+    assert all(r["same_documents"] == 1.0 for r in rows)
+    assert (plots / "throughput.png").is_file()
 
 
 def test_random_weight_engine_builds_the_configured_architecture_without_weights(tmp_path):

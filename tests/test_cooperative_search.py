@@ -6,10 +6,12 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.engine import RetrievalEngine
-from telerag.retrieval.errors import SearchError
+from telerag.retrieval.datastore import Datastore
+from telerag.retrieval.errors import DeviceMemoryError, SearchError
 from telerag.retrieval.ivf import same_results
 from tests.retrieval_helpers import DEVICES, CopyEveryMiss, assert_same_as_faiss, random_datastore, random_queries
 
@@ -163,3 +165,31 @@ def test_groups_prefetched_together_share_the_cache(tmp_path, device):
         assert_same_as_faiss(engine, group, 5, 10, prefetch=handle)
         handle.release()
     assert engine.cache.stats().pinned_clusters == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a device memory that runs out: CUDA (scripts/gpu_check)")
+def test_a_cache_larger_than_the_device_is_refused_and_the_old_one_kept(tmp_path):
+    ds = random_datastore(tmp_path / "ds", n=2000, nlist=16)
+    engine = RetrievalEngine(ds, device="cuda", cache_bytes=int(ds.vectors.nbytes) // 2)
+    capacity = engine.cache.capacity_bytes
+    _, total = torch.cuda.mem_get_info()
+    with pytest.raises(DeviceMemoryError, match="does not fit"):
+        engine.resize_cache(2 * total)
+    assert engine.cache.capacity_bytes == capacity
+    q = random_queries(4, ds.dim)
+    assert_same_as_faiss(engine, q, k=5, nprobe=8, prefetch=engine.prefetch(q, capacity))
+    engine.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory: CUDA (scripts/gpu_check)")
+def test_vectors_pinned_already_are_copied_from_in_place(tmp_path):
+    """A datastore made in memory (benchmarks.scaled) is pinned as it is made: the engine copies
+    clusters from that memory, never from a second pinned copy of tens of GB."""
+    loaded = random_datastore(tmp_path / "ds", n=2000, nlist=16)
+    pinned = torch.from_numpy(np.array(loaded.vectors)).pin_memory()
+    ds = Datastore(loaded.manifest, centroids=loaded.centroids, offsets=loaded.offsets, vectors=pinned.numpy(), where="memory")
+    engine = RetrievalEngine(ds, device="cuda", cache_bytes=int(pinned.nbytes) // 2)
+    assert engine.host_vectors.data_ptr() == pinned.data_ptr()
+    q = random_queries(4, ds.dim)
+    assert_same_as_faiss(engine, q, k=5, nprobe=8, prefetch=engine.prefetch(q, engine.cache.capacity_bytes))
+    engine.close()

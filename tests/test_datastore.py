@@ -11,10 +11,11 @@ import pytest
 
 from telerag.retrieval.builder import assign_lists, build_datastore, default_nlist, write_clustered
 from telerag.retrieval import codecs as codecs_module
-from telerag.retrieval import datastore as datastore_module
+from telerag.retrieval import datastore_writer
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Article, PassageShape, read_jsonl, read_wikipedia, split_passages
-from telerag.retrieval.datastore import CODEC_PARAMS, MANIFEST, VECTORS, Datastore, Manifest, write_datastore
+from telerag.retrieval.datastore import CODEC_PARAMS, MANIFEST, VECTORS, Datastore, Manifest
+from telerag.retrieval.datastore_writer import write_datastore
 from telerag.retrieval.errors import CorpusError, DatastoreCorruptError, DatastoreError, DatastoreMismatchError, LayoutError, PassageNotFound
 from telerag.server import cli
 from tests.retrieval_helpers import hashing_encoder, random_datastore, stored_vectors
@@ -204,7 +205,7 @@ def test_writing_never_holds_a_second_copy_of_the_vectors(tmp_path, monkeypatch,
     """Sorting by cluster and encoding happen block by block as the file is written: a build's
     peak memory is its embeddings plus a block, not twice the datastore."""
     # the constant-sized parts (a write block, the sq8 training sample) small beside the set
-    monkeypatch.setattr(datastore_module, "WRITE_BLOCK_BYTES", 1 << 20)
+    monkeypatch.setattr(datastore_writer, "WRITE_BLOCK_BYTES", 1 << 20)
     monkeypatch.setattr(codecs_module, "SQ8_TRAIN_SAMPLE", 1 << 14)
     rng = np.random.default_rng(0)
     vectors = rng.standard_normal((400_000, 16)).astype(np.float32)  # 25.6 MB: many write blocks
@@ -334,16 +335,16 @@ def test_serving_never_builds_over_a_users_directory(tmp_path):
 _KILLED_BUILD = """
 import sys, time
 from pathlib import Path
-from telerag.retrieval import datastore
+from telerag.retrieval import datastore_writer
 from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import read_jsonl, split_passages
 from tests.retrieval_helpers import hashing_encoder
 
-slow_fsync = datastore._fsync
+slow_fsync = datastore_writer._fsync
 def fsync(path):  # slow the write down so the parent can kill it part-way
     time.sleep(0.2)
     slow_fsync(path)
-datastore._fsync = fsync
+datastore_writer._fsync = fsync
 out, corpus = Path(sys.argv[1]), Path(sys.argv[2])
 build_datastore(list(split_passages(read_jsonl(corpus))), hashing_encoder(), embedder="new", out_dir=out,
                 nlist=2, overwrite=True, progress=False)
@@ -381,3 +382,20 @@ def test_the_build_command_refuses_bad_input_in_one_line(tmp_path: Path, capsys)
     assert cli.main(["datastore", "build", "--corpus", str(bad), "--out", str(tmp_path / "ds"), "--passage-words", "0"]) == 1
     assert capsys.readouterr().err.strip() == "telerag datastore: passage words must be at least 1, not 0"
     assert not (tmp_path / "ds").exists()
+
+
+def test_a_datastore_held_in_memory_is_checked_like_a_loaded_one(tmp_path):
+    loaded = random_datastore(tmp_path / "ds", n=500, nlist=8)
+    arrays = dict(centroids=np.asarray(loaded.centroids), offsets=np.asarray(loaded.offsets), vectors=np.array(loaded.vectors))
+    held = Datastore(loaded.manifest, **arrays, where="in memory")
+    assert held.path is None and held.n_vectors == loaded.n_vectors and not held.has_passages
+    with pytest.raises(DatastoreError, match="in memory holds vectors only"):
+        held.passages([0])
+    for name, bad in (("vectors", arrays["vectors"][:-1]), ("centroids", arrays["centroids"].astype(np.float64)),
+                      ("offsets", arrays["offsets"][:-1])):
+        with pytest.raises(DatastoreCorruptError, match=name):
+            Datastore(loaded.manifest, **{**arrays, name: bad}, where="in memory")
+    shifted = arrays["offsets"].copy()
+    shifted[1] = shifted[2] + 1  # lists that overlap
+    with pytest.raises(DatastoreCorruptError, match="offsets do not describe"):
+        Datastore(loaded.manifest, **{**arrays, "offsets": shifted}, where="in memory")

@@ -56,13 +56,16 @@ def test_gpu_check_runs_its_tests_and_the_retrieval_benchmark(tmp_path):
 
 
 def test_gpu_e2e_prepares_its_data_builds_its_models_runs_bench_e2e_and_the_installed_server(tmp_path):
+    """`paper` for bench e2e, the default (MiniLM's shape) for the served wheel."""
     data = {"TELERAG_E2E_DATA": str(tmp_path / "data"), "TELERAG_PYTHON": sys.executable}
     run_script("gpu_e2e", tmp_path, "prepare-data", image=False, **data)  # where the packages are
     assert (tmp_path / "data" / "tokenizer" / "vocab.txt").is_file()
     out = tmp_path / "out"
-    lines = run_script("gpu_e2e", tmp_path, **data, TELERAG_E2E_DIR=str(tmp_path / "work"), OUT=str(out))
+    # the paper's shape (a 768-d BERT-base embedder, the datastore scaled in memory), shrunk
+    lines = run_script("gpu_e2e", tmp_path, "paper", **data, TELERAG_E2E_DIR=str(tmp_path / "work"), OUT=str(out))
     report = json.loads(lines[-1])
     assert report["llm"] == "llama-3-8b (random weights)" and report["datastore"]["passages"] == 40000
+    assert report["datastore"]["dim"] == 768 and report["datastore"]["nlist"] == 128
     assert {(r["batch"], r["mode"]) for r in report["rows"]} == {(b, m) for b in (1, 2) for m in ("cpu", "lookahead", "resident")}
     assert all(r["same_documents"] == 1.0 for r in report["rows"])
     assert (out / "e2e.txt").read_text().splitlines()[-1] == lines[-1]

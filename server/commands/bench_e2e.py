@@ -17,12 +17,17 @@ from telerag.server.commands.runtime_flags import add_runtime_flags, overrides
 from telerag.server.settings import ENGINE_KIND_ALIASES, load_settings, packaged_config
 
 
+MODE_NAMES = ("cpu", "lookahead", "resident")  # benchmarks.e2e.Mode's, without importing torch to parse flags
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "e2e", help="whole requests through pipelines, scheduler and retriever: cpu vs lookahead vs all-resident"
     )
     parser.add_argument("--pipelines", default="all", help="comma-separated names, or all (default)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8], help="concurrent requests (default 1 4 8)")
+    parser.add_argument("--modes", nargs="+", choices=MODE_NAMES, default=list(MODE_NAMES),
+                        help="default all three; cpu is always run (the others are compared with it)")
     parser.add_argument("--requests", type=int, default=16, help="measured requests per pipeline, batch and mode")
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each measured run")
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -35,11 +40,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--engine", choices=["transformers", "sglang", *ENGINE_KIND_ALIASES])
     parser.add_argument("--cache-mb", type=float, help="the lookahead mode's cluster cache (default: the config's)")
     parser.add_argument("--prefetch-budget-mb", type=float, help="one fixed budget (default: B x each pipeline's t_LLM)")
-    scale = parser.add_argument_group("datastore scale (noisy replicas of the datastore's vectors, mapped to their passages)")
+    scale = parser.add_argument_group(
+        "datastore scale (noisy replicas of the datastore's vectors, mapped to their passages, made in memory on the "
+        "retrieval device: vectors x dim x 4 bytes of RAM, pinned on CUDA)")
     scale.add_argument("--scale-vectors", type=int, help="scale the datastore up to this many vectors")
     scale.add_argument("--nlist", type=int, help="IVF lists of the scaled datastore (default 4*sqrt(n))")
     scale.add_argument("--replica-noise", type=float, default=0.5, help="replica = normalise(v + noise*g/sqrt(dim))")
-    scale.add_argument("--scale-dir", type=Path, default=None, help="where scaled datastores are kept (default: the cache dir)")
     scale.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot-dir", type=Path, help="write latency_breakdown.png and throughput.png here")
     parser.add_argument("--json", action="store_true", help="print one JSON line last: {\"rows\": [...], ...}")
@@ -48,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from telerag.benchmarks.e2e import E2EConfig, LLMChoice, format_table, run_configured_e2e
+    from telerag.benchmarks.e2e import E2EConfig, LLMChoice, Mode, format_table, run_configured_e2e
     from telerag.benchmarks.scaled import DatastoreScale
 
     if args.tiny and args.model:
@@ -63,8 +69,8 @@ def run(args: argparse.Namespace) -> int:
     settings = load_settings(args.config, overrides(args))
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     llm = LLMChoice.TINY if args.tiny else LLMChoice.RANDOM_WEIGHTS if args.random_weights else LLMChoice.CONFIGURED
-    scale = DatastoreScale(vectors=args.scale_vectors, nlist=args.nlist, noise=args.replica_noise, seed=args.seed,
-                           directory=args.scale_dir) if args.scale_vectors else None
+    scale = DatastoreScale(vectors=args.scale_vectors, nlist=args.nlist, noise=args.replica_noise,
+                           seed=args.seed) if args.scale_vectors else None
     config = E2EConfig(
         pipelines=names,
         questions=tuple(q.text for q in read_questions(args.questions)),
@@ -75,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         batch_window_ms=settings.scheduler.batch_window_ms,
         max_batch=settings.scheduler.max_batch,
+        modes=tuple(Mode(m) for m in {"cpu", *args.modes}),
     )
     report = run_configured_e2e(settings, config, llm=llm, scale=scale, log=logging.getLogger("telerag.bench.e2e").info)
     print(format_table(report))

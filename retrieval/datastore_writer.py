@@ -1,0 +1,196 @@
+"""Writing a datastore (the format is `retrieval.datastore`'s): atomically, into a temporary
+sibling directory renamed into place, so a half-built directory is never mistaken for a
+datastore; and only into a new or empty directory or over one of its own kind, so nothing this
+project did not create is ever deleted.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from telerag.retrieval.codecs import Codec
+from telerag.retrieval.corpus import Passage
+from telerag.retrieval.datastore import CODEC_PARAMS, CENTROIDS, FILES, MANIFEST, OFFSETS, PASSAGE_INDEX, PASSAGES, VECTORS, Manifest
+from telerag.retrieval.errors import DatastoreError
+from telerag.retrieval.files import file_sha256
+from telerag.retrieval.progress import ProgressBar
+
+log = logging.getLogger(__name__)
+
+WRITE_BLOCK_BYTES = 64 << 20  # vectors are made and written this much at a time
+
+
+class VectorRows(Protocol):
+    """What `write_datastore` reads the vectors from, a block of rows at a time: an array, or
+    something that makes each block on demand so the whole set is never in RAM twice."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> np.dtype: ...
+
+    def __getitem__(self, rows: slice) -> np.ndarray: ...
+
+
+def _write_rows(path: Path, vectors: VectorRows, progress: bool) -> None:
+    """`vectors` into a .npy file, block by block: plain writes, so neither the whole array
+    nor a mapping of the file is ever held in memory."""
+    n, dim = vectors.shape
+    dtype = np.dtype(vectors.dtype)
+    step = max(1, WRITE_BLOCK_BYTES // max(1, dim * dtype.itemsize))
+    with path.open("wb") as handle:
+        header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (n, dim)}
+        np.lib.format.write_array_header_1_0(handle, header)
+        for start in ProgressBar(range(0, n, step), desc="write vectors", unit="block", disable=not progress):
+            block = np.ascontiguousarray(vectors[start : start + step], dtype=dtype)
+            if block.shape != (min(step, n - start), dim):
+                raise DatastoreError(f"rows {start}:{start + step} of the vectors have shape {block.shape}")
+            handle.write(block.data)
+            del block  # before the next one is made
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def is_datastore_dir(path: Path) -> bool:
+    """Whether `path` is a directory this project wrote: a manifest and nothing but datastore files."""
+    if not (path / MANIFEST).is_file():
+        return False
+    return all(entry.name in FILES for entry in path.iterdir())
+
+
+def check_target(out_dir: Path, *, overwrite: bool) -> None:
+    """Refuse, before any work, to write a datastore where it would delete something this
+    project did not create: only a new or empty directory, or (with `overwrite`) a datastore."""
+    out_dir = Path(out_dir)
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise DatastoreError(f"{out_dir} is a file, not a directory; refusing to replace it (nothing was changed)")
+    if not any(out_dir.iterdir()):
+        return
+    if not is_datastore_dir(out_dir):
+        strangers = sorted(entry.name for entry in out_dir.iterdir() if entry.name not in FILES)
+        what = f"{MANIFEST} is missing" if not (out_dir / MANIFEST).is_file() else f"it also holds {', '.join(strangers[:3])}"
+        raise DatastoreError(
+            f"{out_dir} exists and is not a datastore ({what}); refusing to write into it (nothing was changed): "
+            "choose a new or empty directory"
+        )
+    if not overwrite:
+        raise DatastoreError(f"{out_dir} already holds a datastore (pass overwrite, or --overwrite, to replace it)")
+
+
+def _remove_abandoned_siblings(out_dir: Path) -> None:
+    """Delete the temporary directories that builds of `out_dir` killed part-way left beside it
+    (named by this module, with the pid of a process that no longer runs)."""
+    for sibling in out_dir.parent.glob(f".{glob.escape(out_dir.name)}.*-*-*"):
+        kind, _, rest = sibling.name[len(out_dir.name) + 2 :].partition("-")
+        pid = rest.partition("-")[0]
+        if kind in ("tmp", "old") and pid.isdigit() and not _process_alive(int(pid)) and sibling.is_dir():
+            log.info("removing %s, left by a build that did not finish", sibling)
+            shutil.rmtree(sibling, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def write_datastore(
+    out_dir: Path,
+    *,
+    manifest: Manifest,
+    centroids: np.ndarray,
+    offsets: np.ndarray,
+    vectors: VectorRows,
+    passages: Iterable[Passage] | None,
+    codec_params: np.ndarray | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> Path:
+    """Write a datastore atomically: into a temporary sibling directory, then one rename.
+
+    `vectors` must already be cluster-contiguous and encoded with `manifest.codec` (and its
+    `codec_params`, for a codec that has them); they are read and written a block at a time.
+    `progress` shows a bar for writing them and for the checksums, which read every byte.
+    """
+    out_dir = Path(out_dir)
+    codec = Codec(manifest.codec)
+    if np.dtype(vectors.dtype) != codec.numpy_dtype or tuple(vectors.shape) != (manifest.n_vectors, manifest.dim):
+        raise DatastoreError(f"vectors must be {codec.numpy_dtype} of shape ({manifest.n_vectors}, {manifest.dim})")
+    if codec.has_params != (codec_params is not None) or (
+        codec_params is not None and np.shape(codec_params) != (2, manifest.dim)
+    ):
+        raise DatastoreError(f"codec {codec.value} needs {'its (2, dim) parameters' if codec.has_params else 'no parameters'}")
+    if centroids.shape != (manifest.nlist, manifest.dim) or offsets.shape != (manifest.nlist + 1,):
+        raise DatastoreError("centroids / offsets do not match the manifest's nlist and dim")
+    if offsets[0] != 0 or offsets[-1] != manifest.n_vectors or np.any(np.diff(offsets) < 0):
+        raise DatastoreError("offsets must rise from 0 to n_vectors")
+    check_target(out_dir, overwrite=overwrite)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_siblings(out_dir)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+    tmp.mkdir()
+    try:
+        np.save(tmp / CENTROIDS, np.ascontiguousarray(centroids, dtype=np.float32))
+        np.save(tmp / OFFSETS, np.ascontiguousarray(offsets, dtype=np.int64))
+        _write_rows(tmp / VECTORS, vectors, progress)
+        if codec_params is not None:
+            np.save(tmp / CODEC_PARAMS, np.ascontiguousarray(codec_params, dtype=np.float32))
+        if passages is not None:
+            line_offsets = [0]
+            with (tmp / PASSAGES).open("wb") as handle:
+                for passage in passages:
+                    line = json.dumps(
+                        {"doc_id": passage.doc_id, "title": passage.title, "text": passage.text}, ensure_ascii=False
+                    ).encode("utf-8") + b"\n"
+                    handle.write(line)
+                    line_offsets.append(line_offsets[-1] + len(line))
+            if len(line_offsets) - 1 != manifest.n_vectors:
+                raise DatastoreError(f"{len(line_offsets) - 1} passages for {manifest.n_vectors} vectors")
+            np.save(tmp / PASSAGE_INDEX, np.asarray(line_offsets, dtype=np.int64))
+        manifest.files = {}
+        files = sorted(tmp.iterdir())
+        total = sum(file.stat().st_size for file in files)
+        with ProgressBar(total=total, desc="checksum", unit="B", unit_scale=True, disable=not progress) as bar:
+            for file in files:
+                _fsync(file)
+                manifest.files[file.name] = {"bytes": file.stat().st_size, "sha256": file_sha256(file, bar)}
+        (tmp / MANIFEST).write_text(json.dumps(asdict(manifest), indent=2), encoding="utf-8")
+        _fsync(tmp / MANIFEST)
+        check_target(out_dir, overwrite=overwrite)  # again: the directory may have changed during the build
+        if out_dir.is_dir() and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        if out_dir.exists():  # a datastore, and overwrite was asked for
+            old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}-{time.monotonic_ns()}"
+            out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
