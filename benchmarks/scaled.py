@@ -5,8 +5,7 @@ Real pipeline text (queries written by a real LLM, embedded by the real embedder
 clusters of realistic count and size (TeleRAG's 21M × 768 fp32 in 4096 lists, nprobe 256),
 while every document retrieved is still a real passage. The scaled set is made on the retrieval
 device and held in memory, pinned on CUDA so that the engine copies clusters straight from it:
-the paper's 61 GB fits a GPU box's 128 GiB of memory but not its 64 GiB disk, and on a GPU it is
-made faster than it could be read back from disk.
+the paper's 61 GB fits a GPU box's 128 GiB of memory but not its 64 GiB disk.
 
 The replicas are made a block of rows at a time, each block from a generator seeded by the seed
 and the block's number, so a block is the same every time it is made. Two passes: the first

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -149,8 +150,17 @@ def test_real_server_batches_concurrent_requests(server):
 
 def test_real_server_refuses_overload_with_429(server):
     sent = MAX_CONCURRENCY + MAX_QUEUE + 2
+    # all sent at once, so none can be answered (and free its place) before the last arrives: each
+    # client is made first (its SSL context takes a while on a loaded box), then a barrier lets them go
+    start = threading.Barrier(sent)
+
+    def send(i: int) -> httpx.Response:
+        with httpx.Client(headers=AUTH, timeout=180) as client:
+            start.wait()
+            return client.post(f"{server}/v1/rag/query", json={"query": f"Tell me about the Amazon River ({i})", "max_tokens": 48})
+
     with ThreadPoolExecutor(sent) as pool:
-        responses = list(pool.map(lambda i: query(server, query=f"Tell me about the Amazon River ({i})", max_tokens=48), range(sent)))
+        responses = list(pool.map(send, range(sent)))
     refused = [r for r in responses if r.status_code == 429]
     assert len(refused) >= sent - MAX_CONCURRENCY - MAX_QUEUE
     assert all(r.headers["retry-after"] and r.json()["error"]["type"] == "overloaded" for r in refused)

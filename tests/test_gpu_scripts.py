@@ -81,6 +81,27 @@ def test_gpu_e2e_prepares_its_data_builds_its_models_runs_bench_e2e_and_the_inst
     assert "stopped: every accepted request finished" in (out / "serve.log").read_text()
 
 
+def test_gpu_session_lists_its_steps_runs_those_asked_for_and_says_which_failed(tmp_path):
+    """The one list of GPU steps a session lent a GPU runs: each step's command is a script here,
+    an unknown step is refused before anything runs, and a failing step is logged and named."""
+    script = ROOT / "scripts" / "gpu_session"
+    listing = subprocess.run([str(script)], capture_output=True, text=True, check=True).stdout.splitlines()[1:]
+    steps = [line.split()[0] for line in listing]
+    assert steps == ["retrieval", "retrieval8", "repeats", "serve", "e2e", "paper"]
+    for line in listing:
+        name, machine, minutes, command = line.split()[:4]
+        assert machine in ("h100", "h200") and 0 < int(minutes) <= 10  # a device call runs 10 minutes at most
+        assert os.access(ROOT / command, os.X_OK), command
+    unknown = subprocess.run([str(script), "serve", "nope"], capture_output=True, text=True)
+    assert unknown.returncode == 2 and "no step 'nope'" in unknown.stderr
+    out = tmp_path / "out"
+    # no prepared data: gpu_e2e stops at once, saying what to run first
+    failed = subprocess.run([str(script), "serve"], capture_output=True, text=True, cwd=tmp_path,
+                            env={**os.environ, "OUT": str(out), "TELERAG_E2E_DATA": str(tmp_path / "none")})
+    assert failed.returncode == 1 and "failed: serve" in failed.stderr
+    assert "scripts/gpu_e2e prepare" in (out / "serve.log").read_text()
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
