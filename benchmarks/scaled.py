@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from telerag.pipelines.retriever import DirectRetriever
-from telerag.retrieval.builder import default_nlist, lay_out_clusters
+from telerag.retrieval.builder import check_nlist, default_nlist, lay_out_clusters
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Passage
 from telerag.retrieval.datastore import Datastore
@@ -134,8 +134,7 @@ def scaled_datastore(
         raise DatastoreError(f"{base.where}: scaling needs a datastore with passages")
     if n < base.n_vectors:
         raise DatastoreError(f"cannot scale {base.n_vectors} vectors down to {n}")
-    if not 1 <= nlist <= n:
-        raise DatastoreError(f"nlist must be between 1 and the number of vectors ({n}), got {nlist}")
+    check_nlist(nlist, n)
     started = time.perf_counter()
     log.info("scaling %s from %d to %d vectors in %d lists on %s (noise %g): %.1f GiB in memory",
              base.where, base.n_vectors, n, nlist, device, scale.noise, n * base.dim * 4 / 2**30)

@@ -31,11 +31,16 @@ def default_nlist(n_vectors: int) -> int:
     return max(1, min(int(round(4 * math.sqrt(n_vectors))), n_vectors // MIN_POINTS_PER_LIST))
 
 
+def check_nlist(nlist: int, n_vectors: int) -> None:
+    """Refuse an IVF of more lists than vectors (or none)."""
+    if not 1 <= nlist <= n_vectors:
+        raise DatastoreError(f"nlist must be between 1 and the number of vectors ({n_vectors}), got {nlist}")
+
+
 def train_centroids(vectors: np.ndarray, nlist: int, *, seed: int = 1234, max_train_points: int = 256) -> np.ndarray:
     """Spherical k-means centroids for an inner-product IVF (faiss's own IVF training)."""
     n, dim = vectors.shape
-    if nlist < 1 or nlist > n:
-        raise DatastoreError(f"nlist must be between 1 and the number of vectors ({n}), got {nlist}")
+    check_nlist(nlist, n)
     quantizer = faiss.IndexFlatIP(dim)
     index = faiss.IndexIVFFlat(quantizer, dim, nlist, faiss.METRIC_INNER_PRODUCT)
     index.cp.seed = seed

@@ -150,7 +150,7 @@ class Datastore:
         """`path`: the directory it was loaded from (None: in memory); `where`: what messages
         call it (default: the path)."""
         self.path = path
-        self.where = where or str(path)
+        self.where = where or (str(path) if path is not None else "a datastore in memory")
         self.manifest = manifest
         self.codec = Codec(manifest.codec)
         expected = {
@@ -200,16 +200,19 @@ class Datastore:
                 for name, meta in manifest.files.items():
                     if file_sha256(path / name, bar) != meta["sha256"]:
                         raise DatastoreCorruptError(f"{path / name} fails its sha256 checksum")
-        codec = Codec(manifest.codec)
         passages = None
         if PASSAGES in manifest.files:
-            passages = MappedPassages(path / PASSAGES, _load_array(path, manifest, PASSAGE_INDEX, (manifest.n_vectors + 1,), np.int64))
+            line_offsets = _load_array(path, manifest, PASSAGE_INDEX)
+            if line_offsets.shape != (manifest.n_vectors + 1,) or line_offsets.dtype != np.int64:
+                raise DatastoreCorruptError(f"{path / PASSAGE_INDEX}: {line_offsets.dtype}{line_offsets.shape}, "
+                                            f"expected int64({manifest.n_vectors + 1},)")
+            passages = MappedPassages(path / PASSAGES, line_offsets)
         return cls(
             manifest,
-            centroids=_load_array(path, manifest, CENTROIDS, (manifest.nlist, manifest.dim), np.float32),
-            offsets=_load_array(path, manifest, OFFSETS, (manifest.nlist + 1,), np.int64),
-            vectors=_load_array(path, manifest, VECTORS, (manifest.n_vectors, manifest.dim), codec.numpy_dtype),
-            codec_params=_load_array(path, manifest, CODEC_PARAMS, (2, manifest.dim), np.float32) if codec.has_params else None,
+            centroids=_load_array(path, manifest, CENTROIDS),
+            offsets=_load_array(path, manifest, OFFSETS),
+            vectors=_load_array(path, manifest, VECTORS),
+            codec_params=_load_array(path, manifest, CODEC_PARAMS) if Codec(manifest.codec).has_params else None,
             passages=passages,
             path=path,
         )
@@ -244,15 +247,12 @@ class Datastore:
             self._passages.close()
 
 
-def _load_array(path: Path, manifest: Manifest, name: str, shape: tuple[int, ...], dtype: type | np.dtype) -> np.ndarray:
-    """One of the datastore's arrays, memory-mapped, checked against the manifest."""
+def _load_array(path: Path, manifest: Manifest, name: str) -> np.ndarray:
+    """One of the datastore's arrays, memory-mapped (its shape is checked by `Datastore`)."""
     file = path / name
     if name not in manifest.files:
         raise DatastoreCorruptError(f"{file} is not listed in the manifest")
     try:
-        array = np.load(file, mmap_mode="r", allow_pickle=False)
+        return np.load(file, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError) as exc:
         raise DatastoreCorruptError(f"{file}: unreadable ({exc})") from None
-    if array.shape != shape or array.dtype != np.dtype(dtype):
-        raise DatastoreCorruptError(f"{file}: {array.dtype}{array.shape}, expected {np.dtype(dtype)}{shape}")
-    return array
