@@ -35,13 +35,13 @@ import numpy as np
 import torch
 
 from telerag.benchmarks.scaled import DatastoreScale, open_scaled_retriever
-from telerag.pipelines.errors import ModelNotFound
+from telerag.pipelines.errors import EngineUnavailable, ModelNotFound
 from telerag.pipelines.questions import run_one
 from telerag.pipelines.rag.base import RagPipeline
 from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.retriever import DirectRetriever
 from telerag.pipelines.types import DatastoreInfo, Engine, RagResult, RunOptions
-from telerag.retrieval.device import resolve_device
+from telerag.utils.device import resolve_device
 from telerag.retrieval.errors import DeviceMemoryError
 from telerag.server.event_loop import run_event_loop
 from telerag.server.runtime import build_engine
@@ -309,7 +309,7 @@ def build_llm(settings: Settings, llm: LLMChoice) -> Engine:
     from telerag.benchmarks.random_llm import random_weight_engine, tiny_random_lm
     from telerag.pipelines.engines.transformers import TransformersEngine
 
-    device = str(resolve_device(settings.engine.device))
+    device = str(resolve_device(settings.engine.device, error=EngineUnavailable))
     if llm is LLMChoice.TINY:
         return TransformersEngine(*tiny_random_lm(0), name="tiny-random", device=device)
     if settings.engine.model_path is None:

@@ -16,9 +16,9 @@ from telerag.benchmarks.report import key_value_table
 from telerag.retrieval.builder import write_clustered
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.datastore import Datastore
-from telerag.retrieval.device import resolve_device
+from telerag.utils.device import resolve_device
 from telerag.retrieval.engine import RetrievalEngine, SearchResult
-from telerag.retrieval.errors import DatastoreError
+from telerag.retrieval.errors import DatastoreError, DeviceUnavailable
 from telerag.retrieval.ivf import same_results
 
 
@@ -58,7 +58,7 @@ def synthetic_datastore(config: BenchConfig, progress: bool = True) -> Path:
     path = Path(config.datastore_dir) / name
     if (path / "manifest.json").is_file():
         return path
-    device = resolve_device(config.device)
+    device = resolve_device(config.device, error=DeviceUnavailable)
     gen = torch.Generator(device=device).manual_seed(config.seed)
     rng = np.random.default_rng(config.seed)
     centres = _normalise(torch.randn(config.nlist, config.dim, generator=gen, device=device))
@@ -235,7 +235,7 @@ def run(config: BenchConfig, progress: bool = True) -> dict:
     datastore = Datastore.load(path, verify_checksums=False)
     if datastore.manifest.embedder != "synthetic":
         raise DatastoreError(f"{path} is not a synthetic benchmark datastore")
-    device = resolve_device(config.device)
+    device = resolve_device(config.device, error=DeviceUnavailable)
     mb = 1 << 20
     budget = int(config.budget_mb * mb)
     cache_bytes = int((config.cache_mb if config.cache_mb is not None else config.budget_mb) * mb)

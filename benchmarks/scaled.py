@@ -31,9 +31,9 @@ from telerag.retrieval.builder import check_nlist, default_nlist, lay_out_cluste
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Passage
 from telerag.retrieval.datastore import Datastore
-from telerag.retrieval.device import resolve_device
-from telerag.retrieval.errors import DatastoreError
-from telerag.retrieval.progress import ProgressBar
+from telerag.utils.device import resolve_device
+from telerag.retrieval.errors import DatastoreError, DeviceUnavailable
+from telerag.utils.progress import ProgressBar
 from telerag.server.runtime import load_datastore, load_embedder, open_configured_retriever
 from telerag.server.settings import RetrievalSettings
 
@@ -126,7 +126,7 @@ def scaled_datastore(
     """The base scaled to `scale.vectors` in memory, made on `device` (pinned host memory on
     CUDA), with an IVF of `scale.nlist` lists trained on the scaled vectors. It owns `base`
     from here on (its passages are the base's): closing it closes the base."""
-    device = resolve_device(device)
+    device = resolve_device(device, error=DeviceUnavailable)
     n, nlist = scale.vectors, scale.nlist or default_nlist(scale.vectors)
     if base.codec is not Codec.FP32:
         raise DatastoreError(f"{base.where}: scaling needs an fp32 base datastore, not {base.codec.value}")

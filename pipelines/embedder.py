@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from telerag.pipelines.errors import EmbedderError, ModelNotFound
-from telerag.retrieval.device import resolve_device
+from telerag.utils.device import resolve_device
 
 DEFAULT_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -40,7 +40,7 @@ class Embedder:
         path = Path(model_path).expanduser().absolute()
         if not (path / "modules.json").is_file() and not (path / "config.json").is_file():
             raise ModelNotFound(f"no sentence-transformers model at {path}")
-        device = str(resolve_device(device))
+        device = str(resolve_device(device, error=EmbedderError))
         try:
             from sentence_transformers import SentenceTransformer
 

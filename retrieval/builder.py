@@ -16,7 +16,7 @@ from telerag.retrieval.corpus import Passage, PassageShape
 from telerag.retrieval.datastore import Manifest
 from telerag.retrieval.datastore_writer import check_target, write_datastore
 from telerag.retrieval.errors import CorpusError, DatastoreError
-from telerag.retrieval.progress import ProgressBar
+from telerag.utils.progress import ProgressBar
 
 log = logging.getLogger(__name__)
 

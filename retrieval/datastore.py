@@ -32,8 +32,8 @@ import numpy as np
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Passage, PassageShape
 from telerag.retrieval.errors import DatastoreCorruptError, DatastoreError, DatastoreMismatchError, PassageNotFound
-from telerag.retrieval.files import file_sha256
-from telerag.retrieval.progress import ProgressBar
+from telerag.utils.files import file_sha256
+from telerag.utils.progress import ProgressBar
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Passage
 from telerag.retrieval.datastore import CODEC_PARAMS, CENTROIDS, FILES, MANIFEST, OFFSETS, PASSAGE_INDEX, PASSAGES, VECTORS, Manifest
 from telerag.retrieval.errors import DatastoreError
-from telerag.retrieval.files import file_sha256
-from telerag.retrieval.progress import ProgressBar
+from telerag.utils.files import file_sha256
+from telerag.utils.progress import ProgressBar
 
 log = logging.getLogger(__name__)
 

@@ -29,11 +29,11 @@ from telerag.retrieval.cache import ClusterCache
 from telerag.retrieval.cooperative import CooperativeSearch, QueryStats, SearchResources, faiss_part, merge_to_host
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.demand import DemandCopyPolicy
-from telerag.retrieval.device import resolve_device
-from telerag.retrieval.errors import DeviceMemoryError, SearchError
+from telerag.utils.device import resolve_device
+from telerag.retrieval.errors import DeviceMemoryError, DeviceUnavailable, SearchError
 from telerag.retrieval.ivf import CPUIndex
 from telerag.retrieval.prefetch import PrefetchHandle, PrefetchPlan, plan_prefetch
-from telerag.retrieval.progress import ProgressBar
+from telerag.utils.progress import ProgressBar
 from telerag.retrieval.stats import PrefetchStats
 
 
@@ -93,7 +93,7 @@ class RetrievalEngine:
         device while faiss's workers spin). `demand_copy`: copy part of each search's missed
         clusters to the device instead of leaving them all to faiss (None: on with CUDA)."""
         self.datastore = datastore
-        self.device = resolve_device(device)
+        self.device = resolve_device(device, error=DeviceUnavailable)
         self.nlist = datastore.nlist
         self.nprobe = nprobe or default_nprobe(self.nlist)
         self.stream: torch.cuda.Stream | None = None

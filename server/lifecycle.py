@@ -1,6 +1,6 @@
 """Where the server is in its life: loading (what, and how far), ready, or draining before it
 stops. `/ready` reports it and `/v1/*` answers 503 unless it is ready; `telerag serve` moves it
-along (`server/commands/serve.py`)."""
+along (`server/process.py`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import logging
 import signal
 import time
 
-from telerag.retrieval.progress import StepProgress
+from telerag.utils.progress import StepProgress
 
 log = logging.getLogger(__name__)
 

@@ -16,14 +16,15 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from telerag.pipelines.embedder import Embedder, configured_name
-from telerag.pipelines.errors import EngineUnavailable
+from telerag.pipelines.errors import EmbedderError, EngineUnavailable
 from telerag.pipelines.rag.base import RagPipeline
 from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.retriever import DirectRetriever, build_wikipedia_datastore, open_retriever
 from telerag.pipelines.types import BatchRetriever, DatastoreInfo, Engine, Retriever, RunOptions, run_result
 from telerag.retrieval.datastore import MANIFEST, Datastore
-from telerag.retrieval.device import resolve_device
-from telerag.retrieval.progress import StepProgress, observe_progress
+from telerag.retrieval.errors import DeviceUnavailable
+from telerag.utils.device import resolve_device
+from telerag.utils.progress import StepProgress, observe_progress
 from telerag.retrieval.stats import CacheStats
 from telerag.server.settings import RetrievalSettings, Settings, pre_retrieval_profile
 
@@ -86,14 +87,14 @@ def build_engine(settings: Settings) -> Engine:
         )
     from telerag.pipelines.engines.transformers import TransformersEngine
 
-    device = str(resolve_device(engine.device))
+    device = str(resolve_device(engine.device, error=EngineUnavailable))
     if engine.model_path is None:
         return TransformersEngine.embedded_default(device=device)
     return TransformersEngine.from_pretrained(engine.model_path, device=device)
 
 
 def load_embedder(retrieval: RetrievalSettings) -> Embedder:
-    device = str(resolve_device(retrieval.embedder_device))
+    device = str(resolve_device(retrieval.embedder_device, error=EmbedderError))
     embedder = Embedder(retrieval.embedder, device=device) if retrieval.embedder else Embedder.embedded_default(device=device)
     log.info("embedder %s (%d-d) on %s", embedder.name, embedder.dim, device)
     return embedder
@@ -129,7 +130,7 @@ def load_datastore(retrieval: RetrievalSettings, embedder: Embedder) -> Datastor
 def open_configured_retriever(datastore: Datastore, embedder: Embedder, retrieval: RetrievalSettings) -> DirectRetriever:
     """The retrieval engine over a loaded datastore, as the settings configure it (device,
     cluster cache, prefetch budget, nprobe, demand copies, faiss threads)."""
-    device = str(resolve_device(retrieval.device))
+    device = str(resolve_device(retrieval.device, error=DeviceUnavailable))
     return open_retriever(
         datastore, embedder, device=device,
         cache_bytes=cluster_cache_bytes(retrieval, device),

@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from telerag.retrieval.files import user_cache_dir
+from telerag.utils.files import user_cache_dir
 
 _config_file: ContextVar[Path | None] = ContextVar("telerag_config_file", default=None)  # --config, while loading
 

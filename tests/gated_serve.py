@@ -64,7 +64,7 @@ def main(argv: list[str]) -> int:
             retriever.DirectRetriever._search_batch = gated_search
         else:
             raise SystemExit(f"unknown option {option}")
-    from telerag.server.cli import main as telerag  # after the gates: the import gate must see its module
+    from telerag.cli.main import main as telerag  # after the gates: the import gate must see its module
 
     return telerag(argv)
 

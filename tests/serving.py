@@ -90,7 +90,7 @@ def start_server(
     *,
     env: dict[str, str] | None = None,
     cwd: Path = ROOT,
-    command: Sequence[str] = (sys.executable, "-m", "telerag.server.cli"),
+    command: Sequence[str] = (sys.executable, "-m", "telerag.cli"),
 ) -> ServerProcess:
     """`command serve ARGS --port PORT` on a free port, output to `log`; `env` adds to the environment."""
     port = free_port()

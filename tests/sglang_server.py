@@ -12,7 +12,7 @@ import types
 
 from telerag.pipelines.engines.sglang import SGLangEngine
 from telerag.server import runtime as runtime_module
-from telerag.server.commands.serve import serve
+from telerag.server.process import serve
 from telerag.server.lifecycle import Lifecycle
 from telerag.server.event_loop import run_event_loop
 from telerag.server.runtime import Runtime

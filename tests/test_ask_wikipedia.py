@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_ask_retrieves_the_article_a_question_is_about():
     done = subprocess.run(
-        [sys.executable, "-m", "telerag.server.cli", "ask", "Which instrument did Louis Armstrong play?",
+        [sys.executable, "-m", "telerag.cli", "ask", "Which instrument did Louis Armstrong play?",
          "--pipeline", "naive", "--max-tokens", "16", "--json"],
         cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=3600,
     )

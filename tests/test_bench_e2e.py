@@ -21,8 +21,8 @@ from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.errors import DatastoreError
 from telerag.retrieval.ivf import same_results
 from telerag.pipelines.types import SamplingParams
-from telerag.server.cli import main
-from telerag.server.commands.bench_e2e import MODE_NAMES
+from telerag.cli.main import main
+from telerag.cli.bench_e2e import MODE_NAMES
 from tests.tiny_models import tiny_embedder_dir
 
 ROW_KEYS = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from telerag.server.cli import main
+from telerag.cli.main import main
 
 
 def test_the_command_prints_every_method_and_one_json_line(capsys):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from telerag.benchmarks.kernels import KernelSweep, Variant, format_table
-from telerag.server.cli import main
+from telerag.cli.main import main
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="refused only where there is no CUDA")

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from telerag.benchmarks.retrieval import BenchConfig, run
-from telerag.server.cli import main
+from telerag.cli.main import main
 
 REQUIRED = {
     "device", "n_vectors", "dim", "nlist", "nprobe", "batch", "budget_bytes", "overlap_rate", "faiss_ms_p50",

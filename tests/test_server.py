@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from telerag.retrieval.progress import StepProgress
+from telerag.utils.progress import StepProgress
 from telerag.server.app import create_app
 from telerag.server.lifecycle import Lifecycle
 from tests.fake_app import DATASTORE_INFO, METRIC_SERIES, Harness, settings

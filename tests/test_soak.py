@@ -7,7 +7,7 @@ import json
 import os
 
 from telerag.benchmarks.soak import SoakConfig, soak
-from telerag.server.cli import main
+from telerag.cli.main import main
 from tests.fake_app import serving_on_fakes
 
 

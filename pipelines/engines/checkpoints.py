@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from telerag.pipelines.errors import EngineUnavailable, ModelNotFound
-from telerag.retrieval.files import file_sha256, user_cache_dir
+from telerag.utils.files import file_sha256, user_cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ from telerag.pipelines.engines.decoding import DecodingRow, PromptRow, StreamCal
 from telerag.pipelines.engines.skinny_linear import use_skinny_matmuls
 from telerag.pipelines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, ModelNotFound
 from telerag.pipelines.types import Generation, SamplingParams, TokenChunk
-from telerag.retrieval.device import resolve_device
-from telerag.retrieval.files import user_cache_dir
+from telerag.utils.device import resolve_device
+from telerag.utils.files import user_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class TransformersEngine:
             path = converted_gguf(path / gguf_file if gguf_file else path, cache_dir=cache_dir)
         if not path.is_dir():
             raise ModelNotFound(f"no model directory at {path}")
-        device = str(resolve_device(device))
+        device = str(resolve_device(device, error=EngineUnavailable))
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         log.info("loading the model from %s on %s", path, device)

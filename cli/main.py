@@ -1,4 +1,4 @@
-"""The `telerag` command line: one entry point, one module per subcommand under `server/commands/`."""
+"""The `telerag` command line: one entry point, one module per subcommand in this package."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from telerag.pipelines.errors import PipelineError
 from telerag.retrieval.errors import RetrievalError
 
-from telerag.server.commands import (
+from telerag.cli import (
     ask,
     bench_e2e,
     bench_generate,
@@ -56,6 +56,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{parser.prog} {args.command}: {exc}", file=sys.stderr)
         return 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

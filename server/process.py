@@ -1,8 +1,8 @@
-"""`telerag serve`: the HTTP API with uvicorn, listening first and loading after, draining at SIGTERM."""
+"""The server process: listen at once, load after, serve, drain at SIGTERM. `telerag serve`
+(`cli/serve.py`) runs it on the event loop of `server.event_loop`."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import importlib
@@ -18,36 +18,17 @@ import uvicorn
 from fastapi import FastAPI
 
 from telerag.pipelines.errors import PipelineError
+from telerag.retrieval.corpus import WIKIPEDIA_SOURCE
+from telerag.retrieval.datastore import MANIFEST, Manifest
 from telerag.retrieval.errors import DatastoreError, RetrievalError
-from telerag.server.commands.datastore import rebuild_command
-from telerag.server.commands.runtime_flags import add_runtime_flags, overrides
 from telerag.server.connections import uvicorn_options
-from telerag.server.event_loop import run_event_loop
 from telerag.server.lifecycle import Lifecycle
-from telerag.server.settings import ENGINE_KIND_ALIASES, Settings, load_settings
+from telerag.server.settings import Settings
 
 if TYPE_CHECKING:
     from telerag.server.runtime import Runtime  # imported when serving: it brings torch
 
 log = logging.getLogger("telerag.server")
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("serve", help="serve the HTTP API (the embedded default with no arguments)")
-    add_runtime_flags(parser)
-    parser.add_argument("--host")
-    parser.add_argument("--port", type=int)
-    parser.add_argument("--engine", choices=["transformers", "sglang", *ENGINE_KIND_ALIASES])
-    parser.add_argument("--cache-mb", type=float, help="GPU cluster cache size")
-    parser.add_argument("--prefetch-budget-mb", type=float)
-    parser.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1")
-    parser.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    settings = load_settings(args.config, overrides(args))
-    logging.basicConfig(level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run_event_loop(serve(settings), settings)
 
 
 def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
@@ -180,3 +161,24 @@ def startup_failure(error: BaseException, datastore: Path) -> str:
     if isinstance(error, DatastoreError) and (command := rebuild_command(datastore)):
         message += f"; to rebuild it: {command}"
     return message
+
+
+def rebuild_command(path: Path) -> str | None:
+    """The `telerag datastore build` command that (re)builds the datastore at `path`, from what
+    its manifest says it was built from; None where no build may write (a user's directory)."""
+    from telerag.pipelines.embedder import DEFAULT_NAME
+
+    if (path / MANIFEST).is_file():
+        try:
+            manifest = Manifest.read(path)
+            source, embedder = manifest.source, manifest.embedder
+        except DatastoreError:
+            source, embedder = "", DEFAULT_NAME
+        overwrite = " --overwrite"
+    elif not path.exists() or (path.is_dir() and not any(path.iterdir())):
+        source, embedder, overwrite = "", DEFAULT_NAME, ""
+    else:
+        return None
+    what = "--wikipedia" if source == WIKIPEDIA_SOURCE else f"--corpus {source}" if source else "--corpus FILE (or --wikipedia)"
+    model = "" if embedder == DEFAULT_NAME else f" --embedder DIR (the model {embedder})"
+    return f"telerag datastore build {what}{model} --out {path}{overwrite}"

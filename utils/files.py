@@ -8,7 +8,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from telerag.retrieval.progress import ProgressBar
+from telerag.utils.progress import ProgressBar
 
 
 def user_cache_dir(override: str | Path | None = None) -> Path:

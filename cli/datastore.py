@@ -9,8 +9,6 @@ from pathlib import Path
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import WIKIPEDIA_SOURCE, PassageShape, read_jsonl, read_wikipedia
 from telerag.retrieval.builder import build_datastore
-from telerag.retrieval.datastore import MANIFEST, Manifest
-from telerag.retrieval.errors import DatastoreError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -55,24 +53,3 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"datastore written to {path}")
     return 0
-
-
-def rebuild_command(path: Path) -> str | None:
-    """The `telerag datastore build` command that (re)builds the datastore at `path`, from what
-    its manifest says it was built from; None where no build may write (a user's directory)."""
-    from telerag.pipelines.embedder import DEFAULT_NAME
-
-    if (path / MANIFEST).is_file():
-        try:
-            manifest = Manifest.read(path)
-            source, embedder = manifest.source, manifest.embedder
-        except DatastoreError:
-            source, embedder = "", DEFAULT_NAME
-        overwrite = " --overwrite"
-    elif not path.exists() or (path.is_dir() and not any(path.iterdir())):
-        source, embedder, overwrite = "", DEFAULT_NAME, ""
-    else:
-        return None
-    what = "--wikipedia" if source == WIKIPEDIA_SOURCE else f"--corpus {source}" if source else "--corpus FILE (or --wikipedia)"
-    model = "" if embedder == DEFAULT_NAME else f" --embedder DIR (the model {embedder})"
-    return f"telerag datastore build {what}{model} --out {path}{overwrite}"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from telerag.pipelines.questions import read_questions
 from telerag.pipelines.registry import PIPELINES
-from telerag.server.commands.runtime_flags import add_runtime_flags, overrides
+from telerag.cli.runtime_flags import add_runtime_flags, overrides
 from telerag.server.settings import load_settings, packaged_config
 
 

@@ -11,7 +11,7 @@ import logging
 from telerag.pipelines.registry import PIPELINES
 from telerag.pipelines.stats import SearchStats
 from telerag.pipelines.types import RagResult, RunEvent, RunOptions, TokenEvent, run_result
-from telerag.server.commands.runtime_flags import add_runtime_flags, overrides
+from telerag.cli.runtime_flags import add_runtime_flags, overrides
 from telerag.server.protocol import QueryResponse
 from telerag.server.settings import load_settings
 

@@ -1,0 +1,7 @@
+"""`python -m telerag.cli`, the same as the `telerag` script."""
+
+import sys
+
+from telerag.cli.main import main
+
+sys.exit(main())

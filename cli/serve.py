@@ -1,0 +1,30 @@
+"""`telerag serve`: the HTTP API with uvicorn, listening first and loading after, draining at SIGTERM
+(`server/process.py`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from telerag.cli.runtime_flags import add_runtime_flags, overrides
+from telerag.server.event_loop import run_event_loop
+from telerag.server.process import serve
+from telerag.server.settings import ENGINE_KIND_ALIASES, load_settings
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("serve", help="serve the HTTP API (the embedded default with no arguments)")
+    add_runtime_flags(parser)
+    parser.add_argument("--host")
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--engine", choices=["transformers", "sglang", *ENGINE_KIND_ALIASES])
+    parser.add_argument("--cache-mb", type=float, help="GPU cluster cache size")
+    parser.add_argument("--prefetch-budget-mb", type=float)
+    parser.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = load_settings(args.config, overrides(args))
+    logging.basicConfig(level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_event_loop(serve(settings), settings)
