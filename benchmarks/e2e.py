@@ -122,7 +122,7 @@ class E2ERow:
     retrieval_ms_mean: float
     retrieval_cpu_ms_mean: float  # of which faiss on the CPU
     retrieval_device_ms_mean: float  # and the device scan
-    generate_ms_mean: float  # the final, streamed answer
+    generate_ms_mean: float  # the calls that wrote the answer (role generate)
     overlap_rate: float | None  # mean |C_in ∩ C_out| / |C_out|; None where nothing was prefetched
     bytes_prefetched_mean: float
     same_documents: float  # share of requests whose documents equal the cpu mode's

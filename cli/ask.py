@@ -36,7 +36,7 @@ def print_result(result: RagResult) -> None:
     for step in result.steps:
         overlap = step.stats.overlap_rate if isinstance(step.stats, SearchStats) else None
         extra = f"overlap {overlap:.2f}" if overlap is not None else (f"{step.tokens_out} tokens" if step.kind == "llm" else "")
-        print(f"{step.stage:<18}{step.ms:>8.1f}  {extra}")
+        print(f"{step.stage.name:<18}{step.ms:>8.1f}  {extra}")
     print(f"{'total':<18}{result.timings.total_ms:>8.1f}")
 
 

@@ -51,3 +51,10 @@ class UnknownPipeline(PipelineError):
     """No pipeline of that name."""
 
     code = "unknown_pipeline"
+
+
+class UndeclaredStage(PipelineError):
+    """A pipeline traced a stage it does not declare in its `stages`: a bug in the pipeline, not
+    the caller's mistake."""
+
+    code = "undeclared_stage"

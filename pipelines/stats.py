@@ -56,16 +56,19 @@ StepStats = GenerationStats | PrefetchStepStats | SearchStats
 
 @dataclass(frozen=True)
 class Timings:
-    """Where a run's time went (ms); stages that ran several times are summed."""
+    """Where a run's time went (ms), each field its stages' role (`StageRole`); stages that ran
+    several times are summed. The prefetch runs beside the pre-retrieval call, so the fields
+    overlap; the steps' spans (`Step.start_ms`, `Step.ms`) show how."""
 
     total_ms: float = 0.0
     embed_ms: float = 0.0  # prefetches' and searches' embedding calls
     prefetch_ms: float = 0.0
-    pre_retrieval_ms: float = 0.0  # every LLM call but the final answer's
+    pre_retrieval_ms: float = 0.0  # the LLM calls that prefetches ran beside
     search_ms: float = 0.0
     search_device_ms: float = 0.0
     search_cpu_ms: float = 0.0
-    generate_ms: float = 0.0
+    llm_ms: float = 0.0  # the other LLM calls whose output is not the answer: drafts for a judge, judgements, critiques
+    generate_ms: float = 0.0  # the LLM calls that wrote the answer
 
 
 @dataclass(frozen=True)

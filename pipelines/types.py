@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Literal, Protocol, runtime_checkable
 
 from telerag.pipelines.stats import PrefetchStepStats, PrefetchSummary, SearchStats, StepStats, Timings
@@ -226,18 +227,46 @@ class DatastoreInfo:
 StageKind = Literal["llm", "retrieval", "prefetch"]
 
 
+class StageRole(str, Enum):
+    """What a stage does in a run: where q_in, q_out and the answer are. The run's timings sum
+    its steps by role, and a stage's kind (what sort of work it is) follows from its role."""
+
+    PREFETCH = "prefetch"  # embed q_in, plan and copy its clusters
+    PRE_RETRIEVAL = "pre_retrieval"  # the LLM call a prefetch runs beside; its output makes q_out
+    SEARCH = "search"  # embed q_out, search the datastore
+    LLM = "llm"  # another LLM call, whose output is not the answer: a draft for a judge, a judgement, a critique
+    GENERATE = "generate"  # an LLM call that writes answer text
+
+    @property
+    def kind(self) -> StageKind:
+        if self is StageRole.PREFETCH:
+            return "prefetch"
+        return "retrieval" if self is StageRole.SEARCH else "llm"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A stage a pipeline declares (its `stages`) and traces under that name."""
+
+    name: str
+    role: StageRole
+
+
 @dataclass
 class Step:
     """One traced step of a run."""
 
-    stage: str  # e.g. "prefetch", "pre_retrieval", "search", "generate", "judge"
-    kind: StageKind
+    stage: Stage
     query: str | None = None
     tokens_in: int = 0
     tokens_out: int = 0
     ms: float = 0.0
     stats: StepStats | None = None  # an LLM call's, a prefetch's or a search's
     start_ms: float = 0.0  # when it began, ms after the request did: a prefetch overlaps the pre-retrieval call
+
+    @property
+    def kind(self) -> StageKind:
+        return self.stage.role.kind
 
 
 def overlap_rates(steps: Sequence[Step]) -> list[float]:
@@ -269,7 +298,7 @@ class RagResult:
 
 @dataclass(frozen=True)
 class StageEvent:
-    stage: str
+    stage: Stage
     status: Literal["start", "end"]
     ms: float | None = None
 
@@ -299,9 +328,21 @@ RunEvent = StageEvent | TokenEvent | UsageEvent | ResultEvent
 class Pipeline(Protocol):
     """A RAG pipeline. `run` yields stage and token events and ends with exactly one ResultEvent."""
 
-    name: str
-    description: str
-    llm_calls: int  # the most LLM calls one run makes (the scheduler's cost estimate)
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def description(self) -> str: ...
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        """Every stage a run may trace; it traces no other."""
+        ...
+
+    @property
+    def llm_calls(self) -> int:
+        """The most LLM calls one run makes (the scheduler's cost estimate)."""
+        ...
 
     def run(self, query: str, options: RunOptions) -> AsyncIterator[RunEvent]: ...
 

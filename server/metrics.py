@@ -90,7 +90,7 @@ class Metrics:
     def observe_result(self, result: RagResult) -> None:
         p = result.pipeline
         for step in result.steps:
-            self.stage_latency.labels(p, step.stage).observe(step.ms / 1e3)
+            self.stage_latency.labels(p, step.stage.name).observe(step.ms / 1e3)
             if isinstance(step.stats, SearchStats) and step.stats.copy_wait_ms:
                 self.copy_wait.labels(p).observe(step.stats.copy_wait_ms / 1e3)
         summary = result.prefetch

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, create_model, field_serializer, field_validator
 
-from telerag.pipelines.types import DatastoreInfo, RagResult
+from telerag.pipelines.types import DatastoreInfo, RagResult, StageKind, StageRole
 from telerag.server.result_stats import PrefetchSummaryOut, StepStatsOut, TimingsOut, step_stats
 from telerag.server.settings import LimitSettings
 
@@ -148,8 +148,9 @@ class DocumentOut(BaseModel):
 
 
 class StepOut(BaseModel):
-    stage: str
-    kind: str
+    stage: str = Field(description="the stage's name, one of the pipeline's (GET /v1/pipelines)")
+    role: StageRole = Field(description="what the stage does (see StageInfo)")
+    kind: StageKind = Field(description="what sort of work it is, by its role: an LLM call, a retrieval or a prefetch")
     query: str | None
     tokens_in: int
     tokens_out: int
@@ -175,7 +176,9 @@ class QueryResponse(BaseModel):
             answer=result.answer,
             pipeline=result.pipeline,
             documents=[DocumentOut(**vars(d)) for d in result.documents] if with_documents else [],
-            steps=[StepOut(**{**vars(s), "stats": step_stats(s.stats)}) for s in result.steps],
+            steps=[StepOut(stage=s.stage.name, role=s.stage.role, kind=s.kind, query=s.query, tokens_in=s.tokens_in,
+                           tokens_out=s.tokens_out, ms=s.ms, stats=step_stats(s.stats), start_ms=s.start_ms)
+                   for s in result.steps],
             timings=TimingsOut.model_validate(result.timings),
             prefetch=PrefetchSummaryOut.model_validate(result.prefetch),
             tokens_generated=result.tokens_generated,
@@ -186,6 +189,7 @@ class StageUpdate(BaseModel):
     """The data of a streamed `stage` event."""
 
     stage: str
+    role: StageRole
     status: Literal["start", "end"]
     ms: float | None = None
 
@@ -198,7 +202,10 @@ class TokenText(BaseModel):
 
 class StageInfo(BaseModel):
     name: str
-    role: str = Field(description='"prefetch" (q_in), "pre_retrieval" (overlaps the prefetch), "search" (q_out), "llm" or "generate"')
+    role: StageRole = Field(description="prefetch: embed q_in and copy its clusters; pre_retrieval: the LLM call the "
+                            "prefetch runs beside, whose output makes q_out; search: embed q_out and search; llm: another "
+                            "LLM call whose output is not the answer (a draft for a judge, a judgement, a critique); "
+                            "generate: an LLM call that writes answer text")
 
 
 class PipelineInfo(BaseModel):

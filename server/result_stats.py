@@ -86,18 +86,22 @@ def step_stats(stats: StepStats | None) -> StepStatsOut | None:
 
 
 class TimingsOut(BaseModel):
-    """Where the request's time went (ms); stages that ran several times are summed."""
+    """Where the request's time went (ms), each field its stages' role; stages that ran several
+    times are summed. The prefetch runs beside the pre-retrieval call, so the fields overlap; the
+    steps' spans (`start_ms`, `ms`) show how."""
 
     model_config = ConfigDict(from_attributes=True)
 
     total_ms: float
     embed_ms: float = Field(description="the prefetches' and searches' embedding calls")
     prefetch_ms: float
-    pre_retrieval_ms: float = Field(description="every LLM call but the final answer's")
+    pre_retrieval_ms: float = Field(description="the LLM calls the prefetches ran beside (role pre_retrieval)")
     search_ms: float
     search_device_ms: float
     search_cpu_ms: float
-    generate_ms: float
+    llm_ms: float = Field(description="the other LLM calls whose output is not the answer (role llm): drafts for a "
+                          "judge, judgements, critiques")
+    generate_ms: float = Field(description="the LLM calls that wrote the answer (role generate)")
 
 
 class PrefetchSummaryOut(BaseModel):

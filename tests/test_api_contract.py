@@ -14,6 +14,7 @@ import openai
 import pytest
 from pydantic import ValidationError
 
+from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH
 from telerag.pipelines.stats import GenerationStats, PrefetchStepStats, PrefetchSummary, SearchStats, Timings
 from telerag.pipelines.types import Generation, RagResult, SamplingParams, Step, TokenChunk
 from telerag.retrieval.stats import PrefetchStats
@@ -226,16 +227,19 @@ def test_a_result_is_sent_with_the_documented_field_names():
     `ttft_ms` and a prefetch that did not run leave out what they do not have."""
     search = SearchStats(1.0, 2.0, 3.0, 4.0, 5.0, 0.5, 6, 7, 8, 9, 10.0, 11, 12)
     steps = [
-        Step("prefetch", "prefetch", "q", stats=PrefetchStepStats(True, 0.25, 2, PrefetchStats(1, 2, 3, 4, 5, 6, 7, 8, 9.0))),
-        Step("prefetch", "prefetch", "q", stats=PrefetchStepStats()),
-        Step("search", "retrieval", "q", stats=search),
-        Step("generate", "llm", "q", 3, 4, 5.0, GenerationStats("length", 1.5), 6.0),
-        Step("generate", "llm", "q", stats=GenerationStats("stop")),
+        Step(PREFETCH, "q", stats=PrefetchStepStats(True, 0.25, 2, PrefetchStats(1, 2, 3, 4, 5, 6, 7, 8, 9.0))),
+        Step(PREFETCH, "q", stats=PrefetchStepStats()),
+        Step(SEARCH, "q", stats=search),
+        Step(GENERATE, "q", 3, 4, 5.0, GenerationStats("length", 1.5), 6.0),
+        Step(GENERATE, "q", stats=GenerationStats("stop")),
     ]
-    result = RagResult("a", "naive", [], steps, Timings(*map(float, range(8))), PrefetchSummary(1, 2, None, 3, 4, 5, 6), 7)
+    result = RagResult("a", "naive", [], steps, Timings(*map(float, range(9))), PrefetchSummary(1, 2, None, 3, 4, 5, 6), 7)
     body = json.loads(QueryResponse.from_result(result, request_id="rag-1", with_documents=True).model_dump_json())
     assert list(body) == ["id", "answer", "pipeline", "documents", "steps", "timings", "prefetch", "tokens_generated"]
-    assert list(body["steps"][0]) == ["stage", "kind", "query", "tokens_in", "tokens_out", "ms", "stats", "start_ms"]
+    assert list(body["steps"][0]) == ["stage", "role", "kind", "query", "tokens_in", "tokens_out", "ms", "stats", "start_ms"]
+    assert [(step["stage"], step["role"], step["kind"]) for step in body["steps"]] == [
+        ("prefetch", "prefetch", "prefetch"), ("prefetch", "prefetch", "prefetch"), ("search", "search", "retrieval"),
+        ("generate", "generate", "llm"), ("generate", "generate", "llm")]
     assert [list(step["stats"].items()) for step in body["steps"]] == [
         [("enabled", True), ("embed_ms", 0.25), ("batch", 2), ("clusters_requested", 1), ("bytes_requested", 2),
          ("clusters_resident", 3), ("clusters_copied", 4), ("clusters_skipped", 5), ("bytes_copied", 6), ("copies", 7),
@@ -249,7 +253,7 @@ def test_a_result_is_sent_with_the_documented_field_names():
     ]
     assert list(body["timings"].items()) == [
         ("total_ms", 0.0), ("embed_ms", 1.0), ("prefetch_ms", 2.0), ("pre_retrieval_ms", 3.0), ("search_ms", 4.0),
-        ("search_device_ms", 5.0), ("search_cpu_ms", 6.0), ("generate_ms", 7.0)]
+        ("search_device_ms", 5.0), ("search_cpu_ms", 6.0), ("llm_ms", 7.0), ("generate_ms", 8.0)]
     assert list(body["prefetch"].items()) == [
         ("clusters_prefetched", 1), ("bytes_prefetched", 2), ("overlap_rate", None), ("clusters_device", 3),
         ("clusters_cpu", 4), ("clusters_copied_on_demand", 5), ("clusters_late", 6)]

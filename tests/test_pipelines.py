@@ -10,7 +10,7 @@ import pytest
 from telerag.pipelines import prompts
 from telerag.pipelines.errors import EngineError
 from telerag.pipelines.registry import PIPELINES, build_pipelines
-from telerag.pipelines.types import MeanQuery, RunOptions, StageEvent, TokenEvent
+from telerag.pipelines.types import MeanQuery, RunOptions, StageEvent, StageRole, TokenEvent
 from tests.fakes import RecordingRetriever, ScriptedEngine
 from tests.scripted_pipelines import SURE, UNSURE, make, run, script
 
@@ -30,10 +30,11 @@ async def test_naive_order_and_result():
     assert result.answer == "The Nile is long"
     assert streamed(events) == "The Nile is long"
     assert len(result.documents) == 2 and result.pipeline == "naive"
-    assert [s.stage for s in result.steps] == ["prefetch", "search", "generate"]
+    assert [s.stage.name for s in result.steps] == ["prefetch", "search", "generate"]
     assert result.prefetch.overlap_rate == 0.75 and result.prefetch.clusters_device == 3
-    assert {"total_ms", "embed_ms", "prefetch_ms", "pre_retrieval_ms", "search_ms", "search_device_ms", "search_cpu_ms", "generate_ms"} == asdict(result.timings).keys()
-    stages = [(e.stage, e.status) for e in events if isinstance(e, StageEvent)]
+    assert {"total_ms", "embed_ms", "prefetch_ms", "pre_retrieval_ms", "search_ms", "search_device_ms", "search_cpu_ms",
+            "llm_ms", "generate_ms"} == asdict(result.timings).keys()
+    stages = [(e.stage.name, e.status) for e in events if isinstance(e, StageEvent)]
     assert stages[:2] == [("prefetch", "start"), ("prefetch", "end")]
 
 
@@ -54,7 +55,7 @@ async def test_hyde_searches_with_the_question_when_the_passage_is_only_a_cue():
     assert retriever.searches == [["How long is the Nile?"]]
 
 
-@pytest.mark.parametrize("name", [n for n, cls in PIPELINES.items() if any(s.role == "pre_retrieval" for s in cls.stages)])
+@pytest.mark.parametrize("name", [n for n, cls in PIPELINES.items() if any(s.role is StageRole.PRE_RETRIEVAL for s in cls.stages)])
 async def test_the_pre_retrieval_call_never_waits_for_the_prefetch(name):
     """Embedding q_in, ranking and issuing copies run beside the LLM call: a prefetch that can
     only finish once an LLM call has started must not hold the pipeline up, and the trace shows
@@ -132,7 +133,7 @@ async def test_flare_retrieves_exactly_on_low_probability_tokens():
     result, _ = await run(pipeline, max_tokens=10)
     assert len(retriever.searches) == 1
     assert retriever.searches[0] == ["How long is the Nile? The Nile north"]  # "flows" (p=0.1) masked
-    assert len(retriever.prefetches) == len([s for s in result.steps if s.stage == "lookahead_sentence"])
+    assert len(retriever.prefetches) == len([s for s in result.steps if s.stage.name == "lookahead_sentence"])
     assert all(t.queries for t in retriever.released)
 
 
@@ -185,8 +186,118 @@ async def test_cancellation_releases_the_prefetch(name):
 def test_every_pipeline_declares_its_stages():
     for cls in PIPELINES.values():
         roles = {s.role for s in cls.stages}
-        assert "prefetch" in roles and "search" in roles and "generate" in roles
+        assert {StageRole.PREFETCH, StageRole.SEARCH, StageRole.GENERATE} <= roles
+        assert len({s.name for s in cls.stages}) == len(cls.stages)  # a name is one stage
         assert cls.description
+    # across pipelines too: one name, one role
+    roles_of: dict[str, set[StageRole]] = {}
+    for cls in PIPELINES.values():
+        for s in cls.stages:
+            roles_of.setdefault(s.name, set()).add(s.role)
+    assert all(len(roles) == 1 for roles in roles_of.values()), roles_of
+
+
+# Scripts that between them take every branch of every pipeline: FLARE retrieving and not,
+# Iterative's judge saying yes and no, Self-RAG retrieving or not, its critique accepting or not.
+BRANCHES = [
+    ("naive", {}), ("hyde", {}), ("subquestion", {}), ("iter_retgen", {}),
+    ("iterative", {"judge": "yes"}), ("iterative", {"judge": "no"}),
+    ("flare", {"flare_logprobs": [(SURE,) * 4, (SURE, SURE, UNSURE, SURE)] * 3}),
+    ("flare", {"flare_logprobs": [(SURE,) * 4] * 6}),
+    ("self_rag", {"critique": "yes"}), ("self_rag", {"critique": "no"}), ("self_rag", {"decide": "no"}),
+]
+
+
+class VirtualClock:
+    """Seconds that pass only when the fakes say their work took them: so a run's total is
+    exactly what its stages took plus what passed outside any stage (here nothing)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def timed_fakes(clock: VirtualClock, **script_args):  # noqa: ANN003, ANN201
+    """A scripted engine and a recording retriever whose calls advance `clock`: each LLM call
+    20 ms (plus 1 ms per token streamed), a prefetch 3 ms, a search 7 ms."""
+
+    class Engine(ScriptedEngine):
+        async def stream(self, prompts, params):  # noqa: ANN001, ANN202
+            clock.now += 0.020
+            async for item in super().stream(prompts, params):
+                clock.now += 0.001
+                yield item
+
+    class Retriever(RecordingRetriever):
+        async def prefetch(self, queries, *, enabled=True, overlap_ms=None):  # noqa: ANN001, ANN202
+            clock.now += 0.003
+            return await super().prefetch(queries, enabled=enabled, overlap_ms=overlap_ms)
+
+        async def search(self, queries, options, ticket=None):  # noqa: ANN001, ANN202
+            clock.now += 0.007
+            return await super().search(queries, options, ticket)
+
+    return Engine(script(**script_args)), Retriever()
+
+
+def covered_ms(steps) -> float:  # noqa: ANN001
+    """The time covered by the steps' spans (overlapping spans counted once)."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted((s.start_ms, s.start_ms + s.ms) for s in steps):
+        total += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return total
+
+
+@pytest.mark.parametrize(("name", "script_args"), BRANCHES, ids=lambda v: v if isinstance(v, str) else ",".join(v) or "-")
+async def test_a_run_traces_only_declared_stages_and_its_timings_add_up(name, script_args):
+    """Every stage a run emits (events and steps) is one its pipeline declares; each timing is
+    the sum of its role's steps; and the steps' spans cover the run's whole total, since on this
+    clock no time passes outside a stage (a call left untraced would show as a gap)."""
+    clock = VirtualClock()
+    engine, retriever = timed_fakes(clock, **script_args)
+    pipeline = build_pipelines(engine, retriever, names=[name])[name]
+    pipeline.clock = clock
+    result, events = await run(pipeline, max_tokens=12)
+    declared = set(type(pipeline).stages)
+    assert {e.stage for e in events if isinstance(e, StageEvent)} <= declared
+    assert {s.stage for s in result.steps} <= declared
+    t = result.timings
+    by_role = {role: sum(s.ms for s in result.steps if s.stage.role is role) for role in StageRole}
+    assert (t.prefetch_ms, t.pre_retrieval_ms, t.search_ms, t.llm_ms, t.generate_ms) == pytest.approx(
+        (by_role[StageRole.PREFETCH], by_role[StageRole.PRE_RETRIEVAL], by_role[StageRole.SEARCH],
+         by_role[StageRole.LLM], by_role[StageRole.GENERATE]))
+    assert t.total_ms > 0 and covered_ms(result.steps) == pytest.approx(t.total_ms)
+    assert all(0 <= s.start_ms and s.start_ms + s.ms <= t.total_ms + 1e-9 for s in result.steps)
+    if name != "flare":  # FLARE's kept sentences are its look-ahead's; every other answer is written by a generate stage
+        assert t.generate_ms > 0
+
+
+async def test_a_stage_a_pipeline_does_not_declare_is_refused():
+    from telerag.pipelines.errors import UndeclaredStage
+    from telerag.pipelines.types import Stage
+
+    pipeline, engine, retriever, log = make("naive")
+
+    async def body(ctx):  # noqa: ANN001, ANN202
+        return await pipeline.reply(ctx, Stage("improvised", StageRole.LLM), prompts.judge(ctx.query, "x"))
+
+    pipeline.body = body
+    with pytest.raises(UndeclaredStage, match="improvised"):
+        await run(pipeline)
+
+
+async def test_flare_counts_rewritten_sentences_as_answer_generation():
+    """A sentence written again after a retrieval is answer text: `generate`, not pre-retrieval."""
+    clock = VirtualClock()
+    engine, retriever = timed_fakes(clock, flare_logprobs=[(SURE, SURE, UNSURE, SURE)] * 8)
+    pipeline = build_pipelines(engine, retriever, names=["flare"])["flare"]
+    pipeline.clock = clock
+    result, _ = await run(pipeline, max_tokens=12)
+    assert retriever.searches and result.timings.generate_ms > 0
+    assert {s.stage.name for s in result.steps if s.stage.role is StageRole.GENERATE} == {"sentence"}
 
 
 async def test_every_pipeline_runs_on_the_tiny_model():

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, TypeVar
 
 from telerag.pipelines import prompts
+from telerag.pipelines.errors import UndeclaredStage
 from telerag.pipelines.prompts import Prompt
 from telerag.pipelines.replies import ReplyStream, clean_reply
 from telerag.pipelines.stats import GenerationStats, PrefetchStepStats, PrefetchSummary, SearchStats, Timings
@@ -32,7 +33,9 @@ from telerag.pipelines.types import (
     SamplingParams,
     SearchOptions,
     SearchQuery,
+    Stage,
     StageEvent,
+    StageRole,
     Step,
     TokenEvent,
     UsageEvent,
@@ -43,33 +46,26 @@ from telerag.pipelines.types import (
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class Stage:
-    """A declared stage: `role` tells the scheduler where q_in and q_out are."""
-
-    name: str
-    role: str  # "prefetch" (q_in), "pre_retrieval" (LLM, overlaps the prefetch), "search" (q_out), "llm", "generate"
-
-
 # An answer is one paragraph: a base model that goes on after it starts something else.
 ANSWER_STOPS = ("\n\n",)
 
 PRE_RETRIEVAL_SMOOTHING = 0.2  # weight of the newest pre-retrieval time in the pipeline's estimate
 
-PREFETCH = Stage("prefetch", "prefetch")
-SEARCH = Stage("search", "search")
-GENERATE = Stage("generate", "generate")
+# The stages every pipeline has: the lookahead's prefetch and search, and the streamed answer.
+PREFETCH = Stage("prefetch", StageRole.PREFETCH)
+SEARCH = Stage("search", StageRole.SEARCH)
+GENERATE = Stage("generate", StageRole.GENERATE)
 
 
 @dataclass
 class RunContext:
     query: str
     options: RunOptions
+    started: float  # the pipeline's clock when the run began
     events: asyncio.Queue[RunEvent | None] = field(default_factory=asyncio.Queue)  # None: the body ended
     steps: list[Step] = field(default_factory=list)
     documents: list[Document] = field(default_factory=list)
     tokens_generated: int = 0
-    started: float = field(default_factory=time.perf_counter)
 
     def generated(self, tokens: int) -> None:
         """Account for `tokens` newly generated tokens (in the result, and at once as a UsageEvent)."""
@@ -86,20 +82,28 @@ class RagPipeline:
     stages: ClassVar[tuple[Stage, ...]]
     llm_calls: ClassVar[int]  # the most LLM calls one run makes; the server's admission estimates cost from it
 
-    def __init__(self, engine: Engine, retriever: Retriever, *, pre_retrieval_ms: float | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        retriever: Retriever,
+        *,
+        pre_retrieval_ms: float | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         """`pre_retrieval_ms`: the expected time of this pipeline's pre-retrieval call, which its
         prefetch copies hide behind (t_LLM of TeleRAG §4.2; refined from every call it makes;
-        None: no estimate until the first)."""
+        None: no estimate until the first). `clock`: seconds, for every time the run traces."""
         self.engine = engine
         self.retriever = retriever
         self.pre_retrieval_ms = pre_retrieval_ms
+        self.clock = clock
 
     async def body(self, ctx: RunContext) -> str:
         """Run the pipeline; return the final answer (already streamed as TokenEvents)."""
         raise NotImplementedError
 
     async def run(self, query: str, options: RunOptions) -> AsyncIterator[RunEvent]:
-        ctx = RunContext(query=query, options=options)
+        ctx = RunContext(query=query, options=options, started=self.clock())
         task = asyncio.create_task(self.body(ctx))
         # The body's end is queued behind every event it queued, so one `get` per event suffices.
         task.add_done_callback(lambda _: ctx.events.put_nowait(None))
@@ -115,25 +119,37 @@ class RagPipeline:
 
     # -- building blocks ------------------------------------------------------------------------
 
-    def stage(self, ctx: RunContext, name: str, work: Awaitable[T]) -> asyncio.Future[tuple[T, float, float]]:
-        """Start `work` as a traced stage: its start event and time are taken now, so stages
+    def begin(self, ctx: RunContext, stage: Stage) -> float:
+        """A declared stage begins: its start event is sent; the clock's time it began."""
+        if stage not in self.stages:
+            raise UndeclaredStage(f"pipeline {self.name} traced stage {stage.name!r} ({stage.role.value}), which it does not declare")
+        ctx.events.put_nowait(StageEvent(stage, "start"))
+        return self.clock()
+
+    def end(self, ctx: RunContext, stage: Stage, started: float) -> tuple[float, float]:
+        """A stage that began at `started` ends: its end event is sent; when it began (ms after
+        the request did) and how long it took (ms)."""
+        ms = (self.clock() - started) * 1e3
+        ctx.events.put_nowait(StageEvent(stage, "end", ms))
+        return (started - ctx.started) * 1e3, ms
+
+    def stage(self, ctx: RunContext, stage: Stage, work: Callable[[], Awaitable[T]]) -> asyncio.Future[tuple[T, float, float]]:
+        """Start `work()` as a traced stage: its start event and time are taken now, so stages
         started side by side are traced in the order they were started. The task gives the
         result, when the stage started (ms after the request did) and how long it took (ms)."""
-        ctx.events.put_nowait(StageEvent(name, "start"))
-        started = time.perf_counter()
+        started = self.begin(ctx, stage)
+        pending = work()
 
         async def traced() -> tuple[T, float, float]:
-            result = await work
-            ms = (time.perf_counter() - started) * 1e3
-            ctx.events.put_nowait(StageEvent(name, "end", ms))
-            return result, (started - ctx.started) * 1e3, ms
+            result = await pending
+            return (result, *self.end(ctx, stage, started))
 
         return asyncio.ensure_future(traced())
 
     async def llm(
         self,
         ctx: RunContext,
-        stage: str,
+        stage: Stage,
         batch: Sequence[Prompt],
         *,
         max_tokens: int = 64,
@@ -150,16 +166,16 @@ class RagPipeline:
             logprobs=logprobs,
         )
         formatted = [self.engine.format_prompt(p.user, system=p.system) for p in batch]
-        generations, start_ms, ms = await self.stage(ctx, stage, self.engine.generate(formatted, params))
+        generations, start_ms, ms = await self.stage(ctx, stage, lambda: self.engine.generate(formatted, params))
         for prompt, generation in zip(batch, generations, strict=True):
             ctx.generated(generation.completion_tokens)
             ctx.steps.append(
-                Step(stage, "llm", prompt.user[-200:], generation.prompt_tokens, generation.completion_tokens, ms,
-                     GenerationStats(generation.finish_reason, generation.ttft_ms), start_ms)
+                Step(stage, prompt.user[-200:], generation.prompt_tokens, generation.completion_tokens, ms,
+                 GenerationStats(generation.finish_reason, generation.ttft_ms), start_ms)
             )
         return generations
 
-    async def reply(self, ctx: RunContext, stage: str, prompt: Prompt, *, max_tokens: int = 64, stop: Sequence[str] = ()) -> str:
+    async def reply(self, ctx: RunContext, stage: Stage, prompt: Prompt, *, max_tokens: int = 64, stop: Sequence[str] = ()) -> str:
         """A traced LLM call's reply: its generation without a restated or repeated cue."""
         generation = (await self.llm(ctx, stage, [prompt], max_tokens=max_tokens, stop=stop))[0]
         return clean_reply(generation.text, prompt.cue)
@@ -178,14 +194,14 @@ class RagPipeline:
         # nothing to hide copies behind without a pre-retrieval call: the search copies on demand
         overlap_ms = self.pre_retrieval_ms if pre_retrieval is not None else 0.0
         prefetch = self.stage(
-            ctx, "prefetch", self.retriever.prefetch(list(q_in), enabled=ctx.options.prefetch, overlap_ms=overlap_ms)
+            ctx, PREFETCH, lambda: self.retriever.prefetch(list(q_in), enabled=ctx.options.prefetch, overlap_ms=overlap_ms)
         )
         try:
             produced = None
             if pre_retrieval is not None:
-                started = time.perf_counter()
+                started = self.clock()
                 produced = await pre_retrieval()
-                self._observe_pre_retrieval((time.perf_counter() - started) * 1e3)
+                self._observe_pre_retrieval((self.clock() - started) * 1e3)
             ticket, start_ms, ms = await asyncio.shield(prefetch)  # a cancelled request must not cancel it
         except BaseException:
             # Never cancelled mid-way (its clusters would stay pinned): released once it lands,
@@ -194,15 +210,15 @@ class RagPipeline:
             with contextlib.suppress(BaseException):
                 await asyncio.shield(prefetch)
             raise
-        ctx.steps.append(Step("prefetch", "prefetch", " | ".join(q_in)[:200], ms=ms, stats=ticket.stats, start_ms=start_ms))
+        ctx.steps.append(Step(PREFETCH, " | ".join(q_in)[:200], ms=ms, stats=ticket.stats, start_ms=start_ms))
         try:
             wanted = q_out(produced)
             if wanted is None:
                 return produced, []
             queries = [q for q in wanted if any(text.strip() for text in query_texts(q))] or [ctx.query]
             options = SearchOptions(top_k=ctx.options.top_k, nprobe=ctx.options.nprobe, prefetch=ctx.options.prefetch)
-            outcome, start_ms, ms = await self.stage(ctx, "search", self.retriever.search(queries, options, ticket))
-            ctx.steps.append(Step("search", "retrieval", " | ".join(map(str, queries))[:200], ms=ms, stats=outcome.stats, start_ms=start_ms))
+            outcome, start_ms, ms = await self.stage(ctx, SEARCH, lambda: self.retriever.search(queries, options, ticket))
+            ctx.steps.append(Step(SEARCH, " | ".join(map(str, queries))[:200], ms=ms, stats=outcome.stats, start_ms=start_ms))
         finally:
             self.retriever.release(ticket)
         return produced, outcome.documents
@@ -217,7 +233,9 @@ class RagPipeline:
         previous = self.pre_retrieval_ms
         self.pre_retrieval_ms = ms if previous is None else (1 - PRE_RETRIEVAL_SMOOTHING) * previous + PRE_RETRIEVAL_SMOOTHING * ms
 
-    async def answer(self, ctx: RunContext, documents: Sequence[Document], *, prompt: Prompt | None = None) -> str:
+    async def answer(
+        self, ctx: RunContext, documents: Sequence[Document], *, prompt: Prompt | None = None, stage: Stage = GENERATE
+    ) -> str:
         """The final answer, streamed to the client as it is generated: the text streamed is
         exactly the answer returned (see `replies.ReplyStream`), and generation ends as soon as
         the reply does (the cue repeated on the same line, which no stop string catches)."""
@@ -227,8 +245,7 @@ class RagPipeline:
         )
         formatted = self.engine.format_prompt(prompt.user, system=prompt.system)
         reply = ReplyStream(prompt.cue)
-        ctx.events.put_nowait(StageEvent("generate", "start"))
-        started = time.perf_counter()
+        started = self.begin(ctx, stage)
         final: Generation | None = None
         streamed = 0  # tokens accounted for as they came
         async with contextlib.aclosing(self.engine.stream([formatted], params)) as stream:
@@ -244,21 +261,19 @@ class RagPipeline:
                     break  # closing the stream aborts the generation
         if piece := reply.finish():
             ctx.events.put_nowait(TokenEvent(piece))
-        ms = (time.perf_counter() - started) * 1e3
-        ctx.events.put_nowait(StageEvent("generate", "end", ms))
+        start_ms, ms = self.end(ctx, stage, started)
         if final is not None:
             prompt_tokens, completion_tokens = final.prompt_tokens, final.completion_tokens
             stats = GenerationStats(final.finish_reason, final.ttft_ms)
         else:  # stopped here, when the reply was over
             prompt_tokens, completion_tokens, stats = self.engine.count_tokens(formatted), streamed, GenerationStats("stop")
         ctx.generated(max(0, completion_tokens - streamed))  # chunks need not carry their token ids
-        ctx.steps.append(
-            Step("generate", "llm", ctx.query[:200], prompt_tokens, completion_tokens, ms, stats, (started - ctx.started) * 1e3)
-        )
+        ctx.steps.append(Step(stage, ctx.query[:200], prompt_tokens, completion_tokens, ms, stats, start_ms))
         return reply.text
 
-    async def generate_quietly(self, ctx: RunContext, stage: str, documents: Sequence[Document], draft: str = "") -> str:
-        """An intermediate answer (not streamed to the client): a round of Iter-RetGen or Iter."""
+    async def generate_quietly(self, ctx: RunContext, stage: Stage, documents: Sequence[Document], draft: str = "") -> str:
+        """An answer that is not streamed to the client (a round of Iter-RetGen, a draft of Iter
+        or Self-RAG): the reply of an answer prompt."""
         return await self.reply(ctx, stage, prompts.answer(ctx.query, documents, draft), max_tokens=ctx.options.max_tokens, stop=ANSWER_STOPS)
 
     # -- the result ---------------------------------------------------------------------------
@@ -268,18 +283,19 @@ class RagPipeline:
         prefetches = [s.stats for s in ctx.steps if isinstance(s.stats, PrefetchStepStats)]
         overlaps = overlap_rates(ctx.steps)
 
-        def ms(kind: str, stage: str | None = None) -> float:
-            return float(sum(s.ms for s in ctx.steps if s.kind == kind and (stage is None or s.stage == stage)))
+        def ms(role: StageRole) -> float:
+            return float(sum(s.ms for s in ctx.steps if s.stage.role is role))
 
         timings = Timings(
-            total_ms=(time.perf_counter() - ctx.started) * 1e3,
+            total_ms=(self.clock() - ctx.started) * 1e3,
             embed_ms=float(sum(s.embed_ms for s in [*searches, *prefetches])),
-            prefetch_ms=ms("prefetch"),
-            pre_retrieval_ms=float(sum(s.ms for s in ctx.steps if s.kind == "llm" and s.stage != "generate")),
-            search_ms=ms("retrieval"),
+            prefetch_ms=ms(StageRole.PREFETCH),
+            pre_retrieval_ms=ms(StageRole.PRE_RETRIEVAL),
+            search_ms=ms(StageRole.SEARCH),
             search_device_ms=float(sum(s.device_ms for s in searches)),
             search_cpu_ms=float(sum(s.cpu_ms for s in searches)),
-            generate_ms=ms("llm", "generate"),
+            llm_ms=ms(StageRole.LLM),
+            generate_ms=ms(StageRole.GENERATE),
         )
         prefetch = PrefetchSummary(
             clusters_prefetched=sum(s.plan.clusters_requested for s in prefetches),

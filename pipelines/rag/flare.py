@@ -3,7 +3,9 @@ look-ahead sentence is less likely than a threshold, retrieve with that sentence
 tokens masked out) and write the sentence again with the new documents.
 
 The look-ahead generation is the pre-retrieval call: while it runs, the clusters of what is
-already written are prefetched.
+already written are prefetched. A look-ahead sentence whose every token is sure is kept as the
+answer's next sentence, so the answer's time is split between `pre_retrieval` (sentences kept
+from the look-ahead) and `generate` (sentences written again after a retrieval).
 """
 
 from __future__ import annotations
@@ -11,14 +13,17 @@ from __future__ import annotations
 import math
 
 from telerag.pipelines import prompts
-from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext, Stage
+from telerag.pipelines.rag.base import PREFETCH, SEARCH, RagPipeline, RunContext
 from telerag.pipelines.replies import clean_reply
-from telerag.pipelines.types import Generation, TokenEvent
+from telerag.pipelines.types import Generation, Stage, StageRole, TokenEvent
 
 MAX_SENTENCES = 4
 SENTENCE_TOKENS = 40
 THRESHOLD = 0.4  # a token whose probability is below this triggers retrieval
 SENTENCE_STOPS = (".", "\n")
+
+LOOKAHEAD_SENTENCE = Stage("lookahead_sentence", StageRole.PRE_RETRIEVAL)
+SENTENCE = Stage("sentence", StageRole.GENERATE)  # a sentence written again with the documents its look-ahead retrieved
 
 
 def unsure_query(engine, generation: Generation, threshold: float) -> str | None:  # noqa: ANN001
@@ -32,7 +37,7 @@ def unsure_query(engine, generation: Generation, threshold: float) -> str | None
 class FLARE(RagPipeline):
     name = "flare"
     description = "Generate sentence by sentence; retrieve when a look-ahead token's probability is low."
-    stages = (PREFETCH, Stage("lookahead_sentence", "pre_retrieval"), SEARCH, Stage("sentence", "llm"), GENERATE)
+    stages = (PREFETCH, LOOKAHEAD_SENTENCE, SEARCH, SENTENCE)
     llm_calls = 2 * MAX_SENTENCES  # look ahead, and write again when it retrieved, each sentence
     threshold = THRESHOLD
 
@@ -43,7 +48,7 @@ class FLARE(RagPipeline):
 
             async def lookahead_sentence(written=written) -> Generation:
                 prompt = prompts.answer(ctx.query, ctx.documents, written)
-                reply = await self.llm(ctx, "lookahead_sentence", [prompt], max_tokens=SENTENCE_TOKENS, stop=SENTENCE_STOPS, logprobs=True)
+                reply = await self.llm(ctx, LOOKAHEAD_SENTENCE, [prompt], max_tokens=SENTENCE_TOKENS, stop=SENTENCE_STOPS, logprobs=True)
                 return reply[0]
 
             def retrieval_query(generation: Generation) -> list[str] | None:
@@ -55,7 +60,7 @@ class FLARE(RagPipeline):
             if documents:  # retrieval was triggered: write the sentence again with the new documents
                 ctx.documents = documents[0]
                 redo = await self.llm(
-                    ctx, "sentence", [prompts.answer(ctx.query, ctx.documents, written)], max_tokens=SENTENCE_TOKENS, stop=SENTENCE_STOPS
+                    ctx, SENTENCE, [prompts.answer(ctx.query, ctx.documents, written)], max_tokens=SENTENCE_TOKENS, stop=SENTENCE_STOPS
                 )
                 sentence, text = redo[0], redo[0].text
             piece = clean_reply(text, prompts.ANSWER_CUE)

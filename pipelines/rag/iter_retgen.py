@@ -6,15 +6,18 @@ of what is already known (question + the previous answer) are prefetched.
 
 from __future__ import annotations
 
-from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext, Stage
+from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext
+from telerag.pipelines.types import Stage, StageRole
 
 ROUNDS = 3
+
+ROUND_ANSWER = Stage("round_answer", StageRole.PRE_RETRIEVAL)  # the next round's query is made of it
 
 
 class IterRetGen(RagPipeline):
     name = "iter_retgen"
     description = "Three rounds of retrieval and generation; each answer refines the next retrieval."
-    stages = (PREFETCH, Stage("round_answer", "pre_retrieval"), SEARCH, GENERATE)
+    stages = (PREFETCH, ROUND_ANSWER, SEARCH, GENERATE)
     llm_calls = ROUNDS  # a quiet answer each round but the last, then the answer
 
     async def body(self, ctx: RunContext) -> str:
@@ -26,7 +29,7 @@ class IterRetGen(RagPipeline):
             docs_so_far = ctx.documents
 
             async def round_answer(docs=docs_so_far) -> str:
-                return await self.generate_quietly(ctx, "round_answer", docs)
+                return await self.generate_quietly(ctx, ROUND_ANSWER, docs)
 
             draft, documents = await self.lookahead(ctx, [known], round_answer, lambda text: [f"{ctx.query} {text}"])
             ctx.documents = documents[0]

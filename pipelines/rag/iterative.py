@@ -5,16 +5,20 @@ judge says the answer is good enough (or after a few iterations)."""
 from __future__ import annotations
 
 from telerag.pipelines import prompts
-from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext, Stage, merge_documents
-from telerag.pipelines.types import MeanQuery, SearchQuery
+from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext, merge_documents
+from telerag.pipelines.types import MeanQuery, SearchQuery, Stage, StageRole
 
 MAX_ITERATIONS = 3
+
+NARROW_QUESTION = Stage("narrow_question", StageRole.PRE_RETRIEVAL)
+DRAFT_ANSWER = Stage("draft_answer", StageRole.LLM)  # for the judge; never shown
+JUDGE = Stage("judge", StageRole.LLM)
 
 
 class Iterative(RagPipeline):
     name = "iterative"
     description = "Narrower question (pre-retrieval), retrieve, answer, judge; repeat until judged sufficient."
-    stages = (PREFETCH, Stage("narrow_question", "pre_retrieval"), SEARCH, Stage("judge", "llm"), GENERATE)
+    stages = (PREFETCH, NARROW_QUESTION, SEARCH, DRAFT_ANSWER, JUDGE, GENERATE)
     llm_calls = 3 * MAX_ITERATIONS - 1  # narrow each iteration; draft and judge all but the last; answer
 
     async def body(self, ctx: RunContext) -> str:
@@ -24,7 +28,7 @@ class Iterative(RagPipeline):
         for iteration in range(MAX_ITERATIONS):
 
             async def narrow(notes=notes) -> str:
-                return await self.reply(ctx, "narrow_question", prompts.narrower_question(ctx.query, notes), max_tokens=32, stop=("\n",))
+                return await self.reply(ctx, NARROW_QUESTION, prompts.narrower_question(ctx.query, notes), max_tokens=32, stop=("\n",))
 
             def query(narrower: str) -> list[SearchQuery]:
                 return [MeanQuery((ctx.query, narrower)) if narrower else ctx.query]
@@ -34,8 +38,8 @@ class Iterative(RagPipeline):
             ctx.documents = merge_documents(gathered, ctx.options.top_k)
             if iteration == MAX_ITERATIONS - 1:
                 break
-            draft = await self.generate_quietly(ctx, "draft_answer", ctx.documents)
-            if prompts.is_yes(await self.reply(ctx, "judge", prompts.judge(ctx.query, draft), max_tokens=3)):
+            draft = await self.generate_quietly(ctx, DRAFT_ANSWER, ctx.documents)
+            if prompts.is_yes(await self.reply(ctx, JUDGE, prompts.judge(ctx.query, draft), max_tokens=3)):
                 break
             notes, q_in = draft, question or ctx.query
         return await self.answer(ctx, ctx.documents)

@@ -5,9 +5,12 @@ drifts off it never loses what retrieving with the question finds."""
 from __future__ import annotations
 
 from telerag.pipelines import prompts
-from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext, Stage, merge_documents
+from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext, merge_documents
+from telerag.pipelines.types import Stage, StageRole
 
 MAX_SUB_QUESTIONS = 4
+
+DECOMPOSE = Stage("decompose", StageRole.PRE_RETRIEVAL)
 
 
 def parse_sub_questions(text: str, limit: int = MAX_SUB_QUESTIONS) -> list[str]:
@@ -30,13 +33,13 @@ def search_queries(question: str, sub_questions: list[str]) -> list[str]:
 class SubQuestion(RagPipeline):
     name = "subquestion"
     description = "Decompose into sub-questions (pre-retrieval), retrieve them with the question as one batch, then answer."
-    stages = (PREFETCH, Stage("decompose", "pre_retrieval"), SEARCH, GENERATE)
+    stages = (PREFETCH, DECOMPOSE, SEARCH, GENERATE)
     llm_calls = 2  # decompose, answer
 
     async def body(self, ctx: RunContext) -> str:
         async def decompose() -> str:
             prompt = prompts.sub_questions(ctx.query, MAX_SUB_QUESTIONS)
-            return await self.reply(ctx, "decompose", prompt, max_tokens=96)
+            return await self.reply(ctx, DECOMPOSE, prompt, max_tokens=96)
 
         _, documents = await self.lookahead(
             ctx, [ctx.query], decompose, lambda text: search_queries(ctx.query, parse_sub_questions(text))

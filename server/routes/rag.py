@@ -70,7 +70,7 @@ async def query_events(events: AsyncIterator[RunEvent], *, request_id: str, with
     """A run's events as our stream sends them: `stage`, `token`, and last `result`."""
     async for event in events:
         if isinstance(event, StageEvent):
-            yield sse("stage", StageUpdate(stage=event.stage, status=event.status, ms=event.ms).model_dump())
+            yield sse("stage", StageUpdate(stage=event.stage.name, role=event.stage.role, status=event.status, ms=event.ms).model_dump())
         elif isinstance(event, TokenEvent):
             yield sse("token", TokenText(text=event.text).model_dump())
         elif isinstance(event, ResultEvent):
