@@ -30,7 +30,7 @@ from telerag.retrieval.cooperative import CooperativeSearch, QueryStats, SearchR
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.demand import DemandCopyPolicy
 from telerag.utils.device import resolve_device
-from telerag.retrieval.errors import DeviceMemoryError, DeviceUnavailable, SearchError
+from telerag.retrieval.errors import DeviceMemoryError, DeviceUnavailable, InvalidCall
 from telerag.retrieval.ivf import CPUIndex
 from telerag.retrieval.prefetch import PrefetchHandle, PrefetchPlan, plan_prefetch
 from telerag.utils.progress import ProgressBar
@@ -169,7 +169,7 @@ class RetrievalEngine:
         """Replace the cluster cache with an empty one of `cache_bytes` (nothing may be pinned,
         and the device must hold it: `check_cache_fits`); `demand_copy` as in the constructor."""
         if self.cache.stats().pinned_clusters:
-            raise SearchError("cannot resize the cluster cache while clusters are pinned")
+            raise InvalidCall("cannot resize the cluster cache while clusters are pinned")
         self.check_cache_fits(cache_bytes)
         with self.on_stream():
             self.cache = ClusterCache(self.host_vectors, self.datastore.offsets, 0, self.device)
@@ -359,7 +359,7 @@ class RetrievalEngine:
             return [prefetch] * n
         handles = list(prefetch)
         if len(handles) != n:
-            raise SearchError(f"{len(handles)} prefetch handles for {n} queries")
+            raise InvalidCall(f"{len(handles)} prefetch handles for {n} queries")
         return handles
 
 

@@ -55,9 +55,17 @@ class PassageNotFound(RetrievalError):
 
 
 class SearchError(RetrievalError):
-    """A search request is invalid (bad nprobe, k, or query shape)."""
+    """A search request is invalid (bad nprobe, k, or query shape): the request's mistake."""
 
     code = "bad_search"
+
+
+class InvalidCall(RetrievalError):
+    """The retrieval engine's caller broke its contract (prefetch handles that do not match the
+    queries, a cache resized while clusters are pinned): a bug in the code that calls it, never
+    a client's request."""
+
+    code = "invalid_call"
 
 
 class DeviceUnavailable(RetrievalError):

@@ -49,10 +49,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import NoReturn
 
-from telerag.server.errors import Overloaded
+from telerag.server.errors import Overloaded, Refusal
 
 TOKENS_PER_WORD = 1.5  # prompt tokens per word of a passage (English BPE; its title and separators included)
 DEFAULT_PASSAGE_WORDS = 100  # a datastore's passage length when its manifest does not say (the builder's default)
@@ -67,17 +66,6 @@ ERROR_QUANTILE = 1.0  # the quantile of that error that scales every estimate: t
 # the 99th percentile of 100, their second largest, would hold for 98)
 ERROR_MIN_SAMPLES = 3  # below this many, estimates are not scaled (from 3 on, the quantile of few is near their worst)
 ERROR_MIN_ESTIMATE_S = 1.0  # an estimate shorter than this counts as this long (a 0.1 s estimate that took 0.5 s says little about 30 s)
-
-
-class Refusal(str, Enum):
-    """Why a request was refused (the `reason` label of `telerag_admission_refusals_total`)."""
-
-    DEADLINE = "deadline"  # its expected finish is past the deadline
-    QUEUE_FULL = "queue_full"  # max_concurrency running and max_queue waiting
-    KEY_LIMIT = "key_limit"  # its API key has max_in_flight_per_key requests admitted
-    UNMEASURED = "unmeasured"  # the rate or the estimates' error is not measured yet (one request in flight), or
-    # fewer estimates have been checked than requests would be in flight
-    PROMPT_TOKENS = "prompt_tokens"  # over limits.max_prompt_tokens (422, counted here too)
 
 
 @dataclass(frozen=True)
@@ -246,7 +234,7 @@ class Admission:
         if self.deadline_s is not None and self._admitted:
             measured = len(self.error.ratios)
             if finishes is None or not self.error.calibrated or len(self._admitted) >= measured:
-                self._refuse(Refusal.UNMEASURED, "the server is measuring its service rate and the error of its "
+                self._refuse(Refusal.CALIBRATING, "the server is measuring its service rate and the error of its "
                              f"estimates: one request at a time until {self.error.min_samples + 1} have finished, then "
                              f"no more at once than have finished under an estimate ({measured})",
                              self._soonest(rate, self._admitted))
@@ -330,10 +318,10 @@ class Admission:
         return min(finishes[t] for t in tickets) * self.error.factor
 
     def _refuse(self, reason: Refusal, message: str, retry_after_s: float | None) -> NoReturn:
-        """Count the refusal and raise the 429; without an estimate (no rate yet) the soonest
-        sensible retry is a second."""
+        """Count the refusal and raise the 429, whose `Retry-After` is `retry_after_s` by the
+        server's one policy (`errors.retry_after_s`: the default without an estimate)."""
         self.on_refuse(reason)
-        raise Overloaded(message, retry_after=max(1, math.ceil(retry_after_s)) if retry_after_s is not None else 1)
+        raise Overloaded(reason, message, retry_after_s)
 
     # -- the life of an admitted request -------------------------------------------------------
 

@@ -15,7 +15,7 @@ from telerag.server import errors
 from telerag.server.auth import Access
 from telerag.server.lifecycle import Lifecycle
 from telerag.server.metrics import Metrics
-from telerag.server.middleware import BodyLimit, ServingGate
+from telerag.server.middleware import BodyLimit, RequestId, ServingGate
 from telerag.server.openapi import extend_schema
 from telerag.server.protocol import request_models
 from telerag.server.routes import openai, ops, rag
@@ -49,7 +49,9 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
     app.add_middleware(ServingGate, lifecycle=lifecycle)
     app.add_middleware(BodyLimit, limit=settings.limits.max_body_bytes)
     if settings.server.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=settings.server.cors_origins, allow_methods=["*"], allow_headers=["*"])
+        app.add_middleware(CORSMiddleware, allow_origins=settings.server.cors_origins, allow_methods=["*"], allow_headers=["*"],
+                           expose_headers=["X-Request-ID", "Retry-After"])
+    app.add_middleware(RequestId)  # outermost: every response, refusals included, carries the id
     app.include_router(ops.router(access))
     app.include_router(rag.router(models, access))
     app.include_router(openai.router(models, access))

@@ -27,7 +27,7 @@ from typing import Any, Literal, Protocol
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from telerag.server.errors import TooManyConnections, error_detail, error_response, status_of
+from telerag.server.errors import TooManyConnections, response_for
 from telerag.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -89,9 +89,8 @@ class _ProbesOnly:
         if scope["type"] == "http" and scope["path"] in PROBE_PATHS:
             await self.app(scope, receive, closing)
             return
-        refusal = TooManyConnections("too many open connections; retry shortly")  # not logged: a flood would flood the log
-        response = error_response(status_of(refusal), error_detail(refusal), {"Retry-After": "1"})
-        await response(scope, receive, closing)
+        refusal = TooManyConnections("too many open connections; retry shortly")  # a refusal: not logged (a flood would flood the log)
+        await response_for(refusal)(scope, receive, closing)
 
 
 class _HeaderDeadline:

@@ -1,9 +1,18 @@
-"""The one place where errors become HTTP responses: a status code per error type and one JSON
-shape, `{"error": {"type", "message", "field"?}}`."""
+"""The one place where errors become HTTP responses: a status code per error type, one JSON
+shape, `{"error": {"type", "message", "field"?}}`, and one policy for `Retry-After`.
+
+A client's mistake is a 4xx naming what was wrong; a refusal of a busy or unready server is a
+429 or 503 with `Retry-After`; a fault of the server is a 5xx, logged with the request's id
+(`X-Request-ID`, which every response carries). A 500 is a bug: its body says only that, and
+the request's id, so the log can be found; nothing of the exception leaves the server.
+"""
 
 from __future__ import annotations
 
+import contextvars
 import logging
+import math
+from enum import Enum
 from http import HTTPStatus
 from typing import Any
 
@@ -26,24 +35,59 @@ from telerag.server.protocol import ErrorDetail, ErrorResponse
 
 log = logging.getLogger(__name__)
 
+RETRY_AFTER_S = 1  # a 429 or 503 whose cause has no better estimate of when to come back
+NOT_READY_RETRY_AFTER_S = 5  # loading or draining: a load takes seconds to minutes, a drain up to its grace
+
+request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("telerag_request_id", default=None)  # set by middleware.RequestId
+
+
+def retry_after_s(estimate_s: float | None, default: int = RETRY_AFTER_S) -> int:
+    """The one `Retry-After` policy: an estimate in whole seconds, rounded up, at least 1; `default`
+    without one."""
+    return default if estimate_s is None else max(1, math.ceil(estimate_s))
+
+
+class Refusal(str, Enum):
+    """Why admission refused a request: the body's `error.type` of its 429 (422 for
+    `prompt_tokens`), and the `reason` label of `telerag_admission_refusals_total`."""
+
+    DEADLINE = "deadline"  # its expected finish is past the deadline
+    QUEUE_FULL = "queue_full"  # max_concurrency running and max_queue waiting
+    KEY_LIMIT = "key_limit"  # its API key has max_in_flight_per_key requests admitted
+    CALIBRATING = "calibrating"  # the rate or the estimates' error is not measured yet (one request in flight), or
+    # fewer estimates have been checked than requests would be in flight
+    PROMPT_TOKENS = "prompt_tokens"  # over limits.max_prompt_tokens (422, counted here too)
+
 
 class ServerError(Exception):
     """Base class of the server's own errors; `code` is the body's `error.type`."""
 
-    code = "server_error"
+    code: str = "server_error"
 
 
-class Overloaded(ServerError):
-    """The queue is full; the client should retry after `retry_after` seconds."""
+class Refused(ServerError):
+    """The server is not taking this request now (busy, loading, draining): a state of the
+    server, not a fault of it nor of the client, so it is not logged as an error. `retry_after`
+    is the `Retry-After` a client gets (`retry_after_s`)."""
 
-    code = "overloaded"
+    default_retry_after_s = RETRY_AFTER_S
 
-    def __init__(self, message: str, retry_after: int = 1) -> None:
+    def __init__(self, message: str, retry_after_estimate_s: float | None = None) -> None:
         super().__init__(message)
-        self.retry_after = retry_after
+        self.retry_after = retry_after_s(retry_after_estimate_s, self.default_retry_after_s)
 
 
-class TooManyConnections(ServerError):
+class Overloaded(Refused):
+    """Admission refused the request; `reason` says why (and is the body's `error.type`, and the
+    `reason` of `telerag_admission_refusals_total`)."""
+
+    def __init__(self, reason: Refusal, message: str, retry_after_estimate_s: float | None = None) -> None:
+        super().__init__(message, retry_after_estimate_s)
+        self.reason = reason
+        self.code = reason.value
+
+
+class TooManyConnections(Refused):
     """A connection opened past `server.max_connections` asked for something other than a probe."""
 
     code = "too_many_connections"
@@ -53,14 +97,11 @@ class Unauthorized(ServerError):
     code = "unauthorized"
 
 
-class NotReady(ServerError):
-    """Still loading, or draining before shutdown: come back (or go elsewhere) after `retry_after` s."""
+class NotReady(Refused):
+    """Still loading, or draining before shutdown: come back (or go elsewhere) later."""
 
     code = "not_ready"
-
-    def __init__(self, message: str, retry_after: int = 1) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
+    default_retry_after_s = NOT_READY_RETRY_AFTER_S
 
 
 class RequestTimeout(ServerError):
@@ -108,7 +149,6 @@ STATUS: list[tuple[type[Exception], int]] = [
     (PipelineError, 500),
     (RetrievalError, 500),
 ]
-RETRY_AFTER_S = 1  # for a 429 or 503 whose error does not say
 WHEN = {  # what each status means, for the OpenAPI schema
     400: "The body is not JSON (or not UTF-8, or nested too deep).",
     401: "Missing or wrong API key (`Authorization: Bearer <key>`).",
@@ -119,6 +159,8 @@ WHEN = {  # what each status means, for the OpenAPI schema
     503: "Not ready (loading) or a component is unavailable: retry after `Retry-After` seconds.",
     504: "The request took longer than `scheduler.request_timeout_s`.",
 }
+_REQUEST_ID = {"X-Request-ID": {"description": "the request's id (the client's, where it sent a valid one); a fault is "
+                                               "logged with it", "schema": {"type": "string"}, "required": True}}
 _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}, "required": True}}
 _HEADERS = {401: {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}, "required": True}},
             429: _RETRY_AFTER, 503: _RETRY_AFTER}
@@ -129,32 +171,38 @@ def status_of(exc: BaseException) -> int:
 
 
 def error_detail(exc: BaseException) -> ErrorDetail:
+    """What the client is told of `exc`, logged first where it is the server's fault (a 5xx that
+    is not a refusal). A 500 is a bug: the client gets its request's id, the log the rest."""
+    status = status_of(exc)
+    if status >= 500 and not isinstance(exc, Refused):
+        log.error("request %s failed: %s", request_id.get() or "-", exc, exc_info=exc)
+    if status == 500:
+        return ErrorDetail(type="internal_error", message=f"internal server error (request {request_id.get() or '-'})")
     return ErrorDetail(type=getattr(exc, "code", "internal_error"), message=str(exc) or type(exc).__name__,
                        field=getattr(exc, "field", None) or None)
 
 
 def error_response(status: int, detail: ErrorDetail, headers: dict[str, str] | None = None) -> JSONResponse:
-    """The one error body, with `Retry-After` on every 429 and 503."""
+    """The one error body, with `Retry-After` on every 429 and 503 (the policy's default unless
+    `headers` has one) and the request's id."""
     headers = dict(headers or {})
     if status in (429, 503):
         headers.setdefault("Retry-After", str(RETRY_AFTER_S))
+    if (rid := request_id.get()) is not None:
+        headers.setdefault("X-Request-ID", rid)
     return JSONResponse(ErrorResponse(error=detail).model_dump(exclude_none=True), status_code=status, headers=headers)
 
 
 def response_for(exc: BaseException) -> JSONResponse:
-    status = status_of(exc)
-    if status >= 500 and not isinstance(exc, NotReady):  # loading and draining are states, not failures
-        log.error("request failed: %s", exc, exc_info=exc)
-    retry_after = getattr(exc, "retry_after", 1 if status == 429 else None)
-    headers = {"Retry-After": str(retry_after)} if retry_after is not None else {}
+    headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, Refused) else {}
     if isinstance(exc, Unauthorized):
         headers["WWW-Authenticate"] = "Bearer"
-    return error_response(status, error_detail(exc), headers)
+    return error_response(status_of(exc), error_detail(exc), headers)
 
 
 def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """The OpenAPI `responses` of these error statuses: the error model, what it means, its headers."""
-    return {status: {"model": ErrorResponse, "description": WHEN[status]} | ({"headers": _HEADERS[status]} if status in _HEADERS else {})
+    return {status: {"model": ErrorResponse, "description": WHEN[status], "headers": _REQUEST_ID | _HEADERS.get(status, {})}
             for status in statuses}
 
 
@@ -184,7 +232,7 @@ def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
 
 def _unhandled(_: Request, exc: Exception) -> JSONResponse:
     """A bug: 500 with the one error body and nothing of the exception (the server logs it)."""
-    return error_response(500, ErrorDetail(type="internal_error", message="internal server error"))
+    return response_for(exc)
 
 
 def install(app: FastAPI) -> None:

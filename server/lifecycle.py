@@ -14,9 +14,6 @@ from telerag.utils.progress import StepProgress
 
 log = logging.getLogger(__name__)
 
-RETRY_AFTER_S = 5  # what a 503 while loading or draining tells a client to wait
-
-
 class Phase(enum.StrEnum):
     LOADING = "loading"
     READY = "ready"

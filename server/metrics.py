@@ -11,7 +11,7 @@ from prometheus_client.registry import Collector
 from telerag.pipelines.stats import SearchStats
 from telerag.pipelines.types import RagResult
 from telerag.retrieval.stats import CacheStats
-from telerag.server.admission import Refusal
+from telerag.server.errors import Refusal
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)

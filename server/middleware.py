@@ -1,12 +1,45 @@
-"""The ASGI middleware in front of the routes: both answer before FastAPI sees the request."""
+"""The ASGI middleware in front of the routes: each acts before FastAPI sees the request."""
 
 from __future__ import annotations
+
+import re
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from telerag.server import errors
 from telerag.server.errors import BodyTooLarge, NotReady
-from telerag.server.lifecycle import RETRY_AFTER_S, Lifecycle, Phase
+from telerag.server.lifecycle import Lifecycle, Phase
+from telerag.server.protocol import new_request_id
+
+REQUEST_ID_HEADER = b"x-request-id"
+CLIENT_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")  # what of a client's X-Request-ID is kept (it goes into logs)
+
+
+class RequestId:
+    """Every HTTP request gets an id: the client's `X-Request-ID` when it sends one of at most
+    128 letters, digits and `._:-`, else a new one. Every response carries it in `X-Request-ID`,
+    an answer's id is made of it (`rag-<id>`, `chatcmpl-<id>`), and a fault is logged with it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers") or []).get(REQUEST_ID_HEADER, b"")
+        rid = given.decode() if CLIENT_REQUEST_ID.fullmatch(given) else new_request_id()
+        scope.setdefault("state", {})["request_id"] = rid
+        errors.request_id.set(rid)  # not reset: the error handlers outside this middleware log it too
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                if all(name.lower() != REQUEST_ID_HEADER for name, _ in headers):
+                    message = {**message, "headers": [*headers, (REQUEST_ID_HEADER, rid.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class BodyLimit:
@@ -60,7 +93,7 @@ class ServingGate:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/") and self.lifecycle.phase != Phase.READY:
-            refusal = NotReady(self.lifecycle.unavailable_reason, retry_after=RETRY_AFTER_S)
+            refusal = NotReady(self.lifecycle.unavailable_reason)
             await errors.response_for(refusal)(scope, receive, send)
             return
         await self.app(scope, receive, send)

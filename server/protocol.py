@@ -327,5 +327,5 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+def new_request_id() -> str:
+    return uuid.uuid4().hex[:24]

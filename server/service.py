@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 
 from telerag.pipelines.types import Pipeline, ResultEvent, RunEvent, RunOptions, TokenEvent, UsageEvent
-from telerag.server.admission import DEFAULT_PASSAGE_WORDS, TOKENS_PER_WORD, Admission, Refusal, RequestCost
+from telerag.server.admission import DEFAULT_PASSAGE_WORDS, TOKENS_PER_WORD, Admission, RequestCost
 from telerag.server.admitted_run import AdmittedRun
-from telerag.server.errors import InvalidField, RequestTimeout
+from telerag.server.errors import InvalidField, Refusal, RequestTimeout
 from telerag.server.metrics import Metrics
 from telerag.server.scheduler import BatchingRetriever
 

@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from telerag.pipelines.registry import PIPELINES
-from telerag.server.admission import ERROR_MIN_SAMPLES, ERROR_WINDOW, PREFILL_WEIGHT, Admission, EstimateError, Refusal, RequestCost, ServiceRate
+from telerag.server.admission import ERROR_MIN_SAMPLES, ERROR_WINDOW, PREFILL_WEIGHT, Admission, EstimateError, RequestCost, ServiceRate
+from telerag.server.errors import Refusal
 from telerag.server.app import create_app, start_serving
 from telerag.server.errors import Overloaded
 from telerag.server.runtime import Runtime
@@ -91,7 +92,7 @@ async def test_before_any_request_finished_one_is_admitted_at_a_time():
     first = a.admit(UNIT)
     with pytest.raises(Overloaded) as info:
         a.admit(UNIT)
-    assert info.value.retry_after == 1 and refused == [Refusal.UNMEASURED]
+    assert info.value.retry_after == 1 and refused == [Refusal.CALIBRATING]
     await a.start(first)
     clock.now += 5.0
     a.finish(first, completed=True)
@@ -106,7 +107,7 @@ async def test_until_its_estimates_error_is_measured_one_request_is_admitted_at_
         await a.start(ticket)
         with pytest.raises(Overloaded) as info:
             a.admit(UNIT)
-        assert refused[-1] == Refusal.UNMEASURED
+        assert refused[-1] == Refusal.CALIBRATING
         if n:  # estimated at 10 s, it has 10 s to go: retry then
             assert ticket.estimated_s == pytest.approx(10.0) and info.value.retry_after == 10
         clock.now += 10.0
@@ -128,7 +129,7 @@ async def test_then_no_more_run_at_once_than_have_finished_under_an_estimate():
     held = [a.admit(UNIT) for _ in range(3)]
     with pytest.raises(Overloaded):
         a.admit(UNIT)
-    assert refused == [Refusal.UNMEASURED] and a.error.calibrated
+    assert refused == [Refusal.CALIBRATING] and a.error.calibrated
     await a.start(held[0])
     clock.now += 5.0
     a.finish(held[0], completed=True)  # a fourth estimate checked: four at once from now on
@@ -508,7 +509,7 @@ async def test_on_the_tiny_model_a_request_past_the_deadline_gets_429_at_once():
     finally:
         await engine.close()
     assert refused.status_code == 429
-    assert refused.json()["error"]["type"] == "overloaded" and "deadline" in refused.json()["error"]["message"]
+    assert refused.json()["error"]["type"] == "deadline" and "deadline" in refused.json()["error"]["message"]
     retry_after = int(refused.headers["retry-after"])
     assert retry_after >= 1 and retry_after == math.ceil(float(retry_after))
     assert refusals(metrics, "deadline") == 1

@@ -73,7 +73,7 @@ CASES: list[tuple[str, dict, Callable[[Harness], None] | None, Send, int, str, t
     ("invalid field", {}, None, lambda c, h: c.post("/v1/rag/query", json={"query": "q", "top_k": 0}, headers=AUTH),
      422, "invalid_request", ("post", "/v1/rag/query")),
     ("overloaded", {"delay": 1.0, "scheduler": {"max_concurrency": 1, "max_queue": 0}}, None, _overloaded,
-     429, "overloaded", ("post", "/v1/rag/query")),
+     429, "queue_full", ("post", "/v1/rag/query")),
     ("a bug", {}, _break_pipeline, lambda c, h: c.post("/v1/rag/query", json={"query": "q"}, headers=AUTH),
      500, "internal_error", None),
     ("engine failure", {}, lambda h: setattr(h.engine, "fail", True),
@@ -102,15 +102,38 @@ async def test_every_error_has_the_one_body(name, options, breaks, send, status,
     assert list(body) == ["error"] and {"type", "message"} <= body["error"].keys() <= {"type", "message", "field"}
     assert body["error"]["type"] == kind and body["error"]["message"]
     assert ("retry-after" in response.headers) == (status in (429, 503))
+    assert re.fullmatch(r"[0-9a-f]{24}", response.headers["x-request-id"])  # every response, refusals and bugs included
     if status == 401:
         assert response.headers["www-authenticate"] == "Bearer"
     if status == 405:
         assert response.headers["allow"] == "POST"
     if status == 500:
         assert "secret" not in response.text and "Traceback" not in response.text  # nothing of the exception leaks
+        assert response.headers["x-request-id"] in body["error"]["message"]  # but the id to find it in the log
     if route:  # and the schema says so
         documented = schema["paths"][route[1]][route[0]]["responses"][str(status)]
         assert documented["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+
+
+async def test_a_fault_is_logged_with_the_request_id_the_client_gave(caplog):
+    """A client's X-Request-ID comes back on the response, names the answer, and is in the log
+    line of a fault, whether the answer was one body or a stream that had begun."""
+    h = Harness()
+    transport = httpx.ASGITransport(app=h.app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
+        answered = await http.post("/v1/rag/query", json={"query": "q?"}, headers={"x-request-id": "client-7.a"})
+        invalid = await http.post("/v1/rag/query", json={"query": "q?"}, headers={"x-request-id": "spaces are not kept"})
+        _break_pipeline(h)
+        with caplog.at_level("ERROR", logger="telerag.server.errors"):
+            failed = await http.post("/v1/rag/query", json={"query": "q?"}, headers={"x-request-id": "client-8"})
+            streamed = await http.post("/v1/rag/query", json={"query": "q?", "stream": True}, headers={"x-request-id": "client-9"})
+    assert answered.headers["x-request-id"] == "client-7.a" and answered.json()["id"] == "rag-client-7.a"
+    assert re.fullmatch(r"[0-9a-f]{24}", invalid.headers["x-request-id"])
+    assert failed.status_code == 500 and failed.json()["error"]["message"] == "internal server error (request client-8)"
+    error_event = [line for line in streamed.text.splitlines() if line.startswith("data:")][-1]
+    assert json.loads(error_event.removeprefix("data:")) == {"type": "internal_error", "message": "internal server error (request client-9)"}
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("client-8" in m and "secret detail" in m for m in logged) and any("client-9" in m for m in logged)
 
 
 async def test_chunked_body_over_the_limit_is_413_over_a_socket():

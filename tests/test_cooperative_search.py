@@ -11,7 +11,7 @@ import torch
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.datastore import Datastore
-from telerag.retrieval.errors import DeviceMemoryError, SearchError
+from telerag.retrieval.errors import DeviceMemoryError, InvalidCall, SearchError
 from telerag.retrieval.ivf import same_results
 from tests.retrieval_helpers import DEVICES, CopyEveryMiss, assert_same_as_faiss, random_datastore, random_queries
 
@@ -143,6 +143,26 @@ def test_bad_arguments(tmp_path):
         engine.search(q, 0, nprobe=4)
     with pytest.raises(SearchError, match="shape"):
         engine.search(q[:, :-1], 5, nprobe=4)
+
+
+def test_a_broken_contract_with_the_engine_is_a_server_fault_not_a_bad_request(tmp_path):
+    """What only the code calling the engine can get wrong is `InvalidCall`: a 500, never the
+    422 of a bad search request."""
+    from telerag.server.errors import status_of
+
+    ds = random_datastore(tmp_path / "ds", nlist=16)
+    engine = RetrievalEngine(ds, cache_bytes=1 << 20)
+    q = random_queries(2, ds.dim)
+    handle = engine.prefetch(q[:1], budget_bytes=1 << 20)
+    with pytest.raises(InvalidCall, match="1 prefetch handles for 2 queries") as mismatch:
+        engine.search(q, 5, nprobe=4, prefetch=[handle])
+    with pytest.raises(InvalidCall, match="pinned") as resize:
+        engine.resize_cache(1 << 21)
+    handle.release()
+    assert status_of(mismatch.value) == status_of(resize.value) == 500
+    with pytest.raises(SearchError) as bad_request:
+        engine.search(q, 5, nprobe=17)
+    assert status_of(bad_request.value) == 422
 
 
 @pytest.mark.parametrize("device", DEVICES)

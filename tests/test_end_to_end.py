@@ -163,7 +163,8 @@ def test_real_server_refuses_overload_with_429(server):
         responses = list(pool.map(send, range(sent)))
     refused = [r for r in responses if r.status_code == 429]
     assert len(refused) >= sent - MAX_CONCURRENCY - MAX_QUEUE
-    assert all(r.headers["retry-after"] and r.json()["error"]["type"] == "overloaded" for r in refused)
+    causes = {"queue_full", "deadline", "calibrating"}  # the queue's bound, or admission's model: each says which
+    assert all(r.headers["retry-after"] and r.json()["error"]["type"] in causes for r in refused)
     assert all(r.status_code == 200 for r in responses if r not in refused)
 
 

@@ -101,7 +101,7 @@ async def test_overload_answers_429_with_retry_after():
         second = await client.post("/v1/rag/query", json={"query": "refused?"})
         assert second.status_code == 429
         assert second.headers["retry-after"] == "1"
-        assert second.json()["error"]["type"] == "overloaded"
+        assert second.json()["error"]["type"] == "queue_full"
         assert (await first).status_code == 200
 
 

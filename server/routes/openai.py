@@ -23,7 +23,6 @@ from telerag.server.protocol import (
     Model,
     ModelList,
     RequestModels,
-    new_id,
 )
 from telerag.server.routes.responses import generation_errors, json_or_events
 from telerag.server.routes.signature import typed
@@ -60,7 +59,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, client
     max_tokens = body.max_tokens if body.max_tokens is not None else request.app.state.default_max_tokens
     options = service.options(top_k=None, nprobe=None, max_tokens=max_tokens, temperature=body.temperature)
     run = service.admit(request, service.pipelines[body.model], question, options, client, query_field="messages", top_k_field=None)
-    request_id = new_id("chatcmpl")
+    request_id = f"chatcmpl-{request.state.request_id}"
     if body.stream:
         return await run.stream(chunks(request_id, body.model))
     return await run.respond(lambda result: ChatCompletion.from_result(result, request_id=request_id, model=body.model))

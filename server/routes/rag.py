@@ -23,7 +23,6 @@ from telerag.server.protocol import (
     RequestModels,
     StageUpdate,
     TokenText,
-    new_id,
 )
 from telerag.server.routes.responses import generation_errors, json_or_events
 from telerag.server.routes.signature import typed
@@ -59,7 +58,7 @@ async def rag_query(body: QueryRequest, request: Request, client: str | None, se
     options = service.options(top_k=body.top_k, nprobe=body.nprobe, max_tokens=body.max_tokens,
                               temperature=body.temperature, prefetch=body.prefetch)
     run = service.admit(request, service.pipelines[body.pipeline], body.query, options, client)  # or 422 / 429, at once
-    request_id = new_id("rag")
+    request_id = f"rag-{request.state.request_id}"
     if body.stream:
         events = functools.partial(query_events, request_id=request_id, with_documents=body.return_documents)
         return await run.stream(EventStream(events=events, error=lambda detail: sse("error", detail.model_dump(exclude_none=True))))
