@@ -34,7 +34,7 @@ from telerag.retrieval.datastore import Datastore
 from telerag.utils.device import resolve_device
 from telerag.retrieval.errors import DatastoreError, DeviceUnavailable
 from telerag.utils.progress import ProgressBar
-from telerag.server.runtime import load_datastore, load_embedder, open_configured_retriever
+from telerag.server.runtime import load_configured_datastore, load_embedder, open_configured_retriever
 from telerag.server.settings import RetrievalSettings
 
 log = logging.getLogger(__name__)
@@ -176,7 +176,7 @@ def open_scaled_retriever(retrieval: RetrievalSettings, scale: DatastoreScale | 
     """The configured retriever over the configured datastore, or over it scaled up in memory on
     the retrieval device."""
     embedder = load_embedder(retrieval)
-    datastore = load_datastore(retrieval, embedder)
+    datastore = load_configured_datastore(retrieval, embedder)
     if scale is not None:
         try:
             datastore = scaled_datastore(datastore, scale, device=retrieval.device)

@@ -24,12 +24,6 @@ def model_name(path: Path) -> str:
     return path.name
 
 
-def configured_name(model_path: str | Path | None) -> str:
-    """The `name` an Embedder of `model_path` (None: the packaged default) has, known before the
-    model loads: what the manifest of a datastore searched with it must record."""
-    return DEFAULT_NAME if model_path is None else model_name(Path(model_path).expanduser().absolute())
-
-
 class Embedder:
     """A sentence-transformers model. `name` is what a datastore manifest records, so a
     datastore is only ever searched with the model that built it; `dim` is its vector size."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -220,6 +220,26 @@ def build_wikipedia_datastore(path: Path, embedder: TextEncoder) -> Path:
     )
 
 
+def load_datastore(
+    path: Path,
+    embedder: TextEncoder,
+    *,
+    build_if_missing: bool = False,
+    verify_checksums: bool = True,
+    on_step: Callable[[str], None] = lambda step: None,
+) -> Datastore:
+    """The one way a datastore is opened for searching with `embedder`: the built-in Wikipedia
+    one is built at `path` first if there is none there and `build_if_missing`; then it is
+    loaded, refused (`DatastoreMismatchError`) if it was built with another embedder or holds
+    vectors of another dimension, and its files checked. `on_step` hears each step begin."""
+    path = Path(path).expanduser()
+    if build_if_missing and not (path / MANIFEST).is_file():
+        on_step("building datastore (first run)")
+        build_wikipedia_datastore(path, embedder)
+    on_step("checking datastore")
+    return Datastore.load(path, embedder=embedder.name, dim=embedder.dim, verify_checksums=verify_checksums, progress=True)
+
+
 def open_retriever(
     datastore: Path | Datastore,
     embedder: TextEncoder,
@@ -234,15 +254,9 @@ def open_retriever(
     verify_checksums: bool = True,
 ) -> DirectRetriever:
     """Start the retrieval engine over `datastore`, checked to match `embedder`: a loaded one, or
-    the directory to load (building the built-in Wikipedia one there first if there is none and
-    `build_if_missing`)."""
+    the directory to load (`load_datastore`)."""
     if not isinstance(datastore, Datastore):
-        path = Path(datastore).expanduser()
-        if build_if_missing and not (path / MANIFEST).is_file():
-            build_wikipedia_datastore(path, embedder)
-        datastore = Datastore.load(
-            path, embedder=embedder.name, dim=embedder.dim, verify_checksums=verify_checksums, progress=True
-        )
+        datastore = load_datastore(datastore, embedder, build_if_missing=build_if_missing, verify_checksums=verify_checksums)
     else:
         datastore.manifest.check_embedder(datastore.where, embedder=embedder.name, dim=embedder.dim)
     engine = RetrievalEngine(

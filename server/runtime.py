@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import functools
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -15,13 +14,13 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from telerag.pipelines.embedder import Embedder, configured_name
+from telerag.pipelines.embedder import Embedder
 from telerag.pipelines.errors import EmbedderError, EngineUnavailable
 from telerag.pipelines.rag.base import RagPipeline
 from telerag.pipelines.registry import build_pipelines
-from telerag.pipelines.retriever import DirectRetriever, build_wikipedia_datastore, open_retriever
+from telerag.pipelines.retriever import DirectRetriever, load_datastore, open_retriever
 from telerag.pipelines.types import BatchRetriever, DatastoreInfo, Engine, Retriever, RunOptions, run_result
-from telerag.retrieval.datastore import MANIFEST, Datastore
+from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.errors import DeviceUnavailable
 from telerag.utils.device import resolve_device
 from telerag.utils.progress import StepProgress, observe_progress
@@ -115,16 +114,19 @@ def open_retrieval(settings: Settings) -> DirectRetriever:
     """The configured embedder and datastore behind a retriever, with no LLM (a benchmark of
     retrieval alone)."""
     embedder = load_embedder(settings.retrieval)
-    return open_configured_retriever(load_datastore(settings.retrieval, embedder), embedder, settings.retrieval)
+    return open_configured_retriever(load_configured_datastore(settings.retrieval, embedder), embedder, settings.retrieval)
 
 
-def load_datastore(retrieval: RetrievalSettings, embedder: Embedder) -> Datastore:
-    """The configured datastore, checked against `embedder`; the Wikipedia one is built on first
-    run as `load_runtime` does (for commands that load without a server's progress reports)."""
-    path = retrieval.datastore.expanduser()
-    if retrieval.build_if_missing and not (path / MANIFEST).is_file():
-        build_wikipedia_datastore(path, embedder)
-    return Datastore.load(path, embedder=embedder.name, verify_checksums=retrieval.verify_checksums, progress=True)
+def load_configured_datastore(
+    retrieval: RetrievalSettings, embedder: Embedder, on_step: Callable[[str], None] = lambda step: None
+) -> Datastore:
+    """The configured datastore, as serve, ask and every benchmark open it
+    (`pipelines.retriever.load_datastore`: built on the embedded default's first run, refused
+    in one line if `embedder` did not build it)."""
+    return load_datastore(
+        retrieval.datastore, embedder, build_if_missing=retrieval.build_if_missing,
+        verify_checksums=retrieval.verify_checksums, on_step=on_step,
+    )
 
 
 def open_configured_retriever(datastore: Datastore, embedder: Embedder, retrieval: RetrievalSettings) -> DirectRetriever:
@@ -141,30 +143,19 @@ def open_configured_retriever(datastore: Datastore, embedder: Embedder, retrieva
 
 async def load_runtime(settings: Settings, observer: LoadObserver | None = None) -> Runtime:
     """Load what the server runs on, in the order that fails fast and sizes the cache right:
-    the datastore is checked first (manifest, file sizes, checksums), so damage is refused in
-    seconds rather than after the LLM has loaded; then the engine; then the embedder and the
-    retrieval engine, whose cluster cache gets what GPU memory the LLM left. On the embedded
-    default's first run the embedder loads first, to build the datastore.
+    the embedder (small), then the datastore, built on the embedded default's first run and
+    checked (made by this embedder, at its dimension; manifest, file sizes, checksums), so a
+    mismatch or damage is refused in seconds rather than after the LLM has loaded; then the
+    engine; then the retrieval engine, whose cluster cache gets what GPU memory the LLM left.
 
     Each step runs in a worker thread and tells `observer`, so an event loop serving `/health`
     and `/ready` meanwhile keeps answering and can say what is loading and how far it is."""
     observer = observer or LogSteps()
     retrieval = settings.retrieval
-    path = retrieval.datastore.expanduser()
     with observe_progress(observer.report):
-        embedder: Embedder | None = None
-        if retrieval.build_if_missing and not (path / MANIFEST).is_file():
-            observer.loading("loading embedder")
-            embedder = await _in_thread(load_embedder, retrieval)
-            observer.loading("building datastore (first run)")
-            await _in_thread(build_wikipedia_datastore, path, embedder)
-        observer.loading("checking datastore")
-        datastore = await _in_thread(
-            functools.partial(
-                Datastore.load, path, embedder=configured_name(retrieval.embedder),
-                verify_checksums=retrieval.verify_checksums, progress=True,
-            )
-        )
+        observer.loading("loading embedder")
+        embedder = await _in_thread(load_embedder, retrieval)
+        datastore = await _in_thread(load_configured_datastore, retrieval, embedder, observer.loading)
         try:
             observer.loading("loading model")
             engine = await _in_thread(build_engine, settings)
@@ -173,9 +164,6 @@ async def load_runtime(settings: Settings, observer: LoadObserver | None = None)
             raise
         log.info("engine %s (%s)", getattr(engine, "name", "?"), settings.engine.kind)
         try:
-            if embedder is None:
-                observer.loading("loading embedder")
-                embedder = await _in_thread(load_embedder, retrieval)
             observer.loading("opening datastore")
             retriever = await _in_thread(open_configured_retriever, datastore, embedder, retrieval)
         except BaseException:

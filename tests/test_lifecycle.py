@@ -103,7 +103,7 @@ def test_listens_at_once_and_reports_the_load_until_ready(assets, tmp_path):
     finally:
         server.stop()
     output = server.output()
-    steps = ["loading libraries", "checking datastore", "loading model", "loading embedder", "opening datastore", "warming up"]
+    steps = ["loading libraries", "loading embedder", "checking datastore", "loading model", "opening datastore", "warming up"]
     assert [line.split("start-up: ")[1] for line in output.splitlines() if "start-up: " in line] == steps
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from telerag.pipelines.errors import EmbedderError, EngineUnavailable
 from telerag.pipelines.registry import PIPELINES
 from telerag.utils.device import resolve_device
 from telerag.retrieval.engine import RetrievalEngine
-from telerag.retrieval.errors import DatastoreCorruptError, DeviceUnavailable
+from telerag.retrieval.errors import DatastoreCorruptError, DatastoreMismatchError, DeviceUnavailable
 from telerag.utils.progress import StepProgress
 from telerag.server import runtime
 from telerag.benchmarks.random_llm import tiny_random_lm
@@ -158,7 +159,7 @@ async def test_load_checks_the_datastore_then_loads_the_model_then_opens_it(tmp_
                         retrieval={"datastore": build_small_datastore(tmp_path / "ds", embedder), "embedder": embedder})
     watch = Watch()
     async with runtime.open_runtime(settings, watch) as loaded:
-        assert watch.steps == ["checking datastore", "loading model", "loading embedder", "opening datastore"]
+        assert watch.steps == ["loading embedder", "checking datastore", "loading model", "opening datastore"]
         checksums = [p for p in watch.reports if p.step == "verify checksums"]
         assert checksums[0].fraction == 0 and checksums[-1].fraction == 1 and checksums[-1].unit == "B"
         assert loaded.datastore_info.passages > 0 and loaded.datastore_info.embedder == embedder.name
@@ -172,4 +173,27 @@ async def test_a_damaged_datastore_fails_the_load_before_the_model(tmp_path: Pat
     watch = Watch()
     with pytest.raises(DatastoreCorruptError, match="offsets.npy"):
         await runtime.load_runtime(settings, watch)
-    assert watch.steps == ["checking datastore"]
+    assert watch.steps == ["loading embedder", "checking datastore"]
+
+
+@pytest.mark.parametrize("other", ["dimension", "embedder"])
+async def test_a_datastore_of_another_embedder_is_refused_in_one_line_before_the_model(tmp_path: Path, monkeypatch, other):
+    """The datastore's embedder and dimension are checked against the configured embedder's
+    before the LLM loads, by the one loader that serve, ask and the benchmarks use."""
+    built_with = tiny_embedder_dir(32, 0)
+    datastore = build_small_datastore(tmp_path / "ds", built_with)
+    if other == "dimension":  # a model of the same name that makes 16-d vectors
+        configured = tmp_path / "elsewhere" / built_with.name
+        shutil.copytree(tiny_embedder_dir(16, 1), configured)
+    else:
+        configured = tiny_embedder_dir(32, 1)
+    settings = Settings(retrieval={"datastore": datastore, "embedder": configured})
+    monkeypatch.setattr(runtime, "build_engine", lambda _: pytest.fail("the LLM was loaded"))
+    watch = Watch()
+    with pytest.raises(DatastoreMismatchError) as refused:
+        await runtime.load_runtime(settings, watch)
+    assert watch.steps == ["loading embedder", "checking datastore"]
+    line = process.startup_failure(refused.value, datastore)
+    assert "\n" not in line and ("16-d" in line if other == "dimension" else "was built with embedder" in line)
+    with pytest.raises(DatastoreMismatchError):  # the benchmarks' way in: the same loader
+        runtime.open_retrieval(settings)
