@@ -13,7 +13,7 @@ from pathlib import Path
 
 from telerag.pipelines.questions import read_questions
 from telerag.pipelines.registry import PIPELINES
-from telerag.cli.runtime_flags import add_runtime_flags, overrides
+from telerag.cli.runtime_flags import add_runtime_flags, nullable, overrides
 from telerag.server.settings import ENGINE_KIND_ALIASES, load_settings, packaged_config
 
 
@@ -38,8 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="with --model DIR: DIR's architecture (config.json, tokenizer) with random weights, built in "
                              "process on the engine's device: timing at a model's real size, nothing loaded")
     parser.add_argument("--engine", choices=["transformers", "sglang", *ENGINE_KIND_ALIASES])
-    parser.add_argument("--cache-mb", type=float, help="the lookahead mode's cluster cache (default: the config's)")
-    parser.add_argument("--prefetch-budget-mb", type=float, help="one fixed budget (default: B x each pipeline's t_LLM)")
+    parser.add_argument("--cache-mb", type=nullable(float), help="the lookahead mode's cluster cache (default: the config's)")
+    parser.add_argument("--prefetch-budget-mb", type=nullable(float), help="one fixed budget (default: B x each pipeline's t_LLM)")
     scale = parser.add_argument_group(
         "datastore scale (noisy replicas of the datastore's vectors, mapped to their passages, made in memory on the "
         "retrieval device: vectors x dim x 4 bytes of RAM, pinned on CUDA)")

@@ -6,9 +6,6 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from telerag.pipelines.errors import PipelineError
-from telerag.retrieval.errors import RetrievalError
-
 from telerag.cli import (
     ask,
     bench_e2e,
@@ -19,9 +16,13 @@ from telerag.cli import (
     bench_retrieval,
     bench_server,
     bench_soak,
+    config,
     datastore,
     serve,
 )
+from telerag.pipelines.errors import PipelineError
+from telerag.retrieval.errors import RetrievalError
+from telerag.server.settings import SettingsError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve.register(commands)
     ask.register(commands)
+    config.register(commands)
 
     datastore_group = commands.add_parser("datastore", help="build and inspect datastores")
     datastore.register(datastore_group.add_subparsers(dest="action", required=True, metavar="ACTION"))
@@ -52,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (RetrievalError, PipelineError) as exc:  # what the user can fix (a corpus, a path, a device): one line
+    except (RetrievalError, PipelineError, SettingsError) as exc:  # what the user can fix (a setting, a path, a device): one line
         print(f"{parser.prog} {args.command}: {exc}", file=sys.stderr)
         return 1
 

@@ -4,20 +4,47 @@ the configured models and datastore), and how they become settings."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class Null:
+    """A flag given as `null`: the setting is None (its default behaviour, e.g. the embedded
+    model), whatever the file or the environment say, as `null` in the file would make it."""
+
+    def __repr__(self) -> str:
+        return "null"
+
+    def __bool__(self) -> bool:
+        return False  # as the None it stands for
+
+
+NULL = Null()
+
+
+def nullable(kind: Callable[[str], T]) -> Callable[[str], T | Null]:
+    """An argparse type for a setting that may be null: `null`, or a value of `kind`."""
+
+    def parse(text: str) -> T | Null:
+        return NULL if text == "null" else kind(text)
+
+    parse.__name__ = getattr(kind, "__name__", "value")  # argparse names the type in its message
+    return parse
 
 
 def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
     """The flags that choose what a command loads (settings file, models, datastore, device),
     for every command that opens the runtime; `overrides` reads them, and the serving-only
-    flags a command lacks read as not given."""
+    flags a command lacks read as not given. A flag whose setting may be null takes `null`."""
     parser.add_argument("--config", type=Path, help="YAML settings file (default: config/default.yaml)")
-    parser.add_argument("--model", type=Path, help="local model directory or .gguf file")
+    parser.add_argument("--model", type=nullable(Path), help="local model directory or .gguf file (null: the embedded one)")
     parser.add_argument("--datastore", type=Path)
-    parser.add_argument("--embedder", type=Path)
+    parser.add_argument("--embedder", type=nullable(Path), help="sentence-transformers model directory (null: the packaged one)")
     parser.add_argument("--device", help="auto, cpu or cuda (retrieval and engine)")
-    parser.add_argument("--nprobe", type=int)
+    parser.add_argument("--nprobe", type=nullable(int), help="IVF lists searched (null: 4*sqrt(nlist))")
     parser.set_defaults(host=None, port=None, api_key=None, engine=None, cache_mb=None, prefetch_budget_mb=None)
 
 
@@ -26,8 +53,8 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
     chosen: dict[str, dict[str, Any]] = {}
 
     def put(section: str, key: str, value: Any) -> None:
-        if value is not None:
-            chosen.setdefault(section, {})[key] = value
+        if value is not None:  # None: not given
+            chosen.setdefault(section, {})[key] = None if value is NULL else value
 
     put("server", "host", args.host)
     put("server", "port", args.port)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from telerag.cli.runtime_flags import add_runtime_flags, overrides
+from telerag.cli.runtime_flags import add_runtime_flags, nullable, overrides
 from telerag.server.event_loop import run_event_loop
 from telerag.server.process import serve
 from telerag.server.settings import ENGINE_KIND_ALIASES, load_settings
@@ -18,9 +18,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
     parser.add_argument("--engine", choices=["transformers", "sglang", *ENGINE_KIND_ALIASES])
-    parser.add_argument("--cache-mb", type=float, help="GPU cluster cache size")
-    parser.add_argument("--prefetch-budget-mb", type=float)
-    parser.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1")
+    parser.add_argument("--cache-mb", type=nullable(float), help="GPU cluster cache size (null: what the LLM leaves)")
+    parser.add_argument("--prefetch-budget-mb", type=nullable(float), help="one budget for every prefetch (null: B x t_LLM)")
+    parser.add_argument("--api-key", type=nullable(str), help="require Authorization: Bearer KEY on /v1 (null: open)")
     parser.set_defaults(func=run)
 
 

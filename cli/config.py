@@ -1,0 +1,33 @@
+"""`telerag config`: the settings a server would run with, as YAML (`show`), and the defaults
+with what each setting means (`defaults`, the text of `config/default.yaml`: a start for a
+`--config` file of one's own)."""
+
+from __future__ import annotations
+
+import argparse
+
+import yaml
+
+from telerag.cli.runtime_flags import add_runtime_flags, overrides
+from telerag.server.settings import defaults_yaml, load_settings
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("config", help="print the settings (file, environment and flags applied) or the defaults")
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    show = actions.add_parser("show", help="the settings as serve would load them (API keys masked)")
+    add_runtime_flags(show)
+    show.set_defaults(func=run_show)
+    defaults = actions.add_parser("defaults", help="every setting's default and meaning (config/default.yaml)")
+    defaults.set_defaults(func=run_defaults)
+
+
+def run_show(args: argparse.Namespace) -> int:
+    settings = load_settings(args.config, overrides(args))
+    print(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+def run_defaults(args: argparse.Namespace) -> int:
+    print(defaults_yaml(), end="")
+    return 0
