@@ -52,6 +52,17 @@ def reference() -> torch.nn.Module:
     return model.eval()
 
 
+async def test_generating_warns_of_nothing(engine: TransformersEngine):
+    """The engine passes the KV cache as the installed transformers expects it, so no
+    deprecation warning is printed on every request (nor filtered away: warnings are on here)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        await engine.generate(PROMPTS[:2], GREEDY)
+    assert not [w for w in caught if issubclass(w.category, DeprecationWarning | FutureWarning)], [str(w.message) for w in caught]
+
+
 class Recorder:
     """A forward pre-hook on the model: records each step's batch size, and can fail a step."""
 

@@ -17,6 +17,7 @@ the running batch and its KV cache in `batching`; this module is the scheduling 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import collections
 import logging
 import threading
@@ -78,6 +79,9 @@ class TransformersEngine:
         vocab = tokenizer.get_vocab()
         self.eos_ids |= {vocab[marker] for marker in (end_of_turn(tokenizer), END_OF_TURN) if marker in vocab}
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        # The KV cache's keyword in and out of a forward pass: `cache` since transformers 5.24,
+        # `past_key_values` before (SGLang 0.5.23 pins 5.19); the old name warns on every call.
+        self._cache_keyword = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         # Fast tokenizers raise "Already borrowed" when used from two threads at once; the
         # worker decodes while callers encode and FLARE decodes.
         self._tokenizer_lock = threading.Lock()
@@ -268,9 +272,9 @@ class TransformersEngine:
         batch = joined(batch, fresh)
         out = self.model(
             input_ids=batch.next_ids, attention_mask=batch.mask, position_ids=batch.positions,
-            past_key_values=batch.cache, use_cache=True, logits_to_keep=1,
+            use_cache=True, logits_to_keep=1, **{self._cache_keyword: batch.cache},
         )
-        batch.cache = out.past_key_values
+        batch.cache = getattr(out, self._cache_keyword)
         chosen, logprobs = self._sample(out.logits[:, -1, :].float(), batch.temperature, batch.top_p)
         now = time.perf_counter()
         keep = [
