@@ -29,7 +29,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 import numpy as np
 import torch
@@ -41,15 +41,15 @@ from telerag.pipelines.rag.base import RagPipeline
 from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.retriever import DirectRetriever
 from telerag.pipelines.types import DatastoreInfo, Engine, RagResult, RunOptions
-from telerag.utils.device import resolve_device
 from telerag.retrieval.errors import DeviceMemoryError
 from telerag.server.event_loop import run_event_loop
 from telerag.server.runtime import build_engine
 from telerag.server.scheduler import BatchingRetriever
 from telerag.server.settings import Settings, pre_retrieval_profile
+from telerag.utils.device import resolve_device
 
 
-class Mode(str, Enum):
+class Mode(StrEnum):
     CPU = "cpu"
     LOOKAHEAD = "lookahead"
     RESIDENT = "resident"
@@ -78,7 +78,7 @@ class E2EConfig:
         object.__setattr__(self, "modes", tuple(m for m in MODES if m in self.modes))
 
 
-class LLMChoice(str, Enum):
+class LLMChoice(StrEnum):
     """Which LLM `run_configured_e2e` loads."""
 
     CONFIGURED = "configured"  # the settings' engine, as `serve` builds it
@@ -285,8 +285,10 @@ def run_configured_e2e(
             )
         except DeviceMemoryError as exc:
             retriever.close()
-            raise DeviceMemoryError(f"the resident mode holds the whole datastore: {exc}; run it on a larger GPU, or leave "
-                                    "it out with --modes cpu lookahead") from None
+            raise DeviceMemoryError(
+                f"the resident mode holds the whole datastore: {exc}; run it on a larger GPU, or leave "
+                "it out with --modes cpu lookahead"
+            ) from None
 
     async def main() -> list[E2ERow]:
         try:

@@ -15,9 +15,9 @@ the wall time of the whole method. The greedy outputs are compared token for tok
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -51,6 +51,8 @@ SPEEDUPS = (  # (method, over method) pairs of the report's tokens/s ratios
     ("engine_concurrent", "generate_batch"),
     ("engine_1by1", "generate_1by1"),
 )
+
+log = logging.getLogger(__name__)  # progress, to stderr (the command configures logging)
 
 
 @dataclass
@@ -119,7 +121,7 @@ def run_generate(config: GenerateConfig) -> GenerateReport:
     prompts = [engine.format_prompt(f"Question: {q}\nAnswer:") for q in questions]
     ids = [engine.encode_prompt(p) for p in prompts]
     params = SamplingParams(max_tokens=config.max_tokens)
-    _progress(f"{engine.name}: {config.prompts} requests x {config.max_tokens} tokens, greedy, {torch.get_num_threads()} threads")
+    log.info(f"{engine.name}: {config.prompts} requests x {config.max_tokens} tokens, greedy, {torch.get_num_threads()} threads")
 
     _hf_generate(engine, baseline, ids[:1], 2)  # warm both up once
     asyncio.run(engine.generate(prompts[:1], SamplingParams(max_tokens=2)))
@@ -131,8 +133,13 @@ def run_generate(config: GenerateConfig) -> GenerateReport:
     ]
     asyncio.run(engine.close())
     return GenerateReport(
-        model=engine.name, device=config.device, threads=torch.get_num_threads(), load_average_1m=os.getloadavg()[0],
-        requests=config.prompts, max_tokens=config.max_tokens, methods=methods,
+        model=engine.name,
+        device=config.device,
+        threads=torch.get_num_threads(),
+        load_average_1m=os.getloadavg()[0],
+        requests=config.prompts,
+        max_tokens=config.max_tokens,
+        methods=methods,
     )
 
 
@@ -145,7 +152,9 @@ def _load(config: GenerateConfig) -> tuple[TransformersEngine, torch.nn.Module]:
     from transformers import AutoModelForCausalLM
 
     directory = _model_dir(config.model)
-    engine = TransformersEngine.from_pretrained(directory, device=config.device, name=directory.name if config.model else EMBEDDED_NAME)
+    engine = TransformersEngine.from_pretrained(
+        directory, device=config.device, name=directory.name if config.model else EMBEDDED_NAME
+    )
     baseline = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=engine.model.dtype)
     return engine, baseline.eval().to(config.device)
 
@@ -187,12 +196,16 @@ def _hf_generate(
     started = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
-            input_ids=input_ids.to(engine.device), attention_mask=mask.to(engine.device),
-            max_new_tokens=max_tokens, do_sample=False, eos_token_id=sorted(engine.eos_ids),
-            pad_token_id=engine.pad_id, streamer=streamer,
+            input_ids=input_ids.to(engine.device),
+            attention_mask=mask.to(engine.device),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=sorted(engine.eos_ids),
+            pad_token_id=engine.pad_id,
+            streamer=streamer,
         )
     total = time.perf_counter() - started
-    new = out[:, input_ids.shape[1]:].tolist()
+    new = out[:, input_ids.shape[1] :].tolist()
     return [_until_eos(row, engine.eos_ids) for row in new], streamer.at - started, total
 
 
@@ -202,7 +215,7 @@ def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
 
 
 def _generate_one_by_one(engine: TransformersEngine, model: torch.nn.Module, ids: list[list[int]], max_tokens: int) -> Measured:
-    _progress("transformers generate, one request at a time ...")
+    log.info("transformers generate, one request at a time ...")
     tokens, ttfts, started = [], [], time.perf_counter()
     for row in ids:
         (new,), ttft, _ = _hf_generate(engine, model, [row], max_tokens)
@@ -212,13 +225,13 @@ def _generate_one_by_one(engine: TransformersEngine, model: torch.nn.Module, ids
 
 
 def _generate_batched(engine: TransformersEngine, model: torch.nn.Module, ids: list[list[int]], max_tokens: int) -> Measured:
-    _progress("transformers generate, all requests in one batch ...")
+    log.info("transformers generate, all requests in one batch ...")
     tokens, ttft, total = _hf_generate(engine, model, ids, max_tokens)
     return _measured("generate_batch", tokens, [ttft * 1e3] * len(ids), total)
 
 
 async def _engine_one_by_one(engine: TransformersEngine, prompts: list[str], params: SamplingParams) -> Measured:
-    _progress("transformers engine, one request at a time ...")
+    log.info("transformers engine, one request at a time ...")
     started = time.perf_counter()
     generations = [(await engine.generate([p], params))[0] for p in prompts]
     seconds = time.perf_counter() - started
@@ -226,7 +239,7 @@ async def _engine_one_by_one(engine: TransformersEngine, prompts: list[str], par
 
 
 async def _engine_concurrent(engine: TransformersEngine, prompts: list[str], params: SamplingParams) -> Measured:
-    _progress("transformers engine, all requests from concurrent callers ...")
+    log.info("transformers engine, all requests from concurrent callers ...")
     started = time.perf_counter()
     results = await asyncio.gather(*(engine.generate([p], params) for p in prompts))
     seconds = time.perf_counter() - started
@@ -236,8 +249,9 @@ async def _engine_concurrent(engine: TransformersEngine, prompts: list[str], par
 
 def _measured(method: str, tokens: list[list[int]], ttfts_ms: list[float], seconds: float) -> Measured:
     count = sum(len(t) for t in tokens)
-    return Measured(method, len(tokens), count, seconds, count / seconds, statistics.fmean(ttfts_ms),
-                    statistics.median(ttfts_ms), tokens)
+    return Measured(
+        method, len(tokens), count, seconds, count / seconds, statistics.fmean(ttfts_ms), statistics.median(ttfts_ms), tokens
+    )
 
 
 def format_table(report: GenerateReport) -> str:
@@ -257,7 +271,3 @@ def format_table(report: GenerateReport) -> str:
         )
     lines.append("speedup: tokens/s over 'generate_1by1'; same: requests whose tokens equal generate_1by1's")
     return "\n".join(lines)
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)

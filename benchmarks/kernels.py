@@ -7,6 +7,7 @@ every query probes the same `clusters` of them, picked at random."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -64,8 +65,13 @@ class KernelSweep:
     def to_dict(self) -> dict:
         """The `--json` line: the totals, the best variant and every variant."""
         best = self.best
-        return {"bytes": self.bytes, "torch_scan_ms": self.torch_scan_ms, "kernel_scan_ms": self.kernel_scan_ms,
-                "best": asdict(best) if best else None, "variants": [asdict(v) for v in self.variants]}
+        return {
+            "bytes": self.bytes,
+            "torch_scan_ms": self.torch_scan_ms,
+            "kernel_scan_ms": self.kernel_scan_ms,
+            "best": asdict(best) if best else None,
+            "variants": [asdict(v) for v in self.variants],
+        }
 
 
 def _median_ms(fn: Callable[[], object]) -> float:
@@ -100,13 +106,13 @@ def run_kernel_sweep(config: KernelSweepConfig) -> KernelSweep:
     # (buffer start, length, owner) of each probed cluster, every query probing every one
     segments = np.stack([chosen * rows, np.full(len(chosen), rows), np.arange(len(chosen))], axis=1).astype(np.int64)
     member = torch.ones((config.batch, len(chosen)), dtype=torch.uint8, device=device)
-    reference = (queries @ torch.cat([buffer[c * rows : (c + 1) * rows] for c in chosen]).float().T)
+    reference = queries @ torch.cat([buffer[c * rows : (c + 1) * rows] for c in chosen]).float().T
     variants = []
     for block_n, block_d, warps, stages in itertools.product(BLOCK_N, BLOCK_D, WARPS, STAGES):
-        def score() -> torch.Tensor:
-            return kernels.score_segments(buffer, queries, member, segments, block_n=block_n, block_d=block_d,
-                                          num_warps=warps, num_stages=stages)
-
+        score = functools.partial(
+            kernels.score_segments,
+            buffer, queries, member, segments, block_n=block_n, block_d=block_d, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
         try:
             error = float(((score() - reference).abs().max() / reference.abs().max()).item())
             ms = _median_ms(score)

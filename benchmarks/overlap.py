@@ -71,16 +71,18 @@ async def overlap_study(
             total_ms.append(result.timings.total_ms)
             if question.title is not None:
                 hits.append(question.title in {d.title for d in result.documents})
-        rows.append(OverlapRow(
-            pipeline=pipeline.name,
-            questions=len(questions),
-            overlap_rate=statistics.fmean(overlaps) if overlaps else None,
-            pre_retrieval_ms=statistics.fmean(pre_ms),
-            total_ms=statistics.fmean(total_ms),
-            article_hit_rate=statistics.fmean(hits) if hits else None,
-            empty_answers=sum(not answer for answer in answers),
-            cue_answers=sum(map(holds_answer_cue, answers)),
-        ))
+        rows.append(
+            OverlapRow(
+                pipeline=pipeline.name,
+                questions=len(questions),
+                overlap_rate=statistics.fmean(overlaps) if overlaps else None,
+                pre_retrieval_ms=statistics.fmean(pre_ms),
+                total_ms=statistics.fmean(total_ms),
+                article_hit_rate=statistics.fmean(hits) if hits else None,
+                empty_answers=sum(not answer for answer in answers),
+                cue_answers=sum(map(holds_answer_cue, answers)),
+            )
+        )
     bar.close()
     return rows
 
@@ -100,8 +102,9 @@ async def configured_overlap_study(settings: Settings, config: OverlapConfig) ->
         pipelines = runtime.pipelines(retriever, config.pipelines)
         options = RunOptions(top_k=retrieval.top_k, nprobe=config.nprobe, max_tokens=config.max_tokens)
         rows = await overlap_study(list(pipelines.values()), config.questions, options, progress=True)
-    return OverlapReport(questions=len(config.questions), nlist=info.nlist, prefetch_clusters=depth,
-                         nprobe=config.nprobe or info.nprobe, rows=rows)
+    return OverlapReport(
+        questions=len(config.questions), nlist=info.nlist, prefetch_clusters=depth, nprobe=config.nprobe or info.nprobe, rows=rows
+    )
 
 
 def format_table(report: OverlapReport) -> str:

@@ -41,8 +41,16 @@ def write_plots(rows: Sequence[E2ERow], out_dir: Path) -> list[Path]:
             bottom = [0.0] * len(pipelines)
             for s, (stage, value) in enumerate(STAGES):
                 heights = [value(by_key[p, batch, mode]) if (p, batch, mode) in by_key else 0.0 for p in pipelines]
-                ax.bar(xs, heights, width * 0.95, bottom=bottom, color=colors[s % len(colors)],
-                       label=stage if m == 0 else None, edgecolor="black", linewidth=0.3)
+                ax.bar(
+                    xs,
+                    heights,
+                    width * 0.95,
+                    bottom=bottom,
+                    color=colors[s % len(colors)],
+                    label=stage if m == 0 else None,
+                    edgecolor="black",
+                    linewidth=0.3,
+                )
                 bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
             for x, total in zip(xs, bottom, strict=True):
                 ax.text(x, total, mode, rotation=90, ha="center", va="bottom", fontsize=7)

@@ -128,14 +128,10 @@ class SearchRecorder:
         finally:
             self._question.reset(token)
 
-    async def prefetch(
-        self, queries: Sequence[str], *, enabled: bool = True, overlap_ms: float | None = None
-    ) -> PrefetchTicket:
+    async def prefetch(self, queries: Sequence[str], *, enabled: bool = True, overlap_ms: float | None = None) -> PrefetchTicket:
         return await self.inner.prefetch(queries, enabled=enabled, overlap_ms=overlap_ms)
 
-    async def search(
-        self, queries: Sequence[str], options: SearchOptions, ticket: PrefetchTicket | None = None
-    ) -> SearchOutcome:
+    async def search(self, queries: Sequence[str], options: SearchOptions, ticket: PrefetchTicket | None = None) -> SearchOutcome:
         outcome = await self.inner.search(queries, options, ticket)
         self.searches.append(RecordedSearch(list(queries), options, outcome))
         return outcome
@@ -228,9 +224,16 @@ class _Tally:
 
     def row(self, pipeline: str, questions: int, k: int, nprobe: int, nlist: int) -> QualityRow:
         return QualityRow(
-            pipeline=pipeline, questions=questions, k=k, nprobe=nprobe, nlist=nlist,
-            recall=_mean(self.found), recall_exact=_mean(self.found_exact),
-            exact_match=_mean(self.em), f1=_mean(self.f1), cue_answers=sum(self.cue) if self.cue else None,
+            pipeline=pipeline,
+            questions=questions,
+            k=k,
+            nprobe=nprobe,
+            nlist=nlist,
+            recall=_mean(self.found),
+            recall_exact=_mean(self.found_exact),
+            exact_match=_mean(self.em),
+            f1=_mean(self.f1),
+            cue_answers=sum(self.cue) if self.cue else None,
             overlap_rate=_mean(self.overlaps),
             latency_ms=StageLatency(**{stage: _mean(ms) or 0.0 for stage, ms in self.ms.items()}),
         )
@@ -265,7 +268,7 @@ async def quality_study(
     for pipeline in pipelines:
         tally = _Tally()
         answered = await asyncio.gather(*(answer(pipeline, q) for q in questions))
-        for question, (result, exact) in zip(questions, answered):
+        for question, (result, exact) in zip(questions, answered, strict=True):
             if question.title is not None:
                 tally.found.append(article_found(result.documents, question.title, options.top_k))
                 tally.found_exact.append(article_found(exact, question.title, options.top_k))
@@ -315,8 +318,16 @@ async def configured_quality_study(
         pipelines = runtime.pipelines(recorder, names)
         options = RunOptions(top_k=k, nprobe=info.nprobe, max_tokens=max_tokens)
         with tqdm(total=len(pipelines) * len(questions), desc="questions", unit="q") as bar:
-            return await quality_study(list(pipelines.values()), recorder, questions, options,
-                                       nprobe=info.nprobe, nlist=info.nlist, concurrency=concurrency, on_question=bar.update)
+            return await quality_study(
+                list(pipelines.values()),
+                recorder,
+                questions,
+                options,
+                nprobe=info.nprobe,
+                nlist=info.nlist,
+                concurrency=concurrency,
+                on_question=bar.update,
+            )
 
 
 async def configured_retrieval_study(settings: Settings, questions: Sequence[Question], k: int) -> list[QualityRow]:
@@ -325,8 +336,9 @@ async def configured_retrieval_study(settings: Settings, questions: Sequence[Que
     try:
         info = retriever.datastore_info()
         with tqdm(total=len(questions), desc="questions", unit="q") as bar:
-            return [await retrieval_study(retriever, questions, k=k, nprobe=info.nprobe, nlist=info.nlist,
-                                          on_question=bar.update)]
+            return [
+                await retrieval_study(retriever, questions, k=k, nprobe=info.nprobe, nlist=info.nlist, on_question=bar.update)
+            ]
     finally:
         retriever.close()
 
@@ -347,7 +359,7 @@ def format_table(rows: list[QualityRow], datastore: Path) -> str:
         ms = row.latency_ms
         lines.append(
             f"{row.pipeline:<13}{num(row.recall):>9}{num(row.recall_exact):>7}{num(row.exact_match):>7}{num(row.f1):>7}"
-            f"{'-' if row.cue_answers is None else row.cue_answers:>5}{num(row.overlap_rate):>9}{ms.prefetch:>10.1f}{ms.pre_retrieval:>11.1f}{ms.search:>9.1f}"
-            f"{ms.llm:>10.1f}{ms.generate:>10.1f}{ms.total:>10.1f}"
+            f"{'-' if row.cue_answers is None else row.cue_answers:>5}{num(row.overlap_rate):>9}"
+            f"{ms.prefetch:>10.1f}{ms.pre_retrieval:>11.1f}{ms.search:>9.1f}{ms.llm:>10.1f}{ms.generate:>10.1f}{ms.total:>10.1f}"
         )
     return "\n".join(lines)

@@ -52,7 +52,9 @@ def tiny_random_lm(seed: int = 0) -> tuple[torch.nn.Module, Any]:
     return model, tokenizer
 
 
-def random_weight_engine(model_dir: Path, *, device: str = "cpu", dtype: torch.dtype | None = None, seed: int = 0) -> TransformersEngine:
+def random_weight_engine(
+    model_dir: Path, *, device: str = "cpu", dtype: torch.dtype | None = None, seed: int = 0
+) -> TransformersEngine:
     """The architecture of `model_dir/config.json`, randomly initialised on `device` (in fp32 on the
     CPU, bf16 on an accelerator unless `dtype` says), behind the transformers engine."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

@@ -16,10 +16,10 @@ from telerag.benchmarks.report import key_value_table
 from telerag.retrieval.builder import write_clustered
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.datastore import Datastore
-from telerag.utils.device import resolve_device
 from telerag.retrieval.engine import RetrievalEngine, SearchResult
 from telerag.retrieval.errors import DatastoreError, DeviceUnavailable
 from telerag.retrieval.ivf import same_results
+from telerag.utils.device import resolve_device
 
 
 @dataclass
@@ -313,7 +313,12 @@ def _comparison(
     faiss_ms: list[float], faiss_tuned_ms: list[float], ours: _Phase, demand: _Phase, resident: _Phase, missed_ms: float
 ) -> dict:
     """The phases' timings side by side, the speedups between them and how many answers matched."""
-    faiss_p50, ours_p50, demand_p50, resident_p50 = _p50(faiss_ms), _p50(ours.total_ms), _p50(demand.total_ms), _p50(resident.total_ms)
+    faiss_p50, ours_p50, demand_p50, resident_p50 = (
+        _p50(faiss_ms),
+        _p50(ours.total_ms),
+        _p50(demand.total_ms),
+        _p50(resident.total_ms),
+    )
     return {
         "overlap_rate": float(np.mean(ours.overlap)) if ours.overlap else None,
         "device_cluster_fraction": float(np.mean(ours.device_fraction)),
@@ -353,4 +358,3 @@ def format_table(result: dict) -> str:
 def config_dict(config: BenchConfig) -> dict:
     """The config as JSON-ready values (paths as strings)."""
     return {key: str(value) if isinstance(value, Path) else value for key, value in asdict(config).items()}
-

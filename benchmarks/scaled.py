@@ -31,11 +31,11 @@ from telerag.retrieval.builder import check_nlist, default_nlist, lay_out_cluste
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Passage
 from telerag.retrieval.datastore import Datastore
-from telerag.utils.device import resolve_device
 from telerag.retrieval.errors import DatastoreError, DeviceUnavailable
-from telerag.utils.progress import ProgressBar
 from telerag.server.runtime import load_configured_datastore, load_embedder, open_configured_retriever
 from telerag.server.settings import RetrievalSettings
+from telerag.utils.device import resolve_device
+from telerag.utils.progress import ProgressBar
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +136,16 @@ def scaled_datastore(
         raise DatastoreError(f"cannot scale {base.n_vectors} vectors down to {n}")
     check_nlist(nlist, n)
     started = time.perf_counter()
-    log.info("scaling %s from %d to %d vectors in %d lists on %s (noise %g): %.1f GiB in memory",
-             base.where, base.n_vectors, n, nlist, device, scale.noise, n * base.dim * 4 / 2**30)
+    log.info(
+        "scaling %s from %d to %d vectors in %d lists on %s (noise %g): %.1f GiB in memory",
+        base.where,
+        base.n_vectors,
+        n,
+        nlist,
+        device,
+        scale.noise,
+        n * base.dim * 4 / 2**30,
+    )
     replicas = Replicas(base.vectors, n, scale.noise, scale.seed, device)
 
     # the k-means sample: whole blocks, spread evenly over the rows

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import uvicorn
 
-from telerag.pipelines.embedder import Embedder
 from telerag.benchmarks.random_llm import tiny_random_lm
+from telerag.pipelines.embedder import Embedder
 from telerag.pipelines.engines.transformers import TransformersEngine
 from telerag.pipelines.questions import read_questions, run_one
 from telerag.pipelines.retriever import open_retriever
@@ -64,8 +64,11 @@ class _BareClient:
 
     async def post_json(self, path: str, body: dict) -> bytes:
         data = json.dumps(body).encode()
-        self.writer.write(f"POST {path} HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
-                          f"content-length: {len(data)}\r\n\r\n".encode() + data)
+        self.writer.write(
+            f"POST {path} HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
         head = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
         headers = dict(line.lower().split(": ", 1) for line in head[1:] if line)
         payload = await self.reader.readexactly(int(headers["content-length"]))
@@ -86,22 +89,35 @@ def run_server_overhead(config: ServerOverheadConfig) -> dict:
     embedder = Embedder.embedded_default()
     with tempfile.TemporaryDirectory() as tmp:
         articles = list(read_wikipedia())[: config.articles]
-        build_datastore(split_passages(articles), embedder.encode, embedder=embedder.name, out_dir=Path(tmp) / "ds",
-                        progress=config.progress)
+        build_datastore(
+            split_passages(articles), embedder.encode, embedder=embedder.name, out_dir=Path(tmp) / "ds", progress=config.progress
+        )
         retriever = open_retriever(Path(tmp) / "ds", embedder, device="cpu")
         engine = TransformersEngine(*tiny_random_lm(), name="tiny-random")
         window = {} if config.batch_window_ms is None else {"scheduler": {"batch_window_ms": config.batch_window_ms}}
         settings = load_settings(overrides=window)
-        runtime = Runtime(settings=settings, engine=engine, retriever=retriever,
-                          datastore_info=retriever.datastore_info(), cache_stats=retriever.cache_stats)
+        runtime = Runtime(
+            settings=settings,
+            engine=engine,
+            retriever=retriever,
+            datastore_info=retriever.datastore_info(),
+            cache_stats=retriever.cache_stats,
+        )
         direct, http = run_event_loop(_paired_latencies(settings, runtime, questions, config), settings)  # both sides run in it
         retriever.close()
     overhead = [h - d for d, h in zip(direct, http, strict=True)]
     (d50, d99), (h50, h99), (o50, o99) = _percentiles(direct), _percentiles(http), _percentiles(overhead)
     return {
-        "pipeline": config.pipeline, "requests": len(direct), "batch_window_ms": settings.scheduler.batch_window_ms,
-        "in_process_ms_p50": d50, "in_process_ms_p99": d99, "http_ms_p50": h50, "http_ms_p99": h99,
-        "overhead_ms_p50": o50, "overhead_ms_p99": o99, "overhead_ms_mean": statistics.fmean(overhead),
+        "pipeline": config.pipeline,
+        "requests": len(direct),
+        "batch_window_ms": settings.scheduler.batch_window_ms,
+        "in_process_ms_p50": d50,
+        "in_process_ms_p99": d99,
+        "http_ms_p50": h50,
+        "http_ms_p99": h99,
+        "overhead_ms_p50": o50,
+        "overhead_ms_p99": o99,
+        "overhead_ms_mean": statistics.fmean(overhead),
     }
 
 
@@ -119,7 +135,7 @@ async def _paired_latencies(
     start_serving(app, runtime)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     task = asyncio.create_task(server.serve())
-    while not server.started:
+    while not server.started:  # noqa: ASYNC110 - uvicorn's Server has no event for it
         await asyncio.sleep(0.05)
     client = await _BareClient.connect(port)
     direct, http = [], []

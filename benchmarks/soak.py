@@ -90,8 +90,9 @@ class _Tally:
         self.failures: Counter[str] = Counter()
 
 
-async def _user(client: httpx.AsyncClient, config: SoakConfig, questions: itertools.cycle, start: float, end: float,
-                tally: _Tally) -> None:
+async def _user(
+    client: httpx.AsyncClient, config: SoakConfig, questions: itertools.cycle, start: float, end: float, tally: _Tally
+) -> None:
     await asyncio.sleep(max(start - time.monotonic(), 0.0))
     while (now := time.monotonic()) < end:
         body = {"query": next(questions), "pipeline": config.pipeline, "max_tokens": config.max_tokens}
@@ -111,12 +112,17 @@ async def _user(client: httpx.AsyncClient, config: SoakConfig, questions: iterto
             tally.failures[str(response.status_code)] += 1
 
 
+def _process_rss_mb(pid: int) -> float | None:
+    """A process's resident memory from procfs (a read of kernel memory: it never blocks)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return None
+
+
 async def _resident_mb(client: httpx.AsyncClient, pid: int | None) -> float | None:
     if pid is not None:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return None
+        return _process_rss_mb(pid)
     try:
         match = RSS_METRIC.search((await client.get("/metrics")).text)
     except httpx.HTTPError:
@@ -129,8 +135,9 @@ async def soak(config: SoakConfig, questions: Sequence[str]) -> SoakReport:
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     # idle connections are dropped before the server's keep-alive timeout (5 s by default) can close
     # them under a request about to be sent: a client's race, not the server's failure
-    limits = httpx.Limits(max_connections=config.users + 1, max_keepalive_connections=config.users + 1,
-                          keepalive_expiry=KEEPALIVE_EXPIRY_S)
+    limits = httpx.Limits(
+        max_connections=config.users + 1, max_keepalive_connections=config.users + 1, keepalive_expiry=KEEPALIVE_EXPIRY_S
+    )
     report = SoakReport(users=config.users, duration_s=config.duration_s)
     tally = _Tally()
     cycle = itertools.cycle(questions)
@@ -164,12 +171,19 @@ def format_table(report: SoakReport) -> str:
     """The report as aligned `name  value` lines, each kind of failure on a line of its own."""
     rss = report.rss_mb
     rows = {
-        "users": report.users, "seconds": report.duration_s, "requests": report.requests,
-        "answered (200)": report.answered, "refused (429)": report.refused,
-        "failures": sum(report.failures.values()), "answered/s": report.answered_per_s,
-        "answered p50 s": report.p50_s, "answered p99 s": report.p99_s,
-        "429 p50 ms": report.refused_p50_ms, "429 p99 ms": report.refused_p99_ms,
-        "rss start MB": rss[0][1] if rss else None, "rss end MB": rss[-1][1] if rss else None,
+        "users": report.users,
+        "seconds": report.duration_s,
+        "requests": report.requests,
+        "answered (200)": report.answered,
+        "refused (429)": report.refused,
+        "failures": sum(report.failures.values()),
+        "answered/s": report.answered_per_s,
+        "answered p50 s": report.p50_s,
+        "answered p99 s": report.p99_s,
+        "429 p50 ms": report.refused_p50_ms,
+        "429 p99 ms": report.refused_p99_ms,
+        "rss start MB": rss[0][1] if rss else None,
+        "rss end MB": rss[-1][1] if rss else None,
         "rss growth": report.rss_growth,
     }
     table = key_value_table(rows)

@@ -8,10 +8,10 @@ import asyncio
 import json
 import logging
 
+from telerag.cli.runtime_flags import add_runtime_flags, overrides
 from telerag.pipelines.registry import PIPELINES
 from telerag.pipelines.stats import SearchStats
 from telerag.pipelines.types import RagResult, RunEvent, RunOptions, TokenEvent, run_result
-from telerag.cli.runtime_flags import add_runtime_flags, overrides
 from telerag.server.protocol import QueryResponse
 from telerag.server.settings import load_settings
 
@@ -54,8 +54,12 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> RagResult:
         async with open_runtime(settings) as runtime:
             pipeline = runtime.pipelines(runtime.retriever, [args.pipeline])[args.pipeline]
-            options = RunOptions(top_k=args.top_k or settings.retrieval.top_k, nprobe=args.nprobe,
-                                 max_tokens=args.max_tokens, prefetch=not args.no_prefetch)
+            options = RunOptions(
+                top_k=args.top_k or settings.retrieval.top_k,
+                nprobe=args.nprobe,
+                max_tokens=args.max_tokens,
+                prefetch=not args.no_prefetch,
+            )
             return await run_result(pipeline.run(args.question, options), None if args.json else print_token)
 
     result = asyncio.run(main())

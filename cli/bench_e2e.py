@@ -11,11 +11,10 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from telerag.cli.runtime_flags import add_runtime_flags, nullable, overrides
 from telerag.pipelines.questions import read_questions
 from telerag.pipelines.registry import PIPELINES
-from telerag.cli.runtime_flags import add_runtime_flags, nullable, overrides
 from telerag.server.settings import ENGINE_KIND_ALIASES, load_settings, packaged_config
-
 
 MODE_NAMES = ("cpu", "lookahead", "resident")  # benchmarks.e2e.Mode's, without importing torch to parse flags
 
@@ -26,29 +25,40 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--pipelines", default="all", help="comma-separated names, or all (default)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8], help="concurrent requests (default 1 4 8)")
-    parser.add_argument("--modes", nargs="+", choices=MODE_NAMES, default=list(MODE_NAMES),
-                        help="default all three; cpu is always run (the others are compared with it)")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=MODE_NAMES,
+        default=list(MODE_NAMES),
+        help="default all three; cpu is always run (the others are compared with it)",
+    )
     parser.add_argument("--requests", type=int, default=16, help="measured requests per pipeline, batch and mode")
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each measured run")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--top-k", type=int, default=None, help="documents per search (default: the config's)")
     parser.add_argument("--questions", type=Path, default=packaged_config("questions_wiki_en.txt"))
     parser.add_argument("--tiny", action="store_true", help="a tiny random LLM (seconds; its text is noise): for CI")
-    parser.add_argument("--random-weights", action="store_true",
-                        help="with --model DIR: DIR's architecture (config.json, tokenizer) with random weights, built in "
-                             "process on the engine's device: timing at a model's real size, nothing loaded")
+    parser.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="with --model DIR: DIR's architecture (config.json, tokenizer) with random weights, built in "
+        "process on the engine's device: timing at a model's real size, nothing loaded",
+    )
     parser.add_argument("--engine", choices=["transformers", "sglang", *ENGINE_KIND_ALIASES])
     parser.add_argument("--cache-mb", type=nullable(float), help="the lookahead mode's cluster cache (default: the config's)")
-    parser.add_argument("--prefetch-budget-mb", type=nullable(float), help="one fixed budget (default: B x each pipeline's t_LLM)")
+    parser.add_argument(
+        "--prefetch-budget-mb", type=nullable(float), help="one fixed budget (default: B x each pipeline's t_LLM)"
+    )
     scale = parser.add_argument_group(
         "datastore scale (noisy replicas of the datastore's vectors, mapped to their passages, made in memory on the "
-        "retrieval device: vectors x dim x 4 bytes of RAM, pinned on CUDA)")
+        "retrieval device: vectors x dim x 4 bytes of RAM, pinned on CUDA)"
+    )
     scale.add_argument("--scale-vectors", type=int, help="scale the datastore up to this many vectors")
     scale.add_argument("--nlist", type=int, help="IVF lists of the scaled datastore (default 4*sqrt(n))")
     scale.add_argument("--replica-noise", type=float, default=0.5, help="replica = normalise(v + noise*g/sqrt(dim))")
     scale.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot-dir", type=Path, help="write latency_breakdown.png and throughput.png here")
-    parser.add_argument("--json", action="store_true", help="print one JSON line last: {\"rows\": [...], ...}")
+    parser.add_argument("--json", action="store_true", help='print one JSON line last: {"rows": [...], ...}')
     add_runtime_flags(parser)
     parser.set_defaults(func=run)
 
@@ -69,8 +79,11 @@ def run(args: argparse.Namespace) -> int:
     settings = load_settings(args.config, overrides(args))
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     llm = LLMChoice.TINY if args.tiny else LLMChoice.RANDOM_WEIGHTS if args.random_weights else LLMChoice.CONFIGURED
-    scale = DatastoreScale(vectors=args.scale_vectors, nlist=args.nlist, noise=args.replica_noise,
-                           seed=args.seed) if args.scale_vectors else None
+    scale = (
+        DatastoreScale(vectors=args.scale_vectors, nlist=args.nlist, noise=args.replica_noise, seed=args.seed)
+        if args.scale_vectors
+        else None
+    )
     config = E2EConfig(
         pipelines=names,
         questions=tuple(q.text for q in read_questions(args.questions)),
@@ -92,7 +105,17 @@ def run(args: argparse.Namespace) -> int:
         plots = [str(p) for p in write_plots(report.rows, args.plot_dir)]
         print("plots: " + ", ".join(plots))
     if args.json:
-        print(json.dumps({"llm": report.llm, "datastore": asdict(report.datastore), "requests": config.requests,
-                          "max_tokens": config.max_tokens, "top_k": config.top_k, "plots": plots,
-                          "rows": [asdict(r) for r in report.rows]}))
+        print(
+            json.dumps(
+                {
+                    "llm": report.llm,
+                    "datastore": asdict(report.datastore),
+                    "requests": config.requests,
+                    "max_tokens": config.max_tokens,
+                    "top_k": config.top_k,
+                    "plots": plots,
+                    "rows": [asdict(r) for r in report.rows],
+                }
+            )
+        )
     return 0

@@ -27,8 +27,16 @@ def run(args: argparse.Namespace) -> int:
     from telerag.benchmarks.generate import GenerateConfig, format_table, run_generate
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # to stderr: the GGUF conversion's progress
-    report = run_generate(GenerateConfig(tiny=args.tiny, model=args.model, prompts=args.prompts, max_tokens=args.max_tokens,
-                                         device=args.device, threads=args.threads))
+    report = run_generate(
+        GenerateConfig(
+            tiny=args.tiny,
+            model=args.model,
+            prompts=args.prompts,
+            max_tokens=args.max_tokens,
+            device=args.device,
+            threads=args.threads,
+        )
+    )
     print(format_table(report))
     if args.json:
         print(json.dumps(report.to_dict()))

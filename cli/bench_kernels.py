@@ -26,9 +26,16 @@ def run(args: argparse.Namespace) -> int:
 
     if not torch.cuda.is_available():
         raise SystemExit("bench kernels times the Triton kernel on CUDA, and there is no CUDA device here")
-    sweep = run_kernel_sweep(KernelSweepConfig(rows_per_cluster=args.rows_per_cluster, clusters=args.clusters,
-                                               buffer_clusters=args.buffer_clusters, dim=args.dim, batch=args.batch,
-                                               dtype=args.dtype))
+    sweep = run_kernel_sweep(
+        KernelSweepConfig(
+            rows_per_cluster=args.rows_per_cluster,
+            clusters=args.clusters,
+            buffer_clusters=args.buffer_clusters,
+            dim=args.dim,
+            batch=args.batch,
+            dtype=args.dtype,
+        )
+    )
     print(format_table(sweep))
     if args.json:
         print(json.dumps(sweep.to_dict()))

@@ -10,9 +10,9 @@ import logging
 from dataclasses import asdict
 from pathlib import Path
 
+from telerag.cli.runtime_flags import add_runtime_flags, overrides
 from telerag.pipelines.questions import read_questions
 from telerag.pipelines.registry import PIPELINES
-from telerag.cli.runtime_flags import add_runtime_flags, overrides
 from telerag.server.settings import load_settings, packaged_config
 
 
@@ -21,8 +21,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--pipelines", default="all", help="comma-separated names, or all")
     parser.add_argument("--questions", type=Path, default=packaged_config("questions_wiki_en.txt"))
     parser.add_argument("--limit", type=int, default=None, help="first N questions only")
-    parser.add_argument("--prefetch-clusters", type=int, default=None,
-                        help="prefetch depth in clusters of average size (default: nprobe)")
+    parser.add_argument(
+        "--prefetch-clusters", type=int, default=None, help="prefetch depth in clusters of average size (default: nprobe)"
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json", action="store_true")
     add_runtime_flags(parser)
@@ -30,13 +31,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from telerag.benchmarks.overlap import OverlapConfig, configured_overlap_study, format_table  # brings torch: only when it runs
+    from telerag.benchmarks.overlap import (
+        OverlapConfig,
+        configured_overlap_study,
+        format_table,
+    )  # brings torch: only when it runs
 
     names = tuple(PIPELINES) if args.pipelines == "all" else tuple(n.strip() for n in args.pipelines.split(","))
     settings = load_settings(args.config, overrides(args))
     logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")
-    config = OverlapConfig(pipelines=names, questions=tuple(read_questions(args.questions, args.limit)),
-                           prefetch_clusters=args.prefetch_clusters, nprobe=args.nprobe, max_tokens=args.max_tokens)
+    config = OverlapConfig(
+        pipelines=names,
+        questions=tuple(read_questions(args.questions, args.limit)),
+        prefetch_clusters=args.prefetch_clusters,
+        nprobe=args.nprobe,
+        max_tokens=args.max_tokens,
+    )
     report = asyncio.run(configured_overlap_study(settings, config))
     print(format_table(report))
     if args.json:

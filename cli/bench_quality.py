@@ -10,9 +10,9 @@ import logging
 from dataclasses import asdict
 from pathlib import Path
 
+from telerag.cli.runtime_flags import add_runtime_flags, overrides
 from telerag.pipelines.questions import read_questions
 from telerag.pipelines.registry import PIPELINES
-from telerag.cli.runtime_flags import add_runtime_flags, overrides
 from telerag.server.settings import load_settings, packaged_config
 
 
@@ -23,10 +23,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--limit", type=int, default=None, help="first N questions only")
     parser.add_argument("--k", type=int, default=None, help="documents per search (default: retrieval.top_k)")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--concurrency", type=_at_least_one, default=1,
-                        help="questions at a time (the engine batches them; stage times then include their neighbours')")
-    parser.add_argument("--retrieval-only", action="store_true",
-                        help="no LLM: each question's own top-k (naive's retrieval), to compare datastores")
+    parser.add_argument(
+        "--concurrency",
+        type=_at_least_one,
+        default=1,
+        help="questions at a time (the engine batches them; stage times then include their neighbours')",
+    )
+    parser.add_argument(
+        "--retrieval-only",
+        action="store_true",
+        help="no LLM: each question's own top-k (naive's retrieval), to compare datastores",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON line last")
     add_runtime_flags(parser)
     parser.set_defaults(func=run)
@@ -39,7 +46,11 @@ def _at_least_one(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from telerag.benchmarks.quality import configured_quality_study, configured_retrieval_study, format_table  # brings torch: only when it runs
+    from telerag.benchmarks.quality import (
+        configured_quality_study,
+        configured_retrieval_study,
+        format_table,
+    )  # brings torch: only when it runs
 
     names = list(PIPELINES) if args.pipelines == "all" else [n.strip() for n in args.pipelines.split(",")]
     settings = load_settings(args.config, overrides(args))

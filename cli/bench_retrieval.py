@@ -36,13 +36,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--distinct-queries",
         type=int,
-        help="draw the --queries stream from this many distinct queries by a Zipf law, so popular ones repeat (default: no repeats)",
+        help="draw the --queries stream from this many distinct queries by a Zipf law, so popular ones repeat "
+        "(default: no repeats)",
     )
     parser.add_argument("--codec", choices=[c.value for c in Codec])
     parser.add_argument("--device", help="auto, cpu or cuda")
-    parser.add_argument(
-        "--cpu-threads", type=int, help="faiss threads of our CPU half (default: all cores, one fewer on CUDA)"
-    )
+    parser.add_argument("--cpu-threads", type=int, help="faiss threads of our CPU half (default: all cores, one fewer on CUDA)")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--datastore-dir", type=Path, help="where synthetic datastores are kept")
     parser.add_argument(
@@ -55,7 +54,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from telerag.benchmarks.retrieval import BenchConfig, config_dict, format_table, run as run_bench
+    from telerag.benchmarks.retrieval import BenchConfig, config_dict, format_table
+    from telerag.benchmarks.retrieval import run as run_bench
 
     given = vars(args)
     config = BenchConfig(**{f.name: given[f.name] for f in dataclasses.fields(BenchConfig) if f.name in given})

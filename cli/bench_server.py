@@ -22,10 +22,16 @@ def run(args: argparse.Namespace) -> int:
     from telerag.benchmarks.report import key_value_table
     from telerag.benchmarks.server_overhead import ServerOverheadConfig, run_server_overhead
 
-    result = run_server_overhead(ServerOverheadConfig(
-        requests=args.requests, articles=args.articles, pipeline=args.pipeline, max_tokens=args.max_tokens,
-        batch_window_ms=args.batch_window_ms, progress=not args.json,
-    ))
+    result = run_server_overhead(
+        ServerOverheadConfig(
+            requests=args.requests,
+            articles=args.articles,
+            pipeline=args.pipeline,
+            max_tokens=args.max_tokens,
+            batch_window_ms=args.batch_window_ms,
+            progress=not args.json,
+        )
+    )
     print(key_value_table(result))
     if args.json:
         print(json.dumps(result))

@@ -17,7 +17,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--pipeline", default="naive")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before an unanswered request counts as a failure")
-    parser.add_argument("--ramp-seconds", type=float, help="users start evenly spread over this long (default 10; 0: all at once)")
+    parser.add_argument(
+        "--ramp-seconds", type=float, help="users start evenly spread over this long (default 10; 0: all at once)"
+    )
     parser.add_argument("--api-key")
     parser.add_argument("--pid", type=int, help="the server's pid, to read its memory from /proc (default: its /metrics)")
     parser.add_argument("--questions", type=Path, help="one question a line (default: the packaged Wikipedia questions)")
@@ -31,9 +33,17 @@ def run(args: argparse.Namespace) -> int:
     from telerag.server.settings import packaged_config
 
     questions = [q.text for q in read_questions(args.questions or packaged_config("questions_wiki_en.txt"))]
-    config = SoakConfig(url=args.url, users=args.users, duration_s=args.seconds, pipeline=args.pipeline,
-                        max_tokens=args.max_tokens, api_key=args.api_key, pid=args.pid, timeout_s=args.timeout,
-                        **({} if args.ramp_seconds is None else {"ramp_s": args.ramp_seconds}))
+    config = SoakConfig(
+        url=args.url,
+        users=args.users,
+        duration_s=args.seconds,
+        pipeline=args.pipeline,
+        max_tokens=args.max_tokens,
+        api_key=args.api_key,
+        pid=args.pid,
+        timeout_s=args.timeout,
+        **({} if args.ramp_seconds is None else {"ramp_s": args.ramp_seconds}),
+    )
     report = asyncio.run(soak(config, questions))
     print(format_table(report))
     if args.json:

@@ -6,9 +6,9 @@ import argparse
 import logging
 from pathlib import Path
 
+from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import WIKIPEDIA_SOURCE, PassageShape, read_jsonl, read_wikipedia
-from telerag.retrieval.builder import build_datastore
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,10 +22,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--nlist", type=int, default=None, help="IVF lists (default: about 4*sqrt(passages))")
     default = PassageShape()
     parser.add_argument("--passage-words", type=int, default=default.words, help="words per passage")
-    parser.add_argument("--passage-overlap", type=int, default=default.overlap,
-                        help="words each passage repeats from the end of the one before")
-    parser.add_argument("--title", action=argparse.BooleanOptionalAction, default=default.title,
-                        help="embed the article's title in front of each passage")
+    parser.add_argument(
+        "--passage-overlap", type=int, default=default.overlap, help="words each passage repeats from the end of the one before"
+    )
+    parser.add_argument(
+        "--title",
+        action=argparse.BooleanOptionalAction,
+        default=default.title,
+        help="embed the article's title in front of each passage",
+    )
     parser.add_argument("--codec", choices=[c.value for c in Codec], default=Codec.FP32.value)
     parser.add_argument("--batch-size", type=int, default=1024, help="passages per embedding call")
     parser.add_argument("--overwrite", action="store_true")

@@ -57,4 +57,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RetrievalError, PipelineError, SettingsError) as exc:  # what the user can fix (a setting, a path, a device): one line
         print(f"{parser.prog} {args.command}: {exc}", file=sys.stderr)
         return 1
-

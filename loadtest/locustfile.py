@@ -67,4 +67,3 @@ class RagUser(HttpUser):
                 response.success()  # back-pressure is the server working as designed: counted in its own row
             else:
                 response.failure(f"HTTP {response.status_code}: {response.text[:200]}")
-

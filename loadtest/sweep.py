@@ -195,10 +195,31 @@ def run_locust(host: str, spec: RunSpec, seconds: int, max_tokens: int, extra_en
             "TELERAG_RESPONSE_STATS": str(tally_path),
         }
         process = subprocess.run(
-            [sys.executable, "-m", "locust", "-f", str(HERE / "locustfile.py"), "--host", host, "--headless",
-             "-u", str(spec.users), "-r", str(spec.users), "-t", f"{seconds}s", "--stop-timeout", "60",
-             "--csv", str(prefix), "--only-summary"],
-            env=env, capture_output=True, text=True,
+            [
+                sys.executable,
+                "-m",
+                "locust",
+                "-f",
+                str(HERE / "locustfile.py"),
+                "--host",
+                host,
+                "--headless",
+                "-u",
+                str(spec.users),
+                "-r",
+                str(spec.users),
+                "-t",
+                f"{seconds}s",
+                "--stop-timeout",
+                "60",
+                "--csv",
+                str(prefix),
+                "--only-summary",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
         )
         stats = Path(f"{prefix}_stats.csv")
         if not stats.is_file():
@@ -213,9 +234,11 @@ def format_row(r: RunResult) -> str:
 
     mb = f"{r.bytes_prefetched_mean / 2**20:7.1f}" if r.bytes_prefetched_mean is not None else f"{'-':>7}"
     overlap = f"{r.overlap_rate_mean:5.2f}" if r.overlap_rate_mean is not None else f"{'-':>5}"
-    line = (f"{r.pipeline:<12} prefetch={'on ' if r.prefetch else 'off'} users={r.users:<3} {r.rps:8.2f} answers/s"
-            f"  p50 {ms(r.p50_ms)} ms  p99 {ms(r.p99_ms)} ms  answered {r.answered:<5} 429 {r.throttled:<5}"
-            f" failed {r.failed:<4} prefetched {mb} MB  overlap {overlap}")
+    line = (
+        f"{r.pipeline:<12} prefetch={'on ' if r.prefetch else 'off'} users={r.users:<3} {r.rps:8.2f} answers/s"
+        f"  p50 {ms(r.p50_ms)} ms  p99 {ms(r.p99_ms)} ms  answered {r.answered:<5} 429 {r.throttled:<5}"
+        f" failed {r.failed:<4} prefetched {mb} MB  overlap {overlap}"
+    )
     return line + (f"  ({r.error[:120]})" if r.error else "")
 
 
@@ -235,7 +258,9 @@ def write_plot(results: Sequence[RunResult], path: Path) -> Path:
         p99s = [[r.p99_ms for r in runs[u] if r.p99_ms is not None] for u in users]
         label = f"{pipeline}, prefetch {'on' if prefetch else 'off'}"
         rate_ax.plot(users, rates, marker="o", label=label)
-        p99_ax.plot([u for u, v in zip(users, p99s, strict=True) if v], [sum(v) / len(v) for v in p99s if v], marker="o", label=label)
+        p99_ax.plot(
+            [u for u, v in zip(users, p99s, strict=True) if v], [sum(v) / len(v) for v in p99s if v], marker="o", label=label
+        )
     rate_ax.set(xlabel="users", ylabel="answered requests/s", title="throughput")
     p99_ax.set(xlabel="users", ylabel="p99 latency (ms)", title="p99 latency of answers")
     rate_ax.legend(fontsize=7)

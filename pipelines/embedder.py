@@ -28,9 +28,7 @@ class Embedder:
     """A sentence-transformers model. `name` is what a datastore manifest records, so a
     datastore is only ever searched with the model that built it; `dim` is its vector size."""
 
-    def __init__(
-        self, model_path: str | Path, *, device: str = "cpu", name: str | None = None, batch_size: int = 64
-    ) -> None:
+    def __init__(self, model_path: str | Path, *, device: str = "cpu", name: str | None = None, batch_size: int = 64) -> None:
         path = Path(model_path).expanduser().absolute()
         if not (path / "modules.json").is_file() and not (path / "config.json").is_file():
             raise ModelNotFound(f"no sentence-transformers model at {path}")
@@ -39,7 +37,7 @@ class Embedder:
             from sentence_transformers import SentenceTransformer
 
             self.model = SentenceTransformer(str(path), device=device, local_files_only=True)
-        except Exception as exc:  # noqa: BLE001 - any load failure is the same error to the caller
+        except Exception as exc:  # any load failure is the same error to the caller
             raise EmbedderError(f"could not load the embedder at {path}: {exc}") from exc
         # renamed in sentence-transformers 6; the old name still works before it
         dim = getattr(self.model, "get_embedding_dimension", self.model.get_sentence_embedding_dimension)()
@@ -75,6 +73,6 @@ class Embedder:
                     convert_to_numpy=True,
                     show_progress_bar=show_progress,
                 )
-        except Exception as exc:  # noqa: BLE001 - e.g. out of memory, a non-string text
+        except Exception as exc:  # e.g. out of memory, a non-string text
             raise EmbedderError(f"embedding failed: {exc}") from exc
         return np.ascontiguousarray(vectors, dtype=np.float32)

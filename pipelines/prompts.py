@@ -50,9 +50,7 @@ def answer(question: str, documents: Sequence[Document], draft: str = "") -> Pro
 
 
 def hypothetical_passage(question: str) -> Prompt:
-    return Prompt(
-        "Write a short encyclopedia passage that answers the question.", f"Question: {question}\nPassage:", "Passage:"
-    )
+    return Prompt("Write a short encyclopedia passage that answers the question.", f"Question: {question}\nPassage:", "Passage:")
 
 
 def sub_questions(question: str, limit: int) -> Prompt:

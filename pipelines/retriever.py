@@ -9,6 +9,7 @@ callers; the CLI and the tests call it directly.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -50,9 +51,7 @@ class TextEncoder(Protocol):
 class DirectRetriever:
     """Embedder + retrieval engine + passages, behind the pipelines' Retriever protocol."""
 
-    def __init__(
-        self, engine: RetrievalEngine, embedder: TextEncoder, *, prefetch_budget_bytes: int | None = None
-    ) -> None:
+    def __init__(self, engine: RetrievalEngine, embedder: TextEncoder, *, prefetch_budget_bytes: int | None = None) -> None:
         """`prefetch_budget_bytes`: the same budget for every prefetch; None: b_p = B · t (TeleRAG
         §4.2) for each prefetch's own `overlap_ms` t, B being the cache's measured copy rate."""
         self.engine = engine
@@ -72,9 +71,7 @@ class DirectRetriever:
 
     # -- the Retriever protocol -------------------------------------------------------------------
 
-    async def prefetch(
-        self, queries: Sequence[str], *, enabled: bool = True, overlap_ms: float | None = None
-    ) -> PrefetchTicket:
+    async def prefetch(self, queries: Sequence[str], *, enabled: bool = True, overlap_ms: float | None = None) -> PrefetchTicket:
         return (await self.prefetch_batch([PrefetchRequest(list(queries), enabled, overlap_ms)]))[0]
 
     async def search(
@@ -127,7 +124,7 @@ class DirectRetriever:
         if all(len(texts) == 1 for texts in parts):
             return vectors, embed_ms
         starts = np.cumsum([0] + [len(texts) for texts in parts])
-        means = np.stack([vectors[start:end].mean(axis=0) for start, end in zip(starts[:-1], starts[1:])])
+        means = np.stack([vectors[start:end].mean(axis=0) for start, end in itertools.pairwise(starts)])
         return np.ascontiguousarray(means, dtype=np.float32), embed_ms
 
     def _search_batch(self, requests: list[SearchRequest]) -> list[SearchOutcome]:
@@ -176,11 +173,10 @@ class DirectRetriever:
         return [outcome for outcome in outcomes if outcome is not None]
 
     def _documents(self, ids: np.ndarray, scores: np.ndarray) -> list[Document]:
-        keep = [(int(i), float(s)) for i, s in zip(ids, scores) if i >= 0]
+        keep = [(int(i), float(s)) for i, s in zip(ids, scores, strict=True) if i >= 0]
         passages = self.datastore.passages([i for i, _ in keep])
         return [
-            Document(id=i, doc_id=p.doc_id, title=p.title, text=p.text, score=s)
-            for (i, s), p in zip(keep, passages, strict=True)
+            Document(id=i, doc_id=p.doc_id, title=p.title, text=p.text, score=s) for (i, s), p in zip(keep, passages, strict=True)
         ]
 
     # -- introspection for the server -------------------------------------------------------------
@@ -216,7 +212,12 @@ def build_wikipedia_datastore(path: Path, embedder: TextEncoder) -> Path:
     log.info("building the Wikipedia datastore at %s (first run; cached afterwards)", path)
     shape = PassageShape()
     return build_datastore(
-        shape.split(read_wikipedia()), embedder.encode, embedder=embedder.name, out_dir=path, source=WIKIPEDIA_SOURCE, shape=shape,
+        shape.split(read_wikipedia()),
+        embedder.encode,
+        embedder=embedder.name,
+        out_dir=path,
+        source=WIKIPEDIA_SOURCE,
+        shape=shape,
     )
 
 

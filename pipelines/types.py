@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Literal, Protocol, runtime_checkable
 
 from telerag.pipelines.stats import PrefetchStepStats, PrefetchSummary, SearchStats, StepStats, Timings
@@ -149,9 +149,7 @@ class SearchOutcome:
 class Retriever(Protocol):
     """Embeds text and searches the datastore; the server wraps one to batch across requests."""
 
-    async def prefetch(
-        self, queries: Sequence[str], *, enabled: bool = True, overlap_ms: float | None = None
-    ) -> PrefetchTicket:
+    async def prefetch(self, queries: Sequence[str], *, enabled: bool = True, overlap_ms: float | None = None) -> PrefetchTicket:
         """Embed `queries` (q_in), plan and start copying their clusters; returns at once, copies run on.
         `overlap_ms`: how long the caller expects the work the copies hide behind (its
         pre-retrieval LLM call) to take; the budget is what can be copied in that time."""
@@ -227,7 +225,7 @@ class DatastoreInfo:
 StageKind = Literal["llm", "retrieval", "prefetch"]
 
 
-class StageRole(str, Enum):
+class StageRole(StrEnum):
     """What a stage does in a run: where q_in, q_out and the answer are. The run's timings sum
     its steps by role, and a stage's kind (what sort of work it is) follows from its role."""
 

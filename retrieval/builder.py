@@ -28,7 +28,7 @@ MIN_POINTS_PER_LIST = 39  # faiss warns below this many training points per cent
 
 def default_nlist(n_vectors: int) -> int:
     """About 4·sqrt(n) lists (the common IVF rule), never fewer than 39 training points per list."""
-    return max(1, min(int(round(4 * math.sqrt(n_vectors))), n_vectors // MIN_POINTS_PER_LIST))
+    return max(1, min(round(4 * math.sqrt(n_vectors)), n_vectors // MIN_POINTS_PER_LIST))
 
 
 def check_nlist(nlist: int, n_vectors: int) -> None:

@@ -313,9 +313,7 @@ class ClusterCache:
 
     def _evict(self, rows: int, protected: set[int]) -> None:
         """Free at least `rows` rows by evicting the coldest unpinned clusters (or all of them)."""
-        candidates = np.fromiter(
-            (c for c, s in self._slots.items() if s.pins == 0 and c not in protected), dtype=np.int64
-        )
+        candidates = np.fromiter((c for c, s in self._slots.items() if s.pins == 0 and c not in protected), dtype=np.int64)
         if not len(candidates):
             return
         order = candidates[np.argsort(self._current_hotness(candidates), kind="stable")]

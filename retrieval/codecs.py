@@ -9,7 +9,7 @@ vectors in the datastore).
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 import faiss
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 SQ8_TRAIN_SAMPLE = 1 << 18  # vectors the 8-bit quantizer's ranges are trained on
 
 
-class Codec(str, Enum):
+class Codec(StrEnum):
     FP32 = "fp32"
     FP16 = "fp16"
     SQ8 = "sq8"
@@ -60,9 +60,7 @@ class Codec(str, Enum):
         even; sq8 needs the parameters from `train`)."""
         if not self.has_params:
             return np.ascontiguousarray(vectors, dtype=self.numpy_dtype)
-        return self._sq8(self._checked(params, vectors.shape[1])).compute_codes(
-            np.ascontiguousarray(vectors, dtype=np.float32)
-        )
+        return self._sq8(self._checked(params, vectors.shape[1])).compute_codes(np.ascontiguousarray(vectors, dtype=np.float32))
 
     def decode(self, codes: torch.Tensor, params: torch.Tensor | None = None) -> torch.Tensor:
         """Codes (rows of the device cache) -> float32, as faiss decodes them."""

@@ -161,13 +161,15 @@ class CooperativeSearch:
                 c_in = frozenset().union(*handle.plan.per_query) if handle.plan.per_query else frozenset()
                 overlap = len(c_in & c_out) / len(c_out)
             device_clusters = int(on_device[i].sum())
-            per_query.append(QueryStats(
-                overlap,
-                device_clusters,
-                len(c_out) - device_clusters,
-                int(self.demand_mask[i].sum()),
-                int(self.late_mask[i].sum()),
-            ))
+            per_query.append(
+                QueryStats(
+                    overlap,
+                    device_clusters,
+                    len(c_out) - device_clusters,
+                    int(self.demand_mask[i].sum()),
+                    int(self.late_mask[i].sum()),
+                )
+            )
         return per_query
 
     # -- where lists go ------------------------------------------------------------------------
@@ -261,8 +263,13 @@ class CooperativeSearch:
                     begin.record(stream)
             results.append(
                 scan_resident(
-                    self.cache.buffer, q, lease.resident, probes, k,
-                    codec=self.resources.codec, codec_params=self.resources.codec_params,
+                    self.cache.buffer,
+                    q,
+                    lease.resident,
+                    probes,
+                    k,
+                    codec=self.resources.codec,
+                    codec_params=self.resources.codec_params,
                 )
             )
         if stream is not None:

@@ -81,7 +81,7 @@ def wikipedia_path() -> Path:
     spec = importlib.util.find_spec(WIKIPEDIA_PACKAGE.replace("-", "_"))
     if spec is None or not spec.submodule_search_locations:
         raise CorpusError(f"the built-in Wikipedia source needs the package {WIKIPEDIA_PACKAGE!r}")
-    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "summaries_en-us.json"
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "summaries_en-us.json"
     if not path.is_file():
         raise CorpusError("summaries file missing from the installed package", path=path)
     return path

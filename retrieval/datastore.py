@@ -47,6 +47,7 @@ PASSAGES = "passages.jsonl"
 PASSAGE_INDEX = "passages.idx.npy"
 FILES = frozenset({MANIFEST, CENTROIDS, OFFSETS, VECTORS, CODEC_PARAMS, PASSAGES, PASSAGE_INDEX})
 
+
 @dataclass
 class Manifest:
     embedder: str
@@ -204,8 +205,9 @@ class Datastore:
         if PASSAGES in manifest.files:
             line_offsets = _load_array(path, manifest, PASSAGE_INDEX)
             if line_offsets.shape != (manifest.n_vectors + 1,) or line_offsets.dtype != np.int64:
-                raise DatastoreCorruptError(f"{path / PASSAGE_INDEX}: {line_offsets.dtype}{line_offsets.shape}, "
-                                            f"expected int64({manifest.n_vectors + 1},)")
+                raise DatastoreCorruptError(
+                    f"{path / PASSAGE_INDEX}: {line_offsets.dtype}{line_offsets.shape}, expected int64({manifest.n_vectors + 1},)"
+                )
             passages = MappedPassages(path / PASSAGES, line_offsets)
         return cls(
             manifest,

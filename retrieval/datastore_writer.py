@@ -21,7 +21,17 @@ import numpy as np
 
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Passage
-from telerag.retrieval.datastore import CODEC_PARAMS, CENTROIDS, FILES, MANIFEST, OFFSETS, PASSAGE_INDEX, PASSAGES, VECTORS, Manifest
+from telerag.retrieval.datastore import (
+    CENTROIDS,
+    CODEC_PARAMS,
+    FILES,
+    MANIFEST,
+    OFFSETS,
+    PASSAGE_INDEX,
+    PASSAGES,
+    VECTORS,
+    Manifest,
+)
 from telerag.retrieval.errors import DatastoreError
 from telerag.utils.files import file_sha256
 from telerag.utils.progress import ProgressBar
@@ -163,9 +173,12 @@ def write_datastore(
             line_offsets = [0]
             with (tmp / PASSAGES).open("wb") as handle:
                 for passage in passages:
-                    line = json.dumps(
-                        {"doc_id": passage.doc_id, "title": passage.title, "text": passage.text}, ensure_ascii=False
-                    ).encode("utf-8") + b"\n"
+                    line = (
+                        json.dumps(
+                            {"doc_id": passage.doc_id, "title": passage.title, "text": passage.text}, ensure_ascii=False
+                        ).encode("utf-8")
+                        + b"\n"
+                    )
                     handle.write(line)
                     line_offsets.append(line_offsets[-1] + len(line))
             if len(line_offsets) - 1 != manifest.n_vectors:

@@ -59,7 +59,6 @@ class DemandCopyPolicy:
             copy_ms, cpu_left = next_copy, next_cpu
         return chosen
 
-
     def late_to_cpu(self, waiting: Sequence[tuple[int, int, int]], cpu_bytes: int) -> list[int]:
         """Which resident clusters whose copies are still queued faiss should scan instead.
 

@@ -29,13 +29,12 @@ from telerag.retrieval.cache import ClusterCache
 from telerag.retrieval.cooperative import CooperativeSearch, QueryStats, SearchResources, faiss_part, merge_to_host
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.demand import DemandCopyPolicy
-from telerag.utils.device import resolve_device
 from telerag.retrieval.errors import DeviceMemoryError, DeviceUnavailable, InvalidCall
 from telerag.retrieval.ivf import CPUIndex
 from telerag.retrieval.prefetch import PrefetchHandle, PrefetchPlan, plan_prefetch
-from telerag.utils.progress import ProgressBar
 from telerag.retrieval.stats import PrefetchStats
-
+from telerag.utils.device import resolve_device
+from telerag.utils.progress import ProgressBar
 
 PROBE_TIE_MARGIN = 1e-5  # relative centroid-score gap below which the device defers to faiss
 STREAM_PRIORITY = -1  # CUDA: lower is sooner; the search stream's blocks go before the default stream's
@@ -46,7 +45,7 @@ R = TypeVar("R")
 
 def default_nprobe(nlist: int) -> int:
     """4·sqrt(nlist), the paper's setting (256 for 4096 lists)."""
-    return max(1, min(nlist, int(round(4 * math.sqrt(nlist)))))
+    return max(1, min(nlist, round(4 * math.sqrt(nlist))))
 
 
 def _on_stream(method: Callable[Concatenate[RetrievalEngine, P], R]) -> Callable[Concatenate[RetrievalEngine, P], R]:
@@ -107,7 +106,9 @@ class RetrievalEngine:
         with self.on_stream():  # the device tensors searches read belong to the search stream
             self.cache = ClusterCache(self.host_vectors, datastore.offsets, cache_bytes, self.device)
             self.centroids = torch.from_numpy(np.ascontiguousarray(datastore.centroids)).to(self.device)
-            self.codec_params = None if datastore.codec_params is None else torch.from_numpy(datastore.codec_params).to(self.device)
+            self.codec_params = (
+                None if datastore.codec_params is None else torch.from_numpy(datastore.codec_params).to(self.device)
+            )
         if cpu_threads is None and self.device.type == "cuda":
             cpu_threads = max(1, faiss.omp_get_max_threads() - 1)
         self._cpu_pool = ThreadPoolExecutor(

@@ -62,9 +62,7 @@ class CPUIndex:
         """C_out: each query's `nprobe` nearest lists (scores, list ids), as faiss's own search picks them."""
         return self.quantizer.search(queries, nprobe)
 
-    def search(
-        self, queries: np.ndarray, k: int, nprobe: int, *, tuned: bool = True
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def search(self, queries: np.ndarray, k: int, nprobe: int, *, tuned: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """faiss `IndexIVF.search`: our reference. `tuned=False` is faiss with its default
         parallelism (over queries only), the paper's CPU baseline."""
         queries = self.check(queries, k, nprobe)
@@ -125,9 +123,7 @@ def _view_lists(invlists: faiss.ArrayInvertedLists, vectors: np.ndarray, offsets
     invlists.codes = views
 
 
-def same_results(
-    ids: np.ndarray, scores: np.ndarray, ref_ids: np.ndarray, ref_scores: np.ndarray, tol: float = 1e-6
-) -> bool:
+def same_results(ids: np.ndarray, scores: np.ndarray, ref_ids: np.ndarray, ref_scores: np.ndarray, tol: float = 1e-6) -> bool:
     """Whether one query's top-k equals the reference's: the same ids in the same order, except
     that neighbours whose scores differ by less than `tol` (relative to the score) may swap, and
     among candidates tied at the k-th place any may be kept (faiss itself picks by scan order)."""

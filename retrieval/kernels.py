@@ -34,7 +34,6 @@ def available(device: torch.device) -> bool:
 
 
 if triton is not None:
-
     # sizes change every call: specialising on them would recompile mid-traffic
     @triton.jit(do_not_specialize=["n_queries", "n_union", "total"])
     def _score_blocks(

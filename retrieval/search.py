@@ -54,9 +54,7 @@ class _ColumnIds:
         return self.host_starts[segment] + (columns - self.column_starts[segment])
 
 
-def _topk_padded(
-    scores: torch.Tensor, ids: torch.Tensor | _ColumnIds, k: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _topk_padded(scores: torch.Tensor, ids: torch.Tensor | _ColumnIds, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise top-k of (scores, ids) with -inf / -1 padding when a row has fewer than k.
     `ids` is a tensor shaped like `scores`, or a `_ColumnIds` mapping columns to ids."""
     n, width = scores.shape

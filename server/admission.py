@@ -65,7 +65,9 @@ ERROR_QUANTILE = 1.0  # the quantile of that error that scales every estimate: t
 # if its error is like theirs, has odds of 1 in ERROR_WINDOW + 1 to be larger (the deadline is to hold for 99 in 100;
 # the 99th percentile of 100, their second largest, would hold for 98)
 ERROR_MIN_SAMPLES = 3  # below this many, estimates are not scaled (from 3 on, the quantile of few is near their worst)
-ERROR_MIN_ESTIMATE_S = 1.0  # an estimate shorter than this counts as this long (a 0.1 s estimate that took 0.5 s says little about 30 s)
+ERROR_MIN_ESTIMATE_S = (
+    1.0  # an estimate shorter than this counts as this long (a 0.1 s estimate that took 0.5 s says little about 30 s)
+)
 
 
 @dataclass(frozen=True)
@@ -224,20 +226,29 @@ class Admission:
         if self.max_in_flight_per_key is not None and client is not None:
             own = [t for t in self._admitted if t.client == client]
             if len(own) >= self.max_in_flight_per_key:
-                self._refuse(Refusal.KEY_LIMIT, f"this API key has {len(own)} requests in flight; the limit is "
-                             f"{self.max_in_flight_per_key}", self._soonest(rate, own))
+                self._refuse(
+                    Refusal.KEY_LIMIT,
+                    f"this API key has {len(own)} requests in flight; the limit is {self.max_in_flight_per_key}",
+                    self._soonest(rate, own),
+                )
         if self.n_running >= self.max_concurrency and self.n_waiting >= self.max_queue:
-            self._refuse(Refusal.QUEUE_FULL, f"server busy: {self.n_running} running and {self.n_waiting} waiting",
-                         self._soonest(rate, self._admitted))
+            self._refuse(
+                Refusal.QUEUE_FULL,
+                f"server busy: {self.n_running} running and {self.n_waiting} waiting",
+                self._soonest(rate, self._admitted),
+            )
         ticket = Ticket(cost, client, admitted_at=self._last)
         finishes = self._finishes(rate, [*self._admitted, ticket]) if rate else None
         if self.deadline_s is not None and self._admitted:
             measured = len(self.error.ratios)
             if finishes is None or not self.error.calibrated or len(self._admitted) >= measured:
-                self._refuse(Refusal.CALIBRATING, "the server is measuring its service rate and the error of its "
-                             f"estimates: one request at a time until {self.error.min_samples + 1} have finished, then "
-                             f"no more at once than have finished under an estimate ({measured})",
-                             self._soonest(rate, self._admitted))
+                self._refuse(
+                    Refusal.CALIBRATING,
+                    "the server is measuring its service rate and the error of its "
+                    f"estimates: one request at a time until {self.error.min_samples + 1} have finished, then "
+                    f"no more at once than have finished under an estimate ({measured})",
+                    self._soonest(rate, self._admitted),
+                )
             self._check_deadlines(rate, finishes, ticket)
         if finishes is not None:
             for t, in_s in finishes.items():
@@ -296,8 +307,12 @@ class Admission:
             return
         without = self._finishes(rate, self._admitted)
         retry = max(lateness if t is new else without[t] * factor for t, lateness in blockers)
-        self._refuse(Refusal.DEADLINE, f"server busy: this request would finish in about {finishes[new] * factor:.0f} s, "
-                     f"or make an admitted one finish later than the deadline of {self.deadline_s:g} s", retry)
+        self._refuse(
+            Refusal.DEADLINE,
+            f"server busy: this request would finish in about {finishes[new] * factor:.0f} s, "
+            f"or make an admitted one finish later than the deadline of {self.deadline_s:g} s",
+            retry,
+        )
 
     def service_rate(self) -> float | None:
         """The measured service rate, in work units per second (None until a request completed)."""

@@ -145,8 +145,9 @@ class AdmittedRun:
     def _ended(self, _: asyncio.Task[None]) -> None:
         """The run is over, however it ended: its ticket finishes, and its readers learn it."""
         result = self._result
-        self._admission.finish(self._ticket, completed=result is not None,
-                               tokens_generated=result.tokens_generated if result is not None else None)
+        self._admission.finish(
+            self._ticket, completed=result is not None, tokens_generated=result.tokens_generated if result is not None else None
+        )
         self._settled.set()
         self._queue.put_nowait(None)
         self._watcher.cancel()

@@ -36,9 +36,15 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
     models = request_models(settings.limits, list(PIPELINES), None)
     access = Access.from_settings(settings.server)
     # the documentation routes are ours (routes/ops.py), so that they can sit behind the API key
-    app = FastAPI(title="telerag", version="0.1.0", openapi_url=None, docs_url=None, redoc_url=None,
-                  description="RAG inference server with lookahead retrieval (TeleRAG). Every error, whatever its "
-                              "status, has the body `{\"error\": {\"type\", \"message\", \"field\"?}}` (ErrorResponse).")
+    app = FastAPI(
+        title="telerag",
+        version="0.1.0",
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+        description="RAG inference server with lookahead retrieval (TeleRAG). Every error, whatever its "
+        'status, has the body `{"error": {"type", "message", "field"?}}` (ErrorResponse).',
+    )
     app.state.lifecycle = lifecycle
     app.state.service = None
     app.state.metrics = Metrics(lambda: app.state.service.runtime.cache_stats() if app.state.service else CacheStats())
@@ -49,8 +55,13 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
     app.add_middleware(ServingGate, lifecycle=lifecycle)
     app.add_middleware(BodyLimit, limit=settings.limits.max_body_bytes)
     if settings.server.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=settings.server.cors_origins, allow_methods=["*"], allow_headers=["*"],
-                           expose_headers=["X-Request-ID", "Retry-After"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.server.cors_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-ID", "Retry-After"],
+        )
     app.add_middleware(RequestId)  # outermost: every response, refusals included, carries the id
     app.include_router(ops.router(access))
     app.include_router(rag.router(models, access))

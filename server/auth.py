@@ -50,13 +50,18 @@ class Access:
 
     @classmethod
     def from_settings(cls, server: ServerSettings) -> Access:
-        keys = [key.get_secret_value().encode() for key in server.keys()]
+        keys = [key.get_secret_value().encode() for key in server.keys()]  # noqa: SIM118 - ServerSettings.keys(), not a dict
         if not keys:
             return cls(client=anyone, api=[], api_errors=(), docs=[], docs_errors=())
         client = ApiKeys(keys)
         guarded = server.protect_docs
-        return cls(client=client, api=[Depends(client)], api_errors=(401,),
-                   docs=[Depends(client)] if guarded else [], docs_errors=(401,) if guarded else ())
+        return cls(
+            client=client,
+            api=[Depends(client)],
+            api_errors=(401,),
+            docs=[Depends(client)] if guarded else [],
+            docs_errors=(401,) if guarded else (),
+        )
 
     def client_parameter(self) -> Any:
         """The type of a route's `client` parameter: the key's name, from `client`."""

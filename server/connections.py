@@ -89,7 +89,9 @@ class _ProbesOnly:
         if scope["type"] == "http" and scope["path"] in PROBE_PATHS:
             await self.app(scope, receive, closing)
             return
-        refusal = TooManyConnections("too many open connections; retry shortly")  # a refusal: not logged (a flood would flood the log)
+        refusal = TooManyConnections(
+            "too many open connections; retry shortly"
+        )  # a refusal: not logged (a flood would flood the log)
         await response_for(refusal)(scope, receive, closing)
 
 
@@ -141,8 +143,9 @@ class _HeaderDeadline:
             self.transport.close()  # type: ignore[attr-defined]
 
 
-def guarded_protocol(limits: ConnectionLimits, implementation: str = "auto",
-                     observer: ConnectionObserver | None = None) -> type[asyncio.Protocol]:
+def guarded_protocol(
+    limits: ConnectionLimits, implementation: str = "auto", observer: ConnectionObserver | None = None
+) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol (`auto`: httptools when installed, else h11) with these limits."""
     if implementation == "auto":
         implementation = "httptools" if importlib.util.find_spec("httptools") else "h11"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import math
-from enum import Enum
+from enum import StrEnum
 from http import HTTPStatus
 from typing import Any
 
@@ -38,7 +38,9 @@ log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # a 429 or 503 whose cause has no better estimate of when to come back
 NOT_READY_RETRY_AFTER_S = 5  # loading or draining: a load takes seconds to minutes, a drain up to its grace
 
-request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("telerag_request_id", default=None)  # set by middleware.RequestId
+request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "telerag_request_id", default=None
+)  # set by middleware.RequestId
 
 
 def retry_after_s(estimate_s: float | None, default: int = RETRY_AFTER_S) -> int:
@@ -47,7 +49,7 @@ def retry_after_s(estimate_s: float | None, default: int = RETRY_AFTER_S) -> int
     return default if estimate_s is None else max(1, math.ceil(estimate_s))
 
 
-class Refusal(str, Enum):
+class Refusal(StrEnum):
     """Why admission refused a request: the body's `error.type` of its 429 (422 for
     `prompt_tokens`), and the `reason` label of `telerag_admission_refusals_total`."""
 
@@ -159,11 +161,21 @@ WHEN = {  # what each status means, for the OpenAPI schema
     503: "Not ready (loading) or a component is unavailable: retry after `Retry-After` seconds.",
     504: "The request took longer than `scheduler.request_timeout_s`.",
 }
-_REQUEST_ID = {"X-Request-ID": {"description": "the request's id (the client's, where it sent a valid one); a fault is "
-                                               "logged with it", "schema": {"type": "string"}, "required": True}}
-_RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}, "required": True}}
-_HEADERS = {401: {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}, "required": True}},
-            429: _RETRY_AFTER, 503: _RETRY_AFTER}
+_REQUEST_ID = {
+    "X-Request-ID": {
+        "description": "the request's id (the client's, where it sent a valid one); a fault is logged with it",
+        "schema": {"type": "string"},
+        "required": True,
+    }
+}
+_RETRY_AFTER = {
+    "Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}, "required": True}
+}
+_HEADERS = {
+    401: {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}, "required": True}},
+    429: _RETRY_AFTER,
+    503: _RETRY_AFTER,
+}
 
 
 def status_of(exc: BaseException) -> int:
@@ -178,8 +190,11 @@ def error_detail(exc: BaseException) -> ErrorDetail:
         log.error("request %s failed: %s", request_id.get() or "-", exc, exc_info=exc)
     if status == 500:
         return ErrorDetail(type="internal_error", message=f"internal server error (request {request_id.get() or '-'})")
-    return ErrorDetail(type=getattr(exc, "code", "internal_error"), message=str(exc) or type(exc).__name__,
-                       field=getattr(exc, "field", None) or None)
+    return ErrorDetail(
+        type=getattr(exc, "code", "internal_error"),
+        message=str(exc) or type(exc).__name__,
+        field=getattr(exc, "field", None) or None,
+    )
 
 
 def error_response(status: int, detail: ErrorDetail, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -202,8 +217,10 @@ def response_for(exc: BaseException) -> JSONResponse:
 
 def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """The OpenAPI `responses` of these error statuses: the error model, what it means, its headers."""
-    return {status: {"model": ErrorResponse, "description": WHEN[status], "headers": _REQUEST_ID | _HEADERS.get(status, {})}
-            for status in statuses}
+    return {
+        status: {"model": ErrorResponse, "description": WHEN[status], "headers": _REQUEST_ID | _HEADERS.get(status, {})}
+        for status in statuses
+    }
 
 
 def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -14,6 +14,7 @@ from telerag.utils.progress import StepProgress
 
 log = logging.getLogger(__name__)
 
+
 class Phase(enum.StrEnum):
     LOADING = "loading"
     READY = "ready"

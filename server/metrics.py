@@ -23,15 +23,23 @@ class _CacheCollector(Collector):
     def __init__(self, stats: Callable[[], CacheStats]) -> None:
         self.stats = stats
 
-    def collect(self):  # noqa: ANN201
+    def collect(self):
         s = self.stats()
-        for name, doc in (("hits", "searched clusters found resident"), ("misses", "searched clusters not resident"),
-                          ("evictions", "clusters evicted"), ("bytes_copied", "bytes copied into the cache")):
+        for name, doc in (
+            ("hits", "searched clusters found resident"),
+            ("misses", "searched clusters not resident"),
+            ("evictions", "clusters evicted"),
+            ("bytes_copied", "bytes copied into the cache"),
+        ):
             family = CounterMetricFamily(f"telerag_cache_{name}", doc)
             family.add_metric([], float(getattr(s, name)))
             yield family
-        for name, doc in (("occupancy_bytes", "bytes of the cache holding clusters"), ("capacity_bytes", "cache size"),
-                          ("resident_clusters", "clusters resident"), ("pinned_clusters", "clusters pinned now")):
+        for name, doc in (
+            ("occupancy_bytes", "bytes of the cache holding clusters"),
+            ("capacity_bytes", "cache size"),
+            ("resident_clusters", "clusters resident"),
+            ("pinned_clusters", "clusters pinned now"),
+        ):
             family = GaugeMetricFamily(f"telerag_cache_{name}", doc)
             family.add_metric([], float(getattr(s, name)))
             yield family
@@ -42,8 +50,13 @@ class ConnectionMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.open = Gauge("telerag_connections_open", "HTTP connections open", registry=registry)
-        self.actions = Counter("telerag_connections_guarded", "connections the guards acted on: closed for late headers "
-                               "(header_timeout) or opened past server.max_connections (over_bound)", ["action"], registry=registry)
+        self.actions = Counter(
+            "telerag_connections_guarded",
+            "connections the guards acted on: closed for late headers "
+            "(header_timeout) or opened past server.max_connections (over_bound)",
+            ["action"],
+            registry=registry,
+        )
         for action in ("header_timeout", "over_bound"):
             self.actions.labels(action)
 
@@ -54,35 +67,100 @@ class ConnectionMetrics:
         self.actions.labels(action).inc()
 
 
+class AdmissionMetrics:
+    """The queue and admission's model: what waits, what runs, what was refused and why, and the
+    model's measured rate and error."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.queue_wait = Histogram(
+            "telerag_queue_wait_seconds",
+            "how long admitted requests waited for a slot",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.queue_depth = Gauge("telerag_queue_depth", "requests waiting for a slot", registry=registry)
+        self.in_flight = Gauge("telerag_requests_in_flight", "requests running", registry=registry)
+        self.refusals = Counter(
+            "telerag_admission_refusals", "requests refused by admission, by reason", ["reason"], registry=registry
+        )
+        for reason in Refusal:
+            self.refusals.labels(reason.value)
+        self.expected_wait = Gauge(
+            "telerag_admission_expected_wait_seconds",
+            "time the admitted work takes at the measured service rate (scaled by the estimate factor)",
+            registry=registry,
+        )
+        self.service_rate = Gauge(
+            "telerag_admission_service_rate",
+            "work units the server completes per second of its time, as admission measures it (0 until a request completed)",
+            registry=registry,
+        )
+        self.estimate_factor = Gauge(
+            "telerag_admission_estimate_factor",
+            "what admission multiplies its estimates by: the largest of "
+            "recent requests' time to finish over their estimate, at least 1",
+            registry=registry,
+        )
+
+
 class Metrics:
     def __init__(self, cache_stats: Callable[[], CacheStats]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.request_latency = Histogram("telerag_request_seconds", "request latency, from its slot to its end "
-                                         "(the wait for the slot: telerag_queue_wait_seconds)", ["pipeline", "outcome"], buckets=LATENCY_BUCKETS, registry=r)
-        self.stage_latency = Histogram("telerag_stage_seconds", "stage latency", ["pipeline", "stage"], buckets=LATENCY_BUCKETS, registry=r)
-        self.overlap = Histogram("telerag_cluster_overlap_rate", "|C_in ∩ C_out| / |C_out| per request", ["pipeline"], buckets=RATE_BUCKETS, registry=r)
+        self.request_latency = Histogram(
+            "telerag_request_seconds",
+            "request latency, from its slot to its end (the wait for the slot: telerag_queue_wait_seconds)",
+            ["pipeline", "outcome"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.stage_latency = Histogram(
+            "telerag_stage_seconds", "stage latency", ["pipeline", "stage"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.overlap = Histogram(
+            "telerag_cluster_overlap_rate", "|C_in ∩ C_out| / |C_out| per request", ["pipeline"], buckets=RATE_BUCKETS, registry=r
+        )
         self.prefetched_bytes = Counter("telerag_prefetched_bytes", "bytes copied by prefetches", ["pipeline"], registry=r)
-        self.clusters_searched = Counter("telerag_clusters_searched", "clusters searched, by where", ["pipeline", "where"], registry=r)
-        self.demand_copies = Counter("telerag_clusters_copied_on_demand", "searched clusters copied to the device on demand (of those searched on the device)", ["pipeline"], registry=r)
-        self.late_clusters = Counter("telerag_clusters_late", "resident clusters scanned by faiss because their copies would land after faiss finished", ["pipeline"], registry=r)
-        self.copy_wait = Histogram("telerag_search_copy_wait_seconds", "how long a search's device scan waited for copies in flight (searches that waited)", ["pipeline"], buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_wait = Histogram("telerag_queue_wait_seconds", "how long admitted requests waited for a slot",
-                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_depth = Gauge("telerag_queue_depth", "requests waiting for a slot", registry=r)
-        self.in_flight = Gauge("telerag_requests_in_flight", "requests running", registry=r)
-        self.refusals = Counter("telerag_admission_refusals", "requests refused by admission, by reason", ["reason"], registry=r)
-        for reason in Refusal:
-            self.refusals.labels(reason.value)
-        self.expected_wait = Gauge("telerag_admission_expected_wait_seconds", "time the admitted work takes at the measured service rate "
-                                   "(scaled by the estimate factor)", registry=r)
-        self.service_rate = Gauge("telerag_admission_service_rate", "work units the server completes per second of its time, as "
-                                  "admission measures it (0 until a request completed)", registry=r)
-        self.estimate_factor = Gauge("telerag_admission_estimate_factor", "what admission multiplies its estimates by: the largest of "
-                                     "recent requests' time to finish over their estimate, at least 1", registry=r)
-        self.batch_size = Histogram("telerag_batch_size", "queries per batched retrieval call", ["kind"], buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
-        self.tokens = Counter("telerag_tokens_generated", "tokens generated, cancelled requests' included", ["pipeline"], registry=r)
-        self.ttft = Histogram("telerag_time_to_first_token_seconds", "time to the first answer token", ["pipeline"], buckets=LATENCY_BUCKETS, registry=r)
+        self.clusters_searched = Counter(
+            "telerag_clusters_searched", "clusters searched, by where", ["pipeline", "where"], registry=r
+        )
+        self.demand_copies = Counter(
+            "telerag_clusters_copied_on_demand",
+            "searched clusters copied to the device on demand (of those searched on the device)",
+            ["pipeline"],
+            registry=r,
+        )
+        self.late_clusters = Counter(
+            "telerag_clusters_late",
+            "resident clusters scanned by faiss because their copies would land after faiss finished",
+            ["pipeline"],
+            registry=r,
+        )
+        self.copy_wait = Histogram(
+            "telerag_search_copy_wait_seconds",
+            "how long a search's device scan waited for copies in flight (searches that waited)",
+            ["pipeline"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.admission = AdmissionMetrics(r)
+        self.batch_size = Histogram(
+            "telerag_batch_size",
+            "queries per batched retrieval call",
+            ["kind"],
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=r,
+        )
+        self.tokens = Counter(
+            "telerag_tokens_generated", "tokens generated, cancelled requests' included", ["pipeline"], registry=r
+        )
+        self.ttft = Histogram(
+            "telerag_time_to_first_token_seconds",
+            "time to the first answer token",
+            ["pipeline"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.connections = ConnectionMetrics(r)
         r.register(_CacheCollector(cache_stats))
         ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds (Linux)

@@ -33,8 +33,13 @@ log = logging.getLogger("telerag.server")
 
 def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
     """Everything the server asks of uvicorn, in one place."""
-    return uvicorn.Config(app, host=settings.server.host, port=settings.server.port, log_level=settings.server.log_level,
-                          **uvicorn_options(settings.server, app.state.metrics.connections))
+    return uvicorn.Config(
+        app,
+        host=settings.server.host,
+        port=settings.server.port,
+        log_level=settings.server.log_level,
+        **uvicorn_options(settings.server, app.state.metrics.connections),
+    )
 
 
 class _Server(uvicorn.Server):

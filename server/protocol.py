@@ -14,7 +14,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, create_model, field_serializer, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    create_model,
+    field_serializer,
+    field_validator,
+)
 
 from telerag.pipelines.types import DatastoreInfo, RagResult, StageKind, StageRole
 from telerag.server.result_stats import PrefetchSummaryOut, StepStatsOut, TimingsOut, step_stats
@@ -113,25 +122,48 @@ def request_models(limits: LimitSettings, pipelines: Sequence[str], nlist: int |
     question = Annotated[str, StringConstraints(min_length=1, max_length=limits.max_query_chars, pattern=NON_BLANK)]
     max_tokens = min(256, limits.max_tokens)
     query = create_model(
-        "QueryRequest", __base__=QueryRequest, __module__=__name__,
+        "QueryRequest",
+        __base__=QueryRequest,
+        __module__=__name__,
         query=(question, Field(description=f"the user's question (at most {limits.max_query_chars} characters, not blank)")),
         pipeline=(pipeline, Field("naive" if "naive" in pipelines else pipelines[0], description="one of GET /v1/pipelines")),
         top_k=(integer(1, limits.max_top_k) | None, Field(None, description="documents to retrieve (default: the server's)")),
         nprobe=(integer(1, nlist) | None, Field(None, description="IVF lists to search (at most the datastore's nlist)")),
         max_tokens=(integer(1, limits.max_tokens), Field(max_tokens, description="tokens of the answer, at most")),
     )
-    user = create_model("UserMessage", __base__=ChatMessage, __module__=__name__, role=(Literal["user"], ...),
-                        content=(question, Field(description="a question (the last one is answered)")))
-    other = create_model("OtherMessage", __base__=ChatMessage, __module__=__name__,
-                         role=(Literal["system", "assistant", "tool"], ...), content=(str, ...))
+    user = create_model(
+        "UserMessage",
+        __base__=ChatMessage,
+        __module__=__name__,
+        role=(Literal["user"], ...),
+        content=(question, Field(description="a question (the last one is answered)")),
+    )
+    other = create_model(
+        "OtherMessage",
+        __base__=ChatMessage,
+        __module__=__name__,
+        role=(Literal["system", "assistant", "tool"], ...),
+        content=(str, ...),
+    )
     chat = create_model(
-        "ChatCompletionRequest", __base__=ChatCompletionRequest, __module__=__name__,
+        "ChatCompletionRequest",
+        __base__=ChatCompletionRequest,
+        __module__=__name__,
         model=(pipeline, Field(description="the pipeline that answers (one of GET /v1/models)")),
-        messages=(list[Annotated[user | other, Field(discriminator="role")]], Field(  # type: ignore[valid-type]
-            min_length=1, description="the conversation; it needs a user message, and the last one is the question",
-            json_schema_extra={"contains": {"type": "object", "properties": {"role": {"const": "user"}}, "required": ["role"]}},
-        )),
-        max_tokens=(integer(1, limits.max_tokens) | None, Field(None, description=f"tokens of the answer, at most (default {max_tokens})")),
+        messages=(
+            list[Annotated[user | other, Field(discriminator="role")]],
+            Field(  # type: ignore[valid-type]
+                min_length=1,
+                description="the conversation; it needs a user message, and the last one is the question",
+                json_schema_extra={
+                    "contains": {"type": "object", "properties": {"role": {"const": "user"}}, "required": ["role"]}
+                },
+            ),
+        ),
+        max_tokens=(
+            integer(1, limits.max_tokens) | None,
+            Field(None, description=f"tokens of the answer, at most (default {max_tokens})"),
+        ),
     )
     return RequestModels(query=query, chat=chat)
 
@@ -176,9 +208,20 @@ class QueryResponse(BaseModel):
             answer=result.answer,
             pipeline=result.pipeline,
             documents=[DocumentOut(**vars(d)) for d in result.documents] if with_documents else [],
-            steps=[StepOut(stage=s.stage.name, role=s.stage.role, kind=s.kind, query=s.query, tokens_in=s.tokens_in,
-                           tokens_out=s.tokens_out, ms=s.ms, stats=step_stats(s.stats), start_ms=s.start_ms)
-                   for s in result.steps],
+            steps=[
+                StepOut(
+                    stage=s.stage.name,
+                    role=s.stage.role,
+                    kind=s.kind,
+                    query=s.query,
+                    tokens_in=s.tokens_in,
+                    tokens_out=s.tokens_out,
+                    ms=s.ms,
+                    stats=step_stats(s.stats),
+                    start_ms=s.start_ms,
+                )
+                for s in result.steps
+            ],
             timings=TimingsOut.model_validate(result.timings),
             prefetch=PrefetchSummaryOut.model_validate(result.prefetch),
             tokens_generated=result.tokens_generated,
@@ -202,10 +245,12 @@ class TokenText(BaseModel):
 
 class StageInfo(BaseModel):
     name: str
-    role: StageRole = Field(description="prefetch: embed q_in and copy its clusters; pre_retrieval: the LLM call the "
-                            "prefetch runs beside, whose output makes q_out; search: embed q_out and search; llm: another "
-                            "LLM call whose output is not the answer (a draft for a judge, a judgement, a critique); "
-                            "generate: an LLM call that writes answer text")
+    role: StageRole = Field(
+        description="prefetch: embed q_in and copy its clusters; pre_retrieval: the LLM call the "
+        "prefetch runs beside, whose output makes q_out; search: embed q_out and search; llm: another "
+        "LLM call whose output is not the answer (a draft for a judge, a judgement, a critique); "
+        "generate: an LLM call that writes answer text"
+    )
 
 
 class PipelineInfo(BaseModel):
@@ -240,8 +285,9 @@ class Ready(BaseModel):
     loading: str | None = Field(None, description='while loading: the step, e.g. "checking datastore", "loading model"')
     progress: LoadProgress | None = Field(None, description="while loading, for a step with a progress bar: how far it is")
     loading_s: float | None = Field(None, description="while loading: seconds since the load began")
-    step_s: float | None = Field(None, description="while loading: seconds since the current step began (every step, "
-                                                   "with a progress bar or without)")
+    step_s: float | None = Field(
+        None, description="while loading: seconds since the current step began (every step, with a progress bar or without)"
+    )
     engine: str | None = None
     datastore: DatastoreInfo | None = None
 
@@ -296,8 +342,12 @@ class ChatCompletion(BaseModel):
 
     @classmethod
     def from_result(cls, result: RagResult, *, request_id: str, model: str) -> ChatCompletion:
-        return cls(id=request_id, model=model, usage=Usage.of(result),
-                   choices=[ChatCompletionChoice(message=AssistantMessage(content=result.answer))])
+        return cls(
+            id=request_id,
+            model=model,
+            usage=Usage.of(result),
+            choices=[ChatCompletionChoice(message=AssistantMessage(content=result.answer))],
+        )
 
 
 class ChatDelta(BaseModel):

@@ -15,7 +15,7 @@ class _OmitsAbsent(BaseModel):
     """A model whose unset (None) fields are left out of the JSON rather than sent as null."""
 
     @model_serializer(mode="wrap")
-    def _without_none(self, handler: SerializerFunctionWrapHandler):  # noqa: ANN202 - no annotation keeps the schema
+    def _without_none(self, handler: SerializerFunctionWrapHandler):
         return {name: value for name, value in handler(self).items() if value is not None}
 
 
@@ -99,8 +99,9 @@ class TimingsOut(BaseModel):
     search_ms: float
     search_device_ms: float
     search_cpu_ms: float
-    llm_ms: float = Field(description="the other LLM calls whose output is not the answer (role llm): drafts for a "
-                          "judge, judgements, critiques")
+    llm_ms: float = Field(
+        description="the other LLM calls whose output is not the answer (role llm): drafts for a judge, judgements, critiques"
+    )
     generate_ms: float = Field(description="the LLM calls that wrote the answer (role generate)")
 
 

@@ -22,10 +22,10 @@ from telerag.pipelines.retriever import DirectRetriever, load_datastore, open_re
 from telerag.pipelines.types import BatchRetriever, DatastoreInfo, Engine, Retriever, RunOptions, run_result
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.errors import DeviceUnavailable
-from telerag.utils.device import resolve_device
-from telerag.utils.progress import StepProgress, observe_progress
 from telerag.retrieval.stats import CacheStats
 from telerag.server.settings import RetrievalSettings, Settings, pre_retrieval_profile
+from telerag.utils.device import resolve_device
+from telerag.utils.progress import StepProgress, observe_progress
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -124,8 +124,11 @@ def load_configured_datastore(
     (`pipelines.retriever.load_datastore`: built on the embedded default's first run, refused
     in one line if `embedder` did not build it)."""
     return load_datastore(
-        retrieval.datastore, embedder, build_if_missing=retrieval.build_if_missing,
-        verify_checksums=retrieval.verify_checksums, on_step=on_step,
+        retrieval.datastore,
+        embedder,
+        build_if_missing=retrieval.build_if_missing,
+        verify_checksums=retrieval.verify_checksums,
+        on_step=on_step,
     )
 
 
@@ -134,10 +137,14 @@ def open_configured_retriever(datastore: Datastore, embedder: Embedder, retrieva
     cluster cache, prefetch budget, nprobe, demand copies, faiss threads)."""
     device = str(resolve_device(retrieval.device, error=DeviceUnavailable))
     return open_retriever(
-        datastore, embedder, device=device,
+        datastore,
+        embedder,
+        device=device,
         cache_bytes=cluster_cache_bytes(retrieval, device),
         prefetch_budget_bytes=None if retrieval.prefetch_budget_mb is None else int(retrieval.prefetch_budget_mb * 2**20),
-        nprobe=retrieval.nprobe, demand_copy=retrieval.demand_copy, cpu_threads=retrieval.cpu_threads,
+        nprobe=retrieval.nprobe,
+        demand_copy=retrieval.demand_copy,
+        cpu_threads=retrieval.cpu_threads,
     )
 
 

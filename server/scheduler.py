@@ -43,8 +43,15 @@ class _Batcher(Generic[Item, Out]):
     batches grow by themselves; when idle nothing waits.
     """
 
-    def __init__(self, run: Callable[[list[Item]], Any], size: Callable[[Item], int], window_s: float, max_batch: int,
-                 on_batch: Callable[[int], None], abandon: Callable[[Out], None] = lambda result: None) -> None:
+    def __init__(
+        self,
+        run: Callable[[list[Item]], Any],
+        size: Callable[[Item], int],
+        window_s: float,
+        max_batch: int,
+        on_batch: Callable[[int], None],
+        abandon: Callable[[Out], None] = lambda result: None,
+    ) -> None:
         self._run, self._size, self.window_s, self.max_batch = run, size, window_s, max_batch
         self._on_batch, self._abandon = on_batch, abandon
         self._pending: list[_Pending[Item, Out]] = []
@@ -101,22 +108,25 @@ class _Batcher(Generic[Item, Out]):
 class BatchingRetriever:
     """The pipelines' Retriever, batching concurrent callers into one BatchRetriever call."""
 
-    def __init__(self, inner: BatchRetriever, *, window_ms: float, max_batch: int,
-                 on_batch: Callable[[str, int], None] | None = None) -> None:
+    def __init__(
+        self, inner: BatchRetriever, *, window_ms: float, max_batch: int, on_batch: Callable[[str, int], None] | None = None
+    ) -> None:
         self.inner = inner
         report = on_batch or (lambda kind, size: None)
         window = window_ms / 1e3
         self._prefetch: _Batcher[PrefetchRequest, PrefetchTicket] = _Batcher(
-            self.inner.prefetch_batch, lambda item: len(item.queries), window, max_batch, lambda n: report("prefetch", n),
+            self.inner.prefetch_batch,
+            lambda item: len(item.queries),
+            window,
+            max_batch,
+            lambda n: report("prefetch", n),
             abandon=self.inner.release,  # a cancelled caller's clusters are unpinned at once
         )
         self._search: _Batcher[SearchRequest, SearchOutcome] = _Batcher(
             self.inner.search_batch, lambda item: len(item.queries), window, max_batch, lambda n: report("search", n)
         )
 
-    async def prefetch(
-        self, queries: Sequence[str], *, enabled: bool = True, overlap_ms: float | None = None
-    ) -> PrefetchTicket:
+    async def prefetch(self, queries: Sequence[str], *, enabled: bool = True, overlap_ms: float | None = None) -> PrefetchTicket:
         return await self._prefetch.submit(PrefetchRequest(list(queries), enabled, overlap_ms))
 
     async def search(
@@ -126,4 +136,3 @@ class BatchingRetriever:
 
     def release(self, ticket: PrefetchTicket) -> None:
         self.inner.release(ticket)
-

@@ -42,42 +42,70 @@ class Service:
             scheduler.max_queue,
             deadline_s=scheduler.admission_deadline_s,
             max_in_flight_per_key=scheduler.max_in_flight_per_key,
-            on_change=lambda waiting, running: (self.metrics.queue_depth.set(waiting), self.metrics.in_flight.set(running)),
-            on_refuse=lambda reason: self.metrics.refusals.labels(reason.value).inc(),
-            on_start=self.metrics.queue_wait.observe,
+            on_change=lambda waiting, running: (
+                self.metrics.admission.queue_depth.set(waiting),
+                self.metrics.admission.in_flight.set(running),
+            ),
+            on_refuse=lambda reason: self.metrics.admission.refusals.labels(reason.value).inc(),
+            on_start=self.metrics.admission.queue_wait.observe,
         )
-        self.metrics.expected_wait.set_function(self.admission.expected_wait_s)
-        self.metrics.service_rate.set_function(lambda: self.admission.service_rate() or 0.0)
-        self.metrics.estimate_factor.set_function(lambda: self.admission.error.factor)
+        self.metrics.admission.expected_wait.set_function(self.admission.expected_wait_s)
+        self.metrics.admission.service_rate.set_function(lambda: self.admission.service_rate() or 0.0)
+        self.metrics.admission.estimate_factor.set_function(lambda: self.admission.error.factor)
         words = self.runtime.datastore_info.passage_words or DEFAULT_PASSAGE_WORDS
         self.passage_tokens = math.ceil(TOKENS_PER_WORD * words)
 
-    def options(self, *, top_k: int | None, nprobe: int | None, max_tokens: int, temperature: float,
-                prefetch: bool = True) -> RunOptions:
+    def options(
+        self, *, top_k: int | None, nprobe: int | None, max_tokens: int, temperature: float, prefetch: bool = True
+    ) -> RunOptions:
         """A request's options, checked for what the request models cannot check: nprobe against
         the datastore's nlist (the app's models are built before the datastore is loaded)."""
         nlist = self.runtime.datastore_info.nlist
         if nprobe is not None and nprobe > nlist:
             raise InvalidField("nprobe", f"nprobe must be at most nlist ({nlist})")
-        return RunOptions(top_k=top_k or self.settings.retrieval.top_k, nprobe=nprobe, max_tokens=max_tokens,
-                          temperature=temperature, prefetch=prefetch)
+        return RunOptions(
+            top_k=top_k or self.settings.retrieval.top_k,
+            nprobe=nprobe,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            prefetch=prefetch,
+        )
 
-    def cost(self, pipeline: Pipeline, query: str, options: RunOptions, *, query_field: str = "query",
-             top_k_field: str | None = "top_k") -> RequestCost:
+    def cost(
+        self,
+        pipeline: Pipeline,
+        query: str,
+        options: RunOptions,
+        *,
+        query_field: str = "query",
+        top_k_field: str | None = "top_k",
+    ) -> RequestCost:
         """The request's cost for admission; 422 past `limits.max_prompt_tokens`, naming the field
         that put it there (`top_k` when the query alone fits)."""
         query_tokens = self.runtime.engine.count_tokens(query)
         prompt_tokens = query_tokens + options.top_k * self.passage_tokens
         limit = self.settings.limits.max_prompt_tokens
         if prompt_tokens > limit:
-            self.metrics.refusals.labels(Refusal.PROMPT_TOKENS.value).inc()
+            self.metrics.admission.refusals.labels(Refusal.PROMPT_TOKENS.value).inc()
             field = top_k_field if top_k_field and query_tokens <= limit else query_field
-            raise InvalidField(field, f"the prompt would be about {prompt_tokens} tokens (the query's {query_tokens} and "
-                                      f"{options.top_k} passages of about {self.passage_tokens}); the limit is {limit}")
+            raise InvalidField(
+                field,
+                f"the prompt would be about {prompt_tokens} tokens (the query's {query_tokens} and "
+                f"{options.top_k} passages of about {self.passage_tokens}); the limit is {limit}",
+            )
         return RequestCost(prompt_tokens=prompt_tokens, max_tokens=options.max_tokens, llm_calls=pipeline.llm_calls)
 
-    def admit(self, request: Request, pipeline: Pipeline, query: str, options: RunOptions, client: str | None, *,
-              query_field: str = "query", top_k_field: str | None = "top_k") -> AdmittedRun:
+    def admit(
+        self,
+        request: Request,
+        pipeline: Pipeline,
+        query: str,
+        options: RunOptions,
+        client: str | None,
+        *,
+        query_field: str = "query",
+        top_k_field: str | None = "top_k",
+    ) -> AdmittedRun:
         """Admit the request, or refuse it at once (422 over the prompt limit, 429 when busy);
         its run starts waiting for a slot. The fields name what `cost` blames."""
         cost = self.cost(pipeline, query, options, query_field=query_field, top_k_field=top_k_field)

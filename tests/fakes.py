@@ -38,7 +38,9 @@ class ScriptedEngine:
 
     name = "scripted"
 
-    def __init__(self, script: Script, log: list[tuple[str, str]] | None = None, *, fail: bool = False, delay: float = 0.0) -> None:
+    def __init__(
+        self, script: Script, log: list[tuple[str, str]] | None = None, *, fail: bool = False, delay: float = 0.0
+    ) -> None:
         self.script = script
         self.log = log if log is not None else []
         self.fail = fail
@@ -67,8 +69,9 @@ class ScriptedEngine:
             self.vocab.append(word)
             ids.append(len(self.vocab) - 1)
         logprobs = tuple(reply.logprobs[: len(ids)]) or tuple(0.0 for _ in ids)
-        return Generation(text, self.count_tokens(prompt), len(ids), "stop", 1.0, 2.0, tuple(ids),
-                          logprobs if params.logprobs else (), index)
+        return Generation(
+            text, self.count_tokens(prompt), len(ids), "stop", 1.0, 2.0, tuple(ids), logprobs if params.logprobs else (), index
+        )
 
     async def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
         out = []
@@ -109,13 +112,13 @@ class RecordingRetriever:
         self.released: list[PrefetchTicket] = []
         self.outstanding: set[int] = set()
 
-    async def prefetch(
-        self, queries: Sequence[str], *, enabled: bool = True, overlap_ms: float | None = None
-    ) -> PrefetchTicket:
+    async def prefetch(self, queries: Sequence[str], *, enabled: bool = True, overlap_ms: float | None = None) -> PrefetchTicket:
         self.prefetches.append(list(queries))
         self.overlaps_ms.append(overlap_ms)
         self.log.append(("prefetch", " | ".join(queries)))
-        ticket = PrefetchTicket(list(queries), PrefetchStepStats(enabled, plan=PrefetchStats(clusters_requested=4, bytes_copied=1024)))
+        ticket = PrefetchTicket(
+            list(queries), PrefetchStepStats(enabled, plan=PrefetchStats(clusters_requested=4, bytes_copied=1024))
+        )
         self.outstanding.add(id(ticket))
         return ticket
 
@@ -125,11 +128,21 @@ class RecordingRetriever:
         self.searches.append(list(queries))
         self.log.append(("search", " | ".join(map(str, queries))))
         documents = [
-            [Document(id=zlib.crc32(f"{q}|{j}".encode()) % 10_000, doc_id=f"doc-{str(q)[:10]}-{j}", title=f"T{j}", text=f"about {q}", score=1.0 - j / 10)
-             for j in range(min(self.docs_per_query, options.top_k))]
+            [
+                Document(
+                    id=zlib.crc32(f"{q}|{j}".encode()) % 10_000,
+                    doc_id=f"doc-{str(q)[:10]}-{j}",
+                    title=f"T{j}",
+                    text=f"about {q}",
+                    score=1.0 - j / 10,
+                )
+                for j in range(min(self.docs_per_query, options.top_k))
+            ]
             for q in queries
         ]
-        return SearchOutcome(documents, SearchStats(overlap_rate=0.75, clusters_device=3, clusters_cpu=1, device_ms=1.0, cpu_ms=2.0, embed_ms=0.5))
+        return SearchOutcome(
+            documents, SearchStats(overlap_rate=0.75, clusters_device=3, clusters_cpu=1, device_ms=1.0, cpu_ms=2.0, embed_ms=0.5)
+        )
 
     async def prefetch_batch(self, requests: Sequence[PrefetchRequest]) -> list[PrefetchTicket]:
         return [await self.prefetch(r.queries, enabled=r.enabled, overlap_ms=r.overlap_ms) for r in requests]

@@ -30,7 +30,7 @@ class ImportGate:
     def __init__(self, module: str, gate: Path) -> None:
         self.module, self.gate = module, gate
 
-    def find_spec(self, name, path=None, target=None):  # noqa: ANN001, ANN201
+    def find_spec(self, name, path=None, target=None):
         if name == self.module:
             wait_for(self.gate)
         return None
@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
         elif option == "--checksum-gate":
             sha256 = datastore.file_sha256
 
-            def gated_sha256(path, bar=None, _gate=gate, _sha256=sha256):  # noqa: ANN001, ANN202
+            def gated_sha256(path, bar=None, _gate=gate, _sha256=sha256):
                 if path.name == datastore.VECTORS:
                     wait_for(_gate)
                 return _sha256(path, bar)
@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
             os.environ["TELERAG_SERVER__WARM_UP"] = "false"  # the warm-up's search would wait at the gate
             search = retriever.DirectRetriever._search_batch
 
-            def gated_search(self, requests, _gate=gate, _search=search):  # noqa: ANN001, ANN202
+            def gated_search(self, requests, _gate=gate, _search=search):
                 wait_for(_gate)
                 return _search(self, requests)
 

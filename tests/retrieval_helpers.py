@@ -133,6 +133,12 @@ def topic_datastore(root: Path, *, per_topic: int, nlist: int) -> tuple[HashEmbe
     lines = [json.dumps({"id": f"{t}-{i}", "title": t, "text": f"{TOPICS[t]} item{i}"}) for i in range(per_topic) for t in TOPICS]
     (root / "c.jsonl").write_text("\n".join(lines))
     embedder = HashEmbedder()
-    build_datastore(split_passages(read_jsonl(root / "c.jsonl")), embedder.encode, embedder=embedder.name,
-                    out_dir=root / "ds", nlist=nlist, progress=False)
+    build_datastore(
+        split_passages(read_jsonl(root / "c.jsonl")),
+        embedder.encode,
+        embedder=embedder.name,
+        out_dir=root / "ds",
+        nlist=nlist,
+        progress=False,
+    )
     return embedder, root / "ds"

@@ -13,10 +13,15 @@ SURE = math.log(0.9)
 UNSURE = math.log(0.1)
 
 
-def script(judge: str = "yes", decide: str = "yes", critique: str = "yes", flare_logprobs=None,  # noqa: ANN001
-           passage: str = "The Nile is a river in Africa",
-           sub_questions: str = "Where is the Nile\nHow long is the Nile\nWhich seas does it reach",
-           answer: str = "The Nile is long"):
+def script(
+    judge: str = "yes",
+    decide: str = "yes",
+    critique: str = "yes",
+    flare_logprobs=None,
+    passage: str = "The Nile is a river in Africa",
+    sub_questions: str = "Where is the Nile\nHow long is the Nile\nWhich seas does it reach",
+    answer: str = "The Nile is long",
+):
     """The engine's reply to each pipeline prompt: the arguments choose each judgement (and
     FLARE's log-probabilities, one tuple per call), so a test can steer a pipeline's path."""
     flare_calls = iter(flare_logprobs or [])
@@ -43,7 +48,7 @@ def script(judge: str = "yes", decide: str = "yes", critique: str = "yes", flare
     return reply
 
 
-async def run(pipeline, query: str = "How long is the Nile?", **options) -> tuple[RagResult, list]:  # noqa: ANN001
+async def run(pipeline, query: str = "How long is the Nile?", **options) -> tuple[RagResult, list]:
     """Run `pipeline` to its one result; the result and every event."""
     events = [e async for e in pipeline.run(query, RunOptions(**options))]
     assert isinstance(events[-1], ResultEvent)
@@ -51,7 +56,7 @@ async def run(pipeline, query: str = "How long is the Nile?", **options) -> tupl
     return events[-1].result, events
 
 
-def make(name: str, **script_args):  # noqa: ANN003
+def make(name: str, **script_args):
     """Pipeline `name` over a scripted engine and a recording retriever sharing one call log."""
     log: list = []
     engine = ScriptedEngine(script(**script_args), log)

@@ -20,10 +20,10 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+from telerag.benchmarks.random_llm import tiny_random_lm
 from telerag.pipelines.embedder import Embedder
 from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import Article, split_passages
-from telerag.benchmarks.random_llm import tiny_random_lm
 from tests.tiny_models import tiny_embedder_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +47,9 @@ def build_small_datastore(out_dir: Path, embedder_dir: Path | None = None, artic
     """A datastore of `articles` short articles, embedded with the tiny embedder (by default
     `tiny_embedder_dir(32, 0)`, which `--embedder` must then name)."""
     embedder = Embedder(embedder_dir or tiny_embedder_dir(32, 0))
-    corpus = [Article(id=f"a{i}", title=f"Article {i}", text=f"Article {i} is about topic {i % 7}. " * 20) for i in range(articles)]
+    corpus = [
+        Article(id=f"a{i}", title=f"Article {i}", text=f"Article {i} is about topic {i % 7}. " * 20) for i in range(articles)
+    ]
     return build_datastore(split_passages(corpus), embedder.encode, embedder=embedder.name, out_dir=out_dir, progress=False)
 
 
@@ -98,13 +100,17 @@ def start_server(
     environment.pop("TELERAG_CONFIG", None)
     with log.open("w") as out:
         process = subprocess.Popen(
-            [*command, "serve", *args, "--port", str(port)], cwd=cwd, env=environment, stdout=out, stderr=subprocess.STDOUT,
+            [*command, "serve", *args, "--port", str(port)],
+            cwd=cwd,
+            env=environment,
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
     return ServerProcess(process, f"http://127.0.0.1:{port}", log)
 
 
 @contextlib.contextmanager
-def serving(app, **options) -> Iterator[str]:  # noqa: ANN001, ANN003
+def serving(app, **options) -> Iterator[str]:
     """`app` under uvicorn (`options` for its Config) on a free loopback port; yields its base
     URL, stops it on exit."""
     sock = socket.socket()

@@ -12,14 +12,14 @@ import types
 
 from telerag.pipelines.engines.sglang import SGLangEngine
 from telerag.server import runtime as runtime_module
-from telerag.server.process import serve
-from telerag.server.lifecycle import Lifecycle
 from telerag.server.event_loop import run_event_loop
+from telerag.server.lifecycle import Lifecycle
+from telerag.server.process import serve
 from telerag.server.runtime import Runtime
 from telerag.server.settings import Settings
-from tests.fakes import RecordingRetriever
-from tests.fake_sglang import FakeEngine, Script
 from tests.fake_app import DATASTORE_INFO
+from tests.fake_sglang import FakeEngine, Script
+from tests.fakes import RecordingRetriever
 
 ANSWER = ["Paris"] + [" is"] * 39
 
@@ -32,8 +32,9 @@ async def load_fake_runtime(settings: Settings, lifecycle: Lifecycle) -> Runtime
     def report() -> None:  # after the engine is closed
         print(json.dumps({"shutdown_calls": fake.shutdown_calls, "sglang_signals": fake.tokenizer_manager.signals}), flush=True)
 
-    return Runtime(settings=settings, engine=engine, retriever=RecordingRetriever(), datastore_info=DATASTORE_INFO,
-                   closers=[report])
+    return Runtime(
+        settings=settings, engine=engine, retriever=RecordingRetriever(), datastore_info=DATASTORE_INFO, closers=[report]
+    )
 
 
 def main(port: int) -> int:

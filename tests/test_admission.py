@@ -13,10 +13,17 @@ import httpx
 import pytest
 
 from telerag.pipelines.registry import PIPELINES
-from telerag.server.admission import ERROR_MIN_SAMPLES, ERROR_WINDOW, PREFILL_WEIGHT, Admission, EstimateError, RequestCost, ServiceRate
-from telerag.server.errors import Refusal
+from telerag.server.admission import (
+    ERROR_MIN_SAMPLES,
+    ERROR_WINDOW,
+    PREFILL_WEIGHT,
+    Admission,
+    EstimateError,
+    RequestCost,
+    ServiceRate,
+)
 from telerag.server.app import create_app, start_serving
-from telerag.server.errors import Overloaded
+from telerag.server.errors import Overloaded, Refusal
 from telerag.server.runtime import Runtime
 from telerag.server.settings import Settings
 from tests.fake_app import DATASTORE_INFO
@@ -34,7 +41,7 @@ class Clock:
         return self.now
 
 
-def admission(clock: Clock, **options) -> tuple[Admission, list[Refusal]]:  # noqa: ANN003
+def admission(clock: Clock, **options) -> tuple[Admission, list[Refusal]]:
     """An Admission whose rate never forgets, whose estimates have been exact on a whole window of
     requests and that plans for the whole deadline, so that the numbers below are exact."""
     refused: list[Refusal] = []
@@ -43,7 +50,7 @@ def admission(clock: Clock, **options) -> tuple[Admission, list[Refusal]]:  # no
     return Admission(clock=clock, on_refuse=refused.append, rate=ServiceRate(time_constant_s=math.inf), **options), refused
 
 
-async def measured(clock: Clock, rate: float = 10.0, **options) -> tuple[Admission, list[Refusal]]:  # noqa: ANN003
+async def measured(clock: Clock, rate: float = 10.0, **options) -> tuple[Admission, list[Refusal]]:
     """An Admission that has served one request of 100 units in 100 / rate seconds."""
     a, refused = admission(clock, **options)
     ticket = a.admit(UNIT)
@@ -410,10 +417,18 @@ async def test_a_request_cancelled_while_waiting_for_a_slot_leaves_nothing_behin
     assert a.n_waiting == 0 and a.n_running == 1
 
 
-@pytest.mark.parametrize(("name", "script"), [
-    ("naive", {}), ("hyde", {}), ("subquestion", {}), ("iter_retgen", {}),
-    ("iterative", {"judge": "no"}), ("self_rag", {"critique": "no"}), ("flare", {"flare_logprobs": [(UNSURE,) * 4] * 8}),
-])
+@pytest.mark.parametrize(
+    ("name", "script"),
+    [
+        ("naive", {}),
+        ("hyde", {}),
+        ("subquestion", {}),
+        ("iter_retgen", {}),
+        ("iterative", {"judge": "no"}),
+        ("self_rag", {"critique": "no"}),
+        ("flare", {"flare_logprobs": [(UNSURE,) * 4] * 8}),
+    ],
+)
 async def test_each_pipeline_declares_the_most_llm_calls_it_makes(name, script):
     pipeline, _, _, log = make(name, **script)  # scripted to take its longest path
     await run(pipeline)
@@ -423,7 +438,7 @@ async def test_each_pipeline_declares_the_most_llm_calls_it_makes(name, script):
 # -- through the HTTP API -------------------------------------------------------------------------
 
 
-def app_client(engine, **sections) -> tuple[httpx.AsyncClient, object]:  # noqa: ANN001, ANN003
+def app_client(engine, **sections) -> tuple[httpx.AsyncClient, object]:
     settings = Settings(**sections)
     runtime = Runtime(settings=settings, engine=engine, retriever=RecordingRetriever(), datastore_info=DATASTORE_INFO)
     app = create_app(settings)
@@ -432,7 +447,9 @@ def app_client(engine, **sections) -> tuple[httpx.AsyncClient, object]:  # noqa:
 
 
 def refusals(metrics: str, reason: str) -> float:
-    line = next(line for line in metrics.splitlines() if line.startswith(f'telerag_admission_refusals_total{{reason="{reason}"}}'))
+    line = next(
+        line for line in metrics.splitlines() if line.startswith(f'telerag_admission_refusals_total{{reason="{reason}"}}')
+    )
     return float(line.split()[-1])
 
 
@@ -456,7 +473,9 @@ async def test_over_the_prompt_token_cap_is_422_naming_the_field():
         ok = await client.post("/v1/rag/query", json={"query": "short question", "top_k": 6})  # 2 + 900
         too_many = await client.post("/v1/rag/query", json={"query": "short question", "top_k": 7})  # 2 + 1050
         long_query = await client.post("/v1/rag/query", json={"query": "w " * 1001, "top_k": 1})
-        chat = await client.post("/v1/chat/completions", json={"model": "naive", "messages": [{"role": "user", "content": "w " * 999}]})
+        chat = await client.post(
+            "/v1/chat/completions", json={"model": "naive", "messages": [{"role": "user", "content": "w " * 999}]}
+        )
         metrics = (await client.get("/metrics")).text
     assert ok.status_code == 200
     assert too_many.status_code == 422 and too_many.json()["error"]["field"] == "top_k"
@@ -468,8 +487,11 @@ async def test_over_the_prompt_token_cap_is_422_naming_the_field():
 
 async def test_per_key_limit_with_several_api_keys_and_the_single_key_still_works():
     engine = ScriptedEngine(lambda prompt: Reply("slow answer"), delay=0.3)
-    client, _ = app_client(engine, server={"api_key": "solo", "api_keys": ["alpha", "beta"]},
-                           scheduler={"max_in_flight_per_key": 1, "admission_deadline_s": None})
+    client, _ = app_client(
+        engine,
+        server={"api_key": "solo", "api_keys": ["alpha", "beta"]},
+        scheduler={"max_in_flight_per_key": 1, "admission_deadline_s": None},
+    )
     body = {"query": "q?"}
     async with client:
         first = asyncio.create_task(client.post("/v1/rag/query", json=body, headers={"Authorization": "Bearer alpha"}))
@@ -525,7 +547,10 @@ async def test_streamed_requests_are_admitted_and_measured_like_the_others():
             raw = "".join([chunk async for chunk in response.aiter_text()])
         assert "event: result" in raw
         assert admission.n_running == admission.n_waiting == 0 and admission.rate.per_s() is not None
-        async with client.stream("POST", "/v1/chat/completions", json={"model": "naive", "stream": True,
-                                                                       "messages": [{"role": "user", "content": "q?"}]}) as response:
+        async with client.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={"model": "naive", "stream": True, "messages": [{"role": "user", "content": "q?"}]},
+        ) as response:
             assert "[DONE]" in "".join([chunk async for chunk in response.aiter_text()])
     assert admission.n_running == admission.n_waiting == 0

@@ -21,9 +21,9 @@ from telerag.retrieval.stats import PrefetchStats
 from telerag.server.app import create_app, start_serving
 from telerag.server.protocol import QueryResponse
 from telerag.server.settings import Settings
+from tests.fake_app import Harness
 from tests.fakes import Reply, ScriptedEngine
 from tests.serving import serving
-from tests.fake_app import Harness
 
 KEY = "contract-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -47,7 +47,7 @@ async def _chunked(size: int) -> AsyncIterator[bytes]:
 
 
 def _break_pipeline(h: Harness) -> None:
-    async def broken(query, options):  # noqa: ANN001
+    async def broken(query, options):
         raise RuntimeError("secret detail at /srv/data")
         yield  # an async generator
 
@@ -56,33 +56,118 @@ def _break_pipeline(h: Harness) -> None:
 
 # (name, harness options, what to break, the request, status, error type, route that documents it)
 CASES: list[tuple[str, dict, Callable[[Harness], None] | None, Send, int, str, tuple[str, str] | None]] = [
-    ("invalid JSON", {}, None, lambda c, h: c.post("/v1/rag/query", content=b'{"query":', headers=JSON),
-     400, "invalid_json", ("post", "/v1/rag/query")),
-    ("invalid UTF-8", {}, None, lambda c, h: c.post("/v1/rag/query", content=b'{"query": "\xff"}', headers=JSON),
-     400, "invalid_json", ("post", "/v1/rag/query")),
-    ("deeply nested JSON", {}, None, lambda c, h: c.post("/v1/rag/query", content=b"[" * 60_000 + b"]" * 60_000, headers=JSON),
-     400, "invalid_json", ("post", "/v1/rag/query")),
-    ("no API key", {}, None, lambda c, h: c.post("/v1/rag/query", json={"query": "q"}),
-     401, "unauthorized", ("post", "/v1/rag/query")),
+    (
+        "invalid JSON",
+        {},
+        None,
+        lambda c, h: c.post("/v1/rag/query", content=b'{"query":', headers=JSON),
+        400,
+        "invalid_json",
+        ("post", "/v1/rag/query"),
+    ),
+    (
+        "invalid UTF-8",
+        {},
+        None,
+        lambda c, h: c.post("/v1/rag/query", content=b'{"query": "\xff"}', headers=JSON),
+        400,
+        "invalid_json",
+        ("post", "/v1/rag/query"),
+    ),
+    (
+        "deeply nested JSON",
+        {},
+        None,
+        lambda c, h: c.post("/v1/rag/query", content=b"[" * 60_000 + b"]" * 60_000, headers=JSON),
+        400,
+        "invalid_json",
+        ("post", "/v1/rag/query"),
+    ),
+    (
+        "no API key",
+        {},
+        None,
+        lambda c, h: c.post("/v1/rag/query", json={"query": "q"}),
+        401,
+        "unauthorized",
+        ("post", "/v1/rag/query"),
+    ),
     ("unknown route", {}, None, lambda c, h: c.get("/v1/nothing-here", headers=AUTH), 404, "not_found", None),
     ("wrong method", {}, None, lambda c, h: c.get("/v1/rag/query", headers=AUTH), 405, "method_not_allowed", None),
-    ("declared body over the limit", {}, None,
-     lambda c, h: c.post("/v1/rag/query", content=b" " * 300_000, headers=JSON), 413, "body_too_large", ("post", "/v1/rag/query")),
-    ("chunked body over the limit", {}, None,
-     lambda c, h: c.post("/v1/rag/query", content=_chunked(300_000), headers=JSON), 413, "body_too_large", ("post", "/v1/rag/query")),
-    ("invalid field", {}, None, lambda c, h: c.post("/v1/rag/query", json={"query": "q", "top_k": 0}, headers=AUTH),
-     422, "invalid_request", ("post", "/v1/rag/query")),
-    ("overloaded", {"delay": 1.0, "scheduler": {"max_concurrency": 1, "max_queue": 0}}, None, _overloaded,
-     429, "queue_full", ("post", "/v1/rag/query")),
-    ("a bug", {}, _break_pipeline, lambda c, h: c.post("/v1/rag/query", json={"query": "q"}, headers=AUTH),
-     500, "internal_error", None),
-    ("engine failure", {}, lambda h: setattr(h.engine, "fail", True),
-     lambda c, h: c.post("/v1/chat/completions", json={"model": "naive", "messages": [{"role": "user", "content": "q"}]}, headers=AUTH),
-     502, "engine_error", ("post", "/v1/chat/completions")),
-    ("not ready", {}, lambda h: h.app.state.lifecycle.drain(),
-     lambda c, h: c.post("/v1/rag/query", json={"query": "q"}, headers=AUTH), 503, "not_ready", ("post", "/v1/rag/query")),
-    ("timeout", {"delay": 5.0, "scheduler": {"request_timeout_s": 0.2}}, None,
-     lambda c, h: c.post("/v1/rag/query", json={"query": "q"}, headers=AUTH), 504, "timeout", ("post", "/v1/rag/query")),
+    (
+        "declared body over the limit",
+        {},
+        None,
+        lambda c, h: c.post("/v1/rag/query", content=b" " * 300_000, headers=JSON),
+        413,
+        "body_too_large",
+        ("post", "/v1/rag/query"),
+    ),
+    (
+        "chunked body over the limit",
+        {},
+        None,
+        lambda c, h: c.post("/v1/rag/query", content=_chunked(300_000), headers=JSON),
+        413,
+        "body_too_large",
+        ("post", "/v1/rag/query"),
+    ),
+    (
+        "invalid field",
+        {},
+        None,
+        lambda c, h: c.post("/v1/rag/query", json={"query": "q", "top_k": 0}, headers=AUTH),
+        422,
+        "invalid_request",
+        ("post", "/v1/rag/query"),
+    ),
+    (
+        "overloaded",
+        {"delay": 1.0, "scheduler": {"max_concurrency": 1, "max_queue": 0}},
+        None,
+        _overloaded,
+        429,
+        "queue_full",
+        ("post", "/v1/rag/query"),
+    ),
+    (
+        "a bug",
+        {},
+        _break_pipeline,
+        lambda c, h: c.post("/v1/rag/query", json={"query": "q"}, headers=AUTH),
+        500,
+        "internal_error",
+        None,
+    ),
+    (
+        "engine failure",
+        {},
+        lambda h: setattr(h.engine, "fail", True),
+        lambda c, h: c.post(
+            "/v1/chat/completions", json={"model": "naive", "messages": [{"role": "user", "content": "q"}]}, headers=AUTH
+        ),
+        502,
+        "engine_error",
+        ("post", "/v1/chat/completions"),
+    ),
+    (
+        "not ready",
+        {},
+        lambda h: h.app.state.lifecycle.drain(),
+        lambda c, h: c.post("/v1/rag/query", json={"query": "q"}, headers=AUTH),
+        503,
+        "not_ready",
+        ("post", "/v1/rag/query"),
+    ),
+    (
+        "timeout",
+        {"delay": 5.0, "scheduler": {"request_timeout_s": 0.2}},
+        None,
+        lambda c, h: c.post("/v1/rag/query", json={"query": "q"}, headers=AUTH),
+        504,
+        "timeout",
+        ("post", "/v1/rag/query"),
+    ),
 ]
 
 
@@ -126,12 +211,17 @@ async def test_a_fault_is_logged_with_the_request_id_the_client_gave(caplog):
         _break_pipeline(h)
         with caplog.at_level("ERROR", logger="telerag.server.errors"):
             failed = await http.post("/v1/rag/query", json={"query": "q?"}, headers={"x-request-id": "client-8"})
-            streamed = await http.post("/v1/rag/query", json={"query": "q?", "stream": True}, headers={"x-request-id": "client-9"})
+            streamed = await http.post(
+                "/v1/rag/query", json={"query": "q?", "stream": True}, headers={"x-request-id": "client-9"}
+            )
     assert answered.headers["x-request-id"] == "client-7.a" and answered.json()["id"] == "rag-client-7.a"
     assert re.fullmatch(r"[0-9a-f]{24}", invalid.headers["x-request-id"])
     assert failed.status_code == 500 and failed.json()["error"]["message"] == "internal server error (request client-8)"
     error_event = [line for line in streamed.text.splitlines() if line.startswith("data:")][-1]
-    assert json.loads(error_event.removeprefix("data:")) == {"type": "internal_error", "message": "internal server error (request client-9)"}
+    assert json.loads(error_event.removeprefix("data:")) == {
+        "type": "internal_error",
+        "message": "internal server error (request client-9)",
+    }
     logged = [r.getMessage() for r in caplog.records]
     assert any("client-8" in m and "secret detail" in m for m in logged) and any("client-9" in m for m in logged)
 
@@ -192,7 +282,7 @@ class StallingEngine(ScriptedEngine):
         self.stalled = asyncio.Event()
 
     async def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncIterator[TokenChunk | Generation]:
-        for token_id, word in enumerate("one two three four five".split()[: self.emit]):
+        for token_id, word in enumerate(["one", "two", "three", "four", "five"][: self.emit]):
             yield TokenChunk(0, word + " ", token_ids=(token_id,))
         self.stalled.set()
         await asyncio.Event().wait()
@@ -261,22 +351,63 @@ def test_a_result_is_sent_with_the_documented_field_names():
     assert list(body) == ["id", "answer", "pipeline", "documents", "steps", "timings", "prefetch", "tokens_generated"]
     assert list(body["steps"][0]) == ["stage", "role", "kind", "query", "tokens_in", "tokens_out", "ms", "stats", "start_ms"]
     assert [(step["stage"], step["role"], step["kind"]) for step in body["steps"]] == [
-        ("prefetch", "prefetch", "prefetch"), ("prefetch", "prefetch", "prefetch"), ("search", "search", "retrieval"),
-        ("generate", "generate", "llm"), ("generate", "generate", "llm")]
+        ("prefetch", "prefetch", "prefetch"),
+        ("prefetch", "prefetch", "prefetch"),
+        ("search", "search", "retrieval"),
+        ("generate", "generate", "llm"),
+        ("generate", "generate", "llm"),
+    ]
     assert [list(step["stats"].items()) for step in body["steps"]] == [
-        [("enabled", True), ("embed_ms", 0.25), ("batch", 2), ("clusters_requested", 1), ("bytes_requested", 2),
-         ("clusters_resident", 3), ("clusters_copied", 4), ("clusters_skipped", 5), ("bytes_copied", 6), ("copies", 7),
-         ("bytes_queued_ahead", 8), ("plan_ms", 9.0)],
+        [
+            ("enabled", True),
+            ("embed_ms", 0.25),
+            ("batch", 2),
+            ("clusters_requested", 1),
+            ("bytes_requested", 2),
+            ("clusters_resident", 3),
+            ("clusters_copied", 4),
+            ("clusters_skipped", 5),
+            ("bytes_copied", 6),
+            ("copies", 7),
+            ("bytes_queued_ahead", 8),
+            ("plan_ms", 9.0),
+        ],
         [("enabled", False)],
-        [("embed_ms", 1.0), ("probe_ms", 2.0), ("device_ms", 3.0), ("cpu_ms", 4.0), ("total_ms", 5.0), ("overlap_rate", 0.5),
-         ("clusters_device", 6), ("clusters_cpu", 7), ("clusters_copied_on_demand", 8), ("clusters_late", 9),
-         ("copy_wait_ms", 10.0), ("nprobe", 11), ("batch", 12)],
+        [
+            ("embed_ms", 1.0),
+            ("probe_ms", 2.0),
+            ("device_ms", 3.0),
+            ("cpu_ms", 4.0),
+            ("total_ms", 5.0),
+            ("overlap_rate", 0.5),
+            ("clusters_device", 6),
+            ("clusters_cpu", 7),
+            ("clusters_copied_on_demand", 8),
+            ("clusters_late", 9),
+            ("copy_wait_ms", 10.0),
+            ("nprobe", 11),
+            ("batch", 12),
+        ],
         [("ttft_ms", 1.5), ("finish_reason", "length")],
         [("finish_reason", "stop")],
     ]
     assert list(body["timings"].items()) == [
-        ("total_ms", 0.0), ("embed_ms", 1.0), ("prefetch_ms", 2.0), ("pre_retrieval_ms", 3.0), ("search_ms", 4.0),
-        ("search_device_ms", 5.0), ("search_cpu_ms", 6.0), ("llm_ms", 7.0), ("generate_ms", 8.0)]
+        ("total_ms", 0.0),
+        ("embed_ms", 1.0),
+        ("prefetch_ms", 2.0),
+        ("pre_retrieval_ms", 3.0),
+        ("search_ms", 4.0),
+        ("search_device_ms", 5.0),
+        ("search_cpu_ms", 6.0),
+        ("llm_ms", 7.0),
+        ("generate_ms", 8.0),
+    ]
     assert list(body["prefetch"].items()) == [
-        ("clusters_prefetched", 1), ("bytes_prefetched", 2), ("overlap_rate", None), ("clusters_device", 3),
-        ("clusters_cpu", 4), ("clusters_copied_on_demand", 5), ("clusters_late", 6)]
+        ("clusters_prefetched", 1),
+        ("bytes_prefetched", 2),
+        ("overlap_rate", None),
+        ("clusters_device", 3),
+        ("clusters_cpu", 4),
+        ("clusters_copied_on_demand", 5),
+        ("clusters_late", 6),
+    ]

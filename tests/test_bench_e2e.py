@@ -10,24 +10,37 @@ import numpy as np
 import pytest
 import torch
 
-from telerag.benchmarks.random_llm import random_weight_engine
 from telerag.benchmarks.e2e import MODES, E2EConfig, Mode
+from telerag.benchmarks.random_llm import random_weight_engine
 from telerag.benchmarks.scaled import DatastoreScale, scaled_datastore
+from telerag.cli.bench_e2e import MODE_NAMES
+from telerag.cli.main import main
 from telerag.pipelines.embedder import Embedder
+from telerag.pipelines.types import SamplingParams
 from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import Article, split_passages
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.errors import DatastoreError
 from telerag.retrieval.ivf import same_results
-from telerag.pipelines.types import SamplingParams
-from telerag.cli.main import main
-from telerag.cli.bench_e2e import MODE_NAMES
 from tests.tiny_models import tiny_embedder_dir
 
 ROW_KEYS = {
-    "pipeline", "batch", "mode", "requests", "latency_ms_p50", "latency_ms_p99", "throughput_rps", "retrieval_ms_p50",
-    "overlap_rate", "same_documents", "llm", "t_llm_ms", "gain_bound", "latency_gain", "throughput_gain",
+    "pipeline",
+    "batch",
+    "mode",
+    "requests",
+    "latency_ms_p50",
+    "latency_ms_p99",
+    "throughput_rps",
+    "retrieval_ms_p50",
+    "overlap_rate",
+    "same_documents",
+    "llm",
+    "t_llm_ms",
+    "gain_bound",
+    "latency_gain",
+    "throughput_gain",
 }
 
 
@@ -112,18 +125,46 @@ def test_the_cpu_mode_cannot_be_left_out():
         E2EConfig(pipelines=("hyde",), questions=("q",), modes=(Mode.LOOKAHEAD,))
     config = E2EConfig(pipelines=("hyde",), questions=("q",), modes=(Mode.RESIDENT, Mode.CPU))
     assert config.modes == (Mode.CPU, Mode.RESIDENT)  # cpu first: the others are compared with it
-    assert MODE_NAMES == tuple(m.value for m in MODES)  # the flag's choices, spelled without importing torch
+    assert tuple(m.value for m in MODES) == MODE_NAMES  # the flag's choices, spelled without importing torch
 
 
 def test_bench_e2e_rows_and_same_documents_in_every_mode(base_datastore, tmp_path, capsys):
     plots = tmp_path / "plots"
-    code = main([
-        "bench", "e2e", "--tiny", "--embedder", str(tiny_embedder_dir(32, 0)), "--datastore", str(base_datastore),
-        "--device", "cpu", "--scale-vectors", "2000", "--nlist", "32", "--nprobe", "8",
-        "--cache-mb", "0.05",  # a cache a fraction of the datastore, so lookahead prefetches and searches cooperatively
-        "--pipelines", "hyde,subquestion", "--batch", "1", "3", "--requests", "3", "--warmup", "1",
-        "--max-tokens", "4", "--plot-dir", str(plots), "--json",
-    ])
+    code = main(
+        [
+            "bench",
+            "e2e",
+            "--tiny",
+            "--embedder",
+            str(tiny_embedder_dir(32, 0)),
+            "--datastore",
+            str(base_datastore),
+            "--device",
+            "cpu",
+            "--scale-vectors",
+            "2000",
+            "--nlist",
+            "32",
+            "--nprobe",
+            "8",
+            "--cache-mb",
+            "0.05",  # a cache a fraction of the datastore, so lookahead prefetches and searches cooperatively
+            "--pipelines",
+            "hyde,subquestion",
+            "--batch",
+            "1",
+            "3",
+            "--requests",
+            "3",
+            "--warmup",
+            "1",
+            "--max-tokens",
+            "4",
+            "--plot-dir",
+            str(plots),
+            "--json",
+        ]
+    )
     assert code == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     rows = report["rows"]
@@ -132,7 +173,7 @@ def test_bench_e2e_rows_and_same_documents_in_every_mode(base_datastore, tmp_pat
     }
     assert len(rows) == 12
     for row in rows:
-        assert ROW_KEYS <= row.keys()
+        assert row.keys() >= ROW_KEYS
         assert row["requests"] == 3 and row["llm"] == report["llm"] == "tiny-random"
         assert row["same_documents"] == 1.0, row
         assert row["latency_ms_p50"] <= row["latency_ms_p99"] and row["throughput_rps"] > 0
@@ -151,12 +192,42 @@ def test_bench_e2e_rows_and_same_documents_in_every_mode(base_datastore, tmp_pat
 
 def test_bench_e2e_runs_the_modes_asked_for_and_always_cpu(base_datastore, tmp_path, capsys):
     plots = tmp_path / "plots"
-    code = main([
-        "bench", "e2e", "--tiny", "--embedder", str(tiny_embedder_dir(32, 0)), "--datastore", str(base_datastore),
-        "--device", "cpu", "--scale-vectors", "1000", "--nlist", "16", "--nprobe", "4", "--cache-mb", "0.05",
-        "--pipelines", "hyde", "--batch", "2", "--requests", "2", "--warmup", "0", "--max-tokens", "2",
-        "--modes", "lookahead", "--plot-dir", str(plots), "--json",
-    ])
+    code = main(
+        [
+            "bench",
+            "e2e",
+            "--tiny",
+            "--embedder",
+            str(tiny_embedder_dir(32, 0)),
+            "--datastore",
+            str(base_datastore),
+            "--device",
+            "cpu",
+            "--scale-vectors",
+            "1000",
+            "--nlist",
+            "16",
+            "--nprobe",
+            "4",
+            "--cache-mb",
+            "0.05",
+            "--pipelines",
+            "hyde",
+            "--batch",
+            "2",
+            "--requests",
+            "2",
+            "--warmup",
+            "0",
+            "--max-tokens",
+            "2",
+            "--modes",
+            "lookahead",
+            "--plot-dir",
+            str(plots),
+            "--json",
+        ]
+    )
     assert code == 0
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert [r["mode"] for r in rows] == ["cpu", "lookahead"]
@@ -170,8 +241,9 @@ def test_random_weight_engine_builds_the_configured_architecture_without_weights
     from transformers import AutoTokenizer, LlamaConfig
 
     model_dir = tmp_path / "llama-small"
-    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                vocab_size=32000).save_pretrained(model_dir)  # more ids than the tokenizer has, as with Llama 3
+    LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=32000
+    ).save_pretrained(model_dir)  # more ids than the tokenizer has, as with Llama 3
     AutoTokenizer.from_pretrained(get_model_path(), local_files_only=True).save_pretrained(model_dir)
     assert not list(model_dir.glob("*.safetensors"))  # nothing to load: the weights are made in process
     engine = random_weight_engine(model_dir)
@@ -187,4 +259,6 @@ def test_random_weight_engine_builds_the_configured_architecture_without_weights
     (generation,) = asyncio.run(generate())
     assert generation.completion_tokens >= 1
     same = random_weight_engine(model_dir)  # seeded: the same weights every time
-    assert all(torch.equal(a, b) for a, b in zip(engine.model.state_dict().values(), same.model.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(engine.model.state_dict().values(), same.model.state_dict().values(), strict=True)
+    )

@@ -19,11 +19,16 @@ def test_the_command_needs_cuda():
 
 
 def test_the_report_puts_the_fastest_variant_first_and_counts_failures():
-    sweep = KernelSweep(bytes=786_000_000, torch_scan_ms=2.3, kernel_scan_ms=0.9, variants=[
-        Variant(128, 64, 4, 3, ms=0.8, gbps=982.5, rel_err=1e-7),
-        Variant(64, 64, 4, 3, ms=1.1, gbps=714.5, rel_err=1e-7),
-        Variant(128, 128, 8, 4, error="out of resources"),
-    ])
+    sweep = KernelSweep(
+        bytes=786_000_000,
+        torch_scan_ms=2.3,
+        kernel_scan_ms=0.9,
+        variants=[
+            Variant(128, 64, 4, 3, ms=0.8, gbps=982.5, rel_err=1e-7),
+            Variant(64, 64, 4, 3, ms=1.1, gbps=714.5, rel_err=1e-7),
+            Variant(128, 128, 8, 4, error="out of resources"),
+        ],
+    )
     table = format_table(sweep)
     assert table.splitlines()[1].split()[:4] == ["128", "64", "4", "3"]
     assert "2 variants ran, 1 failed; 786 MB probed" in table

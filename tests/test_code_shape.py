@@ -18,6 +18,7 @@ MAX_FUNCTION_LINES = 80
 MODULE_REASON = "long because"
 FUNCTION_REASON = "the order of steps is the point"
 
+
 def source_files() -> list[Path]:
     """Every module of the installed packages (their folders from pyproject.toml), data aside."""
     package_dirs = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["package-dir"]

@@ -22,7 +22,7 @@ GET_HEALTH = b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n"
 
 
 @pytest.fixture(params=["httptools", "h11"])
-def address(request) -> Iterator[tuple[str, int]]:  # noqa: ANN001
+def address(request) -> Iterator[tuple[str, int]]:
     with serving_on_fakes(request.param) as addr:
         yield addr
 
@@ -108,8 +108,10 @@ def test_past_the_connection_bound_new_connections_are_refused_at_once_and_the_p
     try:
         time.sleep(0.2)  # let the server accept them all
         with connect(address) as sock:
-            sock.sendall(b'POST /v1/rag/query HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n'
-                         b'Content-Length: 15\r\n\r\n{"query": "q?"}')
+            sock.sendall(
+                b"POST /v1/rag/query HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 15\r\n\r\n{"query": "q?"}'
+            )
             status, headers, body = read_response(sock)
             assert status == 503 and headers["retry-after"] == "1" and headers["connection"] == "close"
             assert json.loads(body)["error"]["type"] == "too_many_connections"

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from telerag.retrieval.codecs import Codec
-from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.datastore import Datastore
+from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.errors import DeviceMemoryError, InvalidCall, SearchError
 from telerag.retrieval.ivf import same_results
 from tests.retrieval_helpers import DEVICES, CopyEveryMiss, assert_same_as_faiss, random_datastore, random_queries
@@ -22,7 +22,9 @@ from tests.retrieval_helpers import DEVICES, CopyEveryMiss, assert_same_as_faiss
 def test_parity_over_nprobe_and_budget(tmp_path, device, codec, seed):
     rng = np.random.default_rng(seed)
     nlist = int(rng.integers(4, 48))
-    ds = random_datastore(tmp_path / "ds", n=int(rng.integers(800, 3000)), dim=int(rng.choice([8, 24, 40])), nlist=nlist, codec=codec, seed=seed)
+    ds = random_datastore(
+        tmp_path / "ds", n=int(rng.integers(800, 3000)), dim=int(rng.choice([8, 24, 40])), nlist=nlist, codec=codec, seed=seed
+    )
     total = int(ds.vectors.nbytes)
     q_in = random_queries(6, ds.dim, seed)
     q_out = q_in + 0.3 * random_queries(6, ds.dim, seed + 100)
@@ -67,7 +69,7 @@ def test_ties_and_empty_lists(tmp_path, device):
         handle.release()
     # ties are ordered by id
     result = engine.search(q, 8, ds.nlist)
-    for scores, ids in zip(result.scores, result.ids):
+    for scores, ids in zip(result.scores, result.ids, strict=True):
         for j in range(1, 8):
             assert scores[j] < scores[j - 1] or ids[j] > ids[j - 1]
 

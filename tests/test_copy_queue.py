@@ -35,7 +35,7 @@ def queued_copies(monkeypatch):
     def install(engine: RetrievalEngine) -> list[QueuedCopy]:
         issue = engine.cache._issue_copies
 
-        def queued(copies):  # noqa: ANN001, ANN202
+        def queued(copies):
             issue(copies)  # the rows really arrive (synchronously, on the CPU)
             end = QueuedCopy()
             windows.append(end)
@@ -75,7 +75,10 @@ def test_cache_tracks_what_is_queued(tmp_path, queued_copies):
     first = engine.cache.acquire([0, 1], fetch=True)
     second = engine.cache.acquire([5], fetch=True)
     row = engine.cache.row_bytes
-    size = lambda *cs: int(engine.cache.sizes[list(cs)].sum()) * row  # noqa: E731
+
+    def size(*cs: int) -> int:
+        return int(engine.cache.sizes[list(cs)].sum()) * row
+
     assert engine.cache.queued_bytes() == size(0, 1, 5)
     # each cluster: the bytes queued up to and including its own copy
     assert engine.cache.pending(second) == {5: size(0, 1, 5)}
@@ -136,4 +139,3 @@ def test_search_waits_or_hands_queued_copies_to_faiss_with_the_same_answer(tmp_p
     else:
         assert stats.clusters_late == 0 and stats.clusters_device > 0
     assert engine.cache.stats().pinned_clusters == 0
-

@@ -9,15 +9,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from telerag.retrieval.builder import assign_lists, build_datastore, default_nlist, write_clustered
+from telerag.cli import main as cli
 from telerag.retrieval import codecs as codecs_module
 from telerag.retrieval import datastore_writer
+from telerag.retrieval.builder import assign_lists, build_datastore, default_nlist, write_clustered
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Article, PassageShape, read_jsonl, read_wikipedia, split_passages
 from telerag.retrieval.datastore import CODEC_PARAMS, MANIFEST, VECTORS, Datastore, Manifest
 from telerag.retrieval.datastore_writer import write_datastore
-from telerag.retrieval.errors import CorpusError, DatastoreCorruptError, DatastoreError, DatastoreMismatchError, LayoutError, PassageNotFound
-from telerag.cli import main as cli
+from telerag.retrieval.errors import (
+    CorpusError,
+    DatastoreCorruptError,
+    DatastoreError,
+    DatastoreMismatchError,
+    LayoutError,
+    PassageNotFound,
+)
 from tests.retrieval_helpers import hashing_encoder, random_datastore, stored_vectors
 
 
@@ -29,8 +36,7 @@ def write_corpus(path: Path, lines: list[str]) -> Path:
 def good_corpus(path: Path, n: int = 60) -> Path:
     topics = ["river water fish boat", "star planet orbit moon", "piano music song concert", "bread flour oven bake"]
     lines = [
-        json.dumps({"id": f"doc{i}", "title": f"Title {i}", "text": " ".join([topics[i % 4]] * (10 + i % 30))})
-        for i in range(n)
+        json.dumps({"id": f"doc{i}", "title": f"Title {i}", "text": " ".join([topics[i % 4]] * (10 + i % 30))}) for i in range(n)
     ]
     return write_corpus(path, lines)
 
@@ -88,8 +94,9 @@ def test_a_title_in_front_is_embedded_not_stored(tmp_path):
     articles = list(read_jsonl(good_corpus(tmp_path / "c.jsonl")))
     shape = PassageShape(words=20, overlap=5, title=True)
     passages = list(shape.split(articles))
-    out = build_datastore(passages, hashing_encoder(), embedder="hash-16", out_dir=tmp_path / "ds", nlist=4,
-                          shape=shape, progress=False)
+    out = build_datastore(
+        passages, hashing_encoder(), embedder="hash-16", out_dir=tmp_path / "ds", nlist=4, shape=shape, progress=False
+    )
     ds = Datastore.load(out, embedder="hash-16", dim=16)
     assert (ds.manifest.passage_words, ds.manifest.passage_overlap, ds.manifest.passage_title) == (20, 5, True)
     stored = ds.passages(range(5))
@@ -102,7 +109,7 @@ def test_a_datastore_of_another_format_version_says_how_to_rebuild(tmp_path):
     manifest = json.loads((ds.path / MANIFEST).read_text())
     manifest["format_version"] -= 1
     (ds.path / MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(DatastoreMismatchError, match="telerag datastore build --wikipedia --out .* --overwrite"):
+    with pytest.raises(DatastoreMismatchError, match=r"telerag datastore build --wikipedia --out .* --overwrite"):
         Datastore.load(ds.path)
 
 
@@ -131,7 +138,9 @@ def test_codec_parameters_must_match_the_codec(tmp_path):
     manifest = Manifest(embedder="x", dim=ds.dim, nlist=ds.nlist, n_vectors=ds.n_vectors, codec=Codec.SQ8.value)
     codes = np.zeros((ds.n_vectors, ds.dim), dtype=np.uint8)
     with pytest.raises(DatastoreError, match="sq8 needs"):
-        write_datastore(tmp_path / "out", manifest=manifest, centroids=ds.centroids, offsets=ds.offsets, vectors=codes, passages=None)
+        write_datastore(
+            tmp_path / "out", manifest=manifest, centroids=ds.centroids, offsets=ds.offsets, vectors=codes, passages=None
+        )
     assert not (tmp_path / "out").exists()
     with pytest.raises(LayoutError, match="sq8 needs"):
         Codec.SQ8.to_codes(np.asarray(ds.vectors), None)
@@ -294,7 +303,7 @@ def test_never_builds_over_a_users_files(tmp_path, overwrite):
     ds = tmp_path / "ds"
     build_datastore(passages, hashing_encoder(), embedder="x", out_dir=ds, nlist=2, progress=False)
     (ds / "extra.txt").write_text("keep me")
-    with pytest.raises(DatastoreError, match="also holds extra.txt"):
+    with pytest.raises(DatastoreError, match=r"also holds extra\.txt"):
         build_datastore(passages, encoder, embedder="y", out_dir=ds, nlist=2, overwrite=overwrite, progress=False)
     assert (ds / "extra.txt").read_text() == "keep me" and Datastore.load(ds).manifest.embedder == "x"
 
@@ -386,13 +395,20 @@ def test_the_build_command_refuses_bad_input_in_one_line(tmp_path: Path, capsys)
 
 def test_a_datastore_held_in_memory_is_checked_like_a_loaded_one(tmp_path):
     loaded = random_datastore(tmp_path / "ds", n=500, nlist=8)
-    arrays = dict(centroids=np.asarray(loaded.centroids), offsets=np.asarray(loaded.offsets), vectors=np.array(loaded.vectors))
+    arrays = {
+        "centroids": np.asarray(loaded.centroids),
+        "offsets": np.asarray(loaded.offsets),
+        "vectors": np.array(loaded.vectors),
+    }
     held = Datastore(loaded.manifest, **arrays, where="in memory")
     assert held.path is None and held.n_vectors == loaded.n_vectors and not held.has_passages
     with pytest.raises(DatastoreError, match="in memory holds vectors only"):
         held.passages([0])
-    for name, bad in (("vectors", arrays["vectors"][:-1]), ("centroids", arrays["centroids"].astype(np.float64)),
-                      ("offsets", arrays["offsets"][:-1])):
+    for name, bad in (
+        ("vectors", arrays["vectors"][:-1]),
+        ("centroids", arrays["centroids"].astype(np.float64)),
+        ("offsets", arrays["offsets"][:-1]),
+    ):
         with pytest.raises(DatastoreCorruptError, match=name):
             Datastore(loaded.manifest, **{**arrays, name: bad}, where="in memory")
     shifted = arrays["offsets"].copy()

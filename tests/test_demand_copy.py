@@ -21,31 +21,31 @@ def policy(copy_rate: float | None, cpu_rate: float | None) -> DemandCopyPolicy:
 
 
 def test_nothing_is_copied_until_both_rates_are_known():
-    sizes = {c: MB for c in range(8)}
+    sizes = dict.fromkeys(range(8), MB)
     missed = dict.fromkeys(range(8), 1)
     assert policy(None, 1000.0).choose(missed, sizes) == []
     assert policy(1000.0, None).choose(missed, sizes) == []
 
 
 def test_equal_rates_split_the_misses_in_half():
-    sizes = {c: MB for c in range(10)}
+    sizes = dict.fromkeys(range(10), MB)
     chosen = policy(1000.0, 1000.0).choose(dict.fromkeys(range(10), 1), sizes)
     assert len(chosen) == 5
 
 
 def test_copy_twice_as_fast_takes_two_thirds():
-    sizes = {c: MB for c in range(9)}
+    sizes = dict.fromkeys(range(9), MB)
     chosen = policy(2000.0, 1000.0).choose(dict.fromkeys(range(9), 1), sizes)
     assert len(chosen) == 6
 
 
 def test_slow_copy_leaves_everything_to_the_cpu():
-    sizes = {c: MB for c in range(4)}
+    sizes = dict.fromkeys(range(4), MB)
     assert policy(10.0, 1e6).choose(dict.fromkeys(range(4), 1), sizes) == []
 
 
 def test_clusters_probed_by_more_queries_go_first():
-    sizes = {c: MB for c in range(6)}
+    sizes = dict.fromkeys(range(6), MB)
     missed = {0: 1, 1: 1, 2: 4, 3: 1, 4: 3, 5: 1}
     chosen = policy(1000.0, 1000.0).choose(missed, sizes)
     assert chosen[:2] == [2, 4]

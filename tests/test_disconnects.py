@@ -14,9 +14,9 @@ import pytest
 from telerag.server.app import create_app, start_serving
 from telerag.server.runtime import Runtime
 from telerag.server.service import Service
+from tests.fake_app import DATASTORE_INFO, settings
 from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
 from tests.serving import serving
-from tests.fake_app import DATASTORE_INFO, settings
 
 WAIT_S = 10.0  # far longer than a cancellation takes, far shorter than the engine's delay
 
@@ -25,8 +25,10 @@ def post(address: tuple[str, int], path: str, body: dict) -> socket.socket:
     """A request sent, its answer not read."""
     data = json.dumps(body).encode()
     sock = socket.create_connection(address, timeout=WAIT_S)
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     return sock
 
 
@@ -49,7 +51,7 @@ class Server:
 
 
 @pytest.fixture(params=["httptools", "h11"])
-def server(request) -> Iterator[Server]:  # noqa: ANN001
+def server(request) -> Iterator[Server]:
     config = settings(scheduler={"max_concurrency": 1, "max_queue": 4, "admission_deadline_s": None})
     engine = ScriptedEngine(lambda prompt: Reply("never said"), delay=60.0)
     retriever = RecordingRetriever()
@@ -59,12 +61,16 @@ def server(request) -> Iterator[Server]:  # noqa: ANN001
         yield Server(service, engine, retriever, ("127.0.0.1", int(base.rsplit(":", 1)[1])))
 
 
-@pytest.mark.parametrize(("path", "body"), [
-    ("/v1/rag/query", {"query": "q?", "pipeline": "hyde"}),
-    ("/v1/rag/query", {"query": "q?", "pipeline": "hyde", "stream": True}),
-    ("/v1/chat/completions", {"model": "hyde", "messages": [{"role": "user", "content": "q?"}]}),
-    ("/v1/chat/completions", {"model": "hyde", "messages": [{"role": "user", "content": "q?"}], "stream": True}),
-], ids=["rag", "rag-stream", "chat", "chat-stream"])
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/rag/query", {"query": "q?", "pipeline": "hyde"}),
+        ("/v1/rag/query", {"query": "q?", "pipeline": "hyde", "stream": True}),
+        ("/v1/chat/completions", {"model": "hyde", "messages": [{"role": "user", "content": "q?"}]}),
+        ("/v1/chat/completions", {"model": "hyde", "messages": [{"role": "user", "content": "q?"}], "stream": True}),
+    ],
+    ids=["rag", "rag-stream", "chat", "chat-stream"],
+)
 def test_a_client_that_leaves_mid_generation_cancels_its_run(server, path, body):
     sock = post(server.address, path, body)
     assert eventually(lambda: server.generating() == 1)

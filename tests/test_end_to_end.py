@@ -21,8 +21,8 @@ import pytest
 from telerag.pipelines.embedder import Embedder
 from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import read_wikipedia, split_passages
-from tests.serving import start_server
 from tests.fake_app import EXPECTED_METRICS
+from tests.serving import start_server
 
 pytestmark = pytest.mark.slow
 
@@ -46,9 +46,12 @@ def wiki_slice(tmp_path_factory) -> Path:
 def served(wiki_slice, tmp_path_factory) -> tuple[str, subprocess.Popen]:
     env = {
         "TELERAG_SERVER__API_KEY": KEY,
-        "TELERAG_SCHEDULER__REQUEST_TIMEOUT_S": "120", "TELERAG_SCHEDULER__BATCH_WINDOW_MS": "100",
-        "TELERAG_SCHEDULER__MAX_CONCURRENCY": str(MAX_CONCURRENCY), "TELERAG_SCHEDULER__MAX_QUEUE": str(MAX_QUEUE),
-        "TELERAG_RETRIEVAL__CACHE_MB": "0.5", "TELERAG_RETRIEVAL__PREFETCH_BUDGET_MB": "0.2",
+        "TELERAG_SCHEDULER__REQUEST_TIMEOUT_S": "120",
+        "TELERAG_SCHEDULER__BATCH_WINDOW_MS": "100",
+        "TELERAG_SCHEDULER__MAX_CONCURRENCY": str(MAX_CONCURRENCY),
+        "TELERAG_SCHEDULER__MAX_QUEUE": str(MAX_QUEUE),
+        "TELERAG_RETRIEVAL__CACHE_MB": "0.5",
+        "TELERAG_RETRIEVAL__PREFETCH_BUDGET_MB": "0.2",
         # these tests count on the queue, not on this machine's speed (tests/test_admission.py tests the deadline)
         "TELERAG_SCHEDULER__ADMISSION_DEADLINE_S": "600",
     }
@@ -65,7 +68,7 @@ def server(served) -> str:
     return served[0]
 
 
-def query(server: str, timeout: float = 180, **body) -> httpx.Response:  # noqa: ANN003
+def query(server: str, timeout: float = 180, **body) -> httpx.Response:
     return httpx.post(f"{server}/v1/rag/query", json=body, headers=AUTH, timeout=timeout)
 
 
@@ -93,8 +96,13 @@ def test_real_server_answers_from_the_right_article(server):
 
 
 def test_real_server_streams(server):
-    with httpx.stream("POST", f"{server}/v1/rag/query", headers=AUTH, timeout=180,
-                      json={"query": "How tall is Mount Everest?", "stream": True, "max_tokens": 24}) as response:
+    with httpx.stream(
+        "POST",
+        f"{server}/v1/rag/query",
+        headers=AUTH,
+        timeout=180,
+        json={"query": "How tall is Mount Everest?", "stream": True, "max_tokens": 24},
+    ) as response:
         blocks = "".join(response.iter_text()).strip().split("\n\n")
     events = [block.split("\n")[0].removeprefix("event: ") for block in blocks]
     assert events[-1] == "result" and "stage" in events
@@ -114,7 +122,8 @@ def test_real_server_with_the_openai_client(server):
     assert "".join(chunk.choices[0].delta.content or "" for chunk in stream).strip()
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server}/v1", api_key="wrong").chat.completions.create(
-            model="naive", messages=[{"role": "user", "content": "x"}])
+            model="naive", messages=[{"role": "user", "content": "x"}]
+        )
 
 
 @pytest.mark.parametrize("header", [None, "Bearer wrong", f"Basic {KEY}"])
@@ -126,9 +135,14 @@ def test_real_server_refuses_a_missing_or_wrong_api_key(server, header):
 
 @pytest.mark.parametrize(
     ("body", "field"),
-    [({"query": " "}, "query"), ({"query": "q", "top_k": 1000}, "top_k"), ({"query": "q", "nprobe": 100_000}, "nprobe"),
-     ({"query": "q", "max_tokens": 100_000}, "max_tokens"), ({"query": "q", "pipeline": "../../etc/passwd"}, "pipeline"),
-     ({"query": ["not", "text"]}, "query")],
+    [
+        ({"query": " "}, "query"),
+        ({"query": "q", "top_k": 1000}, "top_k"),
+        ({"query": "q", "nprobe": 100_000}, "nprobe"),
+        ({"query": "q", "max_tokens": 100_000}, "max_tokens"),
+        ({"query": "q", "pipeline": "../../etc/passwd"}, "pipeline"),
+        ({"query": ["not", "text"]}, "query"),
+    ],
 )
 def test_real_server_answers_bad_input_with_422_naming_the_field(server, body, field):
     response = httpx.post(f"{server}/v1/rag/query", json=body, headers=AUTH, timeout=30)
@@ -143,8 +157,12 @@ def test_real_server_batches_concurrent_requests(server):
         responses = list(pool.map(lambda q: query(server, query=q, max_tokens=8), questions))
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
     after = metrics(server)
-    calls = sample(after, "telerag_batch_size_count", 'kind="prefetch"') - sample(before, "telerag_batch_size_count", 'kind="prefetch"')
-    queries = sample(after, "telerag_batch_size_sum", 'kind="prefetch"') - sample(before, "telerag_batch_size_sum", 'kind="prefetch"')
+    calls = sample(after, "telerag_batch_size_count", 'kind="prefetch"') - sample(
+        before, "telerag_batch_size_count", 'kind="prefetch"'
+    )
+    queries = sample(after, "telerag_batch_size_sum", 'kind="prefetch"') - sample(
+        before, "telerag_batch_size_sum", 'kind="prefetch"'
+    )
     assert queries == len(questions) and calls < len(questions)  # their prefetches shared a call
 
 
@@ -157,7 +175,9 @@ def test_real_server_refuses_overload_with_429(server):
     def send(i: int) -> httpx.Response:
         with httpx.Client(headers=AUTH, timeout=180) as client:
             start.wait()
-            return client.post(f"{server}/v1/rag/query", json={"query": f"Tell me about the Amazon River ({i})", "max_tokens": 48})
+            return client.post(
+                f"{server}/v1/rag/query", json={"query": f"Tell me about the Amazon River ({i})", "max_tokens": 48}
+            )
 
     with ThreadPoolExecutor(sent) as pool:
         responses = list(pool.map(send, range(sent)))

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from telerag.benchmarks.random_llm import tiny_random_lm
 from telerag.pipelines.engines import StopFilter, format_chat
 from telerag.pipelines.engines.checkpoints import converted_gguf
 from telerag.pipelines.engines.decoding import Detokenizer
@@ -25,7 +26,6 @@ from telerag.pipelines.errors import (
     PipelineError,
 )
 from telerag.pipelines.types import Engine, Generation, SamplingParams, TokenChunk
-from telerag.benchmarks.random_llm import tiny_random_lm
 from tests.tiny_models import tiny_engine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -80,9 +80,11 @@ class Recorder:
         self.handle.remove()
 
 
-async def collect(engine: TransformersEngine, prompts: list[str], params: SamplingParams) -> tuple[dict[int, str], dict[int, Generation]]:
+async def collect(
+    engine: TransformersEngine, prompts: list[str], params: SamplingParams
+) -> tuple[dict[int, str], dict[int, Generation]]:
     """Stream `prompts`: the concatenated chunk text and the Generation of each prompt."""
-    texts: dict[int, str] = {i: "" for i in range(len(prompts))}
+    texts: dict[int, str] = dict.fromkeys(range(len(prompts)), "")
     finals: dict[int, Generation] = {}
     async for item in engine.stream(prompts, params):
         if isinstance(item, TokenChunk):
@@ -118,9 +120,14 @@ async def test_greedy_is_deterministic_and_matches_transformers_generate(engine:
     for prompt, generation in zip(PROMPTS, first, strict=True):
         ids = torch.tensor([engine.tokenizer.encode(prompt, add_special_tokens=False)])
         with torch.inference_mode():
-            out = reference.generate(ids, max_new_tokens=GREEDY.max_tokens, do_sample=False,
-                                     eos_token_id=sorted(engine.eos_ids), pad_token_id=engine.pad_id)
-        expected = out[0, ids.shape[1]:].tolist()
+            out = reference.generate(
+                ids,
+                max_new_tokens=GREEDY.max_tokens,
+                do_sample=False,
+                eos_token_id=sorted(engine.eos_ids),
+                pad_token_id=engine.pad_id,
+            )
+        expected = out[0, ids.shape[1] :].tolist()
         assert list(generation.token_ids) == [t for t in expected if t not in engine.eos_ids]
         assert generation.text == engine.decode(generation.token_ids)
 
@@ -351,6 +358,7 @@ class FakeGGUFReader:
     def read_model(self, directory: Path, *, gguf_file: str, dtype: torch.dtype, **options: object) -> torch.nn.Module:
         self.reads += 1
         if self.fail_saving:
+
             def save_half(path: Path) -> None:
                 Path(path).mkdir(parents=True)
                 (Path(path) / "model.safetensors").write_bytes(b"half")
@@ -385,7 +393,10 @@ def test_a_failed_gguf_conversion_leaves_nothing_behind(tmp_path: Path, monkeypa
 
 
 # A chat template with a system role, and one that refuses it (as Mistral's and Gemma 2's do).
-CHAT = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}{% if add_generation_prompt %}<model>{% endif %}"
+CHAT = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+    "{% if add_generation_prompt %}<model>{% endif %}"
+)
 NO_SYSTEM = (
     "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
     "<{{ m.role }}>{{ m.content }}[unused1]{% endfor %}{% if add_generation_prompt %}<model>{% endif %}"
@@ -413,7 +424,7 @@ def test_the_engine_stops_on_the_chat_templates_end_of_turn():
     model, tokenizer = tiny_random_lm(0)
     marker = tokenizer.convert_tokens_to_ids("[unused1]")
 
-    def always_the_marker(module, args, logits):  # noqa: ANN001, ANN202
+    def always_the_marker(module, args, logits):
         forced = torch.full_like(logits, -1e4)
         forced[..., marker] = 0.0
         return forced
@@ -503,8 +514,13 @@ async def test_the_embedded_gemma_answers_and_matches_transformers(gemma_dir: Pa
         for prompt, generation in zip(prompts, generations, strict=True):
             ids = torch.tensor([engine.tokenizer.encode("<bos>" + prompt, add_special_tokens=False)])
             with torch.inference_mode():
-                out = reference.generate(ids, max_new_tokens=generation.completion_tokens, do_sample=False,
-                                         eos_token_id=sorted(engine.eos_ids), pad_token_id=engine.pad_id)
-            assert out[0, ids.shape[1]:].tolist() == list(generation.token_ids)
+                out = reference.generate(
+                    ids,
+                    max_new_tokens=generation.completion_tokens,
+                    do_sample=False,
+                    eos_token_id=sorted(engine.eos_ids),
+                    pad_token_id=engine.pad_id,
+                )
+            assert out[0, ids.shape[1] :].tolist() == list(generation.token_ids)
     finally:
         await engine.close()

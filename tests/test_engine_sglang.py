@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 async def collect(
     engine: SGLangEngine, prompts: list[str], params: SamplingParams
 ) -> tuple[dict[int, str], dict[int, Generation]]:
-    texts = {i: "" for i in range(len(prompts))}
+    texts = dict.fromkeys(range(len(prompts)), "")
     finals: dict[int, Generation] = {}
     async for item in engine.stream(prompts, params):
         if isinstance(item, TokenChunk):
@@ -54,18 +54,33 @@ async def collect(
 def test_sampling_params_translate_to_sglang():
     assert sampling_params(SamplingParams()) == {"max_new_tokens": 256, "temperature": 0.0, "top_p": 1.0, "stop": None}
     assert sampling_params(SamplingParams(max_tokens=7, temperature=0.7, top_p=0.9, stop=(".", "\n"), logprobs=True)) == {
-        "max_new_tokens": 7, "temperature": 0.7, "top_p": 0.9, "stop": [".", "\n"]
+        "max_new_tokens": 7,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "stop": [".", "\n"],
     }
 
 
 def test_the_engine_is_configured_as_asked(sglang: types.ModuleType):
-    engine = SGLangEngine("/models/Llama-3.2-3B/", mem_fraction_static=0.6, context_length=8192, tp_size=2,
-                          log_level="debug", module=sglang, random_seed=7)
+    engine = SGLangEngine(
+        "/models/Llama-3.2-3B/",
+        mem_fraction_static=0.6,
+        context_length=8192,
+        tp_size=2,
+        log_level="debug",
+        module=sglang,
+        random_seed=7,
+    )
     assert isinstance(engine, Engine)
     assert engine.name == "Llama-3.2-3B"
     assert FakeEngine.instances[0].kwargs == {
-        "model_path": "/models/Llama-3.2-3B/", "tp_size": 2, "mem_fraction_static": 0.6, "context_length": 8192,
-        "log_level": "debug", "random_seed": 7, "incremental_streaming_output": False,
+        "model_path": "/models/Llama-3.2-3B/",
+        "tp_size": 2,
+        "mem_fraction_static": 0.6,
+        "context_length": 8192,
+        "log_level": "debug",
+        "random_seed": 7,
+        "incremental_streaming_output": False,
     }
 
 
@@ -129,8 +144,12 @@ async def test_a_real_llama3_style_template_gets_one_bos(sglang: types.ModuleTyp
     engine = SGLangEngine("m", module=sglang)
     prompt = engine.format_prompt("hello world")
     messages = [{"role": "user", "content": "hello world"}]
-    FakeEngine.scripts = {tokenizer.decode(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                                                         return_dict=False), skip_special_tokens=True): Script(["ok"])}
+    FakeEngine.scripts = {
+        tokenizer.decode(
+            tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False),
+            skip_special_tokens=True,
+        ): Script(["ok"])
+    }
     await engine.generate([prompt], SamplingParams())
     model_input = FakeEngine.instances[0].requests[0]["model_inputs"][0]
     assert model_input == tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
@@ -152,8 +171,9 @@ def llama3_style_tokenizer() -> Any:
     backend.post_processor = processors.TemplateProcessing(
         single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B", special_tokens=[("<|begin_of_text|>", 0)]
     )
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
-                                        unk_token="[UNK]")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", unk_token="[UNK]"
+    )
     tokenizer.chat_template = (
         "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|> "
         "{{ m['content'] }}<|eot_id|>{% endfor %}"
@@ -263,8 +283,13 @@ def test_sigterm_drains_a_server_with_sglang_in_it_then_stops_sglang():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     base = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen([sys.executable, "-m", "tests.sglang_server", str(port)], cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.sglang_server", str(port)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.time() + 120
         while not _answers(f"{base}/ready"):  # SGLang installs its signal handlers at the first request: the warm-up

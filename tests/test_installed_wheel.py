@@ -35,7 +35,8 @@ def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(out), str(source)],
-        check=True, cwd=out,
+        check=True,
+        cwd=out,
     )
     (wheel,) = out.glob("telerag-*.whl")
     return wheel
@@ -53,19 +54,29 @@ def test_the_wheel_installs_one_namespace_with_its_defaults(wheel):
 
 def test_installed_wheel_serves_from_another_directory(wheel, tmp_path):
     site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site), str(wheel)], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site), str(wheel)], check=True
+    )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     # `-S`: no site processing, so the editable install of this checkout (a .pth hook in this
     # environment's site-packages) cannot fill in what the wheel lacks; the dependencies come
     # from that site-packages on the path
     python = [sys.executable, "-S"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), sysconfig.get_paths()["purelib"]]),
-           "HF_HUB_OFFLINE": "1", "TELERAG_CACHE_DIR": str(tmp_path / "cache")}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(site), sysconfig.get_paths()["purelib"]]),
+        "HF_HUB_OFFLINE": "1",
+        "TELERAG_CACHE_DIR": str(tmp_path / "cache"),
+    }
     env.pop("TELERAG_CONFIG", None)
     where = subprocess.run(
         [*python, "-c", "import telerag, telerag.server.settings as s; print(*telerag.__path__, s.__file__, s.DEFAULT_CONFIG)"],
-        cwd=elsewhere, env=env, check=True, capture_output=True, text=True,
+        cwd=elsewhere,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout.split()
     assert all(Path(path).is_relative_to(site) for path in where), where  # the install alone, not this checkout
 
@@ -74,11 +85,16 @@ def test_installed_wheel_serves_from_another_directory(wheel, tmp_path):
     datastore = build_small_datastore(tmp_path / "datastore", embedder_dir)
     server = start_server(
         ["--model", str(model_dir), "--embedder", str(embedder_dir), "--datastore", str(datastore)],
-        tmp_path / "server.log", env=env, cwd=elsewhere, command=[*python, str(site / "bin" / "telerag")],
+        tmp_path / "server.log",
+        env=env,
+        cwd=elsewhere,
+        command=[*python, str(site / "bin" / "telerag")],
     )
     try:
         server.wait_ready()
-        response = httpx.post(f"{server.base}/v1/rag/query", json={"query": "What is topic 3 about?", "max_tokens": 8}, timeout=120)
+        response = httpx.post(
+            f"{server.base}/v1/rag/query", json={"query": "What is topic 3 about?", "max_tokens": 8}, timeout=120
+        )
         assert response.status_code == 200, response.text
         assert response.json()["documents"]
         server.signal(signal.SIGTERM)

@@ -32,7 +32,7 @@ def imported_modules(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("path", SOURCES + sorted((ROOT / "tests").glob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
 def test_imports_use_the_telerag_namespace(path):
-    bare = [name for name in imported_modules(path) if name.split(".")[0] in LAYERS + ["config"]]
+    bare = [name for name in imported_modules(path) if name.split(".")[0] in [*LAYERS, "config"]]
     assert not bare, f"import these as telerag.<name>: {bare}"
 
 
@@ -63,7 +63,6 @@ def test_the_command_line_and_the_app_load_without_torch():
     `telerag --help` answers without it: the command line and the app import no torch,
     transformers or sentence-transformers until a command runs."""
     heavy = ("torch", "transformers", "sentence_transformers")
-    code = ("import sys, telerag.cli.main, telerag.server.app; "
-            f"print(','.join(name for name in {heavy!r} if name in sys.modules))")
+    code = f"import sys, telerag.cli.main, telerag.server.app; print(','.join(name for name in {heavy!r} if name in sys.modules))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert loaded.stdout.strip() == ""

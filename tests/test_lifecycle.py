@@ -32,15 +32,21 @@ def assets(tmp_path_factory) -> tuple[Path, Path, Path]:
     return save_tiny_lm(root / "tiny-lm"), embedder, build_small_datastore(root / "datastore", embedder)
 
 
-def serve(assets, tmp_path: Path, *gates: str, datastore: Path | None = None, model: Path | None = None,
-          env: dict[str, str] | None = None) -> ServerProcess:
+def serve(
+    assets,
+    tmp_path: Path,
+    *gates: str,
+    datastore: Path | None = None,
+    model: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> ServerProcess:
     lm, embedder, store = assets
     args = ["--model", str(model or lm), "--embedder", str(embedder), "--datastore", str(datastore or store)]
     command = (sys.executable, "-m", "tests.gated_serve", *gates) if gates else (sys.executable, "-m", "telerag.cli")
     return start_server(args, tmp_path / "server.log", env=env, command=command)
 
 
-def poll(server: ServerProcess, path: str, until, timeout: float = 120) -> httpx.Response:  # noqa: ANN001
+def poll(server: ServerProcess, path: str, until, timeout: float = 120) -> httpx.Response:
     """GET `path` until `until(response)` holds (connection errors retried)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -60,7 +66,7 @@ def in_flight(server: ServerProcess) -> bool:
     return any(line == "telerag_requests_in_flight 1.0" for line in metrics.splitlines())
 
 
-def send_query(server: ServerProcess, results: list) -> threading.Thread:  # noqa: ANN001
+def send_query(server: ServerProcess, results: list) -> threading.Thread:
     def run() -> None:
         try:
             results.append(httpx.post(f"{server.base}/v1/rag/query", json=QUERY, timeout=120))
@@ -140,7 +146,9 @@ def flip_a_vector_byte(datastore: Path) -> None:
     vectors.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize(("damage", "reason"), [(truncate_vectors, "truncated?"), (flip_a_vector_byte, "fails its sha256 checksum")])
+@pytest.mark.parametrize(
+    ("damage", "reason"), [(truncate_vectors, "truncated?"), (flip_a_vector_byte, "fails its sha256 checksum")]
+)
 def test_a_damaged_datastore_is_refused_before_the_model_loads(assets, tmp_path, damage, reason):
     datastore = shutil.copytree(assets[2], tmp_path / "datastore")
     damage(datastore)
@@ -155,7 +163,10 @@ def test_a_damaged_datastore_is_refused_before_the_model_loads(assets, tmp_path,
     assert "Traceback" not in output and "loading model" not in output
     (failure,) = [line for line in output.splitlines() if "start-up failed" in line]
     assert f"{datastore / 'vectors.npy'}" in failure and reason in failure
-    assert f"telerag datastore build --corpus FILE (or --wikipedia) --embedder DIR (the model {assets[1].name}) --out {datastore} --overwrite" in failure
+    assert (
+        f"telerag datastore build --corpus FILE (or --wikipedia) --embedder DIR (the model {assets[1].name}) "
+        f"--out {datastore} --overwrite" in failure
+    )
 
 
 def sigterm_with_one_in_flight(server: ServerProcess, results: list) -> threading.Thread:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 from telerag.benchmarks.overlap import OverlapReport, OverlapRow, format_table, overlap_study
+from telerag.cli.main import main
 from telerag.pipelines.questions import Question, read_questions
 from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.types import RunOptions
-from telerag.cli.main import main
 from telerag.server.settings import packaged_config
 from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
 from tests.serving import build_small_datastore, save_tiny_lm
@@ -37,8 +37,9 @@ async def test_study_counts_answers_that_are_empty_or_loop_on_the_cue():
 
 
 def test_table_shows_what_was_not_measured_as_a_dash():
-    row = OverlapRow("naive", 2, overlap_rate=None, pre_retrieval_ms=0.0, total_ms=12.34, article_hit_rate=None,
-                     empty_answers=1, cue_answers=0)
+    row = OverlapRow(
+        "naive", 2, overlap_rate=None, pre_retrieval_ms=0.0, total_ms=12.34, article_hit_rate=None, empty_answers=1, cue_answers=0
+    )
     table = format_table(OverlapReport(questions=2, nlist=8, prefetch_clusters=3, nprobe=4, rows=[row]))
     assert table.splitlines() == [
         "2 questions, nlist 8, nprobe 4, prefetch depth 3 clusters",
@@ -48,12 +49,31 @@ def test_table_shows_what_was_not_measured_as_a_dash():
 
 
 def test_bench_overlap_prints_the_table_and_one_json_line(tmp_path, capsys):
-    code = main([
-        "bench", "overlap", "--model", str(save_tiny_lm(tmp_path / "lm")), "--embedder", str(tiny_embedder_dir(32, 0)),
-        "--datastore", str(build_small_datastore(tmp_path / "datastore", articles=200)), "--device", "cpu",
-        "--pipelines", "naive,hyde", "--limit", "2", "--max-tokens", "4", "--nprobe", "2", "--prefetch-clusters", "3",
-        "--json",
-    ])
+    code = main(
+        [
+            "bench",
+            "overlap",
+            "--model",
+            str(save_tiny_lm(tmp_path / "lm")),
+            "--embedder",
+            str(tiny_embedder_dir(32, 0)),
+            "--datastore",
+            str(build_small_datastore(tmp_path / "datastore", articles=200)),
+            "--device",
+            "cpu",
+            "--pipelines",
+            "naive,hyde",
+            "--limit",
+            "2",
+            "--max-tokens",
+            "4",
+            "--nprobe",
+            "2",
+            "--prefetch-clusters",
+            "3",
+            "--json",
+        ]
+    )
     assert code == 0
     lines = capsys.readouterr().out.strip().splitlines()
     report = json.loads(lines[-1])

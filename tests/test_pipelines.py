@@ -24,7 +24,7 @@ def kinds(log: list) -> list[str]:
 
 
 async def test_naive_order_and_result():
-    pipeline, engine, retriever, log = make("naive")
+    pipeline, _engine, _retriever, log = make("naive")
     result, events = await run(pipeline, top_k=2)
     assert kinds(log) == ["prefetch", "search", "release", "llm_start", "llm_end"]
     assert result.answer == "The Nile is long"
@@ -32,14 +32,23 @@ async def test_naive_order_and_result():
     assert len(result.documents) == 2 and result.pipeline == "naive"
     assert [s.stage.name for s in result.steps] == ["prefetch", "search", "generate"]
     assert result.prefetch.overlap_rate == 0.75 and result.prefetch.clusters_device == 3
-    assert {"total_ms", "embed_ms", "prefetch_ms", "pre_retrieval_ms", "search_ms", "search_device_ms", "search_cpu_ms",
-            "llm_ms", "generate_ms"} == asdict(result.timings).keys()
+    assert {
+        "total_ms",
+        "embed_ms",
+        "prefetch_ms",
+        "pre_retrieval_ms",
+        "search_ms",
+        "search_device_ms",
+        "search_cpu_ms",
+        "llm_ms",
+        "generate_ms",
+    } == asdict(result.timings).keys()
     stages = [(e.stage.name, e.status) for e in events if isinstance(e, StageEvent)]
     assert stages[:2] == [("prefetch", "start"), ("prefetch", "end")]
 
 
 async def test_hyde_prefetches_beside_the_pre_retrieval_call_and_searches_after_both():
-    pipeline, engine, retriever, log = make("hyde")
+    pipeline, _engine, retriever, log = make("hyde")
     await run(pipeline)
     order = kinds(log)
     assert sorted(order[:3]) == ["llm_end", "llm_start", "prefetch"]  # in whichever order the loop runs them
@@ -50,12 +59,14 @@ async def test_hyde_prefetches_beside_the_pre_retrieval_call_and_searches_after_
 
 
 async def test_hyde_searches_with_the_question_when_the_passage_is_only_a_cue():
-    pipeline, engine, retriever, log = make("hyde", passage="Passage:\nPassage:")
+    pipeline, _engine, retriever, _log = make("hyde", passage="Passage:\nPassage:")
     await run(pipeline)
     assert retriever.searches == [["How long is the Nile?"]]
 
 
-@pytest.mark.parametrize("name", [n for n, cls in PIPELINES.items() if any(s.role is StageRole.PRE_RETRIEVAL for s in cls.stages)])
+@pytest.mark.parametrize(
+    "name", [n for n, cls in PIPELINES.items() if any(s.role is StageRole.PRE_RETRIEVAL for s in cls.stages)]
+)
 async def test_the_pre_retrieval_call_never_waits_for_the_prefetch(name):
     """Embedding q_in, ranking and issuing copies run beside the LLM call: a prefetch that can
     only finish once an LLM call has started must not hold the pipeline up, and the trace shows
@@ -63,14 +74,14 @@ async def test_the_pre_retrieval_call_never_waits_for_the_prefetch(name):
     llm_started = asyncio.Event()
 
     class Engine(ScriptedEngine):
-        async def stream(self, prompts, params):  # noqa: ANN001, ANN202
+        async def stream(self, prompts, params):
             llm_started.set()
             await asyncio.sleep(0.01)
             async for item in super().stream(prompts, params):
                 yield item
 
     class Retriever(RecordingRetriever):
-        async def prefetch(self, queries, *, enabled=True, overlap_ms=None):  # noqa: ANN001, ANN202
+        async def prefetch(self, queries, *, enabled=True, overlap_ms=None):
             if overlap_ms != 0.0:  # a prefetch with a pre-retrieval call to hide behind
                 await asyncio.wait_for(llm_started.wait(), timeout=10)  # times out if the LLM waits for us
             return await super().prefetch(queries, enabled=enabled, overlap_ms=overlap_ms)
@@ -85,37 +96,39 @@ async def test_the_pre_retrieval_call_never_waits_for_the_prefetch(name):
 
 
 async def test_subquestion_searches_the_question_and_its_sub_questions_in_one_batch():
-    pipeline, engine, retriever, log = make("subquestion")
+    pipeline, _engine, retriever, log = make("subquestion")
     result, _ = await run(pipeline, top_k=3)
-    assert retriever.searches == [["How long is the Nile?", "Where is the Nile", "How long is the Nile", "Which seas does it reach"]]
+    assert retriever.searches == [
+        ["How long is the Nile?", "Where is the Nile", "How long is the Nile", "Which seas does it reach"]
+    ]
     assert kinds(log).count("search") == 1 and len(result.documents) == 3
 
 
 async def test_subquestion_drops_repeated_sub_questions():
     sub = "Where is the Nile?\nwhere is  the NILE?\nHow long is the Nile?\nWhere is the Nile?"
-    pipeline, engine, retriever, log = make("subquestion", sub_questions=sub)
+    pipeline, _engine, retriever, _log = make("subquestion", sub_questions=sub)
     await run(pipeline)
     assert retriever.searches == [["How long is the Nile?", "Where is the Nile?"]]
 
 
 async def test_iterative_searches_with_the_question_beside_its_narrower_question():
-    pipeline, engine, retriever, log = make("iterative", judge="no")
+    pipeline, _engine, retriever, _log = make("iterative", judge="no")
     await run(pipeline)
     assert retriever.searches == [[MeanQuery(("How long is the Nile?", "Nile length"))]] * 3
     assert retriever.prefetches[0] == ["How long is the Nile?"]
 
 
 async def test_iterative_stops_on_a_positive_judgement():
-    pipeline, engine, retriever, log = make("iterative", judge="yes")
+    pipeline, _, retriever, _ = make("iterative", judge="yes")
     await run(pipeline)
     assert len(retriever.searches) == 1
-    pipeline, engine, retriever, log = make("iterative", judge="no")
+    pipeline, _engine, retriever, _log = make("iterative", judge="no")
     await run(pipeline)
     assert len(retriever.searches) == 3  # MAX_ITERATIONS
 
 
 async def test_iter_retgen_runs_three_rounds_and_feeds_answers_forward():
-    pipeline, engine, retriever, log = make("iter_retgen")
+    pipeline, _engine, retriever, log = make("iter_retgen")
     await run(pipeline)
     assert len(retriever.searches) == 3
     assert retriever.searches[1] == ["How long is the Nile? The Nile is long"]
@@ -127,7 +140,7 @@ async def test_iter_retgen_runs_three_rounds_and_feeds_answers_forward():
 
 async def test_flare_retrieves_exactly_on_low_probability_tokens():
     # sentence 1: every token sure -> no retrieval; sentence 2: one unsure token -> retrieval
-    pipeline, engine, retriever, log = make(
+    pipeline, _engine, retriever, _log = make(
         "flare", flare_logprobs=[(SURE,) * 4, (SURE, SURE, UNSURE, SURE), (SURE,) * 4, (SURE,) * 4, (SURE,) * 4]
     )
     result, _ = await run(pipeline, max_tokens=10)
@@ -138,7 +151,7 @@ async def test_flare_retrieves_exactly_on_low_probability_tokens():
 
 
 async def test_flare_never_retrieves_when_all_tokens_are_sure():
-    pipeline, engine, retriever, log = make("flare", flare_logprobs=[(SURE,) * 4] * 6)
+    pipeline, _engine, retriever, _log = make("flare", flare_logprobs=[(SURE,) * 4] * 6)
     await run(pipeline, max_tokens=8)
     assert retriever.searches == []
     assert len(retriever.released) == len(retriever.prefetches) > 0
@@ -146,7 +159,7 @@ async def test_flare_never_retrieves_when_all_tokens_are_sure():
 
 @pytest.mark.parametrize(("decide", "searches"), [("yes", 1), ("no", 0), ("No.", 0), ("Jupiter", 1), ("nothing", 1)])
 async def test_self_rag_decides_whether_to_retrieve(decide, searches):
-    pipeline, engine, retriever, log = make("self_rag", decide=decide)
+    pipeline, _engine, retriever, _log = make("self_rag", decide=decide)
     result, _ = await run(pipeline)
     assert len(retriever.searches) == searches
     assert len(retriever.released) == 1 and not retriever.outstanding
@@ -154,8 +167,8 @@ async def test_self_rag_decides_whether_to_retrieve(decide, searches):
 
 
 async def test_self_rag_revises_an_unsupported_answer():
-    pipeline, engine, retriever, log = make("self_rag", critique="no")
-    result, events = await run(pipeline)
+    pipeline, engine, _retriever, _log = make("self_rag", critique="no")
+    _result, _events = await run(pipeline)
     assert any(p.startswith("You answer questions") and "Rewrite the answer" in p for p in engine.prompts)
 
 
@@ -200,11 +213,17 @@ def test_every_pipeline_declares_its_stages():
 # Scripts that between them take every branch of every pipeline: FLARE retrieving and not,
 # Iterative's judge saying yes and no, Self-RAG retrieving or not, its critique accepting or not.
 BRANCHES = [
-    ("naive", {}), ("hyde", {}), ("subquestion", {}), ("iter_retgen", {}),
-    ("iterative", {"judge": "yes"}), ("iterative", {"judge": "no"}),
+    ("naive", {}),
+    ("hyde", {}),
+    ("subquestion", {}),
+    ("iter_retgen", {}),
+    ("iterative", {"judge": "yes"}),
+    ("iterative", {"judge": "no"}),
     ("flare", {"flare_logprobs": [(SURE,) * 4, (SURE, SURE, UNSURE, SURE)] * 3}),
     ("flare", {"flare_logprobs": [(SURE,) * 4] * 6}),
-    ("self_rag", {"critique": "yes"}), ("self_rag", {"critique": "no"}), ("self_rag", {"decide": "no"}),
+    ("self_rag", {"critique": "yes"}),
+    ("self_rag", {"critique": "no"}),
+    ("self_rag", {"decide": "no"}),
 ]
 
 
@@ -219,30 +238,30 @@ class VirtualClock:
         return self.now
 
 
-def timed_fakes(clock: VirtualClock, **script_args):  # noqa: ANN003, ANN201
+def timed_fakes(clock: VirtualClock, **script_args):
     """A scripted engine and a recording retriever whose calls advance `clock`: each LLM call
     20 ms (plus 1 ms per token streamed), a prefetch 3 ms, a search 7 ms."""
 
     class Engine(ScriptedEngine):
-        async def stream(self, prompts, params):  # noqa: ANN001, ANN202
+        async def stream(self, prompts, params):
             clock.now += 0.020
             async for item in super().stream(prompts, params):
                 clock.now += 0.001
                 yield item
 
     class Retriever(RecordingRetriever):
-        async def prefetch(self, queries, *, enabled=True, overlap_ms=None):  # noqa: ANN001, ANN202
+        async def prefetch(self, queries, *, enabled=True, overlap_ms=None):
             clock.now += 0.003
             return await super().prefetch(queries, enabled=enabled, overlap_ms=overlap_ms)
 
-        async def search(self, queries, options, ticket=None):  # noqa: ANN001, ANN202
+        async def search(self, queries, options, ticket=None):
             clock.now += 0.007
             return await super().search(queries, options, ticket)
 
     return Engine(script(**script_args)), Retriever()
 
 
-def covered_ms(steps) -> float:  # noqa: ANN001
+def covered_ms(steps) -> float:
     """The time covered by the steps' spans (overlapping spans counted once)."""
     total, end = 0.0, float("-inf")
     for start, stop in sorted((s.start_ms, s.start_ms + s.ms) for s in steps):
@@ -267,10 +286,16 @@ async def test_a_run_traces_only_declared_stages_and_its_timings_add_up(name, sc
     t = result.timings
     by_role = {role: sum(s.ms for s in result.steps if s.stage.role is role) for role in StageRole}
     assert (t.prefetch_ms, t.pre_retrieval_ms, t.search_ms, t.llm_ms, t.generate_ms) == pytest.approx(
-        (by_role[StageRole.PREFETCH], by_role[StageRole.PRE_RETRIEVAL], by_role[StageRole.SEARCH],
-         by_role[StageRole.LLM], by_role[StageRole.GENERATE]))
+        (
+            by_role[StageRole.PREFETCH],
+            by_role[StageRole.PRE_RETRIEVAL],
+            by_role[StageRole.SEARCH],
+            by_role[StageRole.LLM],
+            by_role[StageRole.GENERATE],
+        )
+    )
     assert t.total_ms > 0 and covered_ms(result.steps) == pytest.approx(t.total_ms)
-    assert all(0 <= s.start_ms and s.start_ms + s.ms <= t.total_ms + 1e-9 for s in result.steps)
+    assert all(s.start_ms >= 0 and s.start_ms + s.ms <= t.total_ms + 1e-9 for s in result.steps)
     if name != "flare":  # FLARE's kept sentences are its look-ahead's; every other answer is written by a generate stage
         assert t.generate_ms > 0
 
@@ -279,9 +304,9 @@ async def test_a_stage_a_pipeline_does_not_declare_is_refused():
     from telerag.pipelines.errors import UndeclaredStage
     from telerag.pipelines.types import Stage
 
-    pipeline, engine, retriever, log = make("naive")
+    pipeline, _engine, _retriever, _log = make("naive")
 
-    async def body(ctx):  # noqa: ANN001, ANN202
+    async def body(ctx):
         return await pipeline.reply(ctx, Stage("improvised", StageRole.LLM), prompts.judge(ctx.query, "x"))
 
     pipeline.body = body
@@ -359,7 +384,7 @@ async def test_the_streamed_text_is_the_answer(name):
     """What a client is streamed, concatenated, is exactly `RagResult.answer`: no leading space
     (the fake's tokens are words followed by a space, as a real tokenizer's pieces often lead
     with one), no trailing one."""
-    pipeline, engine, retriever, log = make(name, decide="yes", critique="no", answer=" Answer: The Nile is long ")
+    pipeline, _engine, _retriever, _log = make(name, decide="yes", critique="no", answer=" Answer: The Nile is long ")
     result, events = await run(pipeline)
     assert result.answer and streamed(events) == result.answer
     assert result.answer == result.answer.strip() and "Answer:" not in result.answer
@@ -374,10 +399,10 @@ async def test_the_streamed_text_is_the_answer(name):
     ],
 )
 async def test_a_repeated_answer_cue_is_cut_and_ends_the_generation(generated, answer):
-    pipeline, engine, retriever, log = make("naive", answer=generated)
+    pipeline, engine, _retriever, _log = make("naive", answer=generated)
     chunks = []
 
-    async def recording_stream(prompts, params):  # noqa: ANN001, ANN202
+    async def recording_stream(prompts, params):
         async for item in ScriptedEngine.stream(engine, prompts, params):
             chunks.append(item)
             yield item
@@ -392,11 +417,11 @@ async def test_a_repeated_answer_cue_is_cut_and_ends_the_generation(generated, a
 async def test_the_answer_prompt_keeps_a_stable_prefix_and_stops_at_the_cue():
     """System text and instruction first, then the documents, then the question, so a prefix
     cache hits across requests; the engine is told to stop at the cue on a new line."""
-    pipeline, engine, retriever, log = make("naive")
+    pipeline, engine, _retriever, _log = make("naive")
     seen = []
     original = engine.stream
 
-    def stream(prompts, params):  # noqa: ANN001, ANN202
+    def stream(prompts, params):
         seen.append((prompts[0], params.stop))
         return original(prompts, params)
 

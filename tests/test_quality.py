@@ -8,8 +8,6 @@ import json
 
 import pytest
 
-from telerag.pipelines.prompts import holds_answer_cue
-from telerag.pipelines.embedder import Embedder
 from telerag.benchmarks.quality import (
     SearchRecorder,
     article_found,
@@ -17,13 +15,15 @@ from telerag.benchmarks.quality import (
     normalize_answer,
     token_f1,
 )
+from telerag.benchmarks.random_llm import tiny_random_lm
+from telerag.cli import main as cli
+from telerag.pipelines.embedder import Embedder
+from telerag.pipelines.prompts import holds_answer_cue
 from telerag.pipelines.questions import read_questions
 from telerag.pipelines.retriever import open_retriever
 from telerag.pipelines.types import Document, SearchOptions
 from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import read_wikipedia, split_passages
-from telerag.cli import main as cli
-from telerag.benchmarks.random_llm import tiny_random_lm
 from telerag.server.settings import packaged_config
 from tests.tiny_models import tiny_embedder_dir
 
@@ -84,8 +84,7 @@ def wiki_slice(tmp_path_factory):
     chosen = [a for a in articles if a.title in tagged] + [a for a in articles if a.title not in tagged][:40]
     embedder_dir = tiny_embedder_dir(32, 0)
     embedder = Embedder(embedder_dir)
-    build_datastore(split_passages(chosen), embedder.encode, embedder=embedder.name, out_dir=root / "ds", nlist=8,
-                    progress=False)
+    build_datastore(split_passages(chosen), embedder.encode, embedder=embedder.name, out_dir=root / "ds", nlist=8, progress=False)
     model, tokenizer = tiny_random_lm(0)
     model.save_pretrained(root / "lm")
     tokenizer.save_pretrained(root / "lm")
@@ -114,7 +113,7 @@ async def test_replay_is_the_exact_search_of_the_queries_the_answer_came_from(wi
 
 async def test_questions_answered_together_keep_their_searches_apart():
     class Echo:
-        async def search(self, queries, options, ticket=None):  # noqa: ANN001, ANN202
+        async def search(self, queries, options, ticket=None):
             await asyncio.sleep(0)
             return queries
 
@@ -134,11 +133,28 @@ async def test_questions_answered_together_keep_their_searches_apart():
 
 
 def _run(capsys, wiki_slice, *flags: str) -> list[dict]:
-    code = cli.main([
-        "bench", "quality", "--limit", "8", "--k", "10", "--max-tokens", "4", "--json", "--device", "cpu",
-        "--model", str(wiki_slice["model"]), "--embedder", str(wiki_slice["embedder"]),
-        "--datastore", str(wiki_slice["datastore"]), *flags,
-    ])
+    code = cli.main(
+        [
+            "bench",
+            "quality",
+            "--limit",
+            "8",
+            "--k",
+            "10",
+            "--max-tokens",
+            "4",
+            "--json",
+            "--device",
+            "cpu",
+            "--model",
+            str(wiki_slice["model"]),
+            "--embedder",
+            str(wiki_slice["embedder"]),
+            "--datastore",
+            str(wiki_slice["datastore"]),
+            *flags,
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert "recall@k" in "\n".join(out[:-1])  # the table comes before the JSON line

@@ -45,5 +45,3 @@ def test_shipped_questions_are_answered_by_their_articles():
         summary = normalize_answer(f"{article.title} {article.text}")
         unstated += [(q.title, a) for a in q.answers if not all(w in summary for w in normalize_answer(a).split())]
     assert not unstated, f"answers not stated in their article: {unstated}"
-
-

@@ -70,7 +70,7 @@ async def test_batched_requests_get_their_own_answers(retriever):
     assert outcomes[1].documents[1][0].doc_id.startswith("space-")
     assert outcomes[2].stats.clusters_device == 0
     # each equals its own search run alone, and faiss
-    for request, outcome in zip(requests, outcomes):
+    for request, outcome in zip(requests, outcomes, strict=True):
         alone = await retriever.search(request.queries, request.options)
         assert [[d.id for d in docs] for docs in alone.documents] == [[d.id for d in docs] for docs in outcome.documents]
     vectors = retriever.embedder.encode(["bread oven"])

@@ -6,33 +6,39 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from pydantic import ValidationError
 
+from telerag.benchmarks.random_llm import tiny_random_lm
+from telerag.cli import runtime_flags
+from telerag.cli.main import build_parser
 from telerag.pipelines.engines.transformers import TransformersEngine
 from telerag.pipelines.errors import EmbedderError, EngineUnavailable
 from telerag.pipelines.registry import PIPELINES
-from telerag.utils.device import resolve_device
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.errors import DatastoreCorruptError, DatastoreMismatchError, DeviceUnavailable
-from telerag.utils.progress import StepProgress
-from telerag.server import runtime
-from telerag.benchmarks.random_llm import tiny_random_lm
-from telerag.cli.main import build_parser
-from telerag.cli import runtime_flags
-from telerag.server import process
+from telerag.server import process, runtime
 from telerag.server.errors import status_of
 from telerag.server.settings import Settings, SettingsError, load_settings
+from telerag.utils.device import resolve_device
+from telerag.utils.progress import StepProgress
+from tests.fake_sglang import FakeEngine
 from tests.retrieval_helpers import random_datastore
 from tests.serving import build_small_datastore, save_tiny_lm
-from tests.fake_sglang import FakeEngine
 from tests.tiny_models import tiny_embedder_dir
 
 
 def test_sglang_engine_from_settings(sglang, monkeypatch):
     monkeypatch.setattr("telerag.pipelines.engines.sglang._import_sglang", lambda: sglang)
-    settings = Settings(engine={"kind": "sglang", "model_path": "/models/llama", "mem_fraction_static": 0.55,
-                                "context_length": 4096, "tp_size": 1}, server={"log_level": "debug"})
+    settings = Settings(
+        engine={
+            "kind": "sglang",
+            "model_path": "/models/llama",
+            "mem_fraction_static": 0.55,
+            "context_length": 4096,
+            "tp_size": 1,
+        },
+        server={"log_level": "debug"},
+    )
     engine = runtime.build_engine(settings)
     assert engine.name == "llama"
     assert FakeEngine.instances[-1].kwargs["mem_fraction_static"] == 0.55
@@ -86,9 +92,11 @@ def test_a_device_that_is_not_there_is_one_start_up_failure(monkeypatch, tmp_pat
         runtime.load_embedder(Settings(retrieval={"embedder_device": "cuda"}).retrieval)
     with pytest.raises(DeviceUnavailable, match="CUDA is not available"):
         RetrievalEngine(random_datastore(tmp_path / "ds", n=200, nlist=4), device="cuda")
-    for failure in (DeviceUnavailable("device 'cuda' asked for, but CUDA is not available here (use auto or cpu)"),
-                    EngineUnavailable("device 'cuda' asked for, but CUDA is not available here (use auto or cpu)"),
-                    EmbedderError("device 'cuda' asked for, but CUDA is not available here (use auto or cpu)")):
+    for failure in (
+        DeviceUnavailable("device 'cuda' asked for, but CUDA is not available here (use auto or cpu)"),
+        EngineUnavailable("device 'cuda' asked for, but CUDA is not available here (use auto or cpu)"),
+        EmbedderError("device 'cuda' asked for, but CUDA is not available here (use auto or cpu)"),
+    ):
         assert process.startup_failure(failure, tmp_path) == str(failure)
         assert status_of(failure) == 503
 
@@ -155,8 +163,10 @@ class Watch:
 
 async def test_load_checks_the_datastore_then_loads_the_model_then_opens_it(tmp_path: Path):
     embedder = tiny_embedder_dir(32, 0)
-    settings = Settings(engine={"model_path": save_tiny_lm(tmp_path / "lm")},
-                        retrieval={"datastore": build_small_datastore(tmp_path / "ds", embedder), "embedder": embedder})
+    settings = Settings(
+        engine={"model_path": save_tiny_lm(tmp_path / "lm")},
+        retrieval={"datastore": build_small_datastore(tmp_path / "ds", embedder), "embedder": embedder},
+    )
     watch = Watch()
     async with runtime.open_runtime(settings, watch) as loaded:
         assert watch.steps == ["loading embedder", "checking datastore", "loading model", "opening datastore"]
@@ -169,9 +179,11 @@ async def test_a_damaged_datastore_fails_the_load_before_the_model(tmp_path: Pat
     embedder = tiny_embedder_dir(32, 0)
     datastore = build_small_datastore(tmp_path / "ds", embedder)
     (datastore / "offsets.npy").write_bytes(b"\x93NUMPY garbage of the same length"[: (datastore / "offsets.npy").stat().st_size])
-    settings = Settings(engine={"model_path": tmp_path / "no-such-model"}, retrieval={"datastore": datastore, "embedder": embedder})
+    settings = Settings(
+        engine={"model_path": tmp_path / "no-such-model"}, retrieval={"datastore": datastore, "embedder": embedder}
+    )
     watch = Watch()
-    with pytest.raises(DatastoreCorruptError, match="offsets.npy"):
+    with pytest.raises(DatastoreCorruptError, match=r"offsets\.npy"):
         await runtime.load_runtime(settings, watch)
     assert watch.steps == ["loading embedder", "checking datastore"]
 

@@ -106,7 +106,8 @@ async def test_422_is_documented_as_the_error_body_the_server_sends():
         for method, operation in operations.items():
             if "422" in operation["responses"]:
                 assert operation["responses"]["422"]["content"]["application/json"]["schema"] == {
-                    "$ref": "#/components/schemas/ErrorResponse"}, (method, path)
+                    "$ref": "#/components/schemas/ErrorResponse"
+                }, (method, path)
     error = schema["components"]["schemas"]["ErrorResponse"]
     assert error["required"] == ["error"]
     assert set(schema["components"]["schemas"]["ErrorDetail"]["required"]) == {"type", "message"}
@@ -132,8 +133,12 @@ async def test_the_event_streams_are_described_event_by_event():
     components = schema["components"]["schemas"]
     query = schema["paths"]["/v1/rag/query"]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
     events = {e["properties"]["event"]["const"]: e["properties"]["data"]["contentSchema"]["$ref"] for e in query["oneOf"]}
-    assert events == {"stage": "#/components/schemas/StageUpdate", "token": "#/components/schemas/TokenText",
-                      "result": "#/components/schemas/QueryResponse", "error": "#/components/schemas/ErrorDetail"}
+    assert events == {
+        "stage": "#/components/schemas/StageUpdate",
+        "token": "#/components/schemas/TokenText",
+        "result": "#/components/schemas/QueryResponse",
+        "error": "#/components/schemas/ErrorDetail",
+    }
     chat = schema["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
     data = chat["oneOf"][0]["properties"]["data"]["anyOf"]
     assert data[0] == {"const": "[DONE]"}

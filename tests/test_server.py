@@ -9,16 +9,18 @@ import httpx
 import openai
 import pytest
 
-from telerag.utils.progress import StepProgress
 from telerag.server.app import create_app
 from telerag.server.lifecycle import Lifecycle
+from telerag.utils.progress import StepProgress
 from tests.fake_app import DATASTORE_INFO, METRIC_SERIES, Harness, settings
 
 
 async def test_query_json():
     h = Harness()
     async with h.client() as client:
-        response = await client.post("/v1/rag/query", json={"query": "What is the capital of France?", "pipeline": "hyde", "top_k": 2})
+        response = await client.post(
+            "/v1/rag/query", json={"query": "What is the capital of France?", "pipeline": "hyde", "top_k": 2}
+        )
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["answer"] == "Paris is the capital of France" and body["pipeline"] == "hyde"
@@ -39,12 +41,14 @@ async def test_query_without_documents_and_prefetch_off():
 
 async def test_query_sse():
     h = Harness()
-    async with h.client() as client:
-        async with client.stream("POST", "/v1/rag/query", json={"query": "Capital of France?", "stream": True}) as response:
-            assert response.headers["content-type"].startswith("text/event-stream")
-            raw = "".join([chunk async for chunk in response.aiter_text()])
-    events = [(block.split("\n")[0][len("event: "):], json.loads(block.split("\n")[1][len("data: "):]))
-              for block in raw.strip().split("\n\n")]
+    body = {"query": "Capital of France?", "stream": True}
+    async with h.client() as client, client.stream("POST", "/v1/rag/query", json=body) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = "".join([chunk async for chunk in response.aiter_text()])
+    events = [
+        (block.split("\n")[0][len("event: ") :], json.loads(block.split("\n")[1][len("data: ") :]))
+        for block in raw.strip().split("\n\n")
+    ]
     names = [name for name, _ in events]
     assert names[0] == "stage" and names[-1] == "result" and "token" in names
     tokens = "".join(data["text"] for name, data in events if name == "token")
@@ -54,9 +58,9 @@ async def test_query_sse():
 async def test_sse_error_event_after_the_stream_began():
     h = Harness()
     h.engine.fail = True
-    async with h.client() as client:
-        async with client.stream("POST", "/v1/rag/query", json={"query": "q?", "stream": True, "pipeline": "hyde"}) as response:
-            raw = "".join([chunk async for chunk in response.aiter_text()])
+    body = {"query": "q?", "stream": True, "pipeline": "hyde"}
+    async with h.client() as client, client.stream("POST", "/v1/rag/query", json=body) as response:
+        raw = "".join([chunk async for chunk in response.aiter_text()])
     assert response.status_code == 200
     last = raw.strip().split("\n\n")[-1]
     assert last.startswith("event: error") and "engine_error" in last
@@ -72,7 +76,9 @@ async def test_openai_client():
         )
         assert completion.choices[0].message.content == "Paris is the capital of France"
         assert completion.usage.completion_tokens > 0
-        stream = await client.chat.completions.create(model="hyde", messages=[{"role": "user", "content": "Capital?"}], stream=True)
+        stream = await client.chat.completions.create(
+            model="hyde", messages=[{"role": "user", "content": "Capital?"}], stream=True
+        )
         pieces = [chunk.choices[0].delta.content or "" async for chunk in stream]
         assert "".join(pieces).strip() == "Paris is the capital of France"
         with pytest.raises(openai.UnprocessableEntityError):
@@ -82,9 +88,9 @@ async def test_openai_client():
 async def test_concurrent_requests_are_batched():
     h = Harness(scheduler={"admission_deadline_s": None})  # a cold server with a deadline admits one at a time
     async with h.client() as client:
-        responses = await asyncio.gather(*[
-            client.post("/v1/rag/query", json={"query": f"question {i}?", "top_k": 2}) for i in range(6)
-        ])
+        responses = await asyncio.gather(
+            *[client.post("/v1/rag/query", json={"query": f"question {i}?", "top_k": 2}) for i in range(6)]
+        )
         assert all(r.status_code == 200 for r in responses)
         metrics = (await client.get("/metrics")).text
     assert max(h.retriever.search_batches) > 1  # several requests' searches ran as one call
@@ -155,7 +161,9 @@ async def test_bad_input_is_422_naming_the_field(body, field):
 async def test_body_too_large():
     h = Harness()
     async with h.client() as client:
-        response = await client.post("/v1/rag/query", content=b"{" + b" " * 300_000 + b"}", headers={"content-type": "application/json"})
+        response = await client.post(
+            "/v1/rag/query", content=b"{" + b" " * 300_000 + b"}", headers={"content-type": "application/json"}
+        )
     assert response.status_code == 413
 
 
@@ -198,7 +206,11 @@ async def test_loading_answers_health_and_refuses_v1_with_retry_after():
         body = ready.json()
         assert body.pop("loading_s") >= body.pop("step_s") >= 0
         assert body == {
-            "ready": False, "status": "loading", "loading": "checking datastore", "engine": None, "datastore": None,
+            "ready": False,
+            "status": "loading",
+            "loading": "checking datastore",
+            "engine": None,
+            "datastore": None,
             "progress": {"task": "verify checksums", "done": 25, "total": 100, "unit": "B", "fraction": 0.25},
         }
         for method, path in (("POST", "/v1/rag/query"), ("POST", "/v1/chat/completions"), ("GET", "/v1/pipelines")):
@@ -235,7 +247,7 @@ async def test_engine_errors_map_to_status(error, status):
 
     h = Harness()
 
-    async def failing(prompts, params):  # noqa: ANN001
+    async def failing(prompts, params):
         raise getattr(pipeline_errors, error)("engine says no")
         yield  # an async generator
 

@@ -23,7 +23,8 @@ def every_setting() -> list[str]:
 
 def test_the_default_file_is_generated_from_the_settings():
     assert DEFAULT_CONFIG.read_text(encoding="utf-8") == defaults_yaml(), (
-        "config/default.yaml differs from server/settings.py: regenerate it with `telerag config defaults > config/default.yaml`")
+        "config/default.yaml differs from server/settings.py: regenerate it with `telerag config defaults > config/default.yaml`"
+    )
 
 
 def test_the_default_file_holds_exactly_the_defaults(monkeypatch, tmp_path):
@@ -40,7 +41,7 @@ def test_the_default_file_holds_exactly_the_defaults(monkeypatch, tmp_path):
 
 def test_the_readme_documents_every_setting():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    table = readme[readme.index("## Configuration"):readme.index("## Admission")]
+    table = readme[readme.index("## Configuration") : readme.index("## Admission")]
     documented: set[str] = set()
     for row in re.findall(r"^\| (`[^|]*) \|", table, re.M):
         names = re.findall(r"`([\w.*]+)`", row)
@@ -52,8 +53,9 @@ def test_the_readme_documents_every_setting():
     assert not missing, f"README's configuration table lacks {missing}"
 
 
-@pytest.mark.parametrize(("source", "key"), [("file", "admission_deadline_s"), ("environment", "admission_deadline_s"),
-                                             ("flag", "nprobe")])
+@pytest.mark.parametrize(
+    ("source", "key"), [("file", "admission_deadline_s"), ("environment", "admission_deadline_s"), ("flag", "nprobe")]
+)
 def test_null_means_none_from_every_source(source, key, tmp_path, monkeypatch):
     config = tmp_path / "c.yaml"
     config.write_text("scheduler:\n  admission_deadline_s: 10\nretrieval:\n  nprobe: 7\n")
@@ -74,17 +76,24 @@ def test_a_null_flag_is_read_as_none_and_an_absent_one_as_not_given(tmp_path, ca
     assert yaml.safe_load(capsys.readouterr().out)["retrieval"]["nprobe"] == 7
 
 
-@pytest.mark.parametrize(("setup", "argv", "message"), [
-    ({"TELERAG_SCHEDULER__ADMISSION_DEADLINE_S": "soon"}, [], "scheduler.admission_deadline_s: Input should be a valid number"),
-    ({"TELERAG_SCHEDULER__ADMISSION_DEADLINE_S": "-1"}, [], "scheduler.admission_deadline_s: Input should be greater than 0"),
-    ({"TELERAG_SCHEDULER__MAX_CONCURENCY": "4"}, [], "TELERAG_SCHEDULER__MAX_CONCURENCY: no such setting in scheduler"),
-    ({"TELERAG_SHEDULER__MAX_QUEUE": "4"}, [], "TELERAG_SHEDULER__MAX_QUEUE: no such settings section"),
-    ({}, ["--nprobe", "0"], "retrieval.nprobe: Input should be greater than or equal to 1 (got 0)"),
-    ({"file": "engine:\n  kind: vllm\n"}, [], "engine.kind: Input should be 'transformers' or 'sglang' (got 'vllm')"),
-    ({"file": "engine:\n  knd: sglang\n"}, [], "engine.knd: no such setting (known: kind, model_path"),
-    ({"file": "engine: [1, 2\n"}, [], "is not valid YAML"),
-    ({"file": "server:\n  protect_docs: true\n"}, [], "server.protect_docs needs an API key"),
-])
+@pytest.mark.parametrize(
+    ("setup", "argv", "message"),
+    [
+        (
+            {"TELERAG_SCHEDULER__ADMISSION_DEADLINE_S": "soon"},
+            [],
+            "scheduler.admission_deadline_s: Input should be a valid number",
+        ),
+        ({"TELERAG_SCHEDULER__ADMISSION_DEADLINE_S": "-1"}, [], "scheduler.admission_deadline_s: Input should be greater than 0"),
+        ({"TELERAG_SCHEDULER__MAX_CONCURENCY": "4"}, [], "TELERAG_SCHEDULER__MAX_CONCURENCY: no such setting in scheduler"),
+        ({"TELERAG_SHEDULER__MAX_QUEUE": "4"}, [], "TELERAG_SHEDULER__MAX_QUEUE: no such settings section"),
+        ({}, ["--nprobe", "0"], "retrieval.nprobe: Input should be greater than or equal to 1 (got 0)"),
+        ({"file": "engine:\n  kind: vllm\n"}, [], "engine.kind: Input should be 'transformers' or 'sglang' (got 'vllm')"),
+        ({"file": "engine:\n  knd: sglang\n"}, [], "engine.knd: no such setting (known: kind, model_path"),
+        ({"file": "engine: [1, 2\n"}, [], "is not valid YAML"),
+        ({"file": "server:\n  protect_docs: true\n"}, [], "server.protect_docs needs an API key"),
+    ],
+)
 def test_an_invalid_setting_is_one_line_naming_it(setup, argv, message, tmp_path, monkeypatch, capsys):
     config = tmp_path / "c.yaml"
     config.write_text(setup.pop("file", ""))

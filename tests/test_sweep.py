@@ -25,13 +25,18 @@ def stats_line(name: str, requests: int, failures: int, rps: float, p50: str, p9
 @pytest.fixture
 def stats_csv(tmp_path):
     path = tmp_path / "run_stats.csv"
-    path.write_text("\n".join([
-        HEADER,
-        stats_line(request_name("hyde"), 40, 1, 4.0, "250", "900"),
-        stats_line(request_name("hyde", "429"), 25, 0, 2.5, "3", "9"),
-        stats_line(request_name("hyde", "error"), 3, 3, 0.3, "N/A", "N/A"),
-        stats_line("Aggregated", 68, 4, 6.8, "200", "900"),
-    ]) + "\n")
+    path.write_text(
+        "\n".join(
+            [
+                HEADER,
+                stats_line(request_name("hyde"), 40, 1, 4.0, "250", "900"),
+                stats_line(request_name("hyde", "429"), 25, 0, 2.5, "3", "9"),
+                stats_line(request_name("hyde", "error"), 3, 3, 0.3, "N/A", "N/A"),
+                stats_line("Aggregated", 68, 4, 6.8, "200", "900"),
+            ]
+        )
+        + "\n"
+    )
     return path
 
 
@@ -82,7 +87,7 @@ def test_a_failing_run_is_recorded_and_the_sweep_goes_on(monkeypatch, tmp_path, 
     of the plan still gets its row, and the plot and JSON are written."""
     calls = []
 
-    def fake_locust(command, env, capture_output, text):
+    def fake_locust(command, env, capture_output, text, check):
         calls.append(env["TELERAG_PREFETCH"])
         assert command[command.index("-t") + 1] == "1s"  # locust takes whole seconds only
         prefix = command[command.index("--csv") + 1]
@@ -93,7 +98,9 @@ def test_a_failing_run_is_recorded_and_the_sweep_goes_on(monkeypatch, tmp_path, 
         return subprocess.CompletedProcess(command, 1, "", "")
 
     monkeypatch.setattr(sweep.subprocess, "run", fake_locust)
-    code = sweep.main(["--users", "1", "2", "--seconds", "1", "--warmup-seconds", "1", "--plot", str(tmp_path / "s.png"), "--json"])
+    code = sweep.main(
+        ["--users", "1", "2", "--seconds", "1", "--warmup-seconds", "1", "--plot", str(tmp_path / "s.png"), "--json"]
+    )
     assert code == 0
     results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]
     assert [(r["users"], r["prefetch"]) for r in results] == [(1, True), (1, False), (2, True), (2, False)]

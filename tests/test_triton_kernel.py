@@ -55,7 +55,7 @@ def test_triton_scan_matches_faiss(tmp_path: Path) -> None:
     path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))  # keep packages found there
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path)], cwd=root, env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", SCRIPT, str(tmp_path)], cwd=root, env=env, capture_output=True, text=True, timeout=600, check=False
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.strip().endswith("ok")

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
+from telerag.benchmarks.random_llm import tiny_random_lm
 from telerag.pipelines.embedder import Embedder
 from telerag.pipelines.engines.transformers import TransformersEngine
-from telerag.benchmarks.random_llm import tiny_random_lm
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download
 

@@ -24,8 +24,9 @@ def converted_gguf(gguf: str | Path, *, cache_dir: str | Path | None = None) -> 
 
     transformers reads GGUF by dequantising every tensor, which takes over a minute on a CPU,
     so it is done once and kept under `<cache>/models/<stem>-<sha256 prefix>`: a changed file
-    gets a new directory (hashing the file costs little beside the conversion it saves). Written to a temporary directory and renamed, so a reader never sees
-    half a model, and two processes converting at once both end with the same complete one.
+    gets a new directory (hashing the file costs little beside the conversion it saves).
+    Written to a temporary directory and renamed, so a reader never sees half a model, and two
+    processes converting at once both end with the same complete one.
     """
     gguf = Path(gguf).expanduser()
     if not gguf.is_file():
@@ -42,9 +43,7 @@ def converted_gguf(gguf: str | Path, *, cache_dir: str | Path | None = None) -> 
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         log.info("tokenizer read; dequantising the weights ...")
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **_dequantized()
-        )
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **_dequantized())
         log.info("weights read in %.0f s; saving ...", time.perf_counter() - started)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

@@ -104,7 +104,7 @@ class SGLangEngine:
         try:
             with _process_state_kept():
                 self.engine = sglang.Engine(**args)
-        except Exception as exc:  # noqa: BLE001 - a failed start is one error to the caller
+        except Exception as exc:  # a failed start is one error to the caller
             raise EngineUnavailable(f"SGLang could not load {model_path}: {exc}") from exc
         self.tokenizer = self.engine.tokenizer_manager.tokenizer
         self.name = name or model_path.rstrip("/").rsplit("/", 1)[-1]
@@ -134,7 +134,7 @@ class SGLangEngine:
             outputs = await self.engine.async_generate(
                 input_ids=input_ids, sampling_params=sampling_params(params), return_logprob=params.logprobs, stream=True
             )
-        except Exception as exc:  # noqa: BLE001 - SGLang's own errors become ours
+        except Exception as exc:  # SGLang's own errors become ours
             raise _engine_error(exc) from exc
         progress = [_Progress(StopFilter(params.stop)) for _ in prompts]
         try:
@@ -143,7 +143,7 @@ class SGLangEngine:
                     out = await outputs.__anext__()
                 except StopAsyncIteration:
                     break
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     raise _engine_error(exc) from exc
                 for item in _translate(out, progress, params, started):
                     yield item
@@ -265,7 +265,7 @@ def _import_sglang() -> ModuleType:
     extra, and everything else must import without it."""
     try:
         return importlib.import_module("sglang")
-    except Exception as exc:  # noqa: BLE001 - ImportError, or a broken CUDA install under it
+    except Exception as exc:  # ImportError, or a broken CUDA install under it
         raise EngineUnavailable(
             f"SGLang is not available ({exc}); install the 'sglang' extra on a CUDA machine, or use the transformers engine"
         ) from exc

@@ -17,8 +17,8 @@ the running batch and its KV cache in `batching`; this module is the scheduling 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import collections
+import inspect
 import logging
 import threading
 import time
@@ -116,7 +116,7 @@ class TransformersEngine:
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
             model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch_dtype(dtype, device))
-        except Exception as exc:  # noqa: BLE001 - any load failure is the same error to the caller
+        except Exception as exc:  # any load failure is the same error to the caller
             raise EngineUnavailable(f"could not load the model at {path}: {exc}") from exc
         options.setdefault("name", path.name)
         return cls(model, tokenizer, device=device, **options)
@@ -224,10 +224,7 @@ class TransformersEngine:
     def _take(self, batch: Batch | None) -> list[PromptRow] | None:
         """The waiting rows that fit beside `batch` (waiting for some when there is no batch);
         None once the engine is closed."""
-        if batch is None:
-            room = self.max_batch_size
-        else:
-            room = self.max_batch_size - len(batch.live) if batch.joinable else 0
+        room = self.max_batch_size if batch is None else (self.max_batch_size - len(batch.live) if batch.joinable else 0)
         with self._wakeup:
             while batch is None and not self._waiting and not self._closed:
                 self._wakeup.wait()
@@ -246,7 +243,7 @@ class TransformersEngine:
         try:
             with torch.inference_mode():
                 return work(*args)
-        except Exception as exc:  # noqa: BLE001 - surfaced to the callers, typed
+        except Exception as exc:  # surfaced to the callers, typed
             log.exception("generation failed")
             for call in calls:
                 call.emit(EngineError(f"generation failed: {exc}"))
@@ -271,8 +268,12 @@ class TransformersEngine:
         next token. None when no row is left."""
         batch = joined(batch, fresh)
         out = self.model(
-            input_ids=batch.next_ids, attention_mask=batch.mask, position_ids=batch.positions,
-            use_cache=True, logits_to_keep=1, **{self._cache_keyword: batch.cache},
+            input_ids=batch.next_ids,
+            attention_mask=batch.mask,
+            position_ids=batch.positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_keyword: batch.cache},
         )
         batch.cache = getattr(out, self._cache_keyword)
         chosen, logprobs = self._sample(out.logits[:, -1, :].float(), batch.temperature, batch.top_p)

@@ -122,7 +122,9 @@ class RagPipeline:
     def begin(self, ctx: RunContext, stage: Stage) -> float:
         """A declared stage begins: its start event is sent; the clock's time it began."""
         if stage not in self.stages:
-            raise UndeclaredStage(f"pipeline {self.name} traced stage {stage.name!r} ({stage.role.value}), which it does not declare")
+            raise UndeclaredStage(
+                f"pipeline {self.name} traced stage {stage.name!r} ({stage.role.value}), which it does not declare"
+            )
         ctx.events.put_nowait(StageEvent(stage, "start"))
         return self.clock()
 
@@ -170,12 +172,21 @@ class RagPipeline:
         for prompt, generation in zip(batch, generations, strict=True):
             ctx.generated(generation.completion_tokens)
             ctx.steps.append(
-                Step(stage, prompt.user[-200:], generation.prompt_tokens, generation.completion_tokens, ms,
-                 GenerationStats(generation.finish_reason, generation.ttft_ms), start_ms)
+                Step(
+                    stage,
+                    prompt.user[-200:],
+                    generation.prompt_tokens,
+                    generation.completion_tokens,
+                    ms,
+                    GenerationStats(generation.finish_reason, generation.ttft_ms),
+                    start_ms,
+                )
             )
         return generations
 
-    async def reply(self, ctx: RunContext, stage: Stage, prompt: Prompt, *, max_tokens: int = 64, stop: Sequence[str] = ()) -> str:
+    async def reply(
+        self, ctx: RunContext, stage: Stage, prompt: Prompt, *, max_tokens: int = 64, stop: Sequence[str] = ()
+    ) -> str:
         """A traced LLM call's reply: its generation without a restated or repeated cue."""
         generation = (await self.llm(ctx, stage, [prompt], max_tokens=max_tokens, stop=stop))[0]
         return clean_reply(generation.text, prompt.cue)
@@ -231,7 +242,9 @@ class RagPipeline:
     def _observe_pre_retrieval(self, ms: float) -> None:
         """A moving average over this pipeline's calls, so the budget follows the model and load."""
         previous = self.pre_retrieval_ms
-        self.pre_retrieval_ms = ms if previous is None else (1 - PRE_RETRIEVAL_SMOOTHING) * previous + PRE_RETRIEVAL_SMOOTHING * ms
+        self.pre_retrieval_ms = (
+            ms if previous is None else (1 - PRE_RETRIEVAL_SMOOTHING) * previous + PRE_RETRIEVAL_SMOOTHING * ms
+        )
 
     async def answer(
         self, ctx: RunContext, documents: Sequence[Document], *, prompt: Prompt | None = None, stage: Stage = GENERATE
@@ -274,7 +287,9 @@ class RagPipeline:
     async def generate_quietly(self, ctx: RunContext, stage: Stage, documents: Sequence[Document], draft: str = "") -> str:
         """An answer that is not streamed to the client (a round of Iter-RetGen, a draft of Iter
         or Self-RAG): the reply of an answer prompt."""
-        return await self.reply(ctx, stage, prompts.answer(ctx.query, documents, draft), max_tokens=ctx.options.max_tokens, stop=ANSWER_STOPS)
+        return await self.reply(
+            ctx, stage, prompts.answer(ctx.query, documents, draft), max_tokens=ctx.options.max_tokens, stop=ANSWER_STOPS
+        )
 
     # -- the result ---------------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ LOOKAHEAD_SENTENCE = Stage("lookahead_sentence", StageRole.PRE_RETRIEVAL)
 SENTENCE = Stage("sentence", StageRole.GENERATE)  # a sentence written again with the documents its look-ahead retrieved
 
 
-def unsure_query(engine, generation: Generation, threshold: float) -> str | None:  # noqa: ANN001
+def unsure_query(engine, generation: Generation, threshold: float) -> str | None:
     """The sentence with its low-probability tokens removed, or None if every token is sure."""
     sure = [t for t, lp in zip(generation.token_ids, generation.logprobs, strict=True) if math.exp(lp) >= threshold]
     if len(sure) == len(generation.token_ids):
@@ -48,7 +48,9 @@ class FLARE(RagPipeline):
 
             async def lookahead_sentence(written=written) -> Generation:
                 prompt = prompts.answer(ctx.query, ctx.documents, written)
-                reply = await self.llm(ctx, LOOKAHEAD_SENTENCE, [prompt], max_tokens=SENTENCE_TOKENS, stop=SENTENCE_STOPS, logprobs=True)
+                reply = await self.llm(
+                    ctx, LOOKAHEAD_SENTENCE, [prompt], max_tokens=SENTENCE_TOKENS, stop=SENTENCE_STOPS, logprobs=True
+                )
                 return reply[0]
 
             def retrieval_query(generation: Generation) -> list[str] | None:
@@ -60,7 +62,11 @@ class FLARE(RagPipeline):
             if documents:  # retrieval was triggered: write the sentence again with the new documents
                 ctx.documents = documents[0]
                 redo = await self.llm(
-                    ctx, SENTENCE, [prompts.answer(ctx.query, ctx.documents, written)], max_tokens=SENTENCE_TOKENS, stop=SENTENCE_STOPS
+                    ctx,
+                    SENTENCE,
+                    [prompts.answer(ctx.query, ctx.documents, written)],
+                    max_tokens=SENTENCE_TOKENS,
+                    stop=SENTENCE_STOPS,
                 )
                 sentence, text = redo[0], redo[0].text
             piece = clean_reply(text, prompts.ANSWER_CUE)

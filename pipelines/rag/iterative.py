@@ -28,7 +28,9 @@ class Iterative(RagPipeline):
         for iteration in range(MAX_ITERATIONS):
 
             async def narrow(notes=notes) -> str:
-                return await self.reply(ctx, NARROW_QUESTION, prompts.narrower_question(ctx.query, notes), max_tokens=32, stop=("\n",))
+                return await self.reply(
+                    ctx, NARROW_QUESTION, prompts.narrower_question(ctx.query, notes), max_tokens=32, stop=("\n",)
+                )
 
             def query(narrower: str) -> list[SearchQuery]:
                 return [MeanQuery((ctx.query, narrower)) if narrower else ctx.query]

@@ -40,12 +40,21 @@ STREAMED = [ChatCompletionChunk, ErrorResponse]  # the models the stream's schem
 def router(models: RequestModels, access: Access) -> APIRouter:
     """The routes, with this app's request model and access."""
     routes = APIRouter()
-    routes.add_api_route("/v1/models", list_models, methods=["GET"], response_model=ModelList, dependencies=access.api,
-                         responses=errors.responses(*access.api_errors, 503),
-                         summary="The models a chat completion may name: the pipelines (OpenAI's model list)")
-    routes.add_api_route("/v1/chat/completions", typed(chat_completions, body=models.chat, client=access.client_parameter()),
-                         methods=["POST"],
-                         responses={**json_or_events(ChatCompletion, CHAT_STREAM, CHAT_EVENTS), **generation_errors(access)})
+    routes.add_api_route(
+        "/v1/models",
+        list_models,
+        methods=["GET"],
+        response_model=ModelList,
+        dependencies=access.api,
+        responses=errors.responses(*access.api_errors, 503),
+        summary="The models a chat completion may name: the pipelines (OpenAI's model list)",
+    )
+    routes.add_api_route(
+        "/v1/chat/completions",
+        typed(chat_completions, body=models.chat, client=access.client_parameter()),
+        methods=["POST"],
+        responses={**json_or_events(ChatCompletion, CHAT_STREAM, CHAT_EVENTS), **generation_errors(access)},
+    )
     return routes
 
 
@@ -53,12 +62,15 @@ async def list_models(request: Request, service: Service = Depends(serving)) -> 
     return ModelList(data=[Model(id=name, created=request.app.state.started) for name in service.pipelines])
 
 
-async def chat_completions(body: ChatCompletionRequest, request: Request, client: str | None,
-                           service: Service = Depends(serving)) -> Response:
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, client: str | None, service: Service = Depends(serving)
+) -> Response:
     question = body.question
     max_tokens = body.max_tokens if body.max_tokens is not None else request.app.state.default_max_tokens
     options = service.options(top_k=None, nprobe=None, max_tokens=max_tokens, temperature=body.temperature)
-    run = service.admit(request, service.pipelines[body.model], question, options, client, query_field="messages", top_k_field=None)
+    run = service.admit(
+        request, service.pipelines[body.model], question, options, client, query_field="messages", top_k_field=None
+    )
     request_id = f"chatcmpl-{request.state.request_id}"
     if body.stream:
         return await run.stream(chunks(request_id, body.model))
@@ -79,6 +91,8 @@ def chunks(request_id: str, model: str) -> EventStream:
                 yield chunk(ChatDelta(content=event.text))
         yield chunk(ChatDelta(), finish_reason="stop")
 
-    return EventStream(events=events, error=lambda detail: sse_data(ErrorResponse(error=detail).model_dump(exclude_none=True)),
-                       end=sse_data("[DONE]"))
-
+    return EventStream(
+        events=events,
+        error=lambda detail: sse_data(ErrorResponse(error=detail).model_dump(exclude_none=True)),
+        end=sse_data("[DONE]"),
+    )

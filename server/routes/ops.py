@@ -26,10 +26,21 @@ def router(access: Access) -> APIRouter:
     for path, endpoint in (("/openapi.json", openapi), ("/docs", docs), ("/redoc", redoc)):
         routes.add_api_route(path, endpoint, methods=["GET"], include_in_schema=False, dependencies=access.docs)
     routes.add_api_route("/health", health, methods=["GET"], response_model=Health)
-    routes.add_api_route("/ready", ready, methods=["GET"], response_model=Ready,
-                         responses={503: {"model": Ready, "description": "loading or draining"}})
-    routes.add_api_route("/metrics", metrics, methods=["GET"], dependencies=access.docs, response_class=PlainTextResponse,
-                         responses={**METRICS_RESPONSES, **errors.responses(*access.docs_errors)})
+    routes.add_api_route(
+        "/ready",
+        ready,
+        methods=["GET"],
+        response_model=Ready,
+        responses={503: {"model": Ready, "description": "loading or draining"}},
+    )
+    routes.add_api_route(
+        "/metrics",
+        metrics,
+        methods=["GET"],
+        dependencies=access.docs,
+        response_class=PlainTextResponse,
+        responses={**METRICS_RESPONSES, **errors.responses(*access.docs_errors)},
+    )
     return routes
 
 
@@ -56,8 +67,14 @@ async def ready(request: Request) -> Response:
         ready=lifecycle.phase == Phase.READY,
         status=lifecycle.phase.value,
         loading=lifecycle.step if loading else None,
-        progress=None if progress is None else LoadProgress(
-            task=progress.step, done=progress.done, total=progress.total, unit=progress.unit, fraction=progress.fraction,
+        progress=None
+        if progress is None
+        else LoadProgress(
+            task=progress.step,
+            done=progress.done,
+            total=progress.total,
+            unit=progress.unit,
+            fraction=progress.fraction,
         ),
         loading_s=round(now - lifecycle.started, 1) if loading else None,
         step_s=round(now - lifecycle.step_started, 1) if loading else None,

@@ -19,8 +19,8 @@ from telerag.server.protocol import (
     PipelineList,
     QueryRequest,
     QueryResponse,
-    StageInfo,
     RequestModels,
+    StageInfo,
     StageUpdate,
     TokenText,
 )
@@ -32,45 +32,73 @@ from telerag.server.streaming import event_schema, json_data, sse
 QUERY_EVENTS = """JSON, or with `"stream": true` server-sent events: `stage` (StageUpdate) as each
 stage starts and ends, `token` (TokenText) for each piece of the answer, and last either `result`
 (the QueryResponse) or, if the run fails after the stream began, `error` (ErrorDetail)."""
-QUERY_STREAM = event_schema({"stage": json_data(StageUpdate), "token": json_data(TokenText),
-                             "result": json_data(QueryResponse), "error": json_data(ErrorDetail)})
+QUERY_STREAM = event_schema(
+    {
+        "stage": json_data(StageUpdate),
+        "token": json_data(TokenText),
+        "result": json_data(QueryResponse),
+        "error": json_data(ErrorDetail),
+    }
+)
 STREAMED = [StageUpdate, TokenText, QueryResponse, ErrorDetail]  # the models the stream's schema refers to
 
 
 def router(models: RequestModels, access: Access) -> APIRouter:
     """The routes, with this app's request model and access."""
     routes = APIRouter()
-    routes.add_api_route("/v1/pipelines", pipelines, methods=["GET"], response_model=PipelineList, dependencies=access.api,
-                         responses=errors.responses(*access.api_errors, 503))
-    routes.add_api_route("/v1/rag/query", typed(rag_query, body=models.query, client=access.client_parameter()), methods=["POST"],
-                         responses={**json_or_events(QueryResponse, QUERY_STREAM, QUERY_EVENTS), **generation_errors(access)})
+    routes.add_api_route(
+        "/v1/pipelines",
+        pipelines,
+        methods=["GET"],
+        response_model=PipelineList,
+        dependencies=access.api,
+        responses=errors.responses(*access.api_errors, 503),
+    )
+    routes.add_api_route(
+        "/v1/rag/query",
+        typed(rag_query, body=models.query, client=access.client_parameter()),
+        methods=["POST"],
+        responses={**json_or_events(QueryResponse, QUERY_STREAM, QUERY_EVENTS), **generation_errors(access)},
+    )
     return routes
 
 
 async def pipelines(service: Service = Depends(serving)) -> PipelineList:
-    return PipelineList(pipelines=[
-        PipelineInfo(name=name, description=p.description, stages=[StageInfo(name=s.name, role=s.role) for s in p.stages])
-        for name, p in service.pipelines.items()
-    ])
+    return PipelineList(
+        pipelines=[
+            PipelineInfo(name=name, description=p.description, stages=[StageInfo(name=s.name, role=s.role) for s in p.stages])
+            for name, p in service.pipelines.items()
+        ]
+    )
 
 
 async def rag_query(body: QueryRequest, request: Request, client: str | None, service: Service = Depends(serving)) -> Response:
-    options = service.options(top_k=body.top_k, nprobe=body.nprobe, max_tokens=body.max_tokens,
-                              temperature=body.temperature, prefetch=body.prefetch)
+    options = service.options(
+        top_k=body.top_k, nprobe=body.nprobe, max_tokens=body.max_tokens, temperature=body.temperature, prefetch=body.prefetch
+    )
     run = service.admit(request, service.pipelines[body.pipeline], body.query, options, client)  # or 422 / 429, at once
     request_id = f"rag-{request.state.request_id}"
     if body.stream:
         events = functools.partial(query_events, request_id=request_id, with_documents=body.return_documents)
-        return await run.stream(EventStream(events=events, error=lambda detail: sse("error", detail.model_dump(exclude_none=True))))
-    return await run.respond(lambda result: QueryResponse.from_result(result, request_id=request_id, with_documents=body.return_documents))
+        return await run.stream(
+            EventStream(events=events, error=lambda detail: sse("error", detail.model_dump(exclude_none=True)))
+        )
+    return await run.respond(
+        lambda result: QueryResponse.from_result(result, request_id=request_id, with_documents=body.return_documents)
+    )
 
 
 async def query_events(events: AsyncIterator[RunEvent], *, request_id: str, with_documents: bool) -> AsyncIterator[bytes]:
     """A run's events as our stream sends them: `stage`, `token`, and last `result`."""
     async for event in events:
         if isinstance(event, StageEvent):
-            yield sse("stage", StageUpdate(stage=event.stage.name, role=event.stage.role, status=event.status, ms=event.ms).model_dump())
+            yield sse(
+                "stage", StageUpdate(stage=event.stage.name, role=event.stage.role, status=event.status, ms=event.ms).model_dump()
+            )
         elif isinstance(event, TokenEvent):
             yield sse("token", TokenText(text=event.text).model_dump())
         elif isinstance(event, ResultEvent):
-            yield sse("result", QueryResponse.from_result(event.result, request_id=request_id, with_documents=with_documents).model_dump())
+            yield sse(
+                "result",
+                QueryResponse.from_result(event.result, request_id=request_id, with_documents=with_documents).model_dump(),
+            )
