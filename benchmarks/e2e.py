@@ -201,7 +201,7 @@ async def run_e2e(
         mode: build_pipelines(engine, scheduler, names=config.pipelines, pre_retrieval_ms=pre_retrieval_profile())
         for mode in config.modes
     }
-    rows = []
+    rows: list[E2ERow] = []
     for name in config.pipelines:
         for batch in config.batches:
             measured: dict[Mode, tuple[list[RequestRecord], float]] = {}

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from transformers.generation.utils import GenerationMixin
 
 from telerag.benchmarks.random_llm import tiny_random_lm
 from telerag.pipelines.engines.batching import left_pad
@@ -143,12 +144,13 @@ def run_generate(config: GenerateConfig) -> GenerateReport:
     )
 
 
-def _load(config: GenerateConfig) -> tuple[TransformersEngine, torch.nn.Module]:
+def _load(config: GenerateConfig) -> tuple[TransformersEngine, GenerationMixin]:
     """The engine, and the same weights loaded again as plain transformers has them."""
     if config.tiny:
         model, tokenizer = tiny_random_lm(0)
         baseline, _ = tiny_random_lm(0)
-        return TransformersEngine(model, tokenizer, name="tiny-gemma3", device=config.device), baseline.eval().to(config.device)
+        engine = TransformersEngine(model, tokenizer, name="tiny-gemma3", device=config.device)
+        return engine, _generating(baseline, config.device)
     from transformers import AutoModelForCausalLM
 
     directory = _model_dir(config.model)
@@ -156,7 +158,14 @@ def _load(config: GenerateConfig) -> tuple[TransformersEngine, torch.nn.Module]:
         directory, device=config.device, name=directory.name if config.model else EMBEDDED_NAME
     )
     baseline = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=engine.model.dtype)
-    return engine, baseline.eval().to(config.device)
+    return engine, _generating(baseline, config.device)
+
+
+def _generating(model: torch.nn.Module, device: str) -> GenerationMixin:
+    """`model` on `device`, for inference, as the causal LM (with `generate`) it must be."""
+    if not isinstance(model, GenerationMixin):
+        raise TypeError(f"{type(model).__name__} cannot generate")
+    return model.eval().to(device)
 
 
 def _model_dir(model: str | None) -> Path:
@@ -187,7 +196,7 @@ class _FirstToken:
 
 
 def _hf_generate(
-    engine: TransformersEngine, model: torch.nn.Module, rows: Sequence[Sequence[int]], max_tokens: int
+    engine: TransformersEngine, model: GenerationMixin, rows: Sequence[Sequence[int]], max_tokens: int
 ) -> tuple[list[list[int]], float, float]:
     """One `model.generate` call (stopping where the engine stops): each row's new tokens up to
     its EOS, the time to the first token, and the total time (seconds)."""
@@ -214,7 +223,7 @@ def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
     return tokens[:end]
 
 
-def _generate_one_by_one(engine: TransformersEngine, model: torch.nn.Module, ids: list[list[int]], max_tokens: int) -> Measured:
+def _generate_one_by_one(engine: TransformersEngine, model: GenerationMixin, ids: list[list[int]], max_tokens: int) -> Measured:
     log.info("transformers generate, one request at a time ...")
     tokens, ttfts, started = [], [], time.perf_counter()
     for row in ids:
@@ -224,7 +233,7 @@ def _generate_one_by_one(engine: TransformersEngine, model: torch.nn.Module, ids
     return _measured("generate_1by1", tokens, ttfts, time.perf_counter() - started)
 
 
-def _generate_batched(engine: TransformersEngine, model: torch.nn.Module, ids: list[list[int]], max_tokens: int) -> Measured:
+def _generate_batched(engine: TransformersEngine, model: GenerationMixin, ids: list[list[int]], max_tokens: int) -> Measured:
     log.info("transformers generate, all requests in one batch ...")
     tokens, ttft, total = _hf_generate(engine, model, ids, max_tokens)
     return _measured("generate_batch", tokens, [ttft * 1e3] * len(ids), total)

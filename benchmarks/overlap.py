@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from telerag.pipelines.prompts import holds_answer_cue
 from telerag.pipelines.questions import Question, run_questions
+from telerag.pipelines.retriever import DirectRetriever
 from telerag.pipelines.types import Pipeline, RunOptions, overlap_rates
 from telerag.server.runtime import open_runtime
 from telerag.server.settings import Settings
@@ -96,6 +97,8 @@ async def configured_overlap_study(settings: Settings, config: OverlapConfig) ->
     retrieval = retrieval.model_copy(update={"cache_mb": retrieval.cache_mb or float(1 << 20)})
     async with open_runtime(settings.model_copy(update={"retrieval": retrieval})) as runtime:
         retriever = runtime.retriever
+        if not isinstance(retriever, DirectRetriever):
+            raise TypeError(f"the overlap study sets the prefetch budget of a DirectRetriever, not of {type(retriever).__name__}")
         info = runtime.datastore_info
         depth = config.prefetch_clusters or info.nprobe
         retriever.prefetch_budget_bytes = int(depth * retriever.engine.cache.cluster_bytes().mean())

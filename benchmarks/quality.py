@@ -46,6 +46,7 @@ from telerag.pipelines.types import (
     RunOptions,
     SearchOptions,
     SearchOutcome,
+    SearchQuery,
     overlap_rates,
 )
 from telerag.server.runtime import open_retrieval, open_runtime
@@ -99,7 +100,7 @@ def article_found(documents: Sequence[Document], title: str, k: int) -> bool:
 
 @dataclass(frozen=True)
 class RecordedSearch:
-    queries: list[str]
+    queries: list[SearchQuery]
     options: SearchOptions
     outcome: SearchOutcome
 
@@ -131,7 +132,9 @@ class SearchRecorder:
     async def prefetch(self, queries: Sequence[str], *, enabled: bool = True, overlap_ms: float | None = None) -> PrefetchTicket:
         return await self.inner.prefetch(queries, enabled=enabled, overlap_ms=overlap_ms)
 
-    async def search(self, queries: Sequence[str], options: SearchOptions, ticket: PrefetchTicket | None = None) -> SearchOutcome:
+    async def search(
+        self, queries: Sequence[SearchQuery], options: SearchOptions, ticket: PrefetchTicket | None = None
+    ) -> SearchOutcome:
         outcome = await self.inner.search(queries, options, ticket)
         self.searches.append(RecordedSearch(list(queries), options, outcome))
         return outcome

@@ -4,6 +4,7 @@ demand copies) vs. everything resident, side by side in one run, on a synthetic 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -140,7 +141,7 @@ class _Phase:
     missed_bytes: list[int] = field(default_factory=list)  # per batch: probed bytes not resident
 
 
-def _p50(values: list[float]) -> float:
+def _p50(values: Sequence[float]) -> float:
     return float(np.median(values)) if values else float("nan")
 
 
@@ -197,7 +198,7 @@ def _search_phase(
             phase.probe_ms.append(result.probe_ms)
             phase.missed_bytes.append(result.missed_bytes)
     if config.profile_dir is not None:
-        _profile_phase(engine, q_in, q_out, batches, config, budget, label)
+        _profile_phase(engine, q_in, q_out, batches, config, budget, label, config.profile_dir)
     return phase
 
 
@@ -209,14 +210,14 @@ def _profile_phase(
     config: BenchConfig,
     budget: int,
     label: str,
+    out: Path,
 ) -> None:
     """Prefetch and search a few batches again under torch's profiler (Python calls, host ops
-    and, on CUDA, kernels and copies; not timed) and write into `config.profile_dir` the trace,
+    and, on CUDA, kernels and copies; not timed) and write into `out` the trace,
     `<label>.json.gz` (Chrome's format; Perfetto opens it), and `<label>.txt`, the ops that took
     longest."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
     name = label.replace(" + ", "-").replace(" ", "-")
-    out = Path(config.profile_dir)
     out.mkdir(parents=True, exist_ok=True)
     with profile(activities=activities, with_stack=True) as prof:
         for batch in batches[1 : 1 + PROFILED_BATCHES]:

@@ -141,7 +141,7 @@ class DirectRetriever:
         for (top_k, nprobe, use_cache), members in by_setting.items():
             rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in members])
             handles = [
-                requests[i].ticket.handle if requests[i].ticket is not None else None
+                ticket.handle if (ticket := requests[i].ticket) is not None else None
                 for i in members
                 for _ in requests[i].queries
             ]

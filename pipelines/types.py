@@ -6,7 +6,7 @@ pipeline without knowing which engine or retriever sits behind it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterable, Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal, Protocol, runtime_checkable
@@ -65,7 +65,7 @@ class Engine(Protocol):
         """Generate for every prompt (batched by the engine); one Generation per prompt, in order."""
         ...
 
-    def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncIterator[TokenChunk | Generation]:
+    def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncGenerator[TokenChunk | Generation, None]:
         """Yield TokenChunks as tokens are produced and one Generation per prompt when it finishes."""
         ...
 
@@ -342,7 +342,7 @@ class Pipeline(Protocol):
         """The most LLM calls one run makes (the scheduler's cost estimate)."""
         ...
 
-    def run(self, query: str, options: RunOptions) -> AsyncIterator[RunEvent]: ...
+    def run(self, query: str, options: RunOptions) -> AsyncGenerator[RunEvent, None]: ...
 
 
 async def run_result(events: AsyncIterable[RunEvent], on_event: Callable[[RunEvent], None] | None = None) -> RagResult:

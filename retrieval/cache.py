@@ -154,9 +154,9 @@ class ClusterCache:
                 queued += nbytes
                 ahead[id(event)] = queued
             return {
-                cluster: ahead[id(event)]
+                cluster: ahead[id(copy)]
                 for cluster in lease.resident
-                if (event := self._slots[cluster].event) is not None and id(event) in ahead
+                if (copy := self._slots[cluster].event) is not None and id(copy) in ahead
             }
 
     def acquire(self, clusters: Sequence[int] | np.ndarray, *, fetch: bool) -> Lease:

@@ -179,7 +179,9 @@ class CooperativeSearch:
         land after faiss could scan them (see `DemandCopyPolicy.late_to_cpu`): those go to faiss."""
         lists = self.lists
         late = np.zeros(lists.shape, dtype=bool)
-        pending = self.cache.pending(lease) if self.policy is not None else {}
+        if self.policy is None:
+            return late
+        pending = self.cache.pending(lease)
         if not pending:
             return late
         row_bytes = self.cache.row_bytes

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Passage, PassageShape
@@ -154,7 +155,7 @@ class Datastore:
         self.where = where or (str(path) if path is not None else "a datastore in memory")
         self.manifest = manifest
         self.codec = Codec(manifest.codec)
-        expected = {
+        expected: dict[str, tuple[np.ndarray | None, tuple[int, ...], DTypeLike]] = {
             "centroids": (centroids, (manifest.nlist, manifest.dim), np.float32),
             "offsets": (offsets, (manifest.nlist + 1,), np.int64),
             "vectors": (vectors, (manifest.n_vectors, manifest.dim), self.codec.numpy_dtype),
@@ -197,7 +198,7 @@ class Datastore:
                 raise DatastoreCorruptError(f"{file} is {size} bytes, the manifest says {meta['bytes']} (truncated?)")
         if verify_checksums:
             total = sum(int(meta["bytes"]) for meta in manifest.files.values())
-            with ProgressBar(total=total, desc="verify checksums", unit="B", unit_scale=True, disable=not progress) as bar:
+            with ProgressBar[None](total=total, desc="verify checksums", unit="B", unit_scale=True, disable=not progress) as bar:
                 for name, meta in manifest.files.items():
                     if file_sha256(path / name, bar) != meta["sha256"]:
                         raise DatastoreCorruptError(f"{path / name} fails its sha256 checksum")

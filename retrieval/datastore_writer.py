@@ -187,7 +187,7 @@ def write_datastore(
         manifest.files = {}
         files = sorted(tmp.iterdir())
         total = sum(file.stat().st_size for file in files)
-        with ProgressBar(total=total, desc="checksum", unit="B", unit_scale=True, disable=not progress) as bar:
+        with ProgressBar[None](total=total, desc="checksum", unit="B", unit_scale=True, disable=not progress) as bar:
             for file in files:
                 _fsync(file)
                 manifest.files[file.name] = {"bytes": file.stat().st_size, "sha256": file_sha256(file, bar)}

@@ -115,8 +115,7 @@ class RetrievalEngine:
             max_workers=cpu_workers,
             thread_name_prefix="faiss-search",
             # OpenMP's thread count is per calling thread: this bounds only the CPU half
-            initializer=faiss.omp_set_num_threads if cpu_threads else None,
-            initargs=(cpu_threads,) if cpu_threads else (),
+            initializer=functools.partial(faiss.omp_set_num_threads, cpu_threads) if cpu_threads else None,
         )
         # B of TeleRAG §4.2: the copy rate prefetch budgets are computed from
         self.copy_bytes_per_ms = self.cache.measure_copy_rate()
@@ -343,8 +342,8 @@ class RetrievalEngine:
         """
         if self.device.type != "cuda" or nprobe >= self.nlist:
             return self.index.probe(queries, nprobe)
-        scores, lists = torch.topk(q @ self.centroids.T, nprobe + 1, dim=1)
-        scores, lists = scores.cpu().numpy(), lists.cpu().numpy()
+        top = torch.topk(q @ self.centroids.T, nprobe + 1, dim=1)
+        scores, lists = top.values.cpu().numpy(), top.indices.cpu().numpy()
         gap = scores[:, nprobe - 1] - scores[:, nprobe]
         unclear = gap <= PROBE_TIE_MARGIN * np.maximum(1.0, np.abs(scores[:, nprobe - 1]))
         scores, lists = np.ascontiguousarray(scores[:, :nprobe]), np.ascontiguousarray(lists[:, :nprobe])

@@ -3,11 +3,18 @@ and the reference every other search must equal."""
 
 from __future__ import annotations
 
-import faiss
+from typing import Any
+
+import faiss as typed_faiss
 import numpy as np
 
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.errors import LayoutError, SearchError
+
+# This module reaches below faiss's Python API, into its SWIG classes (search_preassigned_c,
+# MaybeOwnedVector's fields, SearchParametersIVF's keywords), which faiss's shipped stubs do not
+# declare: its calls are typed as Any here, and only here.
+faiss: Any = typed_faiss
 
 FAISS_PAD_SCORE = -np.finfo(np.float32).max  # what faiss puts beside a -1 label for inner product
 
@@ -26,7 +33,8 @@ class CPUIndex:
         if self.vectors.shape != datastore.vectors.shape or self.vectors.dtype != datastore.vectors.dtype:
             raise LayoutError(f"vectors must be {datastore.vectors.dtype} {datastore.vectors.shape} like the datastore's")
         self.index, self.quantizer = datastore.codec.empty_faiss_index(datastore.centroids, datastore.codec_params)
-        _view_lists(faiss.downcast_InvertedLists(self.index.invlists), self.vectors, datastore.offsets)
+        self.lists = faiss.downcast_InvertedLists(self.index.invlists)  # faiss's ArrayInvertedLists
+        _view_lists(self.lists, self.vectors, datastore.offsets)
         self.index.ntotal = datastore.n_vectors
         # How faiss spreads one call over its threads is a property of the index object, so
         # twins that share these lists carry the other settings: `search` parallelises over
@@ -34,15 +42,15 @@ class CPUIndex:
         # batch smaller than the thread count is better split over its lists (mode 1).
         self._twins = [self._twin(mode) for mode in (1, 3)]
 
-    def _twin(self, parallel_mode: int) -> faiss.IndexIVF:
+    def _twin(self, parallel_mode: int) -> Any:  # a faiss IndexIVF
         twin, quantizer = self.datastore.codec.empty_faiss_index(self.datastore.centroids, self.datastore.codec_params)
-        twin.replace_invlists(self.index.invlists, False)
+        twin.replace_invlists(self.lists, False)
         twin.ntotal = self.index.ntotal
         twin.parallel_mode = parallel_mode
         twin.__dict__["_quantizer"] = quantizer  # faiss does not own it; keep it alive with the twin
         return twin
 
-    def _for_batch(self, n: int, *, preassigned: bool) -> faiss.IndexIVF:
+    def _for_batch(self, n: int, *, preassigned: bool) -> Any:  # a faiss IndexIVF
         if n < faiss.omp_get_max_threads():
             return self._twins[0]
         return self._twins[1] if preassigned else self.index
@@ -94,7 +102,7 @@ class CPUIndex:
         return scores, ids
 
 
-def _view_lists(invlists: faiss.ArrayInvertedLists, vectors: np.ndarray, offsets: np.ndarray) -> None:
+def _view_lists(invlists: Any, vectors: np.ndarray, offsets: np.ndarray) -> None:
     """Fill `invlists` with ids row by row (a vector's id is its row) and make each list's codes
     a view of its slice of `vectors` (faiss's `MaybeOwnedVector`, whose Python binding offers
     no constructor for a view without an owner, so its fields are set directly)."""

@@ -241,7 +241,7 @@ class Admission:
         finishes = self._finishes(rate, [*self._admitted, ticket]) if rate else None
         if self.deadline_s is not None and self._admitted:
             measured = len(self.error.ratios)
-            if finishes is None or not self.error.calibrated or len(self._admitted) >= measured:
+            if rate is None or finishes is None or not self.error.calibrated or len(self._admitted) >= measured:
                 self._refuse(
                     Refusal.CALIBRATING,
                     "the server is measuring its service rate and the error of its "
@@ -249,7 +249,7 @@ class Admission:
                     f"no more at once than have finished under an estimate ({measured})",
                     self._soonest(rate, self._admitted),
                 )
-            self._check_deadlines(rate, finishes, ticket)
+            self._check_deadlines(rate, finishes, ticket, self.deadline_s)
         if finishes is not None:
             for t, in_s in finishes.items():
                 t.estimated_s = self._last + in_s - t.admitted_at
@@ -294,13 +294,13 @@ class Admission:
                 join(waiting.popleft())
         return finishes
 
-    def _check_deadlines(self, rate: float, finishes: dict[Ticket, float], new: Ticket) -> None:
+    def _check_deadlines(self, rate: float, finishes: dict[Ticket, float], new: Ticket, deadline_s: float) -> None:
         """Refuse `new` if, with it, it or an admitted request would finish past the deadline of
         its own admission, the estimates scaled by their measured error. `Retry-After`: how much
         later `new` itself would fit, or, when an admitted request would be late, how long until
         that one finishes (admitting more would only make it later)."""
         factor = self.error.factor
-        deadline = self.deadline_s * (1.0 - self.margin)
+        deadline = deadline_s * (1.0 - self.margin)
         late = [(t, (self._last - t.admitted_at + in_s) * factor - deadline) for t, in_s in finishes.items()]
         blockers = [(t, lateness) for t, lateness in late if lateness > 0]
         if not blockers:

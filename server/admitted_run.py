@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -35,7 +35,7 @@ class ClientDisconnected(Exception):
 class EventStream:
     """How one API writes a run as server-sent events."""
 
-    events: Callable[[AsyncIterator[RunEvent]], AsyncIterator[bytes]]  # the run's events, as they come
+    events: Callable[[AsyncIterator[RunEvent]], AsyncGenerator[bytes, None]]  # the run's events, as they come
     error: Callable[[ErrorDetail], bytes]  # a failure after the stream began
     end: bytes | None = None  # last, whether the run completed or failed
 
@@ -51,7 +51,7 @@ _Item = RunEvent | _Failed | None  # what the run puts in its queue; None: the r
 class AdmittedRun:
     """A run of `events` for an admitted `ticket`; it starts at once (waiting for a slot)."""
 
-    def __init__(self, request: Request, admission: Admission, ticket: Ticket, events: AsyncIterator[RunEvent]) -> None:
+    def __init__(self, request: Request, admission: Admission, ticket: Ticket, events: AsyncGenerator[RunEvent, None]) -> None:
         self._request, self._admission, self._ticket = request, admission, ticket
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._settled = asyncio.Event()  # it holds a slot, or it ended without one
@@ -128,7 +128,7 @@ class AdmittedRun:
             self._task.cancel()
             await asyncio.wait({self._task})
 
-    async def _run(self, events: AsyncIterator[RunEvent]) -> None:
+    async def _run(self, events: AsyncGenerator[RunEvent, None]) -> None:
         """Wait for a slot, then run the pipeline into the queue; completed once the result came."""
         await self._admission.start(self._ticket)
         self._started = True

@@ -95,40 +95,51 @@ class _ProbesOnly:
         await response_for(refusal)(scope, receive, closing)
 
 
-class _HeaderDeadline:
+class _HeaderDeadline(asyncio.Protocol):
     """Mixed into uvicorn's HTTP protocol classes (both call the app through `self.app`, create
-    `self.cycle` when a request's headers are complete, and feed bytes through `data_received`)."""
+    `self.cycle` when a request's headers are complete, and feed bytes through `data_received`).
+
+    The attributes declared below are uvicorn's own, not a public interface: pyproject.toml pins
+    uvicorn to the minor version that tests/test_connections.py covers, with both of its HTTP
+    implementations."""
 
     limits: ConnectionLimits
     observer: ConnectionObserver
     _header_timer: asyncio.TimerHandle | None = None
+    # set by uvicorn's HttpToolsProtocol and H11Protocol
+    app: ASGIApp
+    connections: set[asyncio.Protocol]  # every open connection of the server
+    cycle: Any  # the request whose headers are complete (None before the first)
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    client: tuple[str, int] | None
 
-    def connection_made(self, transport: asyncio.Transport) -> None:
-        super().connection_made(transport)  # type: ignore[misc]
-        self.observer.connections_open(len(self.connections))  # type: ignore[attr-defined]
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.observer.connections_open(len(self.connections))
         timeout = self.limits.header_timeout_s
-        if len(self.connections) > self.limits.max_connections:  # type: ignore[attr-defined]
-            self.app = _ProbesOnly(self.app)  # type: ignore[has-type]
+        if len(self.connections) > self.limits.max_connections:
+            self.app = _ProbesOnly(self.app)
             self.observer.guarded("over_bound")
             timeout = min(timeout, OVER_BOUND_GRACE_S)
         self._arm(timeout)
 
     def data_received(self, data: bytes) -> None:
-        cycle = self.cycle  # type: ignore[has-type]
+        cycle = self.cycle
         if self._header_timer is None and (cycle is None or cycle.response_complete):
             self._arm(self.limits.header_timeout_s)  # the first bytes of the next request on this connection
-        super().data_received(data)  # type: ignore[misc]
-        if self.cycle is not cycle:  # type: ignore[has-type]  # its headers are complete: the app has it now
+        super().data_received(data)
+        if self.cycle is not cycle:  # its headers are complete: the app has it now
             self._disarm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        super().connection_lost(exc)  # type: ignore[misc]
-        self.observer.connections_open(len(self.connections))  # type: ignore[attr-defined]
+        super().connection_lost(exc)
+        self.observer.connections_open(len(self.connections))
 
     def _arm(self, timeout: float) -> None:
         self._disarm()
-        self._header_timer = self.loop.call_later(timeout, self._headers_late)  # type: ignore[attr-defined]
+        self._header_timer = self.loop.call_later(timeout, self._headers_late)
 
     def _disarm(self) -> None:
         if self._header_timer is not None:
@@ -137,10 +148,10 @@ class _HeaderDeadline:
 
     def _headers_late(self) -> None:
         self._header_timer = None
-        log.debug("closing a connection from %s: request headers not complete in time", self.client)  # type: ignore[attr-defined]
-        if not self.transport.is_closing():  # type: ignore[attr-defined]
+        log.debug("closing a connection from %s: request headers not complete in time", self.client)
+        if not self.transport.is_closing():
             self.observer.guarded("header_timeout")
-            self.transport.close()  # type: ignore[attr-defined]
+            self.transport.close()
 
 
 def guarded_protocol(
@@ -149,6 +160,7 @@ def guarded_protocol(
     """uvicorn's HTTP protocol (`auto`: httptools when installed, else h11) with these limits."""
     if implementation == "auto":
         implementation = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    base: type[asyncio.Protocol]
     if implementation == "httptools":
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     elif implementation == "h11":

@@ -12,9 +12,10 @@ from __future__ import annotations
 import contextvars
 import logging
 import math
+from collections.abc import Mapping
 from enum import StrEnum
 from http import HTTPStatus
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -197,7 +198,7 @@ def error_detail(exc: BaseException) -> ErrorDetail:
     )
 
 
-def error_response(status: int, detail: ErrorDetail, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(status: int, detail: ErrorDetail, headers: Mapping[str, str] | None = None) -> JSONResponse:
     """The one error body, with `Retry-After` on every 429 and 503 (the policy's default unless
     `headers` has one) and the request's id."""
     headers = dict(headers or {})
@@ -223,9 +224,9 @@ def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     }
 
 
-def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    errors = cast(RequestValidationError, exc).errors()
+    first: dict[str, Any] = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     if first.get("type") == "json_invalid":
         reason = (first.get("ctx") or {}).get("error", "invalid JSON")
         return response_for(InvalidJSON(f"the body is not valid JSON: {reason}"))
@@ -234,9 +235,10 @@ def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     return response_for(InvalidField(field, message))
 
 
-def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+def _http_error(request: Request, error: Exception) -> JSONResponse:
     """Starlette's and FastAPI's own errors: 404 (no route), 405 (wrong method, with `Allow`),
     and 400 when FastAPI cannot parse the body (not UTF-8, nested too deep)."""
+    exc = cast(StarletteHTTPException, error)
     if exc.status_code == 400:
         return response_for(InvalidJSON("the body could not be parsed as JSON: it is not UTF-8 or is nested too deeply"))
     message = {

@@ -118,8 +118,11 @@ def request_models(limits: LimitSettings, pipelines: Sequence[str], nlist: int |
     """The request models of one app: `limits`, the pipeline names and the datastore's `nlist`
     (None: not known yet, so nprobe's upper bound is checked per request instead) become the
     fields' constraints, and so appear in the OpenAPI schema."""
-    pipeline = Literal[tuple(pipelines)]  # type: ignore[valid-type]
-    question = Annotated[str, StringConstraints(min_length=1, max_length=limits.max_query_chars, pattern=NON_BLANK)]
+    # The fields' types are made here, at run time, from the limits: values to pydantic, not types to mypy.
+    pipeline: Any = Literal[tuple(pipelines)]
+    question: Any = Annotated[str, StringConstraints(min_length=1, max_length=limits.max_query_chars, pattern=NON_BLANK)]
+    user_role: Any = Literal["user"]
+    other_role: Any = Literal["system", "assistant", "tool"]
     max_tokens = min(256, limits.max_tokens)
     query = create_model(
         "QueryRequest",
@@ -131,28 +134,25 @@ def request_models(limits: LimitSettings, pipelines: Sequence[str], nlist: int |
         nprobe=(integer(1, nlist) | None, Field(None, description="IVF lists to search (at most the datastore's nlist)")),
         max_tokens=(integer(1, limits.max_tokens), Field(max_tokens, description="tokens of the answer, at most")),
     )
-    user = create_model(
+    user: Any = create_model(
         "UserMessage",
         __base__=ChatMessage,
         __module__=__name__,
-        role=(Literal["user"], ...),
+        role=(user_role, ...),
         content=(question, Field(description="a question (the last one is answered)")),
     )
-    other = create_model(
-        "OtherMessage",
-        __base__=ChatMessage,
-        __module__=__name__,
-        role=(Literal["system", "assistant", "tool"], ...),
-        content=(str, ...),
+    other: Any = create_model(
+        "OtherMessage", __base__=ChatMessage, __module__=__name__, role=(other_role, ...), content=(str, ...)
     )
+    messages: Any = list[Annotated[user | other, Field(discriminator="role")]]
     chat = create_model(
         "ChatCompletionRequest",
         __base__=ChatCompletionRequest,
         __module__=__name__,
         model=(pipeline, Field(description="the pipeline that answers (one of GET /v1/models)")),
         messages=(
-            list[Annotated[user | other, Field(discriminator="role")]],
-            Field(  # type: ignore[valid-type]
+            messages,
+            Field(
                 min_length=1,
                 description="the conversation; it needs a user message, and the last one is the question",
                 json_schema_extra={

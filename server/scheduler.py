@@ -81,7 +81,8 @@ class _Batcher(Generic[Item, Out]):
         """The next batch: waiting items in arrival order up to `max_batch` queries (at least one);
         callers that went away before their turn are dropped, so they cost nothing."""
         self._pending = [p for p in self._pending if not p.future.done()]
-        batch, total = [], 0
+        batch: list[_Pending[Item, Out]] = []
+        total = 0
         while self._pending and (not batch or total + self._size(self._pending[0].item) <= self.max_batch):
             total += self._size(self._pending[0].item)
             batch.append(self._pending.pop(0))

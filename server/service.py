@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Mapping
 from typing import TYPE_CHECKING
 
 from fastapi import Request
@@ -36,16 +36,13 @@ class Service:
             max_batch=scheduler.max_batch,
             on_batch=lambda kind, size: self.metrics.batch_size.labels(kind).observe(size),
         )
-        self.pipelines: dict[str, Pipeline] = runtime.pipelines(self.retriever)
+        self.pipelines: Mapping[str, Pipeline] = runtime.pipelines(self.retriever)
         self.admission = Admission(
             scheduler.max_concurrency,
             scheduler.max_queue,
             deadline_s=scheduler.admission_deadline_s,
             max_in_flight_per_key=scheduler.max_in_flight_per_key,
-            on_change=lambda waiting, running: (
-                self.metrics.admission.queue_depth.set(waiting),
-                self.metrics.admission.in_flight.set(running),
-            ),
+            on_change=self._queue_changed,
             on_refuse=lambda reason: self.metrics.admission.refusals.labels(reason.value).inc(),
             on_start=self.metrics.admission.queue_wait.observe,
         )
@@ -54,6 +51,10 @@ class Service:
         self.metrics.admission.estimate_factor.set_function(lambda: self.admission.error.factor)
         words = self.runtime.datastore_info.passage_words or DEFAULT_PASSAGE_WORDS
         self.passage_tokens = math.ceil(TOKENS_PER_WORD * words)
+
+    def _queue_changed(self, waiting: int, running: int) -> None:
+        self.metrics.admission.queue_depth.set(waiting)
+        self.metrics.admission.in_flight.set(running)
 
     def options(
         self, *, top_k: int | None, nprobe: int | None, max_tokens: int, temperature: float, prefetch: bool = True
@@ -112,7 +113,7 @@ class Service:
         ticket = self.admission.admit(cost, client)
         return AdmittedRun(request, self.admission, ticket, self.events(pipeline, query, options))
 
-    async def events(self, pipeline: Pipeline, query: str, options: RunOptions) -> AsyncIterator[RunEvent]:
+    async def events(self, pipeline: Pipeline, query: str, options: RunOptions) -> AsyncGenerator[RunEvent, None]:
         """Run a pipeline (a slot must be held) with the request timeout, recording metrics; the
         tokens it generates count as they are generated, so a cancelled request's count too."""
         started = time.perf_counter()

@@ -18,7 +18,7 @@ def user_cache_dir(override: str | Path | None = None) -> Path:
     return Path(root).expanduser()
 
 
-def file_sha256(path: Path, bar: ProgressBar | None = None) -> str:
+def file_sha256(path: Path, bar: ProgressBar[None] | None = None) -> str:
     """sha256 of a file's bytes, read in blocks into one reused buffer (nothing else allocated,
     however large the file); `bar` advances by the bytes read."""
     digest = hashlib.sha256()

@@ -38,7 +38,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -124,7 +124,7 @@ class SGLangEngine:
     async def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
         return await collect_generations(self.stream(prompts, params), len(prompts))
 
-    async def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncIterator[TokenChunk | Generation]:
+    async def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncGenerator[TokenChunk | Generation, None]:
         if not prompts:
             return
         started = time.perf_counter()

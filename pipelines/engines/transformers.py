@@ -22,7 +22,7 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -151,7 +151,7 @@ class TransformersEngine:
     async def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
         return await collect_generations(self.stream(prompts, params), len(prompts))
 
-    async def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncIterator[TokenChunk | Generation]:
+    async def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncGenerator[TokenChunk | Generation, None]:
         if not prompts:
             return
         call = StreamCall(params, asyncio.get_running_loop(), asyncio.Queue())

@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, overload
 
 from telerag.pipelines import prompts
 from telerag.pipelines.errors import UndeclaredStage
@@ -102,7 +102,7 @@ class RagPipeline:
         """Run the pipeline; return the final answer (already streamed as TokenEvents)."""
         raise NotImplementedError
 
-    async def run(self, query: str, options: RunOptions) -> AsyncIterator[RunEvent]:
+    async def run(self, query: str, options: RunOptions) -> AsyncGenerator[RunEvent, None]:
         ctx = RunContext(query=query, options=options, started=self.clock())
         task = asyncio.create_task(self.body(ctx))
         # The body's end is queued behind every event it queued, so one `get` per event suffices.
@@ -191,12 +191,30 @@ class RagPipeline:
         generation = (await self.llm(ctx, stage, [prompt], max_tokens=max_tokens, stop=stop))[0]
         return clean_reply(generation.text, prompt.cue)
 
+    @overload
+    async def lookahead(
+        self,
+        ctx: RunContext,
+        q_in: Sequence[str],
+        pre_retrieval: Callable[[], Awaitable[T]],
+        q_out: Callable[[T], Sequence[SearchQuery] | None],
+    ) -> tuple[T, list[list[Document]]]: ...
+
+    @overload
+    async def lookahead(
+        self,
+        ctx: RunContext,
+        q_in: Sequence[str],
+        pre_retrieval: None,
+        q_out: Callable[[None], Sequence[SearchQuery] | None],
+    ) -> tuple[None, list[list[Document]]]: ...
+
     async def lookahead(
         self,
         ctx: RunContext,
         q_in: Sequence[str],
         pre_retrieval: Callable[[], Awaitable[T]] | None,
-        q_out: Callable[[T | None], Sequence[SearchQuery] | None],
+        q_out: Callable[[Any], Sequence[SearchQuery] | None],
     ) -> tuple[T | None, list[list[Document]]]:
         """Start the pre-retrieval call at once and prefetch q_in's clusters beside it (embedding
         q_in, ranking centroids, issuing copies), then search q_out once both are done (no search
@@ -303,7 +321,7 @@ class RagPipeline:
 
         timings = Timings(
             total_ms=(self.clock() - ctx.started) * 1e3,
-            embed_ms=float(sum(s.embed_ms for s in [*searches, *prefetches])),
+            embed_ms=float(sum(s.embed_ms for s in searches) + sum(p.embed_ms for p in prefetches)),
             prefetch_ms=ms(StageRole.PREFETCH),
             pre_retrieval_ms=ms(StageRole.PRE_RETRIEVAL),
             search_ms=ms(StageRole.SEARCH),

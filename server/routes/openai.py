@@ -4,10 +4,11 @@ endpoints have no docstrings: FastAPI would publish them in the schema.)"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
+from pydantic import BaseModel
 
 from telerag.pipelines.types import RunEvent, TokenEvent
 from telerag.server import errors
@@ -34,7 +35,7 @@ events whose data is a ChatCompletionChunk (the first delta sets the role, the n
 content, the last has `finish_reason`), then `[DONE]`; a failure after the stream began comes
 as `{"error": ErrorDetail}` before `[DONE]`."""
 CHAT_STREAM = event_schema({"message": {"anyOf": [{"const": "[DONE]"}, json_data(ChatCompletionChunk, ErrorResponse)]}})
-STREAMED = [ChatCompletionChunk, ErrorResponse]  # the models the stream's schema refers to
+STREAMED: list[type[BaseModel]] = [ChatCompletionChunk, ErrorResponse]  # the models the stream's schema refers to
 
 
 def router(models: RequestModels, access: Access) -> APIRouter:
@@ -84,7 +85,7 @@ def chunks(request_id: str, model: str) -> EventStream:
         choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
         return sse_data(ChatCompletionChunk(id=request_id, model=model, choices=[choice]).model_dump())
 
-    async def events(run: AsyncIterator[RunEvent]) -> AsyncIterator[bytes]:
+    async def events(run: AsyncIterator[RunEvent]) -> AsyncGenerator[bytes, None]:
         yield chunk(ChatDelta(role="assistant", content=""))
         async for event in run:
             if isinstance(event, TokenEvent):

@@ -6,6 +6,7 @@ them in the schema.)"""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
@@ -17,7 +18,9 @@ from telerag.server.auth import Access
 from telerag.server.lifecycle import Phase
 from telerag.server.protocol import Health, LoadProgress, Ready
 
-METRICS_RESPONSES = {200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}}
+METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}
+}
 
 
 def router(access: Access) -> APIRouter:

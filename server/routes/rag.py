@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
+from pydantic import BaseModel
 
 from telerag.pipelines.types import ResultEvent, RunEvent, StageEvent, TokenEvent
 from telerag.server import errors
@@ -40,7 +41,7 @@ QUERY_STREAM = event_schema(
         "error": json_data(ErrorDetail),
     }
 )
-STREAMED = [StageUpdate, TokenText, QueryResponse, ErrorDetail]  # the models the stream's schema refers to
+STREAMED: list[type[BaseModel]] = [StageUpdate, TokenText, QueryResponse, ErrorDetail]  # the models the stream's schema refers to
 
 
 def router(models: RequestModels, access: Access) -> APIRouter:
@@ -88,7 +89,7 @@ async def rag_query(body: QueryRequest, request: Request, client: str | None, se
     )
 
 
-async def query_events(events: AsyncIterator[RunEvent], *, request_id: str, with_documents: bool) -> AsyncIterator[bytes]:
+async def query_events(events: AsyncIterator[RunEvent], *, request_id: str, with_documents: bool) -> AsyncGenerator[bytes, None]:
     """A run's events as our stream sends them: `stage`, `token`, and last `result`."""
     async for event in events:
         if isinstance(event, StageEvent):
