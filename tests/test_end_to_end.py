@@ -18,11 +18,8 @@ import httpx
 import openai
 import pytest
 
-from telerag.pipelines.embedder import Embedder
-from telerag.retrieval.builder import build_datastore
-from telerag.retrieval.corpus import read_wikipedia, split_passages
 from tests.fake_app import EXPECTED_METRICS
-from tests.serving import start_server
+from tests.serving import build_wikipedia_slice, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -34,12 +31,7 @@ TOPICS = ["Albert Einstein", "Mount Everest", "Photosynthesis", "William Shakesp
 
 @pytest.fixture(scope="module")
 def wiki_slice(tmp_path_factory) -> Path:
-    articles = list(read_wikipedia())
-    chosen = [a for a in articles if a.title in TOPICS] + articles[:150]
-    out = tmp_path_factory.mktemp("wiki") / "ds"
-    embedder = Embedder.embedded_default()
-    build_datastore(split_passages(chosen), embedder.encode, embedder=embedder.name, out_dir=out, progress=False)
-    return out
+    return build_wikipedia_slice(tmp_path_factory.mktemp("wiki") / "ds", TOPICS, others=150)
 
 
 @pytest.fixture(scope="module")

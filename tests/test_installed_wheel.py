@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -22,7 +23,9 @@ from tests.tiny_models import tiny_embedder_dir
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-DISTRIBUTED = ["pyproject.toml", "README.md", "benchmarks", "config", "pipelines", "retrieval", "server"]
+# what the Dockerfile's wheel stage copies: the two files and every folder the wheel maps into `telerag`
+PACKAGE_DIRS = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["package-dir"]
+DISTRIBUTED = ["pyproject.toml", "README.md", *sorted(set(PACKAGE_DIRS.values()))]
 
 
 @pytest.fixture(scope="module")

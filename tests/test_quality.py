@@ -170,7 +170,7 @@ def test_bench_quality_reports_every_pipeline(capsys, wiki_slice):
         for name in ("recall", "recall_exact", "exact_match", "f1"):
             assert 0.0 <= row[name] <= 1.0, (row["pipeline"], name)
         assert 0 <= row["cue_answers"] <= 8, row["pipeline"]
-        assert set(row["latency_ms"]) == {"prefetch", "pre_retrieval", "search", "generate", "total"}
+        assert set(row["latency_ms"]) == {"prefetch", "pre_retrieval", "search", "llm", "generate", "total"}
         assert row["latency_ms"]["total"] > 0.0
         assert row["latency_ms"]["generate"] + row["latency_ms"]["pre_retrieval"] > 0.0  # FLARE writes in sentences
         # every list probed: the replay is the very search the pipeline made
