@@ -1,6 +1,8 @@
-"""A soak run: `users` clients send questions back to back to a running server for a while;
-what came back is counted (answers, 429s, failures apart) and the server's resident memory is
-sampled from start to end.
+"""A soak run: `users` clients send questions back to back to a running server for a while (the
+requests' pipelines taken in turn from `pipelines`); what came back is counted (answers, 429s,
+failures apart), each answer kept with its pipeline and latency and each 429 with the requests
+this run had in flight when it was sent, and the server's resident memory is sampled from start
+to end.
 
 Each user is one keep-alive connection and a well-behaved client: after a 429 it waits the
 `Retry-After` it was given (never past the end of the run). Users start evenly spread over the
@@ -39,12 +41,13 @@ class SoakConfig:
     url: str
     users: int = 64
     duration_s: float = 300.0
-    pipeline: str = "naive"
+    pipelines: tuple[str, ...] = ("naive",)  # taken in turn, request by request
     max_tokens: int = 32
     api_key: str | None = None
     pid: int | None = None  # the server's process, to read its memory from /proc
     timeout_s: float = 300.0  # a request not answered in this long is a failure (the server's request_timeout_s)
     ramp_s: float = 10.0  # users start evenly spread over this long (0: all at once)
+    once: bool = False  # each user sends one request, whatever comes back (with ramp_s 0: a burst)
 
     def start_s(self, user: int) -> float:
         """When user number `user` (from 0) sends its first request, in seconds into the run."""
@@ -65,6 +68,8 @@ class SoakReport:
     refused_p50_ms: float | None = None  # how fast a 429 comes back
     refused_p99_ms: float | None = None
     rss_mb: list[tuple[float, float]] = field(default_factory=list)  # (seconds into the run, MB)
+    answers: list[Answer] = field(default_factory=list, repr=False)  # each answer, in the order they came
+    refusals: list[Refused] = field(default_factory=list, repr=False)  # each 429
 
     @property
     def rss_growth(self) -> float | None:
@@ -76,36 +81,59 @@ class SoakReport:
         return self.rss_mb[-1][1] / base - 1.0
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "rss_growth": self.rss_growth}
+        summary = {k: v for k, v in asdict(self).items() if k not in ("answers", "refusals")}
+        return {**summary, "rss_growth": self.rss_growth}
 
 
 def _percentile(values: Sequence[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
+@dataclass(frozen=True)
+class Answer:
+    pipeline: str
+    seconds: float  # from sending to the end of its body
+
+
+@dataclass(frozen=True)
+class Refused:
+    seconds: float  # how fast the 429 came back
+    in_flight: int  # this run's requests outstanding when it was sent (itself not counted)
+    reason: str  # the body's error type (deadline, queue_full, ...)
+
+
 class _Tally:
-    def __init__(self) -> None:
-        self.answered: list[float] = []
-        self.refused: list[float] = []
+    def __init__(self, pipelines: Sequence[str]) -> None:
+        self.answered: list[Answer] = []
+        self.refused: list[Refused] = []
         self.failures: Counter[str] = Counter()
+        self.pipelines = itertools.cycle(pipelines)
+        self.in_flight = 0
 
 
 async def _user(
     client: httpx.AsyncClient, config: SoakConfig, questions: itertools.cycle, start: float, end: float, tally: _Tally
 ) -> None:
     await asyncio.sleep(max(start - time.monotonic(), 0.0))
-    while (now := time.monotonic()) < end:
-        body = {"query": next(questions), "pipeline": config.pipeline, "max_tokens": config.max_tokens}
+    sent = 0
+    while (now := time.monotonic()) < end or (config.once and not sent):
+        sent += 1
+        pipeline = next(tally.pipelines)
+        body = {"query": next(questions), "pipeline": pipeline, "max_tokens": config.max_tokens}
+        in_flight = tally.in_flight
+        tally.in_flight += 1
         try:
             response = await client.post("/v1/rag/query", json=body, timeout=config.timeout_s)
         except httpx.HTTPError as exc:
             tally.failures[type(exc).__name__] += 1
             continue
+        finally:
+            tally.in_flight -= 1
         elapsed = time.monotonic() - now
         if response.status_code == 200:
-            tally.answered.append(elapsed)
+            tally.answered.append(Answer(pipeline, elapsed))
         elif response.status_code == 429:
-            tally.refused.append(elapsed)
+            tally.refused.append(Refused(elapsed, in_flight, response.json().get("error", {}).get("type", "")))
             retry_after = float(response.headers.get("retry-after", 1))
             await asyncio.sleep(min(retry_after, max(end - time.monotonic(), 0.0)))
         else:
@@ -139,7 +167,7 @@ async def soak(config: SoakConfig, questions: Sequence[str]) -> SoakReport:
         max_connections=config.users + 1, max_keepalive_connections=config.users + 1, keepalive_expiry=KEEPALIVE_EXPIRY_S
     )
     report = SoakReport(users=config.users, duration_s=config.duration_s)
-    tally = _Tally()
+    tally = _Tally(config.pipelines)
     cycle = itertools.cycle(questions)
     async with httpx.AsyncClient(base_url=config.url, headers=headers, limits=limits) as client:
         start = time.monotonic()
@@ -160,9 +188,11 @@ async def soak(config: SoakConfig, questions: Sequence[str]) -> SoakReport:
             report.rss_mb.append((round(took, 1), round(mb, 1)))
     report.requests = len(tally.answered) + len(tally.refused) + sum(tally.failures.values())
     report.answered, report.refused, report.failures = len(tally.answered), len(tally.refused), dict(tally.failures)
+    report.answers, report.refusals = tally.answered, tally.refused
     report.answered_per_s = report.answered / took
-    report.p50_s, report.p99_s = _percentile(tally.answered, 50), _percentile(tally.answered, 99)
-    refused_ms = [s * 1e3 for s in tally.refused]
+    latencies = [a.seconds for a in tally.answered]
+    report.p50_s, report.p99_s = _percentile(latencies, 50), _percentile(latencies, 99)
+    refused_ms = [r.seconds * 1e3 for r in tally.refused]
     report.refused_p50_ms, report.refused_p99_ms = _percentile(refused_ms, 50), _percentile(refused_ms, 99)
     return report
 

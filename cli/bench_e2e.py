@@ -13,7 +13,7 @@ from pathlib import Path
 
 from telerag.cli.runtime_flags import add_runtime_flags, nullable, overrides
 from telerag.pipelines.questions import read_questions
-from telerag.pipelines.registry import PIPELINES
+from telerag.pipelines.registry import pipeline_names
 from telerag.server.settings import ENGINE_KIND_ALIASES, load_settings, packaged_config
 
 MODE_NAMES = ("cpu", "lookahead", "resident")  # benchmarks.e2e.Mode's, without importing torch to parse flags
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--nlist sets the lists of a scaled datastore: give --scale-vectors too")
     if args.plot_dir is not None and importlib.util.find_spec("matplotlib") is None:  # before minutes of measuring
         raise SystemExit("--plot-dir needs matplotlib (pip install telerag[bench]); or leave --plot-dir out")
-    names = tuple(PIPELINES) if args.pipelines == "all" else tuple(n.strip() for n in args.pipelines.split(","))
+    names = pipeline_names(args.pipelines)
     settings = load_settings(args.config, overrides(args))
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     llm = LLMChoice.TINY if args.tiny else LLMChoice.RANDOM_WEIGHTS if args.random_weights else LLMChoice.CONFIGURED

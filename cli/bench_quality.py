@@ -12,7 +12,7 @@ from pathlib import Path
 
 from telerag.cli.runtime_flags import add_runtime_flags, overrides
 from telerag.pipelines.questions import read_questions
-from telerag.pipelines.registry import PIPELINES
+from telerag.pipelines.registry import pipeline_names
 from telerag.server.settings import load_settings, packaged_config
 
 
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         format_table,
     )  # brings torch: only when it runs
 
-    names = list(PIPELINES) if args.pipelines == "all" else [n.strip() for n in args.pipelines.split(",")]
+    names = list(pipeline_names(args.pipelines))
     settings = load_settings(args.config, overrides(args))
     logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")
     questions = read_questions(args.questions, args.limit)

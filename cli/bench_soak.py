@@ -14,7 +14,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--users", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=300.0)
-    parser.add_argument("--pipeline", default="naive")
+    parser.add_argument("--pipeline", default="naive", help="a pipeline, several comma-separated (taken in turn), or all")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before an unanswered request counts as a failure")
     parser.add_argument(
@@ -30,6 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from telerag.benchmarks.soak import SoakConfig, format_table, soak
     from telerag.pipelines.questions import read_questions
+    from telerag.pipelines.registry import pipeline_names
     from telerag.server.settings import packaged_config
 
     questions = [q.text for q in read_questions(args.questions or packaged_config("questions_wiki_en.txt"))]
@@ -37,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         url=args.url,
         users=args.users,
         duration_s=args.seconds,
-        pipeline=args.pipeline,
+        pipelines=pipeline_names(args.pipeline),
         max_tokens=args.max_tokens,
         api_key=args.api_key,
         pid=args.pid,

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from telerag.cli import (
     ask,
+    bench_admission,
     bench_e2e,
     bench_generate,
     bench_kernels,
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_server.register(bench_commands)
     bench_e2e.register(bench_commands)
     bench_soak.register(bench_commands)
+    bench_admission.register(bench_commands)
     return parser
 
 

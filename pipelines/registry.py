@@ -20,6 +20,15 @@ PIPELINES: dict[str, type[RagPipeline]] = {
 }
 
 
+def pipeline_names(spec: str) -> tuple[str, ...]:
+    """The pipelines a command-line value names: one, several comma-separated, or `all`."""
+    names = tuple(PIPELINES) if spec == "all" else tuple(n.strip() for n in spec.split(",") if n.strip())
+    unknown = [n for n in names if n not in PIPELINES]
+    if unknown or not names:
+        raise UnknownPipeline(f"unknown pipeline(s): {', '.join(unknown) or spec!r}; known: {', '.join(PIPELINES)} or all")
+    return names
+
+
 def build_pipelines(
     engine: Engine,
     retriever: Retriever,

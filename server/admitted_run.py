@@ -23,6 +23,7 @@ from telerag.pipelines.types import RagResult, ResultEvent, RunEvent
 from telerag.server import errors
 from telerag.server.admission import Admission, Ticket
 from telerag.server.protocol import ErrorDetail
+from telerag.server.workload import ServedWork
 
 CLIENT_CLOSED_REQUEST = 499  # nobody reads it: the status for a response whose client left first
 
@@ -146,7 +147,7 @@ class AdmittedRun:
         """The run is over, however it ended: its ticket finishes, and its readers learn it."""
         result = self._result
         self._admission.finish(
-            self._ticket, completed=result is not None, tokens_generated=result.tokens_generated if result is not None else None
+            self._ticket, completed=result is not None, served_work=ServedWork.of(result).work if result is not None else None
         )
         self._settled.set()
         self._queue.put_nowait(None)

@@ -70,8 +70,12 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
 
 
 def start_serving(app: FastAPI, runtime: Runtime) -> Service:
-    """Serve `/v1/*` from `runtime`, now loaded: `/ready` turns 200."""
-    service = Service(runtime, app.state.metrics)
+    """Serve `/v1/*` from `runtime`, now loaded (not warmed up): `/ready` turns 200."""
+    return publish(app, Service(runtime, app.state.metrics))
+
+
+def publish(app: FastAPI, service: Service) -> Service:
+    """Serve `/v1/*` from `service` (made with `app.state.metrics`): `/ready` turns 200."""
     app.state.service = service
     app.state.lifecycle.ready()
     return service

@@ -23,10 +23,12 @@ from telerag.retrieval.datastore import MANIFEST, Manifest
 from telerag.retrieval.errors import DatastoreError, RetrievalError
 from telerag.server.connections import uvicorn_options
 from telerag.server.lifecycle import Lifecycle
+from telerag.server.metrics import Metrics
+from telerag.server.service import Service
 from telerag.server.settings import Settings
 
 if TYPE_CHECKING:
-    from telerag.server.runtime import Runtime  # imported when serving: it brings torch
+    pass  # imported when serving: it brings torch
 
 log = logging.getLogger("telerag.server")
 
@@ -59,7 +61,7 @@ async def serve(settings: Settings) -> int:
     turns new work away (503) and waits up to `server.shutdown_grace_s` for the accepted
     requests, then returns 0; a second signal, or the end of the grace period, ends the process
     at once with status 1. A signal while loading stops at once with status 0."""
-    from telerag.server.app import create_app, start_serving
+    from telerag.server.app import create_app, publish
 
     loop = asyncio.get_running_loop()
     lifecycle = Lifecycle()
@@ -76,7 +78,7 @@ async def serve(settings: Settings) -> int:
         await asyncio.sleep(0.01)
     log.info("listening on http://%s:%d; loading", settings.server.host, settings.server.port)
 
-    loading = asyncio.create_task(_load(settings, lifecycle))
+    loading = asyncio.create_task(_load(settings, lifecycle, app.state.metrics))
     await _first(loading, lifecycle.stop.wait())
     if not loading.done():
         log.info("stopped while loading (%s)", lifecycle.step)
@@ -87,8 +89,9 @@ async def serve(settings: Settings) -> int:
         server.should_exit = True
         await listening
         return 1
-    runtime = loading.result()
-    service = start_serving(app, runtime)
+    service = loading.result()
+    runtime = service.runtime
+    publish(app, service)
     log.info("ready")
 
     await _first(listening, lifecycle.stop.wait())
@@ -113,21 +116,23 @@ async def serve(settings: Settings) -> int:
     return 0
 
 
-async def _load(settings: Settings, lifecycle: Lifecycle) -> Runtime:
-    """The runtime, loaded and (unless `server.warm_up` is off) warmed up by one request."""
+async def _load(settings: Settings, lifecycle: Lifecycle, metrics: Metrics) -> Service:
+    """The service over the loaded runtime, warmed up (unless `server.warm_up` is off: see
+    `Service.warm_up`)."""
     # imported here, in a thread: it brings torch (seconds), and `/health` answers meanwhile.
     # The module's attribute is looked up, not imported by name: a test launcher may replace it.
     lifecycle.loading("loading libraries")
     runtime_module = await asyncio.to_thread(importlib.import_module, "telerag.server.runtime")
     runtime = await runtime_module.load_runtime(settings, lifecycle)
+    service = Service(runtime, metrics)
     if settings.server.warm_up:
         lifecycle.loading("warming up")
         try:
-            await runtime_module.warm_up(runtime)
+            await service.warm_up()
         except BaseException:
             await runtime.close()
             raise
-    return runtime
+    return service
 
 
 async def _listen(server: uvicorn.Server) -> None:

@@ -19,7 +19,7 @@ from telerag.pipelines.errors import EmbedderError, EngineUnavailable
 from telerag.pipelines.rag.base import RagPipeline
 from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.retriever import DirectRetriever, load_datastore, open_retriever
-from telerag.pipelines.types import BatchRetriever, DatastoreInfo, Engine, Retriever, RunOptions, run_result
+from telerag.pipelines.types import BatchRetriever, DatastoreInfo, Engine, Retriever
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.errors import DeviceUnavailable
 from telerag.retrieval.stats import CacheStats
@@ -185,20 +185,6 @@ async def load_runtime(settings: Settings, observer: LoadObserver | None = None)
         cache_stats=retriever.cache_stats,
         closers=[retriever.close],
     )
-
-
-WARM_UP_QUESTION = "What is the capital of France?"
-WARM_UP_PIPELINE = "naive"
-
-
-async def warm_up(runtime: Runtime) -> None:
-    """One short request through the whole path: the chat template and tokenizer, the embedder,
-    prefetch and search, the engine's prefill and decode. What each sets up on first use (the
-    template's compilation, the first forward passes, thread pools) holds the GIL for a while;
-    done here, before the server is ready, it does not stall the event loop under the first
-    clients (measured in a soak: stalls of 0.2-1.4 s in the first seconds of load without it)."""
-    pipeline = runtime.pipelines(runtime.retriever, [WARM_UP_PIPELINE])[WARM_UP_PIPELINE]
-    await run_result(pipeline.run(WARM_UP_QUESTION, RunOptions(max_tokens=2)))
 
 
 @asynccontextmanager

@@ -11,15 +11,22 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request
 
-from telerag.pipelines.types import Pipeline, ResultEvent, RunEvent, RunOptions, TokenEvent, UsageEvent
-from telerag.server.admission import DEFAULT_PASSAGE_WORDS, TOKENS_PER_WORD, Admission, RequestCost
+from telerag.pipelines.questions import read_questions
+from telerag.pipelines.types import Pipeline, ResultEvent, RunEvent, RunOptions, TokenEvent, UsageEvent, run_result
+from telerag.server.admission import Admission
 from telerag.server.admitted_run import AdmittedRun
 from telerag.server.errors import InvalidField, Refusal, RequestTimeout
 from telerag.server.metrics import Metrics
 from telerag.server.scheduler import BatchingRetriever
+from telerag.server.settings import packaged_config
+from telerag.server.workload import DEFAULT_PASSAGE_WORDS, TOKENS_PER_WORD, ServedWork, Workload
 
 if TYPE_CHECKING:
     from telerag.server.runtime import Runtime  # brings torch: loaded after the server listens
+
+CALIBRATION_PIPELINE = "naive"
+CALIBRATION_MAX_TOKENS = 64  # a client's usual limit: the answers measured are whole
+CALIBRATION_BURST = 8  # requests at once after the first alone (at most max_concurrency): the rates up to 8 running
 
 
 class Service:
@@ -37,6 +44,7 @@ class Service:
             on_batch=lambda kind, size: self.metrics.batch_size.labels(kind).observe(size),
         )
         self.pipelines: Mapping[str, Pipeline] = runtime.pipelines(self.retriever)
+        self.workload = Workload()
         self.admission = Admission(
             scheduler.max_concurrency,
             scheduler.max_queue,
@@ -48,9 +56,40 @@ class Service:
         )
         self.metrics.admission.expected_wait.set_function(self.admission.expected_wait_s)
         self.metrics.admission.service_rate.set_function(lambda: self.admission.service_rate() or 0.0)
-        self.metrics.admission.estimate_factor.set_function(lambda: self.admission.error.factor)
+        self.metrics.admission.estimate_factor.set_function(
+            lambda: self.admission.error.factor(self.admission.n_running + self.admission.n_waiting)
+        )
         words = self.runtime.datastore_info.passage_words or DEFAULT_PASSAGE_WORDS
         self.passage_tokens = math.ceil(TOKENS_PER_WORD * words)
+
+    async def warm_up(self) -> None:
+        """Requests through the whole path and through admission before the server is ready: one
+        alone, then a burst of `CALIBRATION_BURST` at once (at most `max_concurrency`), questions
+        of the packaged set. What the chat template, the tokenizer, the embedder, the search and
+        the engine set up on first use holds the GIL for a while; done here, it does not stall
+        the event loop under the first clients (measured in a soak: stalls of 0.2-1.4 s in the
+        first seconds of load without it). And admission measures its service rate alone and at
+        each number running as the burst drains, and the naive pipeline's answers, so that a
+        burst right after start-up is judged at a burst's rate and cost, not refused for want
+        of them (`workload`'s prior stands in for the other pipelines until they are measured)."""
+        pipeline = self.pipelines[CALIBRATION_PIPELINE]
+        burst = min(CALIBRATION_BURST, self.admission.max_concurrency)
+        questions = [q.text for q in read_questions(packaged_config("questions_wiki_en.txt"), limit=1 + burst)]
+        options = RunOptions(max_tokens=CALIBRATION_MAX_TOKENS, top_k=self.settings.retrieval.top_k)
+        await self._calibrate(pipeline, questions[0], options)
+        await asyncio.gather(*(self._calibrate(pipeline, question, options) for question in questions[1:]))
+
+    async def _calibrate(self, pipeline: Pipeline, question: str, options: RunOptions) -> None:
+        prompt = self.prompt_tokens(question, options)
+        cost = self.workload.estimate(pipeline.name, pipeline.llm_calls, prompt, options.max_tokens)
+        ticket = self.admission.admit(cost, calibrating=True)
+        await self.admission.start(ticket)
+        served = None
+        try:
+            served = ServedWork.of(await run_result(pipeline.run(question, options)))
+            self.workload.observe(pipeline.name, prompt, served)
+        finally:
+            self.admission.finish(ticket, completed=served is not None, served_work=None if served is None else served.work)
 
     def _queue_changed(self, waiting: int, running: int) -> None:
         self.metrics.admission.queue_depth.set(waiting)
@@ -72,17 +111,12 @@ class Service:
             prefetch=prefetch,
         )
 
-    def cost(
-        self,
-        pipeline: Pipeline,
-        query: str,
-        options: RunOptions,
-        *,
-        query_field: str = "query",
-        top_k_field: str | None = "top_k",
-    ) -> RequestCost:
-        """The request's cost for admission; 422 past `limits.max_prompt_tokens`, naming the field
-        that put it there (`top_k` when the query alone fits)."""
+    def prompt_tokens(
+        self, query: str, options: RunOptions, *, query_field: str = "query", top_k_field: str | None = "top_k"
+    ) -> int:
+        """About how long the request's answer prompt is (its query and `top_k` passages); 422
+        past `limits.max_prompt_tokens`, naming the field that put it there (`top_k` when the
+        query alone fits)."""
         query_tokens = self.runtime.engine.count_tokens(query)
         prompt_tokens = query_tokens + options.top_k * self.passage_tokens
         limit = self.settings.limits.max_prompt_tokens
@@ -94,7 +128,7 @@ class Service:
                 f"the prompt would be about {prompt_tokens} tokens (the query's {query_tokens} and "
                 f"{options.top_k} passages of about {self.passage_tokens}); the limit is {limit}",
             )
-        return RequestCost(prompt_tokens=prompt_tokens, max_tokens=options.max_tokens, llm_calls=pipeline.llm_calls)
+        return prompt_tokens
 
     def admit(
         self,
@@ -107,15 +141,20 @@ class Service:
         query_field: str = "query",
         top_k_field: str | None = "top_k",
     ) -> AdmittedRun:
-        """Admit the request, or refuse it at once (422 over the prompt limit, 429 when busy);
-        its run starts waiting for a slot. The fields name what `cost` blames."""
-        cost = self.cost(pipeline, query, options, query_field=query_field, top_k_field=top_k_field)
+        """Admit the request at its expected cost (`workload`), or refuse it at once (422 over the
+        prompt limit, 429 when busy); its run starts waiting for a slot. The fields name what
+        `prompt_tokens` blames."""
+        prompt = self.prompt_tokens(query, options, query_field=query_field, top_k_field=top_k_field)
+        cost = self.workload.estimate(pipeline.name, pipeline.llm_calls, prompt, options.max_tokens)
         ticket = self.admission.admit(cost, client)
-        return AdmittedRun(request, self.admission, ticket, self.events(pipeline, query, options))
+        return AdmittedRun(request, self.admission, ticket, self.events(pipeline, query, options, prompt))
 
-    async def events(self, pipeline: Pipeline, query: str, options: RunOptions) -> AsyncGenerator[RunEvent, None]:
-        """Run a pipeline (a slot must be held) with the request timeout, recording metrics; the
-        tokens it generates count as they are generated, so a cancelled request's count too."""
+    async def events(
+        self, pipeline: Pipeline, query: str, options: RunOptions, prompt_tokens: int
+    ) -> AsyncGenerator[RunEvent, None]:
+        """Run a pipeline (a slot must be held) with the request timeout, recording metrics and
+        what it was served (the next requests' costs come from it); the tokens it generates count
+        as they are generated, so a cancelled request's count too."""
         started = time.perf_counter()
         outcome = "error"
         first_token = True
@@ -131,6 +170,7 @@ class Service:
                         self.metrics.ttft.labels(pipeline.name).observe(time.perf_counter() - started)
                     if isinstance(event, ResultEvent):
                         self.metrics.observe_result(event.result)
+                        self.workload.observe(pipeline.name, prompt_tokens, ServedWork.of(event.result))
                         outcome = "ok"
                     yield event
         except TimeoutError:

@@ -13,24 +13,24 @@ import httpx
 import pytest
 
 from telerag.pipelines.registry import PIPELINES
-from telerag.server.admission import (
-    ERROR_MIN_SAMPLES,
-    ERROR_WINDOW,
-    PREFILL_WEIGHT,
-    Admission,
-    EstimateError,
-    RequestCost,
-    ServiceRate,
-)
+from telerag.server.admission import Admission
+from telerag.server.admission_model import ERROR_WINDOW, EstimateError, Rates, ServiceRate
 from telerag.server.app import create_app, start_serving
 from telerag.server.errors import Overloaded, Refusal
 from telerag.server.runtime import Runtime
 from telerag.server.settings import Settings
+from telerag.server.workload import RequestCost
 from tests.fake_app import DATASTORE_INFO
 from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
 from tests.scripted_pipelines import UNSURE, make, run
 
-UNIT = RequestCost(prompt_tokens=0, max_tokens=100, llm_calls=1)  # 100 work units
+UNIT = RequestCost(work=100.0)
+
+
+def alone(rate: float) -> ServiceRate:
+    """A rate that never forgets, measured at `rate` with one request running (and, for want of
+    more, taken for every number running)."""
+    return ServiceRate(time_constant_s=math.inf, work={1: 100.0}, busy_s={1: 100.0 / rate})
 
 
 class Clock:
@@ -45,7 +45,7 @@ def admission(clock: Clock, **options) -> tuple[Admission, list[Refusal]]:
     """An Admission whose rate never forgets, whose estimates have been exact on a whole window of
     requests and that plans for the whole deadline, so that the numbers below are exact."""
     refused: list[Refusal] = []
-    exact = EstimateError(ratios=deque([1.0] * ERROR_WINDOW))
+    exact = EstimateError(ratios={level: deque([1.0] * ERROR_WINDOW) for level in range(1, 8)})
     options = {"max_concurrency": 8, "max_queue": 64, "deadline_s": 30.0, "margin": 0.0, "error": exact, **options}
     return Admission(clock=clock, on_refuse=refused.append, rate=ServiceRate(time_constant_s=math.inf), **options), refused
 
@@ -57,28 +57,38 @@ async def measured(clock: Clock, rate: float = 10.0, **options) -> tuple[Admissi
     await a.start(ticket)
     clock.now += UNIT.work / rate
     a.finish(ticket, completed=True)
-    assert a.rate.per_s() == pytest.approx(rate)
+    assert a.rate.rates().at(1) == pytest.approx(rate)
     return a, refused
-
-
-def test_cost_counts_every_llm_call_with_its_prompt_and_output():
-    cost = RequestCost(prompt_tokens=1000, max_tokens=64, llm_calls=3)
-    assert cost.work == pytest.approx(3 * (64 + PREFILL_WEIGHT * 1000))
-    assert RequestCost(1000, 64, 1).work < cost.work and RequestCost(2000, 64, 3).work > cost.work
 
 
 def test_service_rate_is_work_over_the_server_time_that_served_it():
     rate = ServiceRate(time_constant_s=60)
-    assert rate.per_s() is None
-    rate.served(40.0, 4.0)
-    assert rate.per_s() == pytest.approx(10.0)
+    assert not rate.rates()
+    rate.served(40.0, {1: 4.0})
+    assert rate.rates().at(1) == pytest.approx(10.0)
     rate.advance(300.0)  # idle: both decay alike
-    assert rate.per_s() == pytest.approx(10.0)
-    rate.served(60.0, 2.0)  # faster now: the average moves towards 30/s
-    steady = rate.per_s()
+    assert rate.rates().at(1) == pytest.approx(10.0)
+    rate.served(60.0, {1: 2.0})  # faster now: the average moves towards 30/s
+    steady = rate.rates().at(1)
     assert 10.0 < steady < 30.0
-    assert rate.per_s([(100.0, 1.0)]) == pytest.approx(steady)  # running, within its work at this rate: not counted
-    assert rate.per_s([(10.0, 5.0)]) == pytest.approx((rate.work + 10.0) / (rate.busy_s + 5.0))  # running over: counted
+    assert rate.rates([(100.0, {1: 1.0})]).at(1) == pytest.approx(steady)  # running, within its work at this rate
+    counted = (rate.work[1] + 10.0) / (rate.busy_s[1] + 5.0)
+    assert rate.rates([(10.0, {1: 5.0})]).at(1) == pytest.approx(counted)  # running over: counted as it stands
+
+
+def test_the_rate_is_measured_per_number_running_and_the_others_are_read_conservatively():
+    """A batching engine serves more per second with more running: R(n) is kept per n. Between
+    two measured n, the line between them; above the largest, no more than it; below the
+    smallest m, R(m) n / m (one request alone is served at least as fast as each of m)."""
+    rate = ServiceRate(time_constant_s=math.inf)
+    rate.served(100.0, {2: 5.0})  # at 2 running: 20/s
+    rate.served(300.0, {6: 7.5})  # at 6 running: 40/s
+    rate.served(60.0, {2: 1.0, 6: 2.0})  # a request that ran at both: its work split as its time was (20 and 40 units)
+    rates = rate.rates()
+    assert rates.at(2) == pytest.approx(120 / 6) and rates.at(6) == pytest.approx(340 / 9.5)
+    assert rates.at(4) == pytest.approx((rates.at(2) + rates.at(6)) / 2)
+    assert rates.at(1) == pytest.approx(rates.at(2) / 2) and rates.at(16) == pytest.approx(rates.at(6))
+    assert Rates({1: 10.0}).served({1: 2.0, 3: 1.0}) == pytest.approx(30.0)
 
 
 async def test_requests_running_together_share_the_rate():
@@ -90,7 +100,7 @@ async def test_requests_running_together_share_the_rate():
     clock.now += 20.0  # four at once, 100 units each in 20 s: 20 units/s in all
     for t in tickets:
         a.finish(t, completed=True)
-    assert a.rate.per_s() == pytest.approx(20.0)
+    assert a.rate.rates().measured == pytest.approx({4: 20.0})
 
 
 async def test_before_any_request_finished_one_is_admitted_at_a_time():
@@ -106,43 +116,25 @@ async def test_before_any_request_finished_one_is_admitted_at_a_time():
     assert a.admit(UNIT) and a.admit(UNIT)  # measured: 20/s
 
 
-async def test_until_its_estimates_error_is_measured_one_request_is_admitted_at_a_time():
+async def test_once_the_rate_is_measured_a_burst_that_fits_is_admitted_whole():
+    """Right after one request measured the rate, as many as will all finish within the deadline
+    are admitted at once; the next is refused."""
     clock = Clock()
-    a, refused = admission(clock, error=EstimateError(min_samples=3))
-    for n in range(4):  # the first measures the rate; the next three, each estimated, the error
-        ticket = a.admit(UNIT)
-        await a.start(ticket)
-        with pytest.raises(Overloaded) as info:
-            a.admit(UNIT)
-        assert refused[-1] == Refusal.CALIBRATING
-        if n:  # estimated at 10 s, it has 10 s to go: retry then
-            assert ticket.estimated_s == pytest.approx(10.0) and info.value.retry_after == 10
-        clock.now += 10.0
-        a.finish(ticket, completed=True)
-    assert a.error.calibrated and a.error.factor == 1.0
-    assert a.admit(UNIT) and a.admit(UNIT)  # now side by side: 10 and 20 s
-
-
-async def test_then_no_more_run_at_once_than_have_finished_under_an_estimate():
-    """The first errors are measured on requests alone; each further request at once waits for one
-    more measurement, so a burst right after calibration cannot outrun what has been seen."""
-    clock = Clock()
-    a, refused = admission(clock, deadline_s=1000.0, error=EstimateError(min_samples=3))
-    for _ in range(4):  # the rate, then three estimates checked, one at a time
-        ticket = a.admit(UNIT)
-        await a.start(ticket)
-        clock.now += 10.0
-        a.finish(ticket, completed=True)
-    held = [a.admit(UNIT) for _ in range(3)]
+    a, refused = await measured(clock, rate=10.0)  # 100 units take 10 s; nothing measured at more running
+    burst = [a.admit(UNIT) for _ in range(3)]  # at 10/s in all (no gain from batching assumed): 30 s
+    assert [t.estimated_s for t in burst] == pytest.approx([30.0] * 3)
     with pytest.raises(Overloaded):
         a.admit(UNIT)
-    assert refused == [Refusal.CALIBRATING] and a.error.calibrated
-    await a.start(held[0])
-    clock.now += 5.0
-    a.finish(held[0], completed=True)  # a fourth estimate checked: four at once from now on
-    assert a.admit(UNIT) and a.admit(UNIT)
-    with pytest.raises(Overloaded):
-        a.admit(UNIT)
+    assert refused == [Refusal.DEADLINE]
+
+
+async def test_a_rate_measured_at_more_running_admits_a_bigger_burst():
+    clock = Clock()
+    a, refused = admission(clock)
+    a.rate = ServiceRate(time_constant_s=math.inf, work={1: 100.0, 8: 400.0}, busy_s={1: 10.0, 8: 10.0})  # 10/s and 40/s
+    burst = [a.admit(UNIT) for _ in range(8)]  # 800 units at 40/s: 20 s
+    assert burst[-1].estimated_s == pytest.approx(20.0)
+    assert not refused
 
 
 async def test_without_a_deadline_the_queue_bounds_what_is_admitted():
@@ -168,16 +160,16 @@ async def test_a_request_that_would_finish_past_the_deadline_is_refused_with_the
     for t in tickets:
         await a.start(t)
     clock.now += 10.0  # each has had a third of the server: 33 of its 100 units, none finished, none overdue
-    assert a.rate.per_s() == pytest.approx(10.0) and a.expected_wait_s() == pytest.approx(200 / 10)
+    assert a.service_rate() == pytest.approx(10.0) and a.expected_wait_s() == pytest.approx(200 / 10)
     with pytest.raises(Overloaded) as info:
         a.admit(UNIT)  # the four sharing: the three done in 4 * 66.7 / 10 = 26.7 s, 36.7 s after their admission
     assert info.value.retry_after == 20  # when the three are done without it
-    clock.now += 26.0  # none done: each has had 12 s of the server, more than 100 units take at 10/s
-    assert a.service_rate() == pytest.approx((100 + 300) / (10 + 36))  # they count as they stand: the rate falls
+    clock.now += 26.0  # none done: each has had 12 s of the server at 3 running, more than 100 units take at 10/s
+    assert a.service_rate() == pytest.approx(300 / 36)  # they count as they stand: the rate at 3 running falls
     for t in tickets:
         a.finish(t, completed=True)
-    assert a.rate.per_s() == pytest.approx((100 + 300) / (10 + 36))
-    assert a.admit(UNIT).estimated_s == pytest.approx(100 / (400 / 46))
+    assert a.rate.rates().at(3) == pytest.approx(300 / 36) and a.rate.rates().at(1) == pytest.approx(10.0)
+    assert a.admit(UNIT).estimated_s == pytest.approx(10.0)  # alone, at the rate measured alone
 
 
 async def test_the_rate_holds_while_requests_run_within_their_estimate():
@@ -193,19 +185,19 @@ async def test_the_rate_holds_while_requests_run_within_their_estimate():
         assert a.service_rate() == pytest.approx(10.0)
     for t in tickets:
         a.finish(t, completed=True)
-    assert a.rate.per_s() == pytest.approx(10.0)
+    assert a.rate.rates().at(4) == pytest.approx(10.0)
 
 
-async def test_a_completed_request_counts_the_tokens_it_generated_not_its_max_tokens():
-    """Short answers do not make the rate look faster than it is; estimates stay at max_tokens."""
+async def test_a_completed_request_counts_the_work_it_was_served_not_its_estimate():
+    """A short answer does not make the rate look faster than it is."""
     clock = Clock()
     a, _ = admission(clock, deadline_s=None)
-    ticket = a.admit(RequestCost(prompt_tokens=100, max_tokens=100, llm_calls=1))  # 110 units estimated
+    ticket = a.admit(RequestCost(work=110.0))
     await a.start(ticket)
     clock.now += 6.0
-    a.finish(ticket, completed=True, tokens_generated=20)  # 10 + 20 units served
-    assert a.rate.per_s() == pytest.approx(30 / 6)
-    assert a.admit(RequestCost(prompt_tokens=100, max_tokens=100, llm_calls=1)).estimated_s == pytest.approx(110 / 5)
+    a.finish(ticket, completed=True, served_work=30.0)
+    assert a.rate.rates().at(1) == pytest.approx(30 / 6)
+    assert a.admit(RequestCost(work=110.0)).estimated_s == pytest.approx(110 / 5)
 
 
 async def test_a_request_waiting_for_a_slot_gets_no_share_until_one_frees():
@@ -220,8 +212,8 @@ async def test_a_request_waiting_for_a_slot_gets_no_share_until_one_frees():
     assert [t.estimated_s for t in (first, second, third)] == pytest.approx([20.0, 20.0, 30.0])
     clock.now += 10.0
     a.expected_wait_s()  # brings the shares up to now: the running two are half done
-    a.rate = ServiceRate(time_constant_s=math.inf, work=100.0, busy_s=10.0)  # still 10/s
-    fourth = a.admit(RequestCost(prompt_tokens=0, max_tokens=50, llm_calls=1))
+    a.rate = alone(10.0)  # still 10/s
+    fourth = a.admit(RequestCost(work=50.0))
     # the running two are done in 10 s; the third and the fourth then share until the fourth is
     # done, 10 s later, and the third has 50 units left alone: 5 s more (both counted from admission)
     assert third.estimated_s == pytest.approx(10.0 + 25) and fourth.estimated_s == pytest.approx(20.0)
@@ -250,7 +242,7 @@ async def test_a_request_that_starts_holds_up_the_running_ones_while_its_prompt_
     running = a.admit(UNIT)
     await a.start(running)
     clock.now += 9.0  # 10 units left: 1 s alone
-    joining = a.admit(RequestCost(prompt_tokens=300, max_tokens=20, llm_calls=1))  # a 30-unit prompt: 3 s
+    joining = a.admit(RequestCost.bounded(prompt_tokens=300, max_tokens=20, llm_calls=1))  # a 30-unit prompt: 3 s
     # then the two share: the running one's 10 units in 2 s; the joining one's last 10 alone in 1 s
     assert running.estimated_s == pytest.approx(9.0 + 3 + 2) and joining.estimated_s == pytest.approx(3 + 2 + 1.0)
 
@@ -260,13 +252,13 @@ async def test_a_request_is_refused_if_it_would_push_an_admitted_one_past_its_de
     early, though it would itself finish in time."""
     clock = Clock()
     a, refused = await measured(clock, rate=10.0)
-    big = a.admit(RequestCost(prompt_tokens=0, max_tokens=250, llm_calls=1))
+    big = a.admit(RequestCost(work=250.0))
     assert big.estimated_s == pytest.approx(25.0)  # alone
     await a.start(big)
     clock.now += 10.0
     a.expected_wait_s()  # brings the shares up to now: the big one has had 10 s
-    a.rate = ServiceRate(time_constant_s=math.inf, work=100.0, busy_s=10.0)  # still 10/s: 150 units left of the big one
-    small = RequestCost(prompt_tokens=0, max_tokens=50, llm_calls=1)
+    a.rate = alone(10.0)  # still 10/s: 150 units left of the big one
+    small = RequestCost(work=50.0)
     first = a.admit(small)  # shared: it finishes in 10 s, the big one in (50 + 150) / 10 = 20 s, at its deadline
     assert first.estimated_s == pytest.approx(10.0) and big.estimated_s == pytest.approx(30.0)
     with pytest.raises(Overloaded) as info:
@@ -279,50 +271,68 @@ async def test_an_admitted_request_expected_late_holds_admission_until_it_finish
     """Admitting more would only make it later; Retry-After is when it should be done."""
     clock = Clock()
     a, refused = await measured(clock, rate=10.0)
-    big = a.admit(RequestCost(prompt_tokens=0, max_tokens=250, llm_calls=1))
+    big = a.admit(RequestCost(work=250.0))
     await a.start(big)
     clock.now += 20.0
     a.expected_wait_s()
-    a.rate = ServiceRate(time_constant_s=math.inf, work=100.0, busy_s=10.0)  # 10/s, but only 50 units done in 20 s:
-    big.attention_s = 5.0  # 200 left: 20 s more, past its deadline
+    a.rate = alone(10.0)  # 10/s, but only 50 units done in 20 s:
+    big.attention = {1: 5.0}  # 200 left: 20 s more, past its deadline
     with pytest.raises(Overloaded) as info:
-        a.admit(RequestCost(prompt_tokens=0, max_tokens=50, llm_calls=1))  # 10 s for itself
+        a.admit(RequestCost(work=50.0))  # 10 s for itself
     assert refused == [Refusal.DEADLINE] and info.value.retry_after == 20
 
 
-def test_the_estimate_error_is_a_high_quantile_of_took_over_estimated_and_never_below_one():
-    error = EstimateError(window=20, quantile=0.9, min_samples=5)
+def test_the_estimate_error_is_a_high_quantile_of_took_over_estimated_at_each_load():
+    error = EstimateError(window=20, quantile=0.9, min_samples=5, load_samples=5)
     for _ in range(4):
         error.observe(10.0, 30.0)
-    assert error.factor == 1.0  # too few to say
+    assert error.factor(1) == 1.0  # too few to say
     error.observe(10.0, 30.0)
-    assert error.factor == pytest.approx(3.0)
+    assert error.factor(1) == pytest.approx(3.0)
     for took in range(1, 21):  # the window now holds ratios 0.1 .. 2.0; the 90th percentile is 1.8
         error.observe(10.0, float(took))
-    assert len(error.ratios) == 20 and error.factor == pytest.approx(1.8)
+    assert len(error.ratios[1]) == 20 and error.factor(1) == pytest.approx(1.8)
     for _ in range(20):
-        error.observe(10.0, 5.0)  # finished sooner than estimated: estimates are not loosened
-    assert error.factor == 1.0
-    error.observe(0.01, 0.5)  # a tiny estimate counts as a second: ratio 0.5, not 50
-    assert max(error.ratios) == pytest.approx(0.5)
+        error.observe(10.0, 7.0)  # finished sooner than estimated: estimates are scaled down, to the slowest
+    assert error.factor(1) == pytest.approx(0.7)
+    for _ in range(20):
+        error.observe(10.0, 1.0)
+    assert error.factor(1) == pytest.approx(0.5)  # but never below half
+    error.observe(0.5, 20.0)  # an estimate under a second is not compared
+    assert error.factor(1) == pytest.approx(0.5)
+
+
+def test_a_load_not_measured_enough_takes_every_loads_worst_and_one_never_seen_more():
+    """An estimate made with 8 admitted is scaled by the error measured with 8 admitted, once
+    there are enough; before, by the largest of every load's, at least 1; and with more admitted
+    than any load measured, by half as much again."""
+    error = EstimateError(window=20, quantile=1.0, min_samples=3, load_samples=5)
+    for _ in range(5):
+        error.observe(10.0, 6.0, in_flight=1)  # alone: pessimistic
+        error.observe(10.0, 9.0, in_flight=8)  # with 8 admitted: pessimistic too
+    assert error.factor(1) == pytest.approx(0.6) and error.factor(8) == pytest.approx(0.9)
+    assert error.factor(4) == 1.0  # 4 admitted: not measured, and no load's worst is over 1
+    assert error.factor(9) == pytest.approx(1.5)  # 9: more than any measured
+    error.observe(10.0, 14.0, in_flight=2)
+    assert error.factor(4) == pytest.approx(1.4) and error.factor(1) == pytest.approx(0.6)
 
 
 async def test_requests_that_finished_later_than_estimated_make_admission_more_careful():
     clock = Clock()
-    a, refused = await measured(clock, rate=10.0, max_concurrency=1)  # 100 units take 10 s
+    a, refused = await measured(clock, rate=10.0, max_concurrency=1, error=EstimateError(load_samples=10))  # 100 units: 10 s
     for _ in range(10):  # each estimated at 10 s (alone), each takes 20 s: twice as long
         ticket = a.admit(UNIT)
         await a.start(ticket)
         assert ticket.estimated_s == pytest.approx(10.0)
         clock.now += 20.0
         a.finish(ticket, completed=True)
-        a.rate = ServiceRate(time_constant_s=math.inf, work=UNIT.work, busy_s=UNIT.work / 10.0)  # only the error changes
-    assert a.error.factor == pytest.approx(2.0)
+        a.rate = alone(10.0)  # only the error changes
+    assert a.error.factor(1) == pytest.approx(2.0) and a.error.factor(2) == pytest.approx(3.0)  # never seen: 1.5x more
     assert a.admit(UNIT)  # 10 s estimated, 20 s scaled: within 30
     assert a.expected_wait_s() == pytest.approx(20.0)
     with pytest.raises(Overloaded) as info:
-        a.admit(UNIT)  # after the first, in its one slot: 20 s estimated would pass; 40 s scaled does not
-    assert refused == [Refusal.DEADLINE] and info.value.retry_after == 10  # the first then has 10 s (scaled) to go
+        a.admit(UNIT)  # after the first, in its one slot: 20 s estimated would pass; 60 s scaled (2 admitted) does not
+    assert refused == [Refusal.DEADLINE] and info.value.retry_after == 30  # it would fit 30 s later
 
 
 async def test_the_error_scales_the_whole_estimate_as_it_was_measured():
@@ -331,13 +341,13 @@ async def test_the_error_scales_the_whole_estimate_as_it_was_measured():
     1.6x, is expected at 32 s, past a 30 s deadline (12 + 1.6 * 8 = 24.8 s would pass)."""
     clock = Clock()
     a, refused = await measured(clock, rate=10.0)
-    big = a.admit(RequestCost(prompt_tokens=0, max_tokens=200, llm_calls=1))
+    big = a.admit(RequestCost(work=200.0))
     await a.start(big)
     clock.now += 12.0  # 120 units done: 8 s to go alone
-    a.error.observe(10.0, 16.0)
-    assert a.error.factor == pytest.approx(1.6)
+    a.error.ratios[2].append(1.6)  # with two admitted, estimates have run 1.6x long
+    assert a.error.factor(2) == pytest.approx(1.6)
     with pytest.raises(Overloaded):
-        a.admit(RequestCost(prompt_tokens=0, max_tokens=1, llm_calls=1))
+        a.admit(RequestCost(work=1.0))
     assert refused == [Refusal.DEADLINE]
 
 
@@ -346,16 +356,16 @@ async def test_admission_plans_to_finish_within_the_deadline_less_its_margin():
     a, refused = await measured(clock, rate=10.0, margin=0.1)  # plans for 27 of the 30 s
     a.admit(UNIT)
     with pytest.raises(Overloaded):
-        a.admit(RequestCost(prompt_tokens=0, max_tokens=180, llm_calls=1))  # shared: 20 + 8 = 28 s
+        a.admit(RequestCost(work=180.0))  # shared: 20 + 8 = 28 s
     assert refused == [Refusal.DEADLINE]
-    assert a.admit(RequestCost(prompt_tokens=0, max_tokens=170, llm_calls=1)).estimated_s == pytest.approx(27.0)
+    assert a.admit(RequestCost(work=170.0)).estimated_s == pytest.approx(27.0)
 
 
 async def test_a_bigger_request_is_refused_where_a_smaller_one_is_admitted():
     clock = Clock()
     a, refused = await measured(clock, rate=10.0)
-    a.admit(RequestCost(prompt_tokens=0, max_tokens=200, llm_calls=1))  # 20 s of work ahead
-    big = RequestCost(prompt_tokens=1000, max_tokens=100, llm_calls=1)  # 200 units: 40 s in all
+    a.admit(RequestCost(work=200.0))  # 20 s of work ahead
+    big = RequestCost(work=200.0)  # 40 s in all
     with pytest.raises(Overloaded):
         a.admit(big)
     assert a.admit(UNIT)  # 30 s in all
@@ -397,7 +407,7 @@ async def test_the_service_a_cancelled_request_took_is_lost():
     await a.start(ticket)
     clock.now += 2.0
     a.finish(ticket, completed=False)
-    assert a.rate.per_s() == pytest.approx(100 / 12)  # two busy seconds with no work done
+    assert a.rate.rates().at(1) == pytest.approx(100 / 12)  # two busy seconds with no work done
     a.finish(ticket, completed=False)  # finishing twice is harmless
     assert a.n_running == 0 and a.n_waiting == 0
     await asyncio.wait_for(a.drain(), 1)
@@ -518,7 +528,7 @@ async def test_on_the_tiny_model_a_request_past_the_deadline_gets_429_at_once():
     long = {"query": "Tell me everything about the Nile", "max_tokens": 24}
     try:
         async with client:
-            for _ in range(ERROR_MIN_SAMPLES + 1):  # idle: admitted whatever the deadline; they measure the rate and error
+            for _ in range(3):  # idle: admitted whatever the deadline; they measure the rate and error
                 warm = await client.post("/v1/rag/query", json={"query": "warm up", "max_tokens": 4})
                 assert warm.status_code == 200
             running = asyncio.create_task(client.post("/v1/rag/query", json=long))
@@ -546,7 +556,7 @@ async def test_streamed_requests_are_admitted_and_measured_like_the_others():
             assert response.status_code == 200
             raw = "".join([chunk async for chunk in response.aiter_text()])
         assert "event: result" in raw
-        assert admission.n_running == admission.n_waiting == 0 and admission.rate.per_s() is not None
+        assert admission.n_running == admission.n_waiting == 0 and admission.rate.rates()
         async with client.stream(
             "POST",
             "/v1/chat/completions",

@@ -74,3 +74,27 @@ async def test_a_user_whose_start_comes_after_the_end_sends_nothing():
         report = await soak(SoakConfig(url=f"http://{host}:{port}", users=2, duration_s=0.5, ramp_s=2.0), ["q?"])
     assert report.answered > 0 and not report.failures
     assert report.answered == report.requests  # one user, one request at a time: nothing refused
+
+
+async def test_pipelines_are_taken_in_turn_and_each_answer_keeps_its_pipeline():
+    with serving_on_fakes(delay=0.05, max_connections=64, timeout_s=60) as (host, port):
+        config = SoakConfig(url=f"http://{host}:{port}", users=1, duration_s=1.0, ramp_s=0, pipelines=("naive", "hyde"))
+        report = await soak(config, ["q?"])
+    pipelines = [a.pipeline for a in report.answers]
+    assert len(pipelines) >= 2 and pipelines[:2] == ["naive", "hyde"] and set(pipelines) == {"naive", "hyde"}
+    assert all(a.seconds > 0 for a in report.answers) and len(report.answers) == report.answered
+
+
+async def test_a_burst_sends_one_request_per_user_at_once_and_counts_what_was_in_flight_at_each_429():
+    # two slots, no queue (no deadline): of a burst of five, three are refused, each with what was sent before it in flight
+    slots = {"max_concurrency": 2, "max_queue": 0, "admission_deadline_s": None}
+    with serving_on_fakes(delay=0.3, max_connections=64, timeout_s=60, scheduler=slots) as (
+        host,
+        port,
+    ):
+        config = SoakConfig(url=f"http://{host}:{port}", users=5, duration_s=0.0, ramp_s=0, once=True)
+        report = await soak(config, ["q?"])
+    assert report.requests == 5 and report.answered == 2 and report.refused == 3
+    assert all(r.reason == "queue_full" for r in report.refusals)
+    assert {r.in_flight for r in report.refusals} <= set(range(5)) and max(r.in_flight for r in report.refusals) >= 2
+    assert "answers" not in report.to_dict() and report.to_dict()["answered"] == 2

@@ -1,0 +1,250 @@
+"""`telerag bench admission`: the same load against the same server under three admission
+policies, side by side, scored by goodput (answers within the deadline per second, DistServe's
+measure) beside throughput, latency and refusals.
+
+- `deadline`: this server's admission (`scheduler.admission_deadline_s`), whose promise is that
+  an accepted request finishes within the deadline (its p99);
+- `none`: everything admitted and queued (vLLM's and SGLang's way): no refusal, no bound on latency;
+- `fixed-N`: at most N requests in flight, the rest refused at once (TGI's
+  `--max-concurrent-requests`), N swept.
+
+Each policy is a `telerag serve` of its own (started, warmed up and ready before it is measured,
+stopped after), with the same settings otherwise; the policy is its settings, so switching it
+means a restart. Against each: bursts on the idle server (`bursts` requests sent at once, each
+burst waited for), then each number of `users` for `duration_s` (`benchmarks.soak`: closed-loop
+users that honour `Retry-After`). A refusal is a *burst refusal* when this run had fewer requests
+in flight than the capacity, the N of the fixed policy with the best goodput at that load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+
+import httpx
+import numpy as np
+
+from telerag.benchmarks.soak import Answer, SoakConfig, SoakReport, soak
+
+READY_TIMEOUT_S = 1800.0  # a first start builds the datastore and converts the model
+QUEUE_WITHOUT_BOUND = 1_000_000  # `none`: no refusal
+
+
+@dataclass(frozen=True)
+class Policy:
+    """An admission policy: `deadline`, `none` or `fixed` (with `n` in flight)."""
+
+    kind: str
+    n: int | None = None
+
+    @property
+    def name(self) -> str:
+        return f"fixed-{self.n}" if self.kind == "fixed" else self.kind
+
+    def environment(self, deadline_s: float) -> dict[str, str]:
+        """The settings that make it (the rest as the server is configured)."""
+        prefix = "TELERAG_SCHEDULER__"
+        if self.kind == "deadline":
+            return {f"{prefix}ADMISSION_DEADLINE_S": str(deadline_s)}
+        if self.kind == "none":
+            return {f"{prefix}ADMISSION_DEADLINE_S": "null", f"{prefix}MAX_QUEUE": str(QUEUE_WITHOUT_BOUND)}
+        return {f"{prefix}ADMISSION_DEADLINE_S": "null", f"{prefix}MAX_CONCURRENCY": str(self.n), f"{prefix}MAX_QUEUE": "0"}
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    policies: tuple[Policy, ...]
+    users: tuple[int, ...] = (4, 16, 64)
+    bursts: tuple[int, ...] = (8, 16)
+    duration_s: float = 90.0
+    ramp_s: float = 10.0
+    pipelines: tuple[str, ...] = ("naive",)
+    max_tokens: int = 64
+    deadline_s: float = 30.0  # the deadline that goodput counts against, and the `deadline` policy's
+    serve_args: tuple[str, ...] = ()  # more `telerag serve` arguments (--config, --model, --datastore, ...)
+    timeout_s: float = 600.0  # a request not answered in this long is a failure
+
+
+@dataclass
+class AdmissionRow:
+    mode: str
+    users: int  # the number of users, or of requests in a burst
+    burst: bool  # the requests were sent at once to an idle server
+    requests: int
+    answered: int
+    answered_per_s: float
+    goodput_per_s: float  # answered within the deadline, per second
+    latency_ms_p50: float | None
+    latency_ms_p99: float | None
+    refused: int
+    refused_burst: int  # refusals while fewer requests than the capacity were in flight
+    past_deadline: int  # answered, but later than the deadline
+    past_1_2_deadline: int  # answered later than 1.2 times the deadline
+    failures: int
+    refused_ms_p99: float | None
+    slowest_ms: dict[str, float] = field(default_factory=dict)  # the slowest answer of each pipeline
+
+
+@dataclass
+class AdmissionReport:
+    config: AdmissionConfig
+    rows: list[AdmissionRow]
+    capacity: dict[int, int]  # users -> the fixed N with the best goodput at that load
+
+    def to_dict(self) -> dict:
+        config = asdict(self.config)
+        config["policies"] = [p.name for p in self.config.policies]
+        return {"config": config, "capacity": self.capacity, "rows": [asdict(r) for r in self.rows]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(config: AdmissionConfig, policy: Policy, log: Callable[[str], None]) -> Iterator[str]:
+    """`telerag serve` with `policy`, ready; its URL. Stopped (SIGTERM, then killed) on exit."""
+    port = _free_port()
+    env = {**os.environ, **policy.environment(config.deadline_s), "TELERAG_SERVER__PORT": str(port)}
+    command = [sys.executable, "-m", "telerag.cli", "serve", *config.serve_args]
+    with tempfile.TemporaryFile() as output:
+        process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            started = time.monotonic()
+            while True:
+                if process.poll() is not None:
+                    output.seek(0)
+                    tail = output.read().decode(errors="replace")[-3000:]
+                    raise RuntimeError(f"telerag serve ({policy.name}) exited with {process.returncode}:\n{tail}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                        break
+                if time.monotonic() - started > READY_TIMEOUT_S:
+                    raise RuntimeError(f"telerag serve ({policy.name}) was not ready in {READY_TIMEOUT_S:g} s")
+                time.sleep(0.5)
+            log(f"{policy.name}: ready in {time.monotonic() - started:.0f} s")
+            yield url
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+async def _burst(url: str, config: AdmissionConfig, size: int, questions: Sequence[str]) -> SoakReport:
+    """`size` requests sent at once to an idle server, as `size` users each sending one."""
+    soak_config = SoakConfig(url=url, users=size, duration_s=0.0, pipelines=config.pipelines,
+                             max_tokens=config.max_tokens, timeout_s=config.timeout_s, ramp_s=0.0, once=True)  # fmt: skip
+    return await soak(soak_config, questions)
+
+
+def _percentile_ms(values: Sequence[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) * 1e3 if values else None
+
+
+def _row(policy: Policy, users: int, burst: bool, report: SoakReport, seconds: float, deadline_s: float) -> AdmissionRow:
+    latencies = [a.seconds for a in report.answers]
+    slowest: dict[str, float] = {}
+    for answer in report.answers:
+        slowest[answer.pipeline] = max(slowest.get(answer.pipeline, 0.0), answer.seconds * 1e3)
+    return AdmissionRow(
+        mode=policy.name,
+        users=users,
+        burst=burst,
+        requests=report.requests,
+        answered=report.answered,
+        answered_per_s=report.answered / seconds,
+        goodput_per_s=_within(report.answers, deadline_s) / seconds,
+        latency_ms_p50=_percentile_ms(latencies, 50),
+        latency_ms_p99=_percentile_ms(latencies, 99),
+        refused=report.refused,
+        refused_burst=0,  # known once the capacity is
+        past_deadline=sum(s > deadline_s for s in latencies),
+        past_1_2_deadline=sum(s > 1.2 * deadline_s for s in latencies),
+        failures=sum(report.failures.values()),
+        refused_ms_p99=report.refused_p99_ms,
+        slowest_ms=slowest,
+    )
+
+
+def _within(answers: Sequence[Answer], deadline_s: float) -> int:
+    return sum(a.seconds <= deadline_s for a in answers)
+
+
+async def _measure(url: str, policy: Policy, config: AdmissionConfig, questions: Sequence[str],
+                   log: Callable[[str], None]) -> list[tuple[AdmissionRow, SoakReport]]:  # fmt: skip
+    measured = []
+    for size in config.bursts:
+        started = time.monotonic()
+        report = await _burst(url, config, size, questions)
+        seconds = time.monotonic() - started
+        measured.append((_row(policy, size, True, report, seconds, config.deadline_s), report))
+        log(f"{policy.name}: burst of {size}: {report.answered} answered, {report.refused} refused in {seconds:.1f} s")
+    for users in config.users:
+        soak_config = SoakConfig(url=url, users=users, duration_s=config.duration_s, pipelines=config.pipelines,
+                                 max_tokens=config.max_tokens, timeout_s=config.timeout_s, ramp_s=config.ramp_s)  # fmt: skip
+        report = await soak(soak_config, questions)
+        measured.append((_row(policy, users, False, report, report.duration_s, config.deadline_s), report))
+        log(f"{policy.name}: {users} users: {report.answered} answered, {report.refused} refused")
+    return measured
+
+
+def run_admission_study(config: AdmissionConfig, questions: Sequence[str], log: Callable[[str], None] = print) -> AdmissionReport:
+    """Every policy against its own server, each measured at every burst and load."""
+    measured: list[tuple[AdmissionRow, SoakReport]] = []
+    for policy in config.policies:
+        with serving(config, policy, log) as url:
+            measured += asyncio.run(_measure(url, policy, config, questions, log))
+    capacity = {}
+    for users in {*config.users, *config.bursts}:
+        fixed = [(row.goodput_per_s, int(row.mode.removeprefix("fixed-"))) for row, _ in measured
+                 if row.mode.startswith("fixed-") and row.users == users]  # fmt: skip
+        if fixed:
+            capacity[users] = max(fixed)[1]
+    for row, report in measured:
+        if row.users in capacity:
+            row.refused_burst = sum(r.in_flight < capacity[row.users] for r in report.refusals)
+    return AdmissionReport(config=config, rows=[row for row, _ in measured], capacity=capacity)
+
+
+def format_table(report: AdmissionReport) -> str:
+    """One line per policy and load, under a header naming the deadline and the pipelines."""
+
+    def num(value: float | None, digits: int = 0) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    config = report.config
+    lines = [
+        f"deadline {config.deadline_s:g} s, pipelines {','.join(config.pipelines)}, max_tokens {config.max_tokens}, "
+        f"{config.duration_s:g} s a load; capacity (best fixed N by goodput): "
+        + (", ".join(f"{u} users: {n}" for u, n in sorted(report.capacity.items())) or "-"),
+        f"{'mode':<10}{'load':>10}{'requests':>9}{'answered/s':>11}{'goodput/s':>10}{'p50 ms':>9}{'p99 ms':>9}"
+        f"{'refused':>8}{'in burst':>9}{'late':>6}{'>1.2x':>6}{'failed':>7}",
+    ]
+    for r in report.rows:
+        load = f"burst {r.users}" if r.burst else f"{r.users} users"
+        lines.append(
+            f"{r.mode:<10}{load:>10}{r.requests:>9}{r.answered_per_s:>11.2f}{r.goodput_per_s:>10.2f}"
+            f"{num(r.latency_ms_p50):>9}{num(r.latency_ms_p99):>9}{r.refused:>8}{r.refused_burst:>9}"
+            f"{r.past_deadline:>6}{r.past_1_2_deadline:>6}{r.failures:>7}"
+        )
+    return "\n".join(lines)
+
+
+def policies(kinds: Sequence[str], fixed: Sequence[int]) -> tuple[Policy, ...]:
+    """The policies `kinds` names (`fixed` once per N of `fixed`), fixed ones first."""
+    chosen = [Policy("fixed", n) for n in fixed] if "fixed" in kinds else []
+    return (*chosen, *(Policy(kind) for kind in ("none", "deadline") if kind in kinds))

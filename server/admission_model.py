@@ -1,0 +1,153 @@
+"""What admission measures: the server's service rate at each number of requests running, and the
+error of the finishes it estimated from it (see `server/admission.py` for how both are used).
+
+A batching engine serves more per second the more requests it runs at once (one decode step
+serves every row), so the rate is measured per number running, R(n), in work units per second of
+the whole server (`workload`). Each running request accrues its share of the server's time at
+each n (dt / n while n run); when it ends, the work it was served is split over the n it ran at
+in proportion to those shares, and R(n) is the work so counted at n over the shares at n, both
+summed with weights that decay with time. A request's work counts with the server time that
+served it, not with all the time the server was busy, so the rate does not jump when several
+finish together; a running request that has had more time than its work takes at the measured
+rates is counted as it stands, so a request that runs over, or a stalled engine, lowers the rate
+before it ends.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+RATE_TIME_CONSTANT_S = 120.0  # how long the measured rates remember
+ERROR_WINDOW = 100  # completed requests whose estimate error is remembered, at each load
+ERROR_QUANTILE = 1.0  # of that error, what scales an estimate: the largest, so that the next request, if its error
+# is like theirs, has odds of 1 in ERROR_WINDOW + 1 to be larger (the promise is the accepted p99)
+ERROR_MIN_SAMPLES = 3  # below this many in all, estimates are not scaled (from 3 on, the largest of few is near their worst)
+ERROR_LOAD_SAMPLES = 8  # a load's own error scales its estimates from this many on (the warm-up's burst measures as
+# many at 8 admitted); before, every load's worst, at least 1. On the simulated load (tests/test_admission_load.py, 12
+# runs) no accepted request finished past the deadline with 8, 12 or 20 (p99 at most 26.5, 25.4, 25.4 s of 30)
+UNSEEN_LOAD_FACTOR = 1.5  # more requests admitted than at any load with ERROR_MIN_SAMPLES measured: estimates x 1.5
+# (on the simulated load, estimates at 15 admitted ran 1.3-1.5x long where the warm-up had measured 8 at 0.4-0.6x)
+ERROR_FLOOR = 0.5  # estimates that proved pessimistic are scaled down, but never below half
+ERROR_MIN_ESTIMATE_S = 1.0  # a shorter estimate is not compared (a 0.1 s estimate that took 0.5 s says little about 30 s)
+
+Attention = Mapping[int, float]  # seconds of the whole server a request has had, by the number running then
+
+
+@dataclass(frozen=True)
+class Rates:
+    """R(n) for every n, from the measured ones: a measured n's own; between two measured ones,
+    the line between them; above the largest measured, its rate (no more gain from batching is
+    assumed than was seen); below the smallest measured m, R(m) n / m (a request alone is served
+    at least as fast as one of m). Empty (no n measured): nothing is known."""
+
+    measured: Mapping[int, float]
+
+    def __bool__(self) -> bool:
+        return bool(self.measured)
+
+    def at(self, n: int) -> float:
+        known = sorted(self.measured)
+        if n in self.measured:
+            return self.measured[n]
+        if n < known[0]:
+            return self.measured[known[0]] * n / known[0]
+        if n > known[-1]:
+            return self.measured[known[-1]]
+        below = max(k for k in known if k < n)
+        above = min(k for k in known if k > n)
+        low, high = self.measured[below], self.measured[above]
+        return low + (high - low) * (n - below) / (above - below)
+
+    def served(self, attention: Attention) -> float:
+        """The work a request with this `attention` has been served at these rates."""
+        return sum(self.at(n) * seconds for n, seconds in attention.items())
+
+
+@dataclass
+class ServiceRate:
+    """R(n), the work units per second of the whole server with n requests running, as measured
+    on the requests that ended (see the module's docstring)."""
+
+    time_constant_s: float = RATE_TIME_CONSTANT_S
+    work: dict[int, float] = field(default_factory=dict)  # by n running
+    busy_s: dict[int, float] = field(default_factory=dict)
+
+    def advance(self, dt: float) -> None:
+        decay = math.exp(-dt / self.time_constant_s)
+        for n in self.work:
+            self.work[n] *= decay
+            self.busy_s[n] *= decay
+
+    def served(self, work: float, attention: Attention) -> None:
+        """A request ended having been served `work` units over `attention`."""
+        for n, share, seconds in _split(work, attention):
+            self.work[n] = self.work.get(n, 0.0) + share
+            self.busy_s[n] = self.busy_s.get(n, 0.0) + seconds
+
+    def rates(self, running: Iterable[tuple[float, Attention]] = ()) -> Rates:
+        """The rates, given the (expected work, attention) of the requests running: one that has
+        had more time than its work takes at the rates of the ended ones counts as it stands."""
+        ended = Rates({n: self.work[n] / s for n, s in self.busy_s.items() if s > 0 and self.work[n] > 0})
+        if not ended:
+            return ended
+        work, busy_s = dict(self.work), dict(self.busy_s)
+        for their_work, attention in running:
+            if their_work < ended.served(attention):
+                for n, share, seconds in _split(their_work, attention):
+                    work[n] = work.get(n, 0.0) + share
+                    busy_s[n] = busy_s.get(n, 0.0) + seconds
+        return Rates({n: work[n] / s for n, s in busy_s.items() if s > 0 and work[n] > 0})
+
+
+def _split(work: float, attention: Attention) -> list[tuple[int, float, float]]:
+    """`work` split over the n of `attention` in proportion to the time at each: (n, work, seconds)."""
+    total = sum(attention.values())
+    if total <= 0:
+        return []
+    return [(n, work * seconds / total, seconds) for n, seconds in attention.items() if seconds > 0]
+
+
+@dataclass
+class EstimateError:
+    """How much later than estimated the recent requests finished: the ratio of each completed
+    request's time from admission to finish over its unscaled estimate, the last `window` at each
+    load (the requests admitted, itself included, when it was last estimated).
+
+    The model errs differently at different loads (it reads unmeasured rates conservatively; the
+    more requests join, the more their prefills hold up the running ones), so an estimate is
+    scaled by the error at its own load once `load_samples` are measured there: their `quantile`,
+    at least `floor` (below 1 where even the slowest finished sooner than estimated: refusing on a
+    pessimistic model costs answers for nothing). Before, by the quantile of every load's, at least
+    1 (1 until `min_samples` are in); and a load above every one with `min_samples` measured, one
+    the window has never seen, by `UNSEEN_LOAD_FACTOR` more."""
+
+    window: int = ERROR_WINDOW
+    quantile: float = ERROR_QUANTILE
+    min_samples: int = ERROR_MIN_SAMPLES
+    load_samples: int = ERROR_LOAD_SAMPLES
+    floor: float = ERROR_FLOOR
+    ratios: dict[int, deque[float]] = field(default_factory=dict)  # by requests admitted
+
+    def observe(self, estimated_s: float, took_s: float, in_flight: int = 1) -> None:
+        if estimated_s < ERROR_MIN_ESTIMATE_S:
+            return
+        self.ratios.setdefault(in_flight, deque(maxlen=self.window)).append(took_s / estimated_s)
+
+    def factor(self, in_flight: int = 1) -> float:
+        """What an estimate made with `in_flight` requests admitted is multiplied by."""
+        own = self.ratios.get(in_flight, ())
+        if len(own) >= self.load_samples:
+            return max(self.floor, _quantile(sorted(own), self.quantile))
+        pooled = sorted(r for ratios in self.ratios.values() for r in ratios)
+        if len(pooled) < self.min_samples:
+            return 1.0
+        factor = max(1.0, _quantile(pooled, self.quantile))
+        seen = max((n for n, ratios in self.ratios.items() if len(ratios) >= self.min_samples), default=0)
+        return factor * UNSEEN_LOAD_FACTOR if in_flight > seen else factor
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]

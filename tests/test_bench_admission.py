@@ -1,0 +1,45 @@
+"""`telerag bench admission` end to end on the tiny model: a server of its own per policy, bursts
+and loads against each, rows that say what the policies did, and the capacity that names the
+burst refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from telerag.benchmarks.admission import Policy, policies
+from telerag.cli.main import main
+from tests.serving import build_small_datastore, save_tiny_lm
+from tests.tiny_models import tiny_embedder_dir
+
+
+def test_each_policy_is_settings_of_the_server():
+    assert Policy("deadline").environment(30.0) == {"TELERAG_SCHEDULER__ADMISSION_DEADLINE_S": "30.0"}
+    assert Policy("none").environment(30.0)["TELERAG_SCHEDULER__ADMISSION_DEADLINE_S"] == "null"
+    fixed = Policy("fixed", 4).environment(30.0)
+    assert fixed["TELERAG_SCHEDULER__MAX_CONCURRENCY"] == "4" and fixed["TELERAG_SCHEDULER__MAX_QUEUE"] == "0"
+    assert [p.name for p in policies(["deadline", "none", "fixed"], [2, 8])] == ["fixed-2", "fixed-8", "none", "deadline"]
+
+
+@pytest.mark.slow  # three servers on the tiny model: about a minute
+def test_the_command_measures_every_policy_and_prints_a_table_and_one_json_line(tmp_path, capsys):
+    embedder = tiny_embedder_dir(32, 0)
+    serve = ["--model", str(save_tiny_lm(tmp_path / "lm")), "--embedder", str(embedder), "--device", "cpu",
+             "--datastore", str(build_small_datastore(tmp_path / "ds", embedder))]  # fmt: skip
+    argv = ["bench", "admission", "--modes", "deadline", "none", "fixed", "--fixed", "1", "--users", "3",
+            "--bursts", "3", "--seconds", "3", "--max-tokens", "4", "--json", "--", *serve]  # fmt: skip
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[1].split()[:3] == ["mode", "load", "requests"]
+    report = json.loads(lines[-1])
+    rows = {(r["mode"], r["burst"]): r for r in report["rows"]}
+    assert set(rows) == {(mode, burst) for mode in ("fixed-1", "none", "deadline") for burst in (True, False)}
+    assert report["capacity"] == {"3": 1}
+    burst = rows[("fixed-1", True)]  # one in flight at most: of three sent at once, two refused, at the capacity
+    assert burst["requests"] == 3 and burst["answered"] == 1 and burst["refused"] == 2 and burst["refused_burst"] == 0
+    assert rows[("none", True)]["answered"] == 3 and rows[("none", False)]["refused"] == 0
+    for row in report["rows"]:
+        assert row["failures"] == 0 and row["answered"] > 0
+        assert row["goodput_per_s"] <= row["answered_per_s"] + 1e-9
+        assert row["refused_burst"] <= row["refused"]

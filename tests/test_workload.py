@@ -1,0 +1,88 @@
+"""A request's expected cost: from what its pipeline's requests were served lately (a high
+quantile, its answers cut at its own max_tokens, its prompts scaled to its own), with a stated
+prior until enough are measured; and the work a request was served, read from its trace."""
+
+from __future__ import annotations
+
+import pytest
+
+from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH
+from telerag.pipelines.rag.self_rag import CRITIQUE, DECIDE_RETRIEVAL
+from telerag.pipelines.stats import PrefetchSummary, Timings
+from telerag.pipelines.types import RagResult, Step
+from telerag.server.workload import (
+    PREFILL_WEIGHT,
+    PRIOR_CALL_TOKENS,
+    PROFILE_MIN_SAMPLES,
+    CallOutput,
+    RequestCost,
+    ServedWork,
+    Workload,
+)
+from tests.scripted_pipelines import make, run
+
+
+def served(prompt: int, *outputs: tuple[int, bool]) -> ServedWork:
+    return ServedWork(prompt, tuple(CallOutput(tokens, answer) for tokens, answer in outputs))
+
+
+def test_the_served_work_is_read_from_the_trace_each_llm_call_with_its_prompt():
+    steps = [
+        Step(PREFETCH, "q", ms=1.0),
+        Step(DECIDE_RETRIEVAL, "q", tokens_in=50, tokens_out=2),
+        Step(SEARCH, "q"),
+        Step(CRITIQUE, "q", tokens_in=400, tokens_out=3),
+        Step(GENERATE, "q", tokens_in=450, tokens_out=30),
+    ]
+    result = RagResult("a", "self_rag", [], steps, Timings(), PrefetchSummary())
+    work = ServedWork.of(result)
+    assert work == served(900, (2, False), (3, False), (30, True))
+    assert work.work == pytest.approx(PREFILL_WEIGHT * 900 + 35)
+
+
+async def test_a_real_run_is_measured_with_every_call_it_made():
+    pipeline, _, _, log = make("iterative", judge="no")
+    result, _ = await run(pipeline)
+    work = ServedWork.of(result)
+    assert len(work.outputs) == sum(kind == "llm_start" for kind, _ in log)
+    assert [o.answer for o in work.outputs].count(True) == 1  # the streamed answer; the drafts are the judge's
+
+
+def test_until_enough_are_measured_the_prior_stands_in():
+    workload = Workload()
+    prior = workload.estimate("hyde", llm_calls=2, prompt_tokens=500, max_tokens=1024)
+    assert prior == RequestCost(work=2 * (PREFILL_WEIGHT * 500 + PRIOR_CALL_TOKENS), prefill_work=PREFILL_WEIGHT * 500)
+    assert workload.estimate("hyde", 2, 500, max_tokens=16).work == pytest.approx(2 * (50 + 16))  # never past max_tokens
+    for _ in range(PROFILE_MIN_SAMPLES - 1):
+        workload.observe("hyde", 500, served(600, (40, False), (20, True)))
+    assert workload.estimate("hyde", 2, 500, 1024) == prior
+    workload.observe("hyde", 500, served(600, (40, False), (20, True)))
+    measured = workload.estimate("hyde", 2, 500, 1024)
+    assert measured.work == pytest.approx(PREFILL_WEIGHT * 600 + 60) and measured.spread == 0.0
+
+
+def test_the_estimate_is_the_mean_and_a_high_quantile_of_the_recent_work_cut_at_max_tokens_and_scaled_to_the_prompt():
+    workload = Workload(window=10, quantile=0.9, min_samples=5)
+    for answer in range(10, 110, 10):  # answers of 10 .. 100 tokens, prompts of 400
+        workload.observe("naive", 400, served(400, (answer, True)))
+    cost = workload.estimate("naive", 1, 400, 1024)
+    assert cost.work == pytest.approx(40 + 55) and cost.work_among(1) == pytest.approx(40 + 91)  # mean; 90th percentile
+    assert workload.estimate("naive", 1, 400, 32).work_among(1) == pytest.approx(40 + 32)  # its own max_tokens bounds it
+    assert workload.estimate("naive", 1, 800, 1024).work_among(1) == pytest.approx(80 + 91)  # twice the passages
+    assert workload.estimate("hyde", 2, 400, 1024).work == pytest.approx(2 * (40 + PRIOR_CALL_TOKENS))  # its own pipeline's
+    for _ in range(10):  # the window keeps only the last
+        workload.observe("naive", 400, served(400, (10, True)))
+    assert workload.estimate("naive", 1, 400, 1024).work_among(1) == pytest.approx(50)
+
+
+def test_among_many_a_request_counts_its_share_of_the_spread_of_their_sum():
+    """n answers' lengths added spread sqrt(n) times as much as one: a burst of 9 is costed at
+    the mean plus a third of the spread each, not as if every answer were long."""
+    cost = RequestCost(work=60.0, spread=30.0)
+    assert cost.work_among(1) == pytest.approx(90.0) and cost.work_among(9) == pytest.approx(70.0)
+
+
+def test_calls_that_do_not_write_the_answer_are_not_cut_at_max_tokens():
+    workload = Workload(min_samples=1)
+    workload.observe("subquestion", 400, served(500, (90, False), (30, True)))  # a decomposition of 90 tokens
+    assert workload.estimate("subquestion", 2, 400, max_tokens=8).work == pytest.approx(50 + 90 + 8)
