@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from telerag.server.settings import packaged_config
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     config = AdmissionConfig(
         policies=policies(args.modes, args.fixed),
         users=tuple(args.users),

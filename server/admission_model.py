@@ -83,9 +83,7 @@ class ServiceRate:
 
     def served(self, work: float, attention: Attention) -> None:
         """A request ended having been served `work` units over `attention`."""
-        for n, share, seconds in _split(work, attention):
-            self.work[n] = self.work.get(n, 0.0) + share
-            self.busy_s[n] = self.busy_s.get(n, 0.0) + seconds
+        _count(self.work, self.busy_s, work, attention)
 
     def rates(self, running: Iterable[tuple[float, Attention]] = ()) -> Rates:
         """The rates, given the (expected work, attention) of the requests running: one that has
@@ -96,18 +94,18 @@ class ServiceRate:
         work, busy_s = dict(self.work), dict(self.busy_s)
         for their_work, attention in running:
             if their_work < ended.served(attention):
-                for n, share, seconds in _split(their_work, attention):
-                    work[n] = work.get(n, 0.0) + share
-                    busy_s[n] = busy_s.get(n, 0.0) + seconds
+                _count(work, busy_s, their_work, attention)
         return Rates({n: work[n] / s for n, s in busy_s.items() if s > 0 and work[n] > 0})
 
 
-def _split(work: float, attention: Attention) -> list[tuple[int, float, float]]:
-    """`work` split over the n of `attention` in proportion to the time at each: (n, work, seconds)."""
+def _count(work: dict[int, float], busy_s: dict[int, float], served: float, attention: Attention) -> None:
+    """Add a request's `served` work, split over the n of its `attention` in proportion to the
+    time at each, and that time."""
     total = sum(attention.values())
-    if total <= 0:
-        return []
-    return [(n, work * seconds / total, seconds) for n, seconds in attention.items() if seconds > 0]
+    for n, seconds in attention.items():
+        if seconds > 0:
+            work[n] = work.get(n, 0.0) + served * seconds / total
+            busy_s[n] = busy_s.get(n, 0.0) + seconds
 
 
 @dataclass

@@ -92,13 +92,14 @@ class AdmissionMetrics:
         )
         self.service_rate = Gauge(
             "telerag_admission_service_rate",
-            "work units the server completes per second of its time, as admission measures it (0 until a request completed)",
+            "work units the server completes per second with as many requests running as now, as admission measures it "
+            "(0 until a request completed)",
             registry=registry,
         )
         self.estimate_factor = Gauge(
             "telerag_admission_estimate_factor",
-            "what admission multiplies its estimates by: the largest of "
-            "recent requests' time to finish over their estimate, at least 1",
+            "what admission multiplies its estimates by at the load admitted now: the largest of recent requests' "
+            "time to finish over their estimate (at that load once measured there)",
             registry=registry,
         )
 
