@@ -8,16 +8,18 @@ each n (dt / n while n run); when it ends, the work it was served is split over 
 in proportion to those shares, and R(n) is the work so counted at n over the shares at n, both
 summed with weights that decay with time. A request's work counts with the server time that
 served it, not with all the time the server was busy, so the rate does not jump when several
-finish together; a running request that has had more time than its work takes at the measured
-rates is counted as it stands, so a request that runs over, or a stalled engine, lowers the rate
-before it ends.
+finish together. Only ended requests count: a running one that has had more time than its
+expected work is not counted as it stands (its work so far is unknown, and counting only its
+expected work dragged a rate measured on few requests to a fraction of itself, so that with one
+request running the next was refused in a real soak); what runs over shows in the error of its
+estimate when it ends (`EstimateError`).
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 RATE_TIME_CONSTANT_S = 120.0  # how long the measured rates remember
@@ -85,17 +87,8 @@ class ServiceRate:
         """A request ended having been served `work` units over `attention`."""
         _count(self.work, self.busy_s, work, attention)
 
-    def rates(self, running: Iterable[tuple[float, Attention]] = ()) -> Rates:
-        """The rates, given the (expected work, attention) of the requests running: one that has
-        had more time than its work takes at the rates of the ended ones counts as it stands."""
-        ended = Rates({n: self.work[n] / s for n, s in self.busy_s.items() if s > 0 and self.work[n] > 0})
-        if not ended:
-            return ended
-        work, busy_s = dict(self.work), dict(self.busy_s)
-        for their_work, attention in running:
-            if their_work < ended.served(attention):
-                _count(work, busy_s, their_work, attention)
-        return Rates({n: work[n] / s for n, s in busy_s.items() if s > 0 and work[n] > 0})
+    def rates(self) -> Rates:
+        return Rates({n: self.work[n] / s for n, s in self.busy_s.items() if s > 0 and self.work[n] > 0})
 
 
 def _count(work: dict[int, float], busy_s: dict[int, float], served: float, attention: Attention) -> None:

@@ -71,9 +71,6 @@ def test_service_rate_is_work_over_the_server_time_that_served_it():
     rate.served(60.0, {1: 2.0})  # faster now: the average moves towards 30/s
     steady = rate.rates().at(1)
     assert 10.0 < steady < 30.0
-    assert rate.rates([(100.0, {1: 1.0})]).at(1) == pytest.approx(steady)  # running, within its work at this rate
-    counted = (rate.work[1] + 10.0) / (rate.busy_s[1] + 5.0)
-    assert rate.rates([(10.0, {1: 5.0})]).at(1) == pytest.approx(counted)  # running over: counted as it stands
 
 
 def test_the_rate_is_measured_per_number_running_and_the_others_are_read_conservatively():
@@ -165,7 +162,7 @@ async def test_a_request_that_would_finish_past_the_deadline_is_refused_with_the
         a.admit(UNIT)  # the four sharing: the three done in 4 * 66.7 / 10 = 26.7 s, 36.7 s after their admission
     assert info.value.retry_after == 20  # when the three are done without it
     clock.now += 26.0  # none done: each has had 12 s of the server at 3 running, more than 100 units take at 10/s
-    assert a.service_rate() == pytest.approx(300 / 36)  # they count as they stand: the rate at 3 running falls
+    assert a.service_rate() == pytest.approx(10.0)  # only ended requests count: their work so far is unknown
     for t in tickets:
         a.finish(t, completed=True)
     assert a.rate.rates().at(3) == pytest.approx(300 / 36) and a.rate.rates().at(1) == pytest.approx(10.0)
@@ -319,20 +316,35 @@ def test_a_load_not_measured_enough_takes_every_loads_worst_and_one_never_seen_m
 
 async def test_requests_that_finished_later_than_estimated_make_admission_more_careful():
     clock = Clock()
-    a, refused = await measured(clock, rate=10.0, max_concurrency=1, error=EstimateError(load_samples=10))  # 100 units: 10 s
-    for _ in range(10):  # each estimated at 10 s (alone), each takes 20 s: twice as long
+    a, refused = await measured(clock, rate=6.25, max_concurrency=1, error=EstimateError(load_samples=10))  # 100 units: 16 s
+    for _ in range(10):  # each estimated at 16 s (alone), each takes 24 s: 1.5 times as long
         ticket = a.admit(UNIT)
         await a.start(ticket)
-        assert ticket.estimated_s == pytest.approx(10.0)
-        clock.now += 20.0
+        assert ticket.estimated_s == pytest.approx(16.0)
+        clock.now += 24.0
         a.finish(ticket, completed=True)
-        a.rate = alone(10.0)  # only the error changes
-    assert a.error.factor(1) == pytest.approx(2.0) and a.error.factor(2) == pytest.approx(3.0)  # never seen: 1.5x more
-    assert a.admit(UNIT)  # 10 s estimated, 20 s scaled: within 30
-    assert a.expected_wait_s() == pytest.approx(20.0)
+        a.rate = alone(6.25)  # only the error changes
+    assert a.error.factor(1) == pytest.approx(1.5) and a.error.factor(2) == pytest.approx(2.25)  # never seen: 1.5x more
+    assert a.admit(UNIT)  # 16 s estimated, 24 s scaled: within 30
+    assert a.expected_wait_s() == pytest.approx(24.0)
     with pytest.raises(Overloaded) as info:
-        a.admit(UNIT)  # after the first, in its one slot: 20 s estimated would pass; 60 s scaled (2 admitted) does not
-    assert refused == [Refusal.DEADLINE] and info.value.retry_after == 30  # it would fit 30 s later
+        a.admit(UNIT)  # after the first, in its one slot: 32 s estimated, 72 s scaled (2 admitted)
+    assert refused == [Refusal.DEADLINE] and info.value.retry_after == 42  # it would fit 42 s later
+
+
+async def test_an_estimate_too_short_to_threaten_the_deadline_is_not_compared():
+    """A request estimated at a third of the deadline that took its whole length says little
+    about one estimated near the deadline: estimates under `ERROR_COMPARED_SHARE` of the planned
+    deadline leave the error as it was."""
+    clock = Clock()
+    a, _ = await measured(clock, rate=10.0, error=EstimateError())
+    for took in (30.0, 16.5):  # estimated at 10 s (not compared), then at 15 s (compared)
+        ticket = a.admit(UNIT if took == 30.0 else RequestCost(work=150.0))
+        await a.start(ticket)
+        clock.now += took
+        a.finish(ticket, completed=True)
+        a.rate = alone(10.0)
+    assert {n: list(r) for n, r in a.error.ratios.items()} == {1: [pytest.approx(1.1)]}
 
 
 async def test_the_error_scales_the_whole_estimate_as_it_was_measured():
