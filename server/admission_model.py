@@ -29,7 +29,8 @@ ERROR_QUANTILE = 1.0  # of that error, what scales an estimate: the largest, so 
 ERROR_MIN_SAMPLES = 3  # below this many in all, estimates are not scaled (from 3 on, the largest of few is near their worst)
 ERROR_LOAD_SAMPLES = 8  # a load's own error scales its estimates from this many on (the warm-up's burst measures as
 # many at 8 admitted); before, every load's worst, at least 1. On the simulated load (tests/test_admission_load.py, 12
-# runs) no accepted request finished past the deadline with 8, 12 or 20 (p99 at most 26.5, 25.4, 25.4 s of 30)
+# runs, with the 20% margin of then) no accepted request finished past the deadline with 8, 12 or 20 (p99 at most
+# 26.5, 25.4, 25.4 s of 30)
 UNSEEN_LOAD_FACTOR = 1.5  # more requests admitted than at any load with ERROR_MIN_SAMPLES measured: estimates x 1.5
 # (on the simulated load, estimates at 15 admitted ran 1.3-1.5x long where the warm-up had measured 8 at 0.4-0.6x)
 ERROR_FLOOR = 0.5  # estimates that proved pessimistic are scaled down, but never below half
