@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import httpx
 import numpy as np
 
 from telerag.benchmarks.soak import Answer, SoakConfig, SoakReport, soak
+from telerag.utils.processes import free_port, stop
 
 READY_TIMEOUT_S = 1800.0  # a first start builds the datastore and converts the model
 QUEUE_WITHOUT_BOUND = 1_000_000  # `none`: no refusal
@@ -105,16 +105,10 @@ class AdmissionReport:
         return {"config": config, "capacity": self.capacity, "rows": [asdict(r) for r in self.rows]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def serving(config: AdmissionConfig, policy: Policy, log: Callable[[str], None]) -> Iterator[str]:
     """`telerag serve` with `policy`, ready; its URL. Stopped (SIGTERM, then killed) on exit."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, **policy.environment(config.deadline_s), "TELERAG_SERVER__PORT": str(port)}
     command = [sys.executable, "-m", "telerag.cli", "serve", *config.serve_args]
     with tempfile.TemporaryFile() as output:
@@ -136,12 +130,7 @@ def serving(config: AdmissionConfig, policy: Policy, log: Callable[[str], None])
             log(f"{policy.name}: ready in {time.monotonic() - started:.0f} s")
             yield url
         finally:
-            process.terminate()
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop(process, grace_s=60)
 
 
 async def _burst(url: str, config: AdmissionConfig, size: int, questions: Sequence[str]) -> SoakReport:

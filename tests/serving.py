@@ -24,15 +24,10 @@ from telerag.benchmarks.random_llm import tiny_random_lm
 from telerag.pipelines.embedder import Embedder
 from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import WIKIPEDIA_SOURCE, Article, PassageShape, read_wikipedia, split_passages
+from telerag.utils.processes import free_port
 from tests.tiny_models import tiny_embedder_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def save_tiny_lm(directory: Path, seed: int = 0) -> Path:

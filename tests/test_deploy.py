@@ -18,7 +18,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -36,6 +35,7 @@ from packaging.requirements import Requirement
 from telerag.retrieval.stats import CacheStats
 from telerag.server.metrics import Metrics
 from telerag.server.settings import Settings
+from telerag.utils.processes import free_port, stop
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -502,12 +502,6 @@ def test_the_cpu_image_requirements_resolve(project_wheel, tmp_path):
 # --- slow: the dashboard over a real Prometheus -----------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def serving(settings) -> Iterator[str]:
     """What `telerag serve` runs (the runtime from the settings, the app on uvicorn), in a thread."""
@@ -570,11 +564,7 @@ def prometheus(scrape_config: dict, tmp_path: Path) -> Iterator[str]:
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop(process, grace_s=30)
 
 
 def promql(prometheus_url: str, expr: str) -> list[dict]:

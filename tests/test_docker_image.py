@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -36,6 +35,7 @@ import httpx
 import pytest
 import yaml
 
+from telerag.utils.processes import free_port
 from tests.serving import build_wikipedia_slice
 
 pytestmark = pytest.mark.slow
@@ -162,12 +162,6 @@ def cpu_image(engine: Engine, tmp_path_factory) -> Iterator[Image]:
         yield Image(tag=tag, build_s=build_s, size_bytes=size)
     finally:
         engine.docker("image", "rm", "-f", tag, check=False)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from telerag.utils.processes import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -137,9 +138,3 @@ def test_gpu_session_lists_its_steps_runs_those_asked_for_and_says_which_failed(
     )
     assert failed.returncode == 1 and "failed: serve" in failed.stderr
     assert "scripts/gpu_e2e prepare" in (out / "serve.log").read_text()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
