@@ -40,20 +40,25 @@ QUEUE_WITHOUT_BOUND = 1_000_000  # `none`: no refusal
 
 @dataclass(frozen=True)
 class Policy:
-    """An admission policy: `deadline`, `none` or `fixed` (with `n` in flight)."""
+    """An admission policy: `deadline` (with its `margin`, or the server's), `none` or `fixed`
+    (with `n` in flight)."""
 
     kind: str
     n: int | None = None
+    margin: float | None = None
 
     @property
     def name(self) -> str:
-        return f"fixed-{self.n}" if self.kind == "fixed" else self.kind
+        if self.kind == "fixed":
+            return f"fixed-{self.n}"
+        return self.kind if self.margin is None else f"{self.kind}-{self.margin:g}"
 
     def environment(self, deadline_s: float) -> dict[str, str]:
         """The settings that make it (the rest as the server is configured)."""
         prefix = "TELERAG_SCHEDULER__"
         if self.kind == "deadline":
-            return {f"{prefix}ADMISSION_DEADLINE_S": str(deadline_s)}
+            margin = {} if self.margin is None else {f"{prefix}ADMISSION_MARGIN": str(self.margin)}
+            return {f"{prefix}ADMISSION_DEADLINE_S": str(deadline_s), **margin}
         if self.kind == "none":
             return {f"{prefix}ADMISSION_DEADLINE_S": "null", f"{prefix}MAX_QUEUE": str(QUEUE_WITHOUT_BOUND)}
         return {f"{prefix}ADMISSION_DEADLINE_S": "null", f"{prefix}MAX_CONCURRENCY": str(self.n), f"{prefix}MAX_QUEUE": "0"}
@@ -233,7 +238,12 @@ def format_table(report: AdmissionReport) -> str:
     return "\n".join(lines)
 
 
-def policies(kinds: Sequence[str], fixed: Sequence[int]) -> tuple[Policy, ...]:
-    """The policies `kinds` names (`fixed` once per N of `fixed`), fixed ones first."""
+def policies(kinds: Sequence[str], fixed: Sequence[int], margins: Sequence[float] = ()) -> tuple[Policy, ...]:
+    """The policies `kinds` names (`fixed` once per N of `fixed`, `deadline` once per margin of
+    `margins`, or with the server's), fixed ones first."""
     chosen = [Policy("fixed", n) for n in fixed] if "fixed" in kinds else []
-    return (*chosen, *(Policy(kind) for kind in ("none", "deadline") if kind in kinds))
+    if "none" in kinds:
+        chosen.append(Policy("none"))
+    if "deadline" in kinds:
+        chosen += [Policy("deadline", margin=m) for m in margins] if margins else [Policy("deadline")]
+    return tuple(chosen)

@@ -20,6 +20,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--fixed", type=int, nargs="+", default=[2, 4, 8, 16], help="the N of the fixed policy (default 2 4 8 16)"
     )
+    parser.add_argument(
+        "--margins",
+        type=float,
+        nargs="*",
+        default=[],
+        help="deadline mode once per scheduler.admission_margin (default: the server's)",
+    )
     parser.add_argument("--users", type=int, nargs="*", default=[4, 16, 64], help="loads of closed-loop users (default 4 16 64)")
     parser.add_argument("--bursts", type=int, nargs="*", default=[8, 16], help="requests sent at once to the idle server")
     parser.add_argument("--seconds", type=float, default=90.0, help="each load's duration")
@@ -40,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     config = AdmissionConfig(
-        policies=policies(args.modes, args.fixed),
+        policies=policies(args.modes, args.fixed, args.margins),
         users=tuple(args.users),
         bursts=tuple(args.bursts),
         duration_s=args.seconds,

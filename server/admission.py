@@ -24,8 +24,8 @@ a small machine the clients' own work competes with the server. So each complete
 time from admission to finish is compared with the finish the model last expected for it
 (`EstimateError`, at each number admitted), and every estimate, from admission to finish, is
 scaled by that error; estimates too short to threaten the deadline are not compared
-(`ERROR_COMPARED_SHARE`). What the error's window has not seen yet `DEADLINE_MARGIN` is for:
-admission plans to finish within 90% of the deadline.
+(`ERROR_COMPARED_SHARE`). What the error's window has not seen yet the margin is for
+(`scheduler.admission_margin`): admission plans to finish within 90% of the deadline by default.
 """
 
 from __future__ import annotations
@@ -42,14 +42,11 @@ from typing import NoReturn
 
 from telerag.server.admission_model import EstimateError, Rates, ServiceRate
 from telerag.server.errors import Overloaded, Refusal
+from telerag.server.settings import DEADLINE_MARGIN
 from telerag.server.workload import RequestCost
 
 logger = logging.getLogger(__name__)
 
-DEADLINE_MARGIN = 0.1  # the share of the deadline kept in reserve: admission plans to finish within the rest, for
-# what the error's window has not seen yet. On the simulated load with a drifting, jittery engine (8 runs each at 16
-# and 64 clients), 0.1 kept every accepted request within 1.2x the deadline (one past it at 1.13x) at 96-98% of the
-# best fixed N's goodput; 0.2 gave up 12-15% of the goodput for no fewer late answers
 ERROR_COMPARED_SHARE = 0.5  # an estimate under this share of the planned deadline is not compared with its finish:
 # it could not break the deadline unless 2x off, and short estimates err most in ratio (in a real soak a request
 # estimated at 4.7 s among 8 took 11.6 s, and that one ratio, 2.45, became the factor of every load not measured

@@ -49,6 +49,7 @@ class Service:
             scheduler.max_concurrency,
             scheduler.max_queue,
             deadline_s=scheduler.admission_deadline_s,
+            margin=scheduler.admission_margin,
             max_in_flight_per_key=scheduler.max_in_flight_per_key,
             on_change=self._queue_changed,
             on_refuse=lambda reason: self.metrics.admission.refusals.labels(reason.value).inc(),

@@ -20,6 +20,17 @@ def test_each_policy_is_settings_of_the_server():
     fixed = Policy("fixed", 4).environment(30.0)
     assert fixed["TELERAG_SCHEDULER__MAX_CONCURRENCY"] == "4" and fixed["TELERAG_SCHEDULER__MAX_QUEUE"] == "0"
     assert [p.name for p in policies(["deadline", "none", "fixed"], [2, 8])] == ["fixed-2", "fixed-8", "none", "deadline"]
+    by_margin = policies(["deadline"], [2], [0.1, 0.15])  # the margin compared side by side, a server each
+    assert [p.name for p in by_margin] == ["deadline-0.1", "deadline-0.15"]
+    assert by_margin[1].environment(30.0)["TELERAG_SCHEDULER__ADMISSION_MARGIN"] == "0.15"
+
+
+def test_an_admission_margin_out_of_range_is_refused_in_one_line(monkeypatch):
+    from telerag.server.settings import SettingsError, load_settings
+
+    monkeypatch.setenv("TELERAG_SCHEDULER__ADMISSION_MARGIN", "1.5")
+    with pytest.raises(SettingsError, match="admission_margin"):
+        load_settings()
 
 
 @pytest.mark.slow  # three servers on the tiny model: about a minute
