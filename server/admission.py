@@ -16,7 +16,9 @@ keeps the finish the model last expected for it, later admissions included, and 
 real finish is compared with. Every `Retry-After` comes from the same model: when the request
 that blocks this one should be done. A burst that the model expects to finish in time is
 admitted whole; only before any request has finished (no rate measured: the server's warm-up
-measures it before it is ready, unless `server.warm_up` is off) is one admitted at a time.
+measures it before it is ready, unless `server.warm_up` is off) is one admitted at a time. One
+expected past the deadline even alone is refused with a 422 naming `max_tokens`: no wait would
+let it in.
 
 The model is still a model: a request may generate more than its estimate, a prompt's prefill
 holds up the others' decoding, a busy event loop delays what the estimate does not count, and on
@@ -41,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import NoReturn
 
 from telerag.server.admission_model import EstimateError, Rates, ServiceRate
-from telerag.server.errors import Overloaded, Refusal
+from telerag.server.errors import InvalidField, Overloaded, Refusal
 from telerag.server.settings import DEADLINE_MARGIN
 from telerag.server.workload import RequestCost
 
@@ -130,6 +132,8 @@ class Admission:
                 self._soonest(rates, self._admitted),
             )
         ticket = Ticket(cost, client, admitted_at=self._last)
+        if self.deadline_s is not None and rates and not calibrating and not cost.provisional:
+            self._check_alone(rates, ticket, self.deadline_s)
         finishes = self._finishes(rates, [*self._admitted, ticket]) if rates else None
         if self.deadline_s is not None and self._admitted and not calibrating:
             if finishes is None:
@@ -184,6 +188,23 @@ class Admission:
             if waiting:
                 join(waiting.popleft())
         return finishes
+
+    def _check_alone(self, rates: Rates, ticket: Ticket, deadline_s: float) -> None:
+        """Refuse a request whose expected time alone on the server (its mean cost, unscaled:
+        not the high quantile and the error that keep the p99 of what is admitted) is past the
+        deadline: no wait would let it in, so it is the client's to change (422 naming
+        `max_tokens`, the limit it sets), not a 429 to retry. Not on the prior's guess
+        (`RequestCost.provisional`): a pipeline not measured yet is run alone to be measured."""
+        expected = Ticket(RequestCost(ticket.cost.work, ticket.cost.prefill_work), ticket.client)
+        alone_s = self._finishes(rates, [expected])[expected]
+        if alone_s <= deadline_s * (1.0 - self.margin):
+            return
+        self.on_refuse(Refusal.BEYOND_DEADLINE)
+        raise InvalidField(
+            "max_tokens",
+            f"this request would take about {alone_s:.0f} s even alone on the server, past the deadline of "
+            f"{deadline_s:g} s: ask for fewer max_tokens (or sample at a lower temperature)",
+        )
 
     def _check_deadlines(self, rates: Rates, finishes: dict[Ticket, float], new: Ticket, deadline_s: float) -> None:
         """Refuse `new` if, with it, it or an admitted request would finish past the deadline of

@@ -25,7 +25,9 @@ if TYPE_CHECKING:
     from telerag.server.runtime import Runtime  # brings torch: loaded after the server listens
 
 CALIBRATION_PIPELINE = "naive"
-CALIBRATION_MAX_TOKENS = 64  # a client's usual limit: the answers measured are whole
+CALIBRATION_MAX_TOKENS = 64  # a client's usual limit; the answers it cuts count as running to a larger request's
+# limit (`workload`). At 256 (the default) a few of the burst's answers ran long, 4x the prior the burst was estimated
+# at, and that error made every default request look 53 s long alone
 CALIBRATION_BURST = 8  # requests at once after the first alone (at most max_concurrency): the rates up to 8 running
 
 
@@ -146,7 +148,7 @@ class Service:
         prompt limit, 429 when busy); its run starts waiting for a slot. The fields name what
         `prompt_tokens` blames."""
         prompt = self.prompt_tokens(query, options, query_field=query_field, top_k_field=top_k_field)
-        cost = self.workload.estimate(pipeline.name, pipeline.llm_calls, prompt, options.max_tokens)
+        cost = self.workload.estimate(pipeline.name, pipeline.llm_calls, prompt, options.max_tokens, options.temperature)
         ticket = self.admission.admit(cost, client)
         return AdmittedRun(request, self.admission, ticket, self.events(pipeline, query, options, prompt))
 
@@ -171,7 +173,7 @@ class Service:
                         self.metrics.ttft.labels(pipeline.name).observe(time.perf_counter() - started)
                     if isinstance(event, ResultEvent):
                         self.metrics.observe_result(event.result)
-                        self.workload.observe(pipeline.name, prompt_tokens, ServedWork.of(event.result))
+                        self.workload.observe(pipeline.name, prompt_tokens, ServedWork.of(event.result), options.temperature)
                         outcome = "ok"
                     yield event
         except TimeoutError:

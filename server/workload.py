@@ -11,8 +11,11 @@ work as it would be for it: each one's prompts scaled by how much longer this re
 is (its query and `top_k` passages), and the output of each call that writes answer text
 (`StageRole.GENERATE`) cut at this request's `max_tokens`. Until a pipeline has
 `PROFILE_MIN_SAMPLES`, a stated prior stands in: every call the pipeline may make, each with the
-prompt estimate and an output of `PRIOR_CALL_TOKENS` (`max_tokens` at most). A request that runs
-longer than its estimate is the error model's business (`admission_model.EstimateError`).
+prompt estimate and an output of `PRIOR_CALL_TOKENS` (`max_tokens` at most). An answer that its
+limit cut short says only that it would have run at least that long: for a request with a larger
+limit it counts as running to that limit. Requests that sample above `HOT_TEMPERATURE` are
+measured apart. A request that runs longer than its estimate is the error model's business
+(`admission_model.EstimateError`).
 """
 
 from __future__ import annotations
@@ -22,15 +25,22 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from telerag.pipelines.types import RagResult, StageRole
+from telerag.pipelines.stats import GenerationStats
+from telerag.pipelines.types import RagResult, StageRole, Step
 
 TOKENS_PER_WORD = 1.5  # prompt tokens per word of a passage (English BPE; its title and separators included)
 DEFAULT_PASSAGE_WORDS = 100  # a datastore's passage length when its manifest does not say (the builder's default)
-PREFILL_WEIGHT = 0.1  # cost of a prompt token relative to a generated one
+PREFILL_WEIGHT = 0.03  # cost of a prompt token relative to a generated one. Measured alone on the embedded default (two
+# cores): a 344-token prompt and a 5-token answer in 1.9 s, answers decoding at 7.9 tokens/s, so about 0.03 (the
+# simulated engine of tests/test_admission_load.py: 0.02). At 0.1 the rate, measured mostly on short answers, made
+# long ones look cheap: a 256-token answer was admitted at an estimate of 14.5 s and took 35 s
 PROFILE_WINDOW = 50  # completed requests of a pipeline its estimates are made from
 PROFILE_MIN_SAMPLES = 5  # below this many, the prior stands in
 COST_QUANTILE = 0.9  # of the recent requests' work: one in ten runs longer, which the error model then sees
 PRIOR_CALL_TOKENS = 64  # output of each call of a pipeline not measured yet (its answers' `max_tokens` at most)
+HOT_TEMPERATURE = 1.0  # above it sampling flattens the model's distribution and answers seldom end before their
+# limit (schemathesis's naive request at 2.0 ran to its max_tokens for 42.5 s, admitted at the length of greedy
+# answers): such requests are measured apart, each call's output `max_tokens` until they are
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,8 @@ class RequestCost:
     work: float
     prefill_work: float = 0.0
     spread: float = 0.0
+    provisional: bool = False  # the prior's guess, not measured: never a reason to refuse a request that would run
+    # alone (how else would its pipeline be measured?)
 
     def work_among(self, sharing: int) -> float:
         """Its work as counted when `sharing` requests share the server with it (itself included):
@@ -50,18 +62,12 @@ class RequestCost:
         much as one, not n times), so a burst is not costed as if every answer were long."""
         return self.work + self.spread / math.sqrt(max(sharing, 1))
 
-    @classmethod
-    def bounded(cls, prompt_tokens: int, max_tokens: int, llm_calls: int) -> RequestCost:
-        """The most a request can ask: `llm_calls` calls, each with `prompt_tokens` and all of
-        its `max_tokens`."""
-        prefill = PREFILL_WEIGHT * prompt_tokens
-        return cls(work=llm_calls * (max_tokens + prefill), prefill_work=prefill)
-
 
 @dataclass(frozen=True)
 class CallOutput:
     tokens: int
     answer: bool  # it wrote answer text: its output is bounded by the request's max_tokens
+    cut: bool = False  # it ended at its token limit, not of itself
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,7 @@ class ServedWork:
         calls = [s for s in result.steps if s.kind == "llm"]
         return cls(
             prompt_tokens=sum(s.tokens_in for s in calls),
-            outputs=tuple(CallOutput(s.tokens_out, s.stage.role is StageRole.GENERATE) for s in calls),
+            outputs=tuple(CallOutput(s.tokens_out, s.stage.role is StageRole.GENERATE, _cut(s)) for s in calls),
         )
 
     @property
@@ -84,9 +90,19 @@ class ServedWork:
         return PREFILL_WEIGHT * self.prompt_tokens + sum(o.tokens for o in self.outputs)
 
     def work_for(self, prompt_scale: float, max_tokens: int) -> float:
-        """Its work had its prompts been `prompt_scale` times as long and its answer calls cut at `max_tokens`."""
-        output = sum(min(o.tokens, max_tokens) if o.answer else o.tokens for o in self.outputs)
+        """Its work had its prompts been `prompt_scale` times as long and its answer calls limited
+        to `max_tokens`: an answer its own limit cut runs to that one (how much longer it would
+        have gone is not known)."""
+        output = sum(_answer_tokens(o, max_tokens) if o.answer else o.tokens for o in self.outputs)
         return PREFILL_WEIGHT * self.prompt_tokens * prompt_scale + output
+
+
+def _cut(step: Step) -> bool:
+    return isinstance(step.stats, GenerationStats) and step.stats.finish_reason == "length"
+
+
+def _answer_tokens(output: CallOutput, max_tokens: int) -> int:
+    return max_tokens if output.cut else min(output.tokens, max_tokens)
 
 
 @dataclass
@@ -102,24 +118,32 @@ class Workload:
     window: int = PROFILE_WINDOW
     min_samples: int = PROFILE_MIN_SAMPLES
     quantile: float = COST_QUANTILE
-    _recent: dict[str, deque[_Served]] = field(default_factory=dict)
+    _recent: dict[tuple[str, bool], deque[_Served]] = field(default_factory=dict)  # by pipeline, and hot or not
 
-    def estimate(self, pipeline: str, llm_calls: int, prompt_tokens: int, max_tokens: int) -> RequestCost:
+    def estimate(
+        self, pipeline: str, llm_calls: int, prompt_tokens: int, max_tokens: int, temperature: float = 0.0
+    ) -> RequestCost:
         """The expected cost of a request of `pipeline` (which makes at most `llm_calls` calls)
         whose answer prompt is about `prompt_tokens` long (its query and passages), with
-        `max_tokens`: the mean and the `quantile` of its recent requests' work (as `work_for` it),
-        so never more than its own `max_tokens` allows for its answers."""
+        `max_tokens` and `temperature`: the mean and the `quantile` of its recent requests' work
+        (as `work_for` it) at temperatures like its own, so never more than its own `max_tokens`
+        allows for its answers."""
         prefill = PREFILL_WEIGHT * prompt_tokens
-        recent = self._recent.get(pipeline, ())
+        hot = temperature > HOT_TEMPERATURE
+        recent = self._recent.get((pipeline, hot), ())
         if len(recent) < self.min_samples:
-            return RequestCost(work=llm_calls * (prefill + min(max_tokens, PRIOR_CALL_TOKENS)), prefill_work=prefill)
+            if hot:  # not a guess: sampled hot, answers run to their limit
+                return RequestCost(work=llm_calls * (prefill + max_tokens), prefill_work=prefill)
+            output = min(max_tokens, PRIOR_CALL_TOKENS)
+            return RequestCost(work=llm_calls * (prefill + output), prefill_work=prefill, provisional=True)
         works = sorted(r.served.work_for(prompt_tokens / max(r.prompt_estimate, 1), max_tokens) for r in recent)
         mean = sum(works) / len(works)
         return RequestCost(work=mean, prefill_work=prefill, spread=max(0.0, _quantile(works, self.quantile) - mean))
 
-    def observe(self, pipeline: str, prompt_tokens: int, served: ServedWork) -> None:
-        """A request of `pipeline`, estimated with `prompt_tokens`, completed having been served `served`."""
-        recent = self._recent.setdefault(pipeline, deque(maxlen=self.window))
+    def observe(self, pipeline: str, prompt_tokens: int, served: ServedWork, temperature: float = 0.0) -> None:
+        """A request of `pipeline` at `temperature`, estimated with `prompt_tokens`, completed
+        having been served `served`."""
+        recent = self._recent.setdefault((pipeline, temperature > HOT_TEMPERATURE), deque(maxlen=self.window))
         recent.append(_Served(prompt_tokens, served))
 
 

@@ -16,10 +16,10 @@ from telerag.pipelines.registry import PIPELINES
 from telerag.server.admission import Admission
 from telerag.server.admission_model import ERROR_WINDOW, EstimateError, Rates, ServiceRate
 from telerag.server.app import create_app, start_serving
-from telerag.server.errors import Overloaded, Refusal
+from telerag.server.errors import InvalidField, Overloaded, Refusal
 from telerag.server.runtime import Runtime
 from telerag.server.settings import Settings
-from telerag.server.workload import RequestCost
+from telerag.server.workload import PROFILE_MIN_SAMPLES, RequestCost
 from tests.fake_app import DATASTORE_INFO
 from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
 from tests.scripted_pipelines import UNSURE, make, run
@@ -239,7 +239,7 @@ async def test_a_request_that_starts_holds_up_the_running_ones_while_its_prompt_
     running = a.admit(UNIT)
     await a.start(running)
     clock.now += 9.0  # 10 units left: 1 s alone
-    joining = a.admit(RequestCost.bounded(prompt_tokens=300, max_tokens=20, llm_calls=1))  # a 30-unit prompt: 3 s
+    joining = a.admit(RequestCost(work=50.0, prefill_work=30.0))  # a 30-unit prompt: 3 s
     # then the two share: the running one's 10 units in 2 s; the joining one's last 10 alone in 1 s
     assert running.estimated_s == pytest.approx(9.0 + 3 + 2) and joining.estimated_s == pytest.approx(3 + 2 + 1.0)
 
@@ -531,24 +531,32 @@ async def test_per_key_limit_with_several_api_keys_and_the_single_key_still_work
 
 
 @pytest.mark.slow  # about 18 s on two busy cores: the tiny model generates slowly there
-async def test_on_the_tiny_model_a_request_past_the_deadline_gets_429_at_once():
+async def test_on_the_tiny_model_a_request_past_the_deadline_gets_429_at_once_and_one_that_never_fits_422():
+    """Through the whole app: with estimates among two admitted known to run 100x long, a second
+    request is refused at once (429, `Retry-After`) while the first runs; and once the deadline
+    is too short for a request even alone, it is refused with a 422 naming `max_tokens` (no wait
+    would let it in), on an idle server too."""
     from tests.tiny_models import tiny_engine
 
     engine = tiny_engine()
-    # a deadline so short that, once the rate is measured, nothing can join a request in flight
-    client, app = app_client(engine, scheduler={"admission_deadline_s": 0.001})
-    long = {"query": "Tell me everything about the Nile", "max_tokens": 24}
+    client, app = app_client(engine)
+    admission = app.state.service.admission
+    long = {"query": "Tell me everything about the Nile", "max_tokens": 200}
     try:
         async with client:
-            for _ in range(3):  # idle: admitted whatever the deadline; they measure the rate and error
+            for _ in range(PROFILE_MIN_SAMPLES):  # they measure the rate and naive's answers
                 warm = await client.post("/v1/rag/query", json={"query": "warm up", "max_tokens": 4})
                 assert warm.status_code == 200
+            admission.error.ratios[1] = deque([1.0] * 8)  # alone, estimates hold
+            admission.error.ratios[2] = deque([100.0] * 8)  # two admitted: they run 100x long
             running = asyncio.create_task(client.post("/v1/rag/query", json=long))
-            while app.state.service.admission.n_running == 0:
+            while admission.n_running == 0:
                 await asyncio.sleep(0.01)
             refused = await client.post("/v1/rag/query", json=long)
-            assert not running.done()  # answered while the admitted request still runs
+            assert not running.done(), refused.json()  # answered while the admitted request still runs
             assert (await running).status_code == 200
+            admission.deadline_s = 0.001
+            never = await client.post("/v1/rag/query", json=long)  # idle, and still refused
             metrics = (await client.get("/metrics")).text
     finally:
         await engine.close()
@@ -556,7 +564,9 @@ async def test_on_the_tiny_model_a_request_past_the_deadline_gets_429_at_once():
     assert refused.json()["error"]["type"] == "deadline" and "deadline" in refused.json()["error"]["message"]
     retry_after = int(refused.headers["retry-after"])
     assert retry_after >= 1 and retry_after == math.ceil(float(retry_after))
-    assert refusals(metrics, "deadline") == 1
+    assert never.status_code == 422 and "retry-after" not in never.headers
+    assert never.json()["error"]["field"] == "max_tokens" and "even alone" in never.json()["error"]["message"]
+    assert refusals(metrics, "deadline") == 1 and refusals(metrics, "beyond_deadline") == 1
 
 
 async def test_streamed_requests_are_admitted_and_measured_like_the_others():
@@ -576,3 +586,34 @@ async def test_streamed_requests_are_admitted_and_measured_like_the_others():
         ) as response:
             assert "[DONE]" in "".join([chunk async for chunk in response.aiter_text()])
     assert admission.n_running == admission.n_waiting == 0
+
+
+async def test_a_request_expected_past_the_deadline_even_alone_is_refused_with_422_on_an_idle_server():
+    """No wait would let it in, so a 429 to retry would be a lie: a 422 naming `max_tokens`, the
+    limit the client sets, counted as a `beyond_deadline` refusal. What counts is its expected
+    (mean) time alone: the spread and the error that keep the p99 of the admitted do not make a
+    request hopeless."""
+    clock = Clock()
+    a, refused = await measured(clock, rate=10.0)  # 30 s deadline, no margin
+    a.error.ratios[1] = deque([2.0] * 8)  # estimates alone have run 2x long
+    fits = a.admit(RequestCost(work=140.0, spread=10.0))  # 14 s expected, 30 s with its spread and error
+    a.finish(fits, completed=False)  # cancelled: the rate stays as measured
+    close = a.admit(RequestCost(work=290.0))  # 29 s expected, 58 s at 2x: alone it may make it, and nothing waits
+    a.finish(close, completed=False)
+    assert refused == []
+    with pytest.raises(InvalidField) as info:
+        a.admit(RequestCost(work=310.0))  # 31 s alone
+    assert info.value.field == "max_tokens" and "31 s" in str(info.value)
+    assert refused == [Refusal.BEYOND_DEADLINE] and a.n_running + a.n_waiting == 0
+
+
+async def test_the_priors_guess_never_refuses_a_request_that_would_run_alone():
+    """A pipeline not measured yet is costed by the prior (`RequestCost.provisional`): alone on
+    the server it is admitted however long the guess, or it would never be measured."""
+    clock = Clock()
+    a, refused = await measured(clock, rate=10.0)
+    guess = a.admit(RequestCost(work=500.0, provisional=True))  # 50 s by the guess
+    assert guess.estimated_s == pytest.approx(50.0) and refused == []
+    with pytest.raises(Overloaded):
+        a.admit(RequestCost(work=10.0))  # but nothing joins it that would make it later still
+    assert refused == [Refusal.DEADLINE]
