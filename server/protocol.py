@@ -25,6 +25,7 @@ from pydantic import (
     field_validator,
 )
 
+from telerag.pipelines.stats import GenerationStats
 from telerag.pipelines.types import DatastoreInfo, RagResult, StageKind, StageRole
 from telerag.server.result_stats import PrefetchSummaryOut, StepStatsOut, TimingsOut, step_stats
 from telerag.server.settings import LimitSettings
@@ -93,6 +94,7 @@ class ChatCompletionRequest(BaseModel):
     model: str
     messages: list[ChatMessage]
     max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     stream: bool = Field(False, description="true: chat.completion.chunk objects as server-sent events")
 
@@ -162,7 +164,13 @@ def request_models(limits: LimitSettings, pipelines: Sequence[str], nlist: int |
         ),
         max_tokens=(
             integer(1, limits.max_tokens) | None,
-            Field(None, description=f"tokens of the answer, at most (default {max_tokens})"),
+            Field(
+                None, description=f"tokens of the answer, at most (default {max_tokens}); with max_completion_tokens, the smaller"
+            ),
+        ),
+        max_completion_tokens=(
+            integer(1, limits.max_tokens) | None,
+            Field(None, description=f"tokens of the answer, at most (default {max_tokens}); with max_tokens, the smaller"),
         ),
     )
     return RequestModels(query=query, chat=chat)
@@ -342,12 +350,15 @@ class ChatCompletion(BaseModel):
 
     @classmethod
     def from_result(cls, result: RagResult, *, request_id: str, model: str) -> ChatCompletion:
-        return cls(
-            id=request_id,
-            model=model,
-            usage=Usage.of(result),
-            choices=[ChatCompletionChoice(message=AssistantMessage(content=result.answer))],
-        )
+        choice = ChatCompletionChoice(message=AssistantMessage(content=result.answer), finish_reason=finish_reason(result))
+        return cls(id=request_id, model=model, usage=Usage.of(result), choices=[choice])
+
+
+def finish_reason(result: RagResult) -> Literal["stop", "length"]:
+    """`length` when the token limit cut the answer (its last answer-writing call ended at it)."""
+    answers = [s for s in result.steps if s.kind == "llm" and s.stage.role is StageRole.GENERATE]
+    stats = answers[-1].stats if answers else None
+    return "length" if isinstance(stats, GenerationStats) and stats.finish_reason == "length" else "stop"
 
 
 class ChatDelta(BaseModel):

@@ -60,7 +60,8 @@ class ScriptedEngine:
     def _generation(self, index: int, prompt: str, params: SamplingParams) -> Generation:
         reply = self.script(prompt)
         words = reply.text.split()
-        text = reply.text if len(words) <= params.max_tokens else " ".join(words[: params.max_tokens])
+        cut = len(words) > params.max_tokens
+        text = " ".join(words[: params.max_tokens]) if cut else reply.text
         for stop in params.stop:
             if stop and stop in text:
                 text = text[: text.index(stop)]
@@ -70,7 +71,15 @@ class ScriptedEngine:
             ids.append(len(self.vocab) - 1)
         logprobs = tuple(reply.logprobs[: len(ids)]) or tuple(0.0 for _ in ids)
         return Generation(
-            text, self.count_tokens(prompt), len(ids), "stop", 1.0, 2.0, tuple(ids), logprobs if params.logprobs else (), index
+            text,
+            self.count_tokens(prompt),
+            len(ids),
+            "length" if cut and len(ids) == params.max_tokens else "stop",
+            1.0,
+            2.0,
+            tuple(ids),
+            logprobs if params.logprobs else (),
+            index,
         )
 
     async def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:

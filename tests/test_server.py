@@ -85,6 +85,25 @@ async def test_openai_client():
             await client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
 
 
+async def test_openai_clients_limit_by_max_completion_tokens_and_learn_when_the_limit_cut_the_answer():
+    """The SDK's current name for the limit is honoured as `max_tokens` is, and an answer the
+    limit cut says `length`, in the JSON and in the stream's last chunk (issue 31's first rows)."""
+    h = Harness()
+    question = [{"role": "user", "content": "Capital of France?"}]
+    async with h.client() as http:
+        client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=http)
+        cut = await client.chat.completions.create(model="naive", messages=question, max_completion_tokens=3)
+        assert cut.choices[0].message.content.split() == ["Paris", "is", "the"] and cut.choices[0].finish_reason == "length"
+        whole = await client.chat.completions.create(model="naive", messages=question, max_completion_tokens=50)
+        assert whole.choices[0].finish_reason == "stop"
+        stream = await client.chat.completions.create(model="naive", messages=question, max_tokens=2, stream=True)
+        chunks = [chunk async for chunk in stream]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks).split() == ["Paris", "is"]
+        assert chunks[-1].choices[0].finish_reason == "length"
+        both = await client.chat.completions.create(model="naive", messages=question, max_tokens=5, max_completion_tokens=3)
+        assert len(both.choices[0].message.content.split()) == 3  # both limits honoured: the tighter
+
+
 async def test_concurrent_requests_are_batched():
     h = Harness(scheduler={"admission_deadline_s": None})  # a cold server with a deadline admits one at a time
     async with h.client() as client:

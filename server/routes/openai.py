@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from telerag.pipelines.types import RunEvent, TokenEvent
+from telerag.pipelines.types import ResultEvent, RunEvent, TokenEvent
 from telerag.server import errors
 from telerag.server.admitted_run import EventStream
 from telerag.server.auth import Access
@@ -24,6 +24,7 @@ from telerag.server.protocol import (
     Model,
     ModelList,
     RequestModels,
+    finish_reason,
 )
 from telerag.server.routes.responses import generation_errors, json_or_events
 from telerag.server.routes.signature import typed
@@ -67,7 +68,8 @@ async def chat_completions(
     body: ChatCompletionRequest, request: Request, client: str | None, service: Service = Depends(serving)
 ) -> Response:
     question = body.question
-    max_tokens = body.max_tokens if body.max_tokens is not None else request.app.state.default_max_tokens
+    limits = [n for n in (body.max_tokens, body.max_completion_tokens) if n is not None]  # both: the tighter honours both
+    max_tokens = min(limits) if limits else request.app.state.default_max_tokens
     options = service.options(top_k=None, nprobe=None, max_tokens=max_tokens, temperature=body.temperature)
     run = service.admit(
         request, service.pipelines[body.model], question, options, client, query_field="messages", top_k_field=None
@@ -87,10 +89,13 @@ def chunks(request_id: str, model: str) -> EventStream:
 
     async def events(run: AsyncIterator[RunEvent]) -> AsyncGenerator[bytes, None]:
         yield chunk(ChatDelta(role="assistant", content=""))
+        reason = "stop"
         async for event in run:
             if isinstance(event, TokenEvent):
                 yield chunk(ChatDelta(content=event.text))
-        yield chunk(ChatDelta(), finish_reason="stop")
+            elif isinstance(event, ResultEvent):
+                reason = finish_reason(event.result)
+        yield chunk(ChatDelta(), finish_reason=reason)
 
     return EventStream(
         events=events,
