@@ -11,7 +11,14 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal, Protocol, runtime_checkable
 
-from telerag.pipelines.stats import PrefetchStepStats, PrefetchSummary, SearchStats, StepStats, Timings
+from telerag.pipelines.stats import (
+    GenerationStats,
+    PrefetchStepStats,
+    PrefetchSummary,
+    SearchStats,
+    StepStats,
+    Timings,
+)
 from telerag.retrieval.prefetch import PrefetchHandle
 
 # ---------------------------------------------------------------------------------------------
@@ -265,6 +272,11 @@ class Step:
     @property
     def kind(self) -> StageKind:
         return self.stage.role.kind
+
+    @property
+    def cut(self) -> bool:
+        """An LLM call that ended at its token limit, not of itself."""
+        return isinstance(self.stats, GenerationStats) and self.stats.finish_reason == "length"
 
 
 def overlap_rates(steps: Sequence[Step]) -> list[float]:

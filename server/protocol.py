@@ -25,7 +25,6 @@ from pydantic import (
     field_validator,
 )
 
-from telerag.pipelines.stats import GenerationStats
 from telerag.pipelines.types import DatastoreInfo, RagResult, StageKind, StageRole
 from telerag.server.result_stats import PrefetchSummaryOut, StepStatsOut, TimingsOut, step_stats
 from telerag.server.settings import LimitSettings
@@ -357,8 +356,7 @@ class ChatCompletion(BaseModel):
 def finish_reason(result: RagResult) -> Literal["stop", "length"]:
     """`length` when the token limit cut the answer (its last answer-writing call ended at it)."""
     answers = [s for s in result.steps if s.kind == "llm" and s.stage.role is StageRole.GENERATE]
-    stats = answers[-1].stats if answers else None
-    return "length" if isinstance(stats, GenerationStats) and stats.finish_reason == "length" else "stop"
+    return "length" if answers and answers[-1].cut else "stop"
 
 
 class ChatDelta(BaseModel):

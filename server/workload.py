@@ -25,8 +25,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from telerag.pipelines.stats import GenerationStats
-from telerag.pipelines.types import RagResult, StageRole, Step
+from telerag.pipelines.types import RagResult, StageRole
 
 TOKENS_PER_WORD = 1.5  # prompt tokens per word of a passage (English BPE; its title and separators included)
 DEFAULT_PASSAGE_WORDS = 100  # a datastore's passage length when its manifest does not say (the builder's default)
@@ -82,7 +81,7 @@ class ServedWork:
         calls = [s for s in result.steps if s.kind == "llm"]
         return cls(
             prompt_tokens=sum(s.tokens_in for s in calls),
-            outputs=tuple(CallOutput(s.tokens_out, s.stage.role is StageRole.GENERATE, _cut(s)) for s in calls),
+            outputs=tuple(CallOutput(s.tokens_out, s.stage.role is StageRole.GENERATE, s.cut) for s in calls),
         )
 
     @property
@@ -95,10 +94,6 @@ class ServedWork:
         have gone is not known)."""
         output = sum(_answer_tokens(o, max_tokens) if o.answer else o.tokens for o in self.outputs)
         return PREFILL_WEIGHT * self.prompt_tokens * prompt_scale + output
-
-
-def _cut(step: Step) -> bool:
-    return isinstance(step.stats, GenerationStats) and step.stats.finish_reason == "length"
 
 
 def _answer_tokens(output: CallOutput, max_tokens: int) -> int:
