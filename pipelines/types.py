@@ -292,6 +292,8 @@ class RunOptions:
     nprobe: int | None = None
     max_tokens: int = 256
     temperature: float = 0.0
+    top_p: float = 1.0  # with temperature, every LLM call of the request samples so
+    stop: tuple[str, ...] = ()  # the answer ends before any of these (the pipeline's own calls keep theirs)
     prefetch: bool = True
 
 

@@ -16,8 +16,9 @@ from telerag.server.auth import Access
 from telerag.server.lifecycle import Lifecycle
 from telerag.server.metrics import Metrics
 from telerag.server.middleware import BodyLimit, RequestId, ServingGate
+from telerag.server.openai_protocol import chat_request_model
 from telerag.server.openapi import extend_schema
-from telerag.server.protocol import request_models
+from telerag.server.protocol import default_max_tokens, query_request_model
 from telerag.server.routes import openai, ops, rag
 from telerag.server.service import Service
 from telerag.server.settings import Settings
@@ -33,7 +34,7 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
     # the request models carry the configured limits and the pipelines; nprobe's bound (the
     # datastore's nlist) is checked per request and added to the schema once the datastore is
     # loaded, since it loads after the app exists
-    models = request_models(settings.limits, list(PIPELINES), None)
+    query, chat = query_request_model(settings.limits, list(PIPELINES)), chat_request_model(settings.limits, list(PIPELINES))
     access = Access.from_settings(settings.server)
     # the documentation routes are ours (routes/ops.py), so that they can sit behind the API key
     app = FastAPI(
@@ -49,7 +50,7 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
     app.state.service = None
     app.state.metrics = Metrics(lambda: app.state.service.runtime.cache_stats() if app.state.service else CacheStats())
     app.state.started = int(time.time())  # when /v1/models says its models were created
-    app.state.default_max_tokens = models.query.model_fields["max_tokens"].default  # a chat completion's, as a query's
+    app.state.default_max_tokens = default_max_tokens(settings.limits)  # a chat completion's, as a query's
     extend_schema(app, rag.STREAMED + openai.STREAMED)
     errors.install(app)
     app.add_middleware(ServingGate, lifecycle=lifecycle)
@@ -64,8 +65,8 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
         )
     app.add_middleware(RequestId)  # outermost: every response, refusals included, carries the id
     app.include_router(ops.router(access))
-    app.include_router(rag.router(models, access))
-    app.include_router(openai.router(models, access))
+    app.include_router(rag.router(query, access))
+    app.include_router(openai.router(chat, access))
     return app
 
 

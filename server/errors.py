@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from http import HTTPStatus
 from typing import Any, cast
@@ -32,7 +32,7 @@ from telerag.pipelines.errors import (
     UnknownPipeline,
 )
 from telerag.retrieval.errors import DatastoreError, DeviceUnavailable, RetrievalError, SearchError
-from telerag.server.protocol import ErrorDetail, ErrorResponse
+from telerag.server.protocol import UNSUPPORTED, ErrorDetail, ErrorResponse
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,13 @@ class InvalidField(ServerError):
         self.field = field
 
 
+class UnsupportedField(InvalidField):
+    """A request field (or a value of it) asks for what this server does not do: an OpenAI
+    field it does not serve (`tools`, `n: 2`, an image part), or a field it does not know."""
+
+    code = "unsupported_field"
+
+
 class InvalidJSON(ServerError):
     """The body could not be read as JSON: not JSON, not UTF-8, or nested too deep."""
 
@@ -135,6 +142,7 @@ class BodyTooLarge(ServerError):
 
 STATUS: list[tuple[type[Exception], int]] = [
     (InvalidJSON, 400),
+    (UnsupportedField, 400),
     (InvalidField, 422),
     (UnknownPipeline, 422),
     (SearchError, 422),
@@ -155,7 +163,8 @@ STATUS: list[tuple[type[Exception], int]] = [
     (RetrievalError, 500),
 ]
 WHEN = {  # what each status means, for the OpenAPI schema
-    400: "The body is not JSON (or not UTF-8, or nested too deep).",
+    400: "The body is not JSON (or not UTF-8, or nested too deep), or it asks for what this server does not do "
+    "(a field it does not know or serve, or a value it does not serve); `error.field` names it.",
     401: "Missing or wrong API key (`Authorization: Bearer <key>`).",
     413: "The body is over the server's `limits.max_body_bytes`.",
     422: "A field is invalid or out of the server's limits; `error.field` names it.",
@@ -232,9 +241,20 @@ def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     if first.get("type") == "json_invalid":
         reason = (first.get("ctx") or {}).get("error", "invalid JSON")
         return response_for(InvalidJSON(f"the body is not valid JSON: {reason}"))
-    field = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+    refused = next((e for e in errors if e.get("type") in (UNSUPPORTED, "extra_forbidden")), None)
+    if refused is not None:
+        field = _field_path(refused.get("loc", ()))
+        why = "not supported by this server" if refused["type"] == "extra_forbidden" else refused.get("msg")
+        return response_for(UnsupportedField(field, f"{field}: {why}"))
+    field = _field_path(first.get("loc", ()))
     message = f"{field}: {first.get('msg')}" if field else str(first.get("msg"))
     return response_for(InvalidField(field, message))
+
+
+def _field_path(loc: Sequence[str | int]) -> str:
+    """A validation error's location as the dotted path of the field a client sent, without
+    pydantic's names for the member of a union (`constrained-str`, `list[TextPart]`)."""
+    return ".".join(str(part) for part in loc if part != "body" and (isinstance(part, int) or part.isidentifier()))
 
 
 def _http_error(request: Request, error: Exception) -> JSONResponse:

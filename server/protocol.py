@@ -1,17 +1,16 @@
 """Pydantic models of every request and response of the HTTP API.
 
 The request models carry the server's limits (`Settings.limits`, the served pipelines, the
-datastore's nlist), so they are built per app by `request_models`: what the OpenAPI schema
+datastore's nlist), so they are built per app (`query_request_model`; the OpenAI routes' are in
+`openai_protocol`): what the OpenAPI schema
 says a field accepts is exactly what the server accepts. Requests are strict (`"top_k": "3"`
 and `"stream": 0` are refused, not coerced).
 """
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -21,11 +20,10 @@ from pydantic import (
     Field,
     StringConstraints,
     create_model,
-    field_serializer,
-    field_validator,
 )
+from pydantic_core import PydanticCustomError
 
-from telerag.pipelines.types import DatastoreInfo, RagResult, StageKind, StageRole
+from telerag.pipelines.types import DatastoreInfo, Document, RagResult, StageKind, StageRole
 from telerag.server.result_stats import PrefetchSummaryOut, StepStatsOut, TimingsOut, step_stats
 from telerag.server.settings import LimitSettings
 
@@ -61,7 +59,7 @@ class ErrorResponse(BaseModel):
 
 
 class QueryRequest(BaseModel):
-    """`POST /v1/rag/query`. The bounded fields get their bounds per app (`request_models`)."""
+    """`POST /v1/rag/query`. The bounded fields get their bounds per app (`query_request_model`)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -76,103 +74,50 @@ class QueryRequest(BaseModel):
     prefetch: bool = Field(True, description="false: every cluster searched on the CPU (the baseline)")
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True)
-
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
+UNSUPPORTED = "unsupported"  # a pydantic error type: the request asks for what this server does not do (400, not 422)
 
 
-class ChatCompletionRequest(BaseModel):
-    """`POST /v1/chat/completions`: the last user message is the question, `model` the pipeline.
-    Other OpenAI fields are accepted and ignored, as OpenAI clients send them. The bounded
-    fields get their bounds per app (`request_models`)."""
-
-    model_config = ConfigDict(strict=True)
-
-    model: str
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float = Field(0.0, ge=0.0, le=2.0)
-    stream: bool = Field(False, description="true: chat.completion.chunk objects as server-sent events")
-
-    @field_validator("messages")
-    @classmethod
-    def _has_question(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
-        if not any(m.role == "user" for m in messages):
-            raise ValueError("at least one user message is required")
-        return messages
-
-    @property
-    def question(self) -> str:
-        return next(m.content for m in reversed(self.messages) if m.role == "user")
+def refuse(message: str) -> PydanticCustomError:
+    return PydanticCustomError(UNSUPPORTED, message)
 
 
-@dataclass(frozen=True)
-class RequestModels:
-    query: type[QueryRequest]
-    chat: type[ChatCompletionRequest]
+def pipeline_name(pipelines: Sequence[str]) -> Any:
+    """A field that names one of the served pipelines."""
+    return Literal[tuple(pipelines)]
 
 
-def request_models(limits: LimitSettings, pipelines: Sequence[str], nlist: int | None = None) -> RequestModels:
-    """The request models of one app: `limits`, the pipeline names and the datastore's `nlist`
-    (None: not known yet, so nprobe's upper bound is checked per request instead) become the
-    fields' constraints, and so appear in the OpenAPI schema."""
+def question_text(limits: LimitSettings) -> Any:
+    """A question: not blank, at most `limits.max_query_chars` characters."""
+    return Annotated[str, StringConstraints(min_length=1, max_length=limits.max_query_chars, pattern=NON_BLANK)]
+
+
+def default_max_tokens(limits: LimitSettings) -> int:
+    """An answer's token limit when a request names none (a chat completion's as a query's)."""
+    return min(256, limits.max_tokens)
+
+
+def query_request_model(limits: LimitSettings, pipelines: Sequence[str], nlist: int | None = None) -> type[QueryRequest]:
+    """`QueryRequest` for one app: `limits`, the pipeline names and the datastore's `nlist` (None:
+    not known yet, so nprobe's upper bound is checked per request instead) become the fields'
+    constraints, and so appear in the OpenAPI schema."""
     # The fields' types are made here, at run time, from the limits: values to pydantic, not types to mypy.
-    pipeline: Any = Literal[tuple(pipelines)]
-    question: Any = Annotated[str, StringConstraints(min_length=1, max_length=limits.max_query_chars, pattern=NON_BLANK)]
-    user_role: Any = Literal["user"]
-    other_role: Any = Literal["system", "assistant", "tool"]
-    max_tokens = min(256, limits.max_tokens)
-    query = create_model(
+    max_tokens = default_max_tokens(limits)
+    return create_model(
         "QueryRequest",
         __base__=QueryRequest,
         __module__=__name__,
-        query=(question, Field(description=f"the user's question (at most {limits.max_query_chars} characters, not blank)")),
-        pipeline=(pipeline, Field("naive" if "naive" in pipelines else pipelines[0], description="one of GET /v1/pipelines")),
+        query=(
+            question_text(limits),
+            Field(description=f"the user's question (at most {limits.max_query_chars} characters, not blank)"),
+        ),
+        pipeline=(
+            pipeline_name(pipelines),
+            Field("naive" if "naive" in pipelines else pipelines[0], description="one of GET /v1/pipelines"),
+        ),
         top_k=(integer(1, limits.max_top_k) | None, Field(None, description="documents to retrieve (default: the server's)")),
         nprobe=(integer(1, nlist) | None, Field(None, description="IVF lists to search (at most the datastore's nlist)")),
         max_tokens=(integer(1, limits.max_tokens), Field(max_tokens, description="tokens of the answer, at most")),
     )
-    user: Any = create_model(
-        "UserMessage",
-        __base__=ChatMessage,
-        __module__=__name__,
-        role=(user_role, ...),
-        content=(question, Field(description="a question (the last one is answered)")),
-    )
-    other: Any = create_model(
-        "OtherMessage", __base__=ChatMessage, __module__=__name__, role=(other_role, ...), content=(str, ...)
-    )
-    messages: Any = list[Annotated[user | other, Field(discriminator="role")]]
-    chat = create_model(
-        "ChatCompletionRequest",
-        __base__=ChatCompletionRequest,
-        __module__=__name__,
-        model=(pipeline, Field(description="the pipeline that answers (one of GET /v1/models)")),
-        messages=(
-            messages,
-            Field(
-                min_length=1,
-                description="the conversation; it needs a user message, and the last one is the question",
-                json_schema_extra={
-                    "contains": {"type": "object", "properties": {"role": {"const": "user"}}, "required": ["role"]}
-                },
-            ),
-        ),
-        max_tokens=(
-            integer(1, limits.max_tokens) | None,
-            Field(
-                None, description=f"tokens of the answer, at most (default {max_tokens}); with max_completion_tokens, the smaller"
-            ),
-        ),
-        max_completion_tokens=(
-            integer(1, limits.max_tokens) | None,
-            Field(None, description=f"tokens of the answer, at most (default {max_tokens}); with max_tokens, the smaller"),
-        ),
-    )
-    return RequestModels(query=query, chat=chat)
 
 
 # -- responses ----------------------------------------------------------------------------------
@@ -184,6 +129,10 @@ class DocumentOut(BaseModel):
     title: str
     text: str
     score: float
+
+
+def documents_out(documents: Sequence[Document]) -> list[DocumentOut]:
+    return [DocumentOut(**vars(d)) for d in documents]
 
 
 class StepOut(BaseModel):
@@ -214,7 +163,7 @@ class QueryResponse(BaseModel):
             id=request_id,
             answer=result.answer,
             pipeline=result.pipeline,
-            documents=[DocumentOut(**vars(d)) for d in result.documents] if with_documents else [],
+            documents=documents_out(result.documents) if with_documents else [],
             steps=[
                 StepOut(
                     stage=s.stage.name,
@@ -297,93 +246,6 @@ class Ready(BaseModel):
     )
     engine: str | None = None
     datastore: DatastoreInfo | None = None
-
-
-# -- OpenAI-compatible responses ------------------------------------------------------------------
-
-
-class Model(BaseModel):
-    """A model a client may name in `model`: here, a pipeline."""
-
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "telerag"
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[Model]
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-    @classmethod
-    def of(cls, result: RagResult) -> Usage:
-        """Every LLM call's prompt, and every token generated."""
-        prompt = sum(s.tokens_in for s in result.steps if s.kind == "llm")
-        return cls(prompt_tokens=prompt, completion_tokens=result.tokens_generated, total_tokens=prompt + result.tokens_generated)
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatCompletionChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    finish_reason: Literal["stop", "length"] = "stop"
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: Usage
-
-    @classmethod
-    def from_result(cls, result: RagResult, *, request_id: str, model: str) -> ChatCompletion:
-        choice = ChatCompletionChoice(message=AssistantMessage(content=result.answer), finish_reason=finish_reason(result))
-        return cls(id=request_id, model=model, usage=Usage.of(result), choices=[choice])
-
-
-def finish_reason(result: RagResult) -> Literal["stop", "length"]:
-    """`length` when the token limit cut the answer (its last answer-writing call ended at it)."""
-    answers = [s for s in result.steps if s.kind == "llm" and s.stage.role is StageRole.GENERATE]
-    return "length" if answers and answers[-1].cut else "stop"
-
-
-class ChatDelta(BaseModel):
-    """What a chunk adds: the role once, first; then pieces of the content."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    finish_reason: Literal["stop", "length"] | None = None
-
-    @field_serializer("delta")
-    def _delta(self, delta: ChatDelta) -> dict[str, str]:
-        return delta.model_dump(exclude_none=True)  # OpenAI sends only what a delta sets
-
-
-class ChatCompletionChunk(BaseModel):
-    """One server-sent event of a streamed chat completion (`data: {...}`, then `data: [DONE]`)."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChunkChoice]
 
 
 def new_request_id() -> str:

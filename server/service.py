@@ -99,7 +99,15 @@ class Service:
         self.metrics.admission.in_flight.set(running)
 
     def options(
-        self, *, top_k: int | None, nprobe: int | None, max_tokens: int, temperature: float, prefetch: bool = True
+        self,
+        *,
+        top_k: int | None,
+        nprobe: int | None,
+        max_tokens: int,
+        temperature: float,
+        top_p: float = 1.0,
+        stop: tuple[str, ...] = (),
+        prefetch: bool = True,
     ) -> RunOptions:
         """A request's options, checked for what the request models cannot check: nprobe against
         the datastore's nlist (the app's models are built before the datastore is loaded)."""
@@ -111,6 +119,8 @@ class Service:
             nprobe=nprobe,
             max_tokens=max_tokens,
             temperature=temperature,
+            top_p=top_p,
+            stop=stop,
             prefetch=prefetch,
         )
 

@@ -46,6 +46,7 @@ class ScriptedEngine:
         self.fail = fail
         self.delay = delay
         self.prompts: list[str] = []
+        self.params: list[SamplingParams] = []  # each call's, in order
         self.vocab: list[str] = []
 
     def format_prompt(self, user_text: str, *, system: str = "") -> str:
@@ -90,6 +91,7 @@ class ScriptedEngine:
         return out
 
     async def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncIterator[TokenChunk | Generation]:
+        self.params.append(params)
         for index, prompt in enumerate(prompts):
             self.prompts.append(prompt)
             self.log.append(("llm_start", prompt.splitlines()[0]))

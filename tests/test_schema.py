@@ -30,7 +30,10 @@ async def test_the_configured_limits_are_in_the_schema():
     assert chat["model"]["enum"] == list(h.app.state.service.pipelines)
     assert chat["max_tokens"]["anyOf"][0]["maximum"] == 33
     assert chat["messages"]["contains"]["properties"]["role"] == {"const": "user"}
-    assert components["UserMessage"]["properties"]["content"]["maxLength"] == 99
+    text, parts = components["UserMessage"]["properties"]["content"]["anyOf"]
+    assert text["maxLength"] == 99 and parts["items"] == {"$ref": "#/components/schemas/TextPart"}
+    assert components["ChatCompletionRequest"]["additionalProperties"] is False  # tools, audio, ...: refused, not ignored
+    assert chat["n"]["anyOf"][0] == {"const": 1, "type": "integer"}
 
 
 @pytest.mark.parametrize(

@@ -163,7 +163,6 @@ async def test_disconnect_aborts_generation_and_releases_clusters():
         ({"query": "q", "nprobe": 0}, "nprobe"),
         ({"query": "q", "max_tokens": 5000}, "max_tokens"),
         ({"query": "q", "temperature": -1}, "temperature"),
-        ({"query": "q", "unknown": 1}, "unknown"),
         ({"query": 3}, "query"),
         ({}, "query"),
     ],

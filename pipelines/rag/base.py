@@ -164,6 +164,7 @@ class RagPipeline:
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=ctx.options.temperature,
+            top_p=ctx.options.top_p,
             stop=tuple(dict.fromkeys([*stop, *(s for p in batch for s in p.stops)])),
             logprobs=logprobs,
         )
@@ -272,7 +273,10 @@ class RagPipeline:
         the reply does (the cue repeated on the same line, which no stop string catches)."""
         prompt = prompt or prompts.answer(ctx.query, documents)
         params = SamplingParams(
-            max_tokens=ctx.options.max_tokens, temperature=ctx.options.temperature, stop=(*prompt.stops, *ANSWER_STOPS)
+            max_tokens=ctx.options.max_tokens,
+            temperature=ctx.options.temperature,
+            top_p=ctx.options.top_p,
+            stop=tuple(dict.fromkeys([*prompt.stops, *ANSWER_STOPS, *ctx.options.stop])),
         )
         formatted = self.engine.format_prompt(prompt.user, system=prompt.system)
         reply = ReplyStream(prompt.cue)
@@ -306,7 +310,11 @@ class RagPipeline:
         """An answer that is not streamed to the client (a round of Iter-RetGen, a draft of Iter
         or Self-RAG): the reply of an answer prompt."""
         return await self.reply(
-            ctx, stage, prompts.answer(ctx.query, documents, draft), max_tokens=ctx.options.max_tokens, stop=ANSWER_STOPS
+            ctx,
+            stage,
+            prompts.answer(ctx.query, documents, draft),
+            max_tokens=ctx.options.max_tokens,
+            stop=(*ANSWER_STOPS, *ctx.options.stop),
         )
 
     # -- the result ---------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from telerag.pipelines import prompts
+from telerag.pipelines.engines import StopFilter
 from telerag.pipelines.rag.base import PREFETCH, SEARCH, RagPipeline, RunContext
 from telerag.pipelines.replies import clean_reply
 from telerag.pipelines.types import Generation, Stage, StageRole, TokenEvent
@@ -43,6 +44,7 @@ class FLARE(RagPipeline):
 
     async def body(self, ctx: RunContext) -> str:
         written = ""
+        shown = StopFilter(ctx.options.stop)  # what the client sees: the client's stop strings end the whole answer
         for _ in range(MAX_SENTENCES):
             known = f"{ctx.query} {written}".strip()
 
@@ -72,8 +74,11 @@ class FLARE(RagPipeline):
             piece = clean_reply(text, prompts.ANSWER_CUE)
             if piece:
                 piece = piece + ("." if sentence.finish_reason == "stop" and not piece.endswith(".") else "")
-                ctx.events.put_nowait(TokenEvent(("" if not written else " ") + piece))
+                if released := shown.push(("" if not written else " ") + piece):
+                    ctx.events.put_nowait(TokenEvent(released))
                 written = f"{written} {piece}".strip()
-            if not piece or sentence.finish_reason == "length" or len(written.split()) > ctx.options.max_tokens:
+            if shown.stopped or not piece or sentence.finish_reason == "length" or len(written.split()) > ctx.options.max_tokens:
                 break
-        return written
+        if rest := shown.finish():
+            ctx.events.put_nowait(TokenEvent(rest))
+        return shown.final

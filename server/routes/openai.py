@@ -5,6 +5,7 @@ endpoints have no docstrings: FastAPI would publish them in the schema.)"""
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
@@ -14,18 +15,18 @@ from telerag.pipelines.types import ResultEvent, RunEvent, TokenEvent
 from telerag.server import errors
 from telerag.server.admitted_run import EventStream
 from telerag.server.auth import Access
-from telerag.server.protocol import (
+from telerag.server.openai_protocol import (
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatDelta,
-    ErrorResponse,
     Model,
     ModelList,
-    RequestModels,
+    Usage,
     finish_reason,
 )
+from telerag.server.protocol import ErrorResponse, documents_out
 from telerag.server.routes.responses import generation_errors, json_or_events
 from telerag.server.routes.signature import typed
 from telerag.server.service import Service, serving
@@ -39,7 +40,7 @@ CHAT_STREAM = event_schema({"message": {"anyOf": [{"const": "[DONE]"}, json_data
 STREAMED: list[type[BaseModel]] = [ChatCompletionChunk, ErrorResponse]  # the models the stream's schema refers to
 
 
-def router(models: RequestModels, access: Access) -> APIRouter:
+def router(chat: type[ChatCompletionRequest], access: Access) -> APIRouter:
     """The routes, with this app's request model and access."""
     routes = APIRouter()
     routes.add_api_route(
@@ -53,7 +54,7 @@ def router(models: RequestModels, access: Access) -> APIRouter:
     )
     routes.add_api_route(
         "/v1/chat/completions",
-        typed(chat_completions, body=models.chat, client=access.client_parameter()),
+        typed(chat_completions, body=chat, client=access.client_parameter()),
         methods=["POST"],
         responses={**json_or_events(ChatCompletion, CHAT_STREAM, CHAT_EVENTS), **generation_errors(access)},
     )
@@ -67,35 +68,46 @@ async def list_models(request: Request, service: Service = Depends(serving)) -> 
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, client: str | None, service: Service = Depends(serving)
 ) -> Response:
-    question = body.question
     limits = [n for n in (body.max_tokens, body.max_completion_tokens) if n is not None]  # both: the tighter honours both
     max_tokens = min(limits) if limits else request.app.state.default_max_tokens
-    options = service.options(top_k=None, nprobe=None, max_tokens=max_tokens, temperature=body.temperature)
+    options = service.options(
+        top_k=None, nprobe=None, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, stop=body.stops
+    )
     run = service.admit(
-        request, service.pipelines[body.model], question, options, client, query_field="messages", top_k_field=None
+        request, service.pipelines[body.model], body.question, options, client, query_field="messages", top_k_field=None
     )
     request_id = f"chatcmpl-{request.state.request_id}"
     if body.stream:
-        return await run.stream(chunks(request_id, body.model))
-    return await run.respond(lambda result: ChatCompletion.from_result(result, request_id=request_id, model=body.model))
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return await run.stream(chunks(request_id, body.model, with_documents=body.return_documents, with_usage=usage))
+    return await run.respond(
+        lambda result: ChatCompletion.from_result(
+            result, request_id=request_id, model=body.model, with_documents=body.return_documents
+        )
+    )
 
 
-def chunks(request_id: str, model: str) -> EventStream:
-    """A run as OpenAI streams a completion: the role, the pieces of content, `finish_reason`, `[DONE]`."""
+def chunks(request_id: str, model: str, *, with_documents: bool, with_usage: bool) -> EventStream:
+    """A run as OpenAI streams a completion: the role, the pieces of content, `finish_reason`
+    (with the documents, an extension), the usage when asked for (`stream_options`), `[DONE]`."""
 
-    def chunk(delta: ChatDelta, finish_reason: str | None = None) -> bytes:
-        choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
-        return sse_data(ChatCompletionChunk(id=request_id, model=model, choices=[choice]).model_dump())
+    def chunk(choices: list[ChatChunkChoice], **extra: Any) -> bytes:
+        data = ChatCompletionChunk(id=request_id, model=model, choices=choices, **extra)
+        return sse_data(data.model_dump(exclude={name for name in ("documents", "usage") if getattr(data, name) is None}))
 
     async def events(run: AsyncIterator[RunEvent]) -> AsyncGenerator[bytes, None]:
-        yield chunk(ChatDelta(role="assistant", content=""))
-        reason = "stop"
+        yield chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
+        result = None
         async for event in run:
             if isinstance(event, TokenEvent):
-                yield chunk(ChatDelta(content=event.text))
+                yield chunk([ChatChunkChoice(delta=ChatDelta(content=event.text))])
             elif isinstance(event, ResultEvent):
-                reason = finish_reason(event.result)
-        yield chunk(ChatDelta(), finish_reason=reason)
+                result = event.result
+        reason = "stop" if result is None else finish_reason(result)
+        documents = documents_out(result.documents) if result is not None and with_documents else None
+        yield chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=reason)], documents=documents)
+        if with_usage and result is not None:
+            yield chunk([], usage=Usage.of(result))
 
     return EventStream(
         events=events,

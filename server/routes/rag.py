@@ -20,7 +20,6 @@ from telerag.server.protocol import (
     PipelineList,
     QueryRequest,
     QueryResponse,
-    RequestModels,
     StageInfo,
     StageUpdate,
     TokenText,
@@ -44,7 +43,7 @@ QUERY_STREAM = event_schema(
 STREAMED: list[type[BaseModel]] = [StageUpdate, TokenText, QueryResponse, ErrorDetail]  # the models the stream's schema refers to
 
 
-def router(models: RequestModels, access: Access) -> APIRouter:
+def router(query: type[QueryRequest], access: Access) -> APIRouter:
     """The routes, with this app's request model and access."""
     routes = APIRouter()
     routes.add_api_route(
@@ -57,7 +56,7 @@ def router(models: RequestModels, access: Access) -> APIRouter:
     )
     routes.add_api_route(
         "/v1/rag/query",
-        typed(rag_query, body=models.query, client=access.client_parameter()),
+        typed(rag_query, body=query, client=access.client_parameter()),
         methods=["POST"],
         responses={**json_or_events(QueryResponse, QUERY_STREAM, QUERY_EVENTS), **generation_errors(access)},
     )

@@ -1,0 +1,343 @@
+"""The request and response models of the OpenAI-compatible routes (`routes/openai.py`), as
+the official SDK and LangChain send and read them.
+
+Every field a client may send is served or refused: the request model forbids what it does not
+list, and a listed field that is served at some values only (`n: 1`, a text part) refuses the
+others with a pydantic error of type `UNSUPPORTED`, which the app answers with a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    create_model,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+
+from telerag.pipelines.types import RagResult, StageRole
+from telerag.server.protocol import (
+    NON_BLANK,
+    DocumentOut,
+    default_max_tokens,
+    documents_out,
+    integer,
+    pipeline_name,
+    question_text,
+    refuse,
+)
+from telerag.server.settings import LimitSettings
+
+SERVED_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {  # OpenAI fields served at these values only (null: the same)
+    "n": ((1,), "only 1: one choice per request"),
+    "logprobs": ((False,), "only false: token log-probabilities are not returned"),
+    "top_logprobs": ((0,), "only 0: token log-probabilities are not returned"),
+    "presence_penalty": ((0, 0.0), "only 0: the engines apply no penalties"),
+    "frequency_penalty": ((0, 0.0), "only 0: the engines apply no penalties"),
+}
+
+
+class TextPart(BaseModel):
+    """A piece of a message's content, as LangChain, LlamaIndex and Open WebUI send it. Only text
+    is served: an image, audio or file part is refused by name."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(kind := data.get("type"), str) and kind != "text":
+            raise refuse(f"only text parts: {kind} content is not served")
+        return data
+
+
+class ChatMessage(BaseModel):
+    """A turn of the conversation; its content is a string or a list of text parts."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = Field(None, description="the speaker's name, as OpenAI takes it")
+
+    @property
+    def text(self) -> str:
+        return content_text(self.content)
+
+
+def content_text(content: str | list[TextPart] | None) -> str:
+    """A message's text: its string, or its text parts one per line."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "\n".join(part.text for part in content)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    include_usage: bool = Field(False, description="true: a last chunk, before [DONE], with usage and no choices")
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    type: Literal["text"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(kind := data.get("type"), str) and kind != "text":
+            raise refuse(f'only {{"type": "text"}}: the answer is text, never {kind}')
+        return data
+
+
+def _text_modality(modalities: list[str]) -> list[str]:
+    if any(m != "text" for m in modalities):
+        raise refuse('only ["text"]: the answer is text')
+    return modalities
+
+
+class ChatCompletionRequest(BaseModel):
+    """`POST /v1/chat/completions`: the last user message is the question, `model` the pipeline.
+    Every field OpenAI clients send is served or refused: a field not listed here (tools,
+    tool_choice, audio, ...) or a value marked "only" otherwise is refused with a 400 that
+    names it, never ignored. The bounded fields get their bounds per app (`chat_request_model`)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    top_p: float = Field(
+        1.0, ge=0.0, le=1.0, description="nucleus sampling, with temperature > 0 (every LLM call of the request)"
+    )
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = Field(
+        None, description="up to 4 strings: the answer ends before the first of them"
+    )
+    seed: int | None = Field(
+        None, description="accepted at temperature 0 (greedy decoding: nothing to seed); refused when sampling"
+    )
+    stream: bool = Field(False, description="true: chat.completion.chunk objects as server-sent events")
+    stream_options: StreamOptions | None = None
+    n: Literal[1] | None = Field(None, description=SERVED_ONLY["n"][1])
+    logprobs: Literal[False] | None = Field(None, description=SERVED_ONLY["logprobs"][1])
+    top_logprobs: Literal[0] | None = Field(None, description=SERVED_ONLY["top_logprobs"][1])
+    presence_penalty: float | None = Field(None, ge=0, le=0, description=SERVED_ONLY["presence_penalty"][1])
+    frequency_penalty: float | None = Field(None, ge=0, le=0, description=SERVED_ONLY["frequency_penalty"][1])
+    response_format: ResponseFormat | None = None
+    modalities: Annotated[list[str], AfterValidator(_text_modality)] | None = Field(
+        None, description='only ["text"]: the answer is text'
+    )
+    user: str | None = Field(None, description="the end user's id, as OpenAI takes it; logged with nothing else")
+    return_documents: bool = Field(
+        True, description="an extension: false leaves out `documents`, the passages the answer was written from"
+    )
+
+    @field_validator("messages")
+    @classmethod
+    def _has_question(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        if not any(m.role == "user" for m in messages):
+            raise ValueError("at least one user message is required")
+        return messages
+
+    @field_validator(*SERVED_ONLY, mode="before")
+    @classmethod
+    def _served_values_only(cls, value: Any, info: ValidationInfo) -> Any:
+        """Refused with a 400 naming the field (not a 422: the value is valid OpenAI, just not served here)."""
+        allowed, why = SERVED_ONLY[str(info.field_name)]
+        if value is not None and not any(type(value) is type(a) and value == a for a in allowed):
+            raise refuse(why)
+        return value
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_needs_greedy(cls, seed: int | None, info: ValidationInfo) -> int | None:
+        if seed is not None and info.data.get("temperature", 0.0) > 0:
+            raise refuse("only at temperature 0: sampling with a seed is not supported (temperature 0 decodes greedily)")
+        return seed
+
+    @property
+    def question(self) -> str:
+        return next(m.text for m in reversed(self.messages) if m.role == "user")
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+def chat_request_model(limits: LimitSettings, pipelines: Sequence[str]) -> type[ChatCompletionRequest]:
+    """`ChatCompletionRequest` for one app: its limits and pipeline names become the fields'
+    constraints, and so appear in the OpenAPI schema."""
+    # The fields' types are made here, at run time, from the limits: values to pydantic, not types to mypy.
+    pipeline = pipeline_name(pipelines)
+    question = question_text(limits)
+    user_role: Any = Literal["user"]
+    other_role: Any = Literal["system", "developer", "assistant", "tool"]
+    max_tokens = default_max_tokens(limits)
+    parts: Any = Annotated[list[TextPart], Field(min_length=1)]
+
+    def fits(content: str | list[TextPart]) -> str | list[TextPart]:
+        """Text parts are a question once joined: it must fit as a string question does."""
+        text = content_text(content)
+        if not re.search(NON_BLANK, text):
+            raise ValueError("the question is blank")
+        if len(text) > limits.max_query_chars:
+            raise ValueError(f"the question is over {limits.max_query_chars} characters")
+        return content
+
+    user: Any = create_model(
+        "UserMessage",
+        __base__=ChatMessage,
+        __module__=__name__,
+        role=(user_role, ...),
+        content=(
+            Annotated[question | parts, AfterValidator(fits)],
+            Field(description="a question (the last one is answered): text, or text parts"),
+        ),
+    )
+    other: Any = create_model(
+        "OtherMessage",
+        __base__=ChatMessage,
+        __module__=__name__,
+        role=(other_role, ...),
+        content=(str | list[TextPart] | None, Field(None)),
+    )
+    messages: Any = list[Annotated[user | other, Field(discriminator="role")]]
+    return create_model(
+        "ChatCompletionRequest",
+        __base__=ChatCompletionRequest,
+        __module__=__name__,
+        model=(pipeline, Field(description="the pipeline that answers (one of GET /v1/models)")),
+        messages=(
+            messages,
+            Field(
+                min_length=1,
+                description="the conversation; it needs a user message, and the last one is the question",
+                json_schema_extra={
+                    "contains": {"type": "object", "properties": {"role": {"const": "user"}}, "required": ["role"]}
+                },
+            ),
+        ),
+        max_tokens=(
+            integer(1, limits.max_tokens) | None,
+            Field(
+                None, description=f"tokens of the answer, at most (default {max_tokens}); with max_completion_tokens, the smaller"
+            ),
+        ),
+        max_completion_tokens=(
+            integer(1, limits.max_tokens) | None,
+            Field(None, description=f"tokens of the answer, at most (default {max_tokens}); with max_tokens, the smaller"),
+        ),
+    )
+
+
+# -- responses ----------------------------------------------------------------------------------
+
+
+class Model(BaseModel):
+    """A model a client may name in `model`: here, a pipeline."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "telerag"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Model]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, result: RagResult) -> Usage:
+        """Every LLM call's prompt, and every token generated."""
+        prompt = sum(s.tokens_in for s in result.steps if s.kind == "llm")
+        return cls(prompt_tokens=prompt, completion_tokens=result.tokens_generated, total_tokens=prompt + result.tokens_generated)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"] = "stop"
+
+
+SOURCES = (
+    "an extension (the SDKs keep it in `model_extra`): the passages the answer was written from; "
+    "[] with `return_documents: false`"
+)
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+    documents: list[DocumentOut] = Field(description=SOURCES)
+
+    @classmethod
+    def from_result(cls, result: RagResult, *, request_id: str, model: str, with_documents: bool) -> ChatCompletion:
+        choice = ChatCompletionChoice(message=AssistantMessage(content=result.answer), finish_reason=finish_reason(result))
+        documents = documents_out(result.documents) if with_documents else []
+        return cls(id=request_id, model=model, usage=Usage.of(result), choices=[choice], documents=documents)
+
+
+def finish_reason(result: RagResult) -> Literal["stop", "length"]:
+    """`length` when the token limit cut the answer (its last answer-writing call ended at it)."""
+    answers = [s for s in result.steps if s.kind == "llm" and s.stage.role is StageRole.GENERATE]
+    return "length" if answers and answers[-1].cut else "stop"
+
+
+class ChatDelta(BaseModel):
+    """What a chunk adds: the role once, first; then pieces of the content."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: Literal["stop", "length"] | None = None
+
+    @field_serializer("delta")
+    def _delta(self, delta: ChatDelta) -> dict[str, str]:
+        return delta.model_dump(exclude_none=True)  # OpenAI sends only what a delta sets
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion (`data: {...}`, then `data: [DONE]`)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice] = Field(description="empty in the usage chunk")
+    documents: list[DocumentOut] | None = Field(None, description=f"in the chunk with `finish_reason` only: {SOURCES}")
+    usage: Usage | None = Field(None, description='last, with `stream_options: {"include_usage": true}` only')

@@ -1,0 +1,169 @@
+"""Issue 31: the server as OpenAI clients use it, driven through the official `openai` SDK and
+`langchain-openai` in process. Every field a client sends is honoured or refused with a 400
+naming it; the documents behind an answer come with it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+from langchain_core.messages import HumanMessage, SystemMessage
+from langchain_openai import ChatOpenAI
+
+from tests.fake_app import Harness
+
+QUESTION = [{"role": "user", "content": "Capital of France?"}]
+ANSWER = "Paris is the capital of France"
+
+
+def sdk(http: httpx.AsyncClient) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=http, max_retries=0)
+
+
+async def test_text_parts_are_a_question_as_a_string_is():
+    h = Harness()
+    async with h.client() as http:
+        parts = [{"type": "text", "text": "Capital"}, {"type": "text", "text": "of France?"}]
+        completion = await sdk(http).chat.completions.create(model="naive", messages=[{"role": "user", "content": parts}])
+    assert completion.choices[0].message.content == ANSWER
+    assert "Question: Capital\nof France?" in h.engine.prompts[-1]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": -1.0}, "frequency_penalty"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"temperature": 0.7, "seed": 1}, "seed"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},
+            "messages.0.user.content.0",
+        ),
+        ({"messages": [{"role": "assistant", "content": None, "tool_calls": []}, *QUESTION]}, "messages.0.assistant.tool_calls"),
+    ],
+)
+async def test_what_the_server_does_not_do_is_refused_naming_the_field(fields, param):
+    h = Harness()
+    body = {"model": "naive", "messages": QUESTION, **fields}
+    async with h.client() as http:
+        with pytest.raises(openai.BadRequestError) as refused:
+            await sdk(http).chat.completions.create(**body)
+    assert refused.value.status_code == 400
+    error = refused.value.body
+    assert error["field"] == param and error["type"] == "unsupported_field" and error["message"].startswith(f"{param}: ")
+    assert not h.engine.prompts  # refused before anything ran
+
+
+async def test_the_values_that_ask_for_nothing_missing_are_served():
+    h = Harness()
+    async with h.client() as http:
+        completion = await sdk(http).chat.completions.create(
+            model="naive",
+            messages=QUESTION,
+            n=1,
+            logprobs=False,
+            presence_penalty=0,
+            frequency_penalty=0.0,
+            response_format={"type": "text"},
+            modalities=["text"],
+            seed=7,
+            user="user-1",
+        )
+    assert completion.choices[0].message.content == ANSWER
+
+
+async def test_stop_ends_the_answer_and_top_p_reaches_every_call():
+    h = Harness()
+    async with h.client() as http:
+        client = sdk(http)
+        stopped = await client.chat.completions.create(model="naive", messages=QUESTION, stop=["capital"])
+        assert stopped.choices[0].message.content == "Paris is the" and stopped.choices[0].finish_reason == "stop"
+        stream = await client.chat.completions.create(model="naive", messages=QUESTION, stop="the", stream=True)
+        assert "".join([c.choices[0].delta.content or "" async for c in stream]).strip() == "Paris is"
+        await client.chat.completions.create(model="hyde", messages=QUESTION, temperature=0.5, top_p=0.9)
+    assert [p.top_p for p in h.engine.params[-2:]] == [0.9, 0.9]  # the hypothetical passage's call and the answer's
+    assert "the" not in h.engine.params[-2].stop  # a client's stop string ends the answer, not the pipeline's own calls
+
+
+@pytest.mark.parametrize("pipeline", list(Harness().app.state.service.pipelines))
+async def test_every_pipeline_ends_its_answer_at_a_stop_string(pipeline):
+    h = Harness()
+    async with h.client() as http:
+        client = sdk(http)
+        whole = await client.chat.completions.create(model=pipeline, messages=QUESTION)
+        stopped = await client.chat.completions.create(model=pipeline, messages=QUESTION, stop=["capital", "Nile"])
+        stream = await client.chat.completions.create(model=pipeline, messages=QUESTION, stop="capital", stream=True)
+        streamed = "".join([c.choices[0].delta.content or "" async for c in stream])
+    assert "capital" in whole.choices[0].message.content
+    assert stopped.choices[0].message.content.strip() == streamed.strip() == "Paris is the"
+
+
+async def test_the_documents_come_with_the_answer_unless_turned_off():
+    h = Harness()
+    async with h.client() as http:
+        client = sdk(http)
+        completion = await client.chat.completions.create(model="naive", messages=QUESTION)
+        documents = completion.model_extra["documents"]
+        assert len(documents) == 3 and {"id", "doc_id", "title", "text", "score"} == documents[0].keys()
+        stream = await client.chat.completions.create(model="naive", messages=QUESTION, stream=True)
+        chunks = [chunk async for chunk in stream]
+        assert [c.model_extra.get("documents") for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+        assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].model_extra["documents"] == documents
+        without = await client.chat.completions.create(model="naive", messages=QUESTION, extra_body={"return_documents": False})
+        assert without.model_extra["documents"] == [] and without.choices[0].message.content == ANSWER
+
+
+async def test_a_stream_reports_its_usage_when_asked():
+    h = Harness()
+    async with h.client() as http:
+        client = sdk(http)
+        stream = await client.chat.completions.create(
+            model="naive", messages=QUESTION, stream=True, stream_options={"include_usage": True}
+        )
+        chunks = [chunk async for chunk in stream]
+        whole = await client.chat.completions.create(model="naive", messages=QUESTION)
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+async def test_an_unknown_field_of_the_rag_api_is_refused_as_well():
+    h = Harness()
+    async with h.client() as http:
+        response = await http.post("/v1/rag/query", json={"query": "q?", "tools": []})
+    assert response.status_code == 400
+    assert response.json()["error"] == {
+        "type": "unsupported_field",
+        "message": "tools: not supported by this server",
+        "field": "tools",
+    }
+
+
+def test_langchain_chat_model_streams_and_invokes_with_its_own_fields():
+    """LangChain's ChatOpenAI sends max_completion_tokens, a system message and text parts."""
+    h = Harness()
+    transport = httpx.ASGITransport(app=h.app)
+
+    async def run() -> None:
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            chat = ChatOpenAI(model="naive", base_url="http://test/v1", api_key="unused", http_async_client=http, max_retries=0)
+            reply = await chat.ainvoke([SystemMessage("be brief"), HumanMessage("Capital of France?")])
+            assert reply.content == ANSWER and reply.response_metadata["finish_reason"] == "stop"
+            cut = await chat.bind(max_completion_tokens=2).ainvoke("Capital of France?")
+            assert cut.content == "Paris is" and cut.response_metadata["finish_reason"] == "length"
+            parts = await chat.ainvoke([HumanMessage(content=[{"type": "text", "text": "Capital of France?"}])])
+            assert parts.content == ANSWER
+            pieces = [chunk.content async for chunk in chat.astream("Capital of France?")]
+            assert "".join(pieces).strip() == ANSWER
+            with pytest.raises(openai.BadRequestError, match="tools"):
+                await chat.bind_tools([{"type": "function", "function": {"name": "f", "parameters": {}}}]).ainvoke("hi")
+
+    asyncio.run(run())
