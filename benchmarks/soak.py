@@ -133,7 +133,7 @@ async def _user(
         if response.status_code == 200:
             tally.answered.append(Answer(pipeline, elapsed))
         elif response.status_code == 429:
-            tally.refused.append(Refused(elapsed, in_flight, response.json().get("error", {}).get("type", "")))
+            tally.refused.append(Refused(elapsed, in_flight, response.json().get("error", {}).get("code", "")))
             retry_after = float(response.headers.get("retry-after", 1))
             await asyncio.sleep(min(retry_after, max(end - time.monotonic(), 0.0)))
         else:

@@ -15,7 +15,7 @@ from telerag.server import errors
 from telerag.server.auth import Access
 from telerag.server.lifecycle import Lifecycle
 from telerag.server.metrics import Metrics
-from telerag.server.middleware import BodyLimit, RequestId, ServingGate
+from telerag.server.middleware import BodyLimit, ErrorDialect, RequestId, ServingGate
 from telerag.server.openai_protocol import chat_request_model
 from telerag.server.openapi import extend_schema
 from telerag.server.protocol import default_max_tokens, query_request_model
@@ -44,7 +44,8 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
         docs_url=None,
         redoc_url=None,
         description="RAG inference server with lookahead retrieval (TeleRAG). Every error, whatever its "
-        'status, has the body `{"error": {"type", "message", "field"?}}` (ErrorResponse).',
+        'status, has the body `{"error": {"type", "message", "code", "field"?, "param"?}}` (ErrorResponse); '
+        "on the OpenAI routes `type` is OpenAI's class of error and `code` the reason.",
     )
     app.state.lifecycle = lifecycle
     app.state.service = None
@@ -63,6 +64,7 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
             allow_headers=["*"],
             expose_headers=["X-Request-ID", "Retry-After"],
         )
+    app.add_middleware(ErrorDialect, openai_paths=openai.PATHS)  # before the refusals above are made
     app.add_middleware(RequestId)  # outermost: every response, refusals included, carries the id
     app.include_router(ops.router(access))
     app.include_router(rag.router(query, access))

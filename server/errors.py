@@ -1,5 +1,7 @@
 """The one place where errors become HTTP responses: a status code per error type, one JSON
-shape, `{"error": {"type", "message", "field"?}}`, and one policy for `Retry-After`.
+shape, `{"error": {"type", "message", "code", "field"?, "param"?}}` (OpenAI's keys, so that its
+clients read it; on the OpenAI routes `type` is OpenAI's class of error), and one policy for
+`Retry-After`.
 
 A client's mistake is a 4xx naming what was wrong; a refusal of a busy or unready server is a
 429 or 503 with `Retry-After`; a fault of the server is a 5xx, logged with the request's id
@@ -42,6 +44,10 @@ NOT_READY_RETRY_AFTER_S = 5  # loading or draining: a load takes seconds to minu
 request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "telerag_request_id", default=None
 )  # set by middleware.RequestId
+openai_route: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "telerag_openai_route", default=False
+)  # set by middleware.ErrorDialect: this request's errors name OpenAI's class of error in `type`
+OPENAI_TYPES = {401: "authentication_error", 429: "rate_limit_error"}  # else invalid_request_error (4xx), server_error
 
 
 def retry_after_s(estimate_s: float | None, default: int = RETRY_AFTER_S) -> int:
@@ -201,12 +207,17 @@ def error_detail(exc: BaseException) -> ErrorDetail:
     if status >= 500 and not isinstance(exc, Refused):
         log.error("request %s failed: %s", request_id.get() or "-", exc, exc_info=exc)
     if status == 500:
-        return ErrorDetail(type="internal_error", message=f"internal server error (request {request_id.get() or '-'})")
-    return ErrorDetail(
-        type=getattr(exc, "code", "internal_error"),
-        message=str(exc) or type(exc).__name__,
-        field=getattr(exc, "field", None) or None,
-    )
+        return detail(500, "internal_error", f"internal server error (request {request_id.get() or '-'})")
+    return detail(status, getattr(exc, "code", "internal_error"), str(exc) or type(exc).__name__, getattr(exc, "field", None))
+
+
+def detail(status: int, code: str, message: str, field: str | None = None) -> ErrorDetail:
+    """The one error detail: `code` is the slug, and `type` too except on the OpenAI routes,
+    where it is OpenAI's class of error, by status."""
+    kind = code
+    if openai_route.get():
+        kind = OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return ErrorDetail(type=kind, message=message, field=field or None, param=field or None, code=code)
 
 
 def error_response(status: int, detail: ErrorDetail, headers: Mapping[str, str] | None = None) -> JSONResponse:
@@ -268,7 +279,7 @@ def _http_error(request: Request, error: Exception) -> JSONResponse:
         405: f"{request.method} is not allowed on {request.url.path} (allowed: {(exc.headers or {}).get('Allow', '')})",
     }.get(exc.status_code, str(exc.detail))
     code = HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_")
-    return error_response(exc.status_code, ErrorDetail(type=code, message=message), exc.headers)
+    return error_response(exc.status_code, detail(exc.status_code, code, message), exc.headers)
 
 
 def _unhandled(_: Request, exc: Exception) -> JSONResponse:

@@ -42,6 +42,19 @@ class RequestId:
         await self.app(scope, receive, send_with_id)
 
 
+class ErrorDialect:
+    """The errors of a request to an OpenAI route name OpenAI's class of error in `error.type`
+    (`errors.detail`), as OpenAI clients expect; the rest name the slug there."""
+
+    def __init__(self, app: ASGIApp, openai_paths: frozenset[str]) -> None:
+        self.app, self.openai_paths = app, openai_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            errors.openai_route.set(scope["path"] in self.openai_paths)  # not reset, as the request id is not
+        await self.app(scope, receive, send)
+
+
 class BodyLimit:
     """Refuse request bodies over `limit` bytes (413), whether they declare their length or arrive
     chunked. The body is read here, before the app sees the request: an error raised while

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationInfo,
@@ -104,8 +105,8 @@ class ResponseFormat(BaseModel):
         return data
 
 
-def _text_modality(modalities: list[str]) -> list[str]:
-    if any(m != "text" for m in modalities):
+def _text_modality(modalities: Any) -> Any:
+    if isinstance(modalities, list) and any(m != "text" for m in modalities):
         raise refuse('only ["text"]: the answer is text')
     return modalities
 
@@ -116,7 +117,14 @@ class ChatCompletionRequest(BaseModel):
     tool_choice, audio, ...) or a value marked "only" otherwise is refused with a 400 that
     names it, never ignored. The bounded fields get their bounds per app (`chat_request_model`)."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(
+        strict=True,
+        extra="forbid",
+        json_schema_extra={  # seed is refused when sampling (`_seed_needs_greedy`): the schema says so
+            "if": {"properties": {"temperature": {"exclusiveMinimum": 0}}, "required": ["temperature"]},
+            "then": {"properties": {"seed": {"type": "null"}}},
+        },
+    )
 
     model: str
     messages: list[ChatMessage]
@@ -140,7 +148,7 @@ class ChatCompletionRequest(BaseModel):
     presence_penalty: float | None = Field(None, ge=0, le=0, description=SERVED_ONLY["presence_penalty"][1])
     frequency_penalty: float | None = Field(None, ge=0, le=0, description=SERVED_ONLY["frequency_penalty"][1])
     response_format: ResponseFormat | None = None
-    modalities: Annotated[list[str], AfterValidator(_text_modality)] | None = Field(
+    modalities: Annotated[list[Literal["text"]], BeforeValidator(_text_modality)] | None = Field(
         None, description='only ["text"]: the answer is text'
     )
     user: str | None = Field(None, description="the end user's id, as OpenAI takes it; logged with nothing else")

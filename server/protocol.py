@@ -44,9 +44,17 @@ def integer(low: int, high: int | None) -> Any:
 
 
 class ErrorDetail(BaseModel):
-    type: str = Field(description="a stable slug, e.g. invalid_request, body_too_large, overloaded, not_found")
+    """What went wrong, with OpenAI's keys too (`param`, `code`), so that OpenAI clients read it."""
+
+    type: str = Field(
+        description="a stable slug, e.g. invalid_request, body_too_large, queue_full, not_found; on the OpenAI routes "
+        "(/v1/chat/completions, /v1/models) OpenAI's class of error instead: invalid_request_error, "
+        "authentication_error, rate_limit_error or server_error"
+    )
     message: str = Field(description="what went wrong, for a human")
     field: str | None = Field(None, description="the request field at fault (dotted path), when there is one")
+    param: str | None = Field(None, description="the same as `field`, by OpenAI's name")
+    code: str | None = Field(None, description="the slug, on every route (where `type` is OpenAI's class, the reason)")
 
 
 class ErrorResponse(BaseModel):

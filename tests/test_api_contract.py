@@ -20,6 +20,7 @@ from telerag.pipelines.types import Generation, RagResult, SamplingParams, Step,
 from telerag.retrieval.stats import PrefetchStats
 from telerag.server.app import create_app, start_serving
 from telerag.server.protocol import QueryResponse
+from telerag.server.routes import openai as openai_routes
 from telerag.server.settings import Settings
 from tests.fake_app import Harness
 from tests.fakes import Reply, ScriptedEngine
@@ -184,8 +185,19 @@ async def test_every_error_has_the_one_body(name, options, breaks, send, status,
     assert response.status_code == status, response.text
     assert response.headers["content-type"] == "application/json"
     body = response.json()
-    assert list(body) == ["error"] and {"type", "message"} <= body["error"].keys() <= {"type", "message", "field"}
-    assert body["error"]["type"] == kind and body["error"]["message"]
+    error = body["error"]
+    assert list(body) == ["error"] and {"type", "message", "code"} <= error.keys() <= {
+        "type",
+        "message",
+        "code",
+        "field",
+        "param",
+    }
+    assert error["code"] == kind and error["message"] and error.get("param") == error.get("field")
+    if response.request.url.path in openai_routes.PATHS:  # OpenAI's class of error, where OpenAI clients read it
+        assert error["type"] == ("server_error" if status >= 500 else "invalid_request_error")
+    else:
+        assert error["type"] == kind
     assert ("retry-after" in response.headers) == (status in (429, 503))
     assert re.fullmatch(r"[0-9a-f]{24}", response.headers["x-request-id"])  # every response, refusals and bugs included
     if status == 401:
@@ -220,6 +232,7 @@ async def test_a_fault_is_logged_with_the_request_id_the_client_gave(caplog):
     error_event = [line for line in streamed.text.splitlines() if line.startswith("data:")][-1]
     assert json.loads(error_event.removeprefix("data:")) == {
         "type": "internal_error",
+        "code": "internal_error",
         "message": "internal server error (request client-9)",
     }
     logged = [r.getMessage() for r in caplog.records]
@@ -234,7 +247,8 @@ async def test_chunked_body_over_the_limit_is_413_over_a_socket():
             response = await client.post("/v1/rag/query", content=_chunked(20_000), headers={"content-type": "application/json"})
             small = await client.post("/v1/rag/query", json={"query": "q?"})
     assert response.status_code == 413
-    assert response.json() == {"error": {"type": "body_too_large", "message": "the request body is over 4096 bytes"}}
+    message = "the request body is over 4096 bytes"
+    assert response.json() == {"error": {"type": "body_too_large", "code": "body_too_large", "message": message}}
     assert small.status_code == 200
 
 

@@ -57,9 +57,9 @@ async def test_what_the_server_does_not_do_is_refused_naming_the_field(fields, p
     async with h.client() as http:
         with pytest.raises(openai.BadRequestError) as refused:
             await sdk(http).chat.completions.create(**body)
-    assert refused.value.status_code == 400
-    error = refused.value.body
-    assert error["field"] == param and error["type"] == "unsupported_field" and error["message"].startswith(f"{param}: ")
+    assert refused.value.status_code == 400 and refused.value.type == "invalid_request_error"  # OpenAI's error shape
+    assert refused.value.code == "unsupported_field" and refused.value.param == param
+    assert refused.value.body["message"].startswith(f"{param}: ")
     assert not h.engine.prompts  # refused before anything ran
 
 
@@ -140,10 +140,12 @@ async def test_an_unknown_field_of_the_rag_api_is_refused_as_well():
     async with h.client() as http:
         response = await http.post("/v1/rag/query", json={"query": "q?", "tools": []})
     assert response.status_code == 400
-    assert response.json()["error"] == {
+    assert response.json()["error"] == {  # the slug in type: this is not an OpenAI route
         "type": "unsupported_field",
+        "code": "unsupported_field",
         "message": "tools: not supported by this server",
         "field": "tools",
+        "param": "tools",
     }
 
 

@@ -231,10 +231,15 @@ async def test_loading_answers_health_and_refuses_v1_with_retry_after():
             "datastore": None,
             "progress": {"task": "verify checksums", "done": 25, "total": 100, "unit": "B", "fraction": 0.25},
         }
-        for method, path in (("POST", "/v1/rag/query"), ("POST", "/v1/chat/completions"), ("GET", "/v1/pipelines")):
+        for method, path, kind in (
+            ("POST", "/v1/rag/query", "not_ready"),
+            ("POST", "/v1/chat/completions", "server_error"),  # OpenAI's class of error, on its routes
+            ("GET", "/v1/pipelines", "not_ready"),
+        ):
             refused = await client.request(method, path, json={"query": "q"})
             assert refused.status_code == 503 and int(refused.headers["retry-after"]) > 0
-            assert refused.json()["error"] == {"type": "not_ready", "message": "the server is still loading (checking datastore)"}
+            message = "the server is still loading (checking datastore)"
+            assert refused.json()["error"] == {"type": kind, "code": "not_ready", "message": message}
 
 
 async def test_draining_refuses_new_work_and_says_so():

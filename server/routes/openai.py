@@ -37,6 +37,8 @@ events whose data is a ChatCompletionChunk (the first delta sets the role, the n
 content, the last has `finish_reason`), then `[DONE]`; a failure after the stream began comes
 as `{"error": ErrorDetail}` before `[DONE]`."""
 CHAT_STREAM = event_schema({"message": {"anyOf": [{"const": "[DONE]"}, json_data(ChatCompletionChunk, ErrorResponse)]}})
+MODELS, CHAT = "/v1/models", "/v1/chat/completions"
+PATHS = frozenset({MODELS, CHAT})  # their errors speak OpenAI's dialect (middleware.ErrorDialect)
 STREAMED: list[type[BaseModel]] = [ChatCompletionChunk, ErrorResponse]  # the models the stream's schema refers to
 
 
@@ -44,7 +46,7 @@ def router(chat: type[ChatCompletionRequest], access: Access) -> APIRouter:
     """The routes, with this app's request model and access."""
     routes = APIRouter()
     routes.add_api_route(
-        "/v1/models",
+        MODELS,
         list_models,
         methods=["GET"],
         response_model=ModelList,
@@ -53,7 +55,7 @@ def router(chat: type[ChatCompletionRequest], access: Access) -> APIRouter:
         summary="The models a chat completion may name: the pipelines (OpenAI's model list)",
     )
     routes.add_api_route(
-        "/v1/chat/completions",
+        CHAT,
         typed(chat_completions, body=chat, client=access.client_parameter()),
         methods=["POST"],
         responses={**json_or_events(ChatCompletion, CHAT_STREAM, CHAT_EVENTS), **generation_errors(access)},
