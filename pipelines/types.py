@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal, Protocol, runtime_checkable
 
+import numpy as np
+
 from telerag.pipelines.stats import (
     GenerationStats,
     PrefetchStepStats,
@@ -204,6 +206,19 @@ class BatchRetriever(Retriever, Protocol):
     async def search_batch(self, requests: Sequence[SearchRequest]) -> list[SearchOutcome]:
         """One outcome per request, in order; each waits only on its own ticket's copies."""
         ...
+
+    async def embed(self, texts: Sequence[str]) -> TextEmbeddings:
+        """`texts` embedded as the datastore's passages and queries are (for clients that search
+        or cache beside the server)."""
+        ...
+
+
+@dataclass(frozen=True)
+class TextEmbeddings:
+    """One unit-length float32 row per text, and the tokens the embedder read of them all."""
+
+    vectors: np.ndarray
+    tokens: int
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from telerag.server.auth import Access
 from telerag.server.lifecycle import Lifecycle
 from telerag.server.metrics import Metrics
 from telerag.server.middleware import BodyLimit, ErrorDialect, RequestId, ServingGate
-from telerag.server.openai_protocol import chat_request_model
+from telerag.server.openai_protocol import chat_request_model, embedding_request_model
 from telerag.server.openapi import extend_schema
 from telerag.server.protocol import default_max_tokens, query_request_model
 from telerag.server.routes import openai, ops, rag
@@ -68,7 +68,7 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
     app.add_middleware(RequestId)  # outermost: every response, refusals included, carries the id
     app.include_router(ops.router(access))
     app.include_router(rag.router(query, access))
-    app.include_router(openai.router(chat, access))
+    app.include_router(openai.router(chat, embedding_request_model(settings.limits), access))
     return app
 
 

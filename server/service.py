@@ -12,10 +12,19 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 
 from telerag.pipelines.questions import read_questions
-from telerag.pipelines.types import Pipeline, ResultEvent, RunEvent, RunOptions, TokenEvent, UsageEvent, run_result
+from telerag.pipelines.types import (
+    Pipeline,
+    ResultEvent,
+    RunEvent,
+    RunOptions,
+    TextEmbeddings,
+    TokenEvent,
+    UsageEvent,
+    run_result,
+)
 from telerag.server.admission import Admission
 from telerag.server.admitted_run import AdmittedRun
-from telerag.server.errors import InvalidField, Refusal, RequestTimeout
+from telerag.server.errors import InvalidField, Refusal, RequestTimeout, UnsupportedField
 from telerag.server.metrics import Metrics
 from telerag.server.scheduler import BatchingRetriever
 from telerag.server.settings import packaged_config
@@ -123,6 +132,16 @@ class Service:
             stop=stop,
             prefetch=prefetch,
         )
+
+    async def embed(self, model: str, texts: list[str], dimensions: int | None) -> TextEmbeddings:
+        """`texts` embedded by the datastore's embedder, which `model` must name (422 otherwise);
+        `dimensions` can only be its size (400 otherwise: vectors are not shortened here)."""
+        datastore = self.runtime.datastore_info
+        if model != datastore.embedder:
+            raise InvalidField("model", f"model: the datastore's embedder is {datastore.embedder!r} (GET /ready)")
+        if dimensions is not None and dimensions != datastore.dim:
+            raise UnsupportedField("dimensions", f"dimensions: only {datastore.dim}, the embedder's size")
+        return await self.runtime.retriever.embed(texts)
 
     def prompt_tokens(
         self, query: str, options: RunOptions, *, query_field: str = "query", top_k_field: str | None = "top_k"

@@ -114,6 +114,7 @@ class LimitSettings(Section):
     max_tokens: int = setting(1024, "tokens of an answer a request may ask for", ge=1)
     max_prompt_tokens: int = setting(8192, "estimated: the query and top_k passages", ge=1)
     max_body_bytes: int = setting(256 * 1024, "a request body's size; past it: 413", ge=1024)
+    max_embedding_inputs: int = setting(256, "texts one /v1/embeddings request may embed", ge=1)
 
 
 class ServerSettings(Section):

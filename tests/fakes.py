@@ -19,9 +19,11 @@ from telerag.pipelines.types import (
     SearchOutcome,
     SearchQuery,
     SearchRequest,
+    TextEmbeddings,
     TokenChunk,
 )
 from telerag.retrieval.stats import PrefetchStats
+from tests.retrieval_helpers import HashEmbedder
 
 
 @dataclass
@@ -160,6 +162,10 @@ class RecordingRetriever:
 
     async def search_batch(self, requests: Sequence[SearchRequest]) -> list[SearchOutcome]:
         return [await self.search(r.queries, r.options, r.ticket) for r in requests]
+
+    async def embed(self, texts: Sequence[str]) -> TextEmbeddings:
+        embedder = HashEmbedder()
+        return TextEmbeddings(embedder.encode(texts), embedder.count_tokens(texts))
 
     def release(self, ticket: PrefetchTicket) -> None:
         self.log.append(("release", " | ".join(ticket.queries)))

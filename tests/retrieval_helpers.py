@@ -118,6 +118,9 @@ class HashEmbedder:
     def encode(self, texts):
         return self._encode(list(texts))
 
+    def count_tokens(self, texts):
+        return sum(len(text.split()) for text in texts)  # its tokens are words
+
 
 TOPICS = {
     "rivers": "river water fish boat delta flood bank",

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -116,6 +117,12 @@ def test_real_server_with_the_openai_client(server):
         openai.OpenAI(base_url=f"{server}/v1", api_key="wrong").chat.completions.create(
             model="naive", messages=[{"role": "user", "content": "x"}]
         )
+    datastore = httpx.get(f"{server}/ready", timeout=10).json()["datastore"]
+    texts = ["Who developed the theory of relativity?", "Einstein's theory of relativity", "bread flour and yeast"]
+    embedded = client.embeddings.create(model=datastore["embedder"], input=texts)  # the datastore's own embedder
+    vectors = np.array([d.embedding for d in embedded.data])
+    assert vectors.shape == (3, datastore["dim"]) and np.allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-4)
+    assert vectors[0] @ vectors[1] > vectors[0] @ vectors[2] + 0.2
 
 
 @pytest.mark.parametrize("header", [None, "Bearer wrong", f"Basic {KEY}"])

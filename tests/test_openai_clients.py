@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from langchain_core.messages import HumanMessage, SystemMessage
-from langchain_openai import ChatOpenAI
+from langchain_openai import ChatOpenAI, OpenAIEmbeddings
 
 from tests.fake_app import Harness
+from tests.retrieval_helpers import HashEmbedder
 
 QUESTION = [{"role": "user", "content": "Capital of France?"}]
 ANSWER = "Paris is the capital of France"
@@ -167,5 +169,61 @@ def test_langchain_chat_model_streams_and_invokes_with_its_own_fields():
             assert "".join(pieces).strip() == ANSWER
             with pytest.raises(openai.BadRequestError, match="tools"):
                 await chat.bind_tools([{"type": "function", "function": {"name": "f", "parameters": {}}}]).ainvoke("hi")
+
+    asyncio.run(run())
+
+
+async def test_embeddings_are_the_datastores_own():
+    """`/v1/embeddings` embeds with the datastore's embedder (as the SDK asks: base64 unless told)."""
+    h = Harness()
+    texts = ["river water fish", "star planet orbit"]
+    expected = HashEmbedder().encode(texts)
+    async with h.client() as http:
+        client = sdk(http)
+        embedded = await client.embeddings.create(model="hash-32", input=texts)
+        floats = await client.embeddings.create(model="hash-32", input=texts[0], encoding_format="float", dimensions=32)
+        schema = (await http.get("/openapi.json")).json()["components"]["schemas"]["EmbeddingRequest"]["properties"]
+    assert [d.index for d in embedded.data] == [0, 1] and embedded.model == "hash-32"
+    np.testing.assert_allclose(np.array([d.embedding for d in embedded.data]), expected, rtol=1e-6)
+    np.testing.assert_allclose(floats.data[0].embedding, expected[0], rtol=1e-6)
+    assert embedded.usage.prompt_tokens == embedded.usage.total_tokens == 6
+    assert schema["model"]["enum"] == ["hash-32"] and schema["dimensions"]["anyOf"][0]["enum"] == [32]
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "param"),
+    [
+        ({"model": "text-embedding-3-small"}, openai.UnprocessableEntityError, "model"),
+        ({"dimensions": 16}, openai.BadRequestError, "dimensions"),
+        ({"input": [[101, 2054]]}, openai.BadRequestError, "input"),  # token ids (LangChain's default)
+        ({"input": ["a", ""]}, openai.UnprocessableEntityError, "input"),
+        ({"input": ["a"] * 257}, openai.UnprocessableEntityError, "input"),
+    ],
+)
+async def test_embeddings_refuse_what_they_cannot_serve(fields, error, param):
+    h = Harness()
+    async with h.client() as http:
+        with pytest.raises(error) as refused:
+            await sdk(http).embeddings.create(**{"model": "hash-32", "input": "a text", **fields})
+    assert refused.value.param == param and refused.value.type == "invalid_request_error"
+
+
+def test_langchain_embeddings_embed_documents_and_queries():
+    h = Harness()
+
+    async def run() -> None:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=h.app), base_url="http://test") as http:
+            embeddings = OpenAIEmbeddings(
+                model="hash-32",
+                base_url="http://test/v1",
+                api_key="unused",
+                http_async_client=http,
+                check_embedding_ctx_length=False,  # send text, not tiktoken's token ids
+                max_retries=0,
+            )
+            documents = await embeddings.aembed_documents(["river water fish", "star planet orbit"])
+            query = await embeddings.aembed_query("river water fish")
+        np.testing.assert_allclose(documents[0], query, rtol=1e-6)
+        np.testing.assert_allclose(documents, HashEmbedder().encode(["river water fish", "star planet orbit"]), rtol=1e-6)
 
     asyncio.run(run())
