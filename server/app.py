@@ -13,13 +13,14 @@ from telerag.pipelines.registry import PIPELINES
 from telerag.retrieval.stats import CacheStats
 from telerag.server import errors
 from telerag.server.auth import Access
+from telerag.server.embeddings_protocol import embedding_request_model
 from telerag.server.lifecycle import Lifecycle
 from telerag.server.metrics import Metrics
 from telerag.server.middleware import BodyLimit, ErrorDialect, RequestId, ServingGate
-from telerag.server.openai_protocol import chat_request_model, embedding_request_model
+from telerag.server.openai_protocol import chat_request_model
 from telerag.server.openapi import extend_schema
 from telerag.server.protocol import default_max_tokens, query_request_model
-from telerag.server.routes import openai, ops, rag
+from telerag.server.routes import embeddings, openai, ops, rag
 from telerag.server.service import Service
 from telerag.server.settings import Settings
 
@@ -64,11 +65,12 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
             allow_headers=["*"],
             expose_headers=["X-Request-ID", "Retry-After"],
         )
-    app.add_middleware(ErrorDialect, openai_paths=openai.PATHS)  # before the refusals above are made
+    app.add_middleware(ErrorDialect, openai_paths=openai.PATHS | embeddings.PATHS)  # before the refusals above are made
     app.add_middleware(RequestId)  # outermost: every response, refusals included, carries the id
     app.include_router(ops.router(access))
     app.include_router(rag.router(query, access))
-    app.include_router(openai.router(chat, embedding_request_model(settings.limits), access))
+    app.include_router(openai.router(chat, access))
+    app.include_router(embeddings.router(embedding_request_model(settings.limits), access))
     return app
 
 

@@ -1,6 +1,5 @@
-"""The OpenAI-compatible API: `POST /v1/chat/completions` (a pipeline answers the last user
-message; JSON, or chunks as OpenAI streams them), `GET /v1/models` (the pipelines) and
-`POST /v1/embeddings` (the datastore's embedder). (The
+"""OpenAI's chat API: `POST /v1/chat/completions` (a pipeline answers the last user message;
+JSON, or chunks as OpenAI streams them) and `GET /v1/models` (the pipelines). (The
 endpoints have no docstrings: FastAPI would publish them in the schema.)"""
 
 from __future__ import annotations
@@ -22,8 +21,6 @@ from telerag.server.openai_protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatDelta,
-    EmbeddingList,
-    EmbeddingRequest,
     Model,
     ModelList,
     Usage,
@@ -40,13 +37,15 @@ events whose data is a ChatCompletionChunk (the first delta sets the role, the n
 content, the last has `finish_reason`), then `[DONE]`; a failure after the stream began comes
 as `{"error": ErrorDetail}` before `[DONE]`."""
 CHAT_STREAM = event_schema({"message": {"anyOf": [{"const": "[DONE]"}, json_data(ChatCompletionChunk, ErrorResponse)]}})
-MODELS, CHAT, EMBEDDINGS = "/v1/models", "/v1/chat/completions", "/v1/embeddings"
-PATHS = frozenset({MODELS, CHAT, EMBEDDINGS})  # their errors speak OpenAI's dialect (middleware.ErrorDialect)
+MODELS, CHAT = "/v1/models", "/v1/chat/completions"
+PATHS = frozenset(
+    {MODELS, CHAT}
+)  # their errors speak OpenAI's dialect (middleware.ErrorDialect)  # their errors speak OpenAI's dialect (middleware.ErrorDialect)
 STREAMED: list[type[BaseModel]] = [ChatCompletionChunk, ErrorResponse]  # the models the stream's schema refers to
 
 
-def router(chat: type[ChatCompletionRequest], embedding: type[EmbeddingRequest], access: Access) -> APIRouter:
-    """The routes, with this app's request models and access."""
+def router(chat: type[ChatCompletionRequest], access: Access) -> APIRouter:
+    """The routes, with this app's request model and access."""
     routes = APIRouter()
     routes.add_api_route(
         MODELS,
@@ -63,22 +62,7 @@ def router(chat: type[ChatCompletionRequest], embedding: type[EmbeddingRequest],
         methods=["POST"],
         responses={**json_or_events(ChatCompletion, CHAT_STREAM, CHAT_EVENTS), **generation_errors(access)},
     )
-    routes.add_api_route(
-        EMBEDDINGS,
-        typed(embeddings, body=embedding, client=access.client_parameter()),
-        methods=["POST"],
-        response_model=EmbeddingList,
-        responses=errors.responses(400, *access.api_errors, 413, 422, 503),
-        summary="Texts embedded as the datastore's passages are, by its embedder (OpenAI's embeddings)",
-    )
     return routes
-
-
-async def embeddings(
-    body: EmbeddingRequest, request: Request, client: str | None, service: Service = Depends(serving)
-) -> EmbeddingList:
-    embedded = await service.embed(body.model, body.texts, body.dimensions)
-    return EmbeddingList.of(embedded, model=body.model, base64=body.encoding_format == "base64")
 
 
 async def list_models(request: Request, service: Service = Depends(serving)) -> ModelList:
