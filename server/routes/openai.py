@@ -38,9 +38,7 @@ content, the last has `finish_reason`), then `[DONE]`; a failure after the strea
 as `{"error": ErrorDetail}` before `[DONE]`."""
 CHAT_STREAM = event_schema({"message": {"anyOf": [{"const": "[DONE]"}, json_data(ChatCompletionChunk, ErrorResponse)]}})
 MODELS, CHAT = "/v1/models", "/v1/chat/completions"
-PATHS = frozenset(
-    {MODELS, CHAT}
-)  # their errors speak OpenAI's dialect (middleware.ErrorDialect)  # their errors speak OpenAI's dialect (middleware.ErrorDialect)
+PATHS = frozenset({MODELS, CHAT})  # their errors speak OpenAI's dialect (middleware.ErrorDialect)
 STREAMED: list[type[BaseModel]] = [ChatCompletionChunk, ErrorResponse]  # the models the stream's schema refers to
 
 
