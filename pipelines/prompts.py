@@ -44,9 +44,16 @@ def _documents_block(documents: Sequence[Document]) -> str:
     return f"Documents:\n{format_documents(documents) if documents else '(no documents)'}\n\n"
 
 
-def answer(question: str, documents: Sequence[Document], draft: str = "") -> Prompt:
+def _instructions_line(instructions: str) -> str:
+    """A client's own instructions (a chat's system message), after the documents: a prompt's
+    shared prefix stays the fixed instruction and the documents."""
+    return f"Instructions: {instructions.strip()}\n" if instructions.strip() else ""
+
+
+def answer(question: str, documents: Sequence[Document], draft: str = "", *, instructions: str = "") -> Prompt:
     tail = f"\nAnswer so far: {draft}" if draft else ""
-    return Prompt(SYSTEM, f"{_documents_block(documents)}Question: {question}{tail}\n{ANSWER_CUE}", ANSWER_CUE)
+    user = f"{_documents_block(documents)}{_instructions_line(instructions)}Question: {question}{tail}\n{ANSWER_CUE}"
+    return Prompt(SYSTEM, user, ANSWER_CUE)
 
 
 def hypothetical_passage(question: str) -> Prompt:
@@ -94,11 +101,11 @@ def critique(question: str, documents: Sequence[Document], answer_text: str) -> 
     )
 
 
-def revise(question: str, documents: Sequence[Document], draft: str) -> Prompt:
+def revise(question: str, documents: Sequence[Document], draft: str, *, instructions: str = "") -> Prompt:
     """Self-RAG: rewrite an answer the critique found unsupported."""
     return Prompt(
         SYSTEM,
-        f"{_documents_block(documents)}Question: {question}\nDraft answer: {draft}\n"
+        f"{_documents_block(documents)}{_instructions_line(instructions)}Question: {question}\nDraft answer: {draft}\n"
         f"Rewrite the answer using only facts stated in the documents.\n{ANSWER_CUE}",
         ANSWER_CUE,
     )

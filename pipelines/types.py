@@ -309,6 +309,7 @@ class RunOptions:
     temperature: float = 0.0
     top_p: float = 1.0  # with temperature, every LLM call of the request samples so
     stop: tuple[str, ...] = ()  # the answer ends before any of these (the pipeline's own calls keep theirs)
+    instructions: str = ""  # the client's own (a chat's system messages), in every prompt that writes the answer
     prefetch: bool = True
 
 

@@ -184,6 +184,11 @@ class ChatCompletionRequest(BaseModel):
         return next(m.text for m in reversed(self.messages) if m.role == "user")
 
     @property
+    def instructions(self) -> str:
+        """The system and developer messages, in order: the client's instructions for the answer."""
+        return "\n".join(m.text for m in self.messages if m.role in ("system", "developer") and m.text.strip())
+
+    @property
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 

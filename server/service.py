@@ -116,6 +116,7 @@ class Service:
         temperature: float,
         top_p: float = 1.0,
         stop: tuple[str, ...] = (),
+        instructions: str = "",
         prefetch: bool = True,
     ) -> RunOptions:
         """A request's options, checked for what the request models cannot check: nprobe against
@@ -130,6 +131,7 @@ class Service:
             temperature=temperature,
             top_p=top_p,
             stop=stop,
+            instructions=instructions,
             prefetch=prefetch,
         )
 
@@ -149,7 +151,9 @@ class Service:
         """About how long the request's answer prompt is (its query and `top_k` passages); 422
         past `limits.max_prompt_tokens`, naming the field that put it there (`top_k` when the
         query alone fits)."""
-        query_tokens = self.runtime.engine.count_tokens(query)
+        query_tokens = self.runtime.engine.count_tokens(query) + (
+            self.runtime.engine.count_tokens(options.instructions) if options.instructions else 0
+        )
         prompt_tokens = query_tokens + options.top_k * self.passage_tokens
         limit = self.settings.limits.max_prompt_tokens
         if prompt_tokens > limit:

@@ -109,6 +109,17 @@ async def test_every_pipeline_ends_its_answer_at_a_stop_string(pipeline):
     assert stopped.choices[0].message.content.strip() == streamed.strip() == "Paris is the"
 
 
+@pytest.mark.parametrize("pipeline", list(Harness().app.state.service.pipelines))
+async def test_system_messages_instruct_every_prompt_that_writes_the_answer(pipeline):
+    h = Harness()
+    messages = [{"role": "system", "content": "Reply in French."}, {"role": "developer", "content": "Be brief."}, *QUESTION]
+    async with h.client() as http:
+        await sdk(http).chat.completions.create(model=pipeline, messages=messages)
+    answering = [p for p in h.engine.prompts if p.rstrip().endswith("Answer:")]
+    assert answering and all("Instructions: Reply in French.\nBe brief.\nQuestion: Capital of France?" in p for p in answering)
+    assert not any("French" in p for p in h.engine.prompts if p not in answering)  # the pipeline's own calls keep theirs
+
+
 async def test_the_documents_come_with_the_answer_unless_turned_off():
     h = Harness()
     async with h.client() as http:

@@ -271,7 +271,7 @@ class RagPipeline:
         """The final answer, streamed to the client as it is generated: the text streamed is
         exactly the answer returned (see `replies.ReplyStream`), and generation ends as soon as
         the reply does (the cue repeated on the same line, which no stop string catches)."""
-        prompt = prompt or prompts.answer(ctx.query, documents)
+        prompt = prompt or prompts.answer(ctx.query, documents, instructions=ctx.options.instructions)
         params = SamplingParams(
             max_tokens=ctx.options.max_tokens,
             temperature=ctx.options.temperature,
@@ -312,7 +312,7 @@ class RagPipeline:
         return await self.reply(
             ctx,
             stage,
-            prompts.answer(ctx.query, documents, draft),
+            prompts.answer(ctx.query, documents, draft, instructions=ctx.options.instructions),
             max_tokens=ctx.options.max_tokens,
             stop=(*ANSWER_STOPS, *ctx.options.stop),
         )

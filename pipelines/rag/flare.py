@@ -49,7 +49,7 @@ class FLARE(RagPipeline):
             known = f"{ctx.query} {written}".strip()
 
             async def lookahead_sentence(written=written) -> Generation:
-                prompt = prompts.answer(ctx.query, ctx.documents, written)
+                prompt = prompts.answer(ctx.query, ctx.documents, written, instructions=ctx.options.instructions)
                 reply = await self.llm(
                     ctx, LOOKAHEAD_SENTENCE, [prompt], max_tokens=SENTENCE_TOKENS, stop=SENTENCE_STOPS, logprobs=True
                 )
@@ -66,7 +66,7 @@ class FLARE(RagPipeline):
                 redo = await self.llm(
                     ctx,
                     SENTENCE,
-                    [prompts.answer(ctx.query, ctx.documents, written)],
+                    [prompts.answer(ctx.query, ctx.documents, written, instructions=ctx.options.instructions)],
                     max_tokens=SENTENCE_TOKENS,
                     stop=SENTENCE_STOPS,
                 )

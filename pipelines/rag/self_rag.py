@@ -36,7 +36,10 @@ class SelfRAG(RagPipeline):
             verdict = await self.reply(ctx, CRITIQUE, prompts.critique(ctx.query, ctx.documents, draft), max_tokens=3)
             if not prompts.is_yes(verdict):
                 return await self.answer(
-                    ctx, ctx.documents, prompt=prompts.revise(ctx.query, ctx.documents, draft), stage=REVISED_ANSWER
+                    ctx,
+                    ctx.documents,
+                    prompt=prompts.revise(ctx.query, ctx.documents, draft, instructions=ctx.options.instructions),
+                    stage=REVISED_ANSWER,
                 )
         if draft:
             ctx.events.put_nowait(TokenEvent(draft))

@@ -73,7 +73,13 @@ async def chat_completions(
     limits = [n for n in (body.max_tokens, body.max_completion_tokens) if n is not None]  # both: the tighter honours both
     max_tokens = min(limits) if limits else request.app.state.default_max_tokens
     options = service.options(
-        top_k=None, nprobe=None, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, stop=body.stops
+        top_k=None,
+        nprobe=None,
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        stop=body.stops,
+        instructions=body.instructions,
     )
     run = service.admit(
         request, service.pipelines[body.model], body.question, options, client, query_field="messages", top_k_field=None
