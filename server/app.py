@@ -20,7 +20,8 @@ from telerag.server.middleware import BodyLimit, ErrorDialect, RequestId, Servin
 from telerag.server.openai_protocol import chat_request_model
 from telerag.server.openapi import extend_schema
 from telerag.server.protocol import default_max_tokens, query_request_model
-from telerag.server.routes import embeddings, openai, ops, rag
+from telerag.server.responses_protocol import response_request_model
+from telerag.server.routes import embeddings, openai, ops, rag, responses
 from telerag.server.service import Service
 from telerag.server.settings import Settings
 
@@ -53,7 +54,7 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
     app.state.metrics = Metrics(lambda: app.state.service.runtime.cache_stats() if app.state.service else CacheStats())
     app.state.started = int(time.time())  # when /v1/models says its models were created
     app.state.default_max_tokens = default_max_tokens(settings.limits)  # a chat completion's, as a query's
-    extend_schema(app, rag.STREAMED + openai.STREAMED)
+    extend_schema(app, rag.STREAMED + openai.STREAMED + responses.STREAMED)
     errors.install(app)
     app.add_middleware(ServingGate, lifecycle=lifecycle)
     app.add_middleware(BodyLimit, limit=settings.limits.max_body_bytes)
@@ -65,11 +66,14 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
             allow_headers=["*"],
             expose_headers=["X-Request-ID", "Retry-After"],
         )
-    app.add_middleware(ErrorDialect, openai_paths=openai.PATHS | embeddings.PATHS)  # before the refusals above are made
+    app.add_middleware(
+        ErrorDialect, openai_paths=openai.PATHS | responses.PATHS | embeddings.PATHS
+    )  # before the refusals above are made
     app.add_middleware(RequestId)  # outermost: every response, refusals included, carries the id
     app.include_router(ops.router(access))
     app.include_router(rag.router(query, access))
     app.include_router(openai.router(chat, access))
+    app.include_router(responses.router(response_request_model(settings.limits, list(PIPELINES)), access))
     app.include_router(embeddings.router(embedding_request_model(settings.limits), access))
     return app
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -48,6 +48,31 @@ SERVED_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {  # OpenAI fields served 
 }
 
 
+def text_only(*kinds: str) -> Callable[[Any, Any], Any]:
+    """A before-validator of a typed part or format: a `type` other than `kinds` (an image, a
+    JSON format) is refused by name."""
+
+    def check(cls: Any, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(kind := data.get("type"), str) and kind not in kinds:
+            raise refuse(f"only {' or '.join(kinds)}: {kind} is not served (text in, text out)")
+        return data
+
+    return check
+
+
+def question_fits(limits: LimitSettings) -> Callable[[str], None]:
+    """A check of a question made of parts (or found among messages), as a string question is
+    checked by its type: not blank, at most `limits.max_query_chars`."""
+
+    def check(text: str) -> None:
+        if not re.search(NON_BLANK, text):
+            raise ValueError("the question is blank")
+        if len(text) > limits.max_query_chars:
+            raise ValueError(f"the question is over {limits.max_query_chars} characters")
+
+    return check
+
+
 class TextPart(BaseModel):
     """A piece of a message's content, as LangChain, LlamaIndex and Open WebUI send it. Only text
     is served: an image, audio or file part is refused by name."""
@@ -57,12 +82,7 @@ class TextPart(BaseModel):
     type: Literal["text"]
     text: str
 
-    @model_validator(mode="before")
-    @classmethod
-    def _text_only(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(kind := data.get("type"), str) and kind != "text":
-            raise refuse(f"only text parts: {kind} content is not served")
-        return data
+    _text_only = model_validator(mode="before")(text_only("text"))
 
 
 class ChatMessage(BaseModel):
@@ -97,12 +117,7 @@ class ResponseFormat(BaseModel):
 
     type: Literal["text"]
 
-    @model_validator(mode="before")
-    @classmethod
-    def _text_only(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(kind := data.get("type"), str) and kind != "text":
-            raise refuse(f'only {{"type": "text"}}: the answer is text, never {kind}')
-        return data
+    _text_only = model_validator(mode="before")(text_only("text"))
 
 
 def _text_modality(modalities: Any) -> Any:
@@ -204,13 +219,11 @@ def chat_request_model(limits: LimitSettings, pipelines: Sequence[str]) -> type[
     max_tokens = default_max_tokens(limits)
     parts: Any = Annotated[list[TextPart], Field(min_length=1)]
 
+    fits_question = question_fits(limits)
+
     def fits(content: str | list[TextPart]) -> str | list[TextPart]:
         """Text parts are a question once joined: it must fit as a string question does."""
-        text = content_text(content)
-        if not re.search(NON_BLANK, text):
-            raise ValueError("the question is blank")
-        if len(text) > limits.max_query_chars:
-            raise ValueError(f"the question is over {limits.max_query_chars} characters")
+        fits_question(content_text(content))
         return content
 
     user: Any = create_model(
@@ -321,10 +334,14 @@ class ChatCompletion(BaseModel):
         return cls(id=request_id, model=model, usage=Usage.of(result), choices=[choice], documents=documents)
 
 
-def finish_reason(result: RagResult) -> Literal["stop", "length"]:
-    """`length` when the token limit cut the answer (its last answer-writing call ended at it)."""
+def answer_cut(result: RagResult) -> bool:
+    """Whether the token limit cut the answer (its last answer-writing call ended at it)."""
     answers = [s for s in result.steps if s.kind == "llm" and s.stage.role is StageRole.GENERATE]
-    return "length" if answers and answers[-1].cut else "stop"
+    return bool(answers) and answers[-1].cut
+
+
+def finish_reason(result: RagResult) -> Literal["stop", "length"]:
+    return "length" if answer_cut(result) else "stop"
 
 
 class ChatDelta(BaseModel):

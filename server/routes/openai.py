@@ -27,7 +27,7 @@ from telerag.server.openai_protocol import (
     finish_reason,
 )
 from telerag.server.protocol import ErrorResponse, documents_out
-from telerag.server.routes.responses import generation_errors, json_or_events
+from telerag.server.routes.documented import generation_errors, json_or_events
 from telerag.server.routes.signature import typed
 from telerag.server.service import Service, serving
 from telerag.server.streaming import event_schema, json_data, sse_data

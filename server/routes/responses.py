@@ -1,18 +1,130 @@
-"""The OpenAPI `responses` the generation routes share."""
+"""OpenAI's Responses API: `POST /v1/responses`, the SDK's primary API (a pipeline answers the
+last user message; one response object, or the API's events as they come). (The endpoint has no
+docstring: FastAPI would publish it in the schema.)"""
 
 from __future__ import annotations
 
-from typing import Any
+import itertools
+from collections.abc import AsyncGenerator, AsyncIterator
 
-from telerag.server import errors
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+
+from telerag.pipelines.types import ResultEvent, RunEvent, TokenEvent
+from telerag.server.admitted_run import EventStream
 from telerag.server.auth import Access
+from telerag.server.protocol import ErrorDetail
+from telerag.server.responses_protocol import (
+    ContentPartEvent,
+    ErrorEvent,
+    OutputItemEvent,
+    OutputMessage,
+    OutputText,
+    ResponseEvent,
+    ResponseLifecycleEvent,
+    ResponseObject,
+    ResponseRequest,
+    TextDeltaEvent,
+    TextDoneEvent,
+)
+from telerag.server.routes.documented import generation_errors, json_or_events
+from telerag.server.routes.signature import typed
+from telerag.server.service import Service, serving
+from telerag.server.streaming import event_schema, json_data, sse
+
+RESPONSES = "/v1/responses"
+PATHS = frozenset({RESPONSES})  # its errors speak OpenAI's dialect (middleware.ErrorDialect)
+EVENTS: dict[str, type[ResponseEvent]] = {
+    "response.created": ResponseLifecycleEvent,
+    "response.in_progress": ResponseLifecycleEvent,
+    "response.output_item.added": OutputItemEvent,
+    "response.content_part.added": ContentPartEvent,
+    "response.output_text.delta": TextDeltaEvent,
+    "response.output_text.done": TextDoneEvent,
+    "response.content_part.done": ContentPartEvent,
+    "response.output_item.done": OutputItemEvent,
+    "response.completed": ResponseLifecycleEvent,
+    "response.incomplete": ResponseLifecycleEvent,
+    "error": ErrorEvent,
+}
+RESPONSE_EVENTS = """JSON, or with `"stream": true` the Responses API's server-sent events, in this order:
+response.created, response.in_progress, response.output_item.added, response.content_part.added,
+response.output_text.delta (a piece of the answer, as generated), response.output_text.done,
+response.content_part.done, response.output_item.done, then response.completed (or
+response.incomplete when the token limit cut the answer). A failure after the stream began is
+an `error` event, the last."""
+RESPONSE_STREAM = event_schema({name: json_data(model) for name, model in EVENTS.items()})
+STREAMED: list[type[BaseModel]] = list(dict.fromkeys(EVENTS.values()))  # the models the stream's schema refers to
 
 
-def json_or_events(model: type, events: dict[str, Any], description: str) -> dict[int | str, dict[str, Any]]:
-    """A 200 that is `model` as JSON, or with `"stream": true` the `events` as server-sent events."""
-    return {200: {"model": model, "description": description, "content": {"text/event-stream": {"schema": events}}}}
+def router(body: type[ResponseRequest], access: Access) -> APIRouter:
+    """The route, with this app's request model and access."""
+    routes = APIRouter()
+    routes.add_api_route(
+        RESPONSES,
+        typed(create_response, body=body, client=access.client_parameter()),
+        methods=["POST"],
+        responses={**json_or_events(ResponseObject, RESPONSE_STREAM, RESPONSE_EVENTS), **generation_errors(access)},
+    )
+    return routes
 
 
-def generation_errors(access: Access) -> dict[int | str, dict[str, Any]]:
-    """Every error a route that runs a pipeline may answer."""
-    return errors.responses(400, *access.api_errors, 413, 422, 429, 502, 503, 504)
+async def create_response(
+    body: ResponseRequest, request: Request, client: str | None, service: Service = Depends(serving)
+) -> Response:
+    options = service.options(
+        top_k=None,
+        nprobe=None,
+        max_tokens=body.max_output_tokens or request.app.state.default_max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        instructions=body.all_instructions,
+    )
+    run = service.admit(
+        request, service.pipelines[body.model], body.question, options, client, query_field="input", top_k_field=None
+    )
+    begun = ResponseObject.begun(body, response_id=f"resp_{request.state.request_id}")
+    message_id = f"msg_{request.state.request_id}"
+    if body.stream:
+        return await run.stream(events(begun, message_id, with_documents=body.return_documents))
+    return await run.respond(lambda result: begun.finished(result, message_id=message_id, with_documents=body.return_documents))
+
+
+def events(begun: ResponseObject, message_id: str, *, with_documents: bool) -> EventStream:
+    """A run as the Responses API streams one: the response begun, its message and text part
+    opened, the text's pieces, everything closed again, the response finished."""
+    numbers = itertools.count()
+
+    def event(kind: str, **fields: object) -> bytes:
+        data = EVENTS[kind](type=kind, sequence_number=next(numbers), **fields)
+        return sse(kind, data.model_dump())
+
+    async def stream(run: AsyncIterator[RunEvent]) -> AsyncGenerator[bytes, None]:
+        message = OutputMessage(id=message_id, status="in_progress", content=[])
+        where = {"item_id": message_id, "output_index": 0, "content_index": 0}
+        yield event("response.created", response=begun)
+        yield event("response.in_progress", response=begun)
+        yield event("response.output_item.added", output_index=0, item=message)
+        yield event("response.content_part.added", **where, part=OutputText(text=""))
+        result = None
+        async for item in run:
+            if isinstance(item, TokenEvent):
+                yield event("response.output_text.delta", **where, delta=item.text)
+            elif isinstance(item, ResultEvent):
+                result = item.result
+        if result is None:  # the run ended without a result: its error follows
+            return
+        finished = begun.finished(result, message_id=message_id, with_documents=with_documents)
+        yield event("response.output_text.done", **where, text=result.answer)
+        yield event("response.content_part.done", **where, part=OutputText(text=result.answer))
+        yield event("response.output_item.done", output_index=0, item=finished.output[0])
+        yield event(f"response.{finished.status}", response=finished)
+
+    def error(detail: ErrorDetail) -> bytes:
+        failure = ErrorEvent(
+            type="error", sequence_number=next(numbers), code=detail.code, message=detail.message, param=detail.param
+        )
+        return sse("error", failure.model_dump())
+
+    return EventStream(events=stream, error=error)

@@ -1,0 +1,301 @@
+"""The models of OpenAI's Responses API, `POST /v1/responses` (`routes/responses.py`), as the
+official SDK and LangChain (`use_responses_api=True`) send and read them.
+
+As on the chat route, every field is served or refused: the request model forbids what it does
+not list, and a value that asks for what the server lacks (an image part, a tool call item,
+`store: true`, a JSON format) is refused with a 400 naming it. Nothing is stored, so a response
+cannot be fetched again or continued by `previous_response_id` (refused by name too).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+
+from telerag.pipelines.types import RagResult
+from telerag.server.openai_protocol import answer_cut, question_fits, text_only
+from telerag.server.protocol import DocumentOut, default_max_tokens, documents_out, integer, pipeline_name, question_text, refuse
+from telerag.server.settings import LimitSettings
+
+
+class InputText(BaseModel):
+    """A text part of an input message (`output_text`: an earlier answer given back as history)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = Field(None, description="of an earlier answer's text; not read")
+
+    _text_only = model_validator(mode="before")(text_only("input_text", "output_text"))
+
+
+class InputMessage(BaseModel):
+    """An item of `input`: only messages are served (no tool calls, tool outputs or references)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    type: Literal["message"] | None = None
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputText]
+    id: str | None = Field(None, description="of an earlier answer given back as history; not read")
+    status: str | None = Field(None, description="of an earlier answer given back as history; not read")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _messages_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(kind := data.get("type"), str) and kind != "message":
+            raise refuse(f"only messages: {kind} items are not served")
+        return data
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    type: Literal["text"]
+
+    _text_only = model_validator(mode="before")(text_only("text"))
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    format: TextFormat | None = None
+
+
+class ResponseRequest(BaseModel):
+    """`POST /v1/responses`: the last user message of `input` (or `input` itself) is the
+    question, `model` the pipeline, `instructions` and system messages instruct the answer.
+    The bounded fields get their bounds per app (`response_request_model`)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str
+    input: str | list[InputMessage]
+    instructions: str | None = Field(None, description="instruct the answer, as a system message does")
+    max_output_tokens: int | None = None
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, ge=0.0, le=1.0, description="nucleus sampling, with temperature > 0")
+    stream: bool = Field(False, description="true: the Responses API's events as server-sent events")
+    text: TextConfig | None = Field(None, description='only {"format": {"type": "text"}}')
+    store: Literal[False] | None = Field(None, description="only false: nothing is stored")
+    truncation: Literal["disabled"] | None = Field(None, description='only "disabled": an input too long is refused')
+    metadata: dict[str, str] | None = Field(None, description="given back with the response")
+    user: str | None = Field(None, description="the end user's id, as OpenAI takes it; not used")
+    return_documents: bool = Field(True, description="an extension: false leaves out `documents`")
+
+    @field_validator("store", "truncation", mode="before")
+    @classmethod
+    def _served_values_only(cls, value: Any) -> Any:
+        if value is True:
+            raise refuse("only false: nothing is stored here, so a response cannot be fetched or continued")
+        if isinstance(value, str) and value != "disabled":
+            raise refuse('only "disabled": an input too long for the prompt is refused, never cut')
+        return value
+
+    @property
+    def messages(self) -> list[InputMessage]:
+        return [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+
+    @property
+    def question(self) -> str:
+        return next(m.text for m in reversed(self.messages) if m.role == "user")
+
+    @property
+    def all_instructions(self) -> str:
+        """`instructions`, then the system and developer messages, in order."""
+        given = [self.instructions or "", *(m.text for m in self.messages if m.role in ("system", "developer"))]
+        return "\n".join(text for text in given if text.strip())
+
+
+def response_request_model(limits: LimitSettings, pipelines: Sequence[str]) -> type[ResponseRequest]:
+    """`ResponseRequest` for one app: its limits and pipeline names become the fields' constraints."""
+    question: Any = question_text(limits)
+    max_tokens = default_max_tokens(limits)
+    fits_question = question_fits(limits)
+
+    def has_question(items: list[InputMessage]) -> list[InputMessage]:
+        users = [item for item in items if item.role == "user"]
+        if not users:
+            raise ValueError("at least one user message is required")
+        fits_question(users[-1].text)
+        return items
+
+    return create_model(
+        "ResponseRequest",
+        __base__=ResponseRequest,
+        __module__=__name__,
+        model=(pipeline_name(pipelines), Field(description="the pipeline that answers (one of GET /v1/models)")),
+        input=(
+            question | Annotated[list[InputMessage], Field(min_length=1), AfterValidator(has_question)],
+            Field(description="the question, or messages of which the last user one is the question"),
+        ),
+        max_output_tokens=(
+            integer(1, limits.max_tokens) | None,
+            Field(None, description=f"tokens of the answer, at most (default {max_tokens})"),
+        ),
+    )
+
+
+# -- the response -------------------------------------------------------------------------------
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText]
+
+
+class TokenDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokenDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: TokenDetails = Field(default_factory=TokenDetails)
+    output_tokens: int
+    output_tokens_details: OutputTokenDetails = Field(default_factory=OutputTokenDetails)
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseObject(BaseModel):
+    """A response, as the Responses API returns it (and its stream's lifecycle events carry it)."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int = Field(default_factory=lambda: int(time.time()))
+    status: Literal["in_progress", "completed", "incomplete"]
+    model: str
+    output: list[OutputMessage]
+    instructions: str | None
+    max_output_tokens: int | None
+    temperature: float
+    top_p: float
+    metadata: dict[str, str] = Field(default_factory=dict)
+    incomplete_details: IncompleteDetails | None = None
+    error: None = None
+    usage: ResponseUsage | None = None
+    parallel_tool_calls: bool = False
+    tool_choice: Literal["none"] = "none"
+    tools: list[Any] = Field(default_factory=list)
+    text: TextConfig = Field(default_factory=lambda: TextConfig(format=TextFormat(type="text")))
+    store: bool = False
+    truncation: Literal["disabled"] = "disabled"
+    documents: list[DocumentOut] | None = Field(
+        None, description="an extension: the passages the answer was written from ([] with return_documents false)"
+    )
+
+    @classmethod
+    def begun(cls, body: ResponseRequest, *, response_id: str) -> ResponseObject:
+        """What the stream announces first: the request's settings, no output yet."""
+        return cls(
+            id=response_id,
+            status="in_progress",
+            model=body.model,
+            output=[],
+            instructions=body.instructions,
+            max_output_tokens=body.max_output_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            metadata=body.metadata or {},
+        )
+
+    def finished(self, result: RagResult, *, message_id: str, with_documents: bool) -> ResponseObject:
+        """The same response, its answer in: incomplete when the token limit cut the answer."""
+        cut = answer_cut(result)
+        status: Literal["completed", "incomplete"] = "incomplete" if cut else "completed"
+        prompt = sum(s.tokens_in for s in result.steps if s.kind == "llm")
+        return self.model_copy(
+            update={
+                "status": status,
+                "output": [OutputMessage(id=message_id, status=status, content=[OutputText(text=result.answer)])],
+                "incomplete_details": IncompleteDetails(reason="max_output_tokens") if cut else None,
+                "usage": ResponseUsage(
+                    input_tokens=prompt, output_tokens=result.tokens_generated, total_tokens=prompt + result.tokens_generated
+                ),
+                "documents": documents_out(result.documents) if with_documents else [],
+            }
+        )
+
+
+# -- the stream's events --------------------------------------------------------------------------
+
+
+class ResponseEvent(BaseModel):
+    """An event of a streamed response; `type` is also the SSE event's name."""
+
+    type: str
+    sequence_number: int
+
+
+class ResponseLifecycleEvent(ResponseEvent):
+    """response.created, response.in_progress, response.completed, response.incomplete."""
+
+    response: ResponseObject
+
+
+class OutputItemEvent(ResponseEvent):
+    """response.output_item.added, response.output_item.done."""
+
+    output_index: int = 0
+    item: OutputMessage
+
+
+class ContentPartEvent(ResponseEvent):
+    """response.content_part.added, response.content_part.done."""
+
+    item_id: str
+    output_index: int = 0
+    content_index: int = 0
+    part: OutputText
+
+
+class TextDeltaEvent(ResponseEvent):
+    """response.output_text.delta: the next piece of the answer."""
+
+    item_id: str
+    output_index: int = 0
+    content_index: int = 0
+    delta: str
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class TextDoneEvent(ResponseEvent):
+    """response.output_text.done: the whole answer."""
+
+    item_id: str
+    output_index: int = 0
+    content_index: int = 0
+    text: str
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class ErrorEvent(ResponseEvent):
+    """error: the run failed after the stream began (its last event)."""
+
+    code: str | None
+    message: str
+    param: str | None = None
