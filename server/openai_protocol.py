@@ -8,13 +8,11 @@ others with a pydantic error of type `UNSUPPORTED`, which the app answers with a
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -28,7 +26,6 @@ from pydantic import (
 
 from telerag.pipelines.types import RagResult, StageRole
 from telerag.server.protocol import (
-    NON_BLANK,
     DocumentOut,
     default_max_tokens,
     documents_out,
@@ -56,19 +53,6 @@ def text_only(*kinds: str) -> Callable[[Any, Any], Any]:
         if isinstance(data, dict) and isinstance(kind := data.get("type"), str) and kind not in kinds:
             raise refuse(f"only {' or '.join(kinds)}: {kind} is not served (text in, text out)")
         return data
-
-    return check
-
-
-def question_fits(limits: LimitSettings) -> Callable[[str], None]:
-    """A check of a question made of parts (or found among messages), as a string question is
-    checked by its type: not blank, at most `limits.max_query_chars`."""
-
-    def check(text: str) -> None:
-        if not re.search(NON_BLANK, text):
-            raise ValueError("the question is blank")
-        if len(text) > limits.max_query_chars:
-            raise ValueError(f"the question is over {limits.max_query_chars} characters")
 
     return check
 
@@ -217,14 +201,8 @@ def chat_request_model(limits: LimitSettings, pipelines: Sequence[str]) -> type[
     user_role: Any = Literal["user"]
     other_role: Any = Literal["system", "developer", "assistant", "tool"]
     max_tokens = default_max_tokens(limits)
-    parts: Any = Annotated[list[TextPart], Field(min_length=1)]
-
-    fits_question = question_fits(limits)
-
-    def fits(content: str | list[TextPart]) -> str | list[TextPart]:
-        """Text parts are a question once joined: it must fit as a string question does."""
-        fits_question(content_text(content))
-        return content
+    part: Any = create_model("UserTextPart", __base__=TextPart, __module__=__name__, text=(question, ...))
+    parts: Any = Annotated[list[part], Field(min_length=1)]
 
     user: Any = create_model(
         "UserMessage",
@@ -232,8 +210,11 @@ def chat_request_model(limits: LimitSettings, pipelines: Sequence[str]) -> type[
         __module__=__name__,
         role=(user_role, ...),
         content=(
-            Annotated[question | parts, AfterValidator(fits)],
-            Field(description="a question (the last one is answered): text, or text parts"),
+            question | parts,
+            Field(
+                description="a question (the last one is answered): text, or text parts (each at most "
+                f"{limits.max_query_chars} characters, not blank)"
+            ),
         ),
     )
     other: Any = create_model(

@@ -13,10 +13,10 @@ import time
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, create_model, field_validator, model_validator
 
 from telerag.pipelines.types import RagResult
-from telerag.server.openai_protocol import answer_cut, question_fits, text_only
+from telerag.server.openai_protocol import answer_cut, text_only
 from telerag.server.protocol import DocumentOut, default_max_tokens, documents_out, integer, pipeline_name, question_text, refuse
 from telerag.server.settings import LimitSettings
 
@@ -33,8 +33,18 @@ class InputText(BaseModel):
     _text_only = model_validator(mode="before")(text_only("input_text", "output_text"))
 
 
+def messages_only(items: Any) -> Any:
+    """Only messages are served as `input` items (no tool calls, tool outputs or references): any
+    other is refused by name, before the items are told apart by role."""
+    if isinstance(items, list):
+        for at, item in enumerate(items):
+            if isinstance(item, dict) and isinstance(kind := item.get("type"), str) and kind != "message":
+                raise refuse(f"only messages: item {at} is a {kind}")
+    return items
+
+
 class InputMessage(BaseModel):
-    """An item of `input`: only messages are served (no tool calls, tool outputs or references)."""
+    """An item of `input`, a message."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -43,13 +53,6 @@ class InputMessage(BaseModel):
     content: str | list[InputText]
     id: str | None = Field(None, description="of an earlier answer given back as history; not read")
     status: str | None = Field(None, description="of an earlier answer given back as history; not read")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _messages_only(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(kind := data.get("type"), str) and kind != "message":
-            raise refuse(f"only messages: {kind} items are not served")
-        return data
 
     @property
     def text(self) -> str:
@@ -91,11 +94,18 @@ class ResponseRequest(BaseModel):
     user: str | None = Field(None, description="the end user's id, as OpenAI takes it; not used")
     return_documents: bool = Field(True, description="an extension: false leaves out `documents`")
 
-    @field_validator("store", "truncation", mode="before")
+    @field_validator("store", mode="before")
     @classmethod
-    def _served_values_only(cls, value: Any) -> Any:
+    def _nothing_stored(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, bool):
+            raise ValueError("store is a boolean")  # Literal[False] alone would take 0
         if value is True:
             raise refuse("only false: nothing is stored here, so a response cannot be fetched or continued")
+        return value
+
+    @field_validator("truncation", mode="before")
+    @classmethod
+    def _nothing_cut(cls, value: Any) -> Any:
         if isinstance(value, str) and value != "disabled":
             raise refuse('only "disabled": an input too long for the prompt is refused, never cut')
         return value
@@ -116,25 +126,41 @@ class ResponseRequest(BaseModel):
 
 
 def response_request_model(limits: LimitSettings, pipelines: Sequence[str]) -> type[ResponseRequest]:
-    """`ResponseRequest` for one app: its limits and pipeline names become the fields' constraints."""
+    """`ResponseRequest` for one app: its limits and pipeline names become the fields' constraints
+    (a user message's content, or each of its text parts, is a question as `input` alone is)."""
     question: Any = question_text(limits)
     max_tokens = default_max_tokens(limits)
-    fits_question = question_fits(limits)
 
     def has_question(items: list[InputMessage]) -> list[InputMessage]:
-        users = [item for item in items if item.role == "user"]
-        if not users:
+        if not any(item.role == "user" for item in items):
             raise ValueError("at least one user message is required")
-        fits_question(users[-1].text)
         return items
 
+    part: Any = create_model("UserInputText", __base__=InputText, __module__=__name__, text=(question, ...))
+    parts: Any = Annotated[list[part], Field(min_length=1)]
+    user_role: Any = Literal["user"]
+    other_role: Any = Literal["system", "developer", "assistant"]
+    user: Any = create_model(
+        "UserInput",
+        __base__=InputMessage,
+        __module__=__name__,
+        role=(user_role, ...),
+        content=(question | parts, Field(description="a question: text, or text parts (each one as a question is)")),
+    )
+    other: Any = create_model("OtherInput", __base__=InputMessage, __module__=__name__, role=(other_role, ...))
+    messages: Any = Annotated[
+        list[Annotated[user | other, Field(discriminator="role")]],
+        Field(min_length=1, json_schema_extra={"contains": {"properties": {"role": {"const": "user"}}, "required": ["role"]}}),
+        BeforeValidator(messages_only),
+        AfterValidator(has_question),
+    ]
     return create_model(
         "ResponseRequest",
         __base__=ResponseRequest,
         __module__=__name__,
         model=(pipeline_name(pipelines), Field(description="the pipeline that answers (one of GET /v1/models)")),
         input=(
-            question | Annotated[list[InputMessage], Field(min_length=1), AfterValidator(has_question)],
+            question | messages,
             Field(description="the question, or messages of which the last user one is the question"),
         ),
         max_output_tokens=(

@@ -84,10 +84,10 @@ async def test_a_failure_after_the_stream_began_is_an_error_event():
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"store": True}, "store"),
         ({"text": {"format": {"type": "json_object"}}}, "text.format"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input.0"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/a.png"}]}]},
-            "input.0.content.0",
+            "input.0.user.content.0",
         ),
     ],
 )

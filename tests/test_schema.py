@@ -31,7 +31,8 @@ async def test_the_configured_limits_are_in_the_schema():
     assert chat["max_tokens"]["anyOf"][0]["maximum"] == 33
     assert chat["messages"]["contains"]["properties"]["role"] == {"const": "user"}
     text, parts = components["UserMessage"]["properties"]["content"]["anyOf"]
-    assert text["maxLength"] == 99 and parts["items"] == {"$ref": "#/components/schemas/TextPart"}
+    assert text["maxLength"] == 99 and parts["items"] == {"$ref": "#/components/schemas/UserTextPart"}
+    assert components["UserTextPart"]["properties"]["text"]["maxLength"] == 99  # each part is held to a question's limits
     assert components["ChatCompletionRequest"]["additionalProperties"] is False  # tools, audio, ...: refused, not ignored
     assert chat["n"]["anyOf"][0] == {"const": 1, "type": "integer"}
 
