@@ -111,10 +111,13 @@ class Admission:
 
     # -- decisions ---------------------------------------------------------------------------
 
-    def admit(self, cost: RequestCost, client: str | None = None, *, calibrating: bool = False) -> Ticket:
+    def admit(
+        self, cost: RequestCost, client: str | None = None, *, calibrating: bool = False, limit_field: str = "max_tokens"
+    ) -> Ticket:
         """Admit the request (it then waits for a slot) or raise `Overloaded` with a Retry-After.
         `calibrating`: a request of the server's own warm-up, which measures what the deadline
-        needs: admitted whatever it."""
+        needs: admitted whatever it. `limit_field`: the request's field that set its token limit
+        (what a request too long even alone is told to lower)."""
         self._advance()
         rates = self.rate.rates()
         if self.max_in_flight_per_key is not None and client is not None:
@@ -133,7 +136,7 @@ class Admission:
             )
         ticket = Ticket(cost, client, admitted_at=self._last)
         if self.deadline_s is not None and rates and not calibrating and not cost.provisional:
-            self._check_alone(rates, ticket, self.deadline_s)
+            self._check_alone(rates, ticket, self.deadline_s, limit_field)
         finishes = self._finishes(rates, [*self._admitted, ticket]) if rates else None
         if self.deadline_s is not None and self._admitted and not calibrating:
             if finishes is None:
@@ -189,11 +192,11 @@ class Admission:
                 join(waiting.popleft())
         return finishes
 
-    def _check_alone(self, rates: Rates, ticket: Ticket, deadline_s: float) -> None:
+    def _check_alone(self, rates: Rates, ticket: Ticket, deadline_s: float, limit_field: str) -> None:
         """Refuse a request whose expected time alone on the server (its mean cost, unscaled:
         not the high quantile and the error that keep the p99 of what is admitted) is past the
         deadline: no wait would let it in, so it is the client's to change (422 naming
-        `max_tokens`, the limit it sets), not a 429 to retry. Not on the prior's guess
+        `limit_field`, the limit it sets), not a 429 to retry. Not on the prior's guess
         (`RequestCost.provisional`): a pipeline not measured yet is run alone to be measured."""
         expected = Ticket(RequestCost(ticket.cost.work, ticket.cost.prefill_work), ticket.client)
         alone_s = self._finishes(rates, [expected])[expected]
@@ -201,9 +204,9 @@ class Admission:
             return
         self.on_refuse(Refusal.BEYOND_DEADLINE)
         raise InvalidField(
-            "max_tokens",
+            limit_field,
             f"this request would take about {alone_s:.0f} s even alone on the server, past the deadline of "
-            f"{deadline_s:g} s: ask for fewer max_tokens (or sample at a lower temperature)",
+            f"{deadline_s:g} s: ask for fewer {limit_field} (or sample at a lower temperature)",
         )
 
     def _check_deadlines(self, rates: Rates, finishes: dict[Ticket, float], new: Ticket, deadline_s: float) -> None:

@@ -183,6 +183,16 @@ class ChatCompletionRequest(BaseModel):
         return next(m.text for m in reversed(self.messages) if m.role == "user")
 
     @property
+    def token_limit(self) -> tuple[str, int | None]:
+        """The field that sets the answer's token limit and its value (None: the server's
+        default); with both, the tighter, which honours both."""
+        given = [
+            (n, name) for name, n in (("max_completion_tokens", self.max_completion_tokens), ("max_tokens", self.max_tokens))
+        ]
+        n, name = min(((n, name) for n, name in given if n is not None), default=(None, "max_completion_tokens"))
+        return name, n
+
+    @property
     def instructions(self) -> str:
         """The system and developer messages, in order: the client's instructions for the answer."""
         return "\n".join(m.text for m in self.messages if m.role in ("system", "developer") and m.text.strip())

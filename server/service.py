@@ -176,13 +176,15 @@ class Service:
         *,
         query_field: str = "query",
         top_k_field: str | None = "top_k",
+        limit_field: str = "max_tokens",
     ) -> AdmittedRun:
         """Admit the request at its expected cost (`workload`), or refuse it at once (422 over the
-        prompt limit, 429 when busy); its run starts waiting for a slot. The fields name what
-        `prompt_tokens` blames."""
+        prompt limit or past the deadline even alone, 429 when busy); its run starts waiting for a
+        slot. The fields name what is blamed: the question and top_k (`prompt_tokens`), the token
+        limit (the request's own name for it)."""
         prompt = self.prompt_tokens(query, options, query_field=query_field, top_k_field=top_k_field)
         cost = self.workload.estimate(pipeline.name, pipeline.llm_calls, prompt, options.max_tokens, options.temperature)
-        ticket = self.admission.admit(cost, client)
+        ticket = self.admission.admit(cost, client, limit_field=limit_field)
         return AdmittedRun(request, self.admission, ticket, self.events(pipeline, query, options, prompt))
 
     async def events(

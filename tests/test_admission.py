@@ -557,6 +557,13 @@ async def test_on_the_tiny_model_a_request_past_the_deadline_gets_429_at_once_an
             assert (await running).status_code == 200
             admission.deadline_s = 0.001
             never = await client.post("/v1/rag/query", json=long)  # idle, and still refused
+            question = [{"role": "user", "content": long["query"]}]
+            chat = await client.post(
+                "/v1/chat/completions", json={"model": "naive", "messages": question, "max_completion_tokens": 200}
+            )
+            response = await client.post(
+                "/v1/responses", json={"model": "naive", "input": long["query"], "max_output_tokens": 200}
+            )
             metrics = (await client.get("/metrics")).text
     finally:
         await engine.close()
@@ -566,7 +573,10 @@ async def test_on_the_tiny_model_a_request_past_the_deadline_gets_429_at_once_an
     assert retry_after >= 1 and retry_after == math.ceil(float(retry_after))
     assert never.status_code == 422 and "retry-after" not in never.headers
     assert never.json()["error"]["field"] == "max_tokens" and "even alone" in never.json()["error"]["message"]
-    assert refusals(metrics, "deadline") == 1 and refusals(metrics, "beyond_deadline") == 1
+    # each route names the limit by its own name
+    assert chat.status_code == 422 and chat.json()["error"]["param"] == "max_completion_tokens"
+    assert response.status_code == 422 and response.json()["error"]["param"] == "max_output_tokens"
+    assert refusals(metrics, "deadline") == 1 and refusals(metrics, "beyond_deadline") == 3
 
 
 async def test_streamed_requests_are_admitted_and_measured_like_the_others():

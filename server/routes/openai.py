@@ -70,8 +70,8 @@ async def list_models(request: Request, service: Service = Depends(serving)) -> 
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, client: str | None, service: Service = Depends(serving)
 ) -> Response:
-    limits = [n for n in (body.max_tokens, body.max_completion_tokens) if n is not None]  # both: the tighter honours both
-    max_tokens = min(limits) if limits else request.app.state.default_max_tokens
+    limit_field, limit = body.token_limit
+    max_tokens = limit or request.app.state.default_max_tokens
     options = service.options(
         top_k=None,
         nprobe=None,
@@ -82,7 +82,14 @@ async def chat_completions(
         instructions=body.instructions,
     )
     run = service.admit(
-        request, service.pipelines[body.model], body.question, options, client, query_field="messages", top_k_field=None
+        request,
+        service.pipelines[body.model],
+        body.question,
+        options,
+        client,
+        query_field="messages",
+        top_k_field=None,
+        limit_field=limit_field,
     )
     request_id = f"chatcmpl-{request.state.request_id}"
     if body.stream:

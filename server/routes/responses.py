@@ -82,7 +82,14 @@ async def create_response(
         instructions=body.all_instructions,
     )
     run = service.admit(
-        request, service.pipelines[body.model], body.question, options, client, query_field="input", top_k_field=None
+        request,
+        service.pipelines[body.model],
+        body.question,
+        options,
+        client,
+        query_field="input",
+        top_k_field=None,
+        limit_field="max_output_tokens",
     )
     begun = ResponseObject.begun(body, response_id=f"resp_{request.state.request_id}")
     message_id = f"msg_{request.state.request_id}"
