@@ -226,8 +226,9 @@ async def test_sampling_follows_temperature_top_p_and_seed():
         assert from_a.token_ids == from_b.token_ids  # same seed, same draws
         (greedy,) = await a.generate([PROMPTS[0]], SamplingParams(max_tokens=12))
         assert from_a.token_ids != greedy.token_ids
-        (nucleus,) = await a.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=1.0, top_p=1e-6))
-        assert nucleus.token_ids == greedy.token_ids  # a tiny nucleus keeps only the top token
+        for top_p in (1e-6, 5e-324, 0.0):  # the last two are 0 in float32: the nucleus is still the top token
+            (nucleus,) = await a.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=1.0, top_p=top_p))
+            assert nucleus.token_ids == greedy.token_ids  # a tiny nucleus keeps only the top token
     finally:
         await a.close()
         await b.close()

@@ -59,6 +59,7 @@ def test_sampling_params_translate_to_sglang():
         "top_p": 0.9,
         "stop": [".", "\n"],
     }
+    assert 0 < sampling_params(SamplingParams(temperature=1.0, top_p=0.0))["top_p"] <= 1e-6  # SGLang refuses 0
 
 
 def test_the_engine_is_configured_as_asked(sglang: types.ModuleType):

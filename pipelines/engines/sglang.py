@@ -51,12 +51,15 @@ OVERLOADED = (429, 503)  # the status codes SGLang gives an abort for lack of ro
 HOST_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)  # whose handlers SGLang must not keep
 
 
+TOP_P_FLOOR = 1e-6
+
+
 def sampling_params(params: SamplingParams) -> dict[str, Any]:
     """Our SamplingParams as SGLang's `sampling_params` (temperature 0 is greedy in both)."""
     return {
         "max_new_tokens": params.max_tokens,
         "temperature": params.temperature,
-        "top_p": params.top_p,
+        "top_p": max(params.top_p, TOP_P_FLOOR),  # SGLang refuses 0; a nucleus this small is the top token, as 0 is
         "stop": list(params.stop) or None,
     }
 

@@ -302,7 +302,9 @@ class TransformersEngine:
             nucleus = top_p[sampled, None]
             if bool((nucleus < 1).any()):
                 ordered, order = probs.sort(dim=-1, descending=True)
-                ordered = ordered * ((ordered.cumsum(dim=-1) - ordered) < nucleus)  # the top token always stays
+                keep = (ordered.cumsum(dim=-1) - ordered) < nucleus
+                keep[:, 0] = True  # the top token always stays, even at top_p 0 (or one float32 rounds to 0)
+                ordered = ordered * keep
                 probs = torch.zeros_like(probs).scatter_(1, order, ordered)
             chosen[sampled] = torch.multinomial(probs, 1, generator=self._generator)[:, 0]
         return chosen, logits.gather(1, chosen[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
