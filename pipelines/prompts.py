@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from telerag.pipelines.types import Document
+from telerag.pipelines.types import Document, Turn
 
 SYSTEM = "You answer questions using the documents given. Be concise and factual."
 ANSWER_CUE = "Answer:"
@@ -54,6 +54,21 @@ def answer(question: str, documents: Sequence[Document], draft: str = "", *, ins
     tail = f"\nAnswer so far: {draft}" if draft else ""
     user = f"{_documents_block(documents)}{_instructions_line(instructions)}Question: {question}{tail}\n{ANSWER_CUE}"
     return Prompt(SYSTEM, user, ANSWER_CUE)
+
+
+STANDALONE_CUE = "Standalone question:"
+STANDALONE_SYSTEM = (
+    "Rewrite the last question so that it can be understood without the conversation: name what it "
+    "refers to. Do not answer it.\n\nUser: Tell me about the Eiffel Tower.\nAssistant: It is a wrought-iron "
+    f"tower in Paris.\nLast question: When was it built?\n{STANDALONE_CUE} When was the Eiffel Tower built?"
+)
+
+
+def standalone_question(history: Sequence[Turn], question: str) -> Prompt:
+    """A follow-up question rewritten from its conversation (a base model learns the task from the
+    example in the fixed system text)."""
+    turns = "".join(f"{'User' if turn.role == 'user' else 'Assistant'}: {turn.text.strip()}\n" for turn in history)
+    return Prompt(STANDALONE_SYSTEM, f"{turns}Last question: {question}\n{STANDALONE_CUE}", STANDALONE_CUE)
 
 
 def hypothetical_passage(question: str) -> Prompt:

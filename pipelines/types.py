@@ -300,6 +300,14 @@ def overlap_rates(steps: Sequence[Step]) -> list[float]:
 
 
 @dataclass(frozen=True)
+class Turn:
+    """An earlier turn of a conversation: what the user asked or the assistant answered."""
+
+    role: Literal["user", "assistant"]
+    text: str
+
+
+@dataclass(frozen=True)
 class RunOptions:
     """Per-request knobs a pipeline honours; validated where they are made, never changed after."""
 
@@ -310,6 +318,7 @@ class RunOptions:
     top_p: float = 1.0  # with temperature, every LLM call of the request samples so
     stop: tuple[str, ...] = ()  # the answer ends before any of these (the pipeline's own calls keep theirs)
     instructions: str = ""  # the client's own (a chat's system messages), in every prompt that writes the answer
+    history: tuple[Turn, ...] = ()  # the conversation before the question: with any, it is first rewritten to stand alone
     prefetch: bool = True
 
 

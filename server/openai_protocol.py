@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import (
     BaseModel,
@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from telerag.pipelines.types import RagResult, StageRole
+from telerag.pipelines.types import RagResult, StageRole, Turn
 from telerag.server.protocol import (
     DocumentOut,
     default_max_tokens,
@@ -55,6 +55,30 @@ def text_only(*kinds: str) -> Callable[[Any, Any], Any]:
         return data
 
     return check
+
+
+HISTORY_TURNS = 6  # of a conversation, what the standalone question is written from
+
+
+class Said(Protocol):
+    """A message of either API, as `conversation` reads it."""
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def text(self) -> str: ...
+
+
+def conversation(messages: Sequence[Said]) -> tuple[Turn, ...]:
+    """The user and assistant turns before the last user message, the last `HISTORY_TURNS` of them."""
+    last = max(at for at, m in enumerate(messages) if m.role == "user")
+    turns = [
+        Turn("user" if m.role == "user" else "assistant", m.text)
+        for m in messages[:last]
+        if m.role in ("user", "assistant") and m.text.strip()
+    ]
+    return tuple(turns[-HISTORY_TURNS:])
 
 
 class TextPart(BaseModel):
@@ -181,6 +205,12 @@ class ChatCompletionRequest(BaseModel):
     @property
     def question(self) -> str:
         return next(m.text for m in reversed(self.messages) if m.role == "user")
+
+    @property
+    def history(self) -> tuple[Turn, ...]:
+        """The user and assistant turns before the question (the last `HISTORY_TURNS`): with any,
+        the question is rewritten to stand alone before anything is retrieved."""
+        return conversation(self.messages)
 
     @property
     def token_limit(self) -> tuple[str, int | None]:

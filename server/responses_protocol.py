@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, create_model, field_validator, model_validator
 
-from telerag.pipelines.types import RagResult
-from telerag.server.openai_protocol import answer_cut, text_only
+from telerag.pipelines.types import RagResult, Turn
+from telerag.server.openai_protocol import answer_cut, conversation, text_only
 from telerag.server.protocol import DocumentOut, default_max_tokens, documents_out, integer, pipeline_name, question_text, refuse
 from telerag.server.settings import LimitSettings
 
@@ -117,6 +117,11 @@ class ResponseRequest(BaseModel):
     @property
     def question(self) -> str:
         return next(m.text for m in reversed(self.messages) if m.role == "user")
+
+    @property
+    def history(self) -> tuple[Turn, ...]:
+        """The user and assistant turns before the question (see `openai_protocol.conversation`)."""
+        return conversation(self.messages)
 
     @property
     def all_instructions(self) -> str:

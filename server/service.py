@@ -19,6 +19,7 @@ from telerag.pipelines.types import (
     RunOptions,
     TextEmbeddings,
     TokenEvent,
+    Turn,
     UsageEvent,
     run_result,
 )
@@ -117,6 +118,7 @@ class Service:
         top_p: float = 1.0,
         stop: tuple[str, ...] = (),
         instructions: str = "",
+        history: tuple[Turn, ...] = (),
         prefetch: bool = True,
     ) -> RunOptions:
         """A request's options, checked for what the request models cannot check: nprobe against
@@ -132,6 +134,7 @@ class Service:
             top_p=top_p,
             stop=stop,
             instructions=instructions,
+            history=history,
             prefetch=prefetch,
         )
 
@@ -151,8 +154,10 @@ class Service:
         """About how long the request's answer prompt is (its query and `top_k` passages); 422
         past `limits.max_prompt_tokens`, naming the field that put it there (`top_k` when the
         query alone fits)."""
-        query_tokens = self.runtime.engine.count_tokens(query) + (
-            self.runtime.engine.count_tokens(options.instructions) if options.instructions else 0
+        query_tokens = sum(  # the answer's prompt: its question and instructions; a follow-up's rewrite: the turns too
+            self.runtime.engine.count_tokens(text)
+            for text in (query, options.instructions, *(t.text for t in options.history))
+            if text
         )
         prompt_tokens = query_tokens + options.top_k * self.passage_tokens
         limit = self.settings.limits.max_prompt_tokens
@@ -183,7 +188,8 @@ class Service:
         slot. The fields name what is blamed: the question and top_k (`prompt_tokens`), the token
         limit (the request's own name for it)."""
         prompt = self.prompt_tokens(query, options, query_field=query_field, top_k_field=top_k_field)
-        cost = self.workload.estimate(pipeline.name, pipeline.llm_calls, prompt, options.max_tokens, options.temperature)
+        calls = pipeline.llm_calls + (1 if options.history else 0)  # a follow-up's rewrite
+        cost = self.workload.estimate(pipeline.name, calls, prompt, options.max_tokens, options.temperature)
         ticket = self.admission.admit(cost, client, limit_field=limit_field)
         return AdmittedRun(request, self.admission, ticket, self.events(pipeline, query, options, prompt))
 

@@ -120,6 +120,29 @@ async def test_system_messages_instruct_every_prompt_that_writes_the_answer(pipe
     assert not any("French" in p for p in h.engine.prompts if p not in answering)  # the pipeline's own calls keep theirs
 
 
+async def test_a_follow_up_is_rewritten_from_the_conversation_before_retrieval():
+    """The conversation's earlier turns make the last message a standalone question (the
+    scripted engine rewrites every question as its one reply); the message as asked is what
+    is prefetched beside the rewrite, the standalone question what is searched."""
+    h = Harness()
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Tell me about Paris."},
+        {"role": "assistant", "content": "Paris is the capital of France."},
+        {"role": "user", "content": "What river runs through it?"},
+    ]
+    async with h.client() as http:
+        await sdk(http).chat.completions.create(model="naive", messages=conversation)
+        await sdk(http).responses.create(model="naive", input=conversation)
+    rewrites = [p for p in h.engine.prompts if p.startswith("Rewrite the last question")]
+    expected = (
+        "User: Tell me about Paris.\nAssistant: Paris is the capital of France.\nLast question: What river runs through it?"
+    )
+    assert len(rewrites) == 2 and all(expected in p for p in rewrites)
+    assert h.retriever.prefetches == [["What river runs through it?"]] * 2
+    assert h.retriever.searches == [[ANSWER]] * 2  # the rewrite, as the scripted engine wrote it
+
+
 async def test_the_documents_come_with_the_answer_unless_turned_off():
     h = Harness()
     async with h.client() as http:

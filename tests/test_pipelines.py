@@ -9,8 +9,9 @@ import pytest
 
 from telerag.pipelines import prompts
 from telerag.pipelines.errors import EngineError
+from telerag.pipelines.rag.base import STANDALONE_QUESTION
 from telerag.pipelines.registry import PIPELINES, build_pipelines
-from telerag.pipelines.types import MeanQuery, RunOptions, StageEvent, StageRole, TokenEvent
+from telerag.pipelines.types import MeanQuery, RunOptions, StageEvent, StageRole, TokenEvent, Turn
 from tests.fakes import RecordingRetriever, ScriptedEngine
 from tests.scripted_pipelines import SURE, UNSURE, make, run, script
 
@@ -65,7 +66,12 @@ async def test_hyde_searches_with_the_question_when_the_passage_is_only_a_cue():
 
 
 @pytest.mark.parametrize(
-    "name", [n for n, cls in PIPELINES.items() if any(s.role is StageRole.PRE_RETRIEVAL for s in cls.stages)]
+    "name",
+    [
+        n
+        for n, cls in PIPELINES.items()
+        if any(s.role is StageRole.PRE_RETRIEVAL and s is not STANDALONE_QUESTION for s in cls.stages)
+    ],
 )
 async def test_the_pre_retrieval_call_never_waits_for_the_prefetch(name):
     """Embedding q_in, ranking and issuing copies run beside the LLM call: a prefetch that can
@@ -432,3 +438,38 @@ async def test_the_answer_prompt_keeps_a_stable_prefix_and_stops_at_the_cue():
     assert first.startswith(prompts.SYSTEM + "\n\nDocuments:\n") and second.startswith(prompts.SYSTEM + "\n\nDocuments:\n")
     assert first.index("Documents:") < first.index("Question: How long is the Nile?") < first.index("\nAnswer:")
     assert first.endswith("\nAnswer:") and "\nAnswer:" in stops
+
+
+FOLLOW_UP = (Turn("user", "Tell me about the Nile."), Turn("assistant", "It is a river in Africa."))
+
+
+@pytest.mark.parametrize("name", list(PIPELINES))
+async def test_a_follow_up_is_rewritten_to_stand_alone_beside_the_prefetch_of_the_message_as_asked(name):
+    """With a conversation, the last message is rewritten first (a pre-retrieval call), its own
+    clusters prefetched beside the call; the pipeline then runs on the standalone question."""
+    pipeline, engine, retriever, _log = make(name)
+    result, _ = await run(pipeline, query="How long is it?", history=FOLLOW_UP)
+    prefetch, rewrite = result.steps[0], result.steps[1]  # in the order they started
+    assert rewrite.stage is STANDALONE_QUESTION and prefetch.kind == "prefetch"
+    assert prefetch.start_ms <= rewrite.start_ms + rewrite.ms and rewrite.start_ms <= prefetch.start_ms + prefetch.ms
+    assert (
+        "User: Tell me about the Nile.\nAssistant: It is a river in Africa.\nLast question: How long is it?" in engine.prompts[0]
+    )
+    assert retriever.prefetches[0] == ["How long is it?"]  # q_in: the message as asked
+    assert all("How long is it?" not in str(query) for search in retriever.searches for query in search)
+    answering = [p for p in engine.prompts if p.rstrip().endswith("Answer:")]
+    assert answering and all("Question: How long is the Nile?" in p for p in answering)
+    assert not retriever.outstanding
+
+
+async def test_without_a_pre_retrieval_call_of_its_own_the_first_search_uses_the_rewrites_prefetch():
+    """Naive's search of the standalone question waits on the prefetch that ran beside the
+    rewrite (its overlap rate is the rewrite's q_in/q_out overlap); HyDE prefetches anew."""
+    naive, _engine, retriever, _log = make("naive")
+    result, _ = await run(naive, query="How long is it?", history=FOLLOW_UP)
+    assert retriever.prefetches == [["How long is it?"]] and retriever.searches == [["How long is the Nile?"]]
+    assert [s.stage.name for s in result.steps] == ["prefetch", "standalone_question", "search", "generate"]
+    hyde, _engine, retriever, _log = make("hyde")
+    await run(hyde, query="How long is it?", history=FOLLOW_UP)
+    assert retriever.prefetches == [["How long is it?"], ["How long is the Nile?"]]
+    assert len(retriever.released) == 2 and not retriever.outstanding

@@ -19,12 +19,14 @@ from typing import Any, ClassVar, TypeVar, overload
 from telerag.pipelines import prompts
 from telerag.pipelines.errors import UndeclaredStage
 from telerag.pipelines.prompts import Prompt
+from telerag.pipelines.rag.summary import summarize
 from telerag.pipelines.replies import ReplyStream, clean_reply
-from telerag.pipelines.stats import GenerationStats, PrefetchStepStats, PrefetchSummary, SearchStats, Timings
+from telerag.pipelines.stats import GenerationStats
 from telerag.pipelines.types import (
     Document,
     Engine,
     Generation,
+    PrefetchTicket,
     RagResult,
     ResultEvent,
     Retriever,
@@ -39,7 +41,6 @@ from telerag.pipelines.types import (
     Step,
     TokenEvent,
     UsageEvent,
-    overlap_rates,
     query_texts,
 )
 
@@ -51,10 +52,13 @@ ANSWER_STOPS = ("\n\n",)
 
 PRE_RETRIEVAL_SMOOTHING = 0.2  # weight of the newest pre-retrieval time in the pipeline's estimate
 
-# The stages every pipeline has: the lookahead's prefetch and search, and the streamed answer.
+# The stages every pipeline has: the lookahead's prefetch and search, and the streamed answer;
+# and first, when the question came with a conversation, its rewrite into a standalone question.
 PREFETCH = Stage("prefetch", StageRole.PREFETCH)
 SEARCH = Stage("search", StageRole.SEARCH)
 GENERATE = Stage("generate", StageRole.GENERATE)
+STANDALONE_QUESTION = Stage("standalone_question", StageRole.PRE_RETRIEVAL)
+STANDALONE_TOKENS = 48  # a question, on one line
 
 
 @dataclass
@@ -66,6 +70,7 @@ class RunContext:
     steps: list[Step] = field(default_factory=list)
     documents: list[Document] = field(default_factory=list)
     tokens_generated: int = 0
+    carried: PrefetchTicket | None = None  # the standalone question's prefetch, for the first lookahead to use
 
     def generated(self, tokens: int) -> None:
         """Account for `tokens` newly generated tokens (in the result, and at once as a UsageEvent)."""
@@ -104,7 +109,7 @@ class RagPipeline:
 
     async def run(self, query: str, options: RunOptions) -> AsyncGenerator[RunEvent, None]:
         ctx = RunContext(query=query, options=options, started=self.clock())
-        task = asyncio.create_task(self.body(ctx))
+        task = asyncio.create_task(self._conversation(ctx))
         # The body's end is queued behind every event it queued, so one `get` per event suffices.
         task.add_done_callback(lambda _: ctx.events.put_nowait(None))
         try:
@@ -116,6 +121,31 @@ class RagPipeline:
             if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+
+    async def _conversation(self, ctx: RunContext) -> str:
+        """The body, on the question rewritten to stand alone when it came with a conversation
+        (a follow-up: "What river runs through it?")."""
+        try:
+            if ctx.options.history:
+                ctx.query = await self.standalone_question(ctx)
+            return await self.body(ctx)
+        finally:
+            if ctx.carried is not None:  # no lookahead took it
+                self.retriever.release(ctx.carried)
+
+    async def standalone_question(self, ctx: RunContext) -> str:
+        """The last message rewritten from the conversation into a question that stands alone, as
+        LangChain's history-aware retriever and LlamaIndex's condense-question engine do: a
+        pre-retrieval call, with q_in (the message as asked) prefetched beside it. The first
+        lookahead without a pre-retrieval call of its own searches q_out (the standalone
+        question) with that prefetch; one with its own releases it (its clusters stay cached)."""
+        prompt = prompts.standalone_question(ctx.options.history, ctx.query)
+
+        async def rewrite() -> str:
+            return await self.reply(ctx, STANDALONE_QUESTION, prompt, max_tokens=STANDALONE_TOKENS, stop=("\n",))
+
+        rewritten, ctx.carried = await self._beside(ctx, [ctx.query], rewrite)
+        return (rewritten or "").strip() or ctx.query
 
     # -- building blocks ------------------------------------------------------------------------
 
@@ -220,7 +250,32 @@ class RagPipeline:
         """Start the pre-retrieval call at once and prefetch q_in's clusters beside it (embedding
         q_in, ranking centroids, issuing copies), then search q_out once both are done (no search
         when `q_out` returns None: the copies were speculative). The LLM never waits for the
-        prefetch; the search waits for both."""
+        prefetch; the search waits for both. Without a pre-retrieval call, a follow-up's standalone
+        question's prefetch (`ctx.carried`) is this one: its rewrite was the call it hid behind."""
+        carried, ctx.carried = ctx.carried, None
+        if carried is not None and pre_retrieval is None:
+            produced, ticket = None, carried
+        else:
+            if carried is not None:
+                self.retriever.release(carried)
+            produced, ticket = await self._beside(ctx, q_in, pre_retrieval)
+        try:
+            wanted = q_out(produced)
+            if wanted is None:
+                return produced, []
+            queries = [q for q in wanted if any(text.strip() for text in query_texts(q))] or [ctx.query]
+            options = SearchOptions(top_k=ctx.options.top_k, nprobe=ctx.options.nprobe, prefetch=ctx.options.prefetch)
+            outcome, start_ms, ms = await self.stage(ctx, SEARCH, lambda: self.retriever.search(queries, options, ticket))
+            ctx.steps.append(Step(SEARCH, " | ".join(map(str, queries))[:200], ms=ms, stats=outcome.stats, start_ms=start_ms))
+        finally:
+            self.retriever.release(ticket)
+        return produced, outcome.documents
+
+    async def _beside(
+        self, ctx: RunContext, q_in: Sequence[str], pre_retrieval: Callable[[], Awaitable[T]] | None
+    ) -> tuple[T | None, PrefetchTicket]:
+        """The pre-retrieval call started at once and q_in's prefetch beside it, both done; the
+        prefetch traced. The caller releases the ticket."""
         # nothing to hide copies behind without a pre-retrieval call: the search copies on demand
         overlap_ms = self.pre_retrieval_ms if pre_retrieval is not None else 0.0
         prefetch = self.stage(
@@ -241,17 +296,7 @@ class RagPipeline:
                 await asyncio.shield(prefetch)
             raise
         ctx.steps.append(Step(PREFETCH, " | ".join(q_in)[:200], ms=ms, stats=ticket.stats, start_ms=start_ms))
-        try:
-            wanted = q_out(produced)
-            if wanted is None:
-                return produced, []
-            queries = [q for q in wanted if any(text.strip() for text in query_texts(q))] or [ctx.query]
-            options = SearchOptions(top_k=ctx.options.top_k, nprobe=ctx.options.nprobe, prefetch=ctx.options.prefetch)
-            outcome, start_ms, ms = await self.stage(ctx, SEARCH, lambda: self.retriever.search(queries, options, ticket))
-            ctx.steps.append(Step(SEARCH, " | ".join(map(str, queries))[:200], ms=ms, stats=outcome.stats, start_ms=start_ms))
-        finally:
-            self.retriever.release(ticket)
-        return produced, outcome.documents
+        return produced, ticket
 
     def _release_unclaimed(self, prefetch: asyncio.Future) -> None:
         """The ticket of a prefetch whose request failed or went away before its search."""
@@ -320,33 +365,7 @@ class RagPipeline:
     # -- the result ---------------------------------------------------------------------------
 
     def _result(self, ctx: RunContext, answer: str) -> RagResult:
-        searches = [s.stats for s in ctx.steps if isinstance(s.stats, SearchStats)]
-        prefetches = [s.stats for s in ctx.steps if isinstance(s.stats, PrefetchStepStats)]
-        overlaps = overlap_rates(ctx.steps)
-
-        def ms(role: StageRole) -> float:
-            return float(sum(s.ms for s in ctx.steps if s.stage.role is role))
-
-        timings = Timings(
-            total_ms=(self.clock() - ctx.started) * 1e3,
-            embed_ms=float(sum(s.embed_ms for s in searches) + sum(p.embed_ms for p in prefetches)),
-            prefetch_ms=ms(StageRole.PREFETCH),
-            pre_retrieval_ms=ms(StageRole.PRE_RETRIEVAL),
-            search_ms=ms(StageRole.SEARCH),
-            search_device_ms=float(sum(s.device_ms for s in searches)),
-            search_cpu_ms=float(sum(s.cpu_ms for s in searches)),
-            llm_ms=ms(StageRole.LLM),
-            generate_ms=ms(StageRole.GENERATE),
-        )
-        prefetch = PrefetchSummary(
-            clusters_prefetched=sum(s.plan.clusters_requested for s in prefetches),
-            bytes_prefetched=sum(s.plan.bytes_copied for s in prefetches),
-            overlap_rate=sum(overlaps) / len(overlaps) if overlaps else None,
-            clusters_device=sum(s.clusters_device for s in searches),
-            clusters_cpu=sum(s.clusters_cpu for s in searches),
-            clusters_copied_on_demand=sum(s.clusters_copied_on_demand for s in searches),
-            clusters_late=sum(s.clusters_late for s in searches),
-        )
+        timings, prefetch = summarize(ctx.steps, total_ms=(self.clock() - ctx.started) * 1e3)
         return RagResult(
             answer=answer,
             pipeline=self.name,

@@ -14,7 +14,7 @@ import math
 
 from telerag.pipelines import prompts
 from telerag.pipelines.engines import StopFilter
-from telerag.pipelines.rag.base import PREFETCH, SEARCH, RagPipeline, RunContext
+from telerag.pipelines.rag.base import PREFETCH, SEARCH, STANDALONE_QUESTION, RagPipeline, RunContext
 from telerag.pipelines.replies import clean_reply
 from telerag.pipelines.types import Generation, Stage, StageRole, TokenEvent
 
@@ -38,7 +38,7 @@ def unsure_query(engine, generation: Generation, threshold: float) -> str | None
 class FLARE(RagPipeline):
     name = "flare"
     description = "Generate sentence by sentence; retrieve when a look-ahead token's probability is low."
-    stages = (PREFETCH, LOOKAHEAD_SENTENCE, SEARCH, SENTENCE)
+    stages = (STANDALONE_QUESTION, PREFETCH, LOOKAHEAD_SENTENCE, SEARCH, SENTENCE)
     llm_calls = 2 * MAX_SENTENCES  # look ahead, and write again when it retrieved, each sentence
     threshold = THRESHOLD
 

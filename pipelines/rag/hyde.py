@@ -5,7 +5,7 @@ keeps the search anchored when a small model's passage drifts off it."""
 from __future__ import annotations
 
 from telerag.pipelines import prompts
-from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext
+from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, STANDALONE_QUESTION, RagPipeline, RunContext
 from telerag.pipelines.types import MeanQuery, SearchQuery, Stage, StageRole
 
 HYPOTHETICAL_PASSAGE = Stage("hypothetical_passage", StageRole.PRE_RETRIEVAL)
@@ -14,7 +14,7 @@ HYPOTHETICAL_PASSAGE = Stage("hypothetical_passage", StageRole.PRE_RETRIEVAL)
 class HyDE(RagPipeline):
     name = "hyde"
     description = "Generate a hypothetical passage (pre-retrieval), retrieve with it and the question, then answer."
-    stages = (PREFETCH, HYPOTHETICAL_PASSAGE, SEARCH, GENERATE)
+    stages = (STANDALONE_QUESTION, PREFETCH, HYPOTHETICAL_PASSAGE, SEARCH, GENERATE)
     llm_calls = 2  # passage, answer
 
     async def body(self, ctx: RunContext) -> str:

@@ -6,7 +6,7 @@ of what is already known (question + the previous answer) are prefetched.
 
 from __future__ import annotations
 
-from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext
+from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, STANDALONE_QUESTION, RagPipeline, RunContext
 from telerag.pipelines.types import Stage, StageRole
 
 ROUNDS = 3
@@ -17,7 +17,7 @@ ROUND_ANSWER = Stage("round_answer", StageRole.PRE_RETRIEVAL)  # the next round'
 class IterRetGen(RagPipeline):
     name = "iter_retgen"
     description = "Three rounds of retrieval and generation; each answer refines the next retrieval."
-    stages = (PREFETCH, ROUND_ANSWER, SEARCH, GENERATE)
+    stages = (STANDALONE_QUESTION, PREFETCH, ROUND_ANSWER, SEARCH, GENERATE)
     llm_calls = ROUNDS  # a quiet answer each round but the last, then the answer
 
     async def body(self, ctx: RunContext) -> str:

@@ -5,7 +5,7 @@ judge says the answer is good enough (or after a few iterations)."""
 from __future__ import annotations
 
 from telerag.pipelines import prompts
-from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext, merge_documents
+from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, STANDALONE_QUESTION, RagPipeline, RunContext, merge_documents
 from telerag.pipelines.types import MeanQuery, SearchQuery, Stage, StageRole
 
 MAX_ITERATIONS = 3
@@ -18,7 +18,7 @@ JUDGE = Stage("judge", StageRole.LLM)
 class Iterative(RagPipeline):
     name = "iterative"
     description = "Narrower question (pre-retrieval), retrieve, answer, judge; repeat until judged sufficient."
-    stages = (PREFETCH, NARROW_QUESTION, SEARCH, DRAFT_ANSWER, JUDGE, GENERATE)
+    stages = (STANDALONE_QUESTION, PREFETCH, NARROW_QUESTION, SEARCH, DRAFT_ANSWER, JUDGE, GENERATE)
     llm_calls = 3 * MAX_ITERATIONS - 1  # narrow each iteration; draft and judge all but the last; answer
 
     async def body(self, ctx: RunContext) -> str:

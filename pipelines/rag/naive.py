@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext
+from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, STANDALONE_QUESTION, RagPipeline, RunContext
 
 
 class Naive(RagPipeline):
     name = "naive"
     description = "Retrieve with the question, then answer."
-    stages = (PREFETCH, SEARCH, GENERATE)
+    stages = (STANDALONE_QUESTION, PREFETCH, SEARCH, GENERATE)
     llm_calls = 1  # the answer
 
     async def body(self, ctx: RunContext) -> str:

@@ -6,7 +6,7 @@ it, so both answer calls are `generate` stages: a rejected one's time is part of
 from __future__ import annotations
 
 from telerag.pipelines import prompts
-from telerag.pipelines.rag.base import PREFETCH, SEARCH, RagPipeline, RunContext
+from telerag.pipelines.rag.base import PREFETCH, SEARCH, STANDALONE_QUESTION, RagPipeline, RunContext
 from telerag.pipelines.types import Stage, StageRole, TokenEvent
 
 DECIDE_RETRIEVAL = Stage("decide_retrieval", StageRole.PRE_RETRIEVAL)
@@ -18,7 +18,7 @@ REVISED_ANSWER = Stage("revised_answer", StageRole.GENERATE)  # streamed, in pla
 class SelfRAG(RagPipeline):
     name = "self_rag"
     description = "Decide whether to retrieve (pre-retrieval), answer, critique support; regenerate if unsupported."
-    stages = (PREFETCH, DECIDE_RETRIEVAL, SEARCH, FIRST_ANSWER, CRITIQUE, REVISED_ANSWER)
+    stages = (STANDALONE_QUESTION, PREFETCH, DECIDE_RETRIEVAL, SEARCH, FIRST_ANSWER, CRITIQUE, REVISED_ANSWER)
     llm_calls = 4  # decide, draft, critique, revise
 
     async def body(self, ctx: RunContext) -> str:

@@ -5,7 +5,7 @@ drifts off it never loses what retrieving with the question finds."""
 from __future__ import annotations
 
 from telerag.pipelines import prompts
-from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, RagPipeline, RunContext, merge_documents
+from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, STANDALONE_QUESTION, RagPipeline, RunContext, merge_documents
 from telerag.pipelines.types import Stage, StageRole
 
 MAX_SUB_QUESTIONS = 4
@@ -33,7 +33,7 @@ def search_queries(question: str, sub_questions: list[str]) -> list[str]:
 class SubQuestion(RagPipeline):
     name = "subquestion"
     description = "Decompose into sub-questions (pre-retrieval), retrieve them with the question as one batch, then answer."
-    stages = (PREFETCH, DECOMPOSE, SEARCH, GENERATE)
+    stages = (STANDALONE_QUESTION, PREFETCH, DECOMPOSE, SEARCH, GENERATE)
     llm_calls = 2  # decompose, answer
 
     async def body(self, ctx: RunContext) -> str:

@@ -78,6 +78,7 @@ async def chat_completions(
         max_tokens=max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
+        history=body.history,
         stop=body.stops,
         instructions=body.instructions,
     )

@@ -79,6 +79,7 @@ async def create_response(
         max_tokens=body.max_output_tokens or request.app.state.default_max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
+        history=body.history,
         instructions=body.all_instructions,
     )
     run = service.admit(

@@ -1,0 +1,42 @@
+"""A run's timings and prefetch summary, summed from its traced steps."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from telerag.pipelines.stats import PrefetchStepStats, PrefetchSummary, SearchStats, Timings
+from telerag.pipelines.types import StageRole, Step, overlap_rates
+
+
+def summarize(steps: Sequence[Step], *, total_ms: float) -> tuple[Timings, PrefetchSummary]:
+    """Each timing sums its role's steps (embedding and the search's device and CPU parts are
+    parts of the prefetches and searches); the prefetch summary sums the prefetches' plans and
+    the searches' placement, with the mean overlap rate of the searches that had a prefetch."""
+    searches = [s.stats for s in steps if isinstance(s.stats, SearchStats)]
+    prefetches = [s.stats for s in steps if isinstance(s.stats, PrefetchStepStats)]
+    overlaps = overlap_rates(steps)
+
+    def ms(role: StageRole) -> float:
+        return float(sum(s.ms for s in steps if s.stage.role is role))
+
+    timings = Timings(
+        total_ms=total_ms,
+        embed_ms=float(sum(s.embed_ms for s in searches) + sum(p.embed_ms for p in prefetches)),
+        prefetch_ms=ms(StageRole.PREFETCH),
+        pre_retrieval_ms=ms(StageRole.PRE_RETRIEVAL),
+        search_ms=ms(StageRole.SEARCH),
+        search_device_ms=float(sum(s.device_ms for s in searches)),
+        search_cpu_ms=float(sum(s.cpu_ms for s in searches)),
+        llm_ms=ms(StageRole.LLM),
+        generate_ms=ms(StageRole.GENERATE),
+    )
+    prefetch = PrefetchSummary(
+        clusters_prefetched=sum(s.plan.clusters_requested for s in prefetches),
+        bytes_prefetched=sum(s.plan.bytes_copied for s in prefetches),
+        overlap_rate=sum(overlaps) / len(overlaps) if overlaps else None,
+        clusters_device=sum(s.clusters_device for s in searches),
+        clusters_cpu=sum(s.clusters_cpu for s in searches),
+        clusters_copied_on_demand=sum(s.clusters_copied_on_demand for s in searches),
+        clusters_late=sum(s.clusters_late for s in searches),
+    )
+    return timings, prefetch
