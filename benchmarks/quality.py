@@ -34,7 +34,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from telerag.pipelines.prompts import holds_answer_cue
-from telerag.pipelines.questions import Question, run_one
+from telerag.pipelines.questions import Question, question_options, run_one
 from telerag.pipelines.rag.base import merge_documents
 from telerag.pipelines.stats import Timings
 from telerag.pipelines.types import (
@@ -203,6 +203,7 @@ class QualityRow:
     cue_answers: int | None  # answers still holding the answer cue (a reply looping on it); None without generation
     overlap_rate: float | None  # mean over searches with a prefetch of |C_in ∩ C_out| / |C_out|
     latency_ms: StageLatency
+    form: str = "as written"  # follow-ups: "rewritten" (with their conversation), "as asked" or "standalone"
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -263,7 +264,7 @@ async def quality_study(
     async def answer(pipeline: Pipeline, question: Question) -> tuple[RagResult, list[Document]]:
         async with slots:
             with recorder.question():
-                result = await run_one(pipeline, question.text, options)
+                result = await run_one(pipeline, question.text, question_options(question, options))
                 exact = await recorder.exact_documents(result.documents, nlist, options.top_k)
             on_question()
             return result, exact
@@ -310,27 +311,40 @@ async def retrieval_study(
     return tally.row("retrieval", len(questions), k, nprobe, nlist)
 
 
+FOLLOW_UP_FORMS: dict[str, Callable[[Question], Question]] = {
+    "rewritten": lambda question: question,  # with its conversation: rewritten to stand alone first
+    "as asked": Question.as_asked,  # searched as it is
+    "standalone": Question.as_standalone,  # what the rewrite aims at
+}
+
+
 async def configured_quality_study(
     settings: Settings, names: Sequence[str], questions: Sequence[Question], k: int, max_tokens: int, concurrency: int = 1
 ) -> list[QualityRow]:
     """`quality_study` of the named pipelines with the configured LLM and datastore, at the
-    configured nprobe, with a progress bar."""
+    configured nprobe, with a progress bar. Follow-ups run in each of `FOLLOW_UP_FORMS`, so the
+    rewrite's recall sits beside the question's without it and the question asked standalone."""
     async with open_runtime(settings) as runtime:
         info = runtime.datastore_info
         recorder = SearchRecorder(runtime.retriever)
         pipelines = runtime.pipelines(recorder, names)
         options = RunOptions(top_k=k, nprobe=info.nprobe, max_tokens=max_tokens)
-        with tqdm(total=len(pipelines) * len(questions), desc="questions", unit="q") as bar:
-            return await quality_study(
-                list(pipelines.values()),
-                recorder,
-                questions,
-                options,
-                nprobe=info.nprobe,
-                nlist=info.nlist,
-                concurrency=concurrency,
-                on_question=bar.update,
-            )
+        forms = FOLLOW_UP_FORMS if any(q.history for q in questions) else {"as written": lambda q: q}
+        rows: list[QualityRow] = []
+        with tqdm(total=len(forms) * len(pipelines) * len(questions), desc="questions", unit="q") as bar:
+            for form, shaped in forms.items():
+                found = await quality_study(
+                    list(pipelines.values()),
+                    recorder,
+                    [shaped(q) for q in questions],
+                    options,
+                    nprobe=info.nprobe,
+                    nlist=info.nlist,
+                    concurrency=concurrency,
+                    on_question=bar.update,
+                )
+                rows.extend(replace(row, form=form) for row in found)
+        return rows
 
 
 async def configured_retrieval_study(settings: Settings, questions: Sequence[Question], k: int) -> list[QualityRow]:
@@ -353,15 +367,17 @@ def format_table(rows: list[QualityRow], datastore: Path) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
     first = rows[0]
+    label = {id(row): row.pipeline if row.form == "as written" else f"{row.pipeline} {row.form}" for row in rows}
+    width = max(13, *(len(text) + 1 for text in label.values()))
     lines = [
         f"{first.questions} questions, datastore {datastore}, k {first.k}, nprobe {first.nprobe} of {first.nlist} lists",
-        f"{'pipeline':<13}{'recall@k':>9}{'exact':>7}{'EM':>7}{'F1':>7}{'cue':>5}{'overlap':>9}"
+        f"{'pipeline':<{width}}{'recall@k':>9}{'exact':>7}{'EM':>7}{'F1':>7}{'cue':>5}{'overlap':>9}"
         f"{'prefetch':>10}{'pre-retr.':>11}{'search':>9}{'other LLM':>10}{'generate':>10}{'total ms':>10}",
     ]
     for row in rows:
         ms = row.latency_ms
         lines.append(
-            f"{row.pipeline:<13}{num(row.recall):>9}{num(row.recall_exact):>7}{num(row.exact_match):>7}{num(row.f1):>7}"
+            f"{label[id(row)]:<{width}}{num(row.recall):>9}{num(row.recall_exact):>7}{num(row.exact_match):>7}{num(row.f1):>7}"
             f"{'-' if row.cue_answers is None else row.cue_answers:>5}{num(row.overlap_rate):>9}"
             f"{ms.prefetch:>10.1f}{ms.pre_retrieval:>11.1f}{ms.search:>9.1f}{ms.llm:>10.1f}{ms.generate:>10.1f}{ms.total:>10.1f}"
         )

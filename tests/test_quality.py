@@ -28,6 +28,7 @@ from telerag.server.settings import packaged_config
 from tests.tiny_models import tiny_embedder_dir
 
 QUESTIONS = packaged_config("questions_wiki_en.txt")
+FOLLOW_UPS = packaged_config("followups_wiki_en.txt")
 
 
 # -- metrics -------------------------------------------------------------------------------------
@@ -176,6 +177,15 @@ def test_bench_quality_reports_every_pipeline(capsys, wiki_slice):
         # every list probed: the replay is the very search the pipeline made
         assert row["recall_exact"] == row["recall"], row["pipeline"]
     assert rows[0]["latency_ms"]["pre_retrieval"] == 0.0 and rows[1]["latency_ms"]["pre_retrieval"] > 0.0
+
+
+@pytest.mark.slow  # builds tiny models and a datastore: ~1 min on two busy cores
+def test_follow_ups_are_measured_rewritten_as_asked_and_standalone(capsys, wiki_slice):
+    rows = _run(capsys, wiki_slice, "--pipelines", "naive", "--nprobe", "8", "--questions", str(FOLLOW_UPS))
+    assert [(r["pipeline"], r["form"]) for r in rows] == [("naive", "rewritten"), ("naive", "as asked"), ("naive", "standalone")]
+    assert all(r["questions"] == 8 and 0.0 <= r["recall"] <= 1.0 for r in rows)
+    rewritten, asked, _ = (r["latency_ms"] for r in rows)
+    assert rewritten["pre_retrieval"] > 0.0 and asked["pre_retrieval"] == 0.0  # the rewrite is the pre-retrieval call
 
 
 @pytest.mark.slow  # builds tiny models and a datastore: ~1 min on two busy cores
