@@ -56,19 +56,25 @@ def answer(question: str, documents: Sequence[Document], draft: str = "", *, ins
     return Prompt(SYSTEM, user, ANSWER_CUE)
 
 
-STANDALONE_CUE = "Standalone question:"
-STANDALONE_SYSTEM = (
-    "Rewrite the last question so that it can be understood without the conversation: name what it "
-    "refers to. Do not answer it.\n\nUser: Tell me about the Eiffel Tower.\nAssistant: It is a wrought-iron "
-    f"tower in Paris.\nLast question: When was it built?\n{STANDALONE_CUE} When was the Eiffel Tower built?"
+TOPIC_CUE = "Topic:"
+TOPIC_SYSTEM = (
+    "Name the topic of the conversation.\n\nUser: Tell me about the Eiffel Tower.\nAssistant: It is a wrought-iron "
+    f"tower in Paris.\n{TOPIC_CUE} the Eiffel Tower\n\nUser: Who was Marie Curie?\nAssistant: She was a physicist "
+    f"and chemist.\n{TOPIC_CUE} Marie Curie"
 )
 
 
-def standalone_question(history: Sequence[Turn], question: str) -> Prompt:
-    """A follow-up question rewritten from its conversation (a base model learns the task from the
-    example in the fixed system text)."""
+def conversation_topic(history: Sequence[Turn]) -> Prompt:
+    """What a conversation is about, which makes its follow-up question stand alone. The question
+    itself is left out: a small model shown it answers it instead (Gemma 3 270M named the topic
+    of 29 of the 30 shipped follow-ups this way, and rewrote 7 when asked for the question)."""
     turns = "".join(f"{'User' if turn.role == 'user' else 'Assistant'}: {turn.text.strip()}\n" for turn in history)
-    return Prompt(STANDALONE_SYSTEM, f"{turns}Last question: {question}\n{STANDALONE_CUE}", STANDALONE_CUE)
+    return Prompt(TOPIC_SYSTEM, f"{turns}{TOPIC_CUE}", TOPIC_CUE)
+
+
+def standalone(question: str, topic: str) -> str:
+    """A follow-up question made to stand alone by its conversation's topic."""
+    return f"{question} ({topic})" if topic else question
 
 
 def hypothetical_passage(question: str) -> Prompt:

@@ -21,15 +21,15 @@ def script(
     passage: str = "The Nile is a river in Africa",
     sub_questions: str = "Where is the Nile\nHow long is the Nile\nWhich seas does it reach",
     answer: str = "The Nile is long",
-    standalone: str = "How long is the Nile?",
+    topic: str = "the Nile",
 ):
     """The engine's reply to each pipeline prompt: the arguments choose each judgement (and
     FLARE's log-probabilities, one tuple per call), so a test can steer a pipeline's path."""
     flare_calls = iter(flare_logprobs or [])
 
     def reply(prompt: str) -> Reply:
-        if prompt.startswith("Rewrite the last question"):
-            return Reply(standalone)
+        if prompt.startswith("Name the topic of the conversation"):
+            return Reply(topic)
         if prompt.startswith("Write a short encyclopedia passage"):
             return Reply(passage)
         if prompt.startswith("Break the question"):

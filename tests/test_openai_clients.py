@@ -121,9 +121,9 @@ async def test_system_messages_instruct_every_prompt_that_writes_the_answer(pipe
 
 
 async def test_a_follow_up_is_rewritten_from_the_conversation_before_retrieval():
-    """The conversation's earlier turns make the last message a standalone question (the
-    scripted engine rewrites every question as its one reply); the message as asked is what
-    is prefetched beside the rewrite, the standalone question what is searched."""
+    """The conversation's earlier turns make the last message a standalone question (about
+    the topic the scripted engine names with its one reply); the message as asked is what is
+    prefetched beside the call, the standalone question what is searched."""
     h = Harness()
     conversation = [
         {"role": "system", "content": "Be brief."},
@@ -134,13 +134,11 @@ async def test_a_follow_up_is_rewritten_from_the_conversation_before_retrieval()
     async with h.client() as http:
         await sdk(http).chat.completions.create(model="naive", messages=conversation)
         await sdk(http).responses.create(model="naive", input=conversation)
-    rewrites = [p for p in h.engine.prompts if p.startswith("Rewrite the last question")]
-    expected = (
-        "User: Tell me about Paris.\nAssistant: Paris is the capital of France.\nLast question: What river runs through it?"
-    )
-    assert len(rewrites) == 2 and all(expected in p for p in rewrites)
+    rewrites = [p for p in h.engine.prompts if p.startswith("Name the topic of the conversation")]
+    expected = "User: Tell me about Paris.\nAssistant: Paris is the capital of France.\nTopic:"
+    assert len(rewrites) == 2 and all(p.endswith(expected) for p in rewrites)
     assert h.retriever.prefetches == [["What river runs through it?"]] * 2
-    assert h.retriever.searches == [[ANSWER]] * 2  # the rewrite, as the scripted engine wrote it
+    assert h.retriever.searches == [[f"What river runs through it? ({ANSWER})"]] * 2  # the topic: the engine's one reply
 
 
 async def test_the_documents_come_with_the_answer_unless_turned_off():

@@ -46,8 +46,8 @@ async def test_messages_and_parts_as_input_and_the_limit_makes_it_incomplete():
         cut = await sdk(http).responses.create(model="naive", input=conversation, max_output_tokens=3)
     assert cut.output_text == "Paris is the" and cut.status == "incomplete"
     assert cut.incomplete_details.reason == "max_output_tokens"
-    assert "User: Hello\nAssistant: Hi!\nLast question: Capital of France?" in h.engine.prompts[0]  # a follow-up: rewritten
-    assert f"Instructions: Reply in French.\nQuestion: {ANSWER}" in h.engine.prompts[-1]  # as the scripted engine rewrote it
+    assert h.engine.prompts[0].endswith("User: Hello\nAssistant: Hi!\nTopic:")  # a follow-up: made to stand alone
+    assert f"Instructions: Reply in French.\nQuestion: Capital of France? ({ANSWER})" in h.engine.prompts[-1]
 
 
 async def test_the_stream_is_the_responses_apis_events_in_order():

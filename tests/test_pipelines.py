@@ -11,7 +11,7 @@ from telerag.pipelines import prompts
 from telerag.pipelines.errors import EngineError
 from telerag.pipelines.rag.base import STANDALONE_QUESTION
 from telerag.pipelines.registry import PIPELINES, build_pipelines
-from telerag.pipelines.types import MeanQuery, RunOptions, StageEvent, StageRole, TokenEvent, Turn
+from telerag.pipelines.types import MeanQuery, RunOptions, StageEvent, StageRole, TokenEvent, Turn, query_texts
 from tests.fakes import RecordingRetriever, ScriptedEngine
 from tests.scripted_pipelines import SURE, UNSURE, make, run, script
 
@@ -452,13 +452,12 @@ async def test_a_follow_up_is_rewritten_to_stand_alone_beside_the_prefetch_of_th
     prefetch, rewrite = result.steps[0], result.steps[1]  # in the order they started
     assert rewrite.stage is STANDALONE_QUESTION and prefetch.kind == "prefetch"
     assert prefetch.start_ms <= rewrite.start_ms + rewrite.ms and rewrite.start_ms <= prefetch.start_ms + prefetch.ms
-    assert (
-        "User: Tell me about the Nile.\nAssistant: It is a river in Africa.\nLast question: How long is it?" in engine.prompts[0]
-    )
+    assert engine.prompts[0].endswith("User: Tell me about the Nile.\nAssistant: It is a river in Africa.\nTopic:")
     assert retriever.prefetches[0] == ["How long is it?"]  # q_in: the message as asked
-    assert all("How long is it?" not in str(query) for search in retriever.searches for query in search)
+    searched = [text for search in retriever.searches for query in search for text in query_texts(query)]
+    assert "How long is it?" not in searched  # never the message as asked (FLARE, sure of every token, never searches)
     answering = [p for p in engine.prompts if p.rstrip().endswith("Answer:")]
-    assert answering and all("Question: How long is the Nile?" in p for p in answering)
+    assert answering and all("Question: How long is it? (the Nile)" in p for p in answering)
     assert not retriever.outstanding
 
 
@@ -467,9 +466,9 @@ async def test_without_a_pre_retrieval_call_of_its_own_the_first_search_uses_the
     rewrite (its overlap rate is the rewrite's q_in/q_out overlap); HyDE prefetches anew."""
     naive, _engine, retriever, _log = make("naive")
     result, _ = await run(naive, query="How long is it?", history=FOLLOW_UP)
-    assert retriever.prefetches == [["How long is it?"]] and retriever.searches == [["How long is the Nile?"]]
+    assert retriever.prefetches == [["How long is it?"]] and retriever.searches == [["How long is it? (the Nile)"]]
     assert [s.stage.name for s in result.steps] == ["prefetch", "standalone_question", "search", "generate"]
     hyde, _engine, retriever, _log = make("hyde")
     await run(hyde, query="How long is it?", history=FOLLOW_UP)
-    assert retriever.prefetches == [["How long is it?"], ["How long is the Nile?"]]
+    assert retriever.prefetches == [["How long is it?"], ["How long is it? (the Nile)"]]
     assert len(retriever.released) == 2 and not retriever.outstanding

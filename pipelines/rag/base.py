@@ -58,7 +58,7 @@ PREFETCH = Stage("prefetch", StageRole.PREFETCH)
 SEARCH = Stage("search", StageRole.SEARCH)
 GENERATE = Stage("generate", StageRole.GENERATE)
 STANDALONE_QUESTION = Stage("standalone_question", StageRole.PRE_RETRIEVAL)
-STANDALONE_TOKENS = 48  # a question, on one line
+STANDALONE_TOKENS = 24  # a topic, on one line
 
 
 @dataclass
@@ -134,18 +134,19 @@ class RagPipeline:
                 self.retriever.release(ctx.carried)
 
     async def standalone_question(self, ctx: RunContext) -> str:
-        """The last message rewritten from the conversation into a question that stands alone, as
-        LangChain's history-aware retriever and LlamaIndex's condense-question engine do: a
-        pre-retrieval call, with q_in (the message as asked) prefetched beside it. The first
-        lookahead without a pre-retrieval call of its own searches q_out (the standalone
-        question) with that prefetch; one with its own releases it (its clusters stay cached)."""
-        prompt = prompts.standalone_question(ctx.options.history, ctx.query)
+        """The last message made to stand alone, as LangChain's history-aware retriever and
+        LlamaIndex's condense-question engine do: a pre-retrieval call names the conversation's
+        topic, and the question is asked about it ("Who wrote it? (The Little Prince)"), with q_in
+        (the message as asked) prefetched beside the call. The first lookahead without a
+        pre-retrieval call of its own searches q_out (the standalone question) with that
+        prefetch; one with its own releases it (its clusters stay cached)."""
+        prompt = prompts.conversation_topic(ctx.options.history)
 
-        async def rewrite() -> str:
+        async def topic() -> str:
             return await self.reply(ctx, STANDALONE_QUESTION, prompt, max_tokens=STANDALONE_TOKENS, stop=("\n",))
 
-        rewritten, ctx.carried = await self._beside(ctx, [ctx.query], rewrite)
-        return (rewritten or "").strip() or ctx.query
+        named, ctx.carried = await self._beside(ctx, [ctx.query], topic)
+        return prompts.standalone(ctx.query, (named or "").strip())
 
     # -- building blocks ------------------------------------------------------------------------
 
