@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from langchain_core.messages import HumanMessage, SystemMessage
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_openai import ChatOpenAI, OpenAIEmbeddings
 
 from tests.fake_app import Harness
@@ -184,7 +184,8 @@ async def test_an_unknown_field_of_the_rag_api_is_refused_as_well():
 
 
 def test_langchain_chat_model_streams_and_invokes_with_its_own_fields():
-    """LangChain's ChatOpenAI sends max_completion_tokens, a system message and text parts."""
+    """LangChain's ChatOpenAI sends max_completion_tokens, a system message, text parts and a
+    conversation (whose follow-up is made to stand alone)."""
     h = Harness()
     transport = httpx.ASGITransport(app=h.app)
 
@@ -199,6 +200,16 @@ def test_langchain_chat_model_streams_and_invokes_with_its_own_fields():
             assert parts.content == ANSWER
             pieces = [chunk.content async for chunk in chat.astream("Capital of France?")]
             assert "".join(pieces).strip() == ANSWER
+            history = [
+                HumanMessage("Tell me about Paris."),
+                AIMessage("Paris is the capital of France."),
+                HumanMessage("What river runs through it?"),
+            ]
+            assert (await chat.ainvoke(history)).content == ANSWER
+            topic = [p for p in h.engine.prompts if p.startswith("Name the topic of the conversation")]
+            assert len(topic) == 1 and topic[0].endswith(
+                "User: Tell me about Paris.\nAssistant: Paris is the capital of France.\nTopic:"
+            )
             with pytest.raises(openai.BadRequestError, match="tools"):
                 await chat.bind_tools([{"type": "function", "function": {"name": "f", "parameters": {}}}]).ainvoke("hi")
 
