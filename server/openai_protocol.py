@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -24,7 +24,8 @@ from pydantic import (
     model_validator,
 )
 
-from telerag.pipelines.types import RagResult, StageRole, Turn
+from telerag.pipelines.types import RagResult, StageRole
+from telerag.server.conversation import Conversation, Said, content_text
 from telerag.server.protocol import (
     DocumentOut,
     default_max_tokens,
@@ -57,30 +58,6 @@ def text_only(*kinds: str) -> Callable[[Any, Any], Any]:
     return check
 
 
-HISTORY_TURNS = 6  # of a conversation, what the standalone question is written from
-
-
-class Said(Protocol):
-    """A message of either API, as `conversation` reads it."""
-
-    @property
-    def role(self) -> str: ...
-
-    @property
-    def text(self) -> str: ...
-
-
-def conversation(messages: Sequence[Said]) -> tuple[Turn, ...]:
-    """The user and assistant turns before the last user message, the last `HISTORY_TURNS` of them."""
-    last = max(at for at, m in enumerate(messages) if m.role == "user")
-    turns = [
-        Turn("user" if m.role == "user" else "assistant", m.text)
-        for m in messages[:last]
-        if m.role in ("user", "assistant") and m.text.strip()
-    ]
-    return tuple(turns[-HISTORY_TURNS:])
-
-
 class TextPart(BaseModel):
     """A piece of a message's content, as LangChain, LlamaIndex and Open WebUI send it. Only text
     is served: an image, audio or file part is refused by name."""
@@ -107,13 +84,6 @@ class ChatMessage(BaseModel):
         return content_text(self.content)
 
 
-def content_text(content: str | list[TextPart] | None) -> str:
-    """A message's text: its string, or its text parts one per line."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    return "\n".join(part.text for part in content)
-
-
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -134,7 +104,7 @@ def _text_modality(modalities: Any) -> Any:
     return modalities
 
 
-class ChatCompletionRequest(BaseModel):
+class ChatCompletionRequest(Conversation):
     """`POST /v1/chat/completions`: the last user message is the question, `model` the pipeline.
     Every field OpenAI clients send is served or refused: a field not listed here (tools,
     tool_choice, audio, ...) or a value marked "only" otherwise is refused with a 400 that
@@ -149,14 +119,10 @@ class ChatCompletionRequest(BaseModel):
         },
     )
 
-    model: str
+    QUERY_FIELD: ClassVar[str] = "messages"
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float = Field(0.0, ge=0.0, le=2.0)
-    top_p: float = Field(
-        1.0, ge=0.0, le=1.0, description="nucleus sampling, with temperature > 0 (every LLM call of the request)"
-    )
     stop: str | Annotated[list[str], Field(max_length=4)] | None = Field(
         None, description="up to 4 strings: the answer ends before the first of them"
     )
@@ -173,10 +139,6 @@ class ChatCompletionRequest(BaseModel):
     response_format: ResponseFormat | None = None
     modalities: Annotated[list[Literal["text"]], BeforeValidator(_text_modality)] | None = Field(
         None, description='only ["text"]: the answer is text'
-    )
-    user: str | None = Field(None, description="the end user's id, as OpenAI takes it; logged with nothing else")
-    return_documents: bool = Field(
-        True, description="an extension: false leaves out `documents`, the passages the answer was written from"
     )
 
     @field_validator("messages")
@@ -203,29 +165,17 @@ class ChatCompletionRequest(BaseModel):
         return seed
 
     @property
-    def question(self) -> str:
-        return next(m.text for m in reversed(self.messages) if m.role == "user")
-
-    @property
-    def history(self) -> tuple[Turn, ...]:
-        """The user and assistant turns before the question (the last `HISTORY_TURNS`): with any,
-        the question is rewritten to stand alone before anything is retrieved."""
-        return conversation(self.messages)
+    def said(self) -> Sequence[Said]:
+        return self.messages
 
     @property
     def token_limit(self) -> tuple[str, int | None]:
-        """The field that sets the answer's token limit and its value (None: the server's
-        default); with both, the tighter, which honours both."""
+        """With both limits, the tighter, which honours both."""
         given = [
             (n, name) for name, n in (("max_completion_tokens", self.max_completion_tokens), ("max_tokens", self.max_tokens))
         ]
         n, name = min(((n, name) for n, name in given if n is not None), default=(None, "max_completion_tokens"))
         return name, n
-
-    @property
-    def instructions(self) -> str:
-        """The system and developer messages, in order: the client's instructions for the answer."""
-        return "\n".join(m.text for m in self.messages if m.role in ("system", "developer") and m.text.strip())
 
     @property
     def stops(self) -> tuple[str, ...]:

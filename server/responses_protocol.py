@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, create_model, field_validator, model_validator
 
-from telerag.pipelines.types import RagResult, Turn
-from telerag.server.openai_protocol import answer_cut, conversation, text_only
+from telerag.pipelines.types import RagResult
+from telerag.server.conversation import Conversation, Said, content_text
+from telerag.server.openai_protocol import answer_cut, text_only
 from telerag.server.protocol import DocumentOut, default_max_tokens, documents_out, integer, pipeline_name, question_text, refuse
 from telerag.server.settings import LimitSettings
 
@@ -56,7 +57,7 @@ class InputMessage(BaseModel):
 
     @property
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
+        return content_text(self.content)
 
 
 class TextFormat(BaseModel):
@@ -73,26 +74,20 @@ class TextConfig(BaseModel):
     format: TextFormat | None = None
 
 
-class ResponseRequest(BaseModel):
+class ResponseRequest(Conversation):
     """`POST /v1/responses`: the last user message of `input` (or `input` itself) is the
     question, `model` the pipeline, `instructions` and system messages instruct the answer.
     The bounded fields get their bounds per app (`response_request_model`)."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-    model: str
+    QUERY_FIELD: ClassVar[str] = "input"
     input: str | list[InputMessage]
     instructions: str | None = Field(None, description="instruct the answer, as a system message does")
     max_output_tokens: int | None = None
-    temperature: float = Field(0.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, ge=0.0, le=1.0, description="nucleus sampling, with temperature > 0")
     stream: bool = Field(False, description="true: the Responses API's events as server-sent events")
     text: TextConfig | None = Field(None, description='only {"format": {"type": "text"}}')
     store: Literal[False] | None = Field(None, description="only false: nothing is stored")
     truncation: Literal["disabled"] | None = Field(None, description='only "disabled": an input too long is refused')
     metadata: dict[str, str] | None = Field(None, description="given back with the response")
-    user: str | None = Field(None, description="the end user's id, as OpenAI takes it; not used")
-    return_documents: bool = Field(True, description="an extension: false leaves out `documents`")
 
     @field_validator("store", mode="before")
     @classmethod
@@ -111,23 +106,16 @@ class ResponseRequest(BaseModel):
         return value
 
     @property
-    def messages(self) -> list[InputMessage]:
+    def said(self) -> Sequence[Said]:
         return [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
 
     @property
-    def question(self) -> str:
-        return next(m.text for m in reversed(self.messages) if m.role == "user")
+    def token_limit(self) -> tuple[str, int | None]:
+        return "max_output_tokens", self.max_output_tokens
 
     @property
-    def history(self) -> tuple[Turn, ...]:
-        """The user and assistant turns before the question (see `openai_protocol.conversation`)."""
-        return conversation(self.messages)
-
-    @property
-    def all_instructions(self) -> str:
-        """`instructions`, then the system and developer messages, in order."""
-        given = [self.instructions or "", *(m.text for m in self.messages if m.role in ("system", "developer"))]
-        return "\n".join(text for text in given if text.strip())
+    def preamble(self) -> str:
+        return self.instructions or ""
 
 
 def response_request_model(limits: LimitSettings, pipelines: Sequence[str]) -> type[ResponseRequest]:
@@ -295,31 +283,30 @@ class OutputItemEvent(ResponseEvent):
     item: OutputMessage
 
 
-class ContentPartEvent(ResponseEvent):
-    """response.content_part.added, response.content_part.done."""
+class PartEvent(ResponseEvent):
+    """An event of the one text part of the one message: where it is."""
 
     item_id: str
     output_index: int = 0
     content_index: int = 0
+
+
+class ContentPartEvent(PartEvent):
+    """response.content_part.added, response.content_part.done."""
+
     part: OutputText
 
 
-class TextDeltaEvent(ResponseEvent):
+class TextDeltaEvent(PartEvent):
     """response.output_text.delta: the next piece of the answer."""
 
-    item_id: str
-    output_index: int = 0
-    content_index: int = 0
     delta: str
     logprobs: list[Any] = Field(default_factory=list)
 
 
-class TextDoneEvent(ResponseEvent):
+class TextDoneEvent(PartEvent):
     """response.output_text.done: the whole answer."""
 
-    item_id: str
-    output_index: int = 0
-    content_index: int = 0
     text: str
     logprobs: list[Any] = Field(default_factory=list)
 

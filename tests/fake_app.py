@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import Iterator
 
 import httpx
+import openai
 
 from telerag.pipelines.types import DatastoreInfo
 from telerag.retrieval.stats import CacheStats
@@ -131,3 +132,8 @@ def serving_on_fakes(
         lifespan="off",
     ) as base:
         yield "127.0.0.1", int(base.rsplit(":", 1)[1])
+
+
+def sdk(http: httpx.AsyncClient) -> openai.AsyncOpenAI:
+    """The official SDK over an in-process client of the app (`Harness.client()`), no retries."""
+    return openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=http, max_retries=0)

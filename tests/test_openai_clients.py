@@ -13,15 +13,11 @@ import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_openai import ChatOpenAI, OpenAIEmbeddings
 
-from tests.fake_app import Harness
+from tests.fake_app import Harness, sdk
 from tests.retrieval_helpers import HashEmbedder
 
 QUESTION = [{"role": "user", "content": "Capital of France?"}]
 ANSWER = "Paris is the capital of France"
-
-
-def sdk(http: httpx.AsyncClient) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=http, max_retries=0)
 
 
 async def test_text_parts_are_a_question_as_a_string_is():

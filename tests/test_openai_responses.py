@@ -11,13 +11,9 @@ import pytest
 from langchain_core.messages import HumanMessage, SystemMessage
 from langchain_openai import ChatOpenAI
 
-from tests.fake_app import Harness
+from tests.fake_app import Harness, sdk
 
 ANSWER = "Paris is the capital of France"
-
-
-def sdk(http: httpx.AsyncClient) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=http, max_retries=0)
 
 
 async def test_a_response_answers_text_input_with_its_usage_and_documents():

@@ -13,8 +13,9 @@ from pydantic import BaseModel
 
 from telerag.pipelines.types import ResultEvent, RunEvent, TokenEvent
 from telerag.server import errors
-from telerag.server.admitted_run import EventStream
+from telerag.server.admitted_run import AdmittedRun, EventStream
 from telerag.server.auth import Access
+from telerag.server.conversation import Conversation
 from telerag.server.openai_protocol import (
     ChatChunkChoice,
     ChatCompletion,
@@ -67,31 +68,30 @@ async def list_models(request: Request, service: Service = Depends(serving)) -> 
     return ModelList(data=[Model(id=name, created=request.app.state.started) for name in service.pipelines])
 
 
-async def chat_completions(
-    body: ChatCompletionRequest, request: Request, client: str | None, service: Service = Depends(serving)
-) -> Response:
+def admit(service: Service, request: Request, body: Conversation, client: str | None) -> AdmittedRun:
+    """A chat completion's or a response's run, admitted (or refused at once, naming the
+    request's own fields): its question, instructions, history, sampling and token limit."""
     limit_field, limit = body.token_limit
-    max_tokens = limit or request.app.state.default_max_tokens
     options = service.options(
         top_k=None,
         nprobe=None,
-        max_tokens=max_tokens,
+        max_tokens=limit or request.app.state.default_max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
-        history=body.history,
         stop=body.stops,
-        instructions=body.instructions,
+        instructions=body.instructions_for_answer,
+        history=body.history,
     )
-    run = service.admit(
-        request,
-        service.pipelines[body.model],
-        body.question,
-        options,
-        client,
-        query_field="messages",
-        top_k_field=None,
-        limit_field=limit_field,
+    pipeline = service.pipelines[body.model]
+    return service.admit(
+        request, pipeline, body.question, options, client, query_field=body.QUERY_FIELD, top_k_field=None, limit_field=limit_field
     )
+
+
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, client: str | None, service: Service = Depends(serving)
+) -> Response:
+    run = admit(service, request, body, client)
     request_id = f"chatcmpl-{request.state.request_id}"
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage

@@ -29,6 +29,7 @@ from telerag.server.responses_protocol import (
     TextDoneEvent,
 )
 from telerag.server.routes.documented import generation_errors, json_or_events
+from telerag.server.routes.openai import admit
 from telerag.server.routes.signature import typed
 from telerag.server.service import Service, serving
 from telerag.server.streaming import event_schema, json_data, sse
@@ -73,25 +74,7 @@ def router(body: type[ResponseRequest], access: Access) -> APIRouter:
 async def create_response(
     body: ResponseRequest, request: Request, client: str | None, service: Service = Depends(serving)
 ) -> Response:
-    options = service.options(
-        top_k=None,
-        nprobe=None,
-        max_tokens=body.max_output_tokens or request.app.state.default_max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        history=body.history,
-        instructions=body.all_instructions,
-    )
-    run = service.admit(
-        request,
-        service.pipelines[body.model],
-        body.question,
-        options,
-        client,
-        query_field="input",
-        top_k_field=None,
-        limit_field="max_output_tokens",
-    )
+    run = admit(service, request, body, client)
     begun = ResponseObject.begun(body, response_id=f"resp_{request.state.request_id}")
     message_id = f"msg_{request.state.request_id}"
     if body.stream:
