@@ -30,3 +30,14 @@ def sglang() -> Iterator[types.ModuleType]:
     for sig, handler in handlers_before.items():
         signal.signal(sig, handler)
     root.handlers[:], root.level = handlers, level
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules marked `minutes(n)` first, the longest first, so that with workers they start
+    at once rather than last, when the other worker has nothing left to run beside them."""
+
+    def minutes(item: pytest.Item) -> float:
+        marker = item.get_closest_marker("minutes")
+        return marker.args[0] if marker else 0.0
+
+    items.sort(key=minutes, reverse=True)

@@ -37,6 +37,8 @@ from telerag.server.metrics import Metrics
 from telerag.server.settings import Settings
 from telerag.utils.processes import free_port, stop
 
+pytestmark = pytest.mark.minutes(2)  # pip resolving both images' requirements, a Prometheus scraping a server
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
 DOCKERFILE = DOCKER / "Dockerfile"

@@ -38,7 +38,7 @@ import yaml
 from telerag.utils.processes import free_port
 from tests.serving import build_wikipedia_slice
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.minutes(8)]
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "docker_engine"
