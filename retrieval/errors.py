@@ -79,3 +79,17 @@ class DeviceMemoryError(RetrievalError):
     is free on it beside what else it holds (an LLM)."""
 
     code = "device_memory"
+
+
+class TierUnavailable(RetrievalError):
+    """A shard of the retrieval tier (`retrieval.tier`) did not answer after every attempt: the
+    search fails whole, never with a partial top-k."""
+
+    code = "retrieval_tier_unavailable"
+
+
+class TierBusy(RetrievalError):
+    """Every replica of a shard of the retrieval tier has its queue full (Ray Serve's
+    back-pressure): come back later."""
+
+    code = "retrieval_tier_busy"

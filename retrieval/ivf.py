@@ -10,6 +10,7 @@ import numpy as np
 
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.errors import LayoutError, SearchError
+from telerag.retrieval.shards import ShardRows
 
 # This module reaches below faiss's Python API, into its SWIG classes (search_preassigned_c,
 # MaybeOwnedVector's fields, SearchParametersIVF's keywords), which faiss's shipped stubs do not
@@ -20,22 +21,28 @@ FAISS_PAD_SCORE = -np.finfo(np.float32).max  # what faiss puts beside a -1 label
 
 
 class CPUIndex:
-    """An inner-product `IndexIVF` whose inverted lists are views of the datastore's own codes."""
+    """An inner-product `IndexIVF` whose inverted lists are views of the datastore's own codes,
+    or of one shard's part of them (`shard`: the retrieval tier's, `retrieval.shards`)."""
 
-    def __init__(self, datastore: Datastore, *, vectors: np.ndarray | None = None) -> None:
+    def __init__(self, datastore: Datastore, *, vectors: np.ndarray | None = None, shard: ShardRows | None = None) -> None:
         """`vectors`: the host memory faiss reads the codes from, laid out like the datastore's
         (default: its memory map; the engine passes its pinned copy on CUDA). faiss copies
         only the ids: the codes are never held twice in RAM, and nothing is read at start-up.
-        The index keeps `vectors` alive."""
+        The index keeps `vectors` alive. With `shard`, the index holds that shard's rows alone,
+        copied from the datastore once (`vectors` is then the shard's own, in its order)."""
         self.datastore = datastore
         self.nlist = datastore.nlist
-        self.vectors = datastore.vectors if vectors is None else vectors
-        if self.vectors.shape != datastore.vectors.shape or self.vectors.dtype != datastore.vectors.dtype:
-            raise LayoutError(f"vectors must be {datastore.vectors.dtype} {datastore.vectors.shape} like the datastore's")
+        offsets, ids = (datastore.offsets, None) if shard is None else (shard.offsets, shard.ids)
+        if vectors is None:
+            vectors = datastore.vectors if ids is None else np.ascontiguousarray(datastore.vectors[ids])
+        self.vectors = vectors
+        shape = datastore.vectors.shape if ids is None else (len(ids), datastore.dim)
+        if self.vectors.shape != shape or self.vectors.dtype != datastore.vectors.dtype:
+            raise LayoutError(f"vectors must be {datastore.vectors.dtype} {shape} like the datastore's")
         self.index, self.quantizer = datastore.codec.empty_faiss_index(datastore.centroids, datastore.codec_params)
         self.lists = faiss.downcast_InvertedLists(self.index.invlists)  # faiss's ArrayInvertedLists
-        _view_lists(self.lists, self.vectors, datastore.offsets)
-        self.index.ntotal = datastore.n_vectors
+        _view_lists(self.lists, self.vectors, offsets, ids)
+        self.index.ntotal = shape[0]
         # How faiss spreads one call over its threads is a property of the index object, so
         # twins that share these lists carry the other settings: `search` parallelises over
         # query slices itself, but `search_preassigned` only does when told to (mode 3), and a
@@ -102,10 +109,10 @@ class CPUIndex:
         return scores, ids
 
 
-def _view_lists(invlists: Any, vectors: np.ndarray, offsets: np.ndarray) -> None:
-    """Fill `invlists` with ids row by row (a vector's id is its row) and make each list's codes
-    a view of its slice of `vectors` (faiss's `MaybeOwnedVector`, whose Python binding offers
-    no constructor for a view without an owner, so its fields are set directly)."""
+def _view_lists(invlists: Any, vectors: np.ndarray, offsets: np.ndarray, ids: np.ndarray | None = None) -> None:
+    """Fill `invlists` with each row's id (`ids`; default: a vector's id is its row) and make
+    each list's codes a view of its slice of `vectors` (faiss's `MaybeOwnedVector`, whose Python
+    binding offers no constructor for a view without an owner, so its fields are set directly)."""
     code_size = invlists.code_size
     if not vectors.flags.c_contiguous:
         raise LayoutError("the lists can only view C-contiguous vectors")
@@ -119,8 +126,8 @@ def _view_lists(invlists: Any, vectors: np.ndarray, offsets: np.ndarray) -> None
         for cluster in range(len(offsets) - 1):
             start, end = int(offsets[cluster]), int(offsets[cluster + 1])
             if end > start:
-                ids = np.arange(start, end, dtype=np.int64)
-                invlists.add_entries(cluster, end - start, faiss.swig_ptr(ids), faiss.swig_ptr(no_codes))
+                rows = np.arange(start, end, dtype=np.int64) if ids is None else np.ascontiguousarray(ids[start:end])
+                invlists.add_entries(cluster, end - start, faiss.swig_ptr(rows), faiss.swig_ptr(no_codes))
             view = faiss.MaybeOwnedVectorUInt8()
             view.is_owned = False
             view.view_data = view.c_ptr = faiss.swig_ptr(flat[start * code_size :])

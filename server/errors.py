@@ -33,7 +33,7 @@ from telerag.pipelines.errors import (
     PipelineError,
     UnknownPipeline,
 )
-from telerag.retrieval.errors import DatastoreError, DeviceUnavailable, RetrievalError, SearchError
+from telerag.retrieval.errors import DatastoreError, DeviceUnavailable, RetrievalError, SearchError, TierBusy, TierUnavailable
 from telerag.server.protocol import UNSUPPORTED, ErrorDetail, ErrorResponse
 
 log = logging.getLogger(__name__)
@@ -156,6 +156,7 @@ STATUS: list[tuple[type[Exception], int]] = [
     (BodyTooLarge, 413),
     (Overloaded, 429),
     (EngineOverloaded, 429),
+    (TierBusy, 429),
     (GenerationAborted, 503),
     (NotReady, 503),
     (TooManyConnections, 503),
@@ -164,6 +165,7 @@ STATUS: list[tuple[type[Exception], int]] = [
     (EmbedderError, 503),
     (DatastoreError, 503),
     (DeviceUnavailable, 503),
+    (TierUnavailable, 503),
     (EngineError, 502),
     (PipelineError, 500),
     (RetrievalError, 500),

@@ -1,0 +1,153 @@
+"""The retrieval tier on Ray Serve (Chameleon's disaggregated memory nodes): a datastore's shards
+(`retrieval.shards`), each a Serve deployment of R replicas in one application, and the caller's side, which
+searches given lists as `CPUIndex.search_lists` does, by asking one replica of every shard and
+merging their top-k exactly.
+
+A shard whose call fails (its replica died or was restarting) is asked again, and Serve routes
+the retry to a live replica of the same shard; if every attempt fails the whole search fails
+with `TierUnavailable`: a partial top-k is never returned as whole. A shard whose replicas'
+queues are full answers `TierBusy`. Ray is an optional dependency (the `ray` extra): this module
+imports it only when a tier is deployed or reached.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from telerag.retrieval.datastore import Datastore
+from telerag.retrieval.errors import TierBusy, TierUnavailable
+from telerag.retrieval.ivf import CPUIndex, faiss
+from telerag.retrieval.shards import ShardRows, merge_shard_results
+
+log = logging.getLogger(__name__)
+
+APP = "telerag-retrieval"  # the Serve application: the tier's directory and its shards' deployments
+
+
+def shard_deployment(shard: int) -> str:
+    return f"shard-{shard}"
+
+
+class ShardReplica:
+    """One replica of one shard: its part of every list, searched for given lists. Loads only
+    its rows of the datastore's vectors (a memory node holds its partition, not the whole)."""
+
+    def __init__(self, datastore: str, shard: int, shards: int, *, threads: int = 1, verify_checksums: bool = True) -> None:
+        faiss.omp_set_num_threads(threads)  # its share of the node's cores, not all of them
+        store = Datastore.load(Path(datastore), verify_checksums=verify_checksums)
+        self.rows = ShardRows.of(store.offsets, shard, shards)
+        self.index = CPUIndex(store, shard=self.rows)
+        log.info("shard %d of %d: %d of %d rows of %s", shard, shards, len(self.rows.ids), store.n_vectors, datastore)
+
+    def search_lists(
+        self, queries: np.ndarray, k: int, lists: np.ndarray, list_scores: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        return self.index.search_lists(queries, k, lists, list_scores)
+
+
+@dataclass(frozen=True)
+class TierShape:
+    """How many shards, and the replicas and CPUs each of their replicas gets."""
+
+    shards: int
+    replicas: int = 1
+    cpus_per_replica: float = 1.0
+    max_ongoing_requests: int = 8  # per replica; past it requests queue in the caller's router
+    max_queued_requests: int = 64  # per caller; past it a call is refused at once (TierBusy)
+
+
+class TierDirectory:
+    """The tier application's ingress: what the tier is, so that a caller (another process, an
+    inference replica) reaches it by the application's name alone. Deployed with the shards, as
+    one application, so that Serve starts every shard's replicas at once."""
+
+    def __init__(self, datastore: str, *shards: Any) -> None:
+        """`shards`: the shard deployments' handles (Serve passes them in shard order)."""
+        self.datastore, self.count = datastore, len(shards)
+
+    def describe(self) -> dict[str, Any]:
+        return {"datastore": self.datastore, "shards": self.count}
+
+
+def deploy_tier(datastore: Path | str, shape: TierShape, *, verify_checksums: bool = True) -> RetrievalTier:
+    """Deploy the tier (one Serve application: the directory and a deployment per shard, all
+    ready before this returns) on the Ray cluster this process is connected to, with Serve
+    started, and return the caller's side."""
+    from ray import serve
+
+    path = str(Path(datastore).expanduser().resolve())  # every node of the cluster reads it at this path
+    threads = max(1, math.floor(shape.cpus_per_replica))
+    shards = [
+        serve.deployment(
+            name=shard_deployment(number),
+            num_replicas=shape.replicas,
+            ray_actor_options={"num_cpus": shape.cpus_per_replica},
+            max_ongoing_requests=shape.max_ongoing_requests,
+            max_queued_requests=shape.max_queued_requests,
+        )(ShardReplica).bind(path, number, shape.shards, threads=threads, verify_checksums=verify_checksums)
+        for number in range(shape.shards)
+    ]
+    directory = serve.deployment(name="directory", ray_actor_options={"num_cpus": 0})(TierDirectory)
+    serve.run(directory.bind(path, *shards), name=APP, route_prefix=None)
+    return RetrievalTier.connect()
+
+
+class RetrievalTier:
+    """The caller's side of the tier: `search_lists` as `CPUIndex`'s, over every shard."""
+
+    def __init__(self, handles: Sequence[Any], *, timeout_s: float = 60.0, attempts: int = 3, retry_wait_s: float = 0.5) -> None:
+        """`handles`: one Serve `DeploymentHandle` per shard, in shard order."""
+        self.handles = list(handles)
+        self.timeout_s, self.attempts, self.retry_wait_s = timeout_s, attempts, retry_wait_s
+        self.retries = 0  # calls asked again after a failure, over the tier's life
+
+    @classmethod
+    def connect(cls, **kwargs: Any) -> RetrievalTier:
+        """The tier as deployed (by this process or another) on the connected Ray cluster."""
+        from ray import serve
+
+        shards = serve.get_app_handle(APP).describe.remote().result(timeout_s=60)["shards"]
+        return cls([serve.get_deployment_handle(shard_deployment(number), app_name=APP) for number in range(shards)], **kwargs)
+
+    @property
+    def shards(self) -> int:
+        return len(self.handles)
+
+    def search_lists(
+        self, queries: np.ndarray, k: int, lists: np.ndarray, list_scores: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        args = (np.ascontiguousarray(queries, dtype=np.float32), k, lists, list_scores)
+        calls = [handle.search_lists.remote(*args) for handle in self.handles]
+        parts = [self._result(shard, call, args) for shard, call in enumerate(calls)]
+        return merge_shard_results(parts, k)
+
+    def _result(self, shard: int, call: Any, args: tuple) -> tuple[np.ndarray, np.ndarray]:
+        """Shard `shard`'s answer; a failed call is sent again (to a live replica) until the
+        attempts run out."""
+        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
+
+        retried = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError, GetTimeoutError)
+        attempt = 1
+        while True:
+            try:
+                result: tuple[np.ndarray, np.ndarray] = call.result(timeout_s=self.timeout_s)
+                return result
+            except BackPressureError as exc:
+                raise TierBusy(f"retrieval shard {shard}: every replica's queue is full") from exc
+            except retried as exc:
+                if attempt == self.attempts:
+                    raise TierUnavailable(f"retrieval shard {shard} did not answer in {attempt} attempts: {exc}") from exc
+                log.warning("retrieval shard %d: %s; asking again (attempt %d)", shard, type(exc).__name__, attempt + 1)
+                self.retries += 1
+                time.sleep(self.retry_wait_s * attempt)
+                attempt += 1
+                call = self.handles[shard].search_lists.remote(*args)

@@ -1,0 +1,154 @@
+"""The retrieval tier on a local Ray cluster: shards deployed as Serve applications and searched
+through their handles equal one faiss index; a replica killed mid-load loses no search; a shard
+that never answers fails the search whole (503), never with a partial top-k."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from telerag.retrieval.errors import TierBusy, TierUnavailable
+from telerag.retrieval.ivf import CPUIndex, same_results
+from telerag.retrieval.tier import APP, RetrievalTier, TierShape, deploy_tier
+from tests.retrieval_helpers import random_datastore, random_queries
+
+ray = pytest.importorskip("ray", reason="the retrieval tier needs the `ray` extra")
+serve = pytest.importorskip("ray.serve")
+
+
+def searches(index: CPUIndex, n: int, seed: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(queries, lists, list scores) as a cooperative search's CPU half gets them: each query's
+    nearest lists at some nprobe, some entries -1 (lists the device scans)."""
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        q = random_queries(int(rng.integers(1, 9)), index.datastore.dim, seed=seed * 1000 + i)
+        list_scores, lists = index.probe(q, int(rng.integers(1, index.nlist + 1)))
+        yield q, np.where(rng.random(lists.shape) < 0.2, -1, lists), list_scores
+
+
+def assert_same(got: tuple[np.ndarray, np.ndarray], want: tuple[np.ndarray, np.ndarray]) -> None:
+    for i in range(len(want[0])):
+        assert same_results(got[1][i], got[0][i], want[1][i], want[0][i]), (i, got[1][i], want[1][i])
+
+
+class FailingCall:
+    def __init__(self, handle: FakeHandle) -> None:
+        self.handle = handle
+
+    def result(self, timeout_s: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        from ray.exceptions import RayActorError
+        from ray.serve.exceptions import BackPressureError
+
+        self.handle.calls += 1
+        if self.handle.busy:
+            raise BackPressureError(num_queued_requests=1, max_queued_requests=1)
+        if self.handle.failures > 0:
+            self.handle.failures -= 1
+            raise RayActorError()
+        return self.handle.answer
+
+
+class FakeHandle:
+    """A shard's handle whose first `failures` calls fail as a dead replica's do."""
+
+    def __init__(self, answer: tuple[np.ndarray, np.ndarray], failures: int = 0, busy: bool = False) -> None:
+        self.answer, self.failures, self.busy, self.calls = answer, failures, busy, 0
+        self.search_lists = self
+
+    def remote(self, *args: object) -> FailingCall:
+        return FailingCall(self)
+
+
+def test_a_failed_shard_call_is_asked_again_and_one_that_never_answers_fails_the_search_whole():
+    k = 3
+    part = (np.array([[0.9, 0.5, 0.1]], dtype=np.float32), np.array([[4, 2, 7]]))
+    other = (np.array([[0.8, 0.7, 0.0]], dtype=np.float32), np.array([[1, 3, 5]]))
+    args = (np.zeros((1, 4), dtype=np.float32), k, np.zeros((1, 2), dtype=np.int64), np.zeros((1, 2), dtype=np.float32))
+    flaky = FakeHandle(part, failures=2)
+    tier = RetrievalTier([flaky, FakeHandle(other)], attempts=3, retry_wait_s=0)
+    scores, ids = tier.search_lists(*args)
+    assert ids.tolist() == [[4, 1, 3]] and np.allclose(scores, [[0.9, 0.8, 0.7]])
+    assert tier.retries == 2 and flaky.calls == 3
+    dead = RetrievalTier([FakeHandle(part, failures=5), FakeHandle(other)], attempts=3, retry_wait_s=0)
+    with pytest.raises(TierUnavailable, match="shard 0 did not answer in 3 attempts"):
+        dead.search_lists(*args)
+    with pytest.raises(TierBusy, match="shard 1"):
+        RetrievalTier([FakeHandle(part), FakeHandle(other, busy=True)], retry_wait_s=0).search_lists(*args)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[None]:
+    """A local Ray cluster with Serve (no HTTP proxy: the tier is called through handles)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # nothing reported to Ray's servers
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    serve.start(proxy_location="Disabled")
+    try:
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.mark.slow
+def test_the_deployed_tier_equals_one_faiss_index_with_1_2_and_3_shards(cluster, tmp_path):
+    ds = random_datastore(tmp_path / "ds", n=3000, dim=16, nlist=24, empty_lists=1)
+    whole = CPUIndex(ds)
+    for shards in (1, 2, 3):
+        tier = deploy_tier(ds.path, TierShape(shards=shards, cpus_per_replica=0.5))
+        try:
+            for q, lists, list_scores in searches(whole, 25, seed=shards):
+                for k in (1, 10):
+                    assert_same(tier.search_lists(q, k, lists, list_scores), whole.search_lists(q, k, lists, list_scores))
+        finally:
+            serve.delete(APP)
+
+
+@pytest.mark.slow
+def test_a_replica_killed_under_load_loses_no_search_and_is_restarted(cluster, tmp_path):
+    ds = random_datastore(tmp_path / "ds", n=3000, dim=16, nlist=24)
+    whole = CPUIndex(ds)
+    tier = deploy_tier(ds.path, TierShape(shards=2, replicas=2, cpus_per_replica=0.5))
+    try:
+        replicas = serve.status().applications[APP].deployments["shard-0"].replica_states
+        assert replicas.get("RUNNING") == 2, replicas
+        results: list[tuple] = []
+        errors: list[BaseException] = []
+        stop = threading.Event()
+
+        def load() -> None:
+            try:
+                for q, lists, list_scores in searches(whole, 400, seed=9):
+                    if stop.is_set():
+                        break
+                    results.append((tier.search_lists(q, 5, lists, list_scores), whole.search_lists(q, 5, lists, list_scores)))
+            except BaseException as exc:  # noqa: BLE001 (reported below)
+                errors.append(exc)
+
+        worker = threading.Thread(target=load)
+        worker.start()
+        while len(results) < 20 and worker.is_alive():
+            threading.Event().wait(0.05)
+        actors = ray.util.list_named_actors(all_namespaces=True)
+        victim = next(a for a in actors if "shard-0" in a["name"] and "REPLICA" in a["name"])
+        ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+        killed_at = len(results)
+        while len(results) < killed_at + 40 and worker.is_alive():
+            threading.Event().wait(0.05)
+        stop.set()
+        worker.join(timeout=120)
+        assert not errors, errors
+        assert len(results) >= killed_at + 40
+        for got, want in results:
+            assert_same(got, want)
+        for _ in range(120):  # Serve starts a replacement
+            replicas = serve.status().applications[APP].deployments["shard-0"].replica_states
+            if replicas.get("RUNNING") == 2:
+                break
+            threading.Event().wait(0.5)
+        assert replicas.get("RUNNING") == 2, replicas
+    finally:
+        serve.delete(APP)
