@@ -21,7 +21,7 @@ import torch
 from telerag.retrieval.cache import ClusterCache, Lease
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.demand import DemandCopyPolicy
-from telerag.retrieval.ivf import CPUIndex
+from telerag.retrieval.ivf import ListSearch
 from telerag.retrieval.prefetch import PrefetchHandle
 from telerag.retrieval.search import merge_topk, scan_resident
 
@@ -45,7 +45,7 @@ class SearchResources:
     """What a search runs on, as the engine holds them when it starts (a search runs against
     the cache and demand policy it began with, even if the engine's are replaced meanwhile)."""
 
-    index: CPUIndex  # the CPU half
+    cpu_half: ListSearch  # faiss in process, or the retrieval tier
     cpu_pool: ThreadPoolExecutor  # faiss's worker threads
     cache: ClusterCache
     policy: DemandCopyPolicy | None  # None: no cache
@@ -231,7 +231,7 @@ class CooperativeSearch:
     def _cpu_search(self, lists: np.ndarray) -> CPUResult:
         """faiss over `lists` (-1: skipped), its time fed to the policy's CPU scan rate."""
         started = time.perf_counter()
-        scores, ids = self.resources.index.search_lists(self.queries, self.k, lists, self.list_scores)
+        scores, ids = self.resources.cpu_half.search_lists(self.queries, self.k, lists, self.list_scores)
         ms = (time.perf_counter() - started) * 1e3
         if self.policy is not None:
             self.policy.observe_cpu(int(self.cache.sizes[lists[lists >= 0]].sum()) * self.cache.row_bytes, ms)

@@ -30,7 +30,7 @@ from telerag.retrieval.cooperative import CooperativeSearch, QueryStats, SearchR
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.demand import DemandCopyPolicy
 from telerag.retrieval.errors import DeviceMemoryError, DeviceUnavailable, InvalidCall
-from telerag.retrieval.ivf import CPUIndex
+from telerag.retrieval.ivf import CPUIndex, ListSearch
 from telerag.retrieval.prefetch import PrefetchHandle, PrefetchPlan, plan_prefetch
 from telerag.retrieval.stats import PrefetchStats
 from telerag.utils.device import resolve_device
@@ -85,12 +85,15 @@ class RetrievalEngine:
         cpu_workers: int = 2,
         cpu_threads: int | None = None,
         demand_copy: bool | None = None,
+        cpu_half: ListSearch | None = None,
         progress: bool = False,
     ) -> None:
         """`cpu_threads`: faiss threads of the CPU half of a cooperative search (None: every
         core on a CPU box; one fewer on CUDA, leaving a core to the thread that drives the
         device while faiss's workers spin). `demand_copy`: copy part of each search's missed
-        clusters to the device instead of leaving them all to faiss (None: on with CUDA)."""
+        clusters to the device instead of leaving them all to faiss (None: on with CUDA).
+        `cpu_half`: who scans the lists the device does not (default: faiss here, over the host
+        copy; the retrieval tier, `retrieval.tier`, where the datastore's shards are remote)."""
         self.datastore = datastore
         self.device = resolve_device(device, error=DeviceUnavailable)
         self.nlist = datastore.nlist
@@ -103,6 +106,7 @@ class RetrievalEngine:
             self.stream = torch.cuda.Stream(self.device, priority=STREAM_PRIORITY)
         self.host_vectors = self._host_tensor(progress)
         self.index = CPUIndex(datastore, vectors=self.host_vectors.numpy())  # faiss reads the same memory
+        self.cpu_half: ListSearch = self.index if cpu_half is None else cpu_half
         with self.on_stream():  # the device tensors searches read belong to the search stream
             self.cache = ClusterCache(self.host_vectors, datastore.offsets, cache_bytes, self.device)
             self.centroids = torch.from_numpy(np.ascontiguousarray(datastore.centroids)).to(self.device)
@@ -305,9 +309,15 @@ class RetrievalEngine:
         )
 
     def _faiss_search(self, queries: np.ndarray, k: int, nprobe: int, started: float) -> SearchResult:
-        """faiss's search, as is (`started`: when the search began)."""
+        """faiss's search, as is, or probed here and scanned by the CPU half that stands in for
+        it (`started`: when the search began)."""
         cpu_started = time.perf_counter()
-        scores, ids = merge_to_host([faiss_part(self.index.search(queries, k, nprobe), "cpu")], k)
+        if self.cpu_half is self.index:
+            found = self.index.search(queries, k, nprobe)
+        else:
+            list_scores, lists = self.index.probe(queries, nprobe)
+            found = self.cpu_half.search_lists(queries, k, lists, list_scores)
+        scores, ids = merge_to_host([faiss_part(found, "cpu")], k)
         cpu_ms = (time.perf_counter() - cpu_started) * 1e3
         return SearchResult(
             scores=scores,
@@ -322,7 +332,7 @@ class RetrievalEngine:
     def _search_resources(self) -> SearchResources:
         """What a search starting now runs on (the cache and policy may be replaced later)."""
         return SearchResources(
-            index=self.index,
+            cpu_half=self.cpu_half,
             cpu_pool=self._cpu_pool,
             cache=self.cache,
             policy=self.demand,

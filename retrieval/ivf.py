@@ -3,7 +3,7 @@ and the reference every other search must equal."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import faiss as typed_faiss
 import numpy as np
@@ -18,6 +18,15 @@ from telerag.retrieval.shards import ShardRows
 faiss: Any = typed_faiss
 
 FAISS_PAD_SCORE = -np.finfo(np.float32).max  # what faiss puts beside a -1 label for inner product
+
+
+class ListSearch(Protocol):
+    """The CPU half of a cooperative search: a top-k over given lists per query (-1 entries
+    skipped). `CPUIndex` serves it in process, `retrieval.tier.RetrievalTier` on a Ray cluster."""
+
+    def search_lists(
+        self, queries: np.ndarray, k: int, lists: np.ndarray, list_scores: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 class CPUIndex:

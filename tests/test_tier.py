@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.errors import TierBusy, TierUnavailable
 from telerag.retrieval.ivf import CPUIndex, same_results
 from telerag.retrieval.tier import APP, RetrievalTier, TierShape, deploy_tier
@@ -103,6 +104,17 @@ def test_the_deployed_tier_equals_one_faiss_index_with_1_2_and_3_shards(cluster,
             for q, lists, list_scores in searches(whole, 25, seed=shards):
                 for k in (1, 10):
                     assert_same(tier.search_lists(q, k, lists, list_scores), whole.search_lists(q, k, lists, list_scores))
+            # the engine with the tier as its CPU half: faiss's path (no cache) and the cooperative one
+            for cache_bytes in (0, ds.vectors.nbytes // 3):
+                local = RetrievalEngine(ds, cache_bytes=cache_bytes, nprobe=6)
+                remote = RetrievalEngine(ds, cache_bytes=cache_bytes, nprobe=6, cpu_half=tier)
+                q = random_queries(8, ds.dim, seed=shards)
+                budget = ds.vectors.nbytes
+                want = local.search(q, 10, prefetch=local.prefetch(q, budget))
+                got = remote.search(q, 10, prefetch=remote.prefetch(q, budget))
+                if cache_bytes:  # both halves took part: the device's (the cache) and the tier
+                    assert 0 < sum(stats.clusters_cpu for stats in got.per_query) < 8 * 6
+                assert_same((got.scores, got.ids), (want.scores, want.ids))
         finally:
             serve.delete(APP)
 
