@@ -17,6 +17,7 @@ from telerag.cli import (
     bench_retrieval,
     bench_server,
     bench_soak,
+    bench_tier,
     config,
     datastore,
     serve,
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_e2e.register(bench_commands)
     bench_soak.register(bench_commands)
     bench_admission.register(bench_commands)
+    bench_tier.register(bench_commands)
     return parser
 
 
