@@ -1,9 +1,11 @@
 """The retrieval tier on a local Ray cluster: shards deployed as Serve applications and searched
 through their handles equal one faiss index; a replica killed mid-load loses no search; a shard
-that never answers fails the search whole (503), never with a partial top-k."""
+that never answers fails the search whole (503), never with a partial top-k; `telerag bench
+tier`. One module, so that one worker runs one Ray cluster at a time."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections.abc import Iterator
@@ -11,6 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from telerag.cli.main import main
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.errors import TierBusy, TierUnavailable
 from telerag.retrieval.ivf import CPUIndex, same_results
@@ -164,3 +167,41 @@ def test_a_replica_killed_under_load_loses_no_search_and_is_restarted(cluster, t
         assert replicas.get("RUNNING") == 2, replicas
     finally:
         serve.delete(APP)
+
+
+@pytest.mark.slow
+def test_bench_tier_times_the_tier_against_faiss_and_prints_a_table_and_one_json_line(cluster, tmp_path, capsys):
+    """`telerag bench tier` (on the cluster already running: it joins it and leaves it running)."""
+    random_datastore(tmp_path / "ds", n=2000, dim=16, nlist=16)
+    argv = ["bench", "tier", "--datastore", str(tmp_path / "ds"), "--shards", "1", "2", "--batch", "1", "4"]
+    assert main([*argv, "--searches", "4", "--cpus-per-replica", "0.5", "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(lines[-1])
+    assert report["nlist"] == 16 and report["n_vectors"] == 2000
+    assert [(row["shards"], row["batch"]) for row in report["rows"]] == [(1, 1), (1, 4), (2, 1), (2, 4)]
+    for row in report["rows"]:
+        assert row["same_documents"] == 1.0 and row["searches"] == 4
+        assert row["remote_overhead"] == pytest.approx(row["tier_ms_p50"] / row["local_ms_p50"])
+    assert lines[1].split() == [
+        "shards",
+        "batch",
+        "searches",
+        "faiss",
+        "p50",
+        "ms",
+        "tier",
+        "p50",
+        "ms",
+        "tier",
+        "p99",
+        "ms",
+        "remote_overhead",
+        "same_documents",
+    ]
+    assert len(lines) == 2 + 4 + 1
+    assert ray.is_initialized() and serve.status().applications.get(APP) is None  # the cluster left, the tier gone
+
+
+def test_bench_tier_refuses_a_missing_datastore_in_one_line(tmp_path):
+    with pytest.raises(SystemExit, match=r"no datastore at .*build it first"):
+        main(["bench", "tier", "--datastore", str(tmp_path / "none")])
