@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -25,6 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("ray") is None:
+        raise SystemExit("bench tier needs Ray Serve: pip install 'telerag[ray]' (ray[serve] 2.60)")
     from telerag.benchmarks.tier import TierBenchConfig, format_table, run_tier_bench  # brings torch and Ray
 
     datastore = args.datastore or load_settings(None, {}).retrieval.datastore

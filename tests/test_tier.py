@@ -202,6 +202,15 @@ def test_bench_tier_times_the_tier_against_faiss_and_prints_a_table_and_one_json
     assert ray.is_initialized() and serve.status().applications.get(APP) is None  # the cluster left, the tier gone
 
 
+def test_bench_tier_without_ray_says_what_to_install(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    with pytest.raises(SystemExit, match=r"needs Ray Serve: pip install 'telerag\[ray\]'"):
+        main(["bench", "tier", "--datastore", str(tmp_path)])
+
+
 def test_bench_tier_refuses_a_missing_datastore_in_one_line(tmp_path):
     with pytest.raises(SystemExit, match=r"no datastore at .*build it first"):
         main(["bench", "tier", "--datastore", str(tmp_path / "none")])
