@@ -84,16 +84,23 @@ def synthetic_datastore(config: BenchConfig, progress: bool = True) -> Path:
     )
 
 
+def near_stored(datastore: Datastore, rows: np.ndarray, noise: float, rng: np.random.Generator) -> np.ndarray:
+    """Queries that land where passages are: the stored vectors of `rows` (decoded) plus
+    Gaussian noise of norm about `noise`, normalised."""
+    params = None if datastore.codec_params is None else torch.from_numpy(datastore.codec_params)
+    stored = datastore.codec.decode(torch.from_numpy(np.asarray(datastore.vectors[rows])), params).numpy()
+    q = stored + noise * rng.standard_normal(stored.shape).astype(np.float32) / np.sqrt(datastore.dim)
+    return np.ascontiguousarray(q / np.linalg.norm(q, axis=1, keepdims=True), dtype=np.float32)
+
+
 def query_pairs(datastore: Datastore, config: BenchConfig) -> tuple[np.ndarray, np.ndarray]:
     """q_in near the data, and q_out = normalise(q_in + noise): more noise, less overlap. With
     `distinct_queries`, the stream repeats pairs drawn by a Zipf law (the popular ones often)."""
     rng = np.random.default_rng(config.seed + 1)
     distinct = config.distinct_queries or config.queries
     rows = rng.integers(0, datastore.n_vectors, distinct)
-    base = np.asarray(datastore.vectors[np.sort(rows)], dtype=np.float32)
-    q_in = base + 0.5 * rng.standard_normal(base.shape).astype(np.float32) / np.sqrt(config.dim)
-    q_in /= np.linalg.norm(q_in, axis=1, keepdims=True)
-    q_out = q_in + config.overlap_noise * rng.standard_normal(base.shape).astype(np.float32) / np.sqrt(config.dim)
+    q_in = near_stored(datastore, np.sort(rows), 0.5, rng)
+    q_out = q_in + config.overlap_noise * rng.standard_normal(q_in.shape).astype(np.float32) / np.sqrt(config.dim)
     q_out /= np.linalg.norm(q_out, axis=1, keepdims=True)
     if config.distinct_queries:
         popularity = 1.0 / np.arange(1, distinct + 1)

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
+from telerag.benchmarks.retrieval import near_stored
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.ivf import CPUIndex, faiss, same_results
 from telerag.retrieval.tier import APP, RetrievalTier, TierShape, deploy_tier
@@ -61,15 +61,6 @@ class TierReport:
     cpus_per_replica: float
     retries: int = 0  # shard calls the tier asked again over the run (a replica failed)
     rows: list[TierRow] = field(default_factory=list)
-
-
-def queries_near_passages(datastore: Datastore, n: int, noise: float, rng: np.random.Generator) -> np.ndarray:
-    """Stored vectors (decoded) plus noise, normalised: queries that land where passages are."""
-    rows = np.sort(rng.choice(datastore.n_vectors, size=n, replace=False))
-    params = None if datastore.codec_params is None else torch.from_numpy(datastore.codec_params)
-    stored = datastore.codec.decode(torch.from_numpy(np.asarray(datastore.vectors[rows])), params).numpy()
-    q = stored + noise * rng.standard_normal(stored.shape).astype(np.float32) / np.sqrt(datastore.dim)
-    return np.ascontiguousarray(q / np.linalg.norm(q, axis=1, keepdims=True), dtype=np.float32)
 
 
 def run_tier_bench(config: TierBenchConfig, *, progress: bool = True) -> TierReport:
@@ -122,7 +113,8 @@ def _measure(
     same: list[bool] = []
     total = config.warmup + config.searches
     for i in ProgressBar(range(total), desc=f"{shards} shards, batch {batch}", unit="search", disable=not progress):
-        q = queries_near_passages(local.datastore, batch, config.noise, rng)
+        rows = np.sort(rng.choice(local.datastore.n_vectors, size=batch, replace=False))
+        q = near_stored(local.datastore, rows, config.noise, rng)
         list_scores, lists = local.probe(q, nprobe)
         started = time.perf_counter()
         want = local.search_lists(q, config.k, lists, list_scores)

@@ -43,9 +43,9 @@ class ShardReplica:
     def __init__(self, datastore: str, shard: int, shards: int, *, threads: int = 1, verify_checksums: bool = True) -> None:
         faiss.omp_set_num_threads(threads)  # its share of the node's cores, not all of them
         store = Datastore.load(Path(datastore), verify_checksums=verify_checksums)
-        self.rows = ShardRows.of(store.offsets, shard, shards)
-        self.index = CPUIndex(store, shard=self.rows)
-        log.info("shard %d of %d: %d of %d rows of %s", shard, shards, len(self.rows.ids), store.n_vectors, datastore)
+        rows = ShardRows.of(store.offsets, shard, shards)
+        self.index = CPUIndex(store, shard=rows)
+        log.info("shard %d of %d: %d of %d rows of %s", shard, shards, len(rows.ids), store.n_vectors, datastore)
 
     def search_lists(
         self, queries: np.ndarray, k: int, lists: np.ndarray, list_scores: np.ndarray
@@ -116,10 +116,6 @@ class RetrievalTier:
 
         shards = serve.get_app_handle(APP).describe.remote().result(timeout_s=60)["shards"]
         return cls([serve.get_deployment_handle(shard_deployment(number), app_name=APP) for number in range(shards)], **kwargs)
-
-    @property
-    def shards(self) -> int:
-        return len(self.handles)
 
     def search_lists(
         self, queries: np.ndarray, k: int, lists: np.ndarray, list_scores: np.ndarray
