@@ -44,7 +44,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "docker_engine"
 BUILD_TIMEOUT_S = 1800  # measured here: 2.5 min with the base present, pip's downloads 3.2 GB
 FIRST_READY_TIMEOUT_S = 600  # the GGUF's conversion (about a minute) and the load
-WARM_READY_BOUND_S = 60  # from the volume: load the model and the datastore, no building
+# From the volume: load the model and the datastore, nothing built (the snapshots below prove that, not a clock:
+# with the other test worker busy on 2 cores the load alone has taken over 60 s).
+WARM_READY_TIMEOUT_S = 300
 QUESTION = {"query": "Who painted the Mona Lisa?", "max_tokens": 16}
 QUESTION_ARTICLE = "Mona Lisa"
 
@@ -263,7 +265,7 @@ def test_the_cpu_image_serves_stops_cleanly_and_restarts_from_its_volume(engine,
     built = snapshot(datastore), snapshot(models)
 
     second = run_container(volume)
-    warm_s = second.wait_ready(WARM_READY_BOUND_S)
+    warm_s = second.wait_ready(WARM_READY_TIMEOUT_S)
     again = ask(second)
     print(f"[docker] warm restart to /ready {warm_s:.1f} s; answer {again['answer']!r}")
     assert (snapshot(datastore), snapshot(models)) == built, "the datastore or the converted model was rebuilt"
