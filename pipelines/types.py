@@ -62,6 +62,7 @@ class Generation:
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[float, ...] = ()  # one per completion token when SamplingParams.logprobs
     index: int = 0  # which prompt of the batch this is
+    cached_tokens: int = 0  # of prompt_tokens, those whose KV the engine reused instead of prefilling
 
 
 @runtime_checkable
@@ -283,6 +284,7 @@ class Step:
     ms: float = 0.0
     stats: StepStats | None = None  # an LLM call's, a prefetch's or a search's
     start_ms: float = 0.0  # when it began, ms after the request did: a prefetch overlaps the pre-retrieval call
+    tokens_cached: int = 0  # an LLM call's: of tokens_in, those the engine's prefix cache held (0 when not reported)
 
     @property
     def kind(self) -> StageKind:
@@ -331,6 +333,16 @@ class RagResult:
     timings: Timings
     prefetch: PrefetchSummary
     tokens_generated: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Every LLM call's prompt tokens."""
+        return sum(s.tokens_in for s in self.steps if s.kind == "llm")
+
+    @property
+    def cached_tokens(self) -> int:
+        """Of `prompt_tokens`, those the engine reused from its prefix cache instead of prefilling."""
+        return sum(s.tokens_cached for s in self.steps if s.kind == "llm")
 
 
 @dataclass(frozen=True)

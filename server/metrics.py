@@ -45,6 +45,20 @@ class _CacheCollector(Collector):
             yield family
 
 
+class _PrefixCacheCollector(Collector):
+    """Reads the engine's prefix cache size at scrape time; nothing for an engine that has none."""
+
+    def __init__(self, held_bytes: Callable[[], int | None]) -> None:
+        self.held_bytes = held_bytes
+
+    def collect(self):
+        held = self.held_bytes()
+        if held is not None:
+            family = GaugeMetricFamily("telerag_prefix_cache_bytes", "bytes of prompts' KV the engine's prefix cache holds")
+            family.add_metric([], float(held))
+            yield family
+
+
 class ConnectionMetrics:
     """The connection guards' reports (`server/connections.py`'s `ConnectionObserver`)."""
 
@@ -105,7 +119,9 @@ class AdmissionMetrics:
 
 
 class Metrics:
-    def __init__(self, cache_stats: Callable[[], CacheStats]) -> None:
+    def __init__(
+        self, cache_stats: Callable[[], CacheStats], prefix_cache_bytes: Callable[[], int | None] = lambda: None
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.request_latency = Histogram(
@@ -162,8 +178,18 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.prompt_tokens = Counter(
+            "telerag_prompt_tokens", "prompt tokens of every LLM call of finished requests", ["pipeline"], registry=r
+        )
+        self.prefix_cache_hits = Counter(
+            "telerag_prefix_cache_hit_tokens",
+            "of telerag_prompt_tokens, those the engine's prefix cache held (reused, not prefilled)",
+            ["pipeline"],
+            registry=r,
+        )
         self.connections = ConnectionMetrics(r)
         r.register(_CacheCollector(cache_stats))
+        r.register(_PrefixCacheCollector(prefix_cache_bytes))
         ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds (Linux)
 
     def observe_result(self, result: RagResult) -> None:
@@ -172,6 +198,8 @@ class Metrics:
             self.stage_latency.labels(p, step.stage.name).observe(step.ms / 1e3)
             if isinstance(step.stats, SearchStats) and step.stats.copy_wait_ms:
                 self.copy_wait.labels(p).observe(step.stats.copy_wait_ms / 1e3)
+        self.prompt_tokens.labels(p).inc(result.prompt_tokens)
+        self.prefix_cache_hits.labels(p).inc(result.cached_tokens)
         summary = result.prefetch
         if summary.overlap_rate is not None:
             self.overlap.labels(p).observe(summary.overlap_rate)

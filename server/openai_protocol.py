@@ -260,16 +260,26 @@ class ModelList(BaseModel):
     data: list[Model]
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(0, description="of prompt_tokens, those the engine's prefix cache held (not prefilled)")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
     @classmethod
     def of(cls, result: RagResult) -> Usage:
         """Every LLM call's prompt, and every token generated."""
-        prompt = sum(s.tokens_in for s in result.steps if s.kind == "llm")
-        return cls(prompt_tokens=prompt, completion_tokens=result.tokens_generated, total_tokens=prompt + result.tokens_generated)
+        prompt = result.prompt_tokens
+        return cls(
+            prompt_tokens=prompt,
+            completion_tokens=result.tokens_generated,
+            total_tokens=prompt + result.tokens_generated,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=result.cached_tokens),
+        )
 
 
 class AssistantMessage(BaseModel):

@@ -153,6 +153,7 @@ class StepOut(BaseModel):
     ms: float
     stats: StepStatsOut | None = Field(description="by kind: an LLM call's, a prefetch's or a search's")
     start_ms: float = Field(description="when the step began, ms after the request did")
+    tokens_cached: int = Field(description="an LLM call's: of tokens_in, those the engine's prefix cache held (not prefilled)")
 
 
 class QueryResponse(BaseModel):
@@ -183,6 +184,7 @@ class QueryResponse(BaseModel):
                     ms=s.ms,
                     stats=step_stats(s.stats),
                     start_ms=s.start_ms,
+                    tokens_cached=s.tokens_cached,
                 )
                 for s in result.steps
             ],

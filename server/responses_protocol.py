@@ -246,14 +246,17 @@ class ResponseObject(BaseModel):
         """The same response, its answer in: incomplete when the token limit cut the answer."""
         cut = answer_cut(result)
         status: Literal["completed", "incomplete"] = "incomplete" if cut else "completed"
-        prompt = sum(s.tokens_in for s in result.steps if s.kind == "llm")
+        prompt = result.prompt_tokens
         return self.model_copy(
             update={
                 "status": status,
                 "output": [OutputMessage(id=message_id, status=status, content=[OutputText(text=result.answer)])],
                 "incomplete_details": IncompleteDetails(reason="max_output_tokens") if cut else None,
                 "usage": ResponseUsage(
-                    input_tokens=prompt, output_tokens=result.tokens_generated, total_tokens=prompt + result.tokens_generated
+                    input_tokens=prompt,
+                    input_tokens_details=TokenDetails(cached_tokens=result.cached_tokens),
+                    output_tokens=result.tokens_generated,
+                    total_tokens=prompt + result.tokens_generated,
                 ),
                 "documents": documents_out(result.documents) if with_documents else [],
             }

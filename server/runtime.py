@@ -45,6 +45,12 @@ class Runtime:
         pre-retrieval time in `config/prefetch_profiles.yaml`."""
         return build_pipelines(self.engine, retriever, names=names, pre_retrieval_ms=pre_retrieval_profile())
 
+    def prefix_cache_bytes(self) -> int | None:
+        """What the transformers engine's prefix cache holds; None for an engine without one it
+        measures (SGLang's lives in its own memory pool)."""
+        cache = getattr(self.engine, "prefix_cache", None)
+        return cache.bytes if cache is not None else None
+
     async def close(self) -> None:
         await self.engine.close()
         for close in self.closers:
@@ -88,8 +94,8 @@ def build_engine(settings: Settings) -> Engine:
 
     device = str(resolve_device(engine.device, error=EngineUnavailable))
     if engine.model_path is None:
-        return TransformersEngine.embedded_default(device=device)
-    return TransformersEngine.from_pretrained(engine.model_path, device=device)
+        return TransformersEngine.embedded_default(device=device, prefix_cache_mb=engine.prefix_cache_mb)
+    return TransformersEngine.from_pretrained(engine.model_path, device=device, prefix_cache_mb=engine.prefix_cache_mb)
 
 
 def load_embedder(retrieval: RetrievalSettings) -> Embedder:

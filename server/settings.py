@@ -53,6 +53,9 @@ class EngineSettings(Section):
     mem_fraction_static: float = setting(0.6, "SGLang: its share of GPU memory, leaving room for the cluster cache", gt=0, lt=1)
     context_length: int | None = setting(None, "SGLang: null: the model's own", ge=1)
     tp_size: int = setting(1, "SGLang: tensor-parallel GPUs", ge=1)
+    prefix_cache_mb: float = setting(
+        256, "transformers: MB of prompts' KV kept to reuse for prompts that begin alike (SGLang has its own); 0: off", ge=0
+    )
 
 
 class RetrievalSettings(Section):

@@ -102,6 +102,7 @@ class FakeEngine:
         self.tokenizer_manager = FakeTokenizerManager(FakeEngine.tokenizer or FakeTokenizer())
         self.requests: list[dict[str, Any]] = []
         self.closed_streams = 0
+        self.prefilled: list[list[int]] = []  # every prompt so far: what its radix cache would hold
         self.shutdown_calls = 0
         FakeEngine.instances.append(self)
 
@@ -181,6 +182,8 @@ class FakeEngine:
         assert script is not None, f"no script for {text!r}"
         stops = params.get("stop") or []
         sent = ""
+        cached = max((_common_prefix(model_input, seen) for seen in self.prefilled), default=0)
+        self.prefilled.append(list(model_input))
         for n in range(1, len(script.pieces) + 1):
             decoded = "".join(script.pieces[:n])
             matched = next((s for s in stops if s in decoded), None)
@@ -200,7 +203,7 @@ class FakeEngine:
                 "finish_reason": finish,
                 "prompt_tokens": len(model_input),
                 "completion_tokens": n,
-                "cached_tokens": 0,
+                "cached_tokens": min(cached, len(model_input) - 1),
             }
             if return_logprob:
                 meta["output_token_logprobs"] = [
@@ -210,3 +213,7 @@ class FakeEngine:
             yield {"text": sent, "output_ids": script.ids()[:n], "meta_info": meta, "index": index}
             if finish is not None:
                 return
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))

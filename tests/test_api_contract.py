@@ -363,7 +363,9 @@ def test_a_result_is_sent_with_the_documented_field_names():
     result = RagResult("a", "naive", [], steps, Timings(*map(float, range(9))), PrefetchSummary(1, 2, None, 3, 4, 5, 6), 7)
     body = json.loads(QueryResponse.from_result(result, request_id="rag-1", with_documents=True).model_dump_json())
     assert list(body) == ["id", "answer", "pipeline", "documents", "steps", "timings", "prefetch", "tokens_generated"]
-    assert list(body["steps"][0]) == ["stage", "role", "kind", "query", "tokens_in", "tokens_out", "ms", "stats", "start_ms"]
+    assert list(body["steps"][0]) == [
+        *("stage", "role", "kind", "query", "tokens_in", "tokens_out", "ms", "stats", "start_ms", "tokens_cached")
+    ]
     assert [(step["stage"], step["role"], step["kind"]) for step in body["steps"]] == [
         ("prefetch", "prefetch", "prefetch"),
         ("prefetch", "prefetch", "prefetch"),

@@ -199,6 +199,18 @@ async def test_a_streamed_batch_translates_to_chunks_and_generations(sglang: typ
     assert [g.text for g in generated] == ["Paris is", "Rome"] and generated[0].logprobs == ()
 
 
+async def test_the_prompt_tokens_sglangs_radix_cache_held_are_the_generations_cached_tokens(sglang: types.ModuleType):
+    FakeEngine.scripts = {"the nile flows north": Script(["Yes"]), "the nile flows south": Script(["No"])}
+    engine = SGLangEngine("m", module=sglang)
+    first, second, again = [
+        (await engine.generate([prompt], SamplingParams(max_tokens=3)))[0]
+        for prompt in ("the nile flows north", "the nile flows south", "the nile flows north")
+    ]
+    assert first.cached_tokens == 0
+    assert 0 < second.cached_tokens < second.prompt_tokens  # the common beginning, as the fake's cache held it
+    assert again.cached_tokens == again.prompt_tokens - 1
+
+
 async def test_chunks_carry_each_new_token_and_its_logprob(sglang: types.ModuleType):
     FakeEngine.scripts = {"q": Script(["one", " two", " three"])}
     engine = SGLangEngine("m", module=sglang)

@@ -5,6 +5,7 @@ prefill and leave it when they finish (see `transformers`)."""
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 
 from telerag.pipelines.engines.decoding import DecodingRow, StreamCall
+from telerag.pipelines.engines.prefix_cache import LayerKV, PrefixHit
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,6 +49,21 @@ class Batch:
             positions=(mask.cumsum(dim=1) - 1).clamp(min=0).to(device),
             temperature=torch.tensor([d.params.temperature for d in live], device=device),
             top_p=torch.tensor([d.params.top_p for d in live], device=device),
+        )
+
+    @classmethod
+    def of_suffix(cls, row: DecodingRow, hit: PrefixHit, config: Any, device: torch.device) -> Batch:
+        """One new row whose next forward pass prefills its prompt after the cached prefix `hit`,
+        into a cache that keeps the KV of every prompt token it computes (see `recorded_kv`)."""
+        ids = row.row.prompt_ids
+        return cls(
+            live=[row],
+            next_ids=torch.tensor([ids[hit.tokens :]], device=device),
+            mask=torch.ones((1, len(ids)), dtype=torch.long, device=device),
+            positions=torch.arange(hit.tokens, len(ids), device=device)[None],
+            temperature=torch.tensor([row.params.temperature], device=device),
+            top_p=torch.tensor([row.params.top_p], device=device),
+            cache=_recording_cache(config, hit),
         )
 
     @functools.cached_property
@@ -136,3 +153,48 @@ def _fit_cache(cache: Any, cached: int) -> None:
         layer.values = _fit_left(layer.values, kept, dim=-2)
         if layer.is_sliding:
             layer.cumulative_length = cached
+
+
+def prefix_cacheable(config: Any) -> bool:
+    """Whether the model's cache can start from a cached prefix (`Batch.of_suffix`): the layers
+    `_fit_cache` understands, sliding ones able to record their past."""
+    try:
+        from transformers.cache_utils import DynamicCache
+    except ImportError:
+        return False
+    return _resizable(DynamicCache(config=config))
+
+
+def _recording_cache(config: Any, hit: PrefixHit) -> Any:
+    """A cache holding `hit`'s KV, its sliding layers recording every token's KV, not only the
+    window's, until `end_recording`."""
+    from transformers.cache_utils import DynamicCache
+
+    cache: Any = DynamicCache(config=config)  # of the layers `prefix_cacheable` accepted
+    for layer, kv in itertools.zip_longest(cache.layers, hit.kv):
+        if layer.is_sliding:
+            layer.activate_past_recording()
+        if kv is None:
+            continue
+        keys, values = kv
+        layer.lazy_initialization(keys, values)
+        if layer.is_sliding:
+            kept = min(hit.tokens, layer.sliding_window - 1)
+            keys, values = keys[:, :, hit.tokens - kept :], values[:, :, hit.tokens - kept :]
+            layer.cumulative_length = hit.tokens
+        layer.keys, layer.values = keys, values
+    return cache
+
+
+def recorded_kv(cache: Any, tokens: int) -> list[LayerKV]:
+    """The KV of the last `tokens` tokens of a recording cache, per layer."""
+    return [(layer.keys[:, :, -tokens:], layer.values[:, :, -tokens:]) for layer in cache.layers]
+
+
+def end_recording(cache: Any) -> None:
+    """Sliding layers back to keeping only their window, so the batch can take the cache in."""
+    for layer in cache.layers:
+        if layer.is_sliding:
+            layer.record_past = False
+            layer.keys = layer.keys[:, :, -(layer.sliding_window - 1) :]
+            layer.values = layer.values[:, :, -(layer.sliding_window - 1) :]

@@ -78,6 +78,7 @@ class DecodingRow:
         self.row = row
         self.params = row.call.params
         self.prompt_tokens = len(row.prompt_ids)
+        self.cached_tokens = 0  # of them, taken from the prefix cache
         self.max_tokens = max_tokens
         self.detokenizer = Detokenizer(decode)
         self.text = StopFilter(self.params.stop)
@@ -123,6 +124,7 @@ class DecodingRow:
             Generation(
                 text=self.text.final,
                 prompt_tokens=self.prompt_tokens,
+                cached_tokens=self.cached_tokens,
                 completion_tokens=len(self.tokens),
                 finish_reason=reason,  # type: ignore[arg-type]
                 ttft_ms=self.ttft_ms,

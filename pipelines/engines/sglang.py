@@ -231,6 +231,7 @@ def _translate(
         Generation(
             text=state.text.final,
             prompt_tokens=int(meta.get("prompt_tokens", 0)),
+            cached_tokens=int(meta.get("cached_tokens") or 0),  # its radix cache's hit, per request
             completion_tokens=int(meta.get("completion_tokens", len(ids))),
             finish_reason="length" if reason == "length" else "stop",
             ttft_ms=state.ttft_ms,

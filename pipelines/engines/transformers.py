@@ -29,9 +29,10 @@ from typing import Any
 import torch
 
 from telerag.pipelines.engines import collect_generations, end_of_turn, format_chat, prompt_token_ids
-from telerag.pipelines.engines.batching import Batch, calls_in, joined
+from telerag.pipelines.engines.batching import Batch, calls_in, end_recording, joined, prefix_cacheable, recorded_kv
 from telerag.pipelines.engines.checkpoints import converted_gguf, torch_dtype
 from telerag.pipelines.engines.decoding import DecodingRow, PromptRow, StreamCall
+from telerag.pipelines.engines.prefix_cache import PrefixCache
 from telerag.pipelines.engines.skinny_linear import use_skinny_matmuls
 from telerag.pipelines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, ModelNotFound
 from telerag.pipelines.types import Generation, SamplingParams, TokenChunk
@@ -59,10 +60,13 @@ class TransformersEngine:
         max_batch_size: int = 16,
         max_waiting: int = 1024,
         seed: int = 0,
+        prefix_cache_mb: float = 0.0,
     ) -> None:
         """`max_batch_size` rows decode together; past `max_waiting` queued prompts a call is
-        refused with EngineOverloaded. `seed` seeds sampling (temperature > 0). The engine owns
-        `model` from then on: on the CPU its Linear layers become `SkinnyLinear`s."""
+        refused with EngineOverloaded. `seed` seeds sampling (temperature > 0). With
+        `prefix_cache_mb`, prompts' KV is kept in a prefix cache of that many MB (see
+        `prefix_cache`; off at 0, or for a model whose cache cannot resume from a prefix). The
+        engine owns `model` from then on: on the CPU its Linear layers become `SkinnyLinear`s."""
         self.device = torch.device(device)
         self.model = model.eval().to(self.device)
         if self.device.type == "cpu":
@@ -79,6 +83,10 @@ class TransformersEngine:
         vocab = tokenizer.get_vocab()
         self.eos_ids |= {vocab[marker] for marker in (end_of_turn(tokenizer), END_OF_TURN) if marker in vocab}
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 else None
+        if self.prefix_cache is not None and not prefix_cacheable(model.config):
+            log.warning("%s: this model's KV cache cannot resume from a prefix; the prefix cache is off", name)
+            self.prefix_cache = None
         # The KV cache's keyword in and out of a forward pass: `cache` since transformers 5.24,
         # `past_key_values` before (SGLang 0.5.23 pins 5.19); the old name warns on every call.
         self._cache_keyword = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
@@ -261,12 +269,34 @@ class TransformersEngine:
                 decoding.finish("length", time.perf_counter())
         if not live:
             return None
-        return self._step(Batch.of_prompts(live, self.pad_id, self.device))
+        if self.prefix_cache is None:
+            return self._step(Batch.of_prompts(live, self.pad_id, self.device))
+        fresh = None
+        for decoding in live:
+            if (alone := self._prefill_after_prefix(decoding, self.prefix_cache)) is not None:
+                fresh = joined(fresh, alone)
+        return fresh
+
+    def _prefill_after_prefix(self, decoding: DecodingRow, cache: PrefixCache) -> Batch | None:
+        """One row prefilled after the longest prefix of its prompt in `cache` (all but its last
+        token at most: that one's logits give the first token), its prompt's KV then cached."""
+        ids = decoding.row.prompt_ids
+        hit = cache.match(ids[:-1])
+        decoding.cached_tokens = hit.tokens
+        batch = Batch.of_suffix(decoding, hit, self.model.config, self.device)
+        logits = self._forward(batch)
+        cache.insert(ids, recorded_kv(batch.cache, len(ids) - hit.tokens), start=hit.tokens)
+        end_recording(batch.cache)
+        return self._advance(batch, logits)
 
     def _step(self, batch: Batch | None, fresh: Batch | None = None) -> Batch | None:
         """Merge `fresh` (just prefilled) into `batch`, then one forward pass: every row gets its
         next token. None when no row is left."""
         batch = joined(batch, fresh)
+        return self._advance(batch, self._forward(batch))
+
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        """The forward pass over the batch's next ids: the last position's logits, its cache grown."""
         out = self.model(
             input_ids=batch.next_ids,
             attention_mask=batch.mask,
@@ -276,7 +306,11 @@ class TransformersEngine:
             **{self._cache_keyword: batch.cache},
         )
         batch.cache = getattr(out, self._cache_keyword)
-        chosen, logprobs = self._sample(out.logits[:, -1, :].float(), batch.temperature, batch.top_p)
+        return out.logits[:, -1, :].float()
+
+    def _advance(self, batch: Batch, logits: torch.Tensor) -> Batch | None:
+        """Every row takes its next token from `logits`; the finished leave. None when none is left."""
+        chosen, logprobs = self._sample(logits, batch.temperature, batch.top_p)
         now = time.perf_counter()
         keep = [
             slot

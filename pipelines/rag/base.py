@@ -212,6 +212,7 @@ class RagPipeline:
                     ms,
                     GenerationStats(generation.finish_reason, generation.ttft_ms),
                     start_ms,
+                    generation.cached_tokens,
                 )
             )
         return generations
@@ -344,12 +345,13 @@ class RagPipeline:
             ctx.events.put_nowait(TokenEvent(piece))
         start_ms, ms = self.end(ctx, stage, started)
         if final is not None:
-            prompt_tokens, completion_tokens = final.prompt_tokens, final.completion_tokens
+            prompt_tokens, completion_tokens, cached = final.prompt_tokens, final.completion_tokens, final.cached_tokens
             stats = GenerationStats(final.finish_reason, final.ttft_ms)
-        else:  # stopped here, when the reply was over
-            prompt_tokens, completion_tokens, stats = self.engine.count_tokens(formatted), streamed, GenerationStats("stop")
+        else:  # stopped here, when the reply was over (what the engine's cache held is not known)
+            prompt_tokens, completion_tokens, cached = self.engine.count_tokens(formatted), streamed, 0
+            stats = GenerationStats("stop")
         ctx.generated(max(0, completion_tokens - streamed))  # chunks need not carry their token ids
-        ctx.steps.append(Step(stage, ctx.query[:200], prompt_tokens, completion_tokens, ms, stats, start_ms))
+        ctx.steps.append(Step(stage, ctx.query[:200], prompt_tokens, completion_tokens, ms, stats, start_ms, cached))
         return reply.text
 
     async def generate_quietly(self, ctx: RunContext, stage: Stage, documents: Sequence[Document], draft: str = "") -> str:
