@@ -12,7 +12,8 @@ that burst wait behind the others'). At the end no new request is sent
 and those in flight are waited for (up to the timeout). The latency of an answer is the
 time from sending the request to the end of its body, queueing in the server included.
 Memory comes from `/proc/<pid>` when the server's pid is given (same machine), else from the
-server's `process_resident_memory_bytes` in `/metrics`.
+server's `process_resident_memory_bytes` in `/metrics`; what the engine's prefix cache holds
+(`telerag_prefix_cache_bytes`, against its budget) is sampled from `/metrics` beside it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from telerag.benchmarks.report import key_value_table
 
 MEMORY_SAMPLE_S = 10.0
 RSS_METRIC = re.compile(r"^process_resident_memory_bytes\s+(\S+)$", re.MULTILINE)
+PREFIX_CACHE_METRIC = re.compile(r"^telerag_prefix_cache_bytes\s+(\S+)$", re.MULTILINE)
 KEEPALIVE_EXPIRY_S = 2.0  # below any sane server keep-alive timeout
 
 
@@ -68,6 +70,7 @@ class SoakReport:
     refused_p50_ms: float | None = None  # how fast a 429 comes back
     refused_p99_ms: float | None = None
     rss_mb: list[tuple[float, float]] = field(default_factory=list)  # (seconds into the run, MB)
+    prefix_cache_mb: list[tuple[float, float]] = field(default_factory=list)  # the same, where the server reports one
     answers: list[Answer] = field(default_factory=list, repr=False)  # each answer, in the order they came
     refusals: list[Refused] = field(default_factory=list, repr=False)  # each 429
 
@@ -148,14 +151,16 @@ def _process_rss_mb(pid: int) -> float | None:
     return None
 
 
-async def _resident_mb(client: httpx.AsyncClient, pid: int | None) -> float | None:
-    if pid is not None:
-        return _process_rss_mb(pid)
+async def server_memory_mb(client: httpx.AsyncClient, pid: int | None) -> tuple[float | None, float | None]:
+    """The server's resident memory and its prefix cache's bytes, in MB (None where unknown)."""
     try:
-        match = RSS_METRIC.search((await client.get("/metrics")).text)
+        metrics = (await client.get("/metrics")).text
     except httpx.HTTPError:
-        return None
-    return float(match.group(1)) / 2**20 if match else None
+        metrics = ""
+    cache = PREFIX_CACHE_METRIC.search(metrics)
+    rss = RSS_METRIC.search(metrics)
+    rss_mb = _process_rss_mb(pid) if pid is not None else (float(rss.group(1)) / 2**20 if rss else None)
+    return rss_mb, float(cache.group(1)) / 2**20 if cache else None
 
 
 async def soak(config: SoakConfig, questions: Sequence[str]) -> SoakReport:
@@ -174,18 +179,22 @@ async def soak(config: SoakConfig, questions: Sequence[str]) -> SoakReport:
         end = start + config.duration_s
 
         async def sample_memory() -> None:
-            while True:
-                mb = await _resident_mb(client, config.pid)
+            t = round(time.monotonic() - start, 1)
+            measured = await server_memory_mb(client, config.pid)
+            for samples, mb in zip((report.rss_mb, report.prefix_cache_mb), measured, strict=True):
                 if mb is not None:
-                    report.rss_mb.append((round(time.monotonic() - start, 1), round(mb, 1)))
+                    samples.append((t, round(mb, 1)))
+
+        async def sample_memory_until_cancelled() -> None:
+            while True:
+                await sample_memory()
                 await asyncio.sleep(MEMORY_SAMPLE_S)
 
-        sampler = asyncio.create_task(sample_memory())
+        sampler = asyncio.create_task(sample_memory_until_cancelled())
         await asyncio.gather(*(_user(client, config, cycle, start + config.start_s(i), end, tally) for i in range(config.users)))
         took = time.monotonic() - start
         sampler.cancel()
-        if (mb := await _resident_mb(client, config.pid)) is not None:
-            report.rss_mb.append((round(took, 1), round(mb, 1)))
+        await sample_memory()
     report.requests = len(tally.answered) + len(tally.refused) + sum(tally.failures.values())
     report.answered, report.refused, report.failures = len(tally.answered), len(tally.refused), dict(tally.failures)
     report.answers, report.refusals = tally.answered, tally.refused
@@ -215,6 +224,7 @@ def format_table(report: SoakReport) -> str:
         "rss start MB": rss[0][1] if rss else None,
         "rss end MB": rss[-1][1] if rss else None,
         "rss growth": report.rss_growth,
+        "prefix cache max MB": max((mb for _, mb in report.prefix_cache_mb), default=None),
     }
     table = key_value_table(rows)
     if report.failures:

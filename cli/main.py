@@ -13,6 +13,7 @@ from telerag.cli import (
     bench_generate,
     bench_kernels,
     bench_overlap,
+    bench_prefix_cache,
     bench_quality,
     bench_retrieval,
     bench_server,
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_kernels.register(bench_commands)
     bench_generate.register(bench_commands)
     bench_overlap.register(bench_commands)
+    bench_prefix_cache.register(bench_commands)
     bench_quality.register(bench_commands)
     bench_server.register(bench_commands)
     bench_e2e.register(bench_commands)

@@ -11,6 +11,7 @@ after it, and an instruction-tuned one reads it as the format to reply in.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,8 +41,44 @@ def format_documents(documents: Sequence[Document]) -> str:
     return "\n\n".join(f"[{i + 1}] {d.title}\n{d.text}" for i, d in enumerate(ordered))
 
 
+DOCUMENTS_HEADING = "Documents:\n"
+
+
 def _documents_block(documents: Sequence[Document]) -> str:
-    return f"Documents:\n{format_documents(documents) if documents else '(no documents)'}\n\n"
+    return f"{DOCUMENTS_HEADING}{format_documents(documents) if documents else '(no documents)'}\n\n"
+
+
+@dataclass(frozen=True)
+class DocumentChunks:
+    """A formatted prompt cut around its documents: `head` (the template's start, the fixed
+    instruction and the heading), one chunk per document (its entry and the blank line after
+    it), and `tail` (what follows: instructions, question, cue, the template's end). The parts
+    join back into the prompt. What an engine with per-document KV reuses (TurboRAG): each
+    chunk's KV is computed once, as if it followed `head` directly, whatever comes between."""
+
+    head: str
+    chunks: tuple[str, ...]
+    tail: str
+
+
+def document_chunks(prompt: str) -> DocumentChunks | None:
+    """`prompt` (as `Engine.format_prompt` wrote it) cut around the entries of its documents
+    block (`format_documents`), or None without one. The entries are found by their numbers in
+    turn ("[1] ", then "\n\n[2] ", ...); a document whose text holds its successor's marker
+    only moves a cut, never loses text."""
+    start = prompt.find(f"{DOCUMENTS_HEADING}[1] ")
+    if start < 0:
+        return None
+    head_end = start + len(DOCUMENTS_HEADING)
+    cuts = [head_end]
+    while (cut := prompt.find(f"\n\n[{len(cuts) + 1}] ", cuts[-1])) >= 0:
+        cuts.append(cut + 2)
+    tail_start = prompt.find("\n\n", cuts[-1])
+    if tail_start < 0:
+        return None
+    cuts.append(tail_start + 2)
+    chunks = tuple(prompt[a:b] for a, b in itertools.pairwise(cuts))
+    return DocumentChunks(prompt[:head_end], chunks, prompt[cuts[-1] :])
 
 
 def _instructions_line(instructions: str) -> str:

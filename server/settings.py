@@ -56,6 +56,11 @@ class EngineSettings(Section):
     prefix_cache_mb: float = setting(
         256, "transformers: MB of prompts' KV kept to reuse for prompts that begin alike (SGLang has its own); 0: off", ge=0
     )
+    document_kv_mb: float = setting(
+        0,
+        "transformers: MB of documents' KV reused wherever they land (TurboRAG); changes answers, see docs/benchmarks.md; 0: off",
+        ge=0,
+    )
 
 
 class RetrievalSettings(Section):

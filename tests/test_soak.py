@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import os
 
-from telerag.benchmarks.soak import SoakConfig, soak
+import httpx
+
+from telerag.benchmarks.soak import SoakConfig, server_memory_mb, soak
 from telerag.cli.main import main
 from tests.fake_app import serving_on_fakes
 
@@ -26,6 +28,14 @@ async def test_soak_counts_answers_429s_and_failures_apart_and_reads_memory_from
     assert report.refused_p50_ms is not None
     assert len(report.rss_mb) >= 2 and all(mb > 0 for _, mb in report.rss_mb)  # process_resident_memory_bytes
     assert report.rss_growth is not None
+    assert report.prefix_cache_mb == []  # the fakes' engine has no prefix cache: none reported
+
+
+async def test_the_prefix_caches_bytes_are_read_from_metrics_beside_the_memory():
+    metrics = "process_resident_memory_bytes 2.097152e+08\ntelerag_prefix_cache_bytes 3.145728e+06\n"
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, text=metrics))
+    async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+        assert await server_memory_mb(client, None) == (200.0, 3.0)
 
 
 async def test_soak_counts_other_statuses_as_failures_and_reads_memory_from_proc():

@@ -63,7 +63,7 @@ class Batch:
             positions=torch.arange(hit.tokens, len(ids), device=device)[None],
             temperature=torch.tensor([row.params.temperature], device=device),
             top_p=torch.tensor([row.params.top_p], device=device),
-            cache=_recording_cache(config, hit),
+            cache=recording_cache(config, hit),
         )
 
     @functools.cached_property
@@ -165,7 +165,7 @@ def prefix_cacheable(config: Any) -> bool:
     return _resizable(DynamicCache(config=config))
 
 
-def _recording_cache(config: Any, hit: PrefixHit) -> Any:
+def recording_cache(config: Any, hit: PrefixHit) -> Any:
     """A cache holding `hit`'s KV, its sliding layers recording every token's KV, not only the
     window's, until `end_recording`."""
     from transformers.cache_utils import DynamicCache

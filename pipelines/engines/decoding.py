@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from telerag.pipelines.engines import StopFilter
+from telerag.pipelines.engines.document_kv import ChunkedIds
 from telerag.pipelines.types import Generation, SamplingParams, TokenChunk
 
 
@@ -40,6 +41,7 @@ class PromptRow:
     call: StreamCall
     index: int
     prompt_ids: list[int]
+    chunked: ChunkedIds | None = None  # its documents' ids, where the engine reuses per-document KV
 
 
 class Detokenizer:

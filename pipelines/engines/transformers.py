@@ -29,12 +29,22 @@ from typing import Any
 import torch
 
 from telerag.pipelines.engines import collect_generations, end_of_turn, format_chat, prompt_token_ids
-from telerag.pipelines.engines.batching import Batch, calls_in, end_recording, joined, prefix_cacheable, recorded_kv
+from telerag.pipelines.engines.batching import (
+    Batch,
+    calls_in,
+    end_recording,
+    joined,
+    prefix_cacheable,
+    recorded_kv,
+    recording_cache,
+)
 from telerag.pipelines.engines.checkpoints import converted_gguf, torch_dtype
 from telerag.pipelines.engines.decoding import DecodingRow, PromptRow, StreamCall
-from telerag.pipelines.engines.prefix_cache import PrefixCache
+from telerag.pipelines.engines.document_kv import ChunkedIds, DocumentKV, rope_frequencies
+from telerag.pipelines.engines.prefix_cache import LayerKV, PrefixCache, PrefixHit
 from telerag.pipelines.engines.skinny_linear import use_skinny_matmuls
 from telerag.pipelines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, ModelNotFound
+from telerag.pipelines.prompts import document_chunks
 from telerag.pipelines.types import Generation, SamplingParams, TokenChunk
 from telerag.utils.device import resolve_device
 from telerag.utils.files import user_cache_dir
@@ -61,12 +71,15 @@ class TransformersEngine:
         max_waiting: int = 1024,
         seed: int = 0,
         prefix_cache_mb: float = 0.0,
+        document_kv_mb: float = 0.0,
     ) -> None:
         """`max_batch_size` rows decode together; past `max_waiting` queued prompts a call is
         refused with EngineOverloaded. `seed` seeds sampling (temperature > 0). With
         `prefix_cache_mb`, prompts' KV is kept in a prefix cache of that many MB (see
-        `prefix_cache`; off at 0, or for a model whose cache cannot resume from a prefix). The
-        engine owns `model` from then on: on the CPU its Linear layers become `SkinnyLinear`s."""
+        `prefix_cache`; off at 0, or for a model whose cache cannot resume from a prefix). With
+        `document_kv_mb`, prompts with documents reuse each document's KV wherever it lands
+        (`document_kv`: TurboRAG's option, which changes answers). The engine owns `model` from
+        then on: on the CPU its Linear layers become `SkinnyLinear`s."""
         self.device = torch.device(device)
         self.model = model.eval().to(self.device)
         if self.device.type == "cpu":
@@ -83,10 +96,10 @@ class TransformersEngine:
         vocab = tokenizer.get_vocab()
         self.eos_ids |= {vocab[marker] for marker in (end_of_turn(tokenizer), END_OF_TURN) if marker in vocab}
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 else None
-        if self.prefix_cache is not None and not prefix_cacheable(model.config):
-            log.warning("%s: this model's KV cache cannot resume from a prefix; the prefix cache is off", name)
-            self.prefix_cache = None
+        self.prefix_cache: PrefixCache | None = None
+        self.document_kv: DocumentKV | None = None
+        self.use_prefix_cache(prefix_cache_mb)
+        self.use_document_kv(document_kv_mb)
         # The KV cache's keyword in and out of a forward pass: `cache` since transformers 5.24,
         # `past_key_values` before (SGLang 0.5.23 pins 5.19); the old name warns on every call.
         self._cache_keyword = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
@@ -141,6 +154,26 @@ class TransformersEngine:
         gguf = assemble(user_cache_dir(cache_dir) / "gguf" / MODEL_NAME)
         return cls.from_pretrained(Path(gguf), device=device, cache_dir=cache_dir, **options)
 
+    def use_prefix_cache(self, mb: float) -> None:
+        """A new, empty prefix cache of `mb` MB (0: none) from the next prompt on; call it while no
+        request runs (`bench prefix-cache` switches it between runs)."""
+        self.prefix_cache = PrefixCache(int(mb * 2**20)) if mb > 0 else None
+        if self.prefix_cache is not None and not prefix_cacheable(self.model.config):
+            log.warning("%s: this model's KV cache cannot resume from a prefix; the prefix cache is off", self.name)
+            self.prefix_cache = None
+
+    def use_document_kv(self, mb: float) -> None:
+        """A new, empty per-document KV store of `mb` MB (0: none) from the next prompt on; call
+        it while no request runs."""
+        self.document_kv = None
+        if mb <= 0:
+            return
+        frequencies = rope_frequencies(self.model) if prefix_cacheable(self.model.config) else None
+        if frequencies is None:
+            log.warning("%s: this model's keys cannot be moved to new positions; per-document KV is off", self.name)
+            return
+        self.document_kv = DocumentKV(int(mb * 2**20), [f.to(self.device) for f in frequencies])
+
     # -- the Engine protocol ------------------------------------------------------------------
 
     def format_prompt(self, user_text: str, *, system: str = "") -> str:
@@ -163,7 +196,7 @@ class TransformersEngine:
         if not prompts:
             return
         call = StreamCall(params, asyncio.get_running_loop(), asyncio.Queue())
-        rows = [PromptRow(call, i, self.encode_prompt(p)) for i, p in enumerate(prompts)]
+        rows = [self._prompt_row(call, i, p) for i, p in enumerate(prompts)]
         self._submit(rows)
         try:
             finished = 0
@@ -195,6 +228,25 @@ class TransformersEngine:
         against the model's context."""
         with self._tokenizer_lock:
             ids = prompt_token_ids(self.tokenizer, prompt)
+        return self._checked(ids)
+
+    def _prompt_row(self, call: StreamCall, index: int, prompt: str) -> PromptRow:
+        """A prompt's row; with per-document KV, a prompt with documents is encoded part by part
+        (`prompts.document_chunks`), so that each document's ids are the same wherever it stands."""
+        parts = document_chunks(prompt) if self.document_kv is not None else None
+        if parts is None:
+            return PromptRow(call, index, self.encode_prompt(prompt))
+        with self._tokenizer_lock:
+            head = prompt_token_ids(self.tokenizer, parts.head)
+            chunks = tuple(tuple(self.tokenizer.encode(c, add_special_tokens=False)) for c in parts.chunks)
+            tail = self.tokenizer.encode(parts.tail, add_special_tokens=False)
+        if not tail:  # the last token's logits give the first token: it must be prefilled
+            return PromptRow(call, index, self.encode_prompt(prompt))
+        chunked = ChunkedIds(tuple(head), chunks)
+        return PromptRow(call, index, self._checked([*chunked.ids(), *tail]), chunked)
+
+    def _checked(self, ids: list[int]) -> list[int]:
+        """`ids`, unless they are empty or fill the model's context."""
         if not ids:
             raise EngineError("empty prompt")
         if self.context_length and len(ids) >= self.context_length:
@@ -269,12 +321,18 @@ class TransformersEngine:
                 decoding.finish("length", time.perf_counter())
         if not live:
             return None
-        if self.prefix_cache is None:
-            return self._step(Batch.of_prompts(live, self.pad_id, self.device))
-        fresh = None
-        for decoding in live:
-            if (alone := self._prefill_after_prefix(decoding, self.prefix_cache)) is not None:
-                fresh = joined(fresh, alone)
+        # Rows that reuse KV are prefilled one by one after what they reuse, the others together.
+        alone = [d for d in live if self.prefix_cache is not None or d.row.chunked is not None]
+        together = [d for d in live if d not in alone]
+        fresh = self._step(Batch.of_prompts(together, self.pad_id, self.device)) if together else None
+        for decoding in alone:
+            if decoding.row.chunked is not None and self.document_kv is not None:
+                prefilled = self._prefill_after_documents(decoding, decoding.row.chunked, self.document_kv)
+            else:
+                assert self.prefix_cache is not None
+                prefilled = self._prefill_after_prefix(decoding, self.prefix_cache)
+            if prefilled is not None:
+                fresh = joined(fresh, prefilled)
         return fresh
 
     def _prefill_after_prefix(self, decoding: DecodingRow, cache: PrefixCache) -> Batch | None:
@@ -288,6 +346,29 @@ class TransformersEngine:
         cache.insert(ids, recorded_kv(batch.cache, len(ids) - hit.tokens), start=hit.tokens)
         end_recording(batch.cache)
         return self._advance(batch, logits)
+
+    def _prefill_after_documents(self, decoding: DecodingRow, chunked: ChunkedIds, store: DocumentKV) -> Batch | None:
+        """One row prefilled after its head's and documents' KV from `store` (`DocumentKV`):
+        only its tail is computed (and what the store did not hold)."""
+        hit, reused = store.assemble(chunked, self._kv_after)
+        decoding.cached_tokens = reused
+        batch = Batch.of_suffix(decoding, hit, self.model.config, self.device)
+        logits = self._forward(batch)
+        end_recording(batch.cache)
+        return self._advance(batch, logits)
+
+    def _kv_after(self, hit: PrefixHit, ids: Sequence[int]) -> list[LayerKV]:
+        """The KV of `ids` prefilled right after `hit`'s tokens."""
+        cache = recording_cache(self.model.config, hit)
+        out = self.model(
+            input_ids=torch.tensor([list(ids)], device=self.device),
+            attention_mask=torch.ones((1, hit.tokens + len(ids)), dtype=torch.long, device=self.device),
+            position_ids=torch.arange(hit.tokens, hit.tokens + len(ids), device=self.device)[None],
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_keyword: cache},
+        )
+        return recorded_kv(getattr(out, self._cache_keyword), len(ids))
 
     def _step(self, batch: Batch | None, fresh: Batch | None = None) -> Batch | None:
         """Merge `fresh` (just prefilled) into `batch`, then one forward pass: every row gets its
