@@ -152,9 +152,14 @@ def needs_retrieval(question: str) -> Prompt:
 
 
 def critique(question: str, documents: Sequence[Document], answer_text: str) -> Prompt:
+    """Self-RAG: is the draft supported? Laid out as the draft's own prompt (`answer`, without a
+    client's instructions) up to its cue, the draft after it and the instruction last, so that a
+    prefix cache holds all but the draft and the instruction (as the system text, the
+    instruction cost the reuse of the documents)."""
     return Prompt(
-        "Is the answer supported by the documents? Reply yes or no.",
-        f"{_documents_block(documents)}Question: {question}\nAnswer: {answer_text}\nReply:",
+        SYSTEM,
+        f"{_documents_block(documents)}Question: {question}\n{ANSWER_CUE} {answer_text}\n"
+        "Is the answer supported by the documents? Reply yes or no.\nReply:",
         "Reply:",
     )
 

@@ -40,7 +40,7 @@ def script(
             return Reply(judge)
         if prompt.startswith("Would looking up documents help"):
             return Reply(decide)
-        if prompt.startswith("Is the answer supported"):
+        if "Is the answer supported by the documents?" in prompt:  # after the documents, as the draft's prompt
             return Reply(critique)
         if "Answer so far:" in prompt or flare_logprobs is not None:
             logprobs = next(flare_calls, None)

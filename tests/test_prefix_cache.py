@@ -306,3 +306,18 @@ async def test_the_reuse_is_reported_per_step_in_openai_usage_and_in_metrics(app
     hits = sum(v for k, v in samples.items() if k.startswith("telerag_prefix_cache_hit_tokens_total"))
     assert 0 < hits < prompt
     assert samples["telerag_prefix_cache_bytes"] == engine.prefix_cache.bytes > 0
+
+
+# -- prompts laid out for reuse -------------------------------------------------------------------
+
+
+async def test_self_rags_critique_reuses_the_whole_prompt_of_the_draft_it_judges():
+    engine = tiny_engine(prefix_cache_mb=16)
+    try:
+        pipeline = build_pipelines(engine, RecordingRetriever(), names=["self_rag"])["self_rag"]
+        events = [e async for e in pipeline.run("How long is the Nile?", RunOptions(max_tokens=8))]
+    finally:
+        await engine.close()
+    steps = {step.stage.name: step for step in events[-1].result.steps}
+    draft, critique = steps["first_answer"], steps["critique"]
+    assert critique.tokens_cached >= draft.tokens_in - 2  # all of the draft's prompt (its template's end aside)
