@@ -2,7 +2,7 @@
 again (another user asking what was just asked, so the same documents are retrieved), run with
 the transformers engine's KV reuse off, with its prefix cache (exact), and with per-document KV
 beside it (TurboRAG's option, which changes answers), the same requests in the same order, one
-at a time: time to the first answer token, latency, prompt tokens and how many were reused, and
+at a time, the modes taking turns: time to the first answer token, latency, prompt tokens and how many were reused, and
 whether each answer is the one the engine gave without reuse.
 `configured_prefix_cache_study` runs it with the configured LLM and datastore
 (`telerag bench prefix-cache`)."""
@@ -94,37 +94,43 @@ async def prefix_cache_study(
     *,
     progress: bool = False,
 ) -> list[PrefixCacheRow]:
-    """Each pipeline over `stream` in each of `modes` in turn, its caches empty at the start."""
+    """Each pipeline over `stream` in each of `modes`, the modes taking turns request by request
+    (so that a load drifting on the machine weighs on each alike), each mode with caches of its
+    own, empty at the pipeline's start."""
     if not modes or modes[0] != "off" or not set(modes) <= set(CACHE_MODES):
         raise ValueError(f"modes must begin with off and be among {CACHE_MODES}, not {list(modes)}")
     rows: list[PrefixCacheRow] = []
+    configured = (engine.prefix_cache, engine.document_kv)  # given back at the end
     bar = tqdm(total=len(modes) * len(pipelines) * len(stream), desc="requests", unit="req", disable=not progress)
     for pipeline in pipelines:
-        answers: list[str] = []
+        caches = {}
         for cache in modes:
             engine.use_prefix_cache(cache_mb if cache != "off" else 0.0)
             engine.use_document_kv(cache_mb if cache == "per_document" else 0.0)
-            runs = []
-            for question in stream:
-                runs.append(await timed_run(pipeline, question, options))
+            caches[cache] = (engine.prefix_cache, engine.document_kv)
+        runs: dict[str, list[tuple[RagResult, float, float]]] = {cache: [] for cache in modes}
+        for question in stream:
+            for cache in modes:
+                engine.prefix_cache, engine.document_kv = caches[cache]  # between requests: none runs
+                runs[cache].append(await timed_run(pipeline, question, options))
                 bar.update()
-            if cache == "off":
-                answers = [result.answer for result, _, _ in runs]
-            held = [c.bytes for c in (engine.prefix_cache, engine.document_kv) if c is not None]
+        answers = [result.answer for result, _, _ in runs["off"]]
+        for cache in modes:
+            done = runs[cache]
             rows.append(
                 PrefixCacheRow(
                     pipeline=pipeline.name,
                     cache=cache,
-                    requests=len(runs),
-                    ttft_ms_p50=statistics.median(ttft for _, ttft, _ in runs),
-                    latency_ms_p50=statistics.median(ms for _, _, ms in runs),
-                    prompt_tokens=sum(result.prompt_tokens for result, _, _ in runs),
-                    cached_tokens=sum(result.cached_tokens for result, _, _ in runs),
-                    identical_outputs=sum(r.answer == a for (r, _, _), a in zip(runs, answers, strict=True)) / len(runs),
-                    cache_bytes=sum(held),
+                    requests=len(done),
+                    ttft_ms_p50=statistics.median(ttft for _, ttft, _ in done),
+                    latency_ms_p50=statistics.median(ms for _, _, ms in done),
+                    prompt_tokens=sum(result.prompt_tokens for result, _, _ in done),
+                    cached_tokens=sum(result.cached_tokens for result, _, _ in done),
+                    identical_outputs=sum(r.answer == a for (r, _, _), a in zip(done, answers, strict=True)) / len(done),
+                    cache_bytes=sum(c.bytes for c in caches[cache] if c is not None),
                 )
             )
-    engine.use_document_kv(0.0)
+    engine.prefix_cache, engine.document_kv = configured
     bar.close()
     return rows
 

@@ -46,7 +46,7 @@ async def test_the_study_reports_each_mode_and_exact_reuse_answers_as_without_it
         assert prefix.prompt_tokens == off.prompt_tokens and 0 < prefix.cached_tokens < prefix.prompt_tokens
         assert prefix.cache_bytes > 0
         assert per_document.cached_tokens > 0 and 0 <= per_document.identical_outputs <= 1
-    assert engine.document_kv is None  # left off after the study
+    assert engine.prefix_cache is None and engine.document_kv is None  # as configured, after the study
     line = json.loads(json.dumps({"rows": [asdict(r) for r in rows]}))
     assert set(line["rows"][0]) == {
         "pipeline", "cache", "requests", "ttft_ms_p50", "latency_ms_p50", "prompt_tokens", "cached_tokens",
