@@ -27,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--questions", type=Path, default=packaged_config("questions_wiki_en.txt"))
     parser.add_argument("--limit", type=int, default=20, help="first N questions (default 20)")
     parser.add_argument("--repeat", type=_share, default=0.5, help="share of questions asked again two questions later (0.5)")
-    parser.add_argument("--cache-mb", type=float, default=256.0, help="each cache's size when on (256)")
+    parser.add_argument("--kv-cache-mb", type=float, default=256.0, help="each KV cache's size when on (256)")
     parser.add_argument(
         "--modes", nargs="+", choices=CACHE_MODES, default=list(CACHE_MODES), help="off first (default: all three)"
     )
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         questions=tuple(read_questions(args.questions, args.limit)),
         repeat=args.repeat,
         max_tokens=args.max_tokens,
-        cache_mb=args.cache_mb,
+        cache_mb=args.kv_cache_mb,
         modes=tuple(args.modes),
     )
     rows = asyncio.run(configured_prefix_cache_study(settings, config))

@@ -62,3 +62,12 @@ async def test_the_modes_begin_with_the_run_without_reuse():
             await prefix_cache_study(engine, [], QUESTIONS, RunOptions(), 16, modes=("prefix", "off"))
     finally:
         await engine.close()
+
+
+def test_the_commands_flags_reach_the_study_and_the_runtime_flags_keep_theirs():
+    from telerag.cli.main import build_parser
+
+    args = build_parser().parse_args(["bench", "prefix-cache", "--kv-cache-mb", "64", "--modes", "off", "prefix"])
+    assert args.kv_cache_mb == 64 and args.modes == ["off", "prefix"]
+    assert args.cache_mb is None  # retrieval.cache_mb, a runtime flag: unset
+    assert build_parser().parse_args(["bench", "prefix-cache"]).kv_cache_mb == 256
