@@ -153,14 +153,21 @@ class ClusterIngress:
 def deploy(settings: Settings) -> None:
     """Deploy the retrieval tier (with `cluster.shards`) and the inference application on the Ray
     cluster this process is connected to, with Serve started; every replica runs when it returns."""
-    from ray import serve
-
     from telerag.retrieval.tier import TierShape, deploy_tier
 
     cluster = settings.cluster
     if cluster.shards:
         shape = TierShape(shards=cluster.shards, replicas=cluster.shard_replicas, cpus_per_replica=cluster.shard_cpus)
         deploy_tier(settings.retrieval.datastore.expanduser(), shape, verify_checksums=settings.retrieval.verify_checksums)
+    deploy_inference(settings)
+
+
+def deploy_inference(settings: Settings) -> None:
+    """Deploy (or replace: new replicas, cold caches) the inference application: the ingress and
+    the replicas, which search through the tier deployed already where `cluster.shards` > 0."""
+    from ray import serve
+
+    cluster = settings.cluster
     router = {
         "request_router_class": f"{ClusterRouter.__module__}.{ClusterRouter.__qualname__}",  # imported where it routes
         "request_router_kwargs": asdict(

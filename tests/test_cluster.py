@@ -29,7 +29,7 @@ from tests.tiny_models import tiny_embedder_dir
 ray = pytest.importorskip("ray", reason="the cluster needs the `ray` extra")
 serve = pytest.importorskip("ray.serve")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.minutes(2)]
 
 TOPICS = 24
 WORDS = [
@@ -84,11 +84,16 @@ def topic_words(topic: int) -> list[str]:
 
 def build_topic_datastore(out_dir: Path, embedder_dir: Path) -> Path:
     """Articles of `TOPICS` topics, each topic's words its own: questions of one topic land in
-    the same few of the datastore's 24 lists."""
+    the same few of the datastore's 24 lists. Each passage has a word of its own, so that no two
+    passages are alike (tied scores could be served in either order)."""
     from telerag.pipelines.embedder import Embedder
 
     articles = [
-        Article(id=f"t{t}-{a}", title=f"Topic {t} article {a}", text=" ".join(topic_words(t) * 10 + [f"number{a}"] * 3))
+        Article(
+            id=f"t{t}-{a}",
+            title=f"Topic {t} article {a}",
+            text=" ".join(word for k in range(2) for word in [f"{t}x{a}x{k}", *(topic_words(t) * 5)[:29]]),
+        )
         for t in range(TOPICS)
         for a in range(6)
     ]
@@ -113,8 +118,8 @@ def settings(tmp_path_factory) -> Settings:
             "embedder": embedder,
             "device": "cpu",
             "embedder_device": "cpu",
-            "cache_mb": 0.004,  # about a fifth of the lists per replica
-            "prefetch_budget_mb": 0.004,
+            "cache_mb": 0.012,  # a third of the lists per replica
+            "prefetch_budget_mb": 0.003,  # one to three lists: a question's other lists hit only where they are resident
             "build_if_missing": False,
             "nprobe": 4,
         },
@@ -137,16 +142,20 @@ def cluster(settings) -> Iterator[str]:
     try:
         deploy(settings)
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while (ready := httpx.get(f"{base}/ready", timeout=10)).status_code != 200:
-            assert time.monotonic() < deadline, ready.text
-            time.sleep(0.2)
+        wait_ready(base)
         yield base
     finally:
         for app in (APP, TIER_APP):
             serve.delete(app)
         serve.shutdown()
         ray.shutdown()
+
+
+def wait_ready(base: str) -> None:
+    deadline = time.monotonic() + 120
+    while (ready := httpx.get(f"{base}/ready", timeout=10)).status_code != 200:
+        assert time.monotonic() < deadline, ready.text
+        time.sleep(0.2)
 
 
 async def one_process_documents(settings: Settings, questions: list[str]) -> list[list[int]]:
@@ -300,3 +309,35 @@ def test_a_replica_killed_under_load_loses_no_accepted_request(cluster):
             break
         time.sleep(0.5)
     assert serve.status().applications[APP].deployments["inference"].replica_states.get("RUNNING") == 2
+
+
+def replica_samples(cluster: str, name: str) -> float:
+    """A series summed over the replicas (their labelled samples), as `/metrics` says now."""
+    time.sleep(0.6)  # the replicas' latest reports
+    lines = httpx.get(f"{cluster}/metrics", timeout=10).text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{") and 'replica="' in line)
+
+
+def test_the_cluster_router_hits_the_caches_more_than_the_default_router(cluster, settings):
+    """The same stream (questions of 8 topics in runs of 3, topics in a seeded order) through new
+    replicas (cold caches) routed by each policy in turn; one request at a time, so that the load
+    is even and the cluster rule decides. Last in the module: it leaves the default router."""
+    import random
+
+    from telerag.server.cluster import deploy_inference
+
+    rng = random.Random(3)
+    stream = [question(topic, n) for _ in range(12) for topic in [rng.randrange(8)] for n in range(3)]
+    rates = {}
+    for policy in ("cluster", "default"):
+        deploy_inference(settings.model_copy(update={"cluster": settings.cluster.model_copy(update={"router": policy})}))
+        wait_ready(cluster)
+        for text in stream:
+            response = httpx.post(
+                f"{cluster}/v1/rag/query", json={"query": text, "pipeline": "naive", "max_tokens": 2}, timeout=60
+            )
+            assert response.status_code == 200, response.text
+        hits, misses = (replica_samples(cluster, f"telerag_cache_{kind}_total") for kind in ("hits", "misses"))
+        rates[policy] = hits / (hits + misses)
+    print(f"cache hit rate: cluster router {rates['cluster']:.3f}, default router {rates['default']:.3f}")
+    assert rates["cluster"] > rates["default"], rates
