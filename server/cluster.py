@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import math
 import os
 import signal
 import threading
@@ -209,12 +210,16 @@ def serve_on_ray(settings: Settings) -> int:
 
     if settings.retrieval.build_if_missing:  # built once here, not by every replica at once
         load_configured_datastore(settings.retrieval, load_embedder(settings.retrieval)).close()
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda received, _: stop.set())
     address = os.environ.get("RAY_ADDRESS")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(address=address, include_dashboard=False, configure_logging=False)
+    cluster = settings.cluster
+    # a local cluster's logical CPUs: what the replicas reserve, if more than the cores (they share them anyway)
+    wanted = cluster.replicas * cluster.replica_cpus + cluster.shards * (cluster.shard_replicas * cluster.shard_cpus) + 1
+    cpus = None if address else max(os.cpu_count() or 1, math.ceil(wanted))
+    ray.init(address=address, num_cpus=cpus, include_dashboard=False, configure_logging=False)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
+        signal.signal(signum, lambda received, _: stop.set())
     try:
         serve.start(http_options={"host": settings.server.host, "port": settings.server.port})
         deploy(settings)
@@ -229,7 +234,14 @@ def serve_on_ray(settings: Settings) -> int:
         log.info("stopping: the replicas drain their requests")
         return 0
     finally:
-        for app_name in (APP, TIER_APP):
-            if app_name in serve.status().applications:
-                serve.delete(app_name)
+        # bounded: a signal sent to the whole process group (a terminal's ^C) stops Ray's own
+        # processes too, and Serve would then wait for them for ever
+        def delete() -> None:
+            for app_name in (APP, TIER_APP):
+                if app_name in serve.status().applications:
+                    serve.delete(app_name)
+
+        deleting = threading.Thread(target=delete, daemon=True)
+        deleting.start()
+        deleting.join(settings.server.shutdown_grace_s + 15)
         ray.shutdown()

@@ -86,3 +86,10 @@ def test_on_a_stream_with_topic_locality_the_rule_hits_more_than_random_routing(
 
     cluster_aware, random_routing = hit_rate(stream, by_rule), hit_rate(stream, lambda clusters, caches: rng.randrange(2))
     assert cluster_aware > random_routing + 0.1, (cluster_aware, random_routing)
+
+
+def test_replicas_and_shards_without_ray_are_refused_in_one_line():
+    from telerag.cli.main import main
+
+    with pytest.raises(SystemExit, match="--replicas and --shards need --ray"):
+        main(["serve", "--replicas", "2"])
