@@ -45,7 +45,9 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--embedder", type=nullable(Path), help="sentence-transformers model directory (null: the packaged one)")
     parser.add_argument("--device", help="auto, cpu or cuda (retrieval and engine)")
     parser.add_argument("--nprobe", type=nullable(int), help="IVF lists searched (null: 4*sqrt(nlist))")
-    parser.set_defaults(host=None, port=None, api_key=None, engine=None, cache_mb=None, prefetch_budget_mb=None)
+    parser.set_defaults(
+        host=None, port=None, api_key=None, engine=None, cache_mb=None, prefetch_budget_mb=None, replicas=None, shards=None
+    )
 
 
 def overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -68,4 +70,6 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
     put("retrieval", "cache_mb", args.cache_mb)
     put("retrieval", "prefetch_budget_mb", args.prefetch_budget_mb)
     put("retrieval", "nprobe", args.nprobe)
+    put("cluster", "replicas", args.replicas)
+    put("cluster", "shards", args.shards)
     return chosen

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 
 from telerag.cli.runtime_flags import add_runtime_flags, nullable, overrides
@@ -21,10 +22,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--cache-mb", type=nullable(float), help="GPU cluster cache size (null: what the LLM leaves)")
     parser.add_argument("--prefetch-budget-mb", type=nullable(float), help="one budget for every prefetch (null: B x t_LLM)")
     parser.add_argument("--api-key", type=nullable(str), help="require Authorization: Bearer KEY on /v1 (null: open)")
+    parser.add_argument(
+        "--ray",
+        action="store_true",
+        help="on a Ray cluster (RAY_ADDRESS, else a local one): inference replicas and retrieval shards",
+    )
+    parser.add_argument("--replicas", type=int, help="with --ray: inference replicas (cluster.replicas)")
+    parser.add_argument("--shards", type=int, help="with --ray: retrieval tier shards; 0: none (cluster.shards)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     settings = load_settings(args.config, overrides(args))
     logging.basicConfig(level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.ray:
+        if importlib.util.find_spec("ray") is None:
+            raise SystemExit("serve --ray needs Ray Serve: pip install 'telerag[ray]' (ray[serve] 2.60)")
+        from telerag.server.cluster import serve_on_ray
+
+        return serve_on_ray(settings)
+    if args.replicas is not None or args.shards is not None:
+        raise SystemExit("--replicas and --shards need --ray")
     return run_event_loop(serve(settings), settings)

@@ -35,6 +35,7 @@ from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import WIKIPEDIA_SOURCE, PassageShape, read_wikipedia
 from telerag.retrieval.datastore import MANIFEST, Datastore
 from telerag.retrieval.engine import RetrievalEngine
+from telerag.retrieval.ivf import ListSearch
 from telerag.retrieval.stats import CacheStats
 
 log = logging.getLogger(__name__)
@@ -194,6 +195,10 @@ class DirectRetriever:
     def cache_stats(self) -> CacheStats:
         return self.engine.cache.stats()
 
+    def resident_clusters(self) -> list[int]:
+        """The clusters the cache holds now (landed or in flight)."""
+        return np.flatnonzero(self.engine.cache.resident_mask()).tolist()
+
     def datastore_info(self) -> DatastoreInfo:
         manifest = self.datastore.manifest
         return DatastoreInfo(
@@ -261,11 +266,12 @@ def open_retriever(
     nprobe: int | None = None,
     demand_copy: bool | None = None,
     cpu_threads: int | None = None,
+    cpu_half: ListSearch | None = None,
     build_if_missing: bool = False,
     verify_checksums: bool = True,
 ) -> DirectRetriever:
     """Start the retrieval engine over `datastore`, checked to match `embedder`: a loaded one, or
-    the directory to load (`load_datastore`)."""
+    the directory to load (`load_datastore`); `cpu_half` as `RetrievalEngine`'s."""
     if not isinstance(datastore, Datastore):
         datastore = load_datastore(datastore, embedder, build_if_missing=build_if_missing, verify_checksums=verify_checksums)
     else:
@@ -277,6 +283,7 @@ def open_retriever(
         nprobe=nprobe,
         demand_copy=demand_copy,
         cpu_threads=cpu_threads,
+        cpu_half=cpu_half,
         progress=True,
     )
     log.info(

@@ -26,7 +26,7 @@ from telerag.server.service import Service
 from telerag.server.settings import Settings
 
 if TYPE_CHECKING:
-    from telerag.server.runtime import Runtime  # brings torch: loaded after the server listens
+    from telerag.server.service import ServedRuntime
 
 
 def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAPI:
@@ -51,6 +51,7 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
     )
     app.state.lifecycle = lifecycle
     app.state.service = None
+    app.state.tiers = None  # on a Ray cluster: what each tier's deployments run (server.cluster)
     app.state.metrics = Metrics(
         lambda: app.state.service.runtime.cache_stats() if app.state.service else CacheStats(),
         lambda: app.state.service.runtime.prefix_cache_bytes() if app.state.service else None,
@@ -81,7 +82,7 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
     return app
 
 
-def start_serving(app: FastAPI, runtime: Runtime) -> Service:
+def start_serving(app: FastAPI, runtime: ServedRuntime) -> Service:
     """Serve `/v1/*` from `runtime`, now loaded (not warmed up): `/ready` turns 200."""
     return publish(app, Service(runtime, app.state.metrics))
 

@@ -119,6 +119,13 @@ class RequestTimeout(ServerError):
     code = "timeout"
 
 
+class ReplicasUnavailable(ServerError):
+    """The inference replica running a request failed (on a Ray cluster, `server.replicas`),
+    after its run had begun or on every attempt: the request fails whole, with this 503."""
+
+    code = "inference_replica_unavailable"
+
+
 class InvalidField(ServerError):
     """A request field has a value the server cannot serve (e.g. nprobe above nlist)."""
 
@@ -166,6 +173,7 @@ STATUS: list[tuple[type[Exception], int]] = [
     (DatastoreError, 503),
     (DeviceUnavailable, 503),
     (TierUnavailable, 503),
+    (ReplicasUnavailable, 503),
     (EngineError, 502),
     (PipelineError, 500),
     (RetrievalError, 500),

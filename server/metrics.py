@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from telerag.pipelines.stats import SearchStats
@@ -118,6 +119,22 @@ class AdmissionMetrics:
         )
 
 
+class _Merged:
+    """A registry's families with other processes' samples of the same families (or new ones),
+    each sample labelled with its process: one family per name, as the text format requires."""
+
+    def __init__(self, registry: CollectorRegistry, others: Mapping[str, bytes], label: str = "replica") -> None:
+        self.registry, self.others, self.label = registry, others, label
+
+    def collect(self) -> Iterator[Metric]:
+        families = {family.name: family for family in self.registry.collect()}
+        for source, text in self.others.items():
+            for family in text_string_to_metric_families(text.decode()):
+                merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                merged.samples.extend(sample._replace(labels={**sample.labels, self.label: source}) for sample in family.samples)
+        yield from families.values()
+
+
 class Metrics:
     def __init__(
         self, cache_stats: Callable[[], CacheStats], prefix_cache_bytes: Callable[[], int | None] = lambda: None
@@ -191,6 +208,14 @@ class Metrics:
         r.register(_CacheCollector(cache_stats))
         r.register(_PrefixCacheCollector(prefix_cache_bytes))
         ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds (Linux)
+        # on a Ray cluster's ingress: each inference replica's Prometheus text, by replica id
+        self.replica_series: Callable[[], Mapping[str, bytes]] = dict
+
+    def exposition(self) -> bytes:
+        """The Prometheus text of this app's series and, on a Ray cluster's ingress, of every
+        inference replica's, each labelled `replica`."""
+        replicas = self.replica_series()
+        return generate_latest(_Merged(self.registry, replicas) if replicas else self.registry)
 
     def observe_result(self, result: RagResult) -> None:
         p = result.pipeline

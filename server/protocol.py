@@ -243,8 +243,19 @@ class LoadProgress(BaseModel):
     fraction: float | None = Field(description="done / total, 0..1")
 
 
+class TierState(BaseModel):
+    """On a Ray cluster: one deployment of the inference or the retrieval tier and its replicas."""
+
+    tier: Literal["ingress", "inference", "retrieval"]
+    deployment: str
+    running: int = Field(description="replicas running now")
+    status: str = Field(description="Ray Serve's: HEALTHY, UPDATING, UPSCALING, DOWNSCALING, UNHEALTHY, ...")
+
+
 class Ready(BaseModel):
-    """`GET /ready`: 200 once the engine and datastore are up; 503 while loading or draining."""
+    """`GET /ready`: 200 once the engine and datastore are up; 503 while loading or draining. On a
+    Ray cluster (`telerag serve --ray`) also 503 while a deployment of either tier has no replica
+    running."""
 
     ready: bool
     status: Literal["loading", "ready", "draining"]
@@ -256,6 +267,7 @@ class Ready(BaseModel):
     )
     engine: str | None = None
     datastore: DatastoreInfo | None = None
+    tiers: list[TierState] | None = Field(None, description="on a Ray cluster: each deployment of both tiers")
 
 
 def new_request_id() -> str:

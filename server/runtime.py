@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -18,11 +19,13 @@ from telerag.pipelines.embedder import Embedder
 from telerag.pipelines.errors import EmbedderError, EngineUnavailable
 from telerag.pipelines.rag.base import RagPipeline
 from telerag.pipelines.registry import build_pipelines
-from telerag.pipelines.retriever import DirectRetriever, load_datastore, open_retriever
-from telerag.pipelines.types import BatchRetriever, DatastoreInfo, Engine, Retriever
+from telerag.pipelines.retriever import DirectRetriever, TextEncoder, load_datastore, open_retriever
+from telerag.pipelines.types import BatchRetriever, DatastoreInfo, Engine, Retriever, TextEmbeddings
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.errors import DeviceUnavailable
+from telerag.retrieval.ivf import ListSearch
 from telerag.retrieval.stats import CacheStats
+from telerag.server.scheduler import BatchingRetriever
 from telerag.server.settings import RetrievalSettings, Settings, pre_retrieval_profile
 from telerag.utils.device import resolve_device
 from telerag.utils.progress import StepProgress, observe_progress
@@ -38,12 +41,32 @@ class Runtime:
     retriever: BatchRetriever
     datastore_info: DatastoreInfo
     cache_stats: Callable[[], CacheStats] = CacheStats  # without a cache: all zero
+    resident_clusters: Callable[[], list[int]] = list  # what the cluster cache holds now (none without one)
     closers: list[Callable[[], Any]] = field(default_factory=list)
 
     def pipelines(self, retriever: Retriever, names: Sequence[str] | None = None) -> dict[str, RagPipeline]:
         """The pipelines over this engine and `retriever`, each starting from its expected
         pre-retrieval time in `config/prefetch_profiles.yaml`."""
         return build_pipelines(self.engine, retriever, names=names, pre_retrieval_ms=pre_retrieval_profile())
+
+    def serving_pipelines(self, on_batch: Callable[[str, int], None]) -> dict[str, RagPipeline]:
+        """The pipelines a server runs: over the retriever behind the scheduler's cross-request
+        batching (`on_batch(kind, size)` hears each batch)."""
+        scheduler = self.settings.scheduler
+        batching = BatchingRetriever(
+            self.retriever, window_ms=scheduler.batch_window_ms, max_batch=scheduler.max_batch, on_batch=on_batch
+        )
+        return self.pipelines(batching)
+
+    @property
+    def engine_name(self) -> str | None:
+        return getattr(self.engine, "name", None)
+
+    def count_tokens(self, text: str) -> int:
+        return self.engine.count_tokens(text)
+
+    async def embed(self, texts: Sequence[str]) -> TextEmbeddings:
+        return await self.retriever.embed(texts)
 
     def prefix_cache_bytes(self) -> int | None:
         """What the transformers engine's prefix cache holds; None for an engine without one it
@@ -139,13 +162,17 @@ def load_configured_datastore(
     )
 
 
-def open_configured_retriever(datastore: Datastore, embedder: Embedder, retrieval: RetrievalSettings) -> DirectRetriever:
+def open_configured_retriever(
+    datastore: Datastore, embedder: TextEncoder, retrieval: RetrievalSettings, *, cpu_half: ListSearch | None = None
+) -> DirectRetriever:
     """The retrieval engine over a loaded datastore, as the settings configure it (device,
-    cluster cache, prefetch budget, nprobe, demand copies, faiss threads)."""
+    cluster cache, prefetch budget, nprobe, demand copies, faiss threads); `cpu_half`: who scans
+    what the device does not (default: faiss here; the retrieval tier on a Ray cluster)."""
     device = str(resolve_device(retrieval.device, error=DeviceUnavailable))
     return open_retriever(
         datastore,
         embedder,
+        cpu_half=cpu_half,
         device=device,
         cache_bytes=cluster_cache_bytes(retrieval, device),
         prefetch_budget_bytes=None if retrieval.prefetch_budget_mb is None else int(retrieval.prefetch_budget_mb * 2**20),
@@ -155,7 +182,13 @@ def open_configured_retriever(datastore: Datastore, embedder: Embedder, retrieva
     )
 
 
-async def load_runtime(settings: Settings, observer: LoadObserver | None = None) -> Runtime:
+async def load_runtime(
+    settings: Settings,
+    observer: LoadObserver | None = None,
+    *,
+    cpu_half: ListSearch | None = None,
+    encoder: Callable[[Embedder], TextEncoder] = lambda embedder: embedder,
+) -> Runtime:
     """Load what the server runs on, in the order that fails fast and sizes the cache right:
     the embedder (small), then the datastore, built on the embedded default's first run and
     checked (made by this embedder, at its dimension; manifest, file sizes, checksums), so a
@@ -163,7 +196,11 @@ async def load_runtime(settings: Settings, observer: LoadObserver | None = None)
     engine; then the retrieval engine, whose cluster cache gets what GPU memory the LLM left.
 
     Each step runs in a worker thread and tells `observer`, so an event loop serving `/health`
-    and `/ready` meanwhile keeps answering and can say what is loading and how far it is."""
+    and `/ready` meanwhile keeps answering and can say what is loading and how far it is.
+
+    An inference replica on a Ray cluster (`replicas.InferenceReplica`) gives the retrieval
+    tier as `cpu_half`, and an `encoder` over the embedder that knows the vectors the ingress
+    computed already."""
     observer = observer or LogSteps()
     retrieval = settings.retrieval
     with observe_progress(observer.report):
@@ -179,7 +216,9 @@ async def load_runtime(settings: Settings, observer: LoadObserver | None = None)
         log.info("engine %s (%s)", getattr(engine, "name", "?"), settings.engine.kind)
         try:
             observer.loading("opening datastore")
-            retriever = await _in_thread(open_configured_retriever, datastore, embedder, retrieval)
+            retriever = await _in_thread(
+                functools.partial(open_configured_retriever, cpu_half=cpu_half), datastore, encoder(embedder), retrieval
+            )
         except BaseException:
             await engine.close()
             datastore.close()
@@ -190,6 +229,7 @@ async def load_runtime(settings: Settings, observer: LoadObserver | None = None)
         retriever=retriever,
         datastore_info=retriever.datastore_info(),
         cache_stats=retriever.cache_stats,
+        resident_clusters=retriever.resident_clusters,
         closers=[retriever.close],
     )
 

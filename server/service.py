@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncGenerator, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from typing import Protocol
 
 from fastapi import Request
 
 from telerag.pipelines.questions import read_questions
 from telerag.pipelines.types import (
+    DatastoreInfo,
     Pipeline,
     ResultEvent,
     RunEvent,
@@ -23,16 +24,40 @@ from telerag.pipelines.types import (
     UsageEvent,
     run_result,
 )
+from telerag.retrieval.stats import CacheStats
 from telerag.server.admission import Admission
 from telerag.server.admitted_run import AdmittedRun
 from telerag.server.errors import InvalidField, Refusal, RequestTimeout, UnsupportedField
 from telerag.server.metrics import Metrics
-from telerag.server.scheduler import BatchingRetriever
-from telerag.server.settings import packaged_config
+from telerag.server.settings import Settings, packaged_config
 from telerag.server.workload import DEFAULT_PASSAGE_WORDS, TOKENS_PER_WORD, ServedWork, Workload
 
-if TYPE_CHECKING:
-    from telerag.server.runtime import Runtime  # brings torch: loaded after the server listens
+
+class ServedRuntime(Protocol):
+    """What a service runs on: an engine and a retriever in this process (`runtime.Runtime`), or
+    inference replicas on a Ray cluster (`replicas.ReplicaRuntime`)."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def datastore_info(self) -> DatastoreInfo: ...
+
+    @property
+    def engine_name(self) -> str | None: ...
+
+    def count_tokens(self, text: str) -> int: ...
+
+    def serving_pipelines(self, on_batch: Callable[[str, int], None]) -> Mapping[str, Pipeline]: ...
+
+    async def embed(self, texts: Sequence[str]) -> TextEmbeddings: ...
+
+    def cache_stats(self) -> CacheStats: ...
+
+    def prefix_cache_bytes(self) -> int | None: ...
+
+    async def close(self) -> None: ...
+
 
 CALIBRATION_PIPELINE = "naive"
 CALIBRATION_MAX_TOKENS = 64  # a client's usual limit; the answers it cuts count as running to a larger request's
@@ -44,18 +69,14 @@ CALIBRATION_BURST = 8  # requests at once after the first alone (at most max_con
 class Service:
     """The runtime, the pipelines over the batching retriever, admission, metrics."""
 
-    def __init__(self, runtime: Runtime, metrics: Metrics) -> None:
+    def __init__(self, runtime: ServedRuntime, metrics: Metrics) -> None:
         self.runtime = runtime
         self.settings = runtime.settings
         self.metrics = metrics
         scheduler = self.settings.scheduler
-        self.retriever = BatchingRetriever(
-            runtime.retriever,
-            window_ms=scheduler.batch_window_ms,
-            max_batch=scheduler.max_batch,
-            on_batch=lambda kind, size: self.metrics.batch_size.labels(kind).observe(size),
+        self.pipelines: Mapping[str, Pipeline] = runtime.serving_pipelines(
+            lambda kind, size: self.metrics.batch_size.labels(kind).observe(size)
         )
-        self.pipelines: Mapping[str, Pipeline] = runtime.pipelines(self.retriever)
         self.workload = Workload()
         self.admission = Admission(
             scheduler.max_concurrency,
@@ -146,7 +167,7 @@ class Service:
             raise InvalidField("model", f"model: the datastore's embedder is {datastore.embedder!r} (GET /ready)")
         if dimensions is not None and dimensions != datastore.dim:
             raise UnsupportedField("dimensions", f"dimensions: only {datastore.dim}, the embedder's size")
-        return await self.runtime.retriever.embed(texts)
+        return await self.runtime.embed(texts)
 
     def prompt_tokens(
         self, query: str, options: RunOptions, *, query_field: str = "query", top_k_field: str | None = "top_k"
@@ -155,9 +176,7 @@ class Service:
         past `limits.max_prompt_tokens`, naming the field that put it there (`top_k` when the
         query alone fits)."""
         query_tokens = sum(  # the answer's prompt: its question and instructions; a follow-up's rewrite: the turns too
-            self.runtime.engine.count_tokens(text)
-            for text in (query, options.instructions, *(t.text for t in options.history))
-            if text
+            self.runtime.count_tokens(text) for text in (query, options.instructions, *(t.text for t in options.history)) if text
         )
         prompt_tokens = query_tokens + options.top_k * self.passage_tokens
         limit = self.settings.limits.max_prompt_tokens

@@ -155,6 +155,27 @@ class ServerSettings(Section):
         return self
 
 
+class ClusterSettings(Section):
+    """`telerag serve --ray`: the inference replicas and the retrieval tier on a Ray cluster (Ray Serve)."""
+
+    replicas: int = setting(2, "inference replicas (engine, pipelines, cluster cache, lookahead), each a Ray Serve replica", ge=1)
+    replica_cpus: float = setting(1.0, "CPUs Ray reserves for each inference replica", ge=0)
+    replica_gpus: float = setting(0.0, "GPUs Ray reserves for each inference replica (1 on a GPU node)", ge=0)
+    shards: int = setting(0, "retrieval tier shards the CPU half of every search goes to; 0: each replica's own faiss", ge=0)
+    shard_replicas: int = setting(1, "replicas of each shard", ge=1)
+    shard_cpus: float = setting(1.0, "CPUs Ray reserves for each shard replica", ge=0)
+    router: Literal["cluster", "default"] = setting(
+        "cluster", "cluster: to the replica whose cache holds the question's clusters; default: Ray Serve's power of two choices"
+    )
+    route_clusters: int = setting(8, "of q_in's nearest clusters, how many the router looks for in each replica's cache", ge=1)
+    balance_abs_threshold: int = setting(
+        4, "load is uneven (least-loaded replica first) when the busiest has more than this many requests over the idlest", ge=0
+    )
+    balance_rel_threshold: float = setting(1.5, "... and more than this many times the idlest's", ge=1)
+    routing_stats_period_s: float = setting(0.5, "how often each replica reports its resident clusters to the router", gt=0)
+    attempts: int = setting(3, "tries of a request whose replica failed before it sent anything (then 503)", ge=1)
+
+
 class _YamlSource(PydanticBaseSettingsSource):
     def __init__(self, settings_cls: type[BaseSettings], path: Path | None) -> None:
         super().__init__(settings_cls)
@@ -189,6 +210,7 @@ class Settings(BaseSettings):
     scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
     server: ServerSettings = Field(default_factory=ServerSettings)
+    cluster: ClusterSettings = Field(default_factory=ClusterSettings)
 
     @classmethod
     def settings_customise_sources(

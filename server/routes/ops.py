@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from telerag.server import errors
 from telerag.server.auth import Access
@@ -66,8 +66,9 @@ async def health() -> Health:
 async def ready(request: Request) -> Response:
     lifecycle, service = request.app.state.lifecycle, request.app.state.service
     progress, loading, now = lifecycle.progress, lifecycle.phase == Phase.LOADING, time.monotonic()
+    tiers = await request.app.state.tiers() if request.app.state.tiers is not None else None
     body = Ready(
-        ready=lifecycle.phase == Phase.READY,
+        ready=lifecycle.phase == Phase.READY and all(tier.running > 0 for tier in tiers or ()),
         status=lifecycle.phase.value,
         loading=lifecycle.step if loading else None,
         progress=None
@@ -81,11 +82,15 @@ async def ready(request: Request) -> Response:
         ),
         loading_s=round(now - lifecycle.started, 1) if loading else None,
         step_s=round(now - lifecycle.step_started, 1) if loading else None,
-        engine=None if service is None else getattr(service.runtime.engine, "name", None),
+        engine=None if service is None else service.runtime.engine_name,
         datastore=None if service is None else service.runtime.datastore_info,
+        tiers=tiers,
     )
-    return Response(body.model_dump_json(), media_type="application/json", status_code=200 if body.ready else 503)
+    one_process = {"tiers"} if tiers is None else None  # its body as it was before the tiers
+    return Response(
+        body.model_dump_json(exclude=one_process), media_type="application/json", status_code=200 if body.ready else 503
+    )
 
 
 async def metrics(request: Request) -> Response:
-    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(request.app.state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

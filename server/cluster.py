@@ -1,0 +1,247 @@
+"""`telerag serve --ray`: the HTTP API on a Ray cluster (issue 27, Chameleon's disaggregation on
+Ray Serve). One Serve application, `telerag`: the ingress (the same FastAPI app, `app.create_app`,
+behind Serve's HTTP proxy) and the inference replicas (`replicas.InferenceReplica`, routed by
+`routing.ClusterRouter`); with `cluster.shards` > 0 the retrieval tier (`retrieval.tier`) is a
+second application the replicas search through.
+
+The ingress admits for every replica (N x `scheduler.max_concurrency` running, N x `max_queue`
+waiting; past that, 429 with Retry-After as one process answers), keeps the requests' metrics,
+and reports both tiers in `/ready` and every replica's series in `/metrics`. Ray is imported only
+when this runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import math
+import os
+import signal
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import asdict
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from telerag.server.protocol import TierState
+from telerag.server.replicas import REPLICAS, InferenceReplica, QuestionPlacer, ReplicaRuntime, Replicas
+from telerag.server.router import ClusterRouter, RouterOptions
+from telerag.server.routing import DECISIONS
+from telerag.server.service import Service
+from telerag.server.settings import Settings
+
+log = logging.getLogger(__name__)
+
+APP = "telerag"  # the Serve application: the ingress and the inference replicas
+INGRESS = "ingress"
+ROUTING_KEY_HEADER = b"x-routing-key"
+TIERS_TTL_S = 1.0  # /ready asks Serve's controller at most this often
+
+routing_key: contextvars.ContextVar[str | None] = contextvars.ContextVar("telerag_routing_key", default=None)
+
+
+class RoutingKey:
+    """A request's `X-Routing-Key` header, for the router (`routing.choose`): the requests that
+    name one key go to one replica while the load is even."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            key = dict(scope.get("headers") or []).get(ROUTING_KEY_HEADER)
+            routing_key.set(key.decode("latin-1")[:256] if key else None)
+        await self.app(scope, receive, send)
+
+
+class _Decisions(Collector):
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "telerag_routing_decisions", "inference requests routed, by the rule that chose", labels=["rule"]
+        )
+        for rule, count in DECISIONS.counts().items():
+            family.add_metric([rule.value], float(count))
+        yield family
+
+
+def ingress_settings(settings: Settings) -> Settings:
+    """The ingress admits for every replica: N times one replica's running and waiting requests."""
+    scheduler, replicas = settings.scheduler, settings.cluster.replicas
+    scaled = scheduler.model_copy(
+        update={"max_concurrency": scheduler.max_concurrency * replicas, "max_queue": scheduler.max_queue * replicas}
+    )
+    return settings.model_copy(update={"scheduler": scaled})
+
+
+class ClusterIngress:
+    """The ingress deployment's body: the app at once (`/health` answers, `/ready` says what is
+    loading), its service once the replicas have described themselves and it has warmed up."""
+
+    async def __init__(self, settings: Settings, replicas: Any, shards: int) -> None:  # type: ignore[misc]  # Serve awaits it
+        """`replicas`: the inference deployment's handle."""
+        from telerag.server.app import create_app
+
+        self.settings, self.shards = ingress_settings(settings), shards
+        self.fastapi = create_app(self.settings)
+        self.fastapi.add_middleware(RoutingKey)
+        self.fastapi.state.metrics.registry.register(_Decisions())
+        self.fastapi.state.tiers = self.tiers
+        self._tiers: tuple[float, list[TierState]] = (0.0, [])
+        self._loading = asyncio.create_task(self._load(replicas))
+
+    def __serve_build_asgi_app__(self) -> ASGIApp:
+        return self.fastapi
+
+    async def _load(self, handle: Any) -> None:
+        app, settings = self.fastapi, self.settings
+        lifecycle, metrics = app.state.lifecycle, app.state.metrics
+        try:
+            lifecycle.loading("loading embedder")
+            placer = await asyncio.to_thread(QuestionPlacer.load, settings)
+            replicas = Replicas(handle, placer, settings.cluster.attempts)
+            lifecycle.loading("asking the inference replicas")
+            description = await replicas.describe()
+            service = Service(ReplicaRuntime(settings, description, replicas, routing_key.get), metrics)
+            metrics.replica_series = lambda: {
+                replica: zlib.decompress(stats["metrics"]) for replica, stats in replicas.reports().items() if "metrics" in stats
+            }
+            if settings.server.warm_up:
+                lifecycle.loading("warming up")
+                await service.warm_up()
+        except Exception as exc:
+            log.exception("the ingress could not start")
+            lifecycle.loading(f"failed: {type(exc).__name__}: {exc}")
+            raise
+        from telerag.server.app import publish
+
+        publish(app, service)
+        log.info("ingress ready: %d inference replicas, %d retrieval shards", settings.cluster.replicas, self.shards)
+
+    async def tiers(self) -> list[TierState]:
+        """Each deployment of both tiers, as Serve's controller last said (at most TIERS_TTL_S old)."""
+        asked, tiers = self._tiers
+        if time.monotonic() - asked > TIERS_TTL_S:
+            tiers = await asyncio.to_thread(self._ask_tiers)
+            self._tiers = (time.monotonic(), tiers)
+        return tiers
+
+    def _ask_tiers(self) -> list[TierState]:
+        from ray import serve
+        from ray.serve._private.common import ReplicaState
+
+        from telerag.retrieval.tier import APP as TIER_APP
+
+        applications = serve.status().applications
+        wanted = [(APP, "ingress"), (APP, "inference")] + ([(TIER_APP, "retrieval")] if self.shards else [])
+        states = []
+        for app_name, tier in wanted:
+            application = applications.get(app_name)
+            for name, deployment in sorted((application.deployments if application else {}).items()):
+                if (tier == "ingress") == (name == INGRESS) and (tier != "retrieval" or name.startswith("shard-")):
+                    running = deployment.replica_states.get(ReplicaState.RUNNING, 0)
+                    states.append(TierState(tier=tier, deployment=name, running=running, status=str(deployment.status.value)))
+        if self.shards and not any(state.tier == "retrieval" for state in states):
+            states.append(TierState(tier="retrieval", deployment=TIER_APP, running=0, status="NOT_DEPLOYED"))
+        return states
+
+
+def deploy(settings: Settings) -> None:
+    """Deploy the retrieval tier (with `cluster.shards`) and the inference application on the Ray
+    cluster this process is connected to, with Serve started; every replica runs when it returns."""
+    from telerag.retrieval.tier import TierShape, deploy_tier
+
+    cluster = settings.cluster
+    if cluster.shards:
+        shape = TierShape(shards=cluster.shards, replicas=cluster.shard_replicas, cpus_per_replica=cluster.shard_cpus)
+        deploy_tier(settings.retrieval.datastore.expanduser(), shape, verify_checksums=settings.retrieval.verify_checksums)
+    deploy_inference(settings)
+
+
+def deploy_inference(settings: Settings) -> None:
+    """Deploy (or replace: new replicas, cold caches) the inference application: the ingress and
+    the replicas, which search through the tier deployed already where `cluster.shards` > 0."""
+    from ray import serve
+
+    cluster = settings.cluster
+    router = {
+        "request_router_class": f"{ClusterRouter.__module__}.{ClusterRouter.__qualname__}",  # imported where it routes
+        "request_router_kwargs": asdict(
+            RouterOptions(
+                policy=cluster.router,
+                balance_abs_threshold=cluster.balance_abs_threshold,
+                balance_rel_threshold=cluster.balance_rel_threshold,
+                recent_s=2 * cluster.routing_stats_period_s,
+            )
+        ),
+        "request_routing_stats_period_s": cluster.routing_stats_period_s,
+    }
+    inference = serve.deployment(
+        name=REPLICAS,
+        num_replicas=cluster.replicas,
+        ray_actor_options={"num_cpus": cluster.replica_cpus, "num_gpus": cluster.replica_gpus},
+        max_ongoing_requests=settings.scheduler.max_concurrency,
+        request_router_config=router,
+        graceful_shutdown_timeout_s=settings.server.shutdown_grace_s,
+    )(InferenceReplica)
+    ingress = serve.deployment(
+        name=INGRESS,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=10_000,  # the ingress's own admission bounds what it takes (429 past it)
+        graceful_shutdown_timeout_s=settings.server.shutdown_grace_s,
+    )(serve.ingress()(ClusterIngress))
+    serve.run(ingress.bind(settings, inference.bind(settings, cluster.shards > 0), cluster.shards), name=APP, route_prefix="/")
+
+
+def serve_on_ray(settings: Settings) -> int:
+    """Start a local Ray cluster (or join RAY_ADDRESS) with Serve's HTTP proxy on the configured
+    host and port, deploy both tiers, and serve until SIGTERM or SIGINT; then delete them (Serve
+    drains each replica's requests for up to `server.shutdown_grace_s`)."""
+    import ray
+    from ray import serve
+
+    from telerag.retrieval.tier import APP as TIER_APP
+    from telerag.server.runtime import load_configured_datastore, load_embedder
+
+    if settings.retrieval.build_if_missing:  # built once here, not by every replica at once
+        load_configured_datastore(settings.retrieval, load_embedder(settings.retrieval)).close()
+    address = os.environ.get("RAY_ADDRESS")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    cluster = settings.cluster
+    # a local cluster's logical CPUs: what the replicas reserve, if more than the cores (they share them anyway)
+    wanted = cluster.replicas * cluster.replica_cpus + cluster.shards * (cluster.shard_replicas * cluster.shard_cpus) + 1
+    cpus = None if address else max(os.cpu_count() or 1, math.ceil(wanted))
+    ray.init(address=address, num_cpus=cpus, include_dashboard=False, configure_logging=False)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
+        signal.signal(signum, lambda received, _: stop.set())
+    try:
+        serve.start(http_options={"host": settings.server.host, "port": settings.server.port})
+        deploy(settings)
+        log.info(
+            "serving on http://%s:%d: %d inference replicas, %s",
+            settings.server.host,
+            settings.server.port,
+            settings.cluster.replicas,
+            f"{settings.cluster.shards} retrieval shards" if settings.cluster.shards else "each searching its own faiss",
+        )
+        stop.wait()
+        log.info("stopping: the replicas drain their requests")
+        return 0
+    finally:
+        # bounded: a signal sent to the whole process group (a terminal's ^C) stops Ray's own
+        # processes too, and Serve would then wait for them for ever
+        def delete() -> None:
+            for app_name in (APP, TIER_APP):
+                if app_name in serve.status().applications:
+                    serve.delete(app_name)
+
+        deleting = threading.Thread(target=delete, daemon=True)
+        deleting.start()
+        deleting.join(settings.server.shutdown_grace_s + 15)
+        ray.shutdown()

@@ -1,0 +1,343 @@
+"""`telerag serve --ray` on a local Ray cluster: the ingress (the same HTTP API) in front of two
+inference replicas that search through a retrieval tier of two shards, with the tiny test model
+and embedder over a datastore of topics. The served documents equal the one-process server's,
+SSE streams, `/ready` and `/metrics` cover both tiers and every replica, a routing key keeps a
+replica, a full ingress answers 429, and a replica killed under load loses no accepted request
+silently. One module, so that one worker runs one Ray cluster at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from telerag.retrieval.builder import build_datastore
+from telerag.retrieval.corpus import Article, split_passages
+from telerag.server.app import create_app, start_serving
+from telerag.server.settings import Settings
+from telerag.utils.processes import free_port
+from tests.serving import save_tiny_lm
+from tests.tiny_models import tiny_embedder_dir
+
+ray = pytest.importorskip("ray", reason="the cluster needs the `ray` extra")
+serve = pytest.importorskip("ray.serve")
+
+pytestmark = [pytest.mark.slow, pytest.mark.minutes(2)]
+
+TOPICS = 24
+WORDS = [
+    "river",
+    "mountain",
+    "city",
+    "music",
+    "science",
+    "history",
+    "art",
+    "king",
+    "war",
+    "ship",
+    "school",
+    "church",
+    "island",
+    "forest",
+    "bridge",
+    "garden",
+    "castle",
+    "train",
+    "market",
+    "temple",
+    "desert",
+    "village",
+    "harbour",
+    "tower",
+    "library",
+    "museum",
+    "theatre",
+    "factory",
+    "planet",
+    "ocean",
+    "battle",
+    "empire",
+    "poet",
+    "painter",
+    "engine",
+    "festival",
+    "saint",
+    "queen",
+    "village",
+    "valley",
+    "glacier",
+    "canal",
+]
+
+
+def topic_words(topic: int) -> list[str]:
+    return [WORDS[(topic * 7 + j * 3) % len(WORDS)] for j in range(6)]
+
+
+def build_topic_datastore(out_dir: Path, embedder_dir: Path) -> Path:
+    """Articles of `TOPICS` topics, each topic's words its own: questions of one topic land in
+    the same few of the datastore's 24 lists. Each passage has a word of its own, so that no two
+    passages are alike (tied scores could be served in either order)."""
+    from telerag.pipelines.embedder import Embedder
+
+    articles = [
+        Article(
+            id=f"t{t}-{a}",
+            title=f"Topic {t} article {a}",
+            text=" ".join(word for k in range(2) for word in [f"{t}x{a}x{k}", *(topic_words(t) * 5)[:29]]),
+        )
+        for t in range(TOPICS)
+        for a in range(6)
+    ]
+    embedder = Embedder(embedder_dir)
+    passages = split_passages(articles, passage_words=30)
+    return build_datastore(passages, embedder.encode, embedder=embedder.name, out_dir=out_dir, nlist=24, progress=False)
+
+
+def question(topic: int, n: int) -> str:
+    words = topic_words(topic)
+    return f"what about {words[n % 6]} and {words[(n + 2) % 6]}?"
+
+
+@pytest.fixture(scope="module")
+def settings(tmp_path_factory) -> Settings:
+    root = tmp_path_factory.mktemp("cluster")
+    embedder = tiny_embedder_dir(32, 0)
+    return Settings(
+        engine={"model_path": save_tiny_lm(root / "lm"), "device": "cpu", "prefix_cache_mb": 0},
+        retrieval={
+            "datastore": build_topic_datastore(root / "ds", embedder),
+            "embedder": embedder,
+            "device": "cpu",
+            "embedder_device": "cpu",
+            "cache_mb": 0.012,  # a third of the lists per replica
+            "prefetch_budget_mb": 0.003,  # one to three lists: a question's other lists hit only where they are resident
+            "build_if_missing": False,
+            "nprobe": 4,
+        },
+        scheduler={"max_concurrency": 2, "max_queue": 2, "admission_deadline_s": None, "request_timeout_s": 60},
+        server={"warm_up": False},
+        cluster={"replicas": 2, "shards": 2, "replica_cpus": 0.5, "shard_cpus": 0.5, "routing_stats_period_s": 0.2},
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(settings) -> Iterator[str]:
+    """The local Ray cluster with Serve's proxy on a free port and both tiers deployed; its URL."""
+    from telerag.retrieval.tier import APP as TIER_APP
+    from telerag.server.cluster import APP, deploy
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        deploy(settings)
+        base = f"http://127.0.0.1:{port}"
+        wait_ready(base)
+        yield base
+    finally:
+        for app in (APP, TIER_APP):
+            serve.delete(app)
+        serve.shutdown()
+        ray.shutdown()
+
+
+def wait_ready(base: str) -> None:
+    deadline = time.monotonic() + 120
+    while (ready := httpx.get(f"{base}/ready", timeout=10)).status_code != 200:
+        assert time.monotonic() < deadline, ready.text
+        time.sleep(0.2)
+
+
+async def one_process_documents(settings: Settings, questions: list[str]) -> list[list[int]]:
+    """What the one-process server serves for `questions` (its app in process, the same settings)."""
+    from telerag.server.runtime import open_runtime
+
+    local = settings.model_copy(update={"cluster": settings.cluster.model_copy(update={"shards": 0})})
+    async with open_runtime(local) as runtime:
+        app = create_app(local)
+        start_serving(app, runtime)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60) as client:
+            served = []
+            for text in questions:
+                response = await client.post("/v1/rag/query", json={"query": text, "pipeline": "hyde", "max_tokens": 8})
+                assert response.status_code == 200, response.text
+                served.append([d["id"] for d in response.json()["documents"]])
+            return served
+
+
+def test_served_documents_equal_the_one_process_servers_and_the_answer_streams(cluster, settings):
+    questions = [question(t, n) for t in (0, 5, 11, 17) for n in range(2)]
+    served = []
+    for text in questions:
+        response = httpx.post(f"{cluster}/v1/rag/query", json={"query": text, "pipeline": "hyde", "max_tokens": 8}, timeout=60)
+        assert response.status_code == 200, response.text
+        served.append([d["id"] for d in response.json()["documents"]])
+    assert served == asyncio.run(one_process_documents(settings, questions))
+    streamed = {"query": questions[0], "pipeline": "hyde", "stream": True, "max_tokens": 8}
+    with httpx.stream("POST", f"{cluster}/v1/rag/query", json=streamed, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        blocks = "".join(response.iter_text()).strip().split("\n\n")
+    events = [block.split("\n")[0].removeprefix("event: ") for block in blocks]
+    assert events[0] == "stage" and "token" in events and events[-1] == "result", events
+    result = json.loads(blocks[-1].split("\n")[1].removeprefix("data: "))
+    assert [d["id"] for d in result["documents"]] == served[0]
+
+
+def test_the_openai_routes_and_the_pipelines_are_served(cluster):
+    pipelines = httpx.get(f"{cluster}/v1/pipelines", timeout=10).json()["pipelines"]
+    assert {p["name"] for p in pipelines} >= {"naive", "hyde"}
+    chat = httpx.post(
+        f"{cluster}/v1/chat/completions",
+        json={"model": "naive", "max_tokens": 4, "messages": [{"role": "user", "content": question(3, 0)}]},
+        timeout=60,
+    )
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["object"] == "chat.completion" and chat.json()["documents"]
+
+
+def test_ready_reports_both_tiers_and_metrics_every_replica(cluster):
+    ready = httpx.get(f"{cluster}/ready", timeout=10).json()
+    tiers = {(t["tier"], t["deployment"]): t["running"] for t in ready["tiers"]}
+    assert tiers == {
+        ("ingress", "ingress"): 1,
+        ("inference", "inference"): 2,
+        ("retrieval", "shard-0"): 1,
+        ("retrieval", "shard-1"): 1,
+    }
+    assert ready["ready"] and ready["engine"] and ready["datastore"]["nlist"] == 24
+    time.sleep(0.5)  # the replicas' latest reports
+    metrics = httpx.get(f"{cluster}/metrics", timeout=10).text
+    replicas = {line.split('replica="')[1].split('"')[0] for line in metrics.splitlines() if 'replica="' in line}
+    assert len(replicas) == 2
+    assert 'telerag_routing_decisions_total{rule="clusters"}' in metrics
+    for replica in replicas:
+        assert f'telerag_cache_capacity_bytes{{replica="{replica}"}}' in metrics
+    assert metrics.count("# TYPE telerag_request_seconds histogram") == 1  # the ingress's and the replicas' in one family
+
+
+def served_by(cluster: str) -> dict[str, float]:
+    """Requests each replica has finished (its telerag_request_seconds_count, all pipelines)."""
+    time.sleep(0.6)  # a report or two
+    counts: dict[str, float] = {}
+    for line in httpx.get(f"{cluster}/metrics", timeout=10).text.splitlines():
+        if line.startswith("telerag_request_seconds_count") and 'replica="' in line:
+            replica = line.split('replica="')[1].split('"')[0]
+            counts[replica] = counts.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def test_a_routing_key_keeps_its_replica(cluster):
+    before = served_by(cluster)
+    for n in range(6):
+        response = httpx.post(
+            f"{cluster}/v1/rag/query",
+            json={"query": question(n, n), "max_tokens": 4},
+            headers={"X-Routing-Key": "tenant-7"},
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+    after = served_by(cluster)
+    grown = sorted(after[r] - before.get(r, 0.0) for r in after)
+    assert grown[-1] == 6 and sum(grown) == 6, (before, after)
+
+
+def test_a_full_ingress_answers_429_with_retry_after(cluster):
+    """2 replicas x (2 running + 2 waiting) admitted; the rest of a burst of 20 refused at once."""
+
+    def ask(i: int) -> httpx.Response:
+        return httpx.post(f"{cluster}/v1/rag/query", json={"query": question(i, i), "max_tokens": 48}, timeout=60)
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(20) as pool:
+        responses = list(pool.map(ask, range(20)))
+    refused = [r for r in responses if r.status_code == 429]
+    assert refused and all(r.status_code in (200, 429) for r in responses)
+    assert len(responses) - len(refused) >= 8
+    for response in refused:
+        assert int(response.headers["Retry-After"]) >= 1 and response.json()["error"]["code"] == "queue_full"
+
+
+def test_a_replica_killed_under_load_loses_no_accepted_request(cluster):
+    """Every request answered whole (200 with its result), or refused or failed in the one error
+    body (429, 503); Serve starts a replacement."""
+    outcomes: list[tuple[int, dict]] = []
+    stop = threading.Event()
+
+    def load(worker: int) -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            response = httpx.post(
+                f"{cluster}/v1/rag/query", json={"query": question(worker * 5 + n, n), "max_tokens": 16}, timeout=60
+            )
+            outcomes.append((response.status_code, response.json()))
+
+    workers = [threading.Thread(target=load, args=(w,)) for w in range(3)]
+    for worker in workers:
+        worker.start()
+    while len(outcomes) < 6:
+        time.sleep(0.05)
+    victim = next(a for a in ray.util.list_named_actors(all_namespaces=True) if "#inference#" in a["name"])
+    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+    killed_at = len(outcomes)
+    while len(outcomes) < killed_at + 12:
+        time.sleep(0.05)
+    stop.set()
+    for worker in workers:
+        worker.join(60)
+    for status, body in outcomes:
+        if status == 200:
+            assert body["answer"] is not None and body["documents"], body
+        else:
+            assert status in (429, 503) and set(body["error"]) >= {"type", "message", "code"}, (status, body)
+    assert sum(status == 200 for status, _ in outcomes[killed_at:]) >= 6
+    from telerag.server.cluster import APP
+
+    for _ in range(120):
+        if serve.status().applications[APP].deployments["inference"].replica_states.get("RUNNING") == 2:
+            break
+        time.sleep(0.5)
+    assert serve.status().applications[APP].deployments["inference"].replica_states.get("RUNNING") == 2
+
+
+def replica_samples(cluster: str, name: str) -> float:
+    """A series summed over the replicas (their labelled samples), as `/metrics` says now."""
+    time.sleep(0.6)  # the replicas' latest reports
+    lines = httpx.get(f"{cluster}/metrics", timeout=10).text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{") and 'replica="' in line)
+
+
+def test_the_cluster_router_hits_the_caches_more_than_the_default_router(cluster, settings):
+    """The same stream (questions of 8 topics in runs of 3, topics in a seeded order) through new
+    replicas (cold caches) routed by each policy in turn; one request at a time, so that the load
+    is even and the cluster rule decides. Last in the module: it leaves the default router."""
+    import random
+
+    from telerag.server.cluster import deploy_inference
+
+    rng = random.Random(3)
+    stream = [question(topic, n) for _ in range(12) for topic in [rng.randrange(8)] for n in range(3)]
+    rates = {}
+    for policy in ("cluster", "default"):
+        deploy_inference(settings.model_copy(update={"cluster": settings.cluster.model_copy(update={"router": policy})}))
+        wait_ready(cluster)
+        for text in stream:
+            response = httpx.post(
+                f"{cluster}/v1/rag/query", json={"query": text, "pipeline": "naive", "max_tokens": 2}, timeout=60
+            )
+            assert response.status_code == 200, response.text
+        hits, misses = (replica_samples(cluster, f"telerag_cache_{kind}_total") for kind in ("hits", "misses"))
+        rates[policy] = hits / (hits + misses)
+    print(f"cache hit rate: cluster router {rates['cluster']:.3f}, default router {rates['default']:.3f}")
+    assert rates["cluster"] > rates["default"], rates
