@@ -134,13 +134,14 @@ def load_configured_datastore(
         embedder,
         build_if_missing=retrieval.build_if_missing,
         verify_checksums=retrieval.verify_checksums,
+        early_stop=retrieval.early_stop,
         on_step=on_step,
     )
 
 
 def open_configured_retriever(datastore: Datastore, embedder: Embedder, retrieval: RetrievalSettings) -> DirectRetriever:
     """The retrieval engine over a loaded datastore, as the settings configure it (device,
-    cluster cache, prefetch budget, nprobe, demand copies, faiss threads)."""
+    cluster cache, prefetch budget, nprobe, demand copies, faiss threads, early stop)."""
     device = str(resolve_device(retrieval.device, error=DeviceUnavailable))
     return open_retriever(
         datastore,
@@ -151,6 +152,7 @@ def open_configured_retriever(datastore: Datastore, embedder: Embedder, retrieva
         nprobe=retrieval.nprobe,
         demand_copy=retrieval.demand_copy,
         cpu_threads=retrieval.cpu_threads,
+        early_stop=retrieval.early_stop,
     )
 
 
