@@ -241,16 +241,22 @@ def add_list_stats(path: Path, *, verify_checksums: bool = True, progress: bool 
     finally:
         datastore.close()
     target = path / LIST_STATS
-    if target.exists():  # not in the manifest: left by an upgrade stopped between its two renames, or not ours
-        if not target.is_file() or target.read_bytes() != _npy_bytes(stats):
-            raise DatastoreError(
-                f"{target} exists but {MANIFEST} does not list it; refusing to replace a file this command did not "
-                "write (nothing was changed): move it away and run the upgrade again"
-            )
-    else:
-        _write_by_rename(target, _npy_bytes(stats))
-    manifest.files[LIST_STATS] = {"bytes": target.stat().st_size, "sha256": file_sha256(target)}
-    _write_by_rename(path / MANIFEST, json.dumps(asdict(manifest), indent=2).encode("utf-8"))
+    # one not in the manifest was left by an upgrade stopped between its two renames (its bytes are
+    # what this one would write), or is not ours
+    if target.exists() and (not target.is_file() or target.read_bytes() != _npy_bytes(stats)):
+        raise DatastoreError(
+            f"{target} exists but {MANIFEST} does not list it; refusing to replace a file this command did not "
+            "write (nothing was changed): move it away and run the upgrade again"
+        )
+    try:
+        if not target.exists():
+            _write_by_rename(target, _npy_bytes(stats))
+        manifest.files[LIST_STATS] = {"bytes": target.stat().st_size, "sha256": file_sha256(target)}
+        _write_by_rename(path / MANIFEST, json.dumps(asdict(manifest), indent=2).encode("utf-8"))
+    except OSError as exc:
+        raise DatastoreError(
+            f"could not add {LIST_STATS} to {path} ({exc}); it reads as before: run the upgrade again where it can be written"
+        ) from exc
     return True
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from telerag.cli.main import main
+from telerag.retrieval import datastore_writer
 from telerag.retrieval.builder import write_clustered
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import WIKIPEDIA_SOURCE
@@ -262,6 +263,19 @@ def test_the_upgrade_never_replaces_a_file_it_did_not_write(tmp_path):
     (ds.path / MANIFEST).write_text(json.dumps(manifest, indent=2))
     assert add_list_stats(ds.path) is True
     assert Datastore.load(ds.path).list_stats is not None
+
+
+def test_an_upgrade_that_cannot_write_says_so_and_leaves_the_datastore_readable(tmp_path, monkeypatch):
+    ds = random_datastore(tmp_path / "ds", n=600, nlist=8)
+    strip_list_stats(ds.path)
+
+    def read_only(target: Path, data: bytes) -> None:
+        raise PermissionError(13, "Permission denied", str(target))
+
+    monkeypatch.setattr(datastore_writer, "_write_by_rename", read_only)
+    with pytest.raises(DatastoreError, match=r"could not add list_stats\.npy .*Permission denied.*run the upgrade again"):
+        add_list_stats(ds.path)
+    assert Datastore.load(ds.path).list_stats is None
 
 
 class Encoder:
