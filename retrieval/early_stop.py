@@ -1,8 +1,10 @@
 """Exact early stop of an IVF scan (issue 28; AquaPipe's early stop, made exact).
 
 Every vector x of list l lies within the list's radius r_l of its centroid c_l (stored in the
-datastore, computed from the decoded vectors), so for inner product q·x <= q·c_l + |q|·r_l
-(Cauchy-Schwarz). A query's lists are scanned a chunk at a time in centroid-score order; once
+datastore with two more statistics, computed from the decoded vectors: `ListStats`), so for
+inner product q·x <= q·c_l + |q|·r_l (Cauchy-Schwarz); a second bound, from the vectors' largest
+norm and least projection on the centroid's direction, is tighter for vectors of about one norm
+(`ListBounds`). A query's lists are scanned a chunk at a time in centroid-score order; once
 its k-th best score so far is at least an unscanned list's bound, that list cannot change the
 top-k (a vector scoring exactly the k-th score could only tie with it, and among ties at the
 k-th place either may be kept, as `ivf.same_results` defines), so it is skipped. The bound is
@@ -10,9 +12,9 @@ widened by what float32 rounding may add to the scores faiss computes, so it hol
 computed scores, not only for exact ones: the answer is always the full scan's.
 
 How much it skips depends on how tight the lists are against the scores queries reach. In high
-dimensions the bound is loose: on the embedded datastore (MiniLM, 384-d, unit vectors, 273
-lists) a list's radius is about 1.1 while a query's 3rd-best score is about 0.5, so no list is
-ever skipped (see docs/benchmarks.md, "Exact early stop"); `retrieval.early_stop` is off by
+dimensions both are loose: on the embedded datastore (MiniLM, 384-d, unit vectors, 273 lists)
+a list's radius is about 1.1 while a query's 3rd-best score is about 0.5, so no list is ever
+skipped (see docs/benchmarks.md, "Exact early stop"); `retrieval.early_stop` is off by
 default for that reason.
 """
 
