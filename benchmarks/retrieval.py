@@ -1,5 +1,10 @@
 """`telerag bench retrieval`: faiss CPU vs. our prefetch + cooperative search (without and with
-demand copies) vs. everything resident, side by side in one run, on a synthetic clustered datastore with controllable overlap."""
+demand copies) vs. everything resident, and faiss vs. its scan with exact early stop
+(`retrieval.early_stop`), side by side in one run, on a synthetic clustered datastore with
+controllable overlap, or on the configured datastore (the embedded default's), as it is or
+scaled up in memory as `bench e2e` scales it (`benchmarks.scaled`). The module is long because
+its phases share one engine, one set of queries and faiss's answers to them, the reference every
+phase is checked against; the early-stop phase, which needs only those, is `benchmarks.early_stop`."""
 
 from __future__ import annotations
 
@@ -13,13 +18,18 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from tqdm.auto import tqdm
 
+from telerag.benchmarks.early_stop import EarlyStopTimes, early_stop_phase
 from telerag.benchmarks.report import key_value_table
+from telerag.benchmarks.scaled import DatastoreScale, scaled_datastore
 from telerag.retrieval.builder import write_clustered
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.datastore import Datastore
+from telerag.retrieval.datastore_writer import add_list_stats
 from telerag.retrieval.engine import RetrievalEngine, SearchResult
 from telerag.retrieval.errors import DatastoreError, DeviceUnavailable
 from telerag.retrieval.ivf import same_results
+from telerag.server.runtime import load_configured_datastore, load_embedder
+from telerag.server.settings import load_settings
 from telerag.utils.device import resolve_device
 
 
@@ -27,8 +37,8 @@ from telerag.utils.device import resolve_device
 class BenchConfig:
     vectors: int = 500_000
     dim: int = 384
-    nlist: int = 1024
-    nprobe: int = 128
+    nlist: int | None = None  # synthetic: 1024; scaled: 4*sqrt(vectors)
+    nprobe: int | None = None  # 4*sqrt(nlist), the server's default
     topk: int = 10
     batch: int = 1
     queries: int = 64
@@ -41,11 +51,15 @@ class BenchConfig:
     device: str = "auto"
     cpu_threads: int | None = None  # faiss threads of our CPU half; default: the engine's
     seed: int = 0
+    configured: bool = False  # the configured datastore (the embedded default's) instead of a synthetic one
+    scale_vectors: int | None = None  # the configured datastore scaled up to this many vectors in memory
+    replica_noise: float = 0.5  # of the scaled datastore's replicas (`benchmarks.scaled.DatastoreScale`)
     datastore_dir: Path = Path(".bench")
     profile_dir: Path | None = None  # also write a profiler trace of a few searches of each phase here
 
 
 PROFILED_BATCHES = 3  # searches of each phase in a profiler trace
+SYNTHETIC_NLIST = 1024
 
 
 def _normalise(x: torch.Tensor) -> torch.Tensor:
@@ -54,17 +68,20 @@ def _normalise(x: torch.Tensor) -> torch.Tensor:
 
 def synthetic_datastore(config: BenchConfig, progress: bool = True) -> Path:
     """Build (or reuse) a datastore of clustered unit vectors: cluster sizes vary log-normally,
-    as real IVF lists do; each vector is its centre plus noise and lives in its centre's list."""
-    name = f"synthetic-n{config.vectors}-d{config.dim}-l{config.nlist}-{config.codec}-s{config.seed}"
+    as real IVF lists do; each vector is its centre plus noise and lives in its centre's list.
+    One kept from before list statistics were stored gets them (`add_list_stats`)."""
+    nlist = config.nlist or SYNTHETIC_NLIST
+    name = f"synthetic-n{config.vectors}-d{config.dim}-l{nlist}-{config.codec}-s{config.seed}"
     path = Path(config.datastore_dir) / name
     if (path / "manifest.json").is_file():
+        add_list_stats(path, verify_checksums=False, progress=progress)
         return path
     device = resolve_device(config.device, error=DeviceUnavailable)
     gen = torch.Generator(device=device).manual_seed(config.seed)
     rng = np.random.default_rng(config.seed)
-    centres = _normalise(torch.randn(config.nlist, config.dim, generator=gen, device=device))
-    weights = rng.lognormal(0.0, 0.6, config.nlist)
-    lists = rng.choice(config.nlist, size=config.vectors, p=weights / weights.sum())
+    centres = _normalise(torch.randn(nlist, config.dim, generator=gen, device=device))
+    weights = rng.lognormal(0.0, 0.6, nlist)
+    lists = rng.choice(nlist, size=config.vectors, p=weights / weights.sum())
     vectors = np.empty((config.vectors, config.dim), dtype=np.float32)
     step = 1 << 18
     lists_t = torch.from_numpy(lists).to(device)
@@ -100,7 +117,7 @@ def query_pairs(datastore: Datastore, config: BenchConfig) -> tuple[np.ndarray, 
     distinct = config.distinct_queries or config.queries
     rows = rng.integers(0, datastore.n_vectors, distinct)
     q_in = near_stored(datastore, np.sort(rows), 0.5, rng)
-    q_out = q_in + config.overlap_noise * rng.standard_normal(q_in.shape).astype(np.float32) / np.sqrt(config.dim)
+    q_out = q_in + config.overlap_noise * rng.standard_normal(q_in.shape).astype(np.float32) / np.sqrt(datastore.dim)
     q_out /= np.linalg.norm(q_out, axis=1, keepdims=True)
     if config.distinct_queries:
         popularity = 1.0 / np.arange(1, distinct + 1)
@@ -166,7 +183,7 @@ def _search_once(
         copied = (begin.elapsed_time(end), handle.lease.bytes_copied)
     _sync(engine.device)
     t0 = time.perf_counter()
-    result = engine.search(q_out, config.topk, config.nprobe, prefetch=handle)
+    result = engine.search(q_out, config.topk, engine.nprobe, prefetch=handle)
     elapsed = (time.perf_counter() - t0) * 1e3
     if handle is not None:
         handle.release()
@@ -196,8 +213,8 @@ def _search_phase(
             same_results(result.ids[j], result.scores[j], ref_ids[j], ref_scores[j]) for j in range(len(ref_ids))
         )
         phase.overlap.extend(s.overlap_rate for s in result.per_query if s.overlap_rate is not None)
-        phase.device_fraction.extend(s.clusters_device / config.nprobe for s in result.per_query)
-        phase.demand_fraction.extend(s.clusters_copied_on_demand / config.nprobe for s in result.per_query)
+        phase.device_fraction.extend(s.clusters_device / engine.nprobe for s in result.per_query)
+        phase.demand_fraction.extend(s.clusters_copied_on_demand / engine.nprobe for s in result.per_query)
         if i:
             phase.total_ms.append(elapsed)
             phase.device_ms.append(result.device_ms)
@@ -237,12 +254,9 @@ def _profile_phase(
 
 
 def run(config: BenchConfig, progress: bool = True) -> dict:
-    """Time faiss, ours (prefetch at the budget), ours with demand copies, and everything
-    resident over the same queries."""
-    path = synthetic_datastore(config, progress)
-    datastore = Datastore.load(path, verify_checksums=False)
-    if datastore.manifest.embedder != "synthetic":
-        raise DatastoreError(f"{path} is not a synthetic benchmark datastore")
+    """Time faiss, ours (prefetch at the budget), ours with demand copies, everything resident,
+    and faiss's scan with exact early stop over the same queries."""
+    datastore = open_datastore(config, progress)
     device = resolve_device(config.device, error=DeviceUnavailable)
     mb = 1 << 20
     budget = int(config.budget_mb * mb)
@@ -262,6 +276,7 @@ def run(config: BenchConfig, progress: bool = True) -> dict:
     batches = [slice(s, s + config.batch) for s in range(0, config.queries, config.batch)]
 
     faiss_ms, faiss_tuned_ms, references = _faiss_phase(engine, q_out, batches, config, progress)
+    early_stop = early_stop_phase(engine, q_out, batches, references, config.topk, progress)
     ours = _search_phase(engine, q_in, q_out, batches, references, config, budget, "ours", progress)
     engine.resize_cache(cache_bytes + demand_bytes, demand_copy=True)
     demand = _search_phase(engine, q_in, q_out, batches, references, config, budget, "ours + demand copies", progress)
@@ -280,10 +295,11 @@ def run(config: BenchConfig, progress: bool = True) -> dict:
     peak = peak_copy_gbps(device)
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "datastore": datastore.where,
         "n_vectors": datastore.n_vectors,
         "dim": datastore.dim,
         "nlist": datastore.nlist,
-        "nprobe": config.nprobe,
+        "nprobe": engine.nprobe,
         "topk": config.topk,
         "batch": config.batch,
         "queries": config.queries,
@@ -292,7 +308,7 @@ def run(config: BenchConfig, progress: bool = True) -> dict:
         "cache_bytes": cache_bytes,
         "demand_cache_bytes": cache_bytes + demand_bytes,
         "datastore_bytes": datastore.n_vectors * row_bytes,
-        **_comparison(faiss_ms, faiss_tuned_ms, ours, demand, resident, missed_ms),
+        **_comparison(faiss_ms, faiss_tuned_ms, ours, demand, resident, missed_ms, early_stop),
         "copy_gbps": copy_gbps,
         "copy_gbps_peak": peak,
         "copy_fraction_of_peak": copy_gbps / peak if copy_gbps and peak else None,
@@ -307,18 +323,42 @@ def _faiss_phase(
     faiss_ms, faiss_tuned_ms, references = [], [], []
     for i, batch in enumerate(tqdm(batches, desc="faiss", disable=not progress)):
         t0 = time.perf_counter()
-        engine.index.search(q_out[batch], config.topk, config.nprobe, tuned=False)
+        engine.index.search(q_out[batch], config.topk, engine.nprobe, tuned=False)
         faiss_time = (time.perf_counter() - t0) * 1e3
         t0 = time.perf_counter()
-        references.append(engine.index.search(q_out[batch], config.topk, config.nprobe))
+        references.append(engine.index.search(q_out[batch], config.topk, engine.nprobe))
         if i:  # the first batch warms up
             faiss_ms.append(faiss_time)
             faiss_tuned_ms.append((time.perf_counter() - t0) * 1e3)
     return faiss_ms, faiss_tuned_ms, references
 
 
+def open_datastore(config: BenchConfig, progress: bool) -> Datastore:
+    """The datastore `config` names: a synthetic one (built once, kept in `datastore_dir`), or
+    the configured one (its list statistics added if the embedded default's cache predates them,
+    as the serve path adds them), scaled up in memory with `scale_vectors`."""
+    if not (config.configured or config.scale_vectors):
+        path = synthetic_datastore(config, progress)
+        datastore = Datastore.load(path, verify_checksums=False)
+        if datastore.manifest.embedder != "synthetic":
+            raise DatastoreError(f"{path} is not a synthetic benchmark datastore")
+        return datastore
+    retrieval = load_settings().retrieval.model_copy(update={"early_stop": True})
+    datastore = load_configured_datastore(retrieval, load_embedder(retrieval))
+    if config.scale_vectors:
+        scale = DatastoreScale(vectors=config.scale_vectors, nlist=config.nlist, noise=config.replica_noise, seed=config.seed)
+        datastore = scaled_datastore(datastore, scale, device=config.device, progress=progress)
+    return datastore
+
+
 def _comparison(
-    faiss_ms: list[float], faiss_tuned_ms: list[float], ours: _Phase, demand: _Phase, resident: _Phase, missed_ms: float
+    faiss_ms: list[float],
+    faiss_tuned_ms: list[float],
+    ours: _Phase,
+    demand: _Phase,
+    resident: _Phase,
+    missed_ms: float,
+    early_stop: EarlyStopTimes,
 ) -> dict:
     """The phases' timings side by side, the speedups between them and how many answers matched."""
     faiss_p50, ours_p50, demand_p50, resident_p50 = (
@@ -348,7 +388,13 @@ def _comparison(
         "missed_mb_p50": _p50(demand.missed_bytes) / (1 << 20),
         "demand_device_cluster_fraction": float(np.mean(demand.device_fraction)),
         "demand_copied_fraction": float(np.mean(demand.demand_fraction)),
-        "identical_fraction": float(np.mean(ours.identical + demand.identical + resident.identical)),
+        "identical_fraction": float(np.mean(ours.identical + demand.identical + resident.identical + early_stop.identical)),
+        # faiss at the same nprobe vs its scan with exact early stop, by turns on each batch
+        "early_stop_faiss_ms_p50": _p50(early_stop.faiss_ms),
+        "early_stop_ms_p50": _p50(early_stop.early_stop_ms),
+        "early_stop_speedup": _p50(early_stop.faiss_ms) / _p50(early_stop.early_stop_ms),
+        "lists_scanned_fraction": early_stop.lists_scanned_fraction,
+        "early_stop_identical_fraction": float(np.mean(early_stop.identical)),
         "faiss_tuned_ms_p50": _p50(faiss_tuned_ms),
         "ours_device_ms_p50": _p50(ours.device_ms),
         "ours_cpu_ms_p50": _p50(ours.cpu_ms),

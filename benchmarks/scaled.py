@@ -31,6 +31,7 @@ from telerag.retrieval.builder import check_nlist, default_nlist, lay_out_cluste
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Passage
 from telerag.retrieval.datastore import Datastore
+from telerag.retrieval.early_stop import ListStats
 from telerag.retrieval.errors import DatastoreError, DeviceUnavailable
 from telerag.server.runtime import load_configured_datastore, load_embedder, open_configured_retriever
 from telerag.server.settings import RetrievalSettings
@@ -167,6 +168,8 @@ def scaled_datastore(
     for block in ProgressBar(range(replicas.n_blocks), desc="lay out vectors", unit="block", disable=not progress):
         vectors.index_copy_(0, positions[replicas.rows(block)], replicas.block(block).cpu())
     del positions
+    with ProgressBar[None](total=n, desc="list statistics", unit="row", disable=not progress) as bar:
+        list_stats = ListStats.of(layout.centroids, layout.offsets, vectors.numpy(), Codec.FP32, None, on_block=bar.update)
     source = f"{base.manifest.source or base.where}, scaled to {n} vectors (noise {scale.noise:g}) in memory"
     manifest = dataclasses.replace(base.manifest, nlist=nlist, n_vectors=n, source=source, created_at=time.time(), files={})
     log.info("scaled datastore made in %.1f s", time.perf_counter() - started)
@@ -175,6 +178,7 @@ def scaled_datastore(
         centroids=layout.centroids,
         offsets=layout.offsets,
         vectors=vectors.numpy(),  # the array keeps the (pinned) tensor alive
+        list_stats=list_stats,
         passages=ReplicaPassages(base, layout.perm % base.n_vectors),
         where=f"{base.where} scaled to {n} vectors in memory",
     )

@@ -15,13 +15,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     # torch) load only when it runs, not whenever the command line is parsed
     parser = subparsers.add_parser(
         "retrieval",
-        help="faiss CPU vs. prefetch + cooperative search vs. all-resident, on a synthetic datastore",
+        help="faiss CPU vs. prefetch + cooperative search vs. all-resident, and vs. exact early stop, on a synthetic "
+        "datastore or the configured one (scaled up, or not)",
         argument_default=argparse.SUPPRESS,
     )
     parser.add_argument("--vectors", type=int)
     parser.add_argument("--dim", type=int)
-    parser.add_argument("--nlist", type=int)
-    parser.add_argument("--nprobe", type=int)
+    parser.add_argument("--nlist", type=int, help="lists of the synthetic (default 1024) or scaled (4*sqrt(n)) datastore")
+    parser.add_argument("--nprobe", type=int, help="default: 4*sqrt(nlist), the server's")
     parser.add_argument("--topk", type=int)
     parser.add_argument("--batch", type=int, help="queries per search call")
     parser.add_argument("--queries", type=int)
@@ -44,6 +45,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--cpu-threads", type=int, help="faiss threads of our CPU half (default: all cores, one fewer on CUDA)")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--datastore-dir", type=Path, help="where synthetic datastores are kept")
+    parser.add_argument(
+        "--configured",
+        action="store_true",
+        help="the configured datastore (the embedded default's unless configured otherwise) instead of a synthetic one",
+    )
+    parser.add_argument(
+        "--scale-vectors",
+        type=int,
+        help="the configured datastore scaled up in memory to this many vectors, as bench e2e scales it",
+    )
+    parser.add_argument("--replica-noise", type=float, help="of the scaled datastore: replica = normalise(v + noise*g/sqrt(dim))")
     parser.add_argument(
         "--profile-dir",
         type=Path,

@@ -1,4 +1,5 @@
-"""`telerag datastore build`: a datastore from a JSONL corpus or the built-in Wikipedia."""
+"""`telerag datastore build`: a datastore from a JSONL corpus or the built-in Wikipedia;
+`telerag datastore upgrade`: what a datastore written by an older telerag lacks, added beside its files."""
 
 from __future__ import annotations
 
@@ -35,6 +36,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch-size", type=int, default=1024, help="passages per embedding call")
     parser.add_argument("--overwrite", action="store_true")
     parser.set_defaults(func=run)
+
+    upgrade = subparsers.add_parser(
+        "upgrade",
+        help="add the list statistics exact early stop needs (list_stats.npy) to a datastore written without them",
+        description="Adds list_stats.npy beside the datastore's files and lists it in its manifest; rewrites and "
+        "deletes nothing else. A datastore that has them already is left as it is.",
+    )
+    upgrade.add_argument("path", type=Path, help="the datastore directory")
+    upgrade.add_argument(
+        "--no-verify-checksums",
+        dest="verify_checksums",
+        action="store_false",
+        help="skip reading every file against its checksum first",
+    )
+    upgrade.set_defaults(func=run_upgrade)
+
+
+def run_upgrade(args: argparse.Namespace) -> int:
+    from telerag.retrieval.datastore_writer import add_list_stats
+
+    if add_list_stats(args.path, verify_checksums=args.verify_checksums, progress=True):
+        print(f"{args.path}: list statistics added (list_stats.npy); nothing else changed")
+    else:
+        print(f"{args.path}: has its list statistics already; nothing changed")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:

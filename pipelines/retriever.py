@@ -33,7 +33,9 @@ from telerag.pipelines.types import (
 )
 from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import WIKIPEDIA_SOURCE, PassageShape, read_wikipedia
-from telerag.retrieval.datastore import MANIFEST, Datastore
+from telerag.retrieval.datastore import LIST_STATS, MANIFEST, Datastore, Manifest
+from telerag.retrieval.datastore_writer import add_list_stats
+from telerag.retrieval.early_stop import require_list_stats
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.ivf import ListSearch
 from telerag.retrieval.stats import CacheStats
@@ -242,18 +244,39 @@ def load_datastore(
     *,
     build_if_missing: bool = False,
     verify_checksums: bool = True,
+    early_stop: bool = False,
     on_step: Callable[[str], None] = lambda step: None,
 ) -> Datastore:
     """The one way a datastore is opened for searching with `embedder`: the built-in Wikipedia
     one is built at `path` first if there is none there and `build_if_missing`; then it is
     loaded, refused (`DatastoreMismatchError`) if it was built with another embedder or holds
-    vectors of another dimension, and its files checked. `on_step` hears each step begin."""
+    vectors of another dimension, and its files checked. `on_step` hears each step begin.
+
+    With `early_stop`, a datastore without the list statistics early stop needs (written
+    before they were stored) is refused in one line naming `telerag datastore upgrade`; except
+    the built-in Wikipedia one where `build_if_missing` makes it the server's own (a cache the
+    embedded default built on an older telerag): that one is upgraded here, saying so, as the
+    server would have built it here (`add_list_stats`: one new file, nothing else changed)."""
     path = Path(path).expanduser()
     if build_if_missing and not (path / MANIFEST).is_file():
         on_step("building datastore (first run)")
         build_wikipedia_datastore(path, embedder)
+    if early_stop and build_if_missing:
+        manifest = Manifest.read(path)
+        if LIST_STATS not in manifest.files and manifest.source == WIKIPEDIA_SOURCE:
+            on_step("adding list statistics to the datastore (upgrade)")
+            log.info(
+                "upgrading the Wikipedia datastore at %s, built by an older telerag: adding the list statistics that "
+                "retrieval.early_stop needs (list_stats.npy; as `telerag datastore upgrade %s` does)",
+                path,
+                path,
+            )
+            add_list_stats(path, verify_checksums=verify_checksums, progress=True)
     on_step("checking datastore")
-    return Datastore.load(path, embedder=embedder.name, dim=embedder.dim, verify_checksums=verify_checksums, progress=True)
+    datastore = Datastore.load(path, embedder=embedder.name, dim=embedder.dim, verify_checksums=verify_checksums, progress=True)
+    if early_stop:
+        require_list_stats(datastore)
+    return datastore
 
 
 def open_retriever(
@@ -267,13 +290,16 @@ def open_retriever(
     demand_copy: bool | None = None,
     cpu_threads: int | None = None,
     cpu_half: ListSearch | None = None,
+    early_stop: bool = False,
     build_if_missing: bool = False,
     verify_checksums: bool = True,
 ) -> DirectRetriever:
     """Start the retrieval engine over `datastore`, checked to match `embedder`: a loaded one, or
     the directory to load (`load_datastore`); `cpu_half` as `RetrievalEngine`'s."""
     if not isinstance(datastore, Datastore):
-        datastore = load_datastore(datastore, embedder, build_if_missing=build_if_missing, verify_checksums=verify_checksums)
+        datastore = load_datastore(
+            datastore, embedder, build_if_missing=build_if_missing, verify_checksums=verify_checksums, early_stop=early_stop
+        )
     else:
         datastore.manifest.check_embedder(datastore.where, embedder=embedder.name, dim=embedder.dim)
     engine = RetrievalEngine(
@@ -284,10 +310,12 @@ def open_retriever(
         demand_copy=demand_copy,
         cpu_threads=cpu_threads,
         cpu_half=cpu_half,
+        early_stop=early_stop,
         progress=True,
     )
     log.info(
-        "datastore %s: %d passages, %d lists, dim %d, embedder %s; device %s, cluster cache %.1f MB, demand copies %s",
+        "datastore %s: %d passages, %d lists, dim %d, embedder %s; device %s, cluster cache %.1f MB, demand copies %s, "
+        "early stop %s",
         datastore.where,
         datastore.n_vectors,
         datastore.nlist,
@@ -296,6 +324,7 @@ def open_retriever(
         engine.device,
         engine.cache.capacity_bytes / 2**20,
         "on" if engine.demand is not None and engine.demand.copy_missed else "off",
+        "on" if early_stop else "off",
     )
     if not engine.cache.capacity_rows:
         log.info("prefetch off: no cluster cache")

@@ -1,7 +1,8 @@
 """The contracts between generation, retrieval and the pipelines, and what a pipeline run yields.
 
 Everything here is plain data or a Protocol, so the server, the CLI and the tests can drive a
-pipeline without knowing which engine or retriever sits behind it.
+pipeline without knowing which engine or retriever sits behind it. It is long because it is the
+one place these contracts are written: every layer above imports them together.
 """
 
 from __future__ import annotations

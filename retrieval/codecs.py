@@ -69,6 +69,23 @@ class Codec(StrEnum):
         assert params is not None, "sq8 codes need the codec's parameters"
         return params[0] + (codes.float() + 0.5) / 255.0 * params[1]
 
+    def decode_exact(self, codes: np.ndarray, params: np.ndarray | None = None) -> np.ndarray:
+        """Codes -> float64, the decoding's exact value (faiss's float32 decoding of sq8 may
+        differ from it by up to `decode_slack`; the float codecs convert exactly)."""
+        if not self.has_params:
+            return np.asarray(codes, dtype=np.float64)
+        params64 = self._checked(params, np.shape(codes)[-1]).astype(np.float64)
+        return params64[0] + (np.asarray(codes, dtype=np.float64) + 0.5) / 255.0 * params64[1]
+
+    def decode_slack(self, params: np.ndarray | None = None, dim: int = 0) -> float:
+        """How far (Euclidean norm) a vector faiss decodes in float32 may lie from
+        `decode_exact`'s: none for the float codecs; for sq8 a few roundings of `vmin` and
+        `vdiff`'s size per dimension (float32's unit roundoff is 2^-24; four of them, to spare)."""
+        if not self.has_params:
+            return 0.0
+        params64 = self._checked(params, dim).astype(np.float64)
+        return float(np.linalg.norm(4 * 2.0**-24 * (np.abs(params64[0]) + np.abs(params64[1]))))
+
     def empty_faiss_index(
         self, centroids: np.ndarray, params: np.ndarray | None = None
     ) -> tuple[faiss.IndexIVF, faiss.IndexFlatIP]:

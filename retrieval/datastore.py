@@ -8,6 +8,10 @@ Layout of a datastore directory (`FORMAT_VERSION` 1):
     offsets.npy        int64 (nlist + 1): cluster c is rows offsets[c]:offsets[c+1]
     vectors.npy        codec dtype (n, dim): every vector, cluster after cluster; a vector's id is its row
     codec.npy          sq8 only: float32 (2, dim), the quantizer's vmin and vdiff
+    list_stats.npy     float32 (nlist, 3): each list's radius about its centroid, largest vector norm
+                       and least projection on its centroid's direction, the bounds of exact early stop
+                       (`retrieval.early_stop`; a datastore written before them gets them from
+                       `telerag datastore upgrade`)
     passages.jsonl     optional: one {"doc_id","title","text"} per row, in row order
     passages.idx.npy   optional: int64 (n + 1) byte offsets of those lines
 
@@ -46,7 +50,9 @@ VECTORS = "vectors.npy"
 CODEC_PARAMS = "codec.npy"
 PASSAGES = "passages.jsonl"
 PASSAGE_INDEX = "passages.idx.npy"
-FILES = frozenset({MANIFEST, CENTROIDS, OFFSETS, VECTORS, CODEC_PARAMS, PASSAGES, PASSAGE_INDEX})
+LIST_STATS = "list_stats.npy"
+FILES = frozenset({MANIFEST, CENTROIDS, OFFSETS, VECTORS, CODEC_PARAMS, PASSAGES, PASSAGE_INDEX, LIST_STATS})
+LIST_STATS_WIDTH = 3  # radius, largest norm, least projection (`retrieval.early_stop.ListStats`)
 
 
 @dataclass
@@ -145,12 +151,14 @@ class Datastore:
         offsets: np.ndarray,
         vectors: np.ndarray,
         codec_params: np.ndarray | None = None,
+        list_stats: np.ndarray | None = None,
         passages: PassageStore | None = None,
         path: Path | None = None,
         where: str | None = None,
     ) -> None:
         """`path`: the directory it was loaded from (None: in memory); `where`: what messages
-        call it (default: the path)."""
+        call it (default: the path). `list_stats`: None for a datastore written before they
+        were stored."""
         self.path = path
         self.where = where or (str(path) if path is not None else "a datastore in memory")
         self.manifest = manifest
@@ -162,6 +170,8 @@ class Datastore:
         }
         if self.codec.has_params:
             expected["codec parameters"] = (codec_params, (2, manifest.dim), np.float32)
+        if list_stats is not None:
+            expected["list statistics"] = (list_stats, (manifest.nlist, LIST_STATS_WIDTH), np.float32)
         for name, (array, shape, dtype) in expected.items():
             if array is None or array.shape != shape or array.dtype != np.dtype(dtype):
                 got = "none" if array is None else f"{array.dtype}{array.shape}"
@@ -170,6 +180,7 @@ class Datastore:
             raise DatastoreCorruptError(f"{self.where}: offsets do not describe {manifest.n_vectors} vectors")
         self.centroids, self.offsets, self.vectors = centroids, offsets, vectors
         self.codec_params = None if codec_params is None else np.array(codec_params)
+        self.list_stats = None if list_stats is None else np.array(list_stats)
         self._passages = passages
 
     @classmethod
@@ -216,6 +227,7 @@ class Datastore:
             offsets=_load_array(path, manifest, OFFSETS),
             vectors=_load_array(path, manifest, VECTORS),
             codec_params=_load_array(path, manifest, CODEC_PARAMS) if Codec(manifest.codec).has_params else None,
+            list_stats=_load_array(path, manifest, LIST_STATS) if LIST_STATS in manifest.files else None,
             passages=passages,
             path=path,
         )

@@ -7,6 +7,7 @@ project did not create is ever deleted.
 from __future__ import annotations
 
 import glob
+import io
 import json
 import logging
 import os
@@ -25,13 +26,16 @@ from telerag.retrieval.datastore import (
     CENTROIDS,
     CODEC_PARAMS,
     FILES,
+    LIST_STATS,
     MANIFEST,
     OFFSETS,
     PASSAGE_INDEX,
     PASSAGES,
     VECTORS,
+    Datastore,
     Manifest,
 )
+from telerag.retrieval.early_stop import ListStats
 from telerag.retrieval.errors import DatastoreError
 from telerag.utils.files import file_sha256
 from telerag.utils.progress import ProgressBar
@@ -54,9 +58,9 @@ class VectorRows(Protocol):
     def __getitem__(self, rows: slice) -> np.ndarray: ...
 
 
-def _write_rows(path: Path, vectors: VectorRows, progress: bool) -> None:
+def _write_rows(path: Path, vectors: VectorRows, stats: ListStats, progress: bool) -> np.ndarray:
     """`vectors` into a .npy file, block by block: plain writes, so neither the whole array
-    nor a mapping of the file is ever held in memory."""
+    nor a mapping of the file is ever held in memory. Returns the `stats` of the blocks."""
     n, dim = vectors.shape
     dtype = np.dtype(vectors.dtype)
     step = max(1, WRITE_BLOCK_BYTES // max(1, dim * dtype.itemsize))
@@ -68,7 +72,9 @@ def _write_rows(path: Path, vectors: VectorRows, progress: bool) -> None:
             if block.shape != (min(step, n - start), dim):
                 raise DatastoreError(f"rows {start}:{start + step} of the vectors have shape {block.shape}")
             handle.write(block.data)
+            stats.add(start, block)
             del block  # before the next one is made
+    return stats.result()
 
 
 def _fsync(path: Path) -> None:
@@ -166,7 +172,8 @@ def write_datastore(
     try:
         np.save(tmp / CENTROIDS, np.ascontiguousarray(centroids, dtype=np.float32))
         np.save(tmp / OFFSETS, np.ascontiguousarray(offsets, dtype=np.int64))
-        _write_rows(tmp / VECTORS, vectors, progress)
+        stats = _write_rows(tmp / VECTORS, vectors, ListStats(centroids, offsets, codec, codec_params), progress)
+        np.save(tmp / LIST_STATS, stats)
         if codec_params is not None:
             np.save(tmp / CODEC_PARAMS, np.ascontiguousarray(codec_params, dtype=np.float32))
         if passages is not None:
@@ -207,3 +214,67 @@ def write_datastore(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def add_list_stats(path: Path, *, verify_checksums: bool = True, progress: bool = False) -> bool:
+    """Upgrade a datastore written before list statistics were stored: compute them from its
+    vectors (after checking its files, unless `verify_checksums` is false) and write them as a
+    new file beside the others, `list_stats.npy`, then the manifest that lists it; each into a
+    temporary file renamed into place, so a reader finds the datastore as it was or upgraded,
+    whole. Nothing else is rewritten or deleted. Returns False, changing nothing, when it has
+    them already."""
+    path = Path(path).expanduser()
+    manifest = Manifest.read(path)
+    if LIST_STATS in manifest.files:
+        return False
+    datastore = Datastore.load(path, verify_checksums=verify_checksums, progress=progress)
+    try:
+        with ProgressBar[None](total=datastore.n_vectors, desc="list statistics", unit="row", disable=not progress) as bar:
+            stats = ListStats.of(
+                datastore.centroids,
+                datastore.offsets,
+                datastore.vectors,
+                datastore.codec,
+                datastore.codec_params,
+                on_block=bar.update,
+            )
+    finally:
+        datastore.close()
+    target = path / LIST_STATS
+    # one not in the manifest was left by an upgrade stopped between its two renames (its bytes are
+    # what this one would write), or is not ours
+    if target.exists() and (not target.is_file() or target.read_bytes() != _npy_bytes(stats)):
+        raise DatastoreError(
+            f"{target} exists but {MANIFEST} does not list it; refusing to replace a file this command did not "
+            "write (nothing was changed): move it away and run the upgrade again"
+        )
+    try:
+        if not target.exists():
+            _write_by_rename(target, _npy_bytes(stats))
+        manifest.files[LIST_STATS] = {"bytes": target.stat().st_size, "sha256": file_sha256(target)}
+        _write_by_rename(path / MANIFEST, json.dumps(asdict(manifest), indent=2).encode("utf-8"))
+    except OSError as exc:
+        raise DatastoreError(
+            f"could not add {LIST_STATS} to {path} ({exc}); it reads as before: run the upgrade again where it can be written"
+        ) from exc
+    return True
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+def _write_by_rename(target: Path, data: bytes) -> None:
+    """`data` into a temporary file beside `target`, synced, then renamed over it."""
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        with tmp.open("wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        tmp.rename(target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

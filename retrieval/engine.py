@@ -29,6 +29,7 @@ from telerag.retrieval.cache import ClusterCache
 from telerag.retrieval.cooperative import CooperativeSearch, QueryStats, SearchResources, faiss_part, merge_to_host
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.demand import DemandCopyPolicy
+from telerag.retrieval.early_stop import EarlyStopSearch, ListBounds
 from telerag.retrieval.errors import DeviceMemoryError, DeviceUnavailable, InvalidCall
 from telerag.retrieval.ivf import CPUIndex, ListSearch
 from telerag.retrieval.prefetch import PrefetchHandle, PrefetchPlan, plan_prefetch
@@ -86,6 +87,7 @@ class RetrievalEngine:
         cpu_threads: int | None = None,
         demand_copy: bool | None = None,
         cpu_half: ListSearch | None = None,
+        early_stop: bool = False,
         progress: bool = False,
     ) -> None:
         """`cpu_threads`: faiss threads of the CPU half of a cooperative search (None: every
@@ -93,7 +95,9 @@ class RetrievalEngine:
         device while faiss's workers spin). `demand_copy`: copy part of each search's missed
         clusters to the device instead of leaving them all to faiss (None: on with CUDA).
         `cpu_half`: who scans the lists the device does not (default: faiss here, over the host
-        copy; the retrieval tier, `retrieval.tier`, where the datastore's shards are remote)."""
+        copy; the retrieval tier, `retrieval.tier`, where the datastore's shards are remote).
+        `early_stop`: faiss's half scans its lists with exact early stop (`retrieval.early_stop`;
+        refused for a datastore without list statistics); a tier's shards are told when deployed."""
         self.datastore = datastore
         self.device = resolve_device(device, error=DeviceUnavailable)
         self.nlist = datastore.nlist
@@ -107,6 +111,8 @@ class RetrievalEngine:
         self.host_vectors = self._host_tensor(progress)
         self.index = CPUIndex(datastore, vectors=self.host_vectors.numpy())  # faiss reads the same memory
         self.cpu_half: ListSearch = self.index if cpu_half is None else cpu_half
+        if early_stop and cpu_half is None:
+            self.cpu_half = EarlyStopSearch(self.index, ListBounds.of(datastore))
         with self.on_stream():  # the device tensors searches read belong to the search stream
             self.cache = ClusterCache(self.host_vectors, datastore.offsets, cache_bytes, self.device)
             self.centroids = torch.from_numpy(np.ascontiguousarray(datastore.centroids)).to(self.device)

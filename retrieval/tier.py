@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 
 from telerag.retrieval.datastore import Datastore
+from telerag.retrieval.early_stop import EarlyStopSearch, ListBounds
 from telerag.retrieval.errors import TierBusy, TierUnavailable
-from telerag.retrieval.ivf import CPUIndex, faiss
+from telerag.retrieval.ivf import CPUIndex, ListSearch, faiss
 from telerag.retrieval.shards import ShardRows, merge_shard_results
 
 log = logging.getLogger(__name__)
@@ -40,17 +41,29 @@ class ShardReplica:
     """One replica of one shard: its part of every list, searched for given lists. Loads only
     its rows of the datastore's vectors (a memory node holds its partition, not the whole)."""
 
-    def __init__(self, datastore: str, shard: int, shards: int, *, threads: int = 1, verify_checksums: bool = True) -> None:
+    def __init__(
+        self,
+        datastore: str,
+        shard: int,
+        shards: int,
+        *,
+        threads: int = 1,
+        verify_checksums: bool = True,
+        early_stop: bool = False,
+    ) -> None:
+        """`early_stop`: scan this shard's part of the lists with exact early stop, bounded by
+        each whole list's statistics (they bound any part of it too)."""
         faiss.omp_set_num_threads(threads)  # its share of the node's cores, not all of them
         store = Datastore.load(Path(datastore), verify_checksums=verify_checksums)
         rows = ShardRows.of(store.offsets, shard, shards)
         self.index = CPUIndex(store, shard=rows)
+        self.lists: ListSearch = EarlyStopSearch(self.index, ListBounds.of(store)) if early_stop else self.index
         log.info("shard %d of %d: %d of %d rows of %s", shard, shards, len(rows.ids), store.n_vectors, datastore)
 
     def search_lists(
         self, queries: np.ndarray, k: int, lists: np.ndarray, list_scores: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
-        return self.index.search_lists(queries, k, lists, list_scores)
+        return self.lists.search_lists(queries, k, lists, list_scores)
 
 
 @dataclass(frozen=True)
@@ -62,6 +75,7 @@ class TierShape:
     cpus_per_replica: float = 1.0
     max_ongoing_requests: int = 8  # per replica; past it requests queue in the caller's router
     max_queued_requests: int = 64  # per caller; past it a call is refused at once (TierBusy)
+    early_stop: bool = False  # each shard scans with exact early stop (`retrieval.early_stop`)
 
 
 class TierDirectory:
@@ -92,7 +106,9 @@ def deploy_tier(datastore: Path | str, shape: TierShape, *, verify_checksums: bo
             ray_actor_options={"num_cpus": shape.cpus_per_replica},
             max_ongoing_requests=shape.max_ongoing_requests,
             max_queued_requests=shape.max_queued_requests,
-        )(ShardReplica).bind(path, number, shape.shards, threads=threads, verify_checksums=verify_checksums)
+        )(ShardReplica).bind(
+            path, number, shape.shards, threads=threads, verify_checksums=verify_checksums, early_stop=shape.early_stop
+        )
         for number in range(shape.shards)
     ]
     directory = serve.deployment(name="directory", ray_actor_options={"num_cpus": 0})(TierDirectory)

@@ -158,7 +158,12 @@ def deploy(settings: Settings) -> None:
 
     cluster = settings.cluster
     if cluster.shards:
-        shape = TierShape(shards=cluster.shards, replicas=cluster.shard_replicas, cpus_per_replica=cluster.shard_cpus)
+        shape = TierShape(
+            shards=cluster.shards,
+            replicas=cluster.shard_replicas,
+            cpus_per_replica=cluster.shard_cpus,
+            early_stop=settings.retrieval.early_stop,
+        )
         deploy_tier(settings.retrieval.datastore.expanduser(), shape, verify_checksums=settings.retrieval.verify_checksums)
     deploy_inference(settings)
 

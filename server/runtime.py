@@ -158,6 +158,7 @@ def load_configured_datastore(
         embedder,
         build_if_missing=retrieval.build_if_missing,
         verify_checksums=retrieval.verify_checksums,
+        early_stop=retrieval.early_stop,
         on_step=on_step,
     )
 
@@ -166,8 +167,8 @@ def open_configured_retriever(
     datastore: Datastore, embedder: TextEncoder, retrieval: RetrievalSettings, *, cpu_half: ListSearch | None = None
 ) -> DirectRetriever:
     """The retrieval engine over a loaded datastore, as the settings configure it (device,
-    cluster cache, prefetch budget, nprobe, demand copies, faiss threads); `cpu_half`: who scans
-    what the device does not (default: faiss here; the retrieval tier on a Ray cluster)."""
+    cluster cache, prefetch budget, nprobe, demand copies, faiss threads, early stop); `cpu_half`:
+    who scans what the device does not (default: faiss here; the retrieval tier on a Ray cluster)."""
     device = str(resolve_device(retrieval.device, error=DeviceUnavailable))
     return open_retriever(
         datastore,
@@ -179,6 +180,7 @@ def open_configured_retriever(
         nprobe=retrieval.nprobe,
         demand_copy=retrieval.demand_copy,
         cpu_threads=retrieval.cpu_threads,
+        early_stop=retrieval.early_stop,
     )
 
 

@@ -88,6 +88,11 @@ class RetrievalSettings(Section):
         ge=1,
     )
     nprobe: int | None = setting(None, "null: 4 * sqrt(nlist)", ge=1)
+    early_stop: bool = setting(
+        False,
+        "exact early stop of faiss's half: skip the lists whose score bound proves they cannot change the top-k "
+        "(same answers); off: on 384-d embeddings it skips none and costs time (docs/benchmarks.md)",
+    )
     top_k: int = setting(3, "documents a request gets when it does not say", ge=1)
     verify_checksums: bool = setting(True, "read every byte of the datastore at start-up against its manifest's checksums")
 

@@ -10,12 +10,19 @@ import pytest
 
 from telerag.benchmarks.retrieval import BenchConfig, run
 from telerag.cli.main import main
+from telerag.pipelines.embedder import Embedder
+from telerag.retrieval.builder import build_datastore
+from telerag.retrieval.corpus import Article, split_passages
+from telerag.retrieval.datastore import Datastore
+from telerag.retrieval.engine import default_nprobe
+from tests.tiny_models import tiny_embedder_dir
 
 REQUIRED = {
     "device", "n_vectors", "dim", "nlist", "nprobe", "batch", "budget_bytes", "overlap_rate", "faiss_ms_p50",
     "ours_ms_p50", "resident_ms_p50", "speedup_vs_faiss", "identical_fraction", "copy_gbps", "copy_gbps_peak",
     "ours_demand_ms_p50", "demand_vs_resident", "demand_copied_fraction", "demand_bound_ms", "demand_vs_bound",
-    "missed_mb_p50",
+    "missed_mb_p50", "early_stop_faiss_ms_p50", "early_stop_ms_p50", "early_stop_speedup", "lists_scanned_fraction",
+    "early_stop_identical_fraction",
 }  # fmt: skip
 
 
@@ -27,7 +34,8 @@ def test_every_timed_search_is_exact(tmp_path, batch):
     )  # fmt: skip
     result = run(config, progress=False)
     assert result.keys() >= REQUIRED
-    assert result["identical_fraction"] == 1.0
+    assert result["identical_fraction"] == result["early_stop_identical_fraction"] == 1.0
+    assert 0.0 < result["lists_scanned_fraction"] <= 1.0
     assert result["n_vectors"] == 4000 and result["nprobe"] == 8 and result["batch"] == batch
     assert 0.0 < result["overlap_rate"] <= 1.0
     assert result["demand_cache_bytes"] == result["cache_bytes"] == int(0.06 * (1 << 20))  # no extra room by default
@@ -71,3 +79,33 @@ def test_a_stream_with_repeats_and_a_cache_larger_than_the_datastore_keeps_it_re
     result = run(config, progress=False)
     assert result["identical_fraction"] == 1.0
     assert result["missed_mb_p50"] == 0.0  # the repeats find their clusters resident
+
+
+@pytest.fixture(scope="module")
+def configured_datastore(tmp_path_factory):
+    """A small datastore with passages under the tiny embedder, as the configured one."""
+    embedder = Embedder(tiny_embedder_dir(32, 0))
+    articles = [Article(id=f"a{i}", title=f"A{i}", text=f"Article {i} is about topic {i % 7}. " * 12) for i in range(60)]
+    out = tmp_path_factory.mktemp("configured") / "datastore"
+    build_datastore(split_passages(articles), embedder.encode, embedder=embedder.name, out_dir=out, nlist=6, progress=False)
+    return out
+
+
+@pytest.mark.parametrize("scale_vectors", [None, 2000])
+def test_the_configured_datastore_as_it_is_or_scaled_up(configured_datastore, monkeypatch, tmp_path, scale_vectors):
+    """`--configured` and `--scale-vectors`: the configured datastore (or it scaled up as bench
+    e2e scales it) at the server's default nprobe, early stop beside faiss, every answer exact."""
+    monkeypatch.setenv("TELERAG_RETRIEVAL__DATASTORE", str(configured_datastore))
+    monkeypatch.setenv("TELERAG_RETRIEVAL__EMBEDDER", str(tiny_embedder_dir(32, 0)))
+    monkeypatch.setenv("TELERAG_RETRIEVAL__EMBEDDER_DEVICE", "cpu")
+    config = BenchConfig(
+        topk=3, queries=6, budget_mb=0.01, device="cpu", configured=scale_vectors is None, scale_vectors=scale_vectors,
+        nlist=32 if scale_vectors else None, datastore_dir=tmp_path,
+    )  # fmt: skip
+    result = run(config, progress=False)
+    base = Datastore.load(configured_datastore)
+    assert result["n_vectors"] == (scale_vectors or base.n_vectors)
+    assert result["nlist"] == (32 if scale_vectors else base.nlist) and result["nprobe"] == default_nprobe(result["nlist"])
+    assert result["identical_fraction"] == result["early_stop_identical_fraction"] == 1.0
+    assert 0.0 < result["lists_scanned_fraction"] <= 1.0
+    assert not list(tmp_path.iterdir())  # no synthetic datastore was made

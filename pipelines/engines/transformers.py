@@ -11,7 +11,10 @@ caller's asyncio queue as they are made, with log-probabilities when asked (FLAR
 A caller that stops iterating (or is cancelled) has its rows dropped at the next step.
 
 The model's files are read by `checkpoints`; each prompt's decoding state lives in `decoding`,
-the running batch and its KV cache in `batching`; this module is the scheduling loop.
+the running batch and its KV cache in `batching`, the reusable KV in `prefix_cache` and
+`document_kv`; this module is the scheduling loop. It is long because the loop's three ways to
+prefill a prompt (from scratch, after a cached prefix, after documents' KV) run on the worker
+thread's model and batch, and belong beside the loop that calls them.
 """
 
 from __future__ import annotations
