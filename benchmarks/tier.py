@@ -34,6 +34,7 @@ class TierBenchConfig:
     k: int = 3
     nprobe: int | None = None  # default: the server's for this datastore
     cpus_per_replica: float = 1.0
+    faiss_threads: int | None = None  # faiss here; default: every core, as the one-process server
     noise: float = 0.5  # queries: stored vectors plus this much Gaussian noise, normalised
     seed: int = 0
 
@@ -66,13 +67,22 @@ class TierReport:
 def run_tier_bench(config: TierBenchConfig, *, progress: bool = True) -> TierReport:
     """Start (or join, with RAY_ADDRESS) a Ray cluster and Serve, deploy the tier once per
     number of shards, and time it against faiss here."""
+    datastore = Datastore.load(config.datastore, verify_checksums=False)
+    local = CPUIndex(datastore)
+    threads = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(config.faiss_threads or threads)
+    try:
+        return _run(config, datastore, local, progress)
+    finally:
+        faiss.omp_set_num_threads(threads)
+
+
+def _run(config: TierBenchConfig, datastore: Datastore, local: CPUIndex, progress: bool) -> TierReport:
     import ray
     from ray import serve
 
     from telerag.retrieval.engine import default_nprobe
 
-    datastore = Datastore.load(config.datastore, verify_checksums=False)
-    local = CPUIndex(datastore)
     nprobe = config.nprobe or default_nprobe(datastore.nlist)
     report = TierReport(
         datastore=str(config.datastore),

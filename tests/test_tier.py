@@ -16,7 +16,7 @@ import pytest
 from telerag.cli.main import main
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.errors import TierBusy, TierUnavailable
-from telerag.retrieval.ivf import CPUIndex, same_results
+from telerag.retrieval.ivf import CPUIndex, faiss, same_results
 from telerag.retrieval.tier import APP, RetrievalTier, TierShape, deploy_tier
 from tests.retrieval_helpers import random_datastore, random_queries
 
@@ -82,6 +82,31 @@ def test_a_failed_shard_call_is_asked_again_and_one_that_never_answers_fails_the
         dead.search_lists(*args)
     with pytest.raises(TierBusy, match="shard 1"):
         RetrievalTier([FakeHandle(part), FakeHandle(other, busy=True)], retry_wait_s=0).search_lists(*args)
+
+
+def test_a_shard_replica_searches_with_its_share_of_the_cores_in_the_thread_that_searches(tmp_path):
+    """Serve calls a replica's methods in another thread than its constructor's, and OpenMP's
+    thread count is per thread: the replica sets it where it searches."""
+    import asyncio
+
+    from telerag.retrieval.tier import ShardReplica
+
+    ds = random_datastore(tmp_path / "ds", n=500, dim=8, nlist=4)
+    replica = ShardReplica(str(ds.path), 0, 2, threads=1, verify_checksums=False)
+    whole = CPUIndex(ds)
+    q, lists, list_scores = next(searches(whole, 1, seed=3))
+    seen: list[int] = []
+
+    def search() -> None:
+        faiss.omp_set_num_threads(2)  # as a thread of Serve's starts: every core
+        got = asyncio.run(replica.search_lists(q, 5, lists, list_scores))
+        seen.append(faiss.omp_get_max_threads())
+        assert got[0].shape == (len(q), 5)
+
+    worker = threading.Thread(target=search)
+    worker.start()
+    worker.join()
+    assert seen == [1]
 
 
 @pytest.fixture(scope="module")
@@ -174,10 +199,12 @@ def test_bench_tier_times_the_tier_against_faiss_and_prints_a_table_and_one_json
     """`telerag bench tier` (on the cluster already running: it joins it and leaves it running)."""
     random_datastore(tmp_path / "ds", n=2000, dim=16, nlist=16)
     argv = ["bench", "tier", "--datastore", str(tmp_path / "ds"), "--shards", "1", "2", "--batch", "1", "4"]
-    assert main([*argv, "--searches", "4", "--cpus-per-replica", "0.5", "--json"]) == 0
+    threads = faiss.omp_get_max_threads()
+    assert main([*argv, "--searches", "4", "--cpus-per-replica", "0.5", "--faiss-threads", "1", "--json"]) == 0
+    assert faiss.omp_get_max_threads() == threads  # this process's faiss given back as it was
     lines = capsys.readouterr().out.strip().splitlines()
     report = json.loads(lines[-1])
-    assert report["nlist"] == 16 and report["n_vectors"] == 2000
+    assert report["nlist"] == 16 and report["n_vectors"] == 2000 and report["faiss_threads"] == 1
     assert [(row["shards"], row["batch"]) for row in report["rows"]] == [(1, 1), (1, 4), (2, 1), (2, 4)]
     for row in report["rows"]:
         assert row["same_documents"] == 1.0 and row["searches"] == 4
