@@ -91,5 +91,6 @@ def test_on_a_stream_with_topic_locality_the_rule_hits_more_than_random_routing(
 def test_replicas_and_shards_without_ray_are_refused_in_one_line():
     from telerag.cli.main import main
 
-    with pytest.raises(SystemExit, match="--replicas and --shards need --ray"):
-        main(["serve", "--replicas", "2"])
+    for flag in ("--replicas", "--max-replicas", "--max-shard-replicas"):
+        with pytest.raises(SystemExit, match="--replicas, --shards, --max-replicas and --max-shard-replicas need --ray"):
+            main(["serve", flag, "2"])
