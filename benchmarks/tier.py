@@ -104,7 +104,7 @@ def _run(config: TierBenchConfig, datastore: Datastore, local: CPUIndex, progres
             tier = deploy_tier(config.datastore, shape, verify_checksums=False)
             try:
                 for batch in config.batches:
-                    report.rows.append(_measure(local, tier, shards, batch, nprobe, config, progress))
+                    report.rows.append(measure_tier(local, tier, shards, batch, nprobe, config, progress))
                 report.retries += tier.retries
             finally:
                 serve.delete(APP)
@@ -114,9 +114,11 @@ def _run(config: TierBenchConfig, datastore: Datastore, local: CPUIndex, progres
     return report
 
 
-def _measure(
+def measure_tier(
     local: CPUIndex, tier: RetrievalTier, shards: int, batch: int, nprobe: int, config: TierBenchConfig, progress: bool
 ) -> TierRow:
+    """`config.searches` searches of `batch` queries near stored vectors, by faiss here and by
+    the tier in turn, over the same lists."""
     rng = np.random.default_rng(config.seed + 1000 * shards + batch)
     local_ms: list[float] = []
     tier_ms: list[float] = []

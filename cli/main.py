@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from telerag.cli import (
     ask,
     bench_admission,
+    bench_cluster,
     bench_e2e,
     bench_generate,
     bench_kernels,
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_soak.register(bench_commands)
     bench_admission.register(bench_commands)
     bench_tier.register(bench_commands)
+    bench_cluster.register(bench_commands)
     return parser
 
 

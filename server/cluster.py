@@ -225,6 +225,20 @@ def inference_application(settings: Settings) -> Any:
     return ingress.bind(settings, inference.bind(settings, cluster.shards > 0), cluster.shards)
 
 
+def start_ray(settings: Settings, **options: Any) -> None:
+    """Join the Ray cluster at RAY_ADDRESS, or start a local one whose logical CPUs fit every
+    replica the settings ask for (on a small machine they share the cores anyway)."""
+    import ray
+
+    address = os.environ.get("RAY_ADDRESS")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    cluster = settings.cluster
+    most = max(cluster.replicas, cluster.max_replicas), max(cluster.shard_replicas, cluster.max_shard_replicas)
+    wanted = most[0] * cluster.replica_cpus + cluster.shards * most[1] * cluster.shard_cpus + 1
+    cpus = None if address else max(os.cpu_count() or 1, math.ceil(wanted))
+    ray.init(address=address, num_cpus=cpus, include_dashboard=False, configure_logging=False, **options)
+
+
 def serve_on_ray(settings: Settings) -> int:
     """Start a local Ray cluster (or join RAY_ADDRESS) with Serve's HTTP proxy on the configured
     host and port, deploy both tiers, and serve until SIGTERM or SIGINT; then delete them (Serve
@@ -237,14 +251,7 @@ def serve_on_ray(settings: Settings) -> int:
 
     if settings.retrieval.build_if_missing:  # built once here, not by every replica at once
         load_configured_datastore(settings.retrieval, load_embedder(settings.retrieval)).close()
-    address = os.environ.get("RAY_ADDRESS")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    cluster = settings.cluster
-    # a local cluster's logical CPUs: what the replicas reserve, if more than the cores (they share them anyway)
-    most = max(cluster.replicas, cluster.max_replicas), max(cluster.shard_replicas, cluster.max_shard_replicas)
-    wanted = most[0] * cluster.replica_cpus + cluster.shards * most[1] * cluster.shard_cpus + 1
-    cpus = None if address else max(os.cpu_count() or 1, math.ceil(wanted))
-    ray.init(address=address, num_cpus=cpus, include_dashboard=False, configure_logging=False)
+    start_ray(settings)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
         signal.signal(signum, lambda received, _: stop.set())
