@@ -86,6 +86,7 @@ class ClusterRow:
     bytes_copied: int  # into the replicas' caches over the run
     same_documents: float  # share of requests whose documents equal the one-process server's
     remote_overhead: float | None  # a tier search over faiss here, same lists; None without shards
+    refused: int  # 429s answered before requests were admitted (retried after Retry-After)
 
 
 @dataclass
@@ -100,22 +101,29 @@ class ClusterReport:
     rows: list[ClusterRow] = field(default_factory=list)
 
 
-async def ask(client: httpx.AsyncClient, text: str, config: ClusterBenchConfig) -> tuple[float, tuple[int, ...]]:
-    """One request's latency (ms) and documents."""
-    started = time.perf_counter()
-    response = await client.post(
-        "/v1/rag/query", json={"query": text, "pipeline": config.pipeline, "max_tokens": config.max_tokens}
-    )
+@dataclass(frozen=True)
+class Answer:
+    latency_ms: float  # from the first try to the answer, waits after refusals included
+    documents: tuple[int, ...]
+    refused: int  # 429s before it was admitted (each waited its Retry-After, as a client does)
+
+
+async def ask(client: httpx.AsyncClient, text: str, config: ClusterBenchConfig) -> Answer:
+    started, refused = time.perf_counter(), 0
+    body = {"query": text, "pipeline": config.pipeline, "max_tokens": config.max_tokens}
+    while (response := await client.post("/v1/rag/query", json=body)).status_code == 429:
+        refused += 1
+        await asyncio.sleep(float(response.headers.get("Retry-After", 1)))
     response.raise_for_status()
-    return (time.perf_counter() - started) * 1e3, tuple(d["id"] for d in response.json()["documents"])
+    return Answer((time.perf_counter() - started) * 1e3, tuple(d["id"] for d in response.json()["documents"]), refused)
 
 
 async def closed_loop(
     client: httpx.AsyncClient, stream: Sequence[str], batch: int, config: ClusterBenchConfig
-) -> tuple[list[tuple[float, tuple[int, ...]]], float]:
+) -> tuple[list[Answer], float]:
     """`batch` clients, each sending the stream's next question when its last is answered:
-    each request's (latency, documents) in stream order, and the wall time in seconds."""
-    answers: list[tuple[float, tuple[int, ...]] | None] = [None] * len(stream)
+    each request's answer in stream order, and the wall time in seconds."""
+    answers: list[Answer | None] = [None] * len(stream)
     pending = iter(range(len(stream)))
 
     async def worker() -> None:
@@ -141,11 +149,8 @@ async def one_process(
         start_serving(app, runtime)
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://one-process", timeout=600) as client:
-            documents, latencies = {}, []
-            for text in dict.fromkeys(stream):
-                latency, documents[text] = await ask(client, text, config)
-                latencies.append(latency)
-    return documents, statistics.median(latencies)
+            answers = {text: await ask(client, text, config) for text in dict.fromkeys(stream)}
+    return {text: a.documents for text, a in answers.items()}, statistics.median(a.latency_ms for a in answers.values())
 
 
 def replica_sum(metrics: str, name: str) -> float:
@@ -205,7 +210,7 @@ def run_cluster_bench(
                 time.sleep(3 * cluster.routing_stats_period_s)  # the replicas' reports after the last request
                 metrics = httpx.get(f"{base}/metrics", timeout=30).text
                 hits, misses = (replica_sum(metrics, f"telerag_cache_{kind}_total") for kind in ("hits", "misses"))
-                latencies = [latency for latency, _ in answers]
+                latencies = [answer.latency_ms for answer in answers]
                 report.rows.append(
                     ClusterRow(
                         router=router,
@@ -219,8 +224,9 @@ def run_cluster_bench(
                         cache_hit_rate=hits / (hits + misses) if hits + misses else None,
                         bytes_copied=int(replica_sum(metrics, "telerag_cache_bytes_copied_total")),
                         same_documents=statistics.fmean(
-                            docs == reference[text] for text, (_, docs) in zip(stream, answers, strict=True)
+                            answer.documents == reference[text] for text, answer in zip(stream, answers, strict=True)
                         ),
+                        refused=sum(answer.refused for answer in answers),
                         remote_overhead=overheads.get(batch),
                     )
                 )
@@ -230,9 +236,7 @@ def run_cluster_bench(
     return report
 
 
-async def _stream(
-    base: str, stream: Sequence[str], batch: int, config: ClusterBenchConfig
-) -> tuple[list[tuple[float, tuple[int, ...]]], float]:
+async def _stream(base: str, stream: Sequence[str], batch: int, config: ClusterBenchConfig) -> tuple[list[Answer], float]:
     async with httpx.AsyncClient(base_url=base, timeout=600) as client:
         return await closed_loop(client, stream, batch, config)
 
@@ -271,7 +275,7 @@ def format_table(report: ClusterReport) -> str:
         f"{'B x t_LLM' if report.prefetch_budget_mb is None else f'{report.prefetch_budget_mb:g} MB'}; "
         f"one-process server p50 {report.one_process_latency_ms_p50:.0f} ms one at a time",
         f"{'router':<8}{'replicas':>9}{'shards':>7}{'batch':>6}{'requests':>9}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>7}"
-        f"{'hit rate':>9}{'MB copied':>10}{'same docs':>10}{'remote_overhead':>16}",
+        f"{'hit rate':>9}{'MB copied':>10}{'same docs':>10}{'remote_overhead':>16}{'429s':>6}",
     ]
     for row in report.rows:
         hit = "-" if row.cache_hit_rate is None else f"{row.cache_hit_rate:.3f}"
@@ -279,6 +283,6 @@ def format_table(report: ClusterReport) -> str:
         lines.append(
             f"{row.router:<8}{row.replicas:>9}{row.shards:>7}{row.batch:>6}{row.requests:>9}{row.latency_ms_p50:>9.0f}"
             f"{row.latency_ms_p99:>9.0f}{row.throughput_rps:>7.2f}{hit:>9}{row.bytes_copied / 2**20:>10.3g}"
-            f"{row.same_documents:>10.3f}{overhead:>16}"
+            f"{row.same_documents:>10.3f}{overhead:>16}{row.refused:>6}"
         )
     return "\n".join(lines)

@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         tier_searches=args.tier_searches,
     )
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     report = run_cluster_bench(
         settings, read_questions(args.questions), config, log=logging.getLogger("telerag.bench.cluster").info
     )

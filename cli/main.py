@@ -18,6 +18,7 @@ from telerag.cli import (
     bench_quality,
     bench_retrieval,
     bench_server,
+    bench_sizing,
     bench_soak,
     bench_tier,
     config,
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_admission.register(bench_commands)
     bench_tier.register(bench_commands)
     bench_cluster.register(bench_commands)
+    bench_sizing.register(bench_commands)
     return parser
 
 

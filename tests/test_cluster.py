@@ -208,6 +208,7 @@ def test_bench_cluster_routes_by_clusters_and_serves_the_one_process_servers_doc
     for row in report["rows"]:
         assert (row["replicas"], row["shards"], row["requests"]) == (2, 2, 72) and report["requests"] == 72
         assert row["same_documents"] == 1.0 and row["bytes_copied"] > 0 and row["remote_overhead"] > 0
+        assert row["refused"] == 0  # one request at a time: nothing waits behind a full ingress
         assert row["latency_ms_p99"] >= row["latency_ms_p50"] > 0 and row["throughput_rps"] > 0
     rates = {row["router"]: row["cache_hit_rate"] for row in report["rows"]}
     print(f"cache hit rate: cluster router {rates['cluster']:.3f}, default router {rates['default']:.3f}")

@@ -241,3 +241,35 @@ def test_bench_tier_without_ray_says_what_to_install(tmp_path, monkeypatch):
 def test_bench_tier_refuses_a_missing_datastore_in_one_line(tmp_path):
     with pytest.raises(SystemExit, match=r"no datastore at .*build it first"):
         main(["bench", "tier", "--datastore", str(tmp_path / "none")])
+
+
+@pytest.mark.slow
+def test_bench_sizing_models_both_tiers_from_their_measured_latencies(cluster, tmp_path, capsys):
+    """`telerag bench sizing` with the tiny LLM over a small datastore of the tiny embedder, on
+    the cluster already running: Chameleon's throughputs and the best split of the budget."""
+    from telerag.pipelines.embedder import Embedder
+    from telerag.retrieval.builder import build_datastore
+    from telerag.retrieval.corpus import Article, split_passages
+    from tests.tiny_models import tiny_embedder_dir
+
+    embedder = Embedder(tiny_embedder_dir(32, 0))
+    articles = [
+        Article(id=f"a{i}", title=f"Article {i}", text=f"Article {i} tells about topic {i % 5}. " * 12) for i in range(40)
+    ]
+    build_datastore(
+        split_passages(articles), embedder.encode, embedder=embedder.name, out_dir=tmp_path / "ds", nlist=8, progress=False
+    )
+    argv = ["bench", "sizing", "--tiny", "--embedder", str(tiny_embedder_dir(32, 0)), "--datastore", str(tmp_path / "ds")]
+    argv += ["--device", "cpu", "--batch", "1", "2", "--requests", "2", "--searches", "4", "--max-tokens", "2", "--budget", "9"]
+    assert main([*argv, "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(lines[-1])
+    assert (report["shards"], report["budget"], report["llm"]) == (2, 9, "tiny-random")
+    assert [row["batch"] for row in report["rows"]] == [1, 2]
+    for row in report["rows"]:
+        assert row["searches_per_request"] == 1.0 and row["inference_ms"] > 0 and row["retrieval_ms"] > 0
+        assert row["inference_replicas"] + 2 * row["shard_replicas"] <= 9
+        rates = (row["inference_replicas"] * row["inference_rps"], row["shard_replicas"] * row["retrieval_rps"])
+        assert row["throughput_rps"] == pytest.approx(min(rates))
+    assert lines[1].split()[:4] == ["batch", "s", "L_I", "ms"] and len(lines) == 2 + 2 + 1
+    assert ray.is_initialized() and serve.status().applications.get(APP) is None  # the cluster left, the tier gone
