@@ -119,6 +119,7 @@ class E2ERow:
     latency_ms_mean: float
     throughput_rps: float
     retrieval_ms_p50: float  # the search stage per request (q_out's embedding, queueing, search)
+    searches_mean: float  # searches per request (its retrieval steps)
     retrieval_ms_mean: float
     retrieval_cpu_ms_mean: float  # of which faiss on the CPU
     retrieval_device_ms_mean: float  # and the device scan
@@ -249,6 +250,7 @@ def summarise(
         latency_ms_mean=statistics.fmean(latency),
         throughput_rps=len(records) / wall_s,
         retrieval_ms_p50=float(np.percentile(retrieval, 50)),
+        searches_mean=statistics.fmean(len(r.queries) for r in records),
         retrieval_ms_mean=statistics.fmean(retrieval),
         retrieval_cpu_ms_mean=statistics.fmean(r.result.timings.search_cpu_ms for r in records),
         retrieval_device_ms_mean=statistics.fmean(r.result.timings.search_device_ms for r in records),

@@ -34,6 +34,7 @@ class TierBenchConfig:
     k: int = 3
     nprobe: int | None = None  # default: the server's for this datastore
     cpus_per_replica: float = 1.0
+    faiss_threads: int | None = None  # faiss here; default: every core, as the one-process server
     noise: float = 0.5  # queries: stored vectors plus this much Gaussian noise, normalised
     seed: int = 0
 
@@ -66,13 +67,22 @@ class TierReport:
 def run_tier_bench(config: TierBenchConfig, *, progress: bool = True) -> TierReport:
     """Start (or join, with RAY_ADDRESS) a Ray cluster and Serve, deploy the tier once per
     number of shards, and time it against faiss here."""
+    datastore = Datastore.load(config.datastore, verify_checksums=False)
+    local = CPUIndex(datastore)
+    threads = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(config.faiss_threads or threads)
+    try:
+        return _run(config, datastore, local, progress)
+    finally:
+        faiss.omp_set_num_threads(threads)
+
+
+def _run(config: TierBenchConfig, datastore: Datastore, local: CPUIndex, progress: bool) -> TierReport:
     import ray
     from ray import serve
 
     from telerag.retrieval.engine import default_nprobe
 
-    datastore = Datastore.load(config.datastore, verify_checksums=False)
-    local = CPUIndex(datastore)
     nprobe = config.nprobe or default_nprobe(datastore.nlist)
     report = TierReport(
         datastore=str(config.datastore),
@@ -94,7 +104,7 @@ def run_tier_bench(config: TierBenchConfig, *, progress: bool = True) -> TierRep
             tier = deploy_tier(config.datastore, shape, verify_checksums=False)
             try:
                 for batch in config.batches:
-                    report.rows.append(_measure(local, tier, shards, batch, nprobe, config, progress))
+                    report.rows.append(measure_tier(local, tier, shards, batch, nprobe, config, progress))
                 report.retries += tier.retries
             finally:
                 serve.delete(APP)
@@ -104,9 +114,11 @@ def run_tier_bench(config: TierBenchConfig, *, progress: bool = True) -> TierRep
     return report
 
 
-def _measure(
+def measure_tier(
     local: CPUIndex, tier: RetrievalTier, shards: int, batch: int, nprobe: int, config: TierBenchConfig, progress: bool
 ) -> TierRow:
+    """`config.searches` searches of `batch` queries near stored vectors, by faiss here and by
+    the tier in turn, over the same lists."""
     rng = np.random.default_rng(config.seed + 1000 * shards + batch)
     local_ms: list[float] = []
     tier_ms: list[float] = []

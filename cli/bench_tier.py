@@ -21,6 +21,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--nprobe", type=int, help="default: the server's for the datastore")
     parser.add_argument("--cpus-per-replica", type=float, default=1.0)
+    parser.add_argument(
+        "--faiss-threads", type=int, help="faiss's threads here (default: every core, as the one-process server); 1 on a busy box"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON line last")
     parser.set_defaults(func=run)
 
@@ -41,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
         k=args.k,
         nprobe=args.nprobe,
         cpus_per_replica=args.cpus_per_replica,
+        faiss_threads=args.faiss_threads,
     )
     report = run_tier_bench(config, progress=not args.json)
     print(format_table(report))

@@ -5,10 +5,11 @@ with what each setting means (`defaults`, the text of `config/default.yaml`: a s
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 import yaml
 
-from telerag.cli.runtime_flags import add_runtime_flags, overrides
+from telerag.cli.runtime_flags import add_cluster_flags, add_runtime_flags, overrides
 from telerag.server.settings import defaults_yaml, load_settings
 
 
@@ -20,6 +21,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     show.set_defaults(func=run_show)
     defaults = actions.add_parser("defaults", help="every setting's default and meaning (config/default.yaml)")
     defaults.set_defaults(func=run_defaults)
+    serve = actions.add_parser(
+        "serve", help="the Serve config file of a Ray cluster deployment (serve run, KubeRay's serveConfigV2; deploy/serve.yaml)"
+    )
+    add_runtime_flags(serve)
+    add_cluster_flags(serve, given_how="")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.set_defaults(func=run_serve)
 
 
 def run_show(args: argparse.Namespace) -> int:
@@ -30,4 +39,14 @@ def run_show(args: argparse.Namespace) -> int:
 
 def run_defaults(args: argparse.Namespace) -> int:
     print(defaults_yaml(), end="")
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("ray") is None:
+        raise SystemExit("config serve needs Ray Serve: pip install 'telerag[ray]' (ray[serve] 2.60)")
+    from telerag.server.serve_config import serve_config_yaml
+
+    settings = load_settings(args.config, overrides(args))
+    print(serve_config_yaml(settings), end="")
     return 0

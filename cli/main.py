@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from telerag.cli import (
     ask,
     bench_admission,
+    bench_cluster,
     bench_e2e,
     bench_generate,
     bench_kernels,
@@ -17,6 +18,7 @@ from telerag.cli import (
     bench_quality,
     bench_retrieval,
     bench_server,
+    bench_sizing,
     bench_soak,
     bench_tier,
     config,
@@ -52,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_soak.register(bench_commands)
     bench_admission.register(bench_commands)
     bench_tier.register(bench_commands)
+    bench_cluster.register(bench_commands)
+    bench_sizing.register(bench_commands)
     return parser
 
 

@@ -46,7 +46,29 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="auto, cpu or cuda (retrieval and engine)")
     parser.add_argument("--nprobe", type=nullable(int), help="IVF lists searched (null: 4*sqrt(nlist))")
     parser.set_defaults(
-        host=None, port=None, api_key=None, engine=None, cache_mb=None, prefetch_budget_mb=None, replicas=None, shards=None
+        host=None,
+        port=None,
+        api_key=None,
+        engine=None,
+        cache_mb=None,
+        prefetch_budget_mb=None,
+        replicas=None,
+        shards=None,
+        max_replicas=None,
+        max_shard_replicas=None,
+    )
+
+
+def add_cluster_flags(parser: argparse.ArgumentParser, *, given_how: str) -> None:
+    """The flags that size a Ray Serve deployment (`serve --ray`, `config serve`); `given_how`
+    says when they apply."""
+    parser.add_argument("--replicas", type=int, help=f"{given_how}inference replicas (cluster.replicas)")
+    parser.add_argument("--shards", type=int, help=f"{given_how}retrieval tier shards; 0: none (cluster.shards)")
+    parser.add_argument(
+        "--max-replicas", type=int, help=f"{given_how}autoscale inference replicas up to this many (cluster.max_replicas)"
+    )
+    parser.add_argument(
+        "--max-shard-replicas", type=int, help=f"{given_how}autoscale each shard's replicas up to this many (max_shard_replicas)"
     )
 
 
@@ -72,4 +94,6 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
     put("retrieval", "nprobe", args.nprobe)
     put("cluster", "replicas", args.replicas)
     put("cluster", "shards", args.shards)
+    put("cluster", "max_replicas", args.max_replicas)
+    put("cluster", "max_shard_replicas", args.max_shard_replicas)
     return chosen

@@ -7,7 +7,7 @@ import argparse
 import importlib.util
 import logging
 
-from telerag.cli.runtime_flags import add_runtime_flags, nullable, overrides
+from telerag.cli.runtime_flags import add_cluster_flags, add_runtime_flags, nullable, overrides
 from telerag.server.event_loop import run_event_loop
 from telerag.server.process import serve
 from telerag.server.settings import ENGINE_KIND_ALIASES, load_settings
@@ -27,8 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="on a Ray cluster (RAY_ADDRESS, else a local one): inference replicas and retrieval shards",
     )
-    parser.add_argument("--replicas", type=int, help="with --ray: inference replicas (cluster.replicas)")
-    parser.add_argument("--shards", type=int, help="with --ray: retrieval tier shards; 0: none (cluster.shards)")
+    add_cluster_flags(parser, given_how="with --ray: ")
     parser.set_defaults(func=run)
 
 
@@ -41,6 +40,6 @@ def run(args: argparse.Namespace) -> int:
         from telerag.server.cluster import serve_on_ray
 
         return serve_on_ray(settings)
-    if args.replicas is not None or args.shards is not None:
-        raise SystemExit("--replicas and --shards need --ray")
+    if any(value is not None for value in (args.replicas, args.shards, args.max_replicas, args.max_shard_replicas)):
+        raise SystemExit("--replicas, --shards, --max-replicas and --max-shard-replicas need --ray")
     return run_event_loop(serve(settings), settings)

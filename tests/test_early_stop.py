@@ -171,17 +171,18 @@ def test_shards_bounded_by_the_whole_lists_statistics_merge_to_the_full_scan(tmp
     assert sum(part.counts.scanned for part in parts) < sum(part.counts.probed for part in parts)
 
 
-def test_a_shard_replica_with_early_stop_answers_like_one_without(tmp_path):
+async def test_a_shard_replica_with_early_stop_answers_like_one_without(tmp_path):
     ds = random_datastore(tmp_path / "ds", n=2000, dim=4, nlist=16)
     threads = faiss.omp_get_max_threads()
-    try:
-        plain = ShardReplica(str(ds.path), 1, 2)
-        early = ShardReplica(str(ds.path), 1, 2, early_stop=True)
-    finally:
-        faiss.omp_set_num_threads(threads)  # a replica takes its share of a node's cores; this process keeps its own
+    plain = ShardReplica(str(ds.path), 1, 2)
+    early = ShardReplica(str(ds.path), 1, 2, early_stop=True)
     q = mixed_queries(ds, 10, 0)
     list_scores, lists = CPUIndex(ds).probe(q, ds.nlist)
-    assert_same(early.search_lists(q, 5, lists, list_scores), plain.search_lists(q, 5, lists, list_scores))
+    try:
+        found = await early.search_lists(q, 5, lists, list_scores), await plain.search_lists(q, 5, lists, list_scores)
+    finally:
+        faiss.omp_set_num_threads(threads)  # a replica takes its share of a node's cores; this process keeps its own
+    assert_same(*found)
     strip_list_stats(ds.path)
     with pytest.raises(DatastoreMismatchError, match="telerag datastore upgrade"):
         ShardReplica(str(ds.path), 0, 2, early_stop=True)

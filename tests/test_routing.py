@@ -91,5 +91,34 @@ def test_on_a_stream_with_topic_locality_the_rule_hits_more_than_random_routing(
 def test_replicas_and_shards_without_ray_are_refused_in_one_line():
     from telerag.cli.main import main
 
-    with pytest.raises(SystemExit, match="--replicas and --shards need --ray"):
-        main(["serve", "--replicas", "2"])
+    for flag in ("--replicas", "--max-replicas", "--max-shard-replicas"):
+        with pytest.raises(SystemExit, match="--replicas, --shards, --max-replicas and --max-shard-replicas need --ray"):
+            main(["serve", flag, "2"])
+
+
+def test_bench_clusters_stream_has_runs_of_one_article_repeats_and_is_seeded():
+    from telerag.benchmarks.cluster import StreamShape, topic_stream
+    from telerag.pipelines.questions import Question
+
+    questions = [Question(f"q{a}-{n}?", title=f"A{a}") for a in range(5) for n in range(2)] + [Question("lone?", title="Lone")]
+    shape = StreamShape(runs=40, run_length=3, repeat_rate=0.0, seed=1)
+    stream = topic_stream(questions, shape)
+    assert len(stream) == 120 and stream == topic_stream(questions, shape)
+    titles = [f"A{a}" for a in range(5)] + ["Lone"]
+
+    def article(text: str) -> str:
+        return (
+            "Lone"
+            if text == "lone?"
+            else text.split("-")[0][1:]
+            if text.startswith("q")
+            else next(t for t in titles if t in text)
+        )
+
+    for start in range(0, 120, 3):  # each run about one article: its own questions, then about its title
+        run = stream[start : start + 3]
+        assert len({article(text).removeprefix("A") for text in run}) == 1, run
+    assert "Tell me about Lone." in stream or "What is Lone known for?" in stream
+    repeated = topic_stream(questions, StreamShape(runs=200, run_length=3, repeat_rate=0.3, seed=2))
+    repeats = sum(text in repeated[:i] for i, text in enumerate(repeated))
+    assert repeats >= 0.3 * 600  # a repeat re-asks an earlier question; runs repeat some besides

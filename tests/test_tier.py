@@ -16,7 +16,7 @@ import pytest
 from telerag.cli.main import main
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.errors import TierBusy, TierUnavailable
-from telerag.retrieval.ivf import CPUIndex, same_results
+from telerag.retrieval.ivf import CPUIndex, faiss, same_results
 from telerag.retrieval.tier import APP, RetrievalTier, TierShape, deploy_tier
 from tests.retrieval_helpers import random_datastore, random_queries
 
@@ -82,6 +82,31 @@ def test_a_failed_shard_call_is_asked_again_and_one_that_never_answers_fails_the
         dead.search_lists(*args)
     with pytest.raises(TierBusy, match="shard 1"):
         RetrievalTier([FakeHandle(part), FakeHandle(other, busy=True)], retry_wait_s=0).search_lists(*args)
+
+
+def test_a_shard_replica_searches_with_its_share_of_the_cores_in_the_thread_that_searches(tmp_path):
+    """Serve calls a replica's methods in another thread than its constructor's, and OpenMP's
+    thread count is per thread: the replica sets it where it searches."""
+    import asyncio
+
+    from telerag.retrieval.tier import ShardReplica
+
+    ds = random_datastore(tmp_path / "ds", n=500, dim=8, nlist=4)
+    replica = ShardReplica(str(ds.path), 0, 2, threads=1, verify_checksums=False)
+    whole = CPUIndex(ds)
+    q, lists, list_scores = next(searches(whole, 1, seed=3))
+    seen: list[int] = []
+
+    def search() -> None:
+        faiss.omp_set_num_threads(2)  # as a thread of Serve's starts: every core
+        got = asyncio.run(replica.search_lists(q, 5, lists, list_scores))
+        seen.append(faiss.omp_get_max_threads())
+        assert got[0].shape == (len(q), 5)
+
+    worker = threading.Thread(target=search)
+    worker.start()
+    worker.join()
+    assert seen == [1]
 
 
 @pytest.fixture(scope="module")
@@ -175,10 +200,12 @@ def test_bench_tier_times_the_tier_against_faiss_and_prints_a_table_and_one_json
     """`telerag bench tier` (on the cluster already running: it joins it and leaves it running)."""
     random_datastore(tmp_path / "ds", n=2000, dim=16, nlist=16)
     argv = ["bench", "tier", "--datastore", str(tmp_path / "ds"), "--shards", "1", "2", "--batch", "1", "4"]
-    assert main([*argv, "--searches", "4", "--cpus-per-replica", "0.5", "--json"]) == 0
+    threads = faiss.omp_get_max_threads()
+    assert main([*argv, "--searches", "4", "--cpus-per-replica", "0.5", "--faiss-threads", "1", "--json"]) == 0
+    assert faiss.omp_get_max_threads() == threads  # this process's faiss given back as it was
     lines = capsys.readouterr().out.strip().splitlines()
     report = json.loads(lines[-1])
-    assert report["nlist"] == 16 and report["n_vectors"] == 2000
+    assert report["nlist"] == 16 and report["n_vectors"] == 2000 and report["faiss_threads"] == 1
     assert [(row["shards"], row["batch"]) for row in report["rows"]] == [(1, 1), (1, 4), (2, 1), (2, 4)]
     for row in report["rows"]:
         assert row["same_documents"] == 1.0 and row["searches"] == 4
@@ -215,3 +242,35 @@ def test_bench_tier_without_ray_says_what_to_install(tmp_path, monkeypatch):
 def test_bench_tier_refuses_a_missing_datastore_in_one_line(tmp_path):
     with pytest.raises(SystemExit, match=r"no datastore at .*build it first"):
         main(["bench", "tier", "--datastore", str(tmp_path / "none")])
+
+
+@pytest.mark.slow
+def test_bench_sizing_models_both_tiers_from_their_measured_latencies(cluster, tmp_path, capsys):
+    """`telerag bench sizing` with the tiny LLM over a small datastore of the tiny embedder, on
+    the cluster already running: Chameleon's throughputs and the best split of the budget."""
+    from telerag.pipelines.embedder import Embedder
+    from telerag.retrieval.builder import build_datastore
+    from telerag.retrieval.corpus import Article, split_passages
+    from tests.tiny_models import tiny_embedder_dir
+
+    embedder = Embedder(tiny_embedder_dir(32, 0))
+    articles = [
+        Article(id=f"a{i}", title=f"Article {i}", text=f"Article {i} tells about topic {i % 5}. " * 12) for i in range(40)
+    ]
+    build_datastore(
+        split_passages(articles), embedder.encode, embedder=embedder.name, out_dir=tmp_path / "ds", nlist=8, progress=False
+    )
+    argv = ["bench", "sizing", "--tiny", "--embedder", str(tiny_embedder_dir(32, 0)), "--datastore", str(tmp_path / "ds")]
+    argv += ["--device", "cpu", "--batch", "1", "2", "--requests", "2", "--searches", "4", "--max-tokens", "2", "--budget", "9"]
+    assert main([*argv, "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(lines[-1])
+    assert (report["shards"], report["budget"], report["llm"]) == (2, 9, "tiny-random")
+    assert [row["batch"] for row in report["rows"]] == [1, 2]
+    for row in report["rows"]:
+        assert row["searches_per_request"] == 1.0 and row["inference_ms"] > 0 and row["retrieval_ms"] > 0
+        assert row["inference_replicas"] + 2 * row["shard_replicas"] <= 9
+        rates = (row["inference_replicas"] * row["inference_rps"], row["shard_replicas"] * row["retrieval_rps"])
+        assert row["throughput_rps"] == pytest.approx(min(rates))
+    assert lines[1].split()[:4] == ["batch", "s", "L_I", "ms"] and len(lines) == 2 + 2 + 1
+    assert ray.is_initialized() and serve.status().applications.get(APP) is None  # the cluster left, the tier gone

@@ -1,0 +1,288 @@
+"""`telerag bench cluster` (issue 27): the same question stream through the one-process server
+and through the tiers on Ray Serve (`server.cluster`: N inference replicas, S retrieval shards),
+once per request router and batch, each run on new replicas (cold cluster caches of the same
+size for both routers).
+
+The stream has topic locality and repeats, as users' questions do: runs of questions about one
+article (its own questions from the questions file, then questions about its title), the
+articles in a seeded order, and a share of requests that re-ask an earlier question. A router
+that sends a question to the replica already holding its clusters finds them resident; one that
+ignores them copies them again. Per run: latency and throughput as the client sees them over
+HTTP, the replicas' cache hit rate (hits over searched clusters, their `/metrics` summed) and
+bytes copied into their caches, `same_documents` (the share of requests whose documents equal
+the one-process server's for the same question) and `remote_overhead` (a tier search's time
+over faiss's here, same lists: `benchmarks.tier.measure_tier`).
+
+On one small machine every replica shares the same cores: the figures show the overhead, the
+routing and the correctness, not scaling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+from telerag.pipelines.questions import Question
+from telerag.server.settings import Settings
+
+ROUTERS = ("cluster", "default")
+TITLE_QUESTIONS = ("Tell me about {}.", "What is {} known for?", "Why is {} notable?")  # a run longer than an article's own
+
+
+@dataclass(frozen=True)
+class StreamShape:
+    runs: int = 12  # articles, in a seeded order (an article may come back)
+    run_length: int = 3  # questions about one article in a row
+    repeat_rate: float = 0.2  # share of requests that re-ask an earlier question of the stream
+    seed: int = 0
+
+
+def topic_stream(questions: Sequence[Question], shape: StreamShape) -> list[str]:
+    """The questions, grouped by article and in runs of `run_length`, with repeats."""
+    by_article: dict[str, list[str]] = {}
+    for question in questions:
+        by_article.setdefault(question.title or question.text, []).append(question.text)
+    rng = random.Random(shape.seed)
+    articles = sorted(by_article)
+    stream: list[str] = []
+    for _ in range(shape.runs):
+        title = rng.choice(articles)
+        own = by_article[title]
+        run = (own + [template.format(title) for template in TITLE_QUESTIONS])[: max(shape.run_length, len(own))]
+        rng.shuffle(run)
+        for text in run[: shape.run_length]:
+            stream.append(rng.choice(stream) if stream and rng.random() < shape.repeat_rate else text)
+    return stream
+
+
+@dataclass(frozen=True)
+class ClusterBenchConfig:
+    stream: StreamShape = StreamShape()
+    routers: tuple[str, ...] = ROUTERS
+    batches: tuple[int, ...] = (1, 4)  # clients in flight
+    pipeline: str = "naive"
+    max_tokens: int = 8
+    tier_searches: int = 30  # per batch, for remote_overhead
+
+
+@dataclass(frozen=True)
+class ClusterRow:
+    router: str
+    replicas: int
+    shards: int
+    batch: int
+    requests: int
+    latency_ms_p50: float
+    latency_ms_p99: float
+    throughput_rps: float
+    cache_hit_rate: float | None  # None: no cluster cache (cache_mb 0)
+    bytes_copied: int  # into the replicas' caches over the run
+    same_documents: float  # share of requests whose documents equal the one-process server's
+    remote_overhead: float | None  # a tier search over faiss here, same lists; None without shards
+    refused: int  # 429s answered before requests were admitted (retried after Retry-After)
+
+
+@dataclass
+class ClusterReport:
+    datastore: str
+    pipeline: str
+    questions: int  # distinct questions in the stream
+    requests: int
+    cache_mb: float  # each replica's cluster cache (the one-process server's too)
+    prefetch_budget_mb: float | None
+    one_process_latency_ms_p50: float  # the same questions one at a time through the one-process server
+    rows: list[ClusterRow] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Answer:
+    latency_ms: float  # from the first try to the answer, waits after refusals included
+    documents: tuple[int, ...]
+    refused: int  # 429s before it was admitted (each waited its Retry-After, as a client does)
+
+
+async def ask(client: httpx.AsyncClient, text: str, config: ClusterBenchConfig) -> Answer:
+    started, refused = time.perf_counter(), 0
+    body = {"query": text, "pipeline": config.pipeline, "max_tokens": config.max_tokens}
+    while (response := await client.post("/v1/rag/query", json=body)).status_code == 429:
+        refused += 1
+        await asyncio.sleep(float(response.headers.get("Retry-After", 1)))
+    response.raise_for_status()
+    return Answer((time.perf_counter() - started) * 1e3, tuple(d["id"] for d in response.json()["documents"]), refused)
+
+
+async def closed_loop(
+    client: httpx.AsyncClient, stream: Sequence[str], batch: int, config: ClusterBenchConfig
+) -> tuple[list[Answer], float]:
+    """`batch` clients, each sending the stream's next question when its last is answered:
+    each request's answer in stream order, and the wall time in seconds."""
+    answers: list[Answer | None] = [None] * len(stream)
+    pending = iter(range(len(stream)))
+
+    async def worker() -> None:
+        for i in pending:
+            answers[i] = await ask(client, stream[i], config)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(batch)))
+    return [a for a in answers if a is not None], time.perf_counter() - started
+
+
+async def one_process(
+    settings: Settings, stream: Sequence[str], config: ClusterBenchConfig
+) -> tuple[dict[str, tuple[int, ...]], float]:
+    """The one-process server (its app in process, the same settings without shards): each
+    distinct question's documents, and the median latency one at a time."""
+    from telerag.server.app import create_app, start_serving
+    from telerag.server.runtime import open_runtime
+
+    local = settings.model_copy(update={"cluster": settings.cluster.model_copy(update={"shards": 0})})
+    async with open_runtime(local) as runtime:
+        app = create_app(local)
+        start_serving(app, runtime)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://one-process", timeout=600) as client:
+            answers = {text: await ask(client, text, config) for text in dict.fromkeys(stream)}
+    return {text: a.documents for text, a in answers.items()}, statistics.median(a.latency_ms for a in answers.values())
+
+
+def replica_sum(metrics: str, name: str) -> float:
+    """A series summed over the replicas (their labelled samples)."""
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(name + "{") and 'replica="' in line
+    )
+
+
+def wait_ready(base: str, timeout_s: float = 900) -> None:
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(f"{base}/ready", timeout=30).status_code != 200:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{base}/ready not 200 after {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def run_cluster_bench(
+    settings: Settings, questions: Sequence[Question], config: ClusterBenchConfig, *, log: Callable[[str], None] = print
+) -> ClusterReport:
+    """The one-process reference first, then (on the Ray cluster at RAY_ADDRESS, the one this
+    process is connected to, or a local one it starts and stops) the tier once and the inference
+    application once per router and batch. It deploys its own `telerag` and `telerag-retrieval`
+    applications: not for a cluster that serves users."""
+    import ray
+    from ray import serve
+
+    from telerag.server.cluster import deploy_inference, start_ray
+
+    stream = topic_stream(questions, config.stream)
+    retrieval = settings.retrieval
+    report = ClusterReport(
+        datastore=str(retrieval.datastore),
+        pipeline=config.pipeline,
+        questions=len(set(stream)),
+        requests=len(stream),
+        cache_mb=retrieval.cache_mb or 0.0,
+        prefetch_budget_mb=retrieval.prefetch_budget_mb,
+        one_process_latency_ms_p50=0.0,
+    )
+    log(f"one-process server: {report.questions} questions")
+    reference, report.one_process_latency_ms_p50 = asyncio.run(one_process(settings, stream, config))
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        start_ray(settings, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": settings.server.port})
+    base = f"http://127.0.0.1:{settings.server.port}"
+    cluster = settings.cluster
+    try:
+        overheads = _tier_overheads(settings, config) if cluster.shards else {}
+        for batch in config.batches:
+            for router in config.routers:
+                log(f"router {router}, batch {batch}: new replicas")
+                deploy_inference(settings.model_copy(update={"cluster": cluster.model_copy(update={"router": router})}))
+                wait_ready(base)
+                answers, wall = asyncio.run(_stream(base, stream, batch, config))
+                time.sleep(3 * cluster.routing_stats_period_s)  # the replicas' reports after the last request
+                metrics = httpx.get(f"{base}/metrics", timeout=30).text
+                hits, misses = (replica_sum(metrics, f"telerag_cache_{kind}_total") for kind in ("hits", "misses"))
+                latencies = [answer.latency_ms for answer in answers]
+                report.rows.append(
+                    ClusterRow(
+                        router=router,
+                        replicas=cluster.replicas,
+                        shards=cluster.shards,
+                        batch=batch,
+                        requests=len(answers),
+                        latency_ms_p50=float(np.percentile(latencies, 50)),
+                        latency_ms_p99=float(np.percentile(latencies, 99)),
+                        throughput_rps=len(answers) / wall,
+                        cache_hit_rate=hits / (hits + misses) if hits + misses else None,
+                        bytes_copied=int(replica_sum(metrics, "telerag_cache_bytes_copied_total")),
+                        same_documents=statistics.fmean(
+                            answer.documents == reference[text] for text, answer in zip(stream, answers, strict=True)
+                        ),
+                        refused=sum(answer.refused for answer in answers),
+                        remote_overhead=overheads.get(batch),
+                    )
+                )
+    finally:
+        if started_ray:
+            ray.shutdown()  # Serve and the applications with it
+    return report
+
+
+async def _stream(base: str, stream: Sequence[str], batch: int, config: ClusterBenchConfig) -> tuple[list[Answer], float]:
+    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+        return await closed_loop(client, stream, batch, config)
+
+
+def _tier_overheads(settings: Settings, config: ClusterBenchConfig) -> dict[int, float]:
+    """Deploy the tier (or use the one running, if it has the settings' shards) and measure each
+    batch's `remote_overhead` on it."""
+    from ray import serve
+
+    from telerag.benchmarks.tier import TierBenchConfig, measure_tier
+    from telerag.retrieval.datastore import Datastore
+    from telerag.retrieval.engine import default_nprobe
+    from telerag.retrieval.ivf import CPUIndex
+    from telerag.retrieval.tier import APP, RetrievalTier, deploy_tier
+    from telerag.server.cluster import tier_shape
+
+    path = settings.retrieval.datastore.expanduser()
+    running = RetrievalTier.connect() if APP in serve.status().applications else None
+    if running is not None and len(running.handles) == settings.cluster.shards:
+        tier = running
+    else:
+        tier = deploy_tier(path, tier_shape(settings), verify_checksums=settings.retrieval.verify_checksums)
+    local = CPUIndex(Datastore.load(path, verify_checksums=False))
+    nprobe = settings.retrieval.nprobe or default_nprobe(local.datastore.nlist)
+    measuring = TierBenchConfig(datastore=path, searches=config.tier_searches, k=settings.retrieval.top_k)
+    return {
+        batch: measure_tier(local, tier, settings.cluster.shards, batch, nprobe, measuring, False).remote_overhead
+        for batch in config.batches
+    }
+
+
+def format_table(report: ClusterReport) -> str:
+    lines = [
+        f"{report.datastore}, pipeline {report.pipeline}: {report.requests} requests ({report.questions} distinct questions); "
+        f"each replica's cluster cache {report.cache_mb:g} MB, prefetch budget "
+        f"{'B x t_LLM' if report.prefetch_budget_mb is None else f'{report.prefetch_budget_mb:g} MB'}; "
+        f"one-process server p50 {report.one_process_latency_ms_p50:.0f} ms one at a time",
+        f"{'router':<8}{'replicas':>9}{'shards':>7}{'batch':>6}{'requests':>9}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>7}"
+        f"{'hit rate':>9}{'MB copied':>10}{'same docs':>10}{'remote_overhead':>16}{'429s':>6}",
+    ]
+    for row in report.rows:
+        hit = "-" if row.cache_hit_rate is None else f"{row.cache_hit_rate:.3f}"
+        overhead = "-" if row.remote_overhead is None else f"{row.remote_overhead:.2f}"
+        lines.append(
+            f"{row.router:<8}{row.replicas:>9}{row.shards:>7}{row.batch:>6}{row.requests:>9}{row.latency_ms_p50:>9.0f}"
+            f"{row.latency_ms_p99:>9.0f}{row.throughput_rps:>7.2f}{hit:>9}{row.bytes_copied / 2**20:>10.3g}"
+            f"{row.same_documents:>10.3f}{overhead:>16}{row.refused:>6}"
+        )
+    return "\n".join(lines)

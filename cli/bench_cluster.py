@@ -1,0 +1,82 @@
+"""`telerag bench cluster`: one question stream with topic locality through the one-process server
+and through the tiers on Ray Serve, per request router and batch (see `benchmarks.cluster`)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from telerag.cli.runtime_flags import add_cluster_flags, add_runtime_flags, overrides
+from telerag.pipelines.questions import read_questions
+from telerag.server.settings import load_settings, packaged_config
+
+ROUTERS = ("cluster", "default")  # benchmarks.cluster.ROUTERS, without importing it to parse flags
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "cluster",
+        help="a question stream with topic locality through the one-process server and the tiers on Ray, per router "
+        "(deploys its own applications on the cluster)",
+    )
+    add_runtime_flags(parser)
+    add_cluster_flags(parser, given_how="")
+    parser.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS))
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 4], help="clients in flight (default 1 4)")
+    parser.add_argument("--questions", type=Path, default=packaged_config("questions_wiki_en.txt"))
+    parser.add_argument("--runs", type=int, default=12, help="articles in the stream, in a seeded order")
+    parser.add_argument("--run-length", type=int, default=3, help="questions about one article in a row")
+    parser.add_argument("--repeat-rate", type=float, default=0.2, help="share of requests re-asking an earlier question")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pipeline", default="naive")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--cache-mb", type=float, help="each replica's cluster cache (default: a quarter of the datastore)")
+    parser.add_argument("--prefetch-budget-mb", type=float, help="every prefetch's budget (default: 1/32 of the datastore)")
+    parser.add_argument("--tier-searches", type=int, default=30, help="searches per batch for remote_overhead")
+    parser.add_argument("--port", type=int, help="Serve's HTTP proxy (server.port); a running Serve's if joining one")
+    parser.add_argument("--json", action="store_true", help='print one JSON line last: {"rows": [...], ...}')
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("ray") is None:
+        raise SystemExit("bench cluster needs Ray Serve: pip install 'telerag[ray]' (ray[serve] 2.60)")
+    from telerag.benchmarks.cluster import ClusterBenchConfig, StreamShape, format_table, run_cluster_bench
+    from telerag.retrieval.datastore import Datastore
+
+    settings = load_settings(args.config, overrides(args))
+    datastore = settings.retrieval.datastore.expanduser()
+    if not (datastore / "manifest.json").is_file():
+        raise SystemExit(f"no datastore at {datastore}: build it first (`telerag datastore build --wikipedia --out {datastore}`)")
+    size_mb = Datastore.load(datastore, verify_checksums=False).vectors.nbytes / 2**20
+    retrieval = settings.retrieval.model_copy(
+        update={
+            "cache_mb": args.cache_mb if args.cache_mb is not None else size_mb / 4,
+            "prefetch_budget_mb": args.prefetch_budget_mb if args.prefetch_budget_mb is not None else size_mb / 32,
+            "build_if_missing": False,
+        }
+    )
+    server = settings.server.model_copy(update={"warm_up": False})  # a warm-up would fill the caches before the stream
+    settings = settings.model_copy(update={"retrieval": retrieval, "server": server})
+    config = ClusterBenchConfig(
+        stream=StreamShape(runs=args.runs, run_length=args.run_length, repeat_rate=args.repeat_rate, seed=args.seed),
+        routers=tuple(args.routers),
+        batches=tuple(args.batch),
+        pipeline=args.pipeline,
+        max_tokens=args.max_tokens,
+        tier_searches=args.tier_searches,
+    )
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+    report = run_cluster_bench(
+        settings, read_questions(args.questions), config, log=logging.getLogger("telerag.bench.cluster").info
+    )
+    print(format_table(report))
+    if args.json:
+        print(json.dumps(asdict(report)))
+    return 0
