@@ -47,6 +47,7 @@ from telerag.pipelines.types import (
     SearchOptions,
     SearchOutcome,
     SearchQuery,
+    TextEmbeddings,
     overlap_rates,
 )
 from telerag.server.runtime import open_retrieval, open_runtime
@@ -141,6 +142,9 @@ class SearchRecorder:
 
     def release(self, ticket: PrefetchTicket) -> None:
         self.inner.release(ticket)
+
+    async def embed(self, texts: Sequence[str]) -> TextEmbeddings:
+        return await self.inner.embed(texts)
 
     async def exact_documents(self, documents: Sequence[Document], nlist: int, k: int) -> list[Document]:
         """`documents` (a run's final ones) as exact search would have given them: the searches

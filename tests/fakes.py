@@ -41,12 +41,21 @@ class ScriptedEngine:
     name = "scripted"
 
     def __init__(
-        self, script: Script, log: list[tuple[str, str]] | None = None, *, fail: bool = False, delay: float = 0.0
+        self,
+        script: Script,
+        log: list[tuple[str, str]] | None = None,
+        *,
+        fail: bool = False,
+        delay: float = 0.0,
+        token_delay: float = 0.0,
     ) -> None:
+        """`delay`: seconds before a call's first token; `token_delay`: before each token (the
+        event loop runs other work meanwhile, as while a real engine decodes)."""
         self.script = script
         self.log = log if log is not None else []
         self.fail = fail
         self.delay = delay
+        self.token_delay = token_delay
         self.prompts: list[str] = []
         self.params: list[SamplingParams] = []  # each call's, in order
         self.vocab: list[str] = []
@@ -103,8 +112,11 @@ class ScriptedEngine:
                 if self.fail:
                     raise EngineError("scripted failure")
                 generation = self._generation(index, prompt, params)
-                for word in generation.text.split():
-                    yield TokenChunk(index, word + " ")
+                for i, word in enumerate(generation.text.split()):
+                    if self.token_delay:
+                        await asyncio.sleep(self.token_delay)
+                    logprobs = generation.logprobs[i : i + 1]
+                    yield TokenChunk(index, word + " ", generation.token_ids[i : i + 1], logprobs)
                 yield generation
             finally:
                 self.log.append(("llm_end", prompt.splitlines()[0]))
