@@ -13,6 +13,7 @@ from telerag.cli import (
     bench_generate,
     bench_kernels,
     bench_overlap,
+    bench_pipelining,
     bench_prefix_cache,
     bench_quality,
     bench_retrieval,
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_soak.register(bench_commands)
     bench_admission.register(bench_commands)
     bench_tier.register(bench_commands)
+    bench_pipelining.register(bench_commands)
     return parser
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from telerag.pipelines.errors import EngineError
 from telerag.pipelines.stats import PrefetchStepStats, SearchStats
@@ -128,6 +128,8 @@ class ScriptedEngine:
 class RecordingRetriever:
     """Returns `docs_per_query` made-up documents per query; logs prefetch, search and release."""
 
+    default_nprobe = 8  # reported for a search that names none (as `fake_app.DATASTORE_INFO`)
+
     def __init__(self, log: list[tuple[str, str]] | None = None, docs_per_query: int = 3) -> None:
         self.log = log if log is not None else []
         self.docs_per_query = docs_per_query
@@ -165,9 +167,8 @@ class RecordingRetriever:
             ]
             for q in queries
         ]
-        return SearchOutcome(
-            documents, SearchStats(overlap_rate=0.75, clusters_device=3, clusters_cpu=1, device_ms=1.0, cpu_ms=2.0, embed_ms=0.5)
-        )
+        stats = SearchStats(overlap_rate=0.75, clusters_device=3, clusters_cpu=1, device_ms=1.0, cpu_ms=2.0, embed_ms=0.5)
+        return SearchOutcome(documents, replace(stats, nprobe=options.nprobe or self.default_nprobe))
 
     async def prefetch_batch(self, requests: Sequence[PrefetchRequest]) -> list[PrefetchTicket]:
         return [await self.prefetch(r.queries, enabled=r.enabled, overlap_ms=r.overlap_ms) for r in requests]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import openai
 import pytest
 
 from telerag.pipelines.errors import EngineError
@@ -21,6 +22,7 @@ from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.search_budget import SearchBudget
 from telerag.pipelines.stats import PipeliningSummary, SearchStats
 from telerag.pipelines.types import RunOptions, StageEvent
+from tests.fake_app import Harness, sdk
 from tests.fakes import RecordingRetriever, ScriptedEngine
 from tests.scripted_pipelines import SURE, UNSURE, run, script
 
@@ -273,3 +275,73 @@ def test_searches_are_counted_in_flight():
 
 def test_search_stats_default_to_no_pipelining():
     assert SearchStats().pipelined is None
+
+
+# -- over HTTP ----------------------------------------------------------------------------------
+
+
+async def test_a_query_may_ask_for_pipelining_and_nprobe_auto():
+    h = Harness()
+    body = {"query": "Capital of France?", "pipeline": "iter_retgen", "max_tokens": 6, "pipelining": True, "nprobe": "auto"}
+    async with h.client() as client:
+        on = (await client.post("/v1/rag/query", json=body)).json()
+        off = (await client.post("/v1/rag/query", json={**body, "pipelining": False})).json()
+        metrics = (await client.get("/metrics")).text
+    assert on["pipelining"]["retrievals"] == 2 and off["pipelining"] == {
+        "retrievals": 0,
+        "searched_again": 0,
+        "checked": 0,
+        "differed": 0,
+    }
+    pipelined = [s["stats"]["pipelined"] for s in on["steps"] if s["kind"] == "retrieval" and s["stats"]["pipelined"]]
+    assert len(pipelined) == 2 and all(p["launched_after_tokens"] == 3 for p in pipelined)
+    assert 'telerag_pipelined_retrievals_total{outcome="' in metrics and 'pipeline="iter_retgen"' in metrics
+    assert not h.retriever.outstanding
+
+
+async def test_nprobe_auto_reports_its_choice_in_the_trace_and_the_metrics():
+    h = Harness()
+    body = {"query": "Capital of France?", "pipeline": "iter_retgen", "max_tokens": 6, "pipelining": True, "nprobe": "auto"}
+    async with h.client() as client:
+        for _ in range(2):  # the first teaches the search-time model (8 lists at the fake's pace)
+            result = (await client.post("/v1/rag/query", json=body)).json()
+        metrics = (await client.get("/metrics")).text
+    budgeted = [s["stats"] for s in result["steps"] if s["kind"] == "retrieval" and s["stats"]["pipelined"]]
+    assert budgeted and all(s["pipelined"]["budget_ms"] is not None and 1 <= s["nprobe"] <= 64 for s in budgeted)
+    assert "telerag_auto_nprobe_count" in metrics
+
+
+@pytest.mark.parametrize(("fields", "field"), [({"nprobe": "many"}, "nprobe"), ({"pipelining": 1}, "pipelining")])
+async def test_a_bad_pipelining_or_nprobe_is_422_naming_it(fields, field):
+    h = Harness()
+    async with h.client() as client:
+        response = await client.post("/v1/rag/query", json={"query": "q", **fields})
+    assert response.status_code == 422 and response.json()["error"]["field"] == field
+
+
+async def test_the_settings_give_a_request_its_default_pipelining_and_nprobe():
+    h = Harness(retrieval={"pipelining": True, "nprobe": "auto"})
+    body = {"query": "Capital of France?", "pipeline": "iter_retgen", "max_tokens": 6}
+    async with h.client() as client:
+        default = (await client.post("/v1/rag/query", json=body)).json()
+        declined = (await client.post("/v1/rag/query", json={**body, "pipelining": False, "nprobe": 5})).json()
+    assert default["pipelining"]["retrievals"] == 2 and declined["pipelining"]["retrievals"] == 0
+    assert {s["stats"]["nprobe"] for s in declined["steps"] if s["kind"] == "retrieval"} == {5}
+
+
+async def test_the_openai_routes_refuse_pipelining_by_name_and_run_with_the_settings():
+    h = Harness(retrieval={"pipelining": True})
+    async with h.client() as http:
+        with pytest.raises(openai.BadRequestError) as refused:
+            await sdk(http).chat.completions.create(
+                model="iter_retgen", messages=[{"role": "user", "content": "Capital?"}], extra_body={"pipelining": False}
+            )
+        completion = await sdk(http).chat.completions.create(
+            model="iter_retgen", messages=[{"role": "user", "content": "Capital?"}], max_tokens=6
+        )
+        metrics = (await http.get("/metrics")).text
+    assert refused.value.status_code == 400 and refused.value.param == "pipelining"
+    assert completion.choices[0].message.content
+    assert 'telerag_pipelined_retrievals_total{outcome="kept",pipeline="iter_retgen"}' in metrics or (
+        'telerag_pipelined_retrievals_total{outcome="searched_again",pipeline="iter_retgen"}' in metrics
+    )
