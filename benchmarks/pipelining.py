@@ -6,10 +6,13 @@ datastore scaled so that retrieval is a real share of a request's time (`benchma
   early_stop  sequential, faiss's lists scanned with exact early stop (`retrieval.early_stop`)
   budgeted    pipelined, with nprobe "auto" (the largest predicted to fit the generation left)
 
-One client, one request at a time, the modes taking turns request by request (a load drifting on
-the machine weighs on each alike), after `warmup` unmeasured requests per mode (which also teach
-each mode's pipelines their expected step lengths and the search-time model). Each mode has its
-own pipelines over one retriever, batching scheduler and LLM. A pipelined search's final query is
+One client, one request at a time, the modes taking turns request by request, each request's
+turn begun by the next mode (a load drifting on the machine weighs on each alike, and no mode is
+always first), after `warmup` unmeasured requests per mode (which also teach each mode's
+pipelines their expected step lengths and the search-time model). Each mode has its own
+pipelines over one retriever, batching scheduler and LLM. The modes ask the same questions, so
+each request starts from an empty prefix cache (the transformers engine's): no mode reuses the
+prompts another just sent. A pipelined search's final query is
 not checked beside the run (`pipelining.check` off): `same_documents` compares each request's
 documents with the sequential mode's instead. After each request, untimed, the searches its
 documents came from are replayed with every list probed (`quality.SearchRecorder`): its
@@ -104,7 +107,7 @@ class PipeliningRow:
     same_documents: float  # share of requests whose documents equal the sequential mode's
     lists_scanned_fraction: float  # lists scanned over lists probed (1 but with early stop)
     recall_at_k: float  # mean over requests of the share of their top-k that exhaustive search also finds
-    nprobe_p50: float  # over the mode's searches (budgeted: what "auto" chose)
+    nprobe_p50: float  # over the mode's pipelined searches (budgeted: what "auto" chose), or all its searches without any
     pipelined: float  # share of the mode's searches launched from a stale query
     searched_again: float  # share of those whose final query was searched again (it had moved too far)
     search_over_generation_p50: float | None  # a pipelined search's time over the generation left at its launch
@@ -143,7 +146,8 @@ class ModeSetup:
             )
             for mode in config.modes
         }
-        self.config = config
+        self.config, self.engine = config, engine
+        self.prefix_cache_mb = settings.engine.prefix_cache_mb if hasattr(engine, "use_prefix_cache") else 0.0
 
     def options(self, mode: Mode) -> RunOptions:
         return RunOptions(
@@ -165,6 +169,8 @@ class ModeSetup:
 
     async def measure(self, mode: Mode, name: str, question: str) -> Measured:
         """One request of `mode`, timed; then, untimed, its documents against exhaustive search."""
+        if self.prefix_cache_mb:  # a new, empty one
+            self.engine.use_prefix_cache(self.prefix_cache_mb)  # type: ignore[attr-defined]
         counts = self.early_stop.counts
         probed, scanned = counts.probed, counts.scanned
         with self.cpu_half(mode), self.recorder.question():
@@ -192,7 +198,8 @@ async def run_pipelining_bench(
                 await setup.measure(mode, name, question)
         measured: dict[Mode, list[Measured]] = {mode: [] for mode in config.modes}
         for i, question in enumerate(questions):
-            for mode in config.modes:
+            turn = i % len(config.modes)
+            for mode in (*config.modes[turn:], *config.modes[:turn]):
                 measured[mode].append(await setup.measure(mode, name, question))
             log(f"{name}: request {i + 1} of {len(questions)}")
         rows.extend(summarise(name, mode, measured[mode], measured[Mode.SEQUENTIAL]) for mode in config.modes)
@@ -222,7 +229,7 @@ def summarise(pipeline: str, mode: Mode, records: list[Measured], sequential: li
         same_documents=statistics.fmean(r.documents == b.documents for r, b in zip(records, sequential, strict=True)),
         lists_scanned_fraction=sum(r.lists_scanned for r in records) / probed if probed else 1.0,
         recall_at_k=statistics.fmean(r.recall for r in records),
-        nprobe_p50=_p50([stats.nprobe for _, stats in searches]),
+        nprobe_p50=_p50([stats.nprobe for _, stats in searches if stats.pipelined is not None or not pipelined]),
         pipelined=len(pipelined) / len(searches) if searches else 0.0,
         searched_again=sum(p.searched_again for _, p in pipelined) / len(pipelined) if pipelined else 0.0,
         search_over_generation_p50=(_p50([ms / max(p.generation_left_ms, 1e-9) for ms, p in pipelined]) if pipelined else None),
