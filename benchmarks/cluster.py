@@ -260,7 +260,7 @@ def _tier_overheads(settings: Settings, config: ClusterBenchConfig) -> dict[int,
     else:
         tier = deploy_tier(path, tier_shape(settings), verify_checksums=settings.retrieval.verify_checksums)
     local = CPUIndex(Datastore.load(path, verify_checksums=False))
-    nprobe = settings.retrieval.nprobe or default_nprobe(local.datastore.nlist)
+    nprobe = settings.retrieval.fixed_nprobe or default_nprobe(local.datastore.nlist)
     measuring = TierBenchConfig(datastore=path, searches=config.tier_searches, k=settings.retrieval.top_k)
     return {
         batch: measure_tier(local, tier, settings.cluster.shards, batch, nprobe, measuring, False).remote_overhead

@@ -28,7 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from telerag.pipelines.prompts import holds_answer_cue
 from telerag.pipelines.questions import Question, question_options, run_one
 from telerag.pipelines.rag.base import merge_documents
-from telerag.pipelines.stats import Timings
+from telerag.pipelines.stats import PipeliningSummary, Timings
 from telerag.pipelines.types import (
     Document,
     Pipeline,
@@ -47,6 +47,7 @@ from telerag.pipelines.types import (
     SearchOptions,
     SearchOutcome,
     SearchQuery,
+    TextEmbeddings,
     overlap_rates,
 )
 from telerag.server.runtime import open_retrieval, open_runtime
@@ -142,6 +143,9 @@ class SearchRecorder:
     def release(self, ticket: PrefetchTicket) -> None:
         self.inner.release(ticket)
 
+    async def embed(self, texts: Sequence[str]) -> TextEmbeddings:
+        return await self.inner.embed(texts)
+
     async def exact_documents(self, documents: Sequence[Document], nlist: int, k: int) -> list[Document]:
         """`documents` (a run's final ones) as exact search would have given them: the searches
         they came from run again with every list probed, merged best score first. Forgets the
@@ -204,6 +208,8 @@ class QualityRow:
     overlap_rate: float | None  # mean over searches with a prefetch of |C_in ∩ C_out| / |C_out|
     latency_ms: StageLatency
     form: str = "as written"  # follow-ups: "rewritten" (with their conversation), "as asked" or "standalone"
+    pipelining: bool = False  # the requests' `pipelining`
+    pipelined: PipeliningSummary = field(default_factory=PipeliningSummary)  # summed over the questions
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -221,6 +227,7 @@ class _Tally:
         self.cue: list[bool] = []  # per answer generated: does it hold the answer cue
         self.overlaps: list[float] = []
         self.ms: dict[str, list[float]] = {stage: [] for stage in STAGES}
+        self.pipelined: list[PipeliningSummary] = []
 
     def add_timings(self, timings: Timings) -> None:
         for stage in STAGES:
@@ -240,6 +247,9 @@ class _Tally:
             cue_answers=sum(self.cue) if self.cue else None,
             overlap_rate=_mean(self.overlaps),
             latency_ms=StageLatency(**{stage: _mean(ms) or 0.0 for stage, ms in self.ms.items()}),
+            pipelined=PipeliningSummary(
+                **{name: sum(getattr(p, name) for p in self.pipelined) for name in PipeliningSummary.__dataclass_fields__}
+            ),
         )
 
 
@@ -282,7 +292,9 @@ async def quality_study(
             tally.cue.append(holds_answer_cue(result.answer))
             tally.overlaps.extend(overlap_rates(result.steps))
             tally.add_timings(result.timings)
-        rows.append(tally.row(pipeline.name, len(questions), options.top_k, nprobe, nlist))
+            tally.pipelined.append(result.pipelining)
+        row = tally.row(pipeline.name, len(questions), options.top_k, nprobe, nlist)
+        rows.append(replace(row, pipelining=options.pipelining))
     return rows
 
 
@@ -322,13 +334,13 @@ async def configured_quality_study(
     settings: Settings, names: Sequence[str], questions: Sequence[Question], k: int, max_tokens: int, concurrency: int = 1
 ) -> list[QualityRow]:
     """`quality_study` of the named pipelines with the configured LLM and datastore, at the
-    configured nprobe, with a progress bar. Follow-ups run in each of `FOLLOW_UP_FORMS`, so the
+    configured nprobe and pipelining, with a progress bar. Follow-ups run in each of `FOLLOW_UP_FORMS`, so the
     rewrite's recall sits beside the question's without it and the question asked standalone."""
     async with open_runtime(settings) as runtime:
         info = runtime.datastore_info
         recorder = SearchRecorder(runtime.retriever)
         pipelines = runtime.pipelines(recorder, names)
-        options = RunOptions(top_k=k, nprobe=info.nprobe, max_tokens=max_tokens)
+        options = RunOptions(top_k=k, nprobe=info.nprobe, max_tokens=max_tokens, pipelining=settings.retrieval.pipelining)
         forms = FOLLOW_UP_FORMS if any(q.history for q in questions) else {"as written": lambda q: q}
         rows: list[QualityRow] = []
         with tqdm(total=len(forms) * len(pipelines) * len(questions), desc="questions", unit="q") as bar:
@@ -367,18 +379,21 @@ def format_table(rows: list[QualityRow], datastore: Path) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
     first = rows[0]
-    label = {id(row): row.pipeline if row.form == "as written" else f"{row.pipeline} {row.form}" for row in rows}
+    form = {id(row): "" if row.form == "as written" else f" {row.form}" for row in rows}
+    label = {id(row): row.pipeline + form[id(row)] + (" pipelined" if row.pipelining else "") for row in rows}
     width = max(13, *(len(text) + 1 for text in label.values()))
     lines = [
         f"{first.questions} questions, datastore {datastore}, k {first.k}, nprobe {first.nprobe} of {first.nlist} lists",
         f"{'pipeline':<{width}}{'recall@k':>9}{'exact':>7}{'EM':>7}{'F1':>7}{'cue':>5}{'overlap':>9}"
-        f"{'prefetch':>10}{'pre-retr.':>11}{'search':>9}{'other LLM':>10}{'generate':>10}{'total ms':>10}",
+        f"{'prefetch':>10}{'pre-retr.':>11}{'search':>9}{'other LLM':>10}{'generate':>10}{'total ms':>10}"
+        f"{'pipelined (again/checked/differed)':>36}",
     ]
     for row in rows:
-        ms = row.latency_ms
+        ms, p = row.latency_ms, row.pipelined
         lines.append(
             f"{label[id(row)]:<{width}}{num(row.recall):>9}{num(row.recall_exact):>7}{num(row.exact_match):>7}{num(row.f1):>7}"
             f"{'-' if row.cue_answers is None else row.cue_answers:>5}{num(row.overlap_rate):>9}"
             f"{ms.prefetch:>10.1f}{ms.pre_retrieval:>11.1f}{ms.search:>9.1f}{ms.llm:>10.1f}{ms.generate:>10.1f}{ms.total:>10.1f}"
+            + (f"{f'{p.retrievals} ({p.searched_again}/{p.checked}/{p.differed})':>36}" if row.pipelining else f"{'-':>36}")
         )
     return "\n".join(lines)

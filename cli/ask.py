@@ -56,9 +56,10 @@ def run(args: argparse.Namespace) -> int:
             pipeline = runtime.pipelines(runtime.retriever, [args.pipeline])[args.pipeline]
             options = RunOptions(
                 top_k=args.top_k or settings.retrieval.top_k,
-                nprobe=args.nprobe,
+                nprobe=settings.retrieval.nprobe,  # --nprobe sets it
                 max_tokens=args.max_tokens,
                 prefetch=not args.no_prefetch,
+                pipelining=settings.retrieval.pipelining,
             )
             return await run_result(pipeline.run(args.question, options), None if args.json else print_token)
 

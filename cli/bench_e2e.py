@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from telerag.cli.runtime_flags import add_runtime_flags, nullable, overrides
+from telerag.cli.scaled_flags import add_scaled_flags, datastore_scale, llm_choice
 from telerag.pipelines.questions import read_questions
 from telerag.pipelines.registry import pipeline_names
 from telerag.server.settings import ENGINE_KIND_ALIASES, load_settings, packaged_config
@@ -37,26 +38,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--top-k", type=int, default=None, help="documents per search (default: the config's)")
     parser.add_argument("--questions", type=Path, default=packaged_config("questions_wiki_en.txt"))
-    parser.add_argument("--tiny", action="store_true", help="a tiny random LLM (seconds; its text is noise): for CI")
-    parser.add_argument(
-        "--random-weights",
-        action="store_true",
-        help="with --model DIR: DIR's architecture (config.json, tokenizer) with random weights, built in "
-        "process on the engine's device: timing at a model's real size, nothing loaded",
-    )
     parser.add_argument("--engine", choices=["transformers", "sglang", *ENGINE_KIND_ALIASES])
     parser.add_argument("--cache-mb", type=nullable(float), help="the lookahead mode's cluster cache (default: the config's)")
     parser.add_argument(
         "--prefetch-budget-mb", type=nullable(float), help="one fixed budget (default: B x each pipeline's t_LLM)"
     )
-    scale = parser.add_argument_group(
-        "datastore scale (noisy replicas of the datastore's vectors, mapped to their passages, made in memory on the "
-        "retrieval device: vectors x dim x 4 bytes of RAM, pinned on CUDA)"
-    )
-    scale.add_argument("--scale-vectors", type=int, help="scale the datastore up to this many vectors")
-    scale.add_argument("--nlist", type=int, help="IVF lists of the scaled datastore (default 4*sqrt(n))")
-    scale.add_argument("--replica-noise", type=float, default=0.5, help="replica = normalise(v + noise*g/sqrt(dim))")
-    scale.add_argument("--seed", type=int, default=0)
+    add_scaled_flags(parser)
     parser.add_argument("--plot-dir", type=Path, help="write latency_breakdown.png and throughput.png here")
     parser.add_argument("--json", action="store_true", help='print one JSON line last: {"rows": [...], ...}')
     add_runtime_flags(parser)
@@ -64,26 +51,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from telerag.benchmarks.e2e import E2EConfig, LLMChoice, Mode, format_table, run_configured_e2e
-    from telerag.benchmarks.scaled import DatastoreScale
+    from telerag.benchmarks.e2e import E2EConfig, Mode, format_table, run_configured_e2e
 
-    if args.tiny and args.model:
-        raise SystemExit("--tiny and --model exclude each other")
-    if args.random_weights and not args.model:
-        raise SystemExit("--random-weights needs --model DIR (a config.json and a tokenizer)")
-    if args.nlist and not args.scale_vectors:
-        raise SystemExit("--nlist sets the lists of a scaled datastore: give --scale-vectors too")
+    llm, scale = llm_choice(args), datastore_scale(args)
     if args.plot_dir is not None and importlib.util.find_spec("matplotlib") is None:  # before minutes of measuring
         raise SystemExit("--plot-dir needs matplotlib (pip install telerag[bench]); or leave --plot-dir out")
     names = pipeline_names(args.pipelines)
     settings = load_settings(args.config, overrides(args))
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    llm = LLMChoice.TINY if args.tiny else LLMChoice.RANDOM_WEIGHTS if args.random_weights else LLMChoice.CONFIGURED
-    scale = (
-        DatastoreScale(vectors=args.scale_vectors, nlist=args.nlist, noise=args.replica_noise, seed=args.seed)
-        if args.scale_vectors
-        else None
-    )
     config = E2EConfig(
         pipelines=names,
         questions=tuple(q.text for q in read_questions(args.questions)),

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         pipelines=names,
         questions=tuple(read_questions(args.questions, args.limit)),
         prefetch_clusters=args.prefetch_clusters,
-        nprobe=args.nprobe,
+        nprobe=args.nprobe if isinstance(args.nprobe, int) else None,  # auto: the default, as for any search not pipelined
         max_tokens=args.max_tokens,
     )
     report = asyncio.run(configured_overlap_study(settings, config))

@@ -30,6 +30,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="questions at a time (the engine batches them; stage times then include their neighbours')",
     )
     parser.add_argument(
+        "--pipelining",
+        choices=["on", "off"],
+        help="the requests' pipelining (iter_retgen, flare, iterative; default: retrieval.pipelining)",
+    )
+    parser.add_argument(
         "--retrieval-only",
         action="store_true",
         help="no LLM: each question's own top-k (naive's retrieval), to compare datastores",
@@ -53,7 +58,10 @@ def run(args: argparse.Namespace) -> int:
     )  # brings torch: only when it runs
 
     names = list(pipeline_names(args.pipelines))
-    settings = load_settings(args.config, overrides(args))
+    given = overrides(args)
+    if args.pipelining is not None:
+        given.setdefault("retrieval", {})["pipelining"] = args.pipelining == "on"
+    settings = load_settings(args.config, given)
     logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")
     questions = read_questions(args.questions, args.limit)
     k = args.k or settings.retrieval.top_k

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         requests=args.requests,
         max_tokens=args.max_tokens,
         top_k=settings.retrieval.top_k,
-        nprobe=settings.retrieval.nprobe,
+        nprobe=settings.retrieval.fixed_nprobe,
         modes=(Mode.CPU,),
     )
     tier = TierBenchConfig(
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         batches=tuple(args.batch),
         searches=args.searches,
         k=settings.retrieval.top_k,
-        nprobe=settings.retrieval.nprobe,
+        nprobe=settings.retrieval.fixed_nprobe,
         cpus_per_replica=settings.cluster.shard_cpus,
     )
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)

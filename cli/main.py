@@ -14,6 +14,7 @@ from telerag.cli import (
     bench_generate,
     bench_kernels,
     bench_overlap,
+    bench_pipelining,
     bench_prefix_cache,
     bench_quality,
     bench_retrieval,
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_tier.register(bench_commands)
     bench_cluster.register(bench_commands)
     bench_sizing.register(bench_commands)
+    bench_pipelining.register(bench_commands)
     return parser
 
 

@@ -35,6 +35,11 @@ def nullable(kind: Callable[[str], T]) -> Callable[[str], T | Null]:
     return parse
 
 
+def nprobe_value(text: str) -> int | str:
+    """nprobe as a flag gives it: a whole number, or `auto`."""
+    return text if text == "auto" else int(text)
+
+
 def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
     """The flags that choose what a command loads (settings file, models, datastore, device),
     for every command that opens the runtime; `overrides` reads them, and the serving-only
@@ -44,7 +49,9 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--datastore", type=Path)
     parser.add_argument("--embedder", type=nullable(Path), help="sentence-transformers model directory (null: the packaged one)")
     parser.add_argument("--device", help="auto, cpu or cuda (retrieval and engine)")
-    parser.add_argument("--nprobe", type=nullable(int), help="IVF lists searched (null: 4*sqrt(nlist))")
+    parser.add_argument(
+        "--nprobe", type=nullable(nprobe_value), help="IVF lists searched (null: 4*sqrt(nlist); auto: see retrieval.nprobe)"
+    )
     parser.set_defaults(
         host=None,
         port=None,

@@ -126,12 +126,15 @@ def sub_questions(question: str, limit: int) -> Prompt:
     )
 
 
+SEARCH_QUESTION_CUE = "Search question:"
+
+
 def narrower_question(question: str, notes: str) -> Prompt:
     known = f"\nWhat we know so far: {notes}" if notes else ""
     return Prompt(
         "Write one short search question for the next fact needed to answer the question.",
-        f"Question: {question}{known}\nSearch question:",
-        "Search question:",
+        f"Question: {question}{known}\n{SEARCH_QUESTION_CUE}",
+        SEARCH_QUESTION_CUE,
     )
 
 

@@ -9,7 +9,6 @@ callers; the CLI and the tests call it directly.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ from telerag.pipelines.types import (
     SearchRequest,
     TextEmbeddings,
     query_texts,
+    query_vectors,
 )
 from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import WIKIPEDIA_SOURCE, PassageShape, read_wikipedia
@@ -132,13 +132,8 @@ class DirectRetriever:
     def _embed_queries(self, queries: list[SearchQuery]) -> tuple[np.ndarray, float]:
         """One vector per query, all texts embedded in one call; a MeanQuery's is the mean of
         its texts' vectors."""
-        parts = [query_texts(query) for query in queries]
-        vectors, embed_ms = self._embed([text for texts in parts for text in texts])
-        if all(len(texts) == 1 for texts in parts):
-            return vectors, embed_ms
-        starts = np.cumsum([0] + [len(texts) for texts in parts])
-        means = np.stack([vectors[start:end].mean(axis=0) for start, end in itertools.pairwise(starts)])
-        return np.ascontiguousarray(means, dtype=np.float32), embed_ms
+        vectors, embed_ms = self._embed([text for query in queries for text in query_texts(query)])
+        return query_vectors(queries, vectors), embed_ms
 
     def _search_batch(self, requests: list[SearchRequest]) -> list[SearchOutcome]:
         queries = [query for request in requests for query in request.queries]

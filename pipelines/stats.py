@@ -49,6 +49,21 @@ class SearchStats:
     copy_wait_ms: float = 0.0  # how long the device scan waited for copies in flight
     nprobe: int = 0
     batch: int = 0  # queries searched together, other callers' included
+    pipelined: PipelinedSearch | None = None  # a search launched from a stale query while its step generated
+
+
+@dataclass(frozen=True)
+class PipelinedSearch:
+    """A search launched from the text its step had generated so far (PipeRAG), and what became
+    of it once the step ended: its documents were used, or the final query had moved too far
+    from the stale one and was searched again."""
+
+    launched_after_tokens: int  # of the step's generation
+    generation_left_ms: float  # from the launch to the step's end: the time the search could hide behind
+    budget_ms: float | None  # nprobe "auto": the generation time predicted left at the launch (None: nprobe not chosen)
+    cosine: float  # between the stale and the final query's embeddings
+    searched_again: bool  # cosine under the threshold: the final query was searched and its documents used
+    same_documents: bool | None  # the stale query's documents equal the final query's (None: not checked)
 
 
 StepStats = GenerationStats | PrefetchStepStats | SearchStats
@@ -82,3 +97,13 @@ class PrefetchSummary:
     clusters_cpu: int = 0
     clusters_copied_on_demand: int = 0
     clusters_late: int = 0
+
+
+@dataclass(frozen=True)
+class PipeliningSummary:
+    """A run's pipelined retrievals (`PipelinedSearch`), counted over its searches."""
+
+    retrievals: int = 0  # searches launched from a stale query while their step generated
+    searched_again: int = 0  # of them, those whose final query moved too far: searched again
+    checked: int = 0  # of them, those whose final query's documents are known (searched again, or checked beside)
+    differed: int = 0  # of those checked, those whose stale documents differed from the final query's

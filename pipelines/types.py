@@ -7,6 +7,7 @@ one place these contracts are written: every layer above imports them together.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import AsyncGenerator, AsyncIterable, Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -16,6 +17,7 @@ import numpy as np
 
 from telerag.pipelines.stats import (
     GenerationStats,
+    PipeliningSummary,
     PrefetchStepStats,
     PrefetchSummary,
     SearchStats,
@@ -132,6 +134,17 @@ def query_texts(query: SearchQuery) -> tuple[str, ...]:
     return query.texts if isinstance(query, MeanQuery) else (query,)
 
 
+def query_vectors(queries: Sequence[SearchQuery], text_vectors: np.ndarray) -> np.ndarray:
+    """One float32 row per query from the rows of its texts (`text_vectors`: every query's
+    `query_texts`, in order): a MeanQuery's is the mean of its texts'."""
+    counts = [len(query_texts(query)) for query in queries]
+    if all(count == 1 for count in counts):
+        return np.ascontiguousarray(text_vectors, dtype=np.float32)
+    starts = np.cumsum([0, *counts])
+    means = [text_vectors[start:end].mean(axis=0) for start, end in itertools.pairwise(starts)]
+    return np.ascontiguousarray(np.stack(means), dtype=np.float32)
+
+
 @dataclass(frozen=True)
 class SearchOptions:
     top_k: int = 3
@@ -176,6 +189,11 @@ class Retriever(Protocol):
         """Unpin the ticket's clusters (idempotent)."""
         ...
 
+    async def embed(self, texts: Sequence[str]) -> TextEmbeddings:
+        """`texts` embedded as the datastore's passages and queries are (a pipelined retrieval
+        compares its stale query with the final one; clients search or cache beside the server)."""
+        ...
+
 
 @dataclass(frozen=True)
 class PrefetchRequest:
@@ -207,11 +225,6 @@ class BatchRetriever(Retriever, Protocol):
 
     async def search_batch(self, requests: Sequence[SearchRequest]) -> list[SearchOutcome]:
         """One outcome per request, in order; each waits only on its own ticket's copies."""
-        ...
-
-    async def embed(self, texts: Sequence[str]) -> TextEmbeddings:
-        """`texts` embedded as the datastore's passages and queries are (for clients that search
-        or cache beside the server)."""
         ...
 
 
@@ -315,7 +328,7 @@ class RunOptions:
     """Per-request knobs a pipeline honours; validated where they are made, never changed after."""
 
     top_k: int = 3
-    nprobe: int | None = None
+    nprobe: int | Literal["auto"] | None = None  # auto: a pipelined search's fits in the generation it overlaps
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0  # with temperature, every LLM call of the request samples so
@@ -323,6 +336,7 @@ class RunOptions:
     instructions: str = ""  # the client's own (a chat's system messages), in every prompt that writes the answer
     history: tuple[Turn, ...] = ()  # the conversation before the question: with any, it is first rewritten to stand alone
     prefetch: bool = True
+    pipelining: bool = False  # iterative pipelines search from a stale query while the step generates (PipeRAG)
 
 
 @dataclass
@@ -334,6 +348,7 @@ class RagResult:
     timings: Timings
     prefetch: PrefetchSummary
     tokens_generated: int = 0
+    pipelining: PipeliningSummary = field(default_factory=PipeliningSummary)
 
     @property
     def prompt_tokens(self) -> int:

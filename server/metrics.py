@@ -15,6 +15,7 @@ from telerag.retrieval.stats import CacheStats
 from telerag.server.errors import Refusal
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+NPROBE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
@@ -80,6 +81,42 @@ class ConnectionMetrics:
 
     def guarded(self, action: str) -> None:
         self.actions.labels(action).inc()
+
+
+class PipeliningMetrics:
+    """Pipelined retrievals (`pipelining`) and what nprobe "auto" chose."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.pipelined = Counter(
+            "telerag_pipelined_retrievals",
+            "searches launched from a stale query while their step generated, by what became of them: kept (its "
+            "documents used) or searched_again (the final query had moved too far)",
+            ["pipeline", "outcome"],
+            registry=registry,
+        )
+        self.pipelined_checked = Counter(
+            "telerag_pipelined_checked",
+            "pipelined searches whose final query's documents are known, by whether the stale ones differed",
+            ["pipeline", "differed"],
+            registry=registry,
+        )
+        self.auto_nprobe = Histogram(
+            "telerag_auto_nprobe",
+            'the nprobe nprobe "auto" chose for a pipelined search (the largest predicted to fit the generation left)',
+            ["pipeline"],
+            buckets=NPROBE_BUCKETS,
+            registry=registry,
+        )
+
+    def observe(self, pipeline: str, stats: SearchStats) -> None:
+        pipelined = stats.pipelined
+        if pipelined is None:
+            return
+        self.pipelined.labels(pipeline, "searched_again" if pipelined.searched_again else "kept").inc()
+        if pipelined.same_documents is not None:
+            self.pipelined_checked.labels(pipeline, str(not pipelined.same_documents).lower()).inc()
+        if pipelined.budget_ms is not None:
+            self.auto_nprobe.labels(pipeline).observe(stats.nprobe)
 
 
 class AdmissionMetrics:
@@ -177,6 +214,7 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.pipelining = PipeliningMetrics(r)
         self.admission = AdmissionMetrics(r)
         self.batch_size = Histogram(
             "telerag_batch_size",
@@ -221,8 +259,10 @@ class Metrics:
         p = result.pipeline
         for step in result.steps:
             self.stage_latency.labels(p, step.stage.name).observe(step.ms / 1e3)
-            if isinstance(step.stats, SearchStats) and step.stats.copy_wait_ms:
-                self.copy_wait.labels(p).observe(step.stats.copy_wait_ms / 1e3)
+            if isinstance(step.stats, SearchStats):
+                if step.stats.copy_wait_ms:
+                    self.copy_wait.labels(p).observe(step.stats.copy_wait_ms / 1e3)
+                self.pipelining.observe(p, step.stats)
         self.prompt_tokens.labels(p).inc(result.prompt_tokens)
         self.prefix_cache_hits.labels(p).inc(result.cached_tokens)
         summary = result.prefetch

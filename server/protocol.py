@@ -24,7 +24,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from telerag.pipelines.types import DatastoreInfo, Document, RagResult, StageKind, StageRole
-from telerag.server.result_stats import PrefetchSummaryOut, StepStatsOut, TimingsOut, step_stats
+from telerag.server.result_stats import PipeliningSummaryOut, PrefetchSummaryOut, StepStatsOut, TimingsOut, step_stats
 from telerag.server.settings import LimitSettings
 
 # A query needs one character that is not white space. Spelled out rather than `\S`, whose
@@ -74,13 +74,21 @@ class QueryRequest(BaseModel):
     query: str
     pipeline: str = "naive"
     top_k: int | None = None
-    nprobe: int | None = None
+    nprobe: int | Literal["auto"] | None = None
     max_tokens: int = 256
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     stream: bool = Field(False, description="true: answer as server-sent events (text/event-stream)")
     return_documents: bool = Field(True, description="false: the answer without its documents")
     prefetch: bool = Field(True, description="false: every cluster searched on the CPU (the baseline)")
+    pipelining: bool | None = Field(
+        None,
+        description="iter_retgen, flare and iterative: true: each search starts from the text generated so far while "
+        "the step goes on (PipeRAG; the documents may differ, reported in `pipelining`); false: after it; null: the "
+        "server's retrieval.pipelining",
+    )
 
+
+AUTO: Any = Literal["auto"]  # nprobe chosen per search (a value for pydantic, built at run time)
 
 UNSUPPORTED = "unsupported"  # a pydantic error type: the request asks for what this server does not do (400, not 422)
 
@@ -123,7 +131,15 @@ def query_request_model(limits: LimitSettings, pipelines: Sequence[str], nlist: 
             Field("naive" if "naive" in pipelines else pipelines[0], description="one of GET /v1/pipelines"),
         ),
         top_k=(integer(1, limits.max_top_k) | None, Field(None, description="documents to retrieve (default: the server's)")),
-        nprobe=(integer(1, nlist) | None, Field(None, description="IVF lists to search (at most the datastore's nlist)")),
+        nprobe=(
+            integer(1, nlist) | AUTO | None,
+            Field(
+                None,
+                description="IVF lists to search (at most the datastore's nlist); \"auto\": a pipelined search's is the "
+                "largest predicted to finish within the generation it overlaps (the others' the default); null: the "
+                "server's retrieval.nprobe",
+            ),
+        ),
         max_tokens=(integer(1, limits.max_tokens), Field(max_tokens, description="tokens of the answer, at most")),
     )
 
@@ -165,6 +181,10 @@ class QueryResponse(BaseModel):
     timings: TimingsOut
     prefetch: PrefetchSummaryOut
     tokens_generated: int
+    pipelining: PipeliningSummaryOut = Field(
+        description="the pipelined retrievals (request field `pipelining`): how many, and how often their documents "
+        "differed from what the final query found"
+    )
 
     @classmethod
     def from_result(cls, result: RagResult, *, request_id: str, with_documents: bool) -> QueryResponse:
@@ -191,6 +211,7 @@ class QueryResponse(BaseModel):
             timings=TimingsOut.model_validate(result.timings),
             prefetch=PrefetchSummaryOut.model_validate(result.prefetch),
             tokens_generated=result.tokens_generated,
+            pipelining=PipeliningSummaryOut.model_validate(result.pipelining),
         )
 
 

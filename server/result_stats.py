@@ -51,6 +51,27 @@ class PrefetchStatsOut(_OmitsAbsent):
         return cls(enabled=True, embed_ms=stats.embed_ms, batch=stats.batch, **asdict(stats.plan))
 
 
+class PipelinedSearchOut(BaseModel):
+    """A search launched from the text its step had generated so far (`pipelining`)."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    launched_after_tokens: int = Field(description="tokens of the step's generation when the search was launched")
+    generation_left_ms: float = Field(description="from the launch to the step's end: the time the search could hide behind")
+    budget_ms: float | None = Field(
+        description='nprobe "auto": the generation predicted left at the launch, which the chosen nprobe fits in; null otherwise'
+    )
+    cosine: float = Field(description="between the stale and the final query's embeddings")
+    searched_again: bool = Field(
+        description="the final query had moved too far (cosine under retrieval.pipelining_min_cosine): it was searched "
+        "again and its documents used"
+    )
+    same_documents: bool | None = Field(
+        description="whether the stale query's documents equal the final query's; null: not checked "
+        "(retrieval.pipelining_check off)"
+    )
+
+
 class SearchStatsOut(BaseModel):
     """A search step's stats, summed over its queries (except `overlap_rate`)."""
 
@@ -67,8 +88,11 @@ class SearchStatsOut(BaseModel):
     clusters_copied_on_demand: int
     clusters_late: int = Field(description="resident, but scanned by faiss: their copies would have landed after it finished")
     copy_wait_ms: float = Field(description="how long the device scan waited for copies in flight")
-    nprobe: int
+    nprobe: int = Field(description='the lists searched (with nprobe "auto", the one chosen)')
     batch: int = Field(description="queries searched together, other requests' included")
+    pipelined: PipelinedSearchOut | None = Field(
+        None, description="a search launched while its step was still generating (`pipelining`); null otherwise"
+    )
 
 
 StepStatsOut = GenerationStatsOut | PrefetchStatsOut | SearchStatsOut
@@ -117,3 +141,14 @@ class PrefetchSummaryOut(BaseModel):
     clusters_cpu: int
     clusters_copied_on_demand: int
     clusters_late: int
+
+
+class PipeliningSummaryOut(BaseModel):
+    """The request's pipelined retrievals (`pipelining`), counted over its searches."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    retrievals: int = Field(description="searches launched from the text generated so far while their step went on")
+    searched_again: int = Field(description="of them, those whose final query had moved too far: searched again")
+    checked: int = Field(description="of them, those whose final query's own documents are known (searched again, or checked)")
+    differed: int = Field(description="of those checked, those whose documents differed from the final query's")

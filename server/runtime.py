@@ -17,9 +17,11 @@ import torch
 
 from telerag.pipelines.embedder import Embedder
 from telerag.pipelines.errors import EmbedderError, EngineUnavailable
+from telerag.pipelines.pipelining import PipeliningConfig
 from telerag.pipelines.rag.base import RagPipeline
 from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.retriever import DirectRetriever, TextEncoder, load_datastore, open_retriever
+from telerag.pipelines.search_budget import SearchBudget
 from telerag.pipelines.types import BatchRetriever, DatastoreInfo, Engine, Retriever, TextEmbeddings
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.errors import DeviceUnavailable
@@ -46,8 +48,16 @@ class Runtime:
 
     def pipelines(self, retriever: Retriever, names: Sequence[str] | None = None) -> dict[str, RagPipeline]:
         """The pipelines over this engine and `retriever`, each starting from its expected
-        pre-retrieval time in `config/prefetch_profiles.yaml`."""
-        return build_pipelines(self.engine, retriever, names=names, pre_retrieval_ms=pre_retrieval_profile())
+        pre-retrieval time in `config/prefetch_profiles.yaml`, pipelining as the settings say,
+        with one search budget for nprobe "auto" (up to the datastore's nlist)."""
+        return build_pipelines(
+            self.engine,
+            retriever,
+            names=names,
+            pre_retrieval_ms=pre_retrieval_profile(),
+            pipelining=pipelining_config(self.settings.retrieval),
+            search_budget=SearchBudget(floor=self.settings.retrieval.nprobe_floor, ceiling=self.datastore_info.nlist),
+        )
 
     def serving_pipelines(self, on_batch: Callable[[str, int], None]) -> dict[str, RagPipeline]:
         """The pipelines a server runs: over the retriever behind the scheduler's cross-request
@@ -96,6 +106,15 @@ class LogSteps:
 
     def report(self, progress: StepProgress) -> None:
         pass
+
+
+def pipelining_config(retrieval: RetrievalSettings) -> PipeliningConfig:
+    """How the pipelines pipeline their retrievals, from `retrieval.pipelining_*`."""
+    return PipeliningConfig(
+        launch_share=retrieval.pipelining_launch_share,
+        min_cosine=retrieval.pipelining_min_cosine,
+        check=retrieval.pipelining_check,
+    )
 
 
 def build_engine(settings: Settings) -> Engine:
@@ -177,7 +196,7 @@ def open_configured_retriever(
         device=device,
         cache_bytes=cluster_cache_bytes(retrieval, device),
         prefetch_budget_bytes=None if retrieval.prefetch_budget_mb is None else int(retrieval.prefetch_budget_mb * 2**20),
-        nprobe=retrieval.nprobe,
+        nprobe=retrieval.fixed_nprobe,  # auto: chosen per search
         demand_copy=retrieval.demand_copy,
         cpu_threads=retrieval.cpu_threads,
         early_stop=retrieval.early_stop,

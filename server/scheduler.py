@@ -22,6 +22,7 @@ from telerag.pipelines.types import (
     SearchOutcome,
     SearchQuery,
     SearchRequest,
+    TextEmbeddings,
 )
 
 Item = TypeVar("Item")
@@ -137,3 +138,7 @@ class BatchingRetriever:
 
     def release(self, ticket: PrefetchTicket) -> None:
         self.inner.release(ticket)
+
+    async def embed(self, texts: Sequence[str]) -> TextEmbeddings:
+        """Not batched: a pipelined retrieval's comparison of two queries, a client's texts."""
+        return await self.inner.embed(texts)

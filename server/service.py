@@ -7,7 +7,7 @@ import asyncio
 import math
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from typing import Protocol
+from typing import Literal, Protocol
 
 from fastapi import Request
 
@@ -133,7 +133,7 @@ class Service:
         self,
         *,
         top_k: int | None,
-        nprobe: int | None,
+        nprobe: int | Literal["auto"] | None,
         max_tokens: int,
         temperature: float,
         top_p: float = 1.0,
@@ -141,14 +141,20 @@ class Service:
         instructions: str = "",
         history: tuple[Turn, ...] = (),
         prefetch: bool = True,
+        pipelining: bool | None = None,
     ) -> RunOptions:
         """A request's options, checked for what the request models cannot check: nprobe against
-        the datastore's nlist (the app's models are built before the datastore is loaded)."""
+        the datastore's nlist (the app's models are built before the datastore is loaded). What
+        the request leaves out (None) is the settings': top_k, nprobe "auto" when
+        `retrieval.nprobe` is (a configured number is the retriever's own default), pipelining."""
+        retrieval = self.settings.retrieval
         nlist = self.runtime.datastore_info.nlist
-        if nprobe is not None and nprobe > nlist:
+        if isinstance(nprobe, int) and nprobe > nlist:
             raise InvalidField("nprobe", f"nprobe must be at most nlist ({nlist})")
+        if nprobe is None and retrieval.nprobe == "auto":
+            nprobe = "auto"
         return RunOptions(
-            top_k=top_k or self.settings.retrieval.top_k,
+            top_k=top_k or retrieval.top_k,
             nprobe=nprobe,
             max_tokens=max_tokens,
             temperature=temperature,
@@ -157,6 +163,7 @@ class Service:
             instructions=instructions,
             history=history,
             prefetch=prefetch,
+            pipelining=retrieval.pipelining if pipelining is None else pipelining,
         )
 
     async def embed(self, model: str, texts: list[str], dimensions: int | None) -> TextEmbeddings:

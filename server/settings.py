@@ -63,6 +63,20 @@ class EngineSettings(Section):
     )
 
 
+def _nprobe(value: Any) -> Any:
+    """retrieval.nprobe: a whole number of at least 1 (as text in the environment), "auto" or
+    null; anything else is one error saying so."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError("Input should be a whole number of at least 1, auto or null")
+    if value < 1:
+        raise ValueError("Input should be greater than or equal to 1")
+    return value
+
+
 class RetrievalSettings(Section):
     datastore: Path = Field(
         default_factory=lambda: user_cache_dir() / "datastores" / "wiki-en",
@@ -87,7 +101,27 @@ class RetrievalSettings(Section):
         "faiss threads of the CPU half; null: every core on CPU, one fewer on CUDA (the device's driving thread keeps one)",
         ge=1,
     )
-    nprobe: int | None = setting(None, "null: 4 * sqrt(nlist)", ge=1)
+    nprobe: Annotated[int | Literal["auto"] | None, BeforeValidator(_nprobe)] = setting(
+        None,
+        "null: 4 * sqrt(nlist); auto: a pipelined search's is the largest that fits in the generation it overlaps "
+        "(the others search at 4 * sqrt(nlist)); a request may name its own",
+    )
+    nprobe_floor: int = setting(8, 'the least nprobe "auto" chooses (at most nlist)', ge=1)
+    pipelining: bool = setting(
+        False,
+        "iterative pipelines (iter_retgen, flare, iterative) search from the text generated so far while the step "
+        "goes on (PipeRAG); a request may say otherwise. See docs/benchmarks.md, Pipelined retrieval",
+    )
+    pipelining_launch_share: float = setting(
+        0.5, "of a step's expected tokens, generated before its stale query is searched", ge=0, le=1
+    )
+    pipelining_min_cosine: float = setting(
+        0.9, "the final query at least this alike (embedding cosine) to the stale one: the stale documents are used; "
+        "else it is searched again", ge=-1, le=1,
+    )  # fmt: skip
+    pipelining_check: bool = setting(
+        True, "search a kept stale query's final query beside the rest of the run, to report whether the documents differed"
+    )
     early_stop: bool = setting(
         False,
         "exact early stop of faiss's half: skip the lists whose score bound proves they cannot change the top-k "
@@ -95,6 +129,11 @@ class RetrievalSettings(Section):
     )
     top_k: int = setting(3, "documents a request gets when it does not say", ge=1)
     verify_checksums: bool = setting(True, "read every byte of the datastore at start-up against its manifest's checksums")
+
+    @property
+    def fixed_nprobe(self) -> int | None:
+        """The nprobe of a search with no generation to fit in: "auto" searches at the default (None)."""
+        return self.nprobe if isinstance(self.nprobe, int) else None
 
 
 DEADLINE_MARGIN = 0.1  # the share of the deadline kept in reserve: admission plans to finish within the rest, for

@@ -32,6 +32,25 @@ def sglang() -> Iterator[types.ModuleType]:
     root.handlers[:], root.level = handlers, level
 
 
+@pytest.fixture(scope="module")
+def base_datastore(tmp_path_factory):
+    """80 small articles on 8 topics in 8 lists, under the tiny 32-d embedder (the benchmarks scale it up)."""
+    from telerag.pipelines.embedder import Embedder  # torch: only for the modules that use it
+    from telerag.retrieval.builder import build_datastore
+    from telerag.retrieval.corpus import Article, split_passages
+    from tests.tiny_models import tiny_embedder_dir
+
+    embedder = Embedder(tiny_embedder_dir(32, 0))
+    topics = ["rivers", "mountains", "painters", "planets", "languages", "wars", "chemistry", "music"]
+    articles = [
+        Article(id=f"a{i}", title=f"Article {i}", text=f"Article {i} tells about {topics[i % len(topics)]} number {i}. " * 15)
+        for i in range(80)
+    ]
+    out = tmp_path_factory.mktemp("base") / "datastore"
+    build_datastore(split_passages(articles), embedder.encode, embedder=embedder.name, out_dir=out, nlist=8, progress=False)
+    return out
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The modules marked `minutes(n)` first, the longest first, so that with workers they start
     at once rather than last, when the other worker has nothing left to run beside them."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from telerag.pipelines.errors import EngineError
 from telerag.pipelines.stats import PrefetchStepStats, SearchStats
@@ -41,12 +41,21 @@ class ScriptedEngine:
     name = "scripted"
 
     def __init__(
-        self, script: Script, log: list[tuple[str, str]] | None = None, *, fail: bool = False, delay: float = 0.0
+        self,
+        script: Script,
+        log: list[tuple[str, str]] | None = None,
+        *,
+        fail: bool = False,
+        delay: float = 0.0,
+        token_delay: float = 0.0,
     ) -> None:
+        """`delay`: seconds before a call's first token; `token_delay`: before each token (the
+        event loop runs other work meanwhile, as while a real engine decodes)."""
         self.script = script
         self.log = log if log is not None else []
         self.fail = fail
         self.delay = delay
+        self.token_delay = token_delay
         self.prompts: list[str] = []
         self.params: list[SamplingParams] = []  # each call's, in order
         self.vocab: list[str] = []
@@ -103,8 +112,11 @@ class ScriptedEngine:
                 if self.fail:
                     raise EngineError("scripted failure")
                 generation = self._generation(index, prompt, params)
-                for word in generation.text.split():
-                    yield TokenChunk(index, word + " ")
+                for i, word in enumerate(generation.text.split()):
+                    if self.token_delay:
+                        await asyncio.sleep(self.token_delay)
+                    logprobs = generation.logprobs[i : i + 1]
+                    yield TokenChunk(index, word + " ", generation.token_ids[i : i + 1], logprobs)
                 yield generation
             finally:
                 self.log.append(("llm_end", prompt.splitlines()[0]))
@@ -115,6 +127,8 @@ class ScriptedEngine:
 
 class RecordingRetriever:
     """Returns `docs_per_query` made-up documents per query; logs prefetch, search and release."""
+
+    default_nprobe = 8  # reported for a search that names none (as `fake_app.DATASTORE_INFO`)
 
     def __init__(self, log: list[tuple[str, str]] | None = None, docs_per_query: int = 3) -> None:
         self.log = log if log is not None else []
@@ -153,9 +167,8 @@ class RecordingRetriever:
             ]
             for q in queries
         ]
-        return SearchOutcome(
-            documents, SearchStats(overlap_rate=0.75, clusters_device=3, clusters_cpu=1, device_ms=1.0, cpu_ms=2.0, embed_ms=0.5)
-        )
+        stats = SearchStats(overlap_rate=0.75, clusters_device=3, clusters_cpu=1, device_ms=1.0, cpu_ms=2.0, embed_ms=0.5)
+        return SearchOutcome(documents, replace(stats, nprobe=options.nprobe or self.default_nprobe))
 
     async def prefetch_batch(self, requests: Sequence[PrefetchRequest]) -> list[PrefetchTicket]:
         return [await self.prefetch(r.queries, enabled=r.enabled, overlap_ms=r.overlap_ms) for r in requests]

@@ -15,7 +15,15 @@ import pytest
 from pydantic import ValidationError
 
 from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH
-from telerag.pipelines.stats import GenerationStats, PrefetchStepStats, PrefetchSummary, SearchStats, Timings
+from telerag.pipelines.stats import (
+    GenerationStats,
+    PipelinedSearch,
+    PipeliningSummary,
+    PrefetchStepStats,
+    PrefetchSummary,
+    SearchStats,
+    Timings,
+)
 from telerag.pipelines.types import Generation, RagResult, SamplingParams, Step, TokenChunk
 from telerag.retrieval.stats import PrefetchStats
 from telerag.server.app import create_app, start_serving
@@ -352,7 +360,8 @@ async def test_a_tiny_temperature_samples_like_greedy():
 def test_a_result_is_sent_with_the_documented_field_names():
     """The typed stats become the JSON clients parse: every name, in order; an LLM step's
     `ttft_ms` and a prefetch that did not run leave out what they do not have."""
-    search = SearchStats(1.0, 2.0, 3.0, 4.0, 5.0, 0.5, 6, 7, 8, 9, 10.0, 11, 12)
+    pipelined = PipelinedSearch(13, 14.0, None, 0.5, True, False)
+    search = SearchStats(1.0, 2.0, 3.0, 4.0, 5.0, 0.5, 6, 7, 8, 9, 10.0, 11, 12, pipelined)
     steps = [
         Step(PREFETCH, "q", stats=PrefetchStepStats(True, 0.25, 2, PrefetchStats(1, 2, 3, 4, 5, 6, 7, 8, 9.0))),
         Step(PREFETCH, "q", stats=PrefetchStepStats()),
@@ -360,9 +369,12 @@ def test_a_result_is_sent_with_the_documented_field_names():
         Step(GENERATE, "q", 3, 4, 5.0, GenerationStats("length", 1.5), 6.0),
         Step(GENERATE, "q", stats=GenerationStats("stop")),
     ]
-    result = RagResult("a", "naive", [], steps, Timings(*map(float, range(9))), PrefetchSummary(1, 2, None, 3, 4, 5, 6), 7)
+    summary = PrefetchSummary(1, 2, None, 3, 4, 5, 6)
+    result = RagResult("a", "naive", [], steps, Timings(*map(float, range(9))), summary, 7, PipeliningSummary(1, 1, 1, 1))
     body = json.loads(QueryResponse.from_result(result, request_id="rag-1", with_documents=True).model_dump_json())
-    assert list(body) == ["id", "answer", "pipeline", "documents", "steps", "timings", "prefetch", "tokens_generated"]
+    assert list(body) == [
+        *("id", "answer", "pipeline", "documents", "steps", "timings", "prefetch", "tokens_generated", "pipelining")
+    ]
     assert list(body["steps"][0]) == [
         *("stage", "role", "kind", "query", "tokens_in", "tokens_out", "ms", "stats", "start_ms", "tokens_cached")
     ]
@@ -403,6 +415,17 @@ def test_a_result_is_sent_with_the_documented_field_names():
             ("copy_wait_ms", 10.0),
             ("nprobe", 11),
             ("batch", 12),
+            (
+                "pipelined",
+                {
+                    "launched_after_tokens": 13,
+                    "generation_left_ms": 14.0,
+                    "budget_ms": None,
+                    "cosine": 0.5,
+                    "searched_again": True,
+                    "same_documents": False,
+                },
+            ),
         ],
         [("ttft_ms", 1.5), ("finish_reason", "length")],
         [("finish_reason", "stop")],
@@ -427,3 +450,4 @@ def test_a_result_is_sent_with_the_documented_field_names():
         ("clusters_copied_on_demand", 5),
         ("clusters_late", 6),
     ]
+    assert body["pipelining"] == {"retrievals": 1, "searched_again": 1, "checked": 1, "differed": 1}

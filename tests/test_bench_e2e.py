@@ -15,10 +15,7 @@ from telerag.benchmarks.random_llm import random_weight_engine
 from telerag.benchmarks.scaled import DatastoreScale, scaled_datastore
 from telerag.cli.bench_e2e import MODE_NAMES
 from telerag.cli.main import main
-from telerag.pipelines.embedder import Embedder
 from telerag.pipelines.types import SamplingParams
-from telerag.retrieval.builder import build_datastore
-from telerag.retrieval.corpus import Article, split_passages
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.errors import DatastoreError
@@ -42,19 +39,6 @@ ROW_KEYS = {
     "latency_gain",
     "throughput_gain",
 }
-
-
-@pytest.fixture(scope="module")
-def base_datastore(tmp_path_factory):
-    embedder = Embedder(tiny_embedder_dir(32, 0))
-    topics = ["rivers", "mountains", "painters", "planets", "languages", "wars", "chemistry", "music"]
-    articles = [
-        Article(id=f"a{i}", title=f"Article {i}", text=f"Article {i} tells about {topics[i % len(topics)]} number {i}. " * 15)
-        for i in range(80)
-    ]
-    out = tmp_path_factory.mktemp("base") / "datastore"
-    build_datastore(split_passages(articles), embedder.encode, embedder=embedder.name, out_dir=out, nlist=8, progress=False)
-    return out
 
 
 def test_scaled_datastore_keeps_the_base_and_maps_replicas_to_their_passages(base_datastore):

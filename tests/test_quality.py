@@ -204,3 +204,12 @@ def test_retrieval_only_is_naives_retrieval(capsys, wiki_slice):
     assert (alone["recall"], alone["recall_exact"]) == (naive["recall"], naive["recall_exact"])
     assert alone["recall_exact"] > 0.0  # 10 of ~55 passages: not every question misses
     assert alone["latency_ms"]["generate"] == 0.0 and alone["latency_ms"]["search"] > 0.0
+
+
+@pytest.mark.slow  # builds tiny models and a datastore: ~1 min on two busy cores
+def test_bench_quality_runs_the_requests_pipelined_when_asked(capsys, wiki_slice):
+    on = _run(capsys, wiki_slice, "--pipelines", "iter_retgen", "--nprobe", "8", "--pipelining", "on")[0]
+    off = _run(capsys, wiki_slice, "--pipelines", "iter_retgen", "--nprobe", "8")[0]
+    assert on["pipelining"] and on["pipelined"]["retrievals"] > 0  # rounds 2 and 3 launched from the answer so far
+    assert not off["pipelining"] and off["pipelined"] == {"retrievals": 0, "searched_again": 0, "checked": 0, "differed": 0}
+    assert on["recall_exact"] == on["recall"]  # every list probed: the replay is the stale search itself

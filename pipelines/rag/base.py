@@ -5,6 +5,10 @@ and the result with its trace and timings.
 A pipeline's body runs as a task that pushes events onto a queue; `run` yields them. Closing
 the `run` generator (a client went away) cancels the body, which aborts its LLM call and
 releases its prefetch in `finally`.
+
+It is long because these steps share one run's context and trace and are one pipeline's
+building blocks: the lookahead (prefetch, pre-retrieval call and search, pipelined or not:
+`rag.pipelined`), the traced LLM calls and the streamed answer.
 """
 
 from __future__ import annotations
@@ -18,9 +22,12 @@ from typing import Any, ClassVar, TypeVar, overload
 
 from telerag.pipelines import prompts
 from telerag.pipelines.errors import UndeclaredStage
+from telerag.pipelines.pipelining import ExpectedTokens, PartialGeneration, PipeliningConfig, StaleQuery, watched_generations
 from telerag.pipelines.prompts import Prompt
+from telerag.pipelines.rag.pipelined import PipelinedStep
 from telerag.pipelines.rag.summary import summarize
 from telerag.pipelines.replies import ReplyStream, clean_reply
+from telerag.pipelines.search_budget import SearchBudget
 from telerag.pipelines.stats import GenerationStats
 from telerag.pipelines.types import (
     Document,
@@ -34,6 +41,7 @@ from telerag.pipelines.types import (
     RunOptions,
     SamplingParams,
     SearchOptions,
+    SearchOutcome,
     SearchQuery,
     Stage,
     StageEvent,
@@ -45,6 +53,7 @@ from telerag.pipelines.types import (
 )
 
 T = TypeVar("T")
+Traced = tuple[T, float, float]  # a traced stage's result, when it started (ms after the request) and how long it took (ms)
 
 
 # An answer is one paragraph: a base model that goes on after it starts something else.
@@ -71,6 +80,8 @@ class RunContext:
     documents: list[Document] = field(default_factory=list)
     tokens_generated: int = 0
     carried: PrefetchTicket | None = None  # the standalone question's prefetch, for the first lookahead to use
+    watch: Callable[[PartialGeneration], None] | None = None  # a pipelined lookahead's, during its pre-retrieval call
+    checks: list[asyncio.Future[None]] = field(default_factory=list)  # pipelined searches checked beside the run
 
     def generated(self, tokens: int) -> None:
         """Account for `tokens` newly generated tokens (in the result, and at once as a UsageEvent)."""
@@ -93,14 +104,22 @@ class RagPipeline:
         retriever: Retriever,
         *,
         pre_retrieval_ms: float | None = None,
+        pipelining: PipeliningConfig | None = None,
+        search_budget: SearchBudget | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         """`pre_retrieval_ms`: the expected time of this pipeline's pre-retrieval call, which its
         prefetch copies hide behind (t_LLM of TeleRAG §4.2; refined from every call it makes;
-        None: no estimate until the first). `clock`: seconds, for every time the run traces."""
+        None: no estimate until the first). `pipelining`: how a request with `pipelining` runs
+        its retrievals (`pipelines.pipelining`); `search_budget`: the search-time model behind
+        nprobe "auto", shared by the pipelines over one retriever. `clock`: seconds, for every
+        time the run traces."""
         self.engine = engine
         self.retriever = retriever
         self.pre_retrieval_ms = pre_retrieval_ms
+        self.pipelining = pipelining or PipeliningConfig()
+        self.search_budget = search_budget or SearchBudget()
+        self.expected_tokens = ExpectedTokens()
         self.clock = clock
 
     async def body(self, ctx: RunContext) -> str:
@@ -128,10 +147,14 @@ class RagPipeline:
         try:
             if ctx.options.history:
                 ctx.query = await self.standalone_question(ctx)
-            return await self.body(ctx)
+            answer = await self.body(ctx)
+            await asyncio.gather(*ctx.checks)  # beside the answer, normally done by now
+            return answer
         finally:
             if ctx.carried is not None:  # no lookahead took it
                 self.retriever.release(ctx.carried)
+            for check in ctx.checks:
+                check.cancel()
 
     async def standalone_question(self, ctx: RunContext) -> str:
         """The last message made to stand alone, as LangChain's history-aware retriever and
@@ -166,7 +189,7 @@ class RagPipeline:
         ctx.events.put_nowait(StageEvent(stage, "end", ms))
         return (started - ctx.started) * 1e3, ms
 
-    def stage(self, ctx: RunContext, stage: Stage, work: Callable[[], Awaitable[T]]) -> asyncio.Future[tuple[T, float, float]]:
+    def stage(self, ctx: RunContext, stage: Stage, work: Callable[[], Awaitable[T]]) -> asyncio.Future[Traced[T]]:
         """Start `work()` as a traced stage: its start event and time are taken now, so stages
         started side by side are traced in the order they were started. The task gives the
         result, when the stage started (ms after the request did) and how long it took (ms)."""
@@ -200,9 +223,10 @@ class RagPipeline:
             logprobs=logprobs,
         )
         formatted = [self.engine.format_prompt(p.user, system=p.system) for p in batch]
-        generations, start_ms, ms = await self.stage(ctx, stage, lambda: self.engine.generate(formatted, params))
+        generations, start_ms, ms = await self.stage(ctx, stage, lambda: self._generate(ctx, stage, formatted, params))
         for prompt, generation in zip(batch, generations, strict=True):
             ctx.generated(generation.completion_tokens)
+            self.expected_tokens.observe(stage.name, generation.completion_tokens)
             ctx.steps.append(
                 Step(
                     stage,
@@ -216,6 +240,14 @@ class RagPipeline:
                 )
             )
         return generations
+
+    def _generate(self, ctx: RunContext, stage: Stage, prompts: list[str], params: SamplingParams) -> Awaitable[list[Generation]]:
+        """The engine's generations; streamed, each partial shown to `ctx.watch`, during a
+        pipelined lookahead's pre-retrieval call (the same generations either way)."""
+        if ctx.watch is None:
+            return self.engine.generate(prompts, params)
+        expected = self.expected_tokens.of(stage.name, params.max_tokens)
+        return watched_generations(self.engine.stream(prompts, params), len(prompts), expected, ctx.watch, self.clock)
 
     async def reply(
         self, ctx: RunContext, stage: Stage, prompt: Prompt, *, max_tokens: int = 64, stop: Sequence[str] = ()
@@ -231,6 +263,7 @@ class RagPipeline:
         q_in: Sequence[str],
         pre_retrieval: Callable[[], Awaitable[T]],
         q_out: Callable[[T], Sequence[SearchQuery] | None],
+        stale: StaleQuery | None = None,
     ) -> tuple[T, list[list[Document]]]: ...
 
     @overload
@@ -240,6 +273,7 @@ class RagPipeline:
         q_in: Sequence[str],
         pre_retrieval: None,
         q_out: Callable[[None], Sequence[SearchQuery] | None],
+        stale: None = None,
     ) -> tuple[None, list[list[Document]]]: ...
 
     async def lookahead(
@@ -248,41 +282,94 @@ class RagPipeline:
         q_in: Sequence[str],
         pre_retrieval: Callable[[], Awaitable[T]] | None,
         q_out: Callable[[Any], Sequence[SearchQuery] | None],
+        stale: StaleQuery | None = None,
     ) -> tuple[T | None, list[list[Document]]]:
         """Start the pre-retrieval call at once and prefetch q_in's clusters beside it (embedding
         q_in, ranking centroids, issuing copies), then search q_out once both are done (no search
         when `q_out` returns None: the copies were speculative). The LLM never waits for the
         prefetch; the search waits for both. Without a pre-retrieval call, a follow-up's standalone
-        question's prefetch (`ctx.carried`) is this one: its rewrite was the call it hid behind."""
+        question's prefetch (`ctx.carried`) is this one: its rewrite was the call it hid behind.
+
+        With `stale` (q_out from the call's text so far) and a request with `pipelining`, the
+        search starts during the call instead, from the stale query at the launch point, and the
+        final query decides after it whether those documents are used (`PipelinedStep.use`)."""
         carried, ctx.carried = ctx.carried, None
+        pipelined: PipelinedStep | None = None
         if carried is not None and pre_retrieval is None:
             produced, ticket = None, carried
         else:
             if carried is not None:
                 self.retriever.release(carried)
-            produced, ticket = await self._beside(ctx, q_in, pre_retrieval)
+            prefetch = self._prefetch(ctx, q_in, beside_call=pre_retrieval is not None)
+            if stale is not None and pre_retrieval is not None and ctx.options.pipelining:
+                pipelined = PipelinedStep(self, ctx, stale, prefetch)
+                pre_retrieval = pipelined.watching(pre_retrieval)
+            try:
+                produced, ticket = await self._beside(ctx, q_in, pre_retrieval, prefetch)
+            except BaseException:
+                if pipelined is not None:
+                    await pipelined.abandon()
+                raise
         try:
             wanted = q_out(produced)
             if wanted is None:
                 return produced, []
             queries = [q for q in wanted if any(text.strip() for text in query_texts(q))] or [ctx.query]
-            options = SearchOptions(top_k=ctx.options.top_k, nprobe=ctx.options.nprobe, prefetch=ctx.options.prefetch)
-            outcome, start_ms, ms = await self.stage(ctx, SEARCH, lambda: self.retriever.search(queries, options, ticket))
-            ctx.steps.append(Step(SEARCH, " | ".join(map(str, queries))[:200], ms=ms, stats=outcome.stats, start_ms=start_ms))
+            if pipelined is not None and pipelined.search is not None:
+                documents = await pipelined.use(queries, ticket)
+            else:
+                documents = (await self.search_traced(ctx, queries, ticket, self.fixed_nprobe(ctx)))[0].documents
         finally:
+            if pipelined is not None:
+                await pipelined.abandon()  # a search nothing used: the step needed none
             self.retriever.release(ticket)
-        return produced, outcome.documents
+        return produced, documents
 
-    async def _beside(
-        self, ctx: RunContext, q_in: Sequence[str], pre_retrieval: Callable[[], Awaitable[T]] | None
-    ) -> tuple[T | None, PrefetchTicket]:
-        """The pre-retrieval call started at once and q_in's prefetch beside it, both done; the
-        prefetch traced. The caller releases the ticket."""
-        # nothing to hide copies behind without a pre-retrieval call: the search copies on demand
-        overlap_ms = self.pre_retrieval_ms if pre_retrieval is not None else 0.0
-        prefetch = self.stage(
+    def fixed_nprobe(self, ctx: RunContext) -> int | None:
+        """The nprobe of a search that overlaps no generation: the request's number, or the
+        default (None) for "auto", which has nothing to fit inside."""
+        return ctx.options.nprobe if isinstance(ctx.options.nprobe, int) else None
+
+    async def search_traced(
+        self, ctx: RunContext, queries: Sequence[SearchQuery], ticket: PrefetchTicket | None, nprobe: int | None
+    ) -> tuple[SearchOutcome, Step]:
+        """A traced search; its time, nprobe and the searches in flight beside it teach the
+        search-time model."""
+        options = SearchOptions(top_k=ctx.options.top_k, nprobe=nprobe, prefetch=ctx.options.prefetch)
+        outcome, start_ms, ms = await self.stage(ctx, SEARCH, lambda: self.search_timed(queries, options, ticket))
+        step = Step(SEARCH, " | ".join(map(str, queries))[:200], ms=ms, stats=outcome.stats, start_ms=start_ms)
+        ctx.steps.append(step)
+        return outcome, step
+
+    async def search_timed(
+        self, queries: Sequence[SearchQuery], options: SearchOptions, ticket: PrefetchTicket | None
+    ) -> SearchOutcome:
+        with self.search_budget.searching() as depth:
+            started = self.clock()
+            outcome = await self.retriever.search(queries, options, ticket)
+            self.search_budget.observe(outcome.stats.nprobe, depth, (self.clock() - started) * 1e3)
+        return outcome
+
+    def _prefetch(self, ctx: RunContext, q_in: Sequence[str], *, beside_call: bool) -> asyncio.Future[Traced[PrefetchTicket]]:
+        """q_in's prefetch, started now as a traced stage; its budget is the expected time of the
+        pre-retrieval call it runs beside (nothing to hide copies behind without one: the search
+        copies on demand)."""
+        overlap_ms = self.pre_retrieval_ms if beside_call else 0.0
+        return self.stage(
             ctx, PREFETCH, lambda: self.retriever.prefetch(list(q_in), enabled=ctx.options.prefetch, overlap_ms=overlap_ms)
         )
+
+    async def _beside(
+        self,
+        ctx: RunContext,
+        q_in: Sequence[str],
+        pre_retrieval: Callable[[], Awaitable[T]] | None,
+        prefetch: asyncio.Future[Traced[PrefetchTicket]] | None = None,
+    ) -> tuple[T | None, PrefetchTicket]:
+        """The pre-retrieval call started at once and q_in's prefetch beside it (`prefetch`, if
+        started already), both done; the prefetch traced. The caller releases the ticket."""
+        if prefetch is None:
+            prefetch = self._prefetch(ctx, q_in, beside_call=pre_retrieval is not None)
         try:
             produced = None
             if pre_retrieval is not None:
@@ -368,7 +455,7 @@ class RagPipeline:
     # -- the result ---------------------------------------------------------------------------
 
     def _result(self, ctx: RunContext, answer: str) -> RagResult:
-        timings, prefetch = summarize(ctx.steps, total_ms=(self.clock() - ctx.started) * 1e3)
+        timings, prefetch, pipelining = summarize(ctx.steps, total_ms=(self.clock() - ctx.started) * 1e3)
         return RagResult(
             answer=answer,
             pipeline=self.name,
@@ -377,6 +464,7 @@ class RagPipeline:
             timings=timings,
             prefetch=prefetch,
             tokens_generated=ctx.tokens_generated,
+            pipelining=pipelining,
         )
 
 

@@ -5,7 +5,9 @@ tokens masked out) and write the sentence again with the new documents.
 The look-ahead generation is the pre-retrieval call: while it runs, the clusters of what is
 already written are prefetched. A look-ahead sentence whose every token is sure is kept as the
 answer's next sentence, so the answer's time is split between `pre_retrieval` (sentences kept
-from the look-ahead) and `generate` (sentences written again after a retrieval).
+from the look-ahead) and `generate` (sentences written again after a retrieval). With
+`pipelining`, the search starts during the look-ahead, from its sure tokens so far, at the
+first unsure token past the launch point.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import math
 
 from telerag.pipelines import prompts
 from telerag.pipelines.engines import StopFilter
+from telerag.pipelines.pipelining import PartialGeneration
 from telerag.pipelines.rag.base import PREFETCH, SEARCH, STANDALONE_QUESTION, RagPipeline, RunContext
 from telerag.pipelines.replies import clean_reply
 from telerag.pipelines.types import Generation, Stage, StageRole, TokenEvent
@@ -27,8 +30,9 @@ LOOKAHEAD_SENTENCE = Stage("lookahead_sentence", StageRole.PRE_RETRIEVAL)
 SENTENCE = Stage("sentence", StageRole.GENERATE)  # a sentence written again with the documents its look-ahead retrieved
 
 
-def unsure_query(engine, generation: Generation, threshold: float) -> str | None:
-    """The sentence with its low-probability tokens removed, or None if every token is sure."""
+def unsure_query(engine, generation: Generation | PartialGeneration, threshold: float) -> str | None:
+    """The sentence (or the part of it generated so far) with its low-probability tokens
+    removed, or None if every token is sure."""
     sure = [t for t, lp in zip(generation.token_ids, generation.logprobs, strict=True) if math.exp(lp) >= threshold]
     if len(sure) == len(generation.token_ids):
         return None
@@ -55,11 +59,11 @@ class FLARE(RagPipeline):
                 )
                 return reply[0]
 
-            def retrieval_query(generation: Generation) -> list[str] | None:
+            def retrieval_query(generation: Generation | PartialGeneration) -> list[str] | None:
                 masked = unsure_query(self.engine, generation, self.threshold)
                 return None if masked is None else [f"{ctx.query} {masked}".strip()]
 
-            sentence, documents = await self.lookahead(ctx, [known], lookahead_sentence, retrieval_query)
+            sentence, documents = await self.lookahead(ctx, [known], lookahead_sentence, retrieval_query, stale=retrieval_query)
             text = sentence.text
             if documents:  # retrieval was triggered: write the sentence again with the new documents
                 ctx.documents = documents[0]

@@ -1,12 +1,15 @@
 """Iter-RetGen: three rounds of retrieve -> generate; each round's answer joins the next query.
 
 The generation of round r is the pre-retrieval call of round r+1: while it runs, the clusters
-of what is already known (question + the previous answer) are prefetched.
+of what is already known (question + the previous answer) are prefetched; with `pipelining`,
+round r+1's search starts from the answer so far while the rest of it is written.
 """
 
 from __future__ import annotations
 
+from telerag.pipelines import prompts
 from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, STANDALONE_QUESTION, RagPipeline, RunContext
+from telerag.pipelines.replies import clean_reply
 from telerag.pipelines.types import Stage, StageRole
 
 ROUNDS = 3
@@ -31,6 +34,12 @@ class IterRetGen(RagPipeline):
             async def round_answer(docs=docs_so_far) -> str:
                 return await self.generate_quietly(ctx, ROUND_ANSWER, docs)
 
-            draft, documents = await self.lookahead(ctx, [known], round_answer, lambda text: [f"{ctx.query} {text}"])
+            draft, documents = await self.lookahead(
+                ctx,
+                [known],
+                round_answer,
+                lambda text: [f"{ctx.query} {text}"],
+                stale=lambda partial: [f"{ctx.query} {clean_reply(partial.text, prompts.ANSWER_CUE)}"],
+            )
             ctx.documents = documents[0]
         return await self.answer(ctx, ctx.documents)

@@ -1,11 +1,13 @@
 """Iterative (Iter): ask a narrower search question, retrieve with it and the question (the mean
 of their embeddings, so the search keeps the question in view), answer, judge; stop when the
-judge says the answer is good enough (or after a few iterations)."""
+judge says the answer is good enough (or after a few iterations). With `pipelining`, each
+search starts from the narrower question so far while the rest of it is written."""
 
 from __future__ import annotations
 
 from telerag.pipelines import prompts
 from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, STANDALONE_QUESTION, RagPipeline, RunContext, merge_documents
+from telerag.pipelines.replies import clean_reply
 from telerag.pipelines.types import MeanQuery, SearchQuery, Stage, StageRole
 
 MAX_ITERATIONS = 3
@@ -35,7 +37,9 @@ class Iterative(RagPipeline):
             def query(narrower: str) -> list[SearchQuery]:
                 return [MeanQuery((ctx.query, narrower)) if narrower else ctx.query]
 
-            question, documents = await self.lookahead(ctx, [q_in], narrow, query)
+            question, documents = await self.lookahead(
+                ctx, [q_in], narrow, query, stale=lambda partial: query(clean_reply(partial.text, prompts.SEARCH_QUESTION_CUE))
+            )
             gathered.append(documents[0])
             ctx.documents = merge_documents(gathered, ctx.options.top_k)
             if iteration == MAX_ITERATIONS - 1:

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from telerag.pipelines.stats import PrefetchStepStats, PrefetchSummary, SearchStats, Timings
+from telerag.pipelines.stats import PipeliningSummary, PrefetchStepStats, PrefetchSummary, SearchStats, Timings
 from telerag.pipelines.types import StageRole, Step, overlap_rates
 
 
-def summarize(steps: Sequence[Step], *, total_ms: float) -> tuple[Timings, PrefetchSummary]:
+def summarize(steps: Sequence[Step], *, total_ms: float) -> tuple[Timings, PrefetchSummary, PipeliningSummary]:
     """Each timing sums its role's steps (embedding and the search's device and CPU parts are
     parts of the prefetches and searches); the prefetch summary sums the prefetches' plans and
-    the searches' placement, with the mean overlap rate of the searches that had a prefetch."""
+    the searches' placement, with the mean overlap rate of the searches that had a prefetch;
+    the pipelining summary counts the searches launched from a stale query."""
     searches = [s.stats for s in steps if isinstance(s.stats, SearchStats)]
     prefetches = [s.stats for s in steps if isinstance(s.stats, PrefetchStepStats)]
     overlaps = overlap_rates(steps)
@@ -39,4 +40,12 @@ def summarize(steps: Sequence[Step], *, total_ms: float) -> tuple[Timings, Prefe
         clusters_copied_on_demand=sum(s.clusters_copied_on_demand for s in searches),
         clusters_late=sum(s.clusters_late for s in searches),
     )
-    return timings, prefetch
+    pipelined = [s.pipelined for s in searches if s.pipelined is not None]
+    checked = [p for p in pipelined if p.same_documents is not None]
+    pipelining = PipeliningSummary(
+        retrievals=len(pipelined),
+        searched_again=sum(p.searched_again for p in pipelined),
+        checked=len(checked),
+        differed=sum(not p.same_documents for p in checked),
+    )
+    return timings, prefetch, pipelining

@@ -74,7 +74,12 @@ async def pipelines(service: Service = Depends(serving)) -> PipelineList:
 
 async def rag_query(body: QueryRequest, request: Request, client: str | None, service: Service = Depends(serving)) -> Response:
     options = service.options(
-        top_k=body.top_k, nprobe=body.nprobe, max_tokens=body.max_tokens, temperature=body.temperature, prefetch=body.prefetch
+        top_k=body.top_k,
+        nprobe=body.nprobe,
+        max_tokens=body.max_tokens,
+        temperature=body.temperature,
+        prefetch=body.prefetch,
+        pipelining=body.pipelining,
     )
     run = service.admit(request, service.pipelines[body.pipeline], body.query, options, client)  # or 422 / 429, at once
     request_id = f"rag-{request.state.request_id}"

@@ -1,0 +1,142 @@
+"""Pipelined retrieval (PipeRAG): an iterative pipeline's next search starts from the text its
+step has generated so far, while the step's generation goes on, instead of after it.
+
+The launch point: once the step has generated `launch_share` of the tokens its stage's calls
+have lately generated (a moving average; the call's token limit before the first), the stale
+query is made from the text so far and searched (a step whose query needs more, as FLARE's
+needs an unsure token, launches at the first token after that point that gives one). Half by
+default: the second half of the generation is the time the search hides behind, the first half
+is what the stale query knows of the step, and `nprobe: "auto"` (`search_budget`) fills the
+second half with as many lists as fit. When the step ends, its final query is embedded beside
+the stale one: at a cosine of at least `min_cosine` the stale documents are used, otherwise the
+final query is searched again (exact, as without pipelining). With `check`, a kept stale search
+is compared with the final query's own search beside the next step, so that every response can
+say how often pipelining changed its documents.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from telerag.pipelines.types import Document, Generation, SearchQuery, TokenChunk, query_texts
+
+TOKEN_SMOOTHING = 0.2  # weight of a stage's newest call in its expected completion tokens
+
+
+@dataclass(frozen=True)
+class PipeliningConfig:
+    """How the pipelines pipeline their retrievals (`retrieval.pipelining_*` in the settings)."""
+
+    launch_share: float = 0.5  # of the step's expected tokens generated before the stale query is searched
+    min_cosine: float = 0.9  # stale and final query at least this alike: the stale documents are used
+    check: bool = True  # search a kept stale search's final query beside the next step, to report differences
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.launch_share <= 1.0:
+            raise ValueError("launch_share must be within [0, 1]")
+        if not -1.0 <= self.min_cosine <= 1.0:
+            raise ValueError("min_cosine must be within [-1, 1]")
+
+
+@dataclass(frozen=True)
+class PartialGeneration:
+    """What a streamed LLM call has generated so far (its first prompt's)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    expected_tokens: float  # what calls of its stage lately generated, at most its limit (`ExpectedTokens`)
+    per_token_ms: float | None  # the decode time per token so far (None before the second token)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_ids)
+
+
+StaleQuery = Callable[[PartialGeneration], Sequence[SearchQuery] | None]  # a step's query from its text so far
+
+
+class ExpectedTokens:
+    """Each stage's expected completion tokens: a moving average of its calls'."""
+
+    def __init__(self) -> None:
+        self.by_stage: dict[str, float] = {}
+
+    def observe(self, stage: str, tokens: int) -> None:
+        previous = self.by_stage.get(stage)
+        self.by_stage[stage] = tokens if previous is None else (1 - TOKEN_SMOOTHING) * previous + TOKEN_SMOOTHING * tokens
+
+    def of(self, stage: str, max_tokens: int) -> float:
+        """What a call of `stage` limited to `max_tokens` is expected to generate (before the
+        first: its limit)."""
+        return min(float(max_tokens), self.by_stage.get(stage, float(max_tokens)))
+
+
+async def watched_generations(
+    stream: AsyncGenerator[TokenChunk | Generation, None],
+    n_prompts: int,
+    expected_tokens: float,
+    watch: Callable[[PartialGeneration], None],
+    clock: Callable[[], float],
+) -> list[Generation]:
+    """A stream's final Generations, as `Engine.generate` gives them, each chunk of the first
+    prompt's shown to `watch` as the generation so far."""
+    results: dict[int, Generation] = {}
+    text, ids, logprobs = "", list[int](), list[float]()
+    first: tuple[float, int] | None = None  # when the first token came, and how many there were then
+    async with contextlib.aclosing(stream) as items:
+        async for item in items:
+            if isinstance(item, Generation):
+                results[item.index] = item
+                continue
+            if item.index:
+                continue
+            text, now = text + item.text, clock()
+            ids.extend(item.token_ids)
+            logprobs.extend(item.logprobs)
+            if first is None and ids:
+                first = (now, len(ids))
+            per_token_ms = None if first is None or len(ids) <= first[1] else (now - first[0]) * 1e3 / (len(ids) - first[1])
+            watch(PartialGeneration(text, tuple(ids), tuple(logprobs), expected_tokens, per_token_ms))
+    return [results[i] for i in range(n_prompts)]
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A stale query found at the launch point, and what the launch knew."""
+
+    queries: list[SearchQuery]
+    tokens: int  # generated when it launched
+    at: float  # the clock's time
+    left_ms: float | None  # the generation predicted left (None: no decode rate measured yet)
+
+
+def launch_point(partial: PartialGeneration, stale: StaleQuery, share: float, now: float) -> Launch | None:
+    """The launch, if `partial` is at or past the point (`share` of its expected tokens, at
+    least one) and gives a query; else None."""
+    if partial.tokens < max(1, math.ceil(share * partial.expected_tokens)):
+        return None
+    queries = [q for q in stale(partial) or () if any(text.strip() for text in query_texts(q))]
+    if not queries:
+        return None
+    left = max(0.0, partial.expected_tokens - partial.tokens)
+    return Launch(queries, partial.tokens, now, None if partial.per_token_ms is None else left * partial.per_token_ms)
+
+
+def cosines(stale: np.ndarray, final: np.ndarray) -> float:
+    """The least cosine between each stale query's vector and its final query's (rows paired;
+    a different number of queries: -1, nothing alike)."""
+    if stale.shape != final.shape or not len(stale):
+        return -1.0
+    norms = np.linalg.norm(stale, axis=1) * np.linalg.norm(final, axis=1)
+    return float(np.min(np.sum(stale * final, axis=1) / np.maximum(norms, 1e-12)))
+
+
+def same_documents(a: Sequence[Sequence[Document]], b: Sequence[Sequence[Document]]) -> bool:
+    """Whether two searches' documents are the same passages in the same order, query by query."""
+    return [[d.id for d in group] for group in a] == [[d.id for d in group] for group in b]

@@ -1,0 +1,65 @@
+"""`telerag bench pipelining` on the tiny LLM and a small datastore scaled up: the rows and JSON
+it promises, early stop's answers equal to the sequential mode's, what the budgeted mode chose."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from telerag.benchmarks.pipelining import MODES, Mode, PipeliningBenchConfig
+from telerag.cli.bench_pipelining import MODE_NAMES
+from telerag.cli.main import main
+from tests.tiny_models import tiny_embedder_dir
+
+ROW_KEYS = {
+    "pipeline",
+    "mode",
+    "requests",
+    "latency_ms_p50",
+    "latency_ms_p99",
+    "retrieval_ms_p50",
+    "gain",
+    "bound",
+    "same_documents",
+    "lists_scanned_fraction",
+    "recall_at_k",
+}
+
+
+def test_bench_pipelining_rows_in_every_mode(base_datastore, capsys):
+    code = main(
+        [
+            *("bench", "pipelining", "--tiny", "--embedder", str(tiny_embedder_dir(32, 0)), "--datastore", str(base_datastore)),
+            *("--device", "cpu", "--scale-vectors", "2000", "--nlist", "32", "--pipelines", "iter_retgen,flare"),
+            *("--requests", "2", "--warmup", "1", "--max-tokens", "6", "--json"),
+        ]
+    )
+    assert code == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = report["rows"]
+    assert [(r["pipeline"], r["mode"]) for r in rows] == [(p, m) for p in ("iter_retgen", "flare") for m in MODE_NAMES]
+    for row in rows:
+        assert row.keys() >= ROW_KEYS and row["requests"] == 2
+        assert row["latency_ms_p50"] <= row["latency_ms_p99"] and row["bound"] >= 1.0
+        assert 0.0 <= row["recall_at_k"] <= 1.0 and 0.0 < row["lists_scanned_fraction"] <= 1.0
+    by_mode = {(r["pipeline"], r["mode"]): r for r in rows}
+    for pipeline in ("iter_retgen", "flare"):
+        sequential, early = by_mode[pipeline, "sequential"], by_mode[pipeline, "early_stop"]
+        assert sequential["gain"] == 1.0 and sequential["same_documents"] == 1.0 and sequential["pipelined"] == 0.0
+        assert sequential["lists_scanned_fraction"] == 1.0
+        assert early["same_documents"] == 1.0  # exact: the same documents, so the same answers and searches
+        assert early["pipelined"] == 0.0
+    retgen = by_mode["iter_retgen", "pipelined"]
+    assert retgen["pipelined"] > 0 and retgen["search_over_generation_p50"] is not None  # rounds 2 and 3 launched early
+    budgeted = by_mode["iter_retgen", "budgeted"]
+    assert budgeted["pipelined"] > 0 and 1 <= budgeted["nprobe_p50"] <= 32
+    assert report["datastore"]["passages"] == 2000 and report["datastore"]["nlist"] == 32
+
+
+def test_the_sequential_mode_cannot_be_left_out():
+    with pytest.raises(ValueError, match="sequential"):
+        PipeliningBenchConfig(pipelines=("flare",), questions=("q",), modes=(Mode.PIPELINED,))
+    config = PipeliningBenchConfig(pipelines=("flare",), questions=("q",), modes=(Mode.BUDGETED, Mode.SEQUENTIAL))
+    assert config.modes == (Mode.SEQUENTIAL, Mode.BUDGETED)
+    assert tuple(m.value for m in MODES) == MODE_NAMES  # the flag's choices, spelled without importing torch
