@@ -15,7 +15,7 @@ each request starts from an empty prefix cache (the transformers engine's): no m
 prompts another just sent. A pipelined search's final query is
 not checked beside the run (`pipelining.check` off): `same_documents` compares each request's
 documents with the sequential mode's instead. After each request, untimed, the searches its
-documents came from are replayed with every list probed (`quality.SearchRecorder`): its
+documents came from are replayed with every list probed (`search_recorder.SearchRecorder`): its
 `recall_at_k` against exhaustive search.
 """
 
@@ -32,8 +32,8 @@ from enum import StrEnum
 import numpy as np
 
 from telerag.benchmarks.e2e import LLMChoice, build_llm
-from telerag.benchmarks.quality import SearchRecorder
 from telerag.benchmarks.scaled import DatastoreScale, open_scaled_retriever
+from telerag.benchmarks.search_recorder import SearchRecorder
 from telerag.pipelines.questions import run_one
 from telerag.pipelines.rag.base import RagPipeline
 from telerag.pipelines.registry import build_pipelines

@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
                 max_tokens=args.max_tokens,
                 prefetch=not args.no_prefetch,
                 pipelining=settings.retrieval.pipelining,
+                speculative_prefill=settings.retrieval.speculative_prefill,
             )
             return await run_result(pipeline.run(args.question, options), None if args.json else print_token)
 

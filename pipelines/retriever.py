@@ -9,6 +9,7 @@ callers; the CLI and the tests call it directly.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -17,12 +18,15 @@ from typing import Protocol
 
 import numpy as np
 
+from telerag.pipelines.speculation import StableTopK
 from telerag.pipelines.stats import PrefetchStepStats, SearchStats
 from telerag.pipelines.types import (
     DatastoreInfo,
     Document,
+    OnProvisional,
     PrefetchRequest,
     PrefetchTicket,
+    ProvisionalDocuments,
     SearchOptions,
     SearchOutcome,
     SearchQuery,
@@ -38,6 +42,7 @@ from telerag.retrieval.datastore_writer import add_list_stats
 from telerag.retrieval.early_stop import require_list_stats
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.ivf import ListSearch
+from telerag.retrieval.provisional import Provisional, ProvisionalReport
 from telerag.retrieval.stats import CacheStats
 
 log = logging.getLogger(__name__)
@@ -81,9 +86,14 @@ class DirectRetriever:
         return (await self.prefetch_batch([PrefetchRequest(list(queries), enabled, overlap_ms)]))[0]
 
     async def search(
-        self, queries: Sequence[SearchQuery], options: SearchOptions, ticket: PrefetchTicket | None = None
+        self,
+        queries: Sequence[SearchQuery],
+        options: SearchOptions,
+        ticket: PrefetchTicket | None = None,
+        *,
+        provisional: OnProvisional | None = None,
     ) -> SearchOutcome:
-        return (await self.search_batch([SearchRequest(list(queries), options, ticket)]))[0]
+        return (await self.search_batch([SearchRequest(list(queries), options, ticket, provisional)]))[0]
 
     def release(self, ticket: PrefetchTicket) -> None:
         if ticket.handle is not None:
@@ -95,7 +105,8 @@ class DirectRetriever:
         return await asyncio.to_thread(self._prefetch_batch, list(requests))
 
     async def search_batch(self, requests: Sequence[SearchRequest]) -> list[SearchOutcome]:
-        return await asyncio.to_thread(self._search_batch, list(requests))
+        loop = asyncio.get_running_loop()
+        return await asyncio.to_thread(self._search_batch, [_on_loop(request, loop) for request in requests])
 
     async def embed(self, texts: Sequence[str]) -> TextEmbeddings:
         def work() -> TextEmbeddings:
@@ -153,7 +164,10 @@ class DirectRetriever:
                 for i in members
                 for _ in requests[i].queries
             ]
-            result = self.engine.search(vectors[rows], top_k, nprobe, prefetch=handles, use_cache=use_cache)
+            provisional = self._provisional([requests[i] for i in members])
+            result = self.engine.search(
+                vectors[rows], top_k, nprobe, prefetch=handles, use_cache=use_cache, provisional=provisional
+            )
             offset = 0
             for i in members:
                 count = len(requests[i].queries)
@@ -179,6 +193,24 @@ class DirectRetriever:
                 )
                 offset += count
         return [outcome for outcome in outcomes if outcome is not None]
+
+    def _provisional(self, requests: list[SearchRequest]) -> ProvisionalReport | None:
+        """The report of one engine search's provisional top-k, split into its requests' rows: each
+        request that asked hears its first stable top-k (`speculation.StableTopK`) as documents."""
+        wanting = [(i, r.provisional) for i, r in enumerate(requests) if r.provisional is not None]
+        if not wanting:
+            return None
+        starts = np.concatenate(([0], np.cumsum([len(r.queries) for r in requests])))
+        rules = {i: StableTopK() for i, _ in wanting}
+
+        def report(found: Provisional) -> None:
+            for i, hear in wanting:
+                rows = slice(starts[i], starts[i + 1])
+                if rules[i].offer(found.ids[rows]):
+                    pairs = zip(found.ids[rows], found.scores[rows], strict=True)
+                    hear(ProvisionalDocuments([self._documents(ids, scores) for ids, scores in pairs], found.lists_share))
+
+        return report
 
     def _documents(self, ids: np.ndarray, scores: np.ndarray) -> list[Document]:
         keep = [(int(i), float(s)) for i, s in zip(ids, scores, strict=True) if i >= 0]
@@ -216,6 +248,18 @@ class DirectRetriever:
     def close(self) -> None:
         self.engine.close()
         self.datastore.close()
+
+
+def _on_loop(request: SearchRequest, loop: asyncio.AbstractEventLoop) -> SearchRequest:
+    """`request` with its provisional callback run on `loop` (the search runs in a worker thread)."""
+    hear = request.provisional
+    if hear is None:
+        return request
+
+    def on_loop(found: ProvisionalDocuments) -> None:
+        loop.call_soon_threadsafe(hear, found)
+
+    return dataclasses.replace(request, provisional=on_loop)
 
 
 def build_wikipedia_datastore(path: Path, embedder: TextEncoder) -> Path:

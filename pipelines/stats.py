@@ -50,6 +50,18 @@ class SearchStats:
     nprobe: int = 0
     batch: int = 0  # queries searched together, other callers' included
     pipelined: PipelinedSearch | None = None  # a search launched from a stale query while its step generated
+    speculative: SpeculativePrefill | None = None  # the next call's prompt prefilled from a provisional top-k
+
+
+@dataclass(frozen=True)
+class SpeculativePrefill:
+    """The prompt of the LLM call after a search, prefilled from the search's provisional top-k
+    while the search went on (AquaPipe), and what became of it."""
+
+    lists_share: float  # of the search's probed lists, those scanned when its top-k was found stable
+    reprefilled: bool  # the final top-k differed: the call prefilled its prompt again from the first change on
+    prefilled_tokens: int | None = None  # computed by the speculative prefill (None: not known, or cancelled before it ran)
+    reused_tokens: int | None = None  # of those, the ones the call found cached (None: no call matched, or not yet)
 
 
 @dataclass(frozen=True)
@@ -107,3 +119,13 @@ class PipeliningSummary:
     searched_again: int = 0  # of them, those whose final query moved too far: searched again
     checked: int = 0  # of them, those whose final query's documents are known (searched again, or checked beside)
     differed: int = 0  # of those checked, those whose stale documents differed from the final query's
+
+
+@dataclass(frozen=True)
+class SpeculationSummary:
+    """A run's speculative prefills (`SpeculativePrefill`), counted over its searches."""
+
+    prefills: int = 0  # searches whose next call's prompt was prefilled from a provisional top-k
+    reprefilled: int = 0  # of them, those whose final top-k differed
+    prefilled_tokens: int = 0  # computed by the speculative prefills
+    reused_tokens: int = 0  # of those, the ones the calls after the searches found cached

@@ -21,6 +21,7 @@ from telerag.pipelines.stats import (
     PrefetchStepStats,
     PrefetchSummary,
     SearchStats,
+    SpeculationSummary,
     StepStats,
     Timings,
 )
@@ -80,6 +81,12 @@ class Engine(Protocol):
 
     def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncGenerator[TokenChunk | Generation, None]:
         """Yield TokenChunks as tokens are produced and one Generation per prompt when it finishes."""
+        ...
+
+    async def prefill(self, prompts: Sequence[str]) -> list[Generation]:
+        """Prefill each prompt and keep its KV for a later prompt that begins the same way (the
+        prefix cache; SGLang's radix cache), generating nothing: one Generation of no tokens per
+        prompt, whose `cached_tokens` the engine held already. Speculative prefill's call."""
         ...
 
     def count_tokens(self, text: str) -> int: ...
@@ -180,9 +187,17 @@ class Retriever(Protocol):
         ...
 
     async def search(
-        self, queries: Sequence[SearchQuery], options: SearchOptions, ticket: PrefetchTicket | None = None
+        self,
+        queries: Sequence[SearchQuery],
+        options: SearchOptions,
+        ticket: PrefetchTicket | None = None,
+        *,
+        provisional: OnProvisional | None = None,
     ) -> SearchOutcome:
-        """Embed `queries` (q_out) and run the cooperative search, waiting only on `ticket`'s copies."""
+        """Embed `queries` (q_out) and run the cooperative search, waiting only on `ticket`'s copies.
+        With `provisional`, it is called at most once, before the search returns, with the first
+        top-k found stable while the search runs (`pipelines.speculation`); the outcome is the
+        same either way."""
         ...
 
     def release(self, ticket: PrefetchTicket) -> None:
@@ -193,6 +208,18 @@ class Retriever(Protocol):
         """`texts` embedded as the datastore's passages and queries are (a pipelined retrieval
         compares its stale query with the final one; clients search or cache beside the server)."""
         ...
+
+
+@dataclass(frozen=True)
+class ProvisionalDocuments:
+    """A search's documents before it ended: its top-k found stable but not proven
+    (`pipelines.speculation`), after `lists_share` of its probed lists were scanned."""
+
+    documents: list[list[Document]]
+    lists_share: float
+
+
+OnProvisional = Callable[[ProvisionalDocuments], None]  # called on the caller's event loop, before the search returns
 
 
 @dataclass(frozen=True)
@@ -211,6 +238,7 @@ class SearchRequest:
     queries: list[SearchQuery]
     options: SearchOptions
     ticket: PrefetchTicket | None = None
+    provisional: OnProvisional | None = None  # see `Retriever.search`
 
 
 @runtime_checkable
@@ -337,6 +365,7 @@ class RunOptions:
     history: tuple[Turn, ...] = ()  # the conversation before the question: with any, it is first rewritten to stand alone
     prefetch: bool = True
     pipelining: bool = False  # iterative pipelines search from a stale query while the step generates (PipeRAG)
+    speculative_prefill: bool = False  # the call after a search prefilled from its provisional top-k (AquaPipe)
 
 
 @dataclass
@@ -349,6 +378,7 @@ class RagResult:
     prefetch: PrefetchSummary
     tokens_generated: int = 0
     pipelining: PipeliningSummary = field(default_factory=PipeliningSummary)
+    speculation: SpeculationSummary = field(default_factory=SpeculationSummary)
 
     @property
     def prompt_tokens(self) -> int:

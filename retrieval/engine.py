@@ -33,6 +33,7 @@ from telerag.retrieval.early_stop import EarlyStopSearch, ListBounds
 from telerag.retrieval.errors import DeviceMemoryError, DeviceUnavailable, InvalidCall
 from telerag.retrieval.ivf import CPUIndex, ListSearch
 from telerag.retrieval.prefetch import PrefetchHandle, PrefetchPlan, plan_prefetch
+from telerag.retrieval.provisional import ProvisionalReport, ProvisionalTopK, scan_in_chunks
 from telerag.retrieval.stats import PrefetchStats
 from telerag.utils.device import resolve_device
 from telerag.utils.progress import ProgressBar
@@ -269,6 +270,7 @@ class RetrievalEngine:
         *,
         prefetch: PrefetchHandle | Sequence[PrefetchHandle | None] | None = None,
         use_cache: bool = True,
+        provisional: ProvisionalReport | None = None,
     ) -> SearchResult:
         """Exact IVF search at `nprobe`: resident clusters of each query's C_out on the device,
         then those copied on demand (see `retrieval.demand`), the rest by faiss on the CPU at the
@@ -280,18 +282,23 @@ class RetrievalEngine:
         `prefetch` (one handle for all queries, or one per query) gives the overlap statistics,
         and the search ends it: once the search has pinned the clusters it reads, the prefetch's
         others are no longer held, so this search's demand copies, and other requests, may
-        evict them. (Releasing a handle again is harmless.)"""
+        evict them. (Releasing a handle again is harmless.)
+
+        With `provisional`, faiss's half scans its lists chunk by chunk in centroid order and the
+        top-k so far is reported after each chunk but the last (`retrieval.provisional`); the
+        answer is the same."""
         started = time.perf_counter()
         nprobe = nprobe or self.nprobe
         queries = self.index.check(q_out, k, nprobe)
         handles = self._handles_per_query(prefetch, len(queries))
         cached = bool(use_cache and self.cache.capacity_rows)
         if not cached and not any(h is not None and h.plan.clusters for h in handles):
-            return self._faiss_search(queries, k, nprobe, started)  # nothing on the device, no overlap
+            return self._faiss_search(queries, k, nprobe, started, provisional)  # nothing on the device, no overlap
         q = torch.from_numpy(queries).to(self.device, non_blocking=True)  # once, for probe and scan
         list_scores, lists = self.probe(queries, q, nprobe)
         probe_ms = (time.perf_counter() - started) * 1e3
-        search = CooperativeSearch(self._search_resources(), queries, q, k, lists, list_scores)
+        tracker = None if provisional is None else ProvisionalTopK(k, int((lists >= 0).sum()), provisional)
+        search = CooperativeSearch(self._search_resources(), queries, q, k, lists, list_scores, tracker)
         try:
             if cached:
                 search.pin_resident()
@@ -314,15 +321,22 @@ class RetrievalEngine:
             missed_bytes=search.missed_bytes,
         )
 
-    def _faiss_search(self, queries: np.ndarray, k: int, nprobe: int, started: float) -> SearchResult:
+    def _faiss_search(
+        self, queries: np.ndarray, k: int, nprobe: int, started: float, provisional: ProvisionalReport | None
+    ) -> SearchResult:
         """faiss's search, as is, or probed here and scanned by the CPU half that stands in for
-        it (`started`: when the search began)."""
+        it, chunk by chunk with a `provisional` report (`started`: when the search began)."""
         cpu_started = time.perf_counter()
-        if self.cpu_half is self.index:
+        if self.cpu_half is self.index and provisional is None:
             found = self.index.search(queries, k, nprobe)
         else:
             list_scores, lists = self.index.probe(queries, nprobe)
-            found = self.cpu_half.search_lists(queries, k, lists, list_scores)
+            if provisional is None:
+                found = self.cpu_half.search_lists(queries, k, lists, list_scores)
+            else:
+                tracker = ProvisionalTopK(k, int((lists >= 0).sum()), provisional)
+                tracker.device_done(None, 0)
+                found = scan_in_chunks(self.cpu_half, queries, k, lists, list_scores, tracker.faiss_chunk)
         scores, ids = merge_to_host([faiss_part(found, "cpu")], k)
         cpu_ms = (time.perf_counter() - cpu_started) * 1e3
         return SearchResult(

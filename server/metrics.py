@@ -119,6 +119,34 @@ class PipeliningMetrics:
             self.auto_nprobe.labels(pipeline).observe(stats.nprobe)
 
 
+class SpeculationMetrics:
+    """Speculative prefills (`speculative_prefill`): how often, re-prefilled how often, the tokens."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.prefills = Counter(
+            "telerag_speculative_prefills",
+            "next calls' prompts prefilled from a search's provisional top-k, by outcome: confirmed (the final top-k "
+            "made the same prompt) or reprefilled (another prompt: the call prefilled it again from the first change)",
+            ["pipeline", "outcome"],
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "telerag_speculative_prefill_tokens",
+            "tokens speculative prefills computed (prefilled) and, of them, those the calls after the searches found "
+            "cached (reused)",
+            ["pipeline", "kind"],
+            registry=registry,
+        )
+
+    def observe(self, pipeline: str, stats: SearchStats) -> None:
+        speculative = stats.speculative
+        if speculative is None:
+            return
+        self.prefills.labels(pipeline, "reprefilled" if speculative.reprefilled else "confirmed").inc()
+        self.tokens.labels(pipeline, "prefilled").inc(speculative.prefilled_tokens or 0)
+        self.tokens.labels(pipeline, "reused").inc(speculative.reused_tokens or 0)
+
+
 class AdmissionMetrics:
     """The queue and admission's model: what waits, what runs, what was refused and why, and the
     model's measured rate and error."""
@@ -215,6 +243,7 @@ class Metrics:
             registry=r,
         )
         self.pipelining = PipeliningMetrics(r)
+        self.speculation = SpeculationMetrics(r)
         self.admission = AdmissionMetrics(r)
         self.batch_size = Histogram(
             "telerag_batch_size",
@@ -263,6 +292,7 @@ class Metrics:
                 if step.stats.copy_wait_ms:
                     self.copy_wait.labels(p).observe(step.stats.copy_wait_ms / 1e3)
                 self.pipelining.observe(p, step.stats)
+                self.speculation.observe(p, step.stats)
         self.prompt_tokens.labels(p).inc(result.prompt_tokens)
         self.prefix_cache_hits.labels(p).inc(result.cached_tokens)
         summary = result.prefetch

@@ -24,7 +24,14 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from telerag.pipelines.types import DatastoreInfo, Document, RagResult, StageKind, StageRole
-from telerag.server.result_stats import PipeliningSummaryOut, PrefetchSummaryOut, StepStatsOut, TimingsOut, step_stats
+from telerag.server.result_stats import (
+    PipeliningSummaryOut,
+    PrefetchSummaryOut,
+    SpeculationSummaryOut,
+    StepStatsOut,
+    TimingsOut,
+    step_stats,
+)
 from telerag.server.settings import LimitSettings
 
 # A query needs one character that is not white space. Spelled out rather than `\S`, whose
@@ -85,6 +92,12 @@ class QueryRequest(BaseModel):
         description="iter_retgen, flare and iterative: true: each search starts from the text generated so far while "
         "the step goes on (PipeRAG; the documents may differ, reported in `pipelining`); false: after it; null: the "
         "server's retrieval.pipelining",
+    )
+    speculative_prefill: bool | None = Field(
+        None,
+        description="true: while a search runs, the prompt of the LLM call after it is prefilled from the search's "
+        "provisional top-k (the answer is the same; reported in `speculation`); false: not; null: the server's "
+        "retrieval.speculative_prefill",
     )
 
 
@@ -185,6 +198,10 @@ class QueryResponse(BaseModel):
         description="the pipelined retrievals (request field `pipelining`): how many, and how often their documents "
         "differed from what the final query found"
     )
+    speculation: SpeculationSummaryOut = Field(
+        description="the speculative prefills (request field `speculative_prefill`): how many, how many were prefilled "
+        "again, the tokens they computed and those the calls after them reused"
+    )
 
     @classmethod
     def from_result(cls, result: RagResult, *, request_id: str, with_documents: bool) -> QueryResponse:
@@ -212,6 +229,7 @@ class QueryResponse(BaseModel):
             prefetch=PrefetchSummaryOut.model_validate(result.prefetch),
             tokens_generated=result.tokens_generated,
             pipelining=PipeliningSummaryOut.model_validate(result.pipelining),
+            speculation=SpeculationSummaryOut.model_validate(result.speculation),
         )
 
 

@@ -72,6 +72,23 @@ class PipelinedSearchOut(BaseModel):
     )
 
 
+class SpeculativePrefillOut(BaseModel):
+    """The next LLM call's prompt, prefilled from the search's provisional top-k (`speculative_prefill`)."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    lists_share: float = Field(description="of the probed lists, those scanned when the top-k was found stable")
+    reprefilled: bool = Field(
+        description="the final top-k made another prompt: the call prefilled it again from the first document that changed"
+    )
+    prefilled_tokens: int | None = Field(
+        description="tokens the speculative prefill computed; null: not known (cancelled before it ran, or it failed)"
+    )
+    reused_tokens: int | None = Field(
+        description="of those, the tokens the call after the search found cached; null: no call was matched to it"
+    )
+
+
 class SearchStatsOut(BaseModel):
     """A search step's stats, summed over its queries (except `overlap_rate`)."""
 
@@ -92,6 +109,11 @@ class SearchStatsOut(BaseModel):
     batch: int = Field(description="queries searched together, other requests' included")
     pipelined: PipelinedSearchOut | None = Field(
         None, description="a search launched while its step was still generating (`pipelining`); null otherwise"
+    )
+    speculative: SpeculativePrefillOut | None = Field(
+        None,
+        description="the next call's prompt prefilled from this search's provisional top-k (`speculative_prefill`); "
+        "null otherwise",
     )
 
 
@@ -152,3 +174,14 @@ class PipeliningSummaryOut(BaseModel):
     searched_again: int = Field(description="of them, those whose final query had moved too far: searched again")
     checked: int = Field(description="of them, those whose final query's own documents are known (searched again, or checked)")
     differed: int = Field(description="of those checked, those whose documents differed from the final query's")
+
+
+class SpeculationSummaryOut(BaseModel):
+    """The request's speculative prefills (`speculative_prefill`), counted over its searches."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    prefills: int = Field(description="searches whose next call's prompt was prefilled from their provisional top-k")
+    reprefilled: int = Field(description="of them, those whose final top-k made another prompt (prefilled again from the change)")
+    prefilled_tokens: int = Field(description="tokens the speculative prefills computed")
+    reused_tokens: int = Field(description="of those, the tokens the calls after the searches found cached")

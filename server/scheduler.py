@@ -16,6 +16,7 @@ from typing import Any, Generic, TypeVar
 
 from telerag.pipelines.types import (
     BatchRetriever,
+    OnProvisional,
     PrefetchRequest,
     PrefetchTicket,
     SearchOptions,
@@ -132,9 +133,14 @@ class BatchingRetriever:
         return await self._prefetch.submit(PrefetchRequest(list(queries), enabled, overlap_ms))
 
     async def search(
-        self, queries: Sequence[SearchQuery], options: SearchOptions, ticket: PrefetchTicket | None = None
+        self,
+        queries: Sequence[SearchQuery],
+        options: SearchOptions,
+        ticket: PrefetchTicket | None = None,
+        *,
+        provisional: OnProvisional | None = None,
     ) -> SearchOutcome:
-        return await self._search.submit(SearchRequest(list(queries), options, ticket))
+        return await self._search.submit(SearchRequest(list(queries), options, ticket, provisional))
 
     def release(self, ticket: PrefetchTicket) -> None:
         self.inner.release(ticket)

@@ -142,11 +142,13 @@ class Service:
         history: tuple[Turn, ...] = (),
         prefetch: bool = True,
         pipelining: bool | None = None,
+        speculative_prefill: bool | None = None,
     ) -> RunOptions:
         """A request's options, checked for what the request models cannot check: nprobe against
         the datastore's nlist (the app's models are built before the datastore is loaded). What
         the request leaves out (None) is the settings': top_k, nprobe "auto" when
-        `retrieval.nprobe` is (a configured number is the retriever's own default), pipelining."""
+        `retrieval.nprobe` is (a configured number is the retriever's own default), pipelining,
+        speculative prefill."""
         retrieval = self.settings.retrieval
         nlist = self.runtime.datastore_info.nlist
         if isinstance(nprobe, int) and nprobe > nlist:
@@ -164,6 +166,7 @@ class Service:
             history=history,
             prefetch=prefetch,
             pipelining=retrieval.pipelining if pipelining is None else pipelining,
+            speculative_prefill=retrieval.speculative_prefill if speculative_prefill is None else speculative_prefill,
         )
 
     async def embed(self, model: str, texts: list[str], dimensions: int | None) -> TextEmbeddings:

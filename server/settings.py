@@ -122,6 +122,11 @@ class RetrievalSettings(Section):
     pipelining_check: bool = setting(
         True, "search a kept stale query's final query beside the rest of the run, to report whether the documents differed"
     )
+    speculative_prefill: bool = setting(
+        False,
+        "while a search runs, prefill the next LLM call's prompt from the search's provisional top-k (AquaPipe); the "
+        "call reuses what still matches (same answers); a request may say otherwise. See docs/benchmarks.md",
+    )
     early_stop: bool = setting(
         False,
         "exact early stop of faiss's half: skip the lists whose score bound proves they cannot change the top-k "

@@ -177,13 +177,18 @@ class FakeEngine:
         """SGLang's detokenizer, per prompt: deltas appended to a cumulative text; a stop string
         is found in the decoded text and trimmed from the end, but what was sent stays sent. The
         script is the one for the prompt's text (its special tokens skipped)."""
+        cached = max((_common_prefix(model_input, seen) for seen in self.prefilled), default=0)
+        self.prefilled.append(list(model_input))
+        if params["max_new_tokens"] == 0:  # prefill only (SGLang's `Req.is_prefill_only`): finished at once, nothing made
+            meta = {"id": f"rid-{index}", "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(model_input)}
+            meta |= {"completion_tokens": 0, "cached_tokens": min(cached, len(model_input) - 1)}
+            yield {"text": "", "output_ids": [], "meta_info": meta, "index": index}
+            return
         text = self.tokenizer_manager.tokenizer.decode(model_input, skip_special_tokens=True)
         script = FakeEngine.scripts.get(text, FakeEngine.default_script)
         assert script is not None, f"no script for {text!r}"
         stops = params.get("stop") or []
         sent = ""
-        cached = max((_common_prefix(model_input, seen) for seen in self.prefilled), default=0)
-        self.prefilled.append(list(model_input))
         for n in range(1, len(script.pieces) + 1):
             decoded = "".join(script.pieces[:n])
             matched = next((s for s in stops if s in decoded), None)

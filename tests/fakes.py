@@ -12,8 +12,10 @@ from telerag.pipelines.stats import PrefetchStepStats, SearchStats
 from telerag.pipelines.types import (
     Document,
     Generation,
+    OnProvisional,
     PrefetchRequest,
     PrefetchTicket,
+    ProvisionalDocuments,
     SamplingParams,
     SearchOptions,
     SearchOutcome,
@@ -59,6 +61,7 @@ class ScriptedEngine:
         self.prompts: list[str] = []
         self.params: list[SamplingParams] = []  # each call's, in order
         self.vocab: list[str] = []
+        self.prefilled: list[str] = []  # every prompt `prefill` was given, in order: its "prefix cache"
 
     def format_prompt(self, user_text: str, *, system: str = "") -> str:
         return f"{system}\n\n{user_text}" if system else user_text  # as for a base model
@@ -68,6 +71,22 @@ class ScriptedEngine:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return " ".join(self.vocab[i] for i in token_ids)
+
+    def cached(self, prompt: str) -> int:
+        """The prompt's tokens (words) a prefilled prompt began with: what a prefix cache holds."""
+        words = prompt.split()
+        return max((_common(words, seen.split()) for seen in self.prefilled), default=0)
+
+    async def prefill(self, prompts: Sequence[str]) -> list[Generation]:
+        out = []
+        for index, prompt in enumerate(prompts):
+            self.log.append(("prefill", prompt.splitlines()[0]))
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            tokens, cached = self.count_tokens(prompt), self.cached(prompt)
+            out.append(Generation("", tokens, 0, "length", 0.0, 1.0, index=index, cached_tokens=cached))
+            self.prefilled.append(prompt)
+        return out
 
     def _generation(self, index: int, prompt: str, params: SamplingParams) -> Generation:
         reply = self.script(prompt)
@@ -92,6 +111,7 @@ class ScriptedEngine:
             tuple(ids),
             logprobs if params.logprobs else (),
             index,
+            min(self.cached(prompt), max(0, self.count_tokens(prompt) - 1)),
         )
 
     async def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
@@ -125,6 +145,10 @@ class ScriptedEngine:
         return None
 
 
+def _common(a: Sequence[str], b: Sequence[str]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 class RecordingRetriever:
     """Returns `docs_per_query` made-up documents per query; logs prefetch, search and release."""
 
@@ -150,7 +174,12 @@ class RecordingRetriever:
         return ticket
 
     async def search(
-        self, queries: Sequence[SearchQuery], options: SearchOptions, ticket: PrefetchTicket | None = None
+        self,
+        queries: Sequence[SearchQuery],
+        options: SearchOptions,
+        ticket: PrefetchTicket | None = None,
+        *,
+        provisional: OnProvisional | None = None,
     ) -> SearchOutcome:
         self.searches.append(list(queries))
         self.log.append(("search", " | ".join(map(str, queries))))
@@ -167,14 +196,21 @@ class RecordingRetriever:
             ]
             for q in queries
         ]
+        if provisional is not None:
+            provisional(ProvisionalDocuments(self.provisional_documents(documents), 0.25))
+            await asyncio.sleep(0)  # the rest of the search: what was started from the provisional documents begins
         stats = SearchStats(overlap_rate=0.75, clusters_device=3, clusters_cpu=1, device_ms=1.0, cpu_ms=2.0, embed_ms=0.5)
         return SearchOutcome(documents, replace(stats, nprobe=options.nprobe or self.default_nprobe))
+
+    def provisional_documents(self, documents: list[list[Document]]) -> list[list[Document]]:
+        """What a search asked for its provisional top-k reports as stable: its final documents."""
+        return documents
 
     async def prefetch_batch(self, requests: Sequence[PrefetchRequest]) -> list[PrefetchTicket]:
         return [await self.prefetch(r.queries, enabled=r.enabled, overlap_ms=r.overlap_ms) for r in requests]
 
     async def search_batch(self, requests: Sequence[SearchRequest]) -> list[SearchOutcome]:
-        return [await self.search(r.queries, r.options, r.ticket) for r in requests]
+        return [await self.search(r.queries, r.options, r.ticket, provisional=r.provisional) for r in requests]
 
     async def embed(self, texts: Sequence[str]) -> TextEmbeddings:
         embedder = HashEmbedder()

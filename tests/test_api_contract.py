@@ -22,6 +22,8 @@ from telerag.pipelines.stats import (
     PrefetchStepStats,
     PrefetchSummary,
     SearchStats,
+    SpeculationSummary,
+    SpeculativePrefill,
     Timings,
 )
 from telerag.pipelines.types import Generation, RagResult, SamplingParams, Step, TokenChunk
@@ -361,7 +363,8 @@ def test_a_result_is_sent_with_the_documented_field_names():
     """The typed stats become the JSON clients parse: every name, in order; an LLM step's
     `ttft_ms` and a prefetch that did not run leave out what they do not have."""
     pipelined = PipelinedSearch(13, 14.0, None, 0.5, True, False)
-    search = SearchStats(1.0, 2.0, 3.0, 4.0, 5.0, 0.5, 6, 7, 8, 9, 10.0, 11, 12, pipelined)
+    speculative = SpeculativePrefill(0.25, True, 15, None)
+    search = SearchStats(1.0, 2.0, 3.0, 4.0, 5.0, 0.5, 6, 7, 8, 9, 10.0, 11, 12, pipelined, speculative)
     steps = [
         Step(PREFETCH, "q", stats=PrefetchStepStats(True, 0.25, 2, PrefetchStats(1, 2, 3, 4, 5, 6, 7, 8, 9.0))),
         Step(PREFETCH, "q", stats=PrefetchStepStats()),
@@ -370,10 +373,14 @@ def test_a_result_is_sent_with_the_documented_field_names():
         Step(GENERATE, "q", stats=GenerationStats("stop")),
     ]
     summary = PrefetchSummary(1, 2, None, 3, 4, 5, 6)
-    result = RagResult("a", "naive", [], steps, Timings(*map(float, range(9))), summary, 7, PipeliningSummary(1, 1, 1, 1))
+    speculation = SpeculationSummary(1, 1, 15, 0)
+    result = RagResult(
+        "a", "naive", [], steps, Timings(*map(float, range(9))), summary, 7, PipeliningSummary(1, 1, 1, 1), speculation
+    )
     body = json.loads(QueryResponse.from_result(result, request_id="rag-1", with_documents=True).model_dump_json())
     assert list(body) == [
-        *("id", "answer", "pipeline", "documents", "steps", "timings", "prefetch", "tokens_generated", "pipelining")
+        *("id", "answer", "pipeline", "documents", "steps", "timings", "prefetch", "tokens_generated", "pipelining"),
+        "speculation",
     ]
     assert list(body["steps"][0]) == [
         *("stage", "role", "kind", "query", "tokens_in", "tokens_out", "ms", "stats", "start_ms", "tokens_cached")
@@ -426,6 +433,7 @@ def test_a_result_is_sent_with_the_documented_field_names():
                     "same_documents": False,
                 },
             ),
+            ("speculative", {"lists_share": 0.25, "reprefilled": True, "prefilled_tokens": 15, "reused_tokens": None}),
         ],
         [("ttft_ms", 1.5), ("finish_reason", "length")],
         [("finish_reason", "stop")],
@@ -451,3 +459,4 @@ def test_a_result_is_sent_with_the_documented_field_names():
         ("clusters_late", 6),
     ]
     assert body["pipelining"] == {"retrievals": 1, "searched_again": 1, "checked": 1, "differed": 1}
+    assert body["speculation"] == {"prefills": 1, "reprefilled": 1, "prefilled_tokens": 15, "reused_tokens": 0}

@@ -211,6 +211,16 @@ async def test_the_prompt_tokens_sglangs_radix_cache_held_are_the_generations_ca
     assert again.cached_tokens == again.prompt_tokens - 1
 
 
+async def test_a_prefill_is_a_request_of_no_new_tokens_whose_prompt_the_radix_cache_then_holds(sglang: types.ModuleType):
+    FakeEngine.scripts = {"the nile flows north": Script(["Yes"])}
+    engine = SGLangEngine("m", module=sglang)
+    (prefilled,) = await engine.prefill(["the nile flows north"])
+    assert (prefilled.text, prefilled.completion_tokens, prefilled.cached_tokens) == ("", 0, 0)
+    assert FakeEngine.instances[-1].requests[-1]["sampling_params"]["max_new_tokens"] == 0
+    (generated,) = await engine.generate(["the nile flows north"], SamplingParams(max_tokens=3))
+    assert generated.text == "Yes" and generated.cached_tokens == generated.prompt_tokens - 1
+
+
 async def test_chunks_carry_each_new_token_and_its_logprob(sglang: types.ModuleType):
     FakeEngine.scripts = {"q": Script(["one", " two", " three"])}
     engine = SGLangEngine("m", module=sglang)

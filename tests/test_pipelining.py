@@ -38,10 +38,10 @@ class OptionsRecorder(RecordingRetriever):
         self.options: list = []
         self.tickets: list = []
 
-    async def search(self, queries, options, ticket=None):
+    async def search(self, queries, options, ticket=None, *, provisional=None):
         self.options.append(options)
         self.tickets.append(ticket)
-        return await super().search(queries, options, ticket)
+        return await super().search(queries, options, ticket, provisional=provisional)
 
 
 def pipelined(name: str, config: PipeliningConfig | None = None, budget: SearchBudget | None = None, **script_args):

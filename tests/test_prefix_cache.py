@@ -153,6 +153,27 @@ async def test_greedy_output_is_identical_with_the_cache_on_and_off_and_the_reus
         await on.close()
 
 
+async def test_a_prompt_prefilled_ahead_is_generated_from_its_cached_kv_with_the_same_output():
+    """`prefill` (speculative prefill's call): nothing generated, the prompt's KV cached, so that
+    the prompt, or one that begins the same way, is prefilled only past it; greedy output as
+    without. Without a prefix cache it computes nothing."""
+    off, on = tiny_engine(), tiny_engine(prefix_cache_mb=16)
+    try:
+        (prefilled,) = await on.prefill([PROMPTS[3]])
+        assert (prefilled.text, prefilled.completion_tokens, prefilled.finish_reason) == ("", 0, "length")
+        assert prefilled.cached_tokens == 0 and on.prefix_cache is not None and on.prefix_cache.bytes > 0
+        assert (await on.prefill([PROMPTS[3]]))[0].cached_tokens == prefilled.prompt_tokens  # all of it, held
+        same, longer = (await on.generate([PROMPTS[3]], GREEDY))[0], (await on.generate([PROMPTS[4]], GREEDY))[0]
+        assert same.cached_tokens == same.prompt_tokens - 1 and longer.cached_tokens == prefilled.prompt_tokens
+        plain = [(await off.generate([p], GREEDY))[0] for p in PROMPTS[3:5]]
+        assert [same.token_ids, longer.token_ids] == [g.token_ids for g in plain]
+        (nothing,) = await off.prefill([PROMPTS[0]])
+        assert nothing.cached_tokens == 0 and nothing.completion_tokens == 0 and off.prefix_cache is None
+    finally:
+        await off.close()
+        await on.close()
+
+
 async def test_batched_concurrent_and_joining_rows_are_identical_with_the_cache_on():
     off, on = tiny_engine(), tiny_engine(prefix_cache_mb=16)
     try:
@@ -200,7 +221,7 @@ class WikipediaRetriever(RecordingRetriever):
         titles = ("Nile", "Mona Lisa", "Louis Armstrong", "Amazon River", "Paris")
         self.articles = {a.title: a.text[:600] for a in read_wikipedia() if a.title in titles}
 
-    async def search(self, queries, options, ticket=None):
+    async def search(self, queries, options, ticket=None, *, provisional=None):
         outcome = await super().search(queries, options, ticket)
         ranked = [sorted(self.articles, key=lambda title, q=q: zlib.crc32(f"{q}|{title}".encode())) for q in queries]
         outcome.documents[:] = [

@@ -9,13 +9,13 @@ import json
 import pytest
 
 from telerag.benchmarks.quality import (
-    SearchRecorder,
     article_found,
     exact_match,
     normalize_answer,
     token_f1,
 )
 from telerag.benchmarks.random_llm import tiny_random_lm
+from telerag.benchmarks.search_recorder import SearchRecorder
 from telerag.cli import main as cli
 from telerag.pipelines.embedder import Embedder
 from telerag.pipelines.prompts import holds_answer_cue
@@ -114,7 +114,7 @@ async def test_replay_is_the_exact_search_of_the_queries_the_answer_came_from(wi
 
 async def test_questions_answered_together_keep_their_searches_apart():
     class Echo:
-        async def search(self, queries, options, ticket=None):
+        async def search(self, queries, options, ticket=None, *, provisional=None):
             await asyncio.sleep(0)
             return queries
 

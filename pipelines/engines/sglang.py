@@ -127,6 +127,11 @@ class SGLangEngine:
     async def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
         return await collect_generations(self.stream(prompts, params), len(prompts))
 
+    async def prefill(self, prompts: Sequence[str]) -> list[Generation]:
+        """A request of no new tokens: SGLang prefills it into its radix cache and ends it
+        (`Req.is_prefill_only`)."""
+        return await self.generate(prompts, SamplingParams(max_tokens=0))
+
     async def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncGenerator[TokenChunk | Generation, None]:
         if not prompts:
             return

@@ -195,6 +195,11 @@ class TransformersEngine:
     async def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
         return await collect_generations(self.stream(prompts, params), len(prompts))
 
+    async def prefill(self, prompts: Sequence[str]) -> list[Generation]:
+        """A call of no new tokens: each prompt's KV computed into the prefix cache (none without
+        one: then nothing is computed) in the worker's turn, between two decode steps."""
+        return await self.generate(prompts, SamplingParams(max_tokens=0))
+
     async def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncGenerator[TokenChunk | Generation, None]:
         if not prompts:
             return
@@ -320,8 +325,10 @@ class TransformersEngine:
             decoding = DecodingRow(row, self.decode, max_tokens=min(row.call.params.max_tokens, room))
             if decoding.max_tokens > 0:
                 live.append(decoding)
-            else:
-                decoding.finish("length", time.perf_counter())
+                continue
+            if row.call.params.max_tokens == 0 and self.prefix_cache is not None:
+                self._prefill_only(decoding, self.prefix_cache)
+            decoding.finish("length", time.perf_counter())
         if not live:
             return None
         # Rows that reuse KV are prefilled one by one after what they reuse, the others together.
@@ -349,6 +356,15 @@ class TransformersEngine:
         cache.insert(ids, recorded_kv(batch.cache, len(ids) - hit.tokens), start=hit.tokens)
         end_recording(batch.cache)
         return self._advance(batch, logits)
+
+    def _prefill_only(self, decoding: DecodingRow, cache: PrefixCache) -> None:
+        """A row of no new tokens (`prefill`): its prompt's KV, after the longest prefix cached,
+        computed into `cache`, the row's own batch left out."""
+        ids = decoding.row.prompt_ids
+        hit = cache.match(ids)
+        decoding.cached_tokens = hit.tokens
+        if hit.tokens < len(ids):
+            cache.insert(ids, self._kv_after(hit, ids[hit.tokens :]), start=hit.tokens)
 
     def _prefill_after_documents(self, decoding: DecodingRow, chunked: ChunkedIds, store: DocumentKV) -> Batch | None:
         """One row prefilled after its head's and documents' KV from `store` (`DocumentKV`):

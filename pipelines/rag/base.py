@@ -28,11 +28,13 @@ from telerag.pipelines.rag.pipelined import PipelinedStep
 from telerag.pipelines.rag.summary import summarize
 from telerag.pipelines.replies import ReplyStream, clean_reply
 from telerag.pipelines.search_budget import SearchBudget
+from telerag.pipelines.speculation import Speculation
 from telerag.pipelines.stats import GenerationStats
 from telerag.pipelines.types import (
     Document,
     Engine,
     Generation,
+    OnProvisional,
     PrefetchTicket,
     RagResult,
     ResultEvent,
@@ -54,6 +56,7 @@ from telerag.pipelines.types import (
 
 T = TypeVar("T")
 Traced = tuple[T, float, float]  # a traced stage's result, when it started (ms after the request) and how long it took (ms)
+NextPrompt = Callable[[list[list[Document]]], Prompt]  # the prompt of the LLM call a search's documents go to
 
 
 # An answer is one paragraph: a base model that goes on after it starts something else.
@@ -82,6 +85,7 @@ class RunContext:
     carried: PrefetchTicket | None = None  # the standalone question's prefetch, for the first lookahead to use
     watch: Callable[[PartialGeneration], None] | None = None  # a pipelined lookahead's, during its pre-retrieval call
     checks: list[asyncio.Future[None]] = field(default_factory=list)  # pipelined searches checked beside the run
+    speculations: list[Speculation] = field(default_factory=list)  # speculative prefills of the calls after searches
 
     def generated(self, tokens: int) -> None:
         """Account for `tokens` newly generated tokens (in the result, and at once as a UsageEvent)."""
@@ -149,12 +153,15 @@ class RagPipeline:
                 ctx.query = await self.standalone_question(ctx)
             answer = await self.body(ctx)
             await asyncio.gather(*ctx.checks)  # beside the answer, normally done by now
+            await asyncio.gather(*(speculation.finished() for speculation in ctx.speculations))
             return answer
         finally:
             if ctx.carried is not None:  # no lookahead took it
                 self.retriever.release(ctx.carried)
             for check in ctx.checks:
                 check.cancel()
+            for speculation in ctx.speculations:
+                speculation.cancel()
 
     async def standalone_question(self, ctx: RunContext) -> str:
         """The last message made to stand alone, as LangChain's history-aware retriever and
@@ -224,7 +231,9 @@ class RagPipeline:
         )
         formatted = [self.engine.format_prompt(p.user, system=p.system) for p in batch]
         generations, start_ms, ms = await self.stage(ctx, stage, lambda: self._generate(ctx, stage, formatted, params))
-        for prompt, generation in zip(batch, generations, strict=True):
+        for prompt, text, generation in zip(batch, formatted, generations, strict=True):
+            for speculation in ctx.speculations:
+                speculation.observe_call(text, generation)
             ctx.generated(generation.completion_tokens)
             self.expected_tokens.observe(stage.name, generation.completion_tokens)
             ctx.steps.append(
@@ -264,6 +273,7 @@ class RagPipeline:
         pre_retrieval: Callable[[], Awaitable[T]],
         q_out: Callable[[T], Sequence[SearchQuery] | None],
         stale: StaleQuery | None = None,
+        next_prompt: NextPrompt | None = None,
     ) -> tuple[T, list[list[Document]]]: ...
 
     @overload
@@ -274,6 +284,7 @@ class RagPipeline:
         pre_retrieval: None,
         q_out: Callable[[None], Sequence[SearchQuery] | None],
         stale: None = None,
+        next_prompt: NextPrompt | None = None,
     ) -> tuple[None, list[list[Document]]]: ...
 
     async def lookahead(
@@ -283,6 +294,7 @@ class RagPipeline:
         pre_retrieval: Callable[[], Awaitable[T]] | None,
         q_out: Callable[[Any], Sequence[SearchQuery] | None],
         stale: StaleQuery | None = None,
+        next_prompt: NextPrompt | None = None,
     ) -> tuple[T | None, list[list[Document]]]:
         """Start the pre-retrieval call at once and prefetch q_in's clusters beside it (embedding
         q_in, ranking centroids, issuing copies), then search q_out once both are done (no search
@@ -292,7 +304,11 @@ class RagPipeline:
 
         With `stale` (q_out from the call's text so far) and a request with `pipelining`, the
         search starts during the call instead, from the stale query at the launch point, and the
-        final query decides after it whether those documents are used (`PipelinedStep.use`)."""
+        final query decides after it whether those documents are used (`PipelinedStep.use`).
+
+        With `next_prompt` (the prompt of the LLM call the documents go to) and a request with
+        `speculative_prefill`, a search the run waits for prefills that prompt from its
+        provisional top-k while it runs (`pipelines.speculation`)."""
         carried, ctx.carried = ctx.carried, None
         pipelined: PipelinedStep | None = None
         if carried is not None and pre_retrieval is None:
@@ -318,12 +334,36 @@ class RagPipeline:
             if pipelined is not None and pipelined.search is not None:
                 documents = await pipelined.use(queries, ticket)
             else:
-                documents = (await self.search_traced(ctx, queries, ticket, self.fixed_nprobe(ctx)))[0].documents
+                speculation = self._speculation(ctx, next_prompt)
+                outcome, step = await self.search_traced(
+                    ctx, queries, ticket, self.fixed_nprobe(ctx), None if speculation is None else speculation.start
+                )
+                documents = outcome.documents
+                if speculation is not None:
+                    speculation.settle(documents, step)
         finally:
             if pipelined is not None:
                 await pipelined.abandon()  # a search nothing used: the step needed none
             self.retriever.release(ticket)
         return produced, documents
+
+    def _speculation(self, ctx: RunContext, next_prompt: NextPrompt | None) -> Speculation | None:
+        """A speculative prefill of `next_prompt` for a request that asks for one."""
+        if next_prompt is None or not ctx.options.speculative_prefill:
+            return None
+
+        def formatted(documents: list[list[Document]]) -> str:
+            prompt = next_prompt(documents)
+            return self.engine.format_prompt(prompt.user, system=prompt.system)
+
+        speculation = Speculation(self.engine, formatted)
+        ctx.speculations.append(speculation)
+        return speculation
+
+    def answer_prompt(self, ctx: RunContext, draft: str = "") -> NextPrompt:
+        """`next_prompt` for a search whose first query's documents go to an answer prompt (the
+        answer, a round or a draft: `generate_quietly`)."""
+        return lambda documents: prompts.answer(ctx.query, documents[0], draft, instructions=ctx.options.instructions)
 
     def fixed_nprobe(self, ctx: RunContext) -> int | None:
         """The nprobe of a search that overlaps no generation: the request's number, or the
@@ -331,22 +371,31 @@ class RagPipeline:
         return ctx.options.nprobe if isinstance(ctx.options.nprobe, int) else None
 
     async def search_traced(
-        self, ctx: RunContext, queries: Sequence[SearchQuery], ticket: PrefetchTicket | None, nprobe: int | None
+        self,
+        ctx: RunContext,
+        queries: Sequence[SearchQuery],
+        ticket: PrefetchTicket | None,
+        nprobe: int | None,
+        provisional: OnProvisional | None = None,
     ) -> tuple[SearchOutcome, Step]:
         """A traced search; its time, nprobe and the searches in flight beside it teach the
-        search-time model."""
+        search-time model. `provisional` as `Retriever.search`'s."""
         options = SearchOptions(top_k=ctx.options.top_k, nprobe=nprobe, prefetch=ctx.options.prefetch)
-        outcome, start_ms, ms = await self.stage(ctx, SEARCH, lambda: self.search_timed(queries, options, ticket))
+        outcome, start_ms, ms = await self.stage(ctx, SEARCH, lambda: self.search_timed(queries, options, ticket, provisional))
         step = Step(SEARCH, " | ".join(map(str, queries))[:200], ms=ms, stats=outcome.stats, start_ms=start_ms)
         ctx.steps.append(step)
         return outcome, step
 
     async def search_timed(
-        self, queries: Sequence[SearchQuery], options: SearchOptions, ticket: PrefetchTicket | None
+        self,
+        queries: Sequence[SearchQuery],
+        options: SearchOptions,
+        ticket: PrefetchTicket | None,
+        provisional: OnProvisional | None = None,
     ) -> SearchOutcome:
         with self.search_budget.searching() as depth:
             started = self.clock()
-            outcome = await self.retriever.search(queries, options, ticket)
+            outcome = await self.retriever.search(queries, options, ticket, provisional=provisional)
             self.search_budget.observe(outcome.stats.nprobe, depth, (self.clock() - started) * 1e3)
         return outcome
 
@@ -432,6 +481,8 @@ class RagPipeline:
             ctx.events.put_nowait(TokenEvent(piece))
         start_ms, ms = self.end(ctx, stage, started)
         if final is not None:
+            for speculation in ctx.speculations:
+                speculation.observe_call(formatted, final)
             prompt_tokens, completion_tokens, cached = final.prompt_tokens, final.completion_tokens, final.cached_tokens
             stats = GenerationStats(final.finish_reason, final.ttft_ms)
         else:  # stopped here, when the reply was over (what the engine's cache held is not known)
@@ -455,7 +506,7 @@ class RagPipeline:
     # -- the result ---------------------------------------------------------------------------
 
     def _result(self, ctx: RunContext, answer: str) -> RagResult:
-        timings, prefetch, pipelining = summarize(ctx.steps, total_ms=(self.clock() - ctx.started) * 1e3)
+        timings, prefetch, pipelining, speculation = summarize(ctx.steps, total_ms=(self.clock() - ctx.started) * 1e3)
         return RagResult(
             answer=answer,
             pipeline=self.name,
@@ -465,6 +516,7 @@ class RagPipeline:
             prefetch=prefetch,
             tokens_generated=ctx.tokens_generated,
             pipelining=pipelining,
+            speculation=speculation,
         )
 
 

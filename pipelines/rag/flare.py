@@ -63,7 +63,14 @@ class FLARE(RagPipeline):
                 masked = unsure_query(self.engine, generation, self.threshold)
                 return None if masked is None else [f"{ctx.query} {masked}".strip()]
 
-            sentence, documents = await self.lookahead(ctx, [known], lookahead_sentence, retrieval_query, stale=retrieval_query)
+            sentence, documents = await self.lookahead(
+                ctx,
+                [known],
+                lookahead_sentence,
+                retrieval_query,
+                stale=retrieval_query,
+                next_prompt=self.answer_prompt(ctx, written),  # the sentence written again
+            )
             text = sentence.text
             if documents:  # retrieval was triggered: write the sentence again with the new documents
                 ctx.documents = documents[0]

@@ -24,7 +24,7 @@ class IterRetGen(RagPipeline):
     llm_calls = ROUNDS  # a quiet answer each round but the last, then the answer
 
     async def body(self, ctx: RunContext) -> str:
-        _, documents = await self.lookahead(ctx, [ctx.query], None, lambda _: [ctx.query])
+        _, documents = await self.lookahead(ctx, [ctx.query], None, lambda _: [ctx.query], next_prompt=self.answer_prompt(ctx))
         ctx.documents = documents[0]
         draft = ""
         for _ in range(ROUNDS - 1):
@@ -40,6 +40,7 @@ class IterRetGen(RagPipeline):
                 round_answer,
                 lambda text: [f"{ctx.query} {text}"],
                 stale=lambda partial: [f"{ctx.query} {clean_reply(partial.text, prompts.ANSWER_CUE)}"],
+                next_prompt=self.answer_prompt(ctx),
             )
             ctx.documents = documents[0]
         return await self.answer(ctx, ctx.documents)

@@ -6,9 +6,10 @@ search starts from the narrower question so far while the rest of it is written.
 from __future__ import annotations
 
 from telerag.pipelines import prompts
+from telerag.pipelines.prompts import Prompt
 from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, STANDALONE_QUESTION, RagPipeline, RunContext, merge_documents
 from telerag.pipelines.replies import clean_reply
-from telerag.pipelines.types import MeanQuery, SearchQuery, Stage, StageRole
+from telerag.pipelines.types import Document, MeanQuery, SearchQuery, Stage, StageRole
 
 MAX_ITERATIONS = 3
 
@@ -26,7 +27,7 @@ class Iterative(RagPipeline):
     async def body(self, ctx: RunContext) -> str:
         notes = ""
         q_in = ctx.query
-        gathered = []
+        gathered: list[list[Document]] = []
         for iteration in range(MAX_ITERATIONS):
 
             async def narrow(notes=notes) -> str:
@@ -37,8 +38,17 @@ class Iterative(RagPipeline):
             def query(narrower: str) -> list[SearchQuery]:
                 return [MeanQuery((ctx.query, narrower)) if narrower else ctx.query]
 
+            def answer_prompt(documents: list[list[Document]], gathered=tuple(gathered)) -> Prompt:
+                merged = merge_documents([*gathered, documents[0]], ctx.options.top_k)
+                return prompts.answer(ctx.query, merged, instructions=ctx.options.instructions)
+
             question, documents = await self.lookahead(
-                ctx, [q_in], narrow, query, stale=lambda partial: query(clean_reply(partial.text, prompts.SEARCH_QUESTION_CUE))
+                ctx,
+                [q_in],
+                narrow,
+                query,
+                stale=lambda partial: query(clean_reply(partial.text, prompts.SEARCH_QUESTION_CUE)),
+                next_prompt=answer_prompt,  # the draft's, or the answer's after the last search
             )
             gathered.append(documents[0])
             ctx.documents = merge_documents(gathered, ctx.options.top_k)

@@ -5,8 +5,9 @@ drifts off it never loses what retrieving with the question finds."""
 from __future__ import annotations
 
 from telerag.pipelines import prompts
+from telerag.pipelines.prompts import Prompt
 from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, STANDALONE_QUESTION, RagPipeline, RunContext, merge_documents
-from telerag.pipelines.types import Stage, StageRole
+from telerag.pipelines.types import Document, Stage, StageRole
 
 MAX_SUB_QUESTIONS = 4
 
@@ -41,8 +42,16 @@ class SubQuestion(RagPipeline):
             prompt = prompts.sub_questions(ctx.query, MAX_SUB_QUESTIONS)
             return await self.reply(ctx, DECOMPOSE, prompt, max_tokens=96)
 
+        def answer_prompt(documents: list[list[Document]]) -> Prompt:
+            merged = merge_documents(documents, ctx.options.top_k)
+            return prompts.answer(ctx.query, merged, instructions=ctx.options.instructions)
+
         _, documents = await self.lookahead(
-            ctx, [ctx.query], decompose, lambda text: search_queries(ctx.query, parse_sub_questions(text))
+            ctx,
+            [ctx.query],
+            decompose,
+            lambda text: search_queries(ctx.query, parse_sub_questions(text)),
+            next_prompt=answer_prompt,
         )
         ctx.documents = merge_documents(documents, ctx.options.top_k)
         return await self.answer(ctx, ctx.documents)

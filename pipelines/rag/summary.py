@@ -4,15 +4,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from telerag.pipelines.stats import PipeliningSummary, PrefetchStepStats, PrefetchSummary, SearchStats, Timings
+from telerag.pipelines.stats import (
+    PipeliningSummary,
+    PrefetchStepStats,
+    PrefetchSummary,
+    SearchStats,
+    SpeculationSummary,
+    Timings,
+)
 from telerag.pipelines.types import StageRole, Step, overlap_rates
 
 
-def summarize(steps: Sequence[Step], *, total_ms: float) -> tuple[Timings, PrefetchSummary, PipeliningSummary]:
+def summarize(
+    steps: Sequence[Step], *, total_ms: float
+) -> tuple[Timings, PrefetchSummary, PipeliningSummary, SpeculationSummary]:
     """Each timing sums its role's steps (embedding and the search's device and CPU parts are
     parts of the prefetches and searches); the prefetch summary sums the prefetches' plans and
     the searches' placement, with the mean overlap rate of the searches that had a prefetch;
-    the pipelining summary counts the searches launched from a stale query."""
+    the pipelining summary counts the searches launched from a stale query, the speculation
+    summary the speculative prefills."""
     searches = [s.stats for s in steps if isinstance(s.stats, SearchStats)]
     prefetches = [s.stats for s in steps if isinstance(s.stats, PrefetchStepStats)]
     overlaps = overlap_rates(steps)
@@ -48,4 +58,11 @@ def summarize(steps: Sequence[Step], *, total_ms: float) -> tuple[Timings, Prefe
         checked=len(checked),
         differed=sum(not p.same_documents for p in checked),
     )
-    return timings, prefetch, pipelining
+    speculated = [s.speculative for s in searches if s.speculative is not None]
+    speculation = SpeculationSummary(
+        prefills=len(speculated),
+        reprefilled=sum(p.reprefilled for p in speculated),
+        prefilled_tokens=sum(p.prefilled_tokens or 0 for p in speculated),
+        reused_tokens=sum(p.reused_tokens or 0 for p in speculated),
+    )
+    return timings, prefetch, pipelining, speculation

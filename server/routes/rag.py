@@ -80,6 +80,7 @@ async def rag_query(body: QueryRequest, request: Request, client: str | None, se
         temperature=body.temperature,
         prefetch=body.prefetch,
         pipelining=body.pipelining,
+        speculative_prefill=body.speculative_prefill,
     )
     run = service.admit(request, service.pipelines[body.pipeline], body.query, options, client)  # or 422 / 429, at once
     request_id = f"rag-{request.state.request_id}"
