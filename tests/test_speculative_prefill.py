@@ -120,7 +120,7 @@ async def test_the_call_after_each_search_sends_the_prompt_prefilled_for_it_and_
 
 
 async def test_a_changed_top_k_is_prefilled_again_from_the_document_that_changed():
-    pipeline, engine, retriever, log = speculating("naive", ShiftingRetriever())
+    pipeline, engine, _, _ = speculating("naive", ShiftingRetriever())
     result, _ = await run(pipeline, QUESTION, max_tokens=8, speculative_prefill=True)
     (report,) = speculative(result)
     assert report.reprefilled and report.prefilled_tokens and 0 < report.reused_tokens < report.prefilled_tokens
@@ -142,7 +142,7 @@ async def test_a_speculative_prefill_still_waiting_when_the_top_k_changed_is_can
 
 async def test_pipelined_searches_are_not_speculated():
     """A search launched during its step's generation (`pipelining`) hides behind it already."""
-    pipeline, engine, retriever, _ = speculating("iter_retgen", answer="The Nile is a long river in Africa")
+    pipeline, engine, _, _ = speculating("iter_retgen", answer="The Nile is a long river in Africa")
     result, _ = await run(pipeline, QUESTION, max_tokens=8, speculative_prefill=True, pipelining=True)
     assert result.pipelining.retrievals == 2
     assert result.speculation.prefills == 1 == len(engine.prefilled)  # the first search only
