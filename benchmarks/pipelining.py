@@ -5,6 +5,7 @@ datastore scaled so that retrieval is a real share of a request's time (`benchma
   pipelined   each search launched from the step's text so far while it generates (PipeRAG)
   early_stop  sequential, faiss's lists scanned with exact early stop (`retrieval.early_stop`)
   budgeted    pipelined, with nprobe "auto" (the largest predicted to fit the generation left)
+  speculative sequential, each search's next call prefilled from its provisional top-k (AquaPipe)
 
 One client, one request at a time, the modes taking turns request by request, each request's
 turn begun by the next mode (a load drifting on the machine weighs on each alike, and no mode is
@@ -53,9 +54,10 @@ class Mode(StrEnum):
     PIPELINED = "pipelined"
     EARLY_STOP = "early_stop"
     BUDGETED = "budgeted"
+    SPECULATIVE = "speculative"
 
 
-MODES = (Mode.SEQUENTIAL, Mode.PIPELINED, Mode.EARLY_STOP, Mode.BUDGETED)  # sequential first: the baseline
+MODES = (Mode.SEQUENTIAL, Mode.PIPELINED, Mode.EARLY_STOP, Mode.BUDGETED, Mode.SPECULATIVE)  # sequential first: the baseline
 
 
 @dataclass(frozen=True)
@@ -105,12 +107,15 @@ class PipeliningRow:
     gain: float  # the sequential mode's mean latency over this mode's
     bound: float  # 1 / (1 - retrieval's share of the sequential mode's mean latency): the gain if retrieval took no time
     same_documents: float  # share of requests whose documents equal the sequential mode's
+    same_answers: float  # share of requests whose answer equals the sequential mode's
     lists_scanned_fraction: float  # lists scanned over lists probed (1 but with early stop)
     recall_at_k: float  # mean over requests of the share of their top-k that exhaustive search also finds
     nprobe_p50: float  # over the mode's pipelined searches (budgeted: what "auto" chose), or all its searches without any
     pipelined: float  # share of the mode's searches launched from a stale query
     searched_again: float  # share of those whose final query was searched again (it had moved too far)
     search_over_generation_p50: float | None  # a pipelined search's time over the generation left at its launch
+    speculated: float  # share of the mode's searches whose next call's prompt was prefilled from their provisional top-k
+    reprefilled: float  # of those, the share whose final top-k made another prompt (prefilled again from the change)
 
 
 @dataclass(frozen=True)
@@ -155,6 +160,7 @@ class ModeSetup:
             max_tokens=self.config.max_tokens,
             nprobe="auto" if mode is Mode.BUDGETED else None,
             pipelining=mode in (Mode.PIPELINED, Mode.BUDGETED),
+            speculative_prefill=mode is Mode.SPECULATIVE,
         )
 
     @contextlib.contextmanager
@@ -216,6 +222,7 @@ def summarise(pipeline: str, mode: Mode, records: list[Measured], sequential: li
     base_share = statistics.fmean(r.result.timings.search_ms for r in sequential) / base_latency
     searches = [search for r in records for search in r.searches()]
     pipelined = [(ms, stats.pipelined) for ms, stats in searches if stats.pipelined is not None]
+    speculated = [stats.speculative for _, stats in searches if stats.speculative is not None]
     probed = sum(r.lists_probed for r in records)
     return PipeliningRow(
         pipeline=pipeline,
@@ -227,12 +234,15 @@ def summarise(pipeline: str, mode: Mode, records: list[Measured], sequential: li
         gain=base_latency / statistics.fmean(latency),
         bound=1.0 / max(1e-9, 1.0 - base_share),
         same_documents=statistics.fmean(r.documents == b.documents for r, b in zip(records, sequential, strict=True)),
+        same_answers=statistics.fmean(r.result.answer == b.result.answer for r, b in zip(records, sequential, strict=True)),
         lists_scanned_fraction=sum(r.lists_scanned for r in records) / probed if probed else 1.0,
         recall_at_k=statistics.fmean(r.recall for r in records),
         nprobe_p50=_p50([stats.nprobe for _, stats in searches if stats.pipelined is not None or not pipelined]),
         pipelined=len(pipelined) / len(searches) if searches else 0.0,
         searched_again=sum(p.searched_again for _, p in pipelined) / len(pipelined) if pipelined else 0.0,
         search_over_generation_p50=(_p50([ms / max(p.generation_left_ms, 1e-9) for ms, p in pipelined]) if pipelined else None),
+        speculated=len(speculated) / len(searches) if searches else 0.0,
+        reprefilled=sum(s.reprefilled for s in speculated) / len(speculated) if speculated else 0.0,
     )
 
 
@@ -273,20 +283,22 @@ def format_table(report: PipeliningReport) -> str:
         f"{config.requests} requests per row (one at a time, the modes taking turns), top-{config.top_k}, "
         f"{config.max_tokens} tokens",
         f"{'pipeline':<12} {'mode':<11}{'req':>4}{'p50 ms':>9}{'p99 ms':>9}{'retr p50':>9}{'gain':>7}{'bound':>7}"
-        f"{'same docs':>10}{'lists':>7}{'recall':>7}{'nprobe':>7}{'pipel.':>7}{'again':>7}{'search/gen':>11}",
+        f"{'same docs':>10}{'same ans':>9}{'lists':>7}{'recall':>7}{'nprobe':>7}{'pipel.':>7}{'again':>7}{'search/gen':>11}"
+        f"{'spec.':>7}{'re-pref.':>9}",
     ]
     for r in report.rows:
         ratio = "-" if r.search_over_generation_p50 is None else f"{r.search_over_generation_p50:.2f}"
         lines.append(
             f"{r.pipeline:<12} {r.mode:<11}{r.requests:>4}{r.latency_ms_p50:>9.0f}{r.latency_ms_p99:>9.0f}"
-            f"{r.retrieval_ms_p50:>9.1f}{r.gain:>6.2f}x{r.bound:>6.2f}x{r.same_documents:>10.2f}"
+            f"{r.retrieval_ms_p50:>9.1f}{r.gain:>6.2f}x{r.bound:>6.2f}x{r.same_documents:>10.2f}{r.same_answers:>9.2f}"
             f"{r.lists_scanned_fraction:>7.3f}{r.recall_at_k:>7.3f}{r.nprobe_p50:>7.0f}{r.pipelined:>7.2f}"
-            f"{r.searched_again:>7.2f}{ratio:>11}"
+            f"{r.searched_again:>7.2f}{ratio:>11}{r.speculated:>7.2f}{r.reprefilled:>9.2f}"
         )
     lines.append(
         "gain: the sequential row's mean latency over this row's; bound: 1 / (1 - retrieval's share of the sequential "
         "row's latency); lists: scanned over probed; recall: against exhaustive search; pipel.: searches launched from a "
         "stale query; again: of those, searched again; search/gen: a pipelined search's time over the generation left "
-        "at its launch (p50)"
+        "at its launch (p50); spec.: searches whose next call was prefilled from their provisional top-k; re-pref.: of "
+        "those, the share whose final top-k made another prompt"
     )
     return "\n".join(lines)

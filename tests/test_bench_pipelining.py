@@ -1,5 +1,6 @@
 """`telerag bench pipelining` on the tiny LLM and a small datastore scaled up: the rows and JSON
-it promises, early stop's answers equal to the sequential mode's, what the budgeted mode chose."""
+it promises, early stop's and speculative prefill's documents and answers equal to the sequential
+mode's (greedy), what the budgeted mode chose, how often speculation prefilled again."""
 
 from __future__ import annotations
 
@@ -22,8 +23,11 @@ ROW_KEYS = {
     "gain",
     "bound",
     "same_documents",
+    "same_answers",
     "lists_scanned_fraction",
     "recall_at_k",
+    "speculated",
+    "reprefilled",
 }
 
 
@@ -31,7 +35,8 @@ def test_bench_pipelining_rows_in_every_mode(base_datastore, capsys):
     code = main(
         [
             *("bench", "pipelining", "--tiny", "--embedder", str(tiny_embedder_dir(32, 0)), "--datastore", str(base_datastore)),
-            *("--device", "cpu", "--scale-vectors", "2000", "--nlist", "32", "--pipelines", "iter_retgen,flare"),
+            # 8 lists, a topic each: the top-k settles within the lists probed, so speculative prefill has a stable one
+            *("--device", "cpu", "--scale-vectors", "2000", "--nlist", "8", "--pipelines", "iter_retgen,flare"),
             *("--requests", "2", "--warmup", "1", "--max-tokens", "6", "--json"),
         ]
     )
@@ -48,13 +53,16 @@ def test_bench_pipelining_rows_in_every_mode(base_datastore, capsys):
         sequential, early = by_mode[pipeline, "sequential"], by_mode[pipeline, "early_stop"]
         assert sequential["gain"] == 1.0 and sequential["same_documents"] == 1.0 and sequential["pipelined"] == 0.0
         assert sequential["lists_scanned_fraction"] == 1.0
-        assert early["same_documents"] == 1.0  # exact: the same documents, so the same answers and searches
-        assert early["pipelined"] == 0.0
+        assert early["same_documents"] == 1.0 and early["same_answers"] == 1.0  # exact: the same documents and answers
+        assert early["pipelined"] == 0.0 and sequential["speculated"] == 0.0
+        speculative = by_mode[pipeline, "speculative"]
+        assert speculative["same_documents"] == 1.0 and speculative["same_answers"] == 1.0  # speed only
+        assert speculative["speculated"] > 0 and 0.0 <= speculative["reprefilled"] <= 1.0
     retgen = by_mode["iter_retgen", "pipelined"]
     assert retgen["pipelined"] > 0 and retgen["search_over_generation_p50"] is not None  # rounds 2 and 3 launched early
     budgeted = by_mode["iter_retgen", "budgeted"]
-    assert budgeted["pipelined"] > 0 and 1 <= budgeted["nprobe_p50"] <= 32
-    assert report["datastore"]["passages"] == 2000 and report["datastore"]["nlist"] == 32
+    assert budgeted["pipelined"] > 0 and 1 <= budgeted["nprobe_p50"] <= 8
+    assert report["datastore"]["passages"] == 2000 and report["datastore"]["nlist"] == 8
 
 
 def test_the_sequential_mode_cannot_be_left_out():
