@@ -26,7 +26,8 @@ a small machine the clients' own work competes with the server. So each complete
 time from admission to finish is compared with the finish the model last expected for it
 (`EstimateError`, at each number admitted), and every estimate, from admission to finish, is
 scaled by that error; estimates too short to threaten the deadline are not compared
-(`ERROR_COMPARED_SHARE`). What the error's window has not seen yet the margin is for
+(`ERROR_COMPARED_SHARE`), nor provisional costs (`RequestCost.provisional`: how far a guess or a
+request or two missed says nothing of the model). What the error's window has not seen yet the margin is for
 (`scheduler.admission_margin`): admission plans to finish within 90% of the deadline by default.
 """
 
@@ -292,7 +293,7 @@ class Admission:
         self._advance()
         served = (ticket.cost.work if served_work is None else served_work) if completed else 0.0
         self.rate.served(served, ticket.attention)
-        if completed and ticket.estimated_s is not None:
+        if completed and ticket.estimated_s is not None and not ticket.cost.provisional:
             took_s = self._last - ticket.admitted_at
             logger.debug(
                 "admission: finished in %.2f s, estimated %.2f s with %d admitted",

@@ -183,7 +183,9 @@ class ServerSettings(Section):
     cors_origins: list[str] = setting([], "origins a browser may call the API from")
     log_level: str = setting("info", "debug, info, warning or error")
     shutdown_grace_s: float = setting(30.0, "after SIGTERM: new work gets 503, accepted requests get this long to finish", ge=0)
-    warm_up: bool = setting(True, "a request alone and a burst of 8 through the whole path before /ready turns 200")
+    warm_up: bool = setting(
+        True, "a request alone, a burst of 8 and one request of every pipeline through the whole path before /ready turns 200"
+    )
     switch_interval_ms: float = setting(
         0.5, "GIL hand-over; Python's default 5 ms makes the event loop wait behind the engine thread", gt=0
     )

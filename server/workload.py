@@ -10,8 +10,11 @@ pipeline's later prompts carry its drafts and documents. Each pipeline keeps its
 work as it would be for it: each one's prompts scaled by how much longer this request's prompt
 is (its query and `top_k` passages), and the output of each call that writes answer text
 (`StageRole.GENERATE`) cut at this request's `max_tokens`. Until a pipeline has
-`PROFILE_MIN_SAMPLES`, a stated prior stands in: every call the pipeline may make, each with the
-prompt estimate and an output of `PRIOR_CALL_TOKENS` (`max_tokens` at most). An answer that its
+`PROFILE_MIN_SAMPLES`, the few it has stand in with a spread of at least `FEW_SAMPLES_SPREAD`
+(the server's warm-up measures one of every pipeline), and before any, a stated prior: every
+call the pipeline may make, each with the prompt estimate and an output of `PRIOR_CALL_TOKENS`
+(`max_tokens` at most). Either is provisional: not enough to refuse a request that would run
+alone (`admission`), which is how its pipeline gets measured. An answer that its
 limit cut short says only that it would have run at least that long: for a request with a larger
 limit it counts as running to that limit. Requests that sample above `HOT_TEMPERATURE` are
 measured apart. A request that runs longer than its estimate is the error model's business
@@ -34,7 +37,9 @@ PREFILL_WEIGHT = 0.03  # cost of a prompt token relative to a generated one. Mea
 # simulated engine of tests/test_admission_load.py: 0.02). At 0.1 the rate, measured mostly on short answers, made
 # long ones look cheap: a 256-token answer was admitted at an estimate of 14.5 s and took 35 s
 PROFILE_WINDOW = 50  # completed requests of a pipeline its estimates are made from
-PROFILE_MIN_SAMPLES = 5  # below this many, the prior stands in
+PROFILE_MIN_SAMPLES = 5  # below this many, the estimate is provisional
+FEW_SAMPLES_SPREAD = 1.0  # below PROFILE_MIN_SAMPLES, the quantile is taken as at least (1 + this) x the mean: one
+# request says little of how the next varies (naive's answers on the embedded default: 4-80 tokens)
 COST_QUANTILE = 0.9  # of the recent requests' work: one in ten runs longer, which the error model then sees
 PRIOR_CALL_TOKENS = 64  # output of each call of a pipeline not measured yet (its answers' `max_tokens` at most)
 HOT_TEMPERATURE = 1.0  # above it sampling flattens the model's distribution and answers seldom end before their
@@ -51,8 +56,8 @@ class RequestCost:
     work: float
     prefill_work: float = 0.0
     spread: float = 0.0
-    provisional: bool = False  # the prior's guess, not measured: never a reason to refuse a request that would run
-    # alone (how else would its pipeline be measured?)
+    provisional: bool = False  # the prior's guess or a few requests' measure: never a reason to refuse a request that
+    # would run alone (how else would its pipeline be measured?), nor a measure of the model's error
 
     def work_among(self, sharing: int) -> float:
         """Its work as counted when `sharing` requests share the server with it (itself included):
@@ -126,14 +131,17 @@ class Workload:
         prefill = PREFILL_WEIGHT * prompt_tokens
         hot = temperature > HOT_TEMPERATURE
         recent = self._recent.get((pipeline, hot), ())
-        if len(recent) < self.min_samples:
-            if hot:  # not a guess: sampled hot, answers run to their limit
-                return RequestCost(work=llm_calls * (prefill + max_tokens), prefill_work=prefill)
+        if hot and len(recent) < self.min_samples:  # not a guess: sampled hot, answers run to their limit
+            return RequestCost(work=llm_calls * (prefill + max_tokens), prefill_work=prefill)
+        if not recent:
             output = min(max_tokens, PRIOR_CALL_TOKENS)
             return RequestCost(work=llm_calls * (prefill + output), prefill_work=prefill, provisional=True)
         works = sorted(r.served.work_for(prompt_tokens / max(r.prompt_estimate, 1), max_tokens) for r in recent)
         mean = sum(works) / len(works)
-        return RequestCost(work=mean, prefill_work=prefill, spread=max(0.0, _quantile(works, self.quantile) - mean))
+        spread = max(0.0, _quantile(works, self.quantile) - mean)
+        if len(recent) < self.min_samples:
+            return RequestCost(work=mean, prefill_work=prefill, spread=max(spread, FEW_SAMPLES_SPREAD * mean), provisional=True)
+        return RequestCost(work=mean, prefill_work=prefill, spread=spread)
 
     def observe(self, pipeline: str, prompt_tokens: int, served: ServedWork, temperature: float = 0.0) -> None:
         """A request of `pipeline` at `temperature`, estimated with `prompt_tokens`, completed

@@ -579,6 +579,44 @@ async def test_on_the_tiny_model_a_request_past_the_deadline_gets_429_at_once_an
     assert refusals(metrics, "deadline") == 1 and refusals(metrics, "beyond_deadline") == 3
 
 
+async def test_the_warm_up_measures_the_rate_and_every_pipeline_so_that_none_is_costed_by_the_prior():
+    """After the warm-up no pipeline is on the prior's guess (for a multi-call pipeline several
+    times its work: under load it never fitted beside the others, so it was refused and never
+    measured), and the rate is known alone and up to the burst."""
+    engine = ScriptedEngine(lambda prompt: Reply("a short answer."))
+    client, app = app_client(engine)
+    service = app.state.service
+    async with client:
+        unmeasured = {name: service.workload.estimate(name, p.llm_calls, 400, 64) for name, p in service.pipelines.items()}
+        await service.warm_up()
+        measured = {name: service.workload.estimate(name, p.llm_calls, 400, 64) for name, p in service.pipelines.items()}
+    assert set(measured) == set(PIPELINES)
+    for name, cost in measured.items():
+        assert cost != unmeasured[name] and cost.work < unmeasured[name].work, name  # its own measure, not the guess
+    assert not measured["naive"].provisional  # the burst measured naive enough; the others once each
+    assert all(measured[name].provisional for name in PIPELINES if name != "naive")
+    assert set(service.admission.rate.rates().measured) >= {1, 8}
+    assert service.admission.n_running + service.admission.n_waiting == 0
+
+
+async def test_a_provisional_estimates_error_is_not_taken_for_the_models():
+    """How far the prior's guess (or a request or two) missed says nothing of the queueing model:
+    it does not scale the estimates of requests measured enough."""
+    clock = Clock()
+    a, _ = await measured(clock, rate=10.0)
+    before = {n: list(r) for n, r in a.error.ratios.items()}
+    guess = a.admit(RequestCost(work=200.0, provisional=True))  # 20 s by the guess
+    await a.start(guess)
+    clock.now += 60.0  # it took 3x as long
+    a.finish(guess, completed=True, served_work=600.0)
+    assert {n: list(r) for n, r in a.error.ratios.items()} == before
+    known = a.admit(RequestCost(work=200.0))
+    await a.start(known)
+    clock.now += 60.0
+    a.finish(known, completed=True, served_work=600.0)
+    assert a.error.ratios[1][-1] == pytest.approx(3.0)  # a measured cost's is
+
+
 async def test_streamed_requests_are_admitted_and_measured_like_the_others():
     engine = ScriptedEngine(lambda prompt: Reply("a streamed answer"))
     client, app = app_client(engine)

@@ -11,6 +11,7 @@ from telerag.pipelines.rag.self_rag import CRITIQUE, DECIDE_RETRIEVAL
 from telerag.pipelines.stats import GenerationStats, PrefetchSummary, Timings
 from telerag.pipelines.types import RagResult, Step
 from telerag.server.workload import (
+    FEW_SAMPLES_SPREAD,
     PREFILL_WEIGHT,
     PRIOR_CALL_TOKENS,
     PROFILE_MIN_SAMPLES,
@@ -50,17 +51,23 @@ async def test_a_real_run_is_measured_with_every_call_it_made():
     assert [o.answer for o in work.outputs].count(True) == 1  # the streamed answer; the drafts are the judge's
 
 
-def test_until_enough_are_measured_the_prior_stands_in():
+def test_before_any_is_measured_the_prior_stands_in_and_until_enough_are_the_few_with_a_wide_spread():
+    """Both provisional: no reason to refuse a request alone, no measure of the model's error."""
     workload = Workload()
     prior = workload.estimate("hyde", llm_calls=2, prompt_tokens=500, max_tokens=1024)
     assert prior == RequestCost(work=2 * (W * 500 + PRIOR_CALL_TOKENS), prefill_work=W * 500, provisional=True)
     assert workload.estimate("hyde", 2, 500, max_tokens=16).work == pytest.approx(2 * (W * 500 + 16))  # never past max_tokens
-    for _ in range(PROFILE_MIN_SAMPLES - 1):
+    workload.observe("hyde", 500, served(600, (40, False), (20, True)))  # one, as the warm-up measures
+    few = workload.estimate("hyde", 2, 500, 1024)
+    assert few == RequestCost(
+        work=W * 600 + 60, prefill_work=W * 500, spread=FEW_SAMPLES_SPREAD * (W * 600 + 60), provisional=True
+    )
+    for _ in range(PROFILE_MIN_SAMPLES - 2):
         workload.observe("hyde", 500, served(600, (40, False), (20, True)))
-    assert workload.estimate("hyde", 2, 500, 1024) == prior
+    assert workload.estimate("hyde", 2, 500, 1024) == few
     workload.observe("hyde", 500, served(600, (40, False), (20, True)))
     measured = workload.estimate("hyde", 2, 500, 1024)
-    assert measured.work == pytest.approx(W * 600 + 60) and measured.spread == 0.0
+    assert measured == RequestCost(work=W * 600 + 60, prefill_work=W * 500, spread=0.0)
 
 
 def test_the_estimate_is_the_mean_and_a_high_quantile_of_the_recent_work_cut_at_max_tokens_and_scaled_to_the_prompt():
@@ -119,7 +126,9 @@ def test_requests_sampled_hot_are_measured_apart_and_costed_at_their_limit_until
     assert workload.estimate("naive", 1, 400, 1024, temperature=0.7).work == pytest.approx(W * 400 + 30)
     hot = workload.estimate("naive", 1, 400, 1024, temperature=2.0)
     assert hot.work == pytest.approx(W * 400 + 1024) and not hot.provisional  # a bound they reach, not a guess
-    for _ in range(5):
+    for _ in range(4):
         workload.observe("naive", 400, served(400, (200, True)), temperature=1.5)
+    assert workload.estimate("naive", 1, 400, 1024, temperature=2.0) == hot  # until enough are measured
+    workload.observe("naive", 400, served(400, (200, True)), temperature=1.5)
     assert workload.estimate("naive", 1, 400, 1024, temperature=2.0).work == pytest.approx(W * 400 + 200)
     assert workload.estimate("naive", 1, 400, 1024).work == pytest.approx(W * 400 + 30)  # the greedy ones unchanged
