@@ -78,8 +78,8 @@ def test_gpu_check_runs_its_tests_and_the_retrieval_benchmark(tmp_path):
     assert report["identical_fraction"] == 1.0 and report["config"]["device"] == "cpu"
 
 
-def test_gpu_e2e_prepares_its_data_builds_its_models_runs_bench_e2e_and_the_installed_server(tmp_path):
-    """`paper` for bench e2e, the default (MiniLM's shape) for the served wheel."""
+def test_gpu_e2e_prepares_its_data_builds_its_models_runs_bench_e2e_the_installed_server_and_bench_pipelining(tmp_path):
+    """`paper` for bench e2e, the default (MiniLM's shape) for the served wheel and bench pipelining."""
     data = {"TELERAG_E2E_DATA": str(tmp_path / "data"), "TELERAG_PYTHON": sys.executable}
     run_script("gpu_e2e", tmp_path, "prepare-data", image=False, **data)  # where the packages are
     assert (tmp_path / "data" / "tokenizer" / "vocab.txt").is_file()
@@ -112,6 +112,16 @@ def test_gpu_e2e_prepares_its_data_builds_its_models_runs_bench_e2e_and_the_inst
     assert all(r["total_ms"] >= r["search_ms"] > 0 for r in rows)
     assert "stopped: every accepted request finished" in (out / "serve.log").read_text()
 
+    # and bench pipelining on the same stand-ins: every mode beside the sequential one
+    piped = json.loads(
+        run_script("gpu_e2e", tmp_path, "pipelining", **data, TELERAG_E2E_DIR=str(tmp_path / "work"), OUT=str(out))[-1]
+    )
+    assert {(r["pipeline"], r["mode"]) for r in piped["rows"]} == {
+        (p, m) for p in ("iter_retgen", "flare") for m in ("sequential", "pipelined", "speculative")
+    }
+    assert all(r["requests"] == 2 and r["recall_at_k"] is not None for r in piped["rows"])
+    assert (out / "pipelining.txt").read_text().splitlines()[-1] == json.dumps(piped)
+
 
 def test_gpu_session_lists_its_steps_runs_those_asked_for_and_says_which_failed(tmp_path):
     """The one list of GPU steps a session lent a GPU runs: each step's command is a script here,
@@ -119,7 +129,7 @@ def test_gpu_session_lists_its_steps_runs_those_asked_for_and_says_which_failed(
     script = ROOT / "scripts" / "gpu_session"
     listing = subprocess.run([str(script)], capture_output=True, text=True, check=True).stdout.splitlines()[1:]
     steps = [line.split()[0] for line in listing]
-    assert steps == ["retrieval", "retrieval8", "repeats", "serve", "e2e", "paper"]
+    assert steps == ["retrieval", "retrieval8", "repeats", "serve", "e2e", "pipelining", "paper"]
     for line in listing:
         _name, machine, minutes, command = line.split()[:4]
         assert machine in ("h100", "h200") and 0 < int(minutes) <= 10  # a device call runs 10 minutes at most
