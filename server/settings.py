@@ -184,7 +184,7 @@ class ServerSettings(Section):
     log_level: str = setting("info", "debug, info, warning or error")
     shutdown_grace_s: float = setting(30.0, "after SIGTERM: new work gets 503, accepted requests get this long to finish", ge=0)
     warm_up: bool = setting(
-        True, "a request alone, a burst of 8 and one request of every pipeline through the whole path before /ready turns 200"
+        True, "a request alone, a burst of 16 and one request of every pipeline through the whole path before /ready turns 200"
     )
     switch_interval_ms: float = setting(
         0.5, "GIL hand-over; Python's default 5 ms makes the event loop wait behind the engine thread", gt=0

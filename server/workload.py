@@ -57,7 +57,7 @@ class RequestCost:
     prefill_work: float = 0.0
     spread: float = 0.0
     provisional: bool = False  # the prior's guess or a few requests' measure: never a reason to refuse a request that
-    # would run alone (how else would its pipeline be measured?), nor a measure of the model's error
+    # would run alone (how else would its pipeline be measured?)
 
     def work_among(self, sharing: int) -> float:
         """Its work as counted when `sharing` requests share the server with it (itself included):

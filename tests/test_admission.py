@@ -599,22 +599,28 @@ async def test_the_warm_up_measures_the_rate_and_every_pipeline_so_that_none_is_
     assert service.admission.n_running + service.admission.n_waiting == 0
 
 
-async def test_a_provisional_estimates_error_is_not_taken_for_the_models():
-    """How far the prior's guess (or a request or two) missed says nothing of the queueing model:
-    it does not scale the estimates of requests measured enough."""
+async def test_a_provisional_cost_counts_in_the_error_only_when_its_request_ran_longer():
+    """That the prior's guess (or a pipeline's first few) was cautious says nothing of the model,
+    and counted, it would scale the next estimates down; that it was short must be seen."""
     clock = Clock()
     a, _ = await measured(clock, rate=10.0)
-    before = {n: list(r) for n, r in a.error.ratios.items()}
-    guess = a.admit(RequestCost(work=200.0, provisional=True))  # 20 s by the guess
-    await a.start(guess)
-    clock.now += 60.0  # it took 3x as long
-    a.finish(guess, completed=True, served_work=600.0)
-    assert {n: list(r) for n, r in a.error.ratios.items()} == before
-    known = a.admit(RequestCost(work=200.0))
-    await a.start(known)
-    clock.now += 60.0
-    a.finish(known, completed=True, served_work=600.0)
-    assert a.error.ratios[1][-1] == pytest.approx(3.0)  # a measured cost's is
+    before = list(a.error.ratios[1])
+
+    async def run(cost: RequestCost, seconds: float) -> float:
+        """Its time over its estimate."""
+        ticket = a.admit(cost)
+        await a.start(ticket)
+        clock.now += seconds
+        a.finish(ticket, completed=True)
+        assert ticket.estimated_s is not None
+        return seconds / ticket.estimated_s
+
+    assert await run(RequestCost(work=400.0, provisional=True), 10.0) < 1  # done sooner than guessed
+    assert list(a.error.ratios[1]) == before
+    late = await run(RequestCost(work=400.0, provisional=True), 40.0)  # and one that took longer
+    assert late > 1 and a.error.ratios[1][-1] == pytest.approx(late)
+    early = await run(RequestCost(work=400.0), 10.0)  # a measured cost's error counts either way
+    assert early < 1 and a.error.ratios[1][-1] == pytest.approx(early)
 
 
 async def test_streamed_requests_are_admitted_and_measured_like_the_others():

@@ -52,7 +52,7 @@ async def test_a_real_run_is_measured_with_every_call_it_made():
 
 
 def test_before_any_is_measured_the_prior_stands_in_and_until_enough_are_the_few_with_a_wide_spread():
-    """Both provisional: no reason to refuse a request alone, no measure of the model's error."""
+    """Both provisional: no reason to refuse a request alone."""
     workload = Workload()
     prior = workload.estimate("hyde", llm_calls=2, prompt_tokens=500, max_tokens=1024)
     assert prior == RequestCost(work=2 * (W * 500 + PRIOR_CALL_TOKENS), prefill_work=W * 500, provisional=True)
