@@ -4,13 +4,13 @@ and through the tiers on Ray Serve, per request router and batch (see `benchmark
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from telerag.cli.preconditions import built_datastore, require_ray
 from telerag.cli.runtime_flags import add_cluster_flags, add_runtime_flags, overrides
 from telerag.pipelines.questions import read_questions
 from telerag.server.settings import load_settings, packaged_config
@@ -44,15 +44,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if importlib.util.find_spec("ray") is None:
-        raise SystemExit("bench cluster needs Ray Serve: pip install 'telerag[ray]' (ray[serve] 2.60)")
+    require_ray("bench cluster")
     from telerag.benchmarks.cluster import ClusterBenchConfig, StreamShape, format_table, run_cluster_bench
     from telerag.retrieval.datastore import Datastore
 
     settings = load_settings(args.config, overrides(args))
-    datastore = settings.retrieval.datastore.expanduser()
-    if not (datastore / "manifest.json").is_file():
-        raise SystemExit(f"no datastore at {datastore}: build it first (`telerag datastore build --wikipedia --out {datastore}`)")
+    datastore = built_datastore(settings.retrieval.datastore.expanduser())
     size_mb = Datastore.load(datastore, verify_checksums=False).vectors.nbytes / 2**20
     retrieval = settings.retrieval.model_copy(
         update={

@@ -4,13 +4,13 @@ the best split of a budget of replicas between them (see `benchmarks.sizing`).""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from telerag.cli.preconditions import built_datastore, require_ray
 from telerag.cli.runtime_flags import add_runtime_flags, overrides
 from telerag.pipelines.questions import read_questions
 from telerag.server.settings import load_settings, packaged_config
@@ -35,16 +35,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if importlib.util.find_spec("ray") is None:
-        raise SystemExit("bench sizing needs Ray Serve: pip install 'telerag[ray]' (ray[serve] 2.60)")
+    require_ray("bench sizing")
     from telerag.benchmarks.e2e import E2EConfig, LLMChoice, Mode
     from telerag.benchmarks.sizing import format_table, run_sizing
     from telerag.benchmarks.tier import TierBenchConfig
 
     settings = load_settings(args.config, overrides(args))
-    datastore = settings.retrieval.datastore.expanduser()
-    if not (datastore / "manifest.json").is_file():
-        raise SystemExit(f"no datastore at {datastore}: build it first (`telerag datastore build --wikipedia --out {datastore}`)")
+    datastore = built_datastore(settings.retrieval.datastore.expanduser())
     e2e = E2EConfig(
         pipelines=(args.pipeline,),
         questions=tuple(q.text for q in read_questions(args.questions)),

@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from dataclasses import asdict
 from pathlib import Path
 
+from telerag.cli.preconditions import built_datastore, require_ray
 from telerag.server.settings import load_settings
 
 
@@ -29,13 +29,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if importlib.util.find_spec("ray") is None:
-        raise SystemExit("bench tier needs Ray Serve: pip install 'telerag[ray]' (ray[serve] 2.60)")
+    require_ray("bench tier")
     from telerag.benchmarks.tier import TierBenchConfig, format_table, run_tier_bench  # brings torch and Ray
 
-    datastore = args.datastore or load_settings(None, {}).retrieval.datastore
-    if not (datastore / "manifest.json").is_file():
-        raise SystemExit(f"no datastore at {datastore}: build it first (`telerag datastore build --wikipedia --out {datastore}`)")
+    datastore = built_datastore(args.datastore or load_settings(None, {}).retrieval.datastore)
     config = TierBenchConfig(
         datastore=datastore,
         shards=tuple(args.shards),

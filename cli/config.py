@@ -5,10 +5,10 @@ with what each setting means (`defaults`, the text of `config/default.yaml`: a s
 from __future__ import annotations
 
 import argparse
-import importlib.util
 
 import yaml
 
+from telerag.cli.preconditions import require_ray
 from telerag.cli.runtime_flags import add_cluster_flags, add_runtime_flags, overrides
 from telerag.server.settings import defaults_yaml, load_settings
 
@@ -43,8 +43,7 @@ def run_defaults(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    if importlib.util.find_spec("ray") is None:
-        raise SystemExit("config serve needs Ray Serve: pip install 'telerag[ray]' (ray[serve] 2.60)")
+    require_ray("config serve")
     from telerag.server.serve_config import serve_config_yaml
 
     settings = load_settings(args.config, overrides(args))

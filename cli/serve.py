@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 
+from telerag.cli.preconditions import require_ray
 from telerag.cli.runtime_flags import add_cluster_flags, add_runtime_flags, nullable, overrides
 from telerag.server.event_loop import run_event_loop
 from telerag.server.process import serve
@@ -35,8 +35,7 @@ def run(args: argparse.Namespace) -> int:
     settings = load_settings(args.config, overrides(args))
     logging.basicConfig(level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.ray:
-        if importlib.util.find_spec("ray") is None:
-            raise SystemExit("serve --ray needs Ray Serve: pip install 'telerag[ray]' (ray[serve] 2.60)")
+        require_ray("serve --ray")
         from telerag.server.cluster import serve_on_ray
 
         return serve_on_ray(settings)
