@@ -1,24 +1,23 @@
-"""Admission with a deadline: each request's cost is estimated (`workload`), the server's service
-rate is measured at each number of requests running (`admission_model.ServiceRate`), and a request
-that would not finish within `scheduler.admission_deadline_s` is refused at once (429) with the
-time after which it would be admitted as `Retry-After`. The promise is that an accepted request
-finishes within the deadline (its p99); the score is goodput, answers within the deadline per
-second.
+"""Admission with a deadline: each request's cost is estimated (`workload`), the server's
+service rate is measured at each number of requests running (`admission_model.ServiceRate`), and
+a request that would not finish within `scheduler.admission_deadline_s` is refused at once (429)
+with the time after which it would be admitted as `Retry-After`. The promise is that an accepted
+request finishes within the deadline (its p99); the score is goodput, answers within the deadline
+per second.
 
-The admitted requests share the server (a batching engine decodes them side by side), so the model
-is processor sharing among the `max_concurrency` running, the others taking the slots as they
-free, first come first served: the n running share R(n) equally, the one with least work left
-finishes first and the next waiting one starts, and each admission delays every request already
-admitted. A request is admitted only if, with it, every admitted request (itself included) is
-expected to finish within the deadline of its own admission: a request that arrived in a lull is
-not pushed past its deadline by the ones admitted after it. Each ticket keeps the finish the model
-last expected for it, later admissions included, and that is what its real finish is compared
-with. Every `Retry-After` comes from the same model: when the request that blocks this one should
-be done, forecast at the mean costs (the promise does not rest on the clients waiting it: the
-simulated load keeps it with clients back every second). A burst that the model expects to finish
-in time is admitted whole; only before any request has finished (no rate measured: the server's
-warm-up measures it before it is ready, unless `server.warm_up` is off) is one admitted at a time.
-One expected past the deadline even alone is refused with a 422 naming `max_tokens`: no wait would
+The admitted requests share the server (a batching engine decodes them side by side), so the
+model is processor sharing among the `max_concurrency` running, the others taking the slots as
+they free, first come first served: the n running share R(n) equally, the one with least work
+left finishes first and the next waiting one starts, and each admission delays every request
+already admitted. A request is admitted only if, with it, every admitted request (itself
+included) is expected to finish within the deadline of its own admission: a request that
+arrived in a lull is not pushed past its deadline by the ones admitted after it. Each ticket
+keeps the finish the model last expected for it, later admissions included, and that is what its
+real finish is compared with. Every `Retry-After` comes from the same model: when the request
+that blocks this one should be done. A burst that the model expects to finish in time is
+admitted whole; only before any request has finished (no rate measured: the server's warm-up
+measures it before it is ready, unless `server.warm_up` is off) is one admitted at a time. One
+expected past the deadline even alone is refused with a 422 naming `max_tokens`: no wait would
 let it in.
 
 The model is still a model: a request may generate more than its estimate, a prompt's prefill
@@ -76,10 +75,9 @@ class Ticket:
     attention: dict[int, float] = field(default_factory=dict)  # seconds of the whole server it has had (an equal
     # share of the time it ran), by the number of requests running then
 
-    def remaining(self, rates: Rates, sharing: int, expected: bool = False) -> float:
-        """Work still to do at `rates` (all of it without rates), among `sharing`
-        (`RequestCost.work_among`), or, `expected`, of its mean cost."""
-        work = self.cost.work if expected else self.cost.work_among(sharing)
+    def remaining(self, rates: Rates, sharing: int) -> float:
+        """Work still to do at `rates` (all of it without rates), among `sharing` (`RequestCost.work_among`)."""
+        work = self.cost.work_among(sharing)
         return max(work - rates.served(self.attention), 0.0) if rates else work
 
 
@@ -161,22 +159,21 @@ class Admission:
         self._changed()
         return ticket
 
-    def _finishes(self, rates: Rates, tickets: list[Ticket], expected: bool = False) -> dict[Ticket, float]:
+    def _finishes(self, rates: Rates, tickets: list[Ticket]) -> dict[Ticket, float]:
         """Seconds from now until each of `tickets` (in admission order) finishes with nothing
-        else admitted, at the costs that keep the promise (each one's quantile among them) or,
-        `expected`, at their means (a forecast, not a bound): the n running share R(n) equally,
-        and the waiting ones take the slots as they free, in order. One that starts has its first
-        prompt prefilled while the others wait (the engine prefills a joining prompt between two
-        decode steps), then shares. Each running ticket finishes when the work served to every
-        running one since now reaches its mark (what it had left when it joined, plus what had
-        been served by then); between finishes and prefills that work grows at R(n) / n."""
+        else admitted: the n running share R(n) equally, and the waiting ones take the slots as
+        they free, in order. One that starts has its first prompt prefilled while the others wait
+        (the engine prefills a joining prompt between two decode steps), then shares. Each
+        running ticket finishes when the work served to every running one since now reaches its
+        mark (what it had left when it joined, plus what had been served by then); between
+        finishes and prefills that work grows at R(n) / n."""
         order = itertools.count()
         marks: list[tuple[float, int, Ticket]] = []
         served = now = 0.0
 
         def join(t: Ticket) -> None:
             nonlocal now
-            left = t.remaining(rates, len(tickets), expected)
+            left = t.remaining(rates, len(tickets))
             if not t.running:
                 prefill = min(t.cost.prefill_work, left)
                 now += prefill / rates.at(len(marks) + 1)
@@ -206,7 +203,8 @@ class Admission:
         deadline: no wait would let it in, so it is the client's to change (422 naming
         `limit_field`, the limit it sets), not a 429 to retry. Not on the prior's guess
         (`RequestCost.provisional`): a pipeline not measured yet is run alone to be measured."""
-        alone_s = self._finishes(rates, [ticket], expected=True)[ticket]
+        expected = Ticket(RequestCost(ticket.cost.work, ticket.cost.prefill_work), ticket.client)
+        alone_s = self._finishes(rates, [expected])[expected]
         if alone_s <= deadline_s * (1.0 - self.margin):
             return
         self.on_refuse(Refusal.BEYOND_DEADLINE)
@@ -218,13 +216,9 @@ class Admission:
 
     def _check_deadlines(self, rates: Rates, finishes: dict[Ticket, float], new: Ticket, deadline_s: float) -> None:
         """Refuse `new` if, with it, it or an admitted request would finish past the deadline of
-        its own admission, the estimates scaled by their measured error. `Retry-After`: when the
-        admitted requests it would make late are expected to be done, or, when only `new` itself
-        would be late, when the first admitted one is: a forecast at their mean costs, unscaled,
-        not the bound that keeps the promise (a client back too early gets another 429 in a few
-        milliseconds; one told the bound waits while the server idles: in a real mix, Retry-After
-        at a pessimistic estimate of an expensive request, 22-25 s where it took 15, sent every
-        client away at once and left the server running one or two requests)."""
+        its own admission, the estimates scaled by their measured error. `Retry-After`: how much
+        later `new` itself would fit, or, when an admitted request would be late, how long until
+        that one finishes (admitting more would only make it later)."""
         factor = self.error.factor(len(finishes))
         deadline = deadline_s * (1.0 - self.margin)
         late = [(t, (self._last - t.admitted_at + in_s) * factor - deadline) for t, in_s in finishes.items()]
@@ -237,13 +231,13 @@ class Admission:
             factor,
             max(lateness for _, lateness in blockers),
         )
-        expected = self._finishes(rates, self._admitted, expected=True)
-        admitted = [expected[t] for t, _ in blockers if t is not new]
+        without = self._finishes(rates, self._admitted)
+        retry = max(lateness if t is new else without[t] * factor for t, lateness in blockers)
         self._refuse(
             Refusal.DEADLINE,
             f"server busy: this request would finish in about {finishes[new] * factor:.0f} s, "
             f"or make an admitted one finish later than the deadline of {deadline_s:g} s",
-            max(admitted) if admitted else min(expected.values()),
+            retry,
         )
 
     def service_rate(self) -> float | None:

@@ -63,13 +63,8 @@ class RequestCost:
         """Its work as counted when `sharing` requests share the server with it (itself included):
         the mean plus its spread over the square root of `sharing`. Alone, the quantile; among n,
         its share of the quantile of their sum (n independent lengths spread sqrt(n) times as
-        much as one, not n times), so a burst is not costed as if every answer were long. A
-        provisional cost's spread is how unsure its pipeline's mean still is, the same for every
-        request of that pipeline, so sharing does not thin it: in a real mix, Iterative and
-        Iter-RetGen requests costed from the warm-up's one request each were admitted among 12
-        at a third of the work they were then served, ran 2-3x past their estimates, and the
-        error they left scaled every estimate by 1.9."""
-        return self.work + (self.spread if self.provisional else self.spread / math.sqrt(max(sharing, 1)))
+        much as one, not n times), so a burst is not costed as if every answer were long."""
+        return self.work + self.spread / math.sqrt(max(sharing, 1))
 
 
 @dataclass(frozen=True)

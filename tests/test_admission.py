@@ -329,8 +329,7 @@ async def test_requests_that_finished_later_than_estimated_make_admission_more_c
     assert a.expected_wait_s() == pytest.approx(24.0)
     with pytest.raises(Overloaded) as info:
         a.admit(UNIT)  # after the first, in its one slot: 32 s estimated, 72 s scaled (2 admitted)
-    # Retry-After: when the first is expected done, a forecast at its mean cost, unscaled (it would fit then)
-    assert refused == [Refusal.DEADLINE] and info.value.retry_after == 16
+    assert refused == [Refusal.DEADLINE] and info.value.retry_after == 42  # it would fit 42 s later
 
 
 async def test_an_estimate_too_short_to_threaten_the_deadline_is_not_compared():

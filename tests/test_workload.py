@@ -91,16 +91,6 @@ def test_among_many_a_request_counts_its_share_of_the_spread_of_their_sum():
     assert cost.work_among(1) == pytest.approx(90.0) and cost.work_among(9) == pytest.approx(70.0)
 
 
-def test_a_provisional_costs_spread_is_not_thinned_by_sharing():
-    """Few requests measured say little of their pipeline's mean, and that doubt is the same for
-    every request of it: among 9, a provisional cost still counts its whole spread."""
-    workload = Workload()
-    workload.observe("iterative", 400, ServedWork(400, (CallOutput(20, answer=False), CallOutput(40, answer=True))))
-    cost = workload.estimate("iterative", 2, 400, 64)
-    assert cost.provisional and cost.work_among(9) == cost.work_among(1)
-    assert cost.work_among(1) == pytest.approx((1 + FEW_SAMPLES_SPREAD) * (W * 400 + 60))
-
-
 def test_calls_that_do_not_write_the_answer_are_not_cut_at_max_tokens():
     workload = Workload(min_samples=1)
     workload.observe("subquestion", 400, served(500, (90, False), (30, True)))  # a decomposition of 90 tokens
