@@ -26,7 +26,7 @@ RATE_TIME_CONSTANT_S = 120.0  # how long the measured rates remember
 ERROR_WINDOW = 100  # completed requests whose estimate error is remembered, at each load
 ERROR_QUANTILE = 1.0  # of that error, what scales an estimate: the largest, so that the next request, if its error
 # is like theirs, has odds of 1 in ERROR_WINDOW + 1 to be larger (the promise is the accepted p99)
-ERROR_MIN_SAMPLES = 3  # below this many in all, every load is one not seen (from 3 on, the largest of few is near their worst)
+ERROR_MIN_SAMPLES = 3  # below this many in all, estimates are not scaled (from 3 on, the largest of few is near their worst)
 ERROR_LOAD_SAMPLES = 8  # a load's own error scales its estimates from this many on (the warm-up's burst measures as
 # many at 8 admitted); before, every load's worst, at least 1. On the simulated load (tests/test_admission_load.py, 12
 # runs, with the 20% margin of then) no accepted request finished past the deadline with 8, 12 or 20 (p99 at most
@@ -114,9 +114,7 @@ class EstimateError:
     at least `floor` (below 1 where even the slowest finished sooner than estimated: refusing on a
     pessimistic model costs answers for nothing). Before, by the quantile of every load's, at least
     1 (1 until `min_samples` are in); and a load above every one with `min_samples` measured, one
-    the window has never seen, by `UNSEEN_LOAD_FACTOR` more: before `min_samples` are in, every
-    load (the simulated load, its clients back at each Retry-After, ran its first 15 admitted
-    30% past their estimates, 5 of 191 answers past the deadline, while nothing was measured)."""
+    the window has never seen, by `UNSEEN_LOAD_FACTOR` more."""
 
     window: int = ERROR_WINDOW
     quantile: float = ERROR_QUANTILE
@@ -136,7 +134,9 @@ class EstimateError:
         if len(own) >= self.load_samples:
             return max(self.floor, _quantile(sorted(own), self.quantile))
         pooled = sorted(r for ratios in self.ratios.values() for r in ratios)
-        factor = max(1.0, _quantile(pooled, self.quantile)) if len(pooled) >= self.min_samples else 1.0
+        if len(pooled) < self.min_samples:
+            return 1.0
+        factor = max(1.0, _quantile(pooled, self.quantile))
         seen = max((n for n, ratios in self.ratios.items() if len(ratios) >= self.min_samples), default=0)
         return factor * UNSEEN_LOAD_FACTOR if in_flight > seen else factor
 

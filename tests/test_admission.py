@@ -14,7 +14,7 @@ import pytest
 
 from telerag.pipelines.registry import PIPELINES
 from telerag.server.admission import Admission
-from telerag.server.admission_model import ERROR_WINDOW, UNSEEN_LOAD_FACTOR, EstimateError, Rates, ServiceRate
+from telerag.server.admission_model import ERROR_WINDOW, EstimateError, Rates, ServiceRate
 from telerag.server.app import create_app, start_serving
 from telerag.server.errors import InvalidField, Overloaded, Refusal
 from telerag.server.runtime import Runtime
@@ -283,7 +283,7 @@ def test_the_estimate_error_is_a_high_quantile_of_took_over_estimated_at_each_lo
     error = EstimateError(window=20, quantile=0.9, min_samples=5, load_samples=5)
     for _ in range(4):
         error.observe(10.0, 30.0)
-    assert error.factor(1) == pytest.approx(UNSEEN_LOAD_FACTOR)  # too few to say: a load not seen
+    assert error.factor(1) == 1.0  # too few to say
     error.observe(10.0, 30.0)
     assert error.factor(1) == pytest.approx(3.0)
     for took in range(1, 21):  # the window now holds ratios 0.1 .. 2.0; the 90th percentile is 1.8
