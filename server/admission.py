@@ -23,15 +23,18 @@ let it in.
 The model is still a model: a request may generate more than its estimate, a prompt's prefill
 holds up the others' decoding, a busy event loop delays what the estimate does not count, and on
 a small machine the clients' own work competes with the server. So each completed request's
-time from admission to finish is compared with the finish the model last expected for it
-(`EstimateError`, at each number admitted), and every estimate, from admission to finish, is
+time from admission to finish is compared with the finish the model last expected for it, made
+again with the work it and the requests that ended beside it really had (`_replanned_s`;
+`EstimateError`, at each number admitted), and every estimate, from admission to finish, is
 scaled by that error; estimates too short to threaten the deadline are not compared
-(`ERROR_COMPARED_SHARE`). A cost from the prior or from a pipeline's first few requests
-(`RequestCost.provisional`) is compared only when its request ran longer: that it was cautious
-says nothing of the model (the warm-up's burst, costed from one request each with a wide spread,
-finished sooner than estimated, and that error, below 1 at 16 admitted, let the simulated load
-run late), but that it was short must be seen (left out, in a mix of all seven pipelines
-Iter-RetGen and Sub-question answers came 43-46 s after admission). What the error's window has not seen yet the margin is for
+(`ERROR_COMPARED_SHARE`). A cost that was short is its pipeline's error, which the pipeline's
+next costs count (`workload`), not the model's: compared as it was, one Iter-RetGen request that
+ran 2-4x the work of the one request its cost came from set the error of every load to 1.4-2.7
+in a mix of all seven pipelines, and each refused what fitted. Each request's own finish is
+judged with its own work at its cost's quantile, the others' at their share of their sum's
+(`_own_tails`); not a provisional cost's (`RequestCost.provisional`, a guess from a pipeline's
+first requests): judged at the guess's tail it would not fit beside another, and its pipeline
+would never be measured. What the error's window has not seen yet the margin is for
 (`scheduler.admission_margin`): admission plans to finish within 90% of the deadline by default.
 """
 
@@ -70,15 +73,41 @@ class Ticket:
     estimated_s: float | None = None  # seconds from admission to the finish the model expects, unscaled, as
     # of the latest admission (which may have delayed it); None without a rate
     estimated_in_flight: int = 1  # the requests admitted (itself included) when it was last estimated
+    plan: Plan | None = None  # what that estimate was made from (`Admission._replanned_s`)
+    served: float | None = None  # the work it was served, once it completed
     running: bool = False
     finished: bool = False
     attention: dict[int, float] = field(default_factory=dict)  # seconds of the whole server it has had (an equal
     # share of the time it ran), by the number of requests running then
 
-    def remaining(self, rates: Rates, sharing: int) -> float:
-        """Work still to do at `rates` (all of it without rates), among `sharing` (`RequestCost.work_among`)."""
+    def job(self, rates: Rates, sharing: int) -> Job:
+        """What the model plans for it at `rates`, among `sharing` (`RequestCost.work_among`)."""
         work = self.cost.work_among(sharing)
-        return max(work - rates.served(self.attention), 0.0) if rates else work
+        left = max(work - rates.served(self.attention), 0.0) if rates else work
+        return Job(left, 0.0 if self.running else min(self.cost.prefill_work, left), self.running)
+
+
+@dataclass(frozen=True)
+class Job:
+    """An admitted request as the model plans it: the work it has `left`, of which `prefill` is
+    its first prompt's (not `running` yet: prefilled as it joins)."""
+
+    left: float
+    prefill: float
+    running: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """An estimate's inputs: at `at`, with `rates`, the admitted `tickets` and their `jobs` (in
+    admission order), the estimated one the `index`th; so that when it ends its estimate can be
+    made again with the work it and the others really had."""
+
+    at: float
+    rates: Rates
+    tickets: tuple[Ticket, ...]
+    jobs: tuple[Job, ...]
+    index: int
 
 
 @dataclass
@@ -142,7 +171,9 @@ class Admission:
         ticket = Ticket(cost, client, admitted_at=self._last)
         if self.deadline_s is not None and rates and not calibrating and not cost.provisional:
             self._check_alone(rates, ticket, self.deadline_s, limit_field)
-        finishes = self._finishes(rates, [*self._admitted, ticket]) if rates else None
+        tickets = [*self._admitted, ticket]
+        jobs = tuple(t.job(rates, len(tickets)) for t in tickets) if rates else ()
+        finishes = dict(zip(tickets, _plan(rates, list(jobs), self.max_concurrency), strict=True)) if rates else None
         if self.deadline_s is not None and self._admitted and not calibrating:
             if finishes is None:
                 self._refuse(
@@ -150,52 +181,20 @@ class Admission:
                     "the server is measuring its service rate: one request at a time until one has finished",
                     None,
                 )
-            self._check_deadlines(rates, finishes, ticket, self.deadline_s)
+            self._check_deadlines(rates, tickets, jobs, finishes, self.deadline_s)
         if finishes is not None:
-            for t, in_s in finishes.items():
+            for i, (t, in_s) in enumerate(finishes.items()):
                 t.estimated_s = self._last + in_s - t.admitted_at
                 t.estimated_in_flight = len(finishes)
+                t.plan = Plan(self._last, rates, tuple(tickets), jobs, i)
         self._admitted.append(ticket)
         self._changed()
         return ticket
 
     def _finishes(self, rates: Rates, tickets: list[Ticket]) -> dict[Ticket, float]:
         """Seconds from now until each of `tickets` (in admission order) finishes with nothing
-        else admitted: the n running share R(n) equally, and the waiting ones take the slots as
-        they free, in order. One that starts has its first prompt prefilled while the others wait
-        (the engine prefills a joining prompt between two decode steps), then shares. Each
-        running ticket finishes when the work served to every running one since now reaches its
-        mark (what it had left when it joined, plus what had been served by then); between
-        finishes and prefills that work grows at R(n) / n."""
-        order = itertools.count()
-        marks: list[tuple[float, int, Ticket]] = []
-        served = now = 0.0
-
-        def join(t: Ticket) -> None:
-            nonlocal now
-            left = t.remaining(rates, len(tickets))
-            if not t.running:
-                prefill = min(t.cost.prefill_work, left)
-                now += prefill / rates.at(len(marks) + 1)
-                left -= prefill
-            heapq.heappush(marks, (served + left, next(order), t))
-
-        waiting = deque(t for t in tickets if not t.running)
-        for t in tickets:
-            if t.running:
-                join(t)
-        while waiting and len(marks) < self.max_concurrency:
-            join(waiting.popleft())
-        finishes = {}
-        while marks:
-            running = len(marks)
-            mark, _, t = heapq.heappop(marks)
-            now += (mark - served) * running / rates.at(running)
-            served = mark
-            finishes[t] = now
-            if waiting:
-                join(waiting.popleft())
-        return finishes
+        else admitted (`_plan`)."""
+        return dict(zip(tickets, _plan(rates, [t.job(rates, len(tickets)) for t in tickets], self.max_concurrency), strict=True))
 
     def _check_alone(self, rates: Rates, ticket: Ticket, deadline_s: float, limit_field: str) -> None:
         """Refuse a request whose expected time alone on the server (its mean cost, unscaled:
@@ -214,14 +213,21 @@ class Admission:
             f"{deadline_s:g} s: ask for fewer {limit_field} (or sample at a lower temperature)",
         )
 
-    def _check_deadlines(self, rates: Rates, finishes: dict[Ticket, float], new: Ticket, deadline_s: float) -> None:
-        """Refuse `new` if, with it, it or an admitted request would finish past the deadline of
-        its own admission, the estimates scaled by their measured error. `Retry-After`: how much
-        later `new` itself would fit, or, when an admitted request would be late, how long until
+    def _check_deadlines(
+        self, rates: Rates, tickets: list[Ticket], jobs: tuple[Job, ...], finishes: dict[Ticket, float], deadline_s: float
+    ) -> None:
+        """Refuse the last of `tickets` (the new one) if, with it, it or an admitted request would
+        finish past the deadline of its own admission, each at its own cost's quantile
+        (`_own_tails`), the estimates scaled by their measured error. `Retry-After`: how much later
+        the new one itself would fit, or, when an admitted request would be late, how long until
         that one finishes (admitting more would only make it later)."""
+        new = tickets[-1]
         factor = self.error.factor(len(finishes))
         deadline = deadline_s * (1.0 - self.margin)
-        late = [(t, (self._last - t.admitted_at + in_s) * factor - deadline) for t, in_s in finishes.items()]
+        tails = self._own_tails(
+            rates, tickets, jobs, finishes, {t: deadline / factor - (self._last - t.admitted_at) for t in tickets}
+        )
+        late = [(t, (self._last - t.admitted_at + in_s) * factor - deadline) for t, in_s in tails.items()]
         blockers = [(t, lateness) for t, lateness in late if lateness > 0]
         if not blockers:
             return
@@ -235,10 +241,38 @@ class Admission:
         retry = max(lateness if t is new else without[t] * factor for t, lateness in blockers)
         self._refuse(
             Refusal.DEADLINE,
-            f"server busy: this request would finish in about {finishes[new] * factor:.0f} s, "
+            f"server busy: this request would finish in about {tails[new] * factor:.0f} s, "
             f"or make an admitted one finish later than the deadline of {deadline_s:g} s",
             retry,
         )
+
+    def _own_tails(
+        self,
+        rates: Rates,
+        tickets: list[Ticket],
+        jobs: tuple[Job, ...],
+        finishes: dict[Ticket, float],
+        within: dict[Ticket, float],
+    ) -> dict[Ticket, float]:
+        """Seconds until each of `tickets` finishes with its own work at its cost's quantile, the
+        others' as `jobs` count them (their quantile's share, `RequestCost.work_among`): a request
+        waits on its own length whole but on the others' only as their sum (a provisional cost is
+        not judged at its guessed tail: see the module's docstring). The plan is made again
+        only for those that the extra work could make finish later than `within` seconds from now
+        (at the slowest rate a request gets among as many), not for the many it cannot."""
+        slots = min(len(jobs), self.max_concurrency)
+        slowest = min(rates.at(k) / k for k in range(1, slots + 1))
+        tails = dict(finishes)
+        for i, t in enumerate(tickets):
+            if t.cost.provisional:
+                continue
+            tail = t.job(rates, 1)
+            extra = tail.left - jobs[i].left
+            if extra > 0 and finishes[t] + extra / slowest > within[t]:
+                replanned = list(jobs)
+                replanned[i] = tail
+                tails[t] = _plan(rates, replanned, self.max_concurrency)[i]
+        return tails
 
     def service_rate(self) -> float | None:
         """The measured service rate at the number of requests running now (at least one), in
@@ -297,23 +331,49 @@ class Admission:
         self._advance()
         served = (ticket.cost.work if served_work is None else served_work) if completed else 0.0
         self.rate.served(served, ticket.attention)
-        if completed and ticket.estimated_s is not None:
+        if completed:
+            ticket.served = served
+        if completed and ticket.plan is not None:
             took_s = self._last - ticket.admitted_at
+            estimated_s = self._replanned_s(ticket.plan, served)
             logger.debug(
-                "admission: finished in %.2f s, estimated %.2f s with %d admitted",
+                "admission: finished in %.2f s, estimated %.2f s (%.2f s with the work it had) with %d admitted",
                 took_s,
                 ticket.estimated_s,
+                estimated_s,
                 ticket.estimated_in_flight,
             )
-            compared = self.deadline_s is None or ticket.estimated_s >= ERROR_COMPARED_SHARE * self.deadline_s * (1 - self.margin)
-            if compared and not (ticket.cost.provisional and took_s <= ticket.estimated_s):
-                self.error.observe(ticket.estimated_s, took_s, ticket.estimated_in_flight)
+            if self.deadline_s is None or estimated_s >= ERROR_COMPARED_SHARE * self.deadline_s * (1 - self.margin):
+                self.error.observe(estimated_s, took_s, ticket.estimated_in_flight)
         if ticket.running:
             self._slots.release()
         self._forget(ticket)
 
+    def _replanned_s(self, plan: Plan, served: float) -> float:
+        """The planned ticket's last estimate made again with the work it was `served`, and the
+        others that completed before it with theirs, in place of their costs (the others still
+        running had at least as much left as it: in a shared server they outlasted it). What is
+        left of the error is the model's (the rates, the sharing, what the model does not count),
+        which every estimate shares; the costs' errors are their pipelines', whose next costs
+        already count the work each had (`workload`)."""
+        n = len(plan.jobs)
+
+        def left(ticket: Ticket, job: Job, work: float) -> float:
+            return max(work - (ticket.cost.work_among(n) - job.left), 0.0)
+
+        def replanned(ticket: Ticket, job: Job) -> Job:
+            if ticket is plan.tickets[plan.index] or ticket.served is not None:
+                had = left(ticket, job, served if ticket is plan.tickets[plan.index] else ticket.served or 0.0)
+                return Job(had, min(job.prefill, had), job.running)
+            return job if ticket.finished else Job(max(job.left, own), job.prefill, job.running)
+
+        own = left(plan.tickets[plan.index], plan.jobs[plan.index], served)
+        jobs = [replanned(t, job) for t, job in zip(plan.tickets, plan.jobs, strict=True)]
+        return plan.at - plan.tickets[plan.index].admitted_at + _plan(plan.rates, jobs, self.max_concurrency)[plan.index]
+
     def _forget(self, ticket: Ticket) -> None:
         ticket.finished = True
+        ticket.plan = None  # the others it holds are not needed any more
         self._admitted.remove(ticket)
         self._changed()
 
@@ -336,3 +396,38 @@ class Admission:
     async def drain(self) -> None:
         """Wait until every admitted request has finished (graceful shutdown)."""
         await self._idle.wait()
+
+
+def _plan(rates: Rates, jobs: list[Job], max_concurrency: int) -> list[float]:
+    """Seconds from now until each of `jobs` (in admission order) finishes: the n running share
+    R(n) equally, and the waiting ones take the slots as they free, in order. One that starts has
+    its first prompt prefilled while the others wait (the engine prefills a joining prompt
+    between two decode steps), then shares. Each running job finishes when the work served to
+    every running one since now reaches its mark (what it had left when it joined, plus what had
+    been served by then); between finishes and prefills that work grows at R(n) / n."""
+    order = itertools.count()
+    marks: list[tuple[float, int, int]] = []
+    served = now = 0.0
+
+    def join(i: int) -> None:
+        nonlocal now
+        job = jobs[i]
+        now += job.prefill / rates.at(len(marks) + 1)
+        heapq.heappush(marks, (served + job.left - job.prefill, next(order), i))
+
+    waiting = deque(i for i, job in enumerate(jobs) if not job.running)
+    for i, job in enumerate(jobs):
+        if job.running:
+            join(i)
+    while waiting and len(marks) < max_concurrency:
+        join(waiting.popleft())
+    finishes = [0.0] * len(jobs)
+    while marks:
+        running = len(marks)
+        mark, _, i = heapq.heappop(marks)
+        now += (mark - served) * running / rates.at(running)
+        served = mark
+        finishes[i] = now
+        if waiting:
+            join(waiting.popleft())
+    return finishes

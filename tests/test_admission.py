@@ -599,28 +599,30 @@ async def test_the_warm_up_measures_the_rate_and_every_pipeline_so_that_none_is_
     assert service.admission.n_running + service.admission.n_waiting == 0
 
 
-async def test_a_provisional_cost_counts_in_the_error_only_when_its_request_ran_longer():
-    """That the prior's guess (or a pipeline's first few) was cautious says nothing of the model,
-    and counted, it would scale the next estimates down; that it was short must be seen."""
+async def test_a_cost_that_was_short_is_its_pipelines_error_and_a_slow_server_the_models():
+    """A request that took 4x its estimate because it had 4x the work (a pipeline's first
+    requests are costed from one) says nothing of the rates or the sharing, and counted, one such
+    request would scale every estimate of every pipeline: its time is compared with its estimate
+    made again with the work it had, its own and that of those that ran beside it. One that took
+    4x with the work it was costed is the model's error, and counts."""
     clock = Clock()
     a, _ = await measured(clock, rate=10.0)
-    before = list(a.error.ratios[1])
 
-    async def run(cost: RequestCost, seconds: float) -> float:
-        """Its time over its estimate."""
-        ticket = a.admit(cost)
-        await a.start(ticket)
+    async def run(*costs: tuple[RequestCost, float], seconds: float) -> None:
+        """`costs` (each with the work it was served) admitted at once; all done after `seconds`."""
+        tickets = [(a.admit(cost), served) for cost, served in costs]
+        for ticket, _ in tickets:
+            await a.start(ticket)
         clock.now += seconds
-        a.finish(ticket, completed=True)
-        assert ticket.estimated_s is not None
-        return seconds / ticket.estimated_s
+        for ticket, served in tickets:
+            a.finish(ticket, completed=True, served_work=served)
 
-    assert await run(RequestCost(work=400.0, provisional=True), 10.0) < 1  # done sooner than guessed
-    assert list(a.error.ratios[1]) == before
-    late = await run(RequestCost(work=400.0, provisional=True), 40.0)  # and one that took longer
-    assert late > 1 and a.error.ratios[1][-1] == pytest.approx(late)
-    early = await run(RequestCost(work=400.0), 10.0)  # a measured cost's error counts either way
-    assert early < 1 and a.error.ratios[1][-1] == pytest.approx(early)
+    await run((RequestCost(work=200.0, provisional=True), 800.0), seconds=80.0)  # 4x the work, 4x the time
+    assert a.error.ratios[1][-1] == pytest.approx(1.0)
+    await run((RequestCost(work=100.0), 300.0), (RequestCost(work=100.0), 300.0), seconds=60.0)  # both 3x: 3x as long
+    assert list(a.error.ratios[2])[-2:] == pytest.approx([1.0, 1.0])
+    await run((RequestCost(work=200.0), 200.0), seconds=80.0)  # the work it was costed, 4x the time
+    assert a.error.ratios[1][-1] == pytest.approx(4.0)
 
 
 async def test_streamed_requests_are_admitted_and_measured_like_the_others():
