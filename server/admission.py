@@ -32,9 +32,10 @@ next costs count (`workload`), not the model's: compared as it was, one Iter-Ret
 ran 2-4x the work of the one request its cost came from set the error of every load to 1.4-2.7
 in a mix of all seven pipelines, and each refused what fitted. Each request's own finish is
 judged with its own work at its cost's quantile, the others' at their share of their sum's
-(`_own_tails`); not a provisional cost's (`RequestCost.provisional`, a guess from a pipeline's
-first requests): judged at the guess's tail it would not fit beside another, and its pipeline
-would never be measured. What the error's window has not seen yet the margin is for
+(`_own_tails`); but an admitted request whose cost is provisional (`RequestCost.provisional`, a
+guess from its pipeline's first requests) only at its share: guarded at the guess's tail, one
+such request running alone held every other out (in a real soak of the mix, a HyDE request
+costed 19 s at its tail took 10 s while every client was refused). What the error's window has not seen yet the margin is for
 (`scheduler.admission_margin`): admission plans to finish within 90% of the deadline by default.
 """
 
@@ -265,8 +266,8 @@ class Admission:
     ) -> dict[Ticket, float]:
         """Seconds until each of `tickets` finishes with its own work at its cost's quantile, the
         others' as `jobs` count them (their quantile's share, `RequestCost.work_among`): a request
-        waits on its own length whole but on the others' only as their sum (a provisional cost is
-        not judged at its guessed tail: see the module's docstring). The plan is made again
+        waits on its own length whole but on the others' only as their sum (an admitted one's
+        provisional cost is not: see the module's docstring). The plan is made again
         only for those that the extra work could make finish later than `within` seconds from now
         (at the slowest rate a request gets among as many), not for the many it cannot."""
         slots = min(len(jobs), self.max_concurrency)
