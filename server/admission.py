@@ -35,8 +35,9 @@ judged with its own work at its cost's quantile, the others' at their share of t
 (`_own_tails`); but an admitted request whose cost is provisional (`RequestCost.provisional`, a
 guess from its pipeline's first requests) only at its share: guarded at the guess's tail, one
 such request running alone held every other out (in a real soak of the mix, a HyDE request
-costed 19 s at its tail took 10 s while every client was refused). What the error's window has not seen yet the margin is for
-(`scheduler.admission_margin`): admission plans to finish within 90% of the deadline by default.
+costed 19 s at its tail took 10 s while every client was refused). What the error's window has
+not seen yet the margin is for (`scheduler.admission_margin`): admission plans to finish within
+90% of the deadline by default.
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ class Admission:
         if self.deadline_s is not None and rates and not calibrating and not cost.provisional:
             self._check_alone(rates, ticket, self.deadline_s, limit_field)
         tickets = [*self._admitted, ticket]
-        jobs = tuple(t.job(rates, t.cost.work_among(len(tickets))) for t in tickets) if rates else ()
+        jobs = _jobs(rates, tickets) if rates else ()
         finishes = dict(zip(tickets, _plan(rates, list(jobs), self.max_concurrency), strict=True)) if rates else None
         if self.deadline_s is not None and self._admitted and not calibrating:
             if finishes is None:
@@ -195,13 +196,7 @@ class Admission:
     def _finishes(self, rates: Rates, tickets: list[Ticket]) -> dict[Ticket, float]:
         """Seconds from now until each of `tickets` (in admission order) finishes with nothing
         else admitted (`_plan`)."""
-        return dict(
-            zip(
-                tickets,
-                _plan(rates, [t.job(rates, t.cost.work_among(len(tickets))) for t in tickets], self.max_concurrency),
-                strict=True,
-            )
-        )
+        return dict(zip(tickets, _plan(rates, list(_jobs(rates, tickets)), self.max_concurrency), strict=True))
 
     def _check_alone(self, rates: Rates, ticket: Ticket, deadline_s: float, limit_field: str) -> None:
         """Refuse a request whose expected time alone on the server (its mean cost, unscaled:
@@ -227,9 +222,9 @@ class Admission:
         finish past the deadline of its own admission, each at its own cost's quantile
         (`_own_tails`), the estimates scaled by their measured error. `Retry-After`: how much later
         the new one itself would fit, or, when an admitted request would be late, how long until
-        that one finishes (admitting more would only make it later). Not at the costs' means: told
-        that, the clients of a naive soak at 64 users came back five times as often, and their work
-        and the refusals' took the engine's time (d9b5d26: 0.42x the goodput of fixed-12)."""
+        that one finishes (admitting more would only make it later). Not when it is expected at its
+        mean: told that (d9b5d26), the clients of a naive soak at 64 users came back five times as
+        often and goodput fell to 0.42x fixed-12's on the 2-core box."""
         new = tickets[-1]
         factor = self.error.factor(len(finishes))
         deadline = deadline_s * (1.0 - self.margin)
@@ -373,15 +368,22 @@ class Admission:
         def left(ticket: Ticket, job: Job, work: float) -> float:
             return max(work - (ticket.cost.work_among(n) - job.left), 0.0)
 
-        def replanned(ticket: Ticket, job: Job) -> Job:
-            if ticket is plan.tickets[plan.index] or ticket.served is not None:
-                had = left(ticket, job, served if ticket is plan.tickets[plan.index] else ticket.served or 0.0)
-                return Job(had, min(job.prefill, had), job.running)
-            return job if ticket.finished else Job(max(job.left, own), job.prefill, job.running)
+        estimated = plan.tickets[plan.index]
+        own = left(estimated, plan.jobs[plan.index], served)
 
-        own = left(plan.tickets[plan.index], plan.jobs[plan.index], served)
+        def replanned(ticket: Ticket, job: Job) -> Job:
+            if ticket is estimated:
+                had = own
+            elif ticket.served is not None:
+                had = left(ticket, job, ticket.served)
+            elif not ticket.finished:  # still running: it outlasted the estimated one
+                return Job(max(job.left, own), job.prefill, job.running)
+            else:  # failed or cancelled: what it was served is not known
+                return job
+            return Job(had, min(job.prefill, had), job.running)
+
         jobs = [replanned(t, job) for t, job in zip(plan.tickets, plan.jobs, strict=True)]
-        return plan.at - plan.tickets[plan.index].admitted_at + _plan(rates, jobs, self.max_concurrency)[plan.index]
+        return plan.at - estimated.admitted_at + _plan(rates, jobs, self.max_concurrency)[plan.index]
 
     def _forget(self, ticket: Ticket) -> None:
         ticket.finished = True
@@ -408,6 +410,11 @@ class Admission:
     async def drain(self) -> None:
         """Wait until every admitted request has finished (graceful shutdown)."""
         await self._idle.wait()
+
+
+def _jobs(rates: Rates, tickets: list[Ticket]) -> tuple[Job, ...]:
+    """The `tickets` as the model plans them, each at its share among them (`RequestCost.work_among`)."""
+    return tuple(t.job(rates, t.cost.work_among(len(tickets))) for t in tickets)
 
 
 def _plan(rates: Rates, jobs: list[Job], max_concurrency: int) -> list[float]:

@@ -599,6 +599,17 @@ async def test_the_warm_up_measures_the_rate_and_every_pipeline_so_that_none_is_
     assert service.admission.n_running + service.admission.n_waiting == 0
 
 
+async def test_a_request_is_judged_at_its_own_costs_quantile_and_the_others_at_their_share():
+    """Among n, a cost's spread counts spread/sqrt(n) towards the finishes of all (n lengths vary
+    sqrt(n) times as much as one, not n times), but a request waits on its own length whole."""
+    clock = Clock()
+    a, _ = await measured(clock, rate=10.0)
+    await a.start(a.admit(RequestCost(work=100.0)))
+    with pytest.raises(Overloaded):  # its share, 185 units, done at 28.5 s; its own quantile, 220, at 32 s
+        a.admit(RequestCost(work=100.0, spread=120.0))
+    assert a.admit(RequestCost(work=100.0, spread=100.0)).estimated_s == pytest.approx(27.07, abs=0.01)  # own: 30 s
+
+
 async def test_a_cost_that_was_short_is_its_pipelines_error_and_a_slow_server_the_models():
     """A request that took 4x its estimate because it had 4x the work (a pipeline's first
     requests are costed from one) says nothing of the rates or the sharing, and counted, one such
