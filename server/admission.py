@@ -34,25 +34,20 @@ in a mix of all seven pipelines, and each refused what fitted. Each request's ow
 judged with its own work at its cost's quantile, the others' at their share of their sum's
 (`_own_tails`); but an admitted request whose cost is provisional (`RequestCost.provisional`, a
 guess from its pipeline's first requests) only at its share: guarded at the guess's tail, one
-such request running alone held every other out (in a real soak of the mix, a HyDE request
-costed 19 s at its tail took 10 s while every client was refused). What the error's window has
-not seen yet the margin is for (`scheduler.admission_margin`): admission plans to finish within
-90% of the deadline by default.
+such request held every other out (a traced HyDE: 19 s at its tail, 10 s taken, alone). The
+margin (`scheduler.admission_margin`) is for what the error's window has not seen yet.
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NoReturn
 
-from telerag.server.admission_model import EstimateError, Rates, ServiceRate
+from telerag.server.admission_model import EstimateError, Job, Rates, ServiceRate, plan_finishes
 from telerag.server.errors import InvalidField, Overloaded, Refusal
 from telerag.server.settings import DEADLINE_MARGIN
 from telerag.server.workload import RequestCost
@@ -87,16 +82,6 @@ class Ticket:
         """What the model plans for it at `rates` if its whole work is `work`."""
         left = max(work - rates.served(self.attention), 0.0) if rates else work
         return Job(left, 0.0 if self.running else min(self.cost.prefill_work, left), self.running)
-
-
-@dataclass(frozen=True)
-class Job:
-    """An admitted request as the model plans it: the work it has `left`, of which `prefill` is
-    its first prompt's (not `running` yet: prefilled as it joins)."""
-
-    left: float
-    prefill: float
-    running: bool
 
 
 @dataclass(frozen=True)
@@ -175,7 +160,7 @@ class Admission:
             self._check_alone(rates, ticket, self.deadline_s, limit_field)
         tickets = [*self._admitted, ticket]
         jobs = _jobs(rates, tickets) if rates else ()
-        finishes = dict(zip(tickets, _plan(rates, list(jobs), self.max_concurrency), strict=True)) if rates else None
+        finishes = dict(zip(tickets, plan_finishes(rates, list(jobs), self.max_concurrency), strict=True)) if rates else None
         if self.deadline_s is not None and self._admitted and not calibrating:
             if finishes is None:
                 self._refuse(
@@ -194,9 +179,8 @@ class Admission:
         return ticket
 
     def _finishes(self, rates: Rates, tickets: list[Ticket]) -> dict[Ticket, float]:
-        """Seconds from now until each of `tickets` (in admission order) finishes with nothing
-        else admitted (`_plan`)."""
-        return dict(zip(tickets, _plan(rates, list(_jobs(rates, tickets)), self.max_concurrency), strict=True))
+        """Seconds from now until each of `tickets` (in admission order) finishes, nothing else admitted."""
+        return dict(zip(tickets, plan_finishes(rates, list(_jobs(rates, tickets)), self.max_concurrency), strict=True))
 
     def _check_alone(self, rates: Rates, ticket: Ticket, deadline_s: float, limit_field: str) -> None:
         """Refuse a request whose expected time alone on the server (its mean cost, unscaled:
@@ -222,9 +206,8 @@ class Admission:
         finish past the deadline of its own admission, each at its own cost's quantile
         (`_own_tails`), the estimates scaled by their measured error. `Retry-After`: how much later
         the new one itself would fit, or, when an admitted request would be late, how long until
-        that one finishes (admitting more would only make it later). Not when it is expected at its
-        mean: told that (d9b5d26), the clients of a naive soak at 64 users came back five times as
-        often and goodput fell to 0.42x fixed-12's on the 2-core box."""
+        that one finishes (admitting more would only make it later; told when it was expected at
+        its mean, d9b5d26's clients came back 5x as often: 0.42x fixed-12's goodput, 64 users)."""
         new = tickets[-1]
         factor = self.error.factor(len(finishes))
         deadline = deadline_s * (1.0 - self.margin)
@@ -275,7 +258,7 @@ class Admission:
             if extra > 0 and finishes[t] + extra / slowest > within[t]:
                 replanned = list(jobs)
                 replanned[i] = tail
-                tails[t] = _plan(rates, replanned, self.max_concurrency)[i]
+                tails[t] = plan_finishes(rates, replanned, self.max_concurrency)[i]
         return tails
 
     def service_rate(self) -> float | None:
@@ -383,7 +366,7 @@ class Admission:
             return Job(had, min(job.prefill, had), job.running)
 
         jobs = [replanned(t, job) for t, job in zip(plan.tickets, plan.jobs, strict=True)]
-        return plan.at - estimated.admitted_at + _plan(rates, jobs, self.max_concurrency)[plan.index]
+        return plan.at - estimated.admitted_at + plan_finishes(rates, jobs, self.max_concurrency)[plan.index]
 
     def _forget(self, ticket: Ticket) -> None:
         ticket.finished = True
@@ -415,38 +398,3 @@ class Admission:
 def _jobs(rates: Rates, tickets: list[Ticket]) -> tuple[Job, ...]:
     """The `tickets` as the model plans them, each at its share among them (`RequestCost.work_among`)."""
     return tuple(t.job(rates, t.cost.work_among(len(tickets))) for t in tickets)
-
-
-def _plan(rates: Rates, jobs: list[Job], max_concurrency: int) -> list[float]:
-    """Seconds from now until each of `jobs` (in admission order) finishes: the n running share
-    R(n) equally, and the waiting ones take the slots as they free, in order. One that starts has
-    its first prompt prefilled while the others wait (the engine prefills a joining prompt
-    between two decode steps), then shares. Each running job finishes when the work served to
-    every running one since now reaches its mark (what it had left when it joined, plus what had
-    been served by then); between finishes and prefills that work grows at R(n) / n."""
-    order = itertools.count()
-    marks: list[tuple[float, int, int]] = []
-    served = now = 0.0
-
-    def join(i: int) -> None:
-        nonlocal now
-        job = jobs[i]
-        now += job.prefill / rates.at(len(marks) + 1)
-        heapq.heappush(marks, (served + job.left - job.prefill, next(order), i))
-
-    waiting = deque(i for i, job in enumerate(jobs) if not job.running)
-    for i, job in enumerate(jobs):
-        if job.running:
-            join(i)
-    while waiting and len(marks) < max_concurrency:
-        join(waiting.popleft())
-    finishes = [0.0] * len(jobs)
-    while marks:
-        running = len(marks)
-        mark, _, i = heapq.heappop(marks)
-        now += (mark - served) * running / rates.at(running)
-        served = mark
-        finishes[i] = now
-        if waiting:
-            join(waiting.popleft())
-    return finishes

@@ -17,6 +17,8 @@ estimate when it ends (`EstimateError`).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from collections import deque
 from collections.abc import Mapping
@@ -143,3 +145,48 @@ class EstimateError:
 
 def _quantile(ordered: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+
+
+@dataclass(frozen=True)
+class Job:
+    """An admitted request as the model plans it: the work it has `left`, of which `prefill` is
+    its first prompt's (not `running` yet: prefilled as it joins)."""
+
+    left: float
+    prefill: float
+    running: bool
+
+
+def plan_finishes(rates: Rates, jobs: list[Job], max_concurrency: int) -> list[float]:
+    """Seconds from now until each of `jobs` (in admission order) finishes: the n running share
+    R(n) equally, and the waiting ones take the slots as they free, in order. One that starts has
+    its first prompt prefilled while the others wait (the engine prefills a joining prompt
+    between two decode steps), then shares. Each running job finishes when the work served to
+    every running one since now reaches its mark (what it had left when it joined, plus what had
+    been served by then); between finishes and prefills that work grows at R(n) / n."""
+    order = itertools.count()
+    marks: list[tuple[float, int, int]] = []
+    served = now = 0.0
+
+    def join(i: int) -> None:
+        nonlocal now
+        job = jobs[i]
+        now += job.prefill / rates.at(len(marks) + 1)
+        heapq.heappush(marks, (served + job.left - job.prefill, next(order), i))
+
+    waiting = deque(i for i, job in enumerate(jobs) if not job.running)
+    for i, job in enumerate(jobs):
+        if job.running:
+            join(i)
+    while waiting and len(marks) < max_concurrency:
+        join(waiting.popleft())
+    finishes = [0.0] * len(jobs)
+    while marks:
+        running = len(marks)
+        mark, _, i = heapq.heappop(marks)
+        now += (mark - served) * running / rates.at(running)
+        served = mark
+        finishes[i] = now
+        if waiting:
+            join(waiting.popleft())
+    return finishes
