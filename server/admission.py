@@ -160,7 +160,7 @@ class Admission:
             self._check_alone(rates, ticket, self.deadline_s, limit_field)
         tickets = [*self._admitted, ticket]
         jobs = _jobs(rates, tickets) if rates else ()
-        finishes = dict(zip(tickets, plan_finishes(rates, list(jobs), self.max_concurrency), strict=True)) if rates else None
+        finishes = dict(zip(tickets, plan_finishes(rates, jobs, self.max_concurrency), strict=True)) if rates else None
         if self.deadline_s is not None and self._admitted and not calibrating:
             if finishes is None:
                 self._refuse(
@@ -180,7 +180,7 @@ class Admission:
 
     def _finishes(self, rates: Rates, tickets: list[Ticket]) -> dict[Ticket, float]:
         """Seconds from now until each of `tickets` (in admission order) finishes, nothing else admitted."""
-        return dict(zip(tickets, plan_finishes(rates, list(_jobs(rates, tickets)), self.max_concurrency), strict=True))
+        return dict(zip(tickets, plan_finishes(rates, _jobs(rates, tickets), self.max_concurrency), strict=True))
 
     def _check_alone(self, rates: Rates, ticket: Ticket, deadline_s: float, limit_field: str) -> None:
         """Refuse a request whose expected time alone on the server (its mean cost, unscaled:
@@ -211,9 +211,7 @@ class Admission:
         new = tickets[-1]
         factor = self.error.factor(len(finishes))
         deadline = deadline_s * (1.0 - self.margin)
-        tails = self._own_tails(
-            rates, tickets, jobs, finishes, {t: deadline / factor - (self._last - t.admitted_at) for t in tickets}
-        )
+        tails = self._own_tails(rates, tickets, jobs, finishes, deadline / factor)
         late = [(t, (self._last - t.admitted_at + in_s) * factor - deadline) for t, in_s in tails.items()]
         blockers = [(t, lateness) for t, lateness in late if lateness > 0]
         if not blockers:
@@ -239,13 +237,13 @@ class Admission:
         tickets: list[Ticket],
         jobs: tuple[Job, ...],
         finishes: dict[Ticket, float],
-        within: dict[Ticket, float],
+        within_s: float,
     ) -> dict[Ticket, float]:
         """Seconds until each of `tickets` finishes with its own work at its cost's quantile, the
         others' as `jobs` count them (their quantile's share, `RequestCost.work_among`): a request
         waits on its own length whole but on the others' only as their sum (an admitted one's
         provisional cost is not: see the module's docstring). The plan is made again
-        only for those that the extra work could make finish later than `within` seconds from now
+        only for those that the extra work could make finish later than `within_s` of their admission
         (at the slowest rate a request gets among as many), not for the many it cannot."""
         slots = min(len(jobs), self.max_concurrency)
         slowest = min(rates.at(k) / k for k in range(1, slots + 1))
@@ -255,7 +253,7 @@ class Admission:
                 continue
             tail = t.job(rates, t.cost.work_among(1))
             extra = tail.left - jobs[i].left
-            if extra > 0 and finishes[t] + extra / slowest > within[t]:
+            if extra > 0 and self._last - t.admitted_at + finishes[t] + extra / slowest > within_s:
                 replanned = list(jobs)
                 replanned[i] = tail
                 tails[t] = plan_finishes(rates, replanned, self.max_concurrency)[i]

@@ -21,7 +21,7 @@ import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 RATE_TIME_CONSTANT_S = 120.0  # how long the measured rates remember
@@ -157,7 +157,7 @@ class Job:
     running: bool
 
 
-def plan_finishes(rates: Rates, jobs: list[Job], max_concurrency: int) -> list[float]:
+def plan_finishes(rates: Rates, jobs: Sequence[Job], max_concurrency: int) -> list[float]:
     """Seconds from now until each of `jobs` (in admission order) finishes: the n running share
     R(n) equally, and the waiting ones take the slots as they free, in order. One that starts has
     its first prompt prefilled while the others wait (the engine prefills a joining prompt
