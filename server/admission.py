@@ -79,9 +79,11 @@ class Ticket:
     # share of the time it ran), by the number of requests running then
 
     def job(self, rates: Rates, work: float) -> Job:
-        """What the model plans for it at `rates` if its whole work is `work`."""
-        left = max(work - rates.served(self.attention), 0.0) if rates else work
-        return Job(left, 0.0 if self.running else min(self.cost.prefill_work, left), self.running)
+        """What the model plans for it at `rates` if its whole work is `work`: a running one's
+        prompt counts as prefilled once it has been served as much, not as soon as it runs."""
+        had = rates.served(self.attention) if rates else 0.0
+        left = max(work - had, 0.0)
+        return Job(left, min(max(self.cost.prefill_work - had, 0.0), left), self.running)
 
 
 @dataclass(frozen=True)

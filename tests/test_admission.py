@@ -244,6 +244,24 @@ async def test_a_request_that_starts_holds_up_the_running_ones_while_its_prompt_
     assert running.estimated_s == pytest.approx(9.0 + 3 + 2) and joining.estimated_s == pytest.approx(3 + 2 + 1.0)
 
 
+async def test_a_running_request_whose_prompt_is_not_prefilled_yet_holds_up_the_others_with_it():
+    """Requests admitted together (a burst) start at once, but the engine prefills every prompt
+    before it decodes any: the first admitted is not expected to decode while the last's prompt
+    is prefilled, so the last is not expected sooner than the first (it was, 0.7x as soon in a
+    simulated burst of 16, and that error then scaled every estimate at 16 admitted)."""
+    clock = Clock()
+    a, _ = await measured(clock, rate=10.0, deadline_s=None)
+    first = a.admit(RequestCost(work=50.0, prefill_work=30.0))
+    await a.start(first)
+    last = a.admit(RequestCost(work=50.0, prefill_work=30.0))
+    # both prompts first (6 s), then the two answers of 20 units side by side at 5/s each (4 s)
+    assert first.estimated_s == pytest.approx(10.0) and last.estimated_s == pytest.approx(10.0)
+    await a.start(last)
+    clock.now += 4.5  # each has had half the server: 22.5 units, 7.5 of its prompt left
+    a.admit(UNIT)  # after those (1.5 s), the two answers' 20 units beside its 100, at 10/3 per second each (6 s)
+    assert first.estimated_s == pytest.approx(4.5 + 1.5 + 6) and last.estimated_s == pytest.approx(4.5 + 1.5 + 6)
+
+
 async def test_a_request_is_refused_if_it_would_push_an_admitted_one_past_its_deadline():
     """Admitted requests share the server: a small one admitted late delays a big one admitted
     early, though it would itself finish in time."""
