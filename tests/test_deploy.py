@@ -574,7 +574,11 @@ def prometheus(scrape_config: dict, tmp_path: Path) -> Iterator[str]:
 
 
 def promql(prometheus_url: str, expr: str) -> list[dict]:
-    body = httpx.get(f"{prometheus_url}/api/v1/query", params={"query": expr}, timeout=10).json()
+    """The query's result vector; an HTTP error while Prometheus is not ready (it answers its API
+    with a plain-text 503 while it starts, which `wait_for_scrape_after` waits out)."""
+    response = httpx.get(f"{prometheus_url}/api/v1/query", params={"query": expr}, timeout=10)
+    response.raise_for_status()
+    body = response.json()
     assert body["status"] == "success", body
     return body["data"]["result"]
 
