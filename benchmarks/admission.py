@@ -1,5 +1,5 @@
 """`telerag bench admission`: the same load against the same server under three admission
-policies, side by side, scored by goodput (answers within the deadline per second, DistServe's
+policies, side by side, scored by goodput (whole answers within the deadline per second, DistServe's
 measure) beside throughput, latency and refusals.
 
 - `deadline`: this server's admission (`scheduler.admission_deadline_s`), whose promise is that
@@ -86,13 +86,14 @@ class AdmissionRow:
     requests: int
     answered: int
     answered_per_s: float
-    goodput_per_s: float  # answered within the deadline, per second
+    goodput_per_s: float  # answered within the deadline, per second (not those the deadline stopped)
     latency_ms_p50: float | None
     latency_ms_p99: float | None
     refused: int
     refused_burst: int  # refusals while fewer requests than the capacity were in flight
     past_deadline: int  # answered, but later than the deadline
     past_1_2_deadline: int  # answered later than 1.2 times the deadline
+    stopped_at_deadline: int  # answered with what the server's deadline left them (not goodput)
     failures: int
     refused_ms_p99: float | None
     slowest_ms: dict[str, float] = field(default_factory=dict)  # the slowest answer of each pipeline
@@ -168,6 +169,7 @@ def _row(policy: Policy, users: int, burst: bool, report: SoakReport, seconds: f
         refused_burst=0,  # known once the capacity is
         past_deadline=sum(s > deadline_s for s in latencies),
         past_1_2_deadline=sum(s > 1.2 * deadline_s for s in latencies),
+        stopped_at_deadline=report.stopped_at_deadline,
         failures=sum(report.failures.values()),
         refused_ms_p99=report.refused_p99_ms,
         slowest_ms=slowest,
@@ -175,7 +177,7 @@ def _row(policy: Policy, users: int, burst: bool, report: SoakReport, seconds: f
 
 
 def _within(answers: Sequence[Answer], deadline_s: float) -> int:
-    return sum(a.seconds <= deadline_s for a in answers)
+    return sum(a.seconds <= deadline_s and not a.stopped_at_deadline for a in answers)
 
 
 async def _measure(url: str, policy: Policy, config: AdmissionConfig, questions: Sequence[str],
@@ -226,14 +228,14 @@ def format_table(report: AdmissionReport) -> str:
         f"{config.duration_s:g} s a load; capacity (best fixed N by goodput): "
         + (", ".join(f"{u} users: {n}" for u, n in sorted(report.capacity.items())) or "-"),
         f"{'mode':<10}{'load':>10}{'requests':>9}{'answered/s':>11}{'goodput/s':>10}{'p50 ms':>9}{'p99 ms':>9}"
-        f"{'refused':>8}{'in burst':>9}{'late':>6}{'>1.2x':>6}{'failed':>7}",
+        f"{'refused':>8}{'in burst':>9}{'late':>6}{'>1.2x':>6}{'cut':>5}{'failed':>7}",
     ]
     for r in report.rows:
         load = f"burst {r.users}" if r.burst else f"{r.users} users"
         lines.append(
             f"{r.mode:<10}{load:>10}{r.requests:>9}{r.answered_per_s:>11.2f}{r.goodput_per_s:>10.2f}"
             f"{num(r.latency_ms_p50):>9}{num(r.latency_ms_p99):>9}{r.refused:>8}{r.refused_burst:>9}"
-            f"{r.past_deadline:>6}{r.past_1_2_deadline:>6}{r.failures:>7}"
+            f"{r.past_deadline:>6}{r.past_1_2_deadline:>6}{r.stopped_at_deadline:>5}{r.failures:>7}"
         )
     return "\n".join(lines)
 

@@ -62,6 +62,7 @@ class SoakReport:
     duration_s: float
     requests: int = 0
     answered: int = 0  # 200
+    stopped_at_deadline: int = 0  # of them, those the server's deadline stopped
     refused: int = 0  # 429
     failures: dict[str, int] = field(default_factory=dict)  # anything else, by status or error
     answered_per_s: float = 0.0
@@ -96,6 +97,7 @@ def _percentile(values: Sequence[float], q: float) -> float | None:
 class Answer:
     pipeline: str
     seconds: float  # from sending to the end of its body
+    stopped_at_deadline: bool = False  # the server's deadline stopped its generation (`finish_reason` "deadline")
 
 
 @dataclass(frozen=True)
@@ -134,7 +136,7 @@ async def _user(
             tally.in_flight -= 1
         elapsed = time.monotonic() - now
         if response.status_code == 200:
-            tally.answered.append(Answer(pipeline, elapsed))
+            tally.answered.append(Answer(pipeline, elapsed, response.json().get("finish_reason") == "deadline"))
         elif response.status_code == 429:
             tally.refused.append(Refused(elapsed, in_flight, response.json().get("error", {}).get("code", "")))
             retry_after = float(response.headers.get("retry-after", 1))
@@ -198,6 +200,7 @@ async def soak(config: SoakConfig, questions: Sequence[str]) -> SoakReport:
     report.requests = len(tally.answered) + len(tally.refused) + sum(tally.failures.values())
     report.answered, report.refused, report.failures = len(tally.answered), len(tally.refused), dict(tally.failures)
     report.answers, report.refusals = tally.answered, tally.refused
+    report.stopped_at_deadline = sum(a.stopped_at_deadline for a in tally.answered)
     report.answered_per_s = report.answered / took
     latencies = [a.seconds for a in tally.answered]
     report.p50_s, report.p99_s = _percentile(latencies, 50), _percentile(latencies, 99)
@@ -214,6 +217,7 @@ def format_table(report: SoakReport) -> str:
         "seconds": report.duration_s,
         "requests": report.requests,
         "answered (200)": report.answered,
+        "stopped at the deadline": report.stopped_at_deadline,
         "refused (429)": report.refused,
         "failures": sum(report.failures.values()),
         "answered/s": report.answered_per_s,

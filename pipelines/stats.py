@@ -11,12 +11,16 @@ from typing import Literal
 
 from telerag.retrieval.stats import PrefetchStats
 
+# Why an LLM call ended: of itself (an end token or a stop string), at its token limit, at the
+# run's deadline (`SamplingParams.deadline`; a call begun after it generates nothing), or aborted.
+FinishReason = Literal["stop", "length", "deadline", "abort"]
+
 
 @dataclass(frozen=True)
 class GenerationStats:
     """An LLM step's."""
 
-    finish_reason: Literal["stop", "length", "abort"]
+    finish_reason: FinishReason
     ttft_ms: float | None = None  # None: the reply was cut where it ended, before the engine's own report
 
 

@@ -16,6 +16,7 @@ from typing import Literal, Protocol, runtime_checkable
 import numpy as np
 
 from telerag.pipelines.stats import (
+    FinishReason,
     GenerationStats,
     PipeliningSummary,
     PrefetchStepStats,
@@ -41,6 +42,7 @@ class SamplingParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     logprobs: bool = False
+    deadline: float | None = None  # a time.monotonic() instant: generation stops there ("deadline")
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class Generation:
     text: str
     prompt_tokens: int
     completion_tokens: int
-    finish_reason: Literal["stop", "length", "abort"]
+    finish_reason: FinishReason
     ttft_ms: float
     total_ms: float
     token_ids: tuple[int, ...] = ()
@@ -337,6 +339,11 @@ class Step:
         """An LLM call that ended at its token limit, not of itself."""
         return isinstance(self.stats, GenerationStats) and self.stats.finish_reason == "length"
 
+    @property
+    def stopped_at_deadline(self) -> bool:
+        """An LLM call that the run's deadline stopped (or that began after it and generated nothing)."""
+        return isinstance(self.stats, GenerationStats) and self.stats.finish_reason == "deadline"
+
 
 def overlap_rates(steps: Sequence[Step]) -> list[float]:
     """|C_in ∩ C_out| / |C_out| of each search that had a prefetch."""
@@ -366,6 +373,7 @@ class RunOptions:
     prefetch: bool = True
     pipelining: bool = False  # iterative pipelines search from a stale query while the step generates (PipeRAG)
     speculative_prefill: bool = False  # the call after a search prefilled from its provisional top-k (AquaPipe)
+    deadline: float | None = None  # a time.monotonic() instant: every LLM call stops there (the server's admission deadline)
 
 
 @dataclass
@@ -389,6 +397,16 @@ class RagResult:
     def cached_tokens(self) -> int:
         """Of `prompt_tokens`, those the engine reused from its prefix cache instead of prefilling."""
         return sum(s.tokens_cached for s in self.steps if s.kind == "llm")
+
+    @property
+    def finish_reason(self) -> Literal["stop", "length", "deadline"]:
+        """Why the answer ended: of itself; at the token limit (the last call that wrote it ended
+        there); or at the run's deadline (some call stopped there, and what it would have led to
+        was cut short: the answer is what the run had by then)."""
+        if any(step.stopped_at_deadline for step in self.steps):
+            return "deadline"
+        answers = [step for step in self.steps if step.kind == "llm" and step.stage.role is StageRole.GENERATE]
+        return "length" if answers and answers[-1].cut else "stop"
 
 
 @dataclass(frozen=True)

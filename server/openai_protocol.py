@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from telerag.pipelines.types import RagResult, StageRole
+from telerag.pipelines.types import RagResult
 from telerag.server.conversation import Conversation, Said, content_text
 from telerag.server.protocol import (
     DocumentOut,
@@ -316,9 +316,10 @@ class ChatCompletion(BaseModel):
 
 
 def answer_cut(result: RagResult) -> bool:
-    """Whether the token limit cut the answer (its last answer-writing call ended at it)."""
-    answers = [s for s in result.steps if s.kind == "llm" and s.stage.role is StageRole.GENERATE]
-    return bool(answers) and answers[-1].cut
+    """Whether the token limit or the deadline cut the answer (`RagResult.finish_reason`).
+    OpenAI's closed sets have no word for a server's deadline, and their clients may refuse a
+    value outside them: both are reported as the limit (`length`, `max_output_tokens`)."""
+    return result.finish_reason != "stop"
 
 
 def finish_reason(result: RagResult) -> Literal["stop", "length"]:

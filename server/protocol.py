@@ -188,6 +188,11 @@ class StepOut(BaseModel):
 class QueryResponse(BaseModel):
     id: str
     answer: str
+    finish_reason: Literal["stop", "length", "deadline"] = Field(
+        description="why the answer ended: of itself; at `max_tokens`; or at the server's deadline "
+        "(`scheduler.admission_deadline_s` after admission), where every LLM call stops: the answer is what the run had "
+        "by then, its latest draft for a pipeline that writes one"
+    )
     pipeline: str
     documents: list[DocumentOut]
     steps: list[StepOut]
@@ -208,6 +213,7 @@ class QueryResponse(BaseModel):
         return cls(
             id=request_id,
             answer=result.answer,
+            finish_reason=result.finish_reason,
             pipeline=result.pipeline,
             documents=documents_out(result.documents) if with_documents else [],
             steps=[

@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from telerag.pipelines.stats import GenerationStats, PrefetchStepStats, SearchStats, StepStats
+from telerag.pipelines.stats import FinishReason, GenerationStats, PrefetchStepStats, SearchStats, StepStats
 
 
 class _OmitsAbsent(BaseModel):
@@ -25,7 +24,7 @@ class GenerationStatsOut(_OmitsAbsent):
     model_config = ConfigDict(from_attributes=True)
 
     ttft_ms: float | None = Field(None, description="time to its first token; absent when the reply was cut where it ended")
-    finish_reason: Literal["stop", "length", "abort"]
+    finish_reason: FinishReason
 
 
 class PrefetchStatsOut(_OmitsAbsent):

@@ -7,6 +7,7 @@ import asyncio
 import math
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Literal, Protocol
 
 from fastapi import Request
@@ -29,7 +30,7 @@ from telerag.server.admission import Admission
 from telerag.server.admitted_run import AdmittedRun
 from telerag.server.errors import InvalidField, Refusal, RequestTimeout, UnsupportedField
 from telerag.server.metrics import Metrics
-from telerag.server.settings import Settings, packaged_config
+from telerag.server.settings import DEADLINE_STOP_LEAD_S, Settings, packaged_config
 from telerag.server.workload import DEFAULT_PASSAGE_WORDS, TOKENS_PER_WORD, ServedWork, Workload
 
 
@@ -229,6 +230,9 @@ class Service:
         calls = pipeline.llm_calls + (1 if options.history else 0)  # a follow-up's rewrite
         cost = self.workload.estimate(pipeline.name, calls, prompt, options.max_tokens, options.temperature)
         ticket = self.admission.admit(cost, client, limit_field=limit_field)
+        deadline = self.settings.scheduler.admission_deadline_s
+        if deadline is not None:  # the promise kept even where the estimate was wrong: its LLM calls stop in time
+            options = replace(options, deadline=ticket.admitted_at + deadline - DEADLINE_STOP_LEAD_S)
         return AdmittedRun(request, self.admission, ticket, self.events(pipeline, query, options, prompt))
 
     async def events(
@@ -253,7 +257,7 @@ class Service:
                     if isinstance(event, ResultEvent):
                         self.metrics.observe_result(event.result)
                         self.workload.observe(pipeline.name, prompt_tokens, ServedWork.of(event.result), options.temperature)
-                        outcome = "ok"
+                        outcome = "deadline" if event.result.finish_reason == "deadline" else "ok"
                     yield event
         except TimeoutError:
             outcome = "timeout"

@@ -146,6 +146,10 @@ DEADLINE_MARGIN = 0.1  # the share of the deadline kept in reserve: admission pl
 # and 64 clients), 0.1 kept every accepted request within 1.2x the deadline (one past it at 1.13x) at 96-98% of the
 # best fixed N's goodput; 0.2 gave up 12-15% of the goodput for no fewer late answers
 
+DEADLINE_STOP_LEAD_S = 1.0  # an admitted request's LLM calls stop this long before its deadline, for what is left
+# after the stop: the engine's step under way when it came (a decode step of the batch, or a newcomer's prefill: up
+# to about a second on the CPU default) and the run's end (the result written)
+
 
 class SchedulerSettings(Section):
     batch_window_ms: float = setting(

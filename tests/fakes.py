@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
@@ -32,6 +34,7 @@ from tests.retrieval_helpers import HashEmbedder
 class Reply:
     text: str
     logprobs: tuple[float, ...] = ()  # one per word of `text` (the fake's tokens are words)
+    token_delay: float | None = None  # seconds before each token, if not the engine's (cut short by a call's deadline)
 
 
 Script = Callable[[str], Reply]
@@ -88,7 +91,8 @@ class ScriptedEngine:
             self.prefilled.append(prompt)
         return out
 
-    def _generation(self, index: int, prompt: str, params: SamplingParams) -> Generation:
+    def _generation(self, index: int, prompt: str, params: SamplingParams) -> tuple[Generation, float]:
+        """The call's Generation and the seconds before each of its tokens."""
         reply = self.script(prompt)
         words = reply.text.split()
         cut = len(words) > params.max_tokens
@@ -101,7 +105,7 @@ class ScriptedEngine:
             self.vocab.append(word)
             ids.append(len(self.vocab) - 1)
         logprobs = tuple(reply.logprobs[: len(ids)]) or tuple(0.0 for _ in ids)
-        return Generation(
+        generation = Generation(
             text,
             self.count_tokens(prompt),
             len(ids),
@@ -113,6 +117,7 @@ class ScriptedEngine:
             index,
             min(self.cached(prompt), max(0, self.count_tokens(prompt) - 1)),
         )
+        return generation, self.token_delay if reply.token_delay is None else reply.token_delay
 
     async def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
         out = []
@@ -131,10 +136,17 @@ class ScriptedEngine:
                     await asyncio.sleep(self.delay)
                 if self.fail:
                     raise EngineError("scripted failure")
-                generation = self._generation(index, prompt, params)
-                for i, word in enumerate(generation.text.split()):
-                    if self.token_delay:
-                        await asyncio.sleep(self.token_delay)
+                generation, token_delay = self._generation(index, prompt, params)
+                words = generation.text.split()
+                for i, word in enumerate(words):
+                    if token_delay:
+                        left = math.inf if params.deadline is None else params.deadline - time.monotonic()
+                        await asyncio.sleep(max(0.0, min(token_delay, left)))
+                    if params.deadline is not None and time.monotonic() >= params.deadline:  # as an engine stops there
+                        text, ids, logprobs = " ".join(words[:i]), generation.token_ids[:i], generation.logprobs[:i]
+                        generation = replace(generation, text=text, completion_tokens=i, token_ids=ids, logprobs=logprobs)
+                        generation = replace(generation, finish_reason="deadline")
+                        break
                     logprobs = generation.logprobs[i : i + 1]
                     yield TokenChunk(index, word + " ", generation.token_ids[i : i + 1], logprobs)
                 yield generation

@@ -379,9 +379,10 @@ def test_a_result_is_sent_with_the_documented_field_names():
     )
     body = json.loads(QueryResponse.from_result(result, request_id="rag-1", with_documents=True).model_dump_json())
     assert list(body) == [
-        *("id", "answer", "pipeline", "documents", "steps", "timings", "prefetch", "tokens_generated", "pipelining"),
-        "speculation",
+        *("id", "answer", "finish_reason", "pipeline", "documents", "steps", "timings", "prefetch", "tokens_generated"),
+        *("pipelining", "speculation"),
     ]
+    assert body["finish_reason"] == "stop"  # the last answer-writing call's, not the first's "length"
     assert list(body["steps"][0]) == [
         *("stage", "role", "kind", "query", "tokens_in", "tokens_out", "ms", "stats", "start_ms", "tokens_cached")
     ]

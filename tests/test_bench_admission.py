@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from telerag.benchmarks.admission import Policy, policies
+from telerag.benchmarks.admission import Policy, _row, policies
+from telerag.benchmarks.soak import Answer, SoakReport
 from telerag.cli.main import main
 from tests.serving import build_small_datastore, save_tiny_lm
 from tests.tiny_models import tiny_embedder_dir
@@ -23,6 +24,13 @@ def test_each_policy_is_settings_of_the_server():
     by_margin = policies(["deadline"], [2], [0.1, 0.15])  # the margin compared side by side, a server each
     assert [p.name for p in by_margin] == ["deadline-0.1", "deadline-0.15"]
     assert by_margin[1].environment(30.0)["TELERAG_SCHEDULER__ADMISSION_MARGIN"] == "0.15"
+
+
+def test_an_answer_the_servers_deadline_stopped_is_counted_apart_from_goodput():
+    answers = [Answer("naive", 5.0), Answer("naive", 29.0, stopped_at_deadline=True), Answer("naive", 31.0)]
+    report = SoakReport(users=2, duration_s=10.0, requests=3, answered=3, stopped_at_deadline=1, answers=answers)
+    row = _row(Policy("deadline"), 2, False, report, 10.0, 30.0)
+    assert (row.goodput_per_s, row.stopped_at_deadline, row.past_deadline) == (0.1, 1, 1)
 
 
 def test_an_admission_margin_out_of_range_is_refused_in_one_line(monkeypatch):

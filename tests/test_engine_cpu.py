@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -200,6 +201,34 @@ async def test_max_tokens_is_respected(engine: TransformersEngine):
     assert [(g.completion_tokens, g.finish_reason) for g in generations] == [(3, "length")] * 3
     (nothing,) = await engine.generate([PROMPTS[0]], SamplingParams(max_tokens=0))
     assert (nothing.text, nothing.completion_tokens, nothing.finish_reason) == ("", 0, "length")
+
+
+async def test_a_row_stops_at_its_deadline_and_the_batch_goes_on_without_it():
+    engine = tiny_engine()
+    recorder = Recorder(engine)
+    try:
+        (alone,) = await engine.generate([PROMPTS[1]], SamplingParams(max_tokens=40))
+        stream = engine.stream([PROMPTS[0]], SamplingParams(max_tokens=1500, deadline=time.monotonic() + 0.2))
+        beside = asyncio.ensure_future(engine.generate([PROMPTS[1]], SamplingParams(max_tokens=40)))
+        texts, finals = {0: ""}, {}
+        async for item in stream:
+            if isinstance(item, TokenChunk):
+                texts[0] += item.text
+            else:
+                finals[0] = item
+        (undisturbed,) = await beside
+        steps = len(recorder.batch_sizes)
+        (late,) = await engine.generate([PROMPTS[2]], SamplingParams(max_tokens=5, deadline=time.monotonic()))
+        after_late = len(recorder.batch_sizes)
+    finally:
+        recorder.remove()
+        await engine.close()
+    cut = finals[0]
+    assert cut.finish_reason == "deadline" and cut.completion_tokens < 1500
+    assert cut.text == texts[0]  # the text so far, as it was streamed
+    assert undisturbed.token_ids == alone.token_ids  # the row beside it went on alone
+    assert (late.text, late.completion_tokens, late.finish_reason) == ("", 0, "deadline")
+    assert after_late == steps  # one whose deadline had come was never prefilled
 
 
 async def test_logprobs_are_those_of_a_plain_forward_pass(engine: TransformersEngine, reference: torch.nn.Module):

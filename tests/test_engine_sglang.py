@@ -248,6 +248,22 @@ async def test_closing_the_stream_closes_sglangs_stream(sglang: types.ModuleType
     assert FakeEngine.instances[0].closed_streams == 1
 
 
+async def test_a_prompt_ends_at_its_deadline_with_what_it_has_and_sglang_aborts_the_rest(sglang: types.ModuleType):
+    FakeEngine.scripts = {"q": Script(["a", "b", "\n", "Q"] + ["x"] * 500), "r": Script(["Rome"])}
+    FakeEngine.token_delay_s = 0.01
+    engine = SGLangEngine("m", module=sglang)
+    params = SamplingParams(max_tokens=500, stop=("\nQ",), deadline=time.monotonic() + 0.02)
+    texts, finals = await collect(engine, ["q", "r"], params)
+    cut, done = finals[0], finals[1]
+    assert cut.finish_reason == "deadline" and cut.completion_tokens < 500
+    assert texts[0] == cut.text and "x" * 100 not in cut.text  # what was streamed, held-back tail included
+    assert cut.prompt_tokens > 0 and done.finish_reason in ("stop", "deadline")
+    assert FakeEngine.instances[0].closed_streams == 1  # SGLang aborts the request
+    (late,) = await engine.generate(["q"], SamplingParams(deadline=time.monotonic()))
+    assert (late.text, late.completion_tokens, late.finish_reason) == ("", 0, "deadline")
+    assert len(FakeEngine.instances[0].requests) == 1  # one whose deadline had come was never sent
+
+
 @pytest.mark.parametrize(
     ("abort", "error"),
     [

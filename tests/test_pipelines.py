@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import asdict
 
 import pytest
@@ -12,7 +13,7 @@ from telerag.pipelines.errors import EngineError
 from telerag.pipelines.rag.base import STANDALONE_QUESTION
 from telerag.pipelines.registry import PIPELINES, build_pipelines
 from telerag.pipelines.types import MeanQuery, RunOptions, StageEvent, StageRole, TokenEvent, Turn, query_texts
-from tests.fakes import RecordingRetriever, ScriptedEngine
+from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
 from tests.scripted_pipelines import SURE, UNSURE, make, run, script
 
 
@@ -200,6 +201,48 @@ async def test_cancellation_releases_the_prefetch(name):
     await stream.aclose()  # the client went away
     assert retriever.prefetches and not retriever.outstanding
     assert kinds(log)[-1] in ("release", "llm_end")
+
+
+@pytest.mark.parametrize("name", list(PIPELINES))
+async def test_a_run_past_its_deadline_sends_nothing_to_the_engine_and_says_so(name):
+    """A request whose deadline came while it waited for its slot: every LLM call is skipped
+    (the engine would stop it before its first token), the searches still release what they pinned."""
+    pipeline, engine, retriever, _log = make(name, decide="yes", critique="no")
+    result, events = await run(pipeline, deadline=time.monotonic() - 1.0)
+    assert engine.prompts == []
+    assert result.finish_reason == "deadline" and result.answer == streamed(events) == ""
+    llm_steps = [s for s in result.steps if s.kind == "llm"]
+    assert llm_steps and all(s.stopped_at_deadline and s.tokens_out == 0 for s in llm_steps)
+    assert not retriever.outstanding
+
+
+@pytest.mark.parametrize(("name", "stalled"), [("self_rag", "Is the answer supported"), ("iterative", "Does the answer fully")])
+async def test_a_deadline_that_comes_after_a_draft_answers_with_the_draft(name, stalled):
+    """The call after the draft runs until the deadline stops it; the answer's call, begun past
+    it, would write nothing, so the draft is the answer, streamed, and the result says why."""
+    replies = script(decide="yes", critique="no", judge="no")
+
+    def reply(prompt: str) -> Reply:
+        return Reply("maybe", token_delay=60.0) if stalled in prompt else replies(prompt)
+
+    log: list = []
+    engine, retriever = ScriptedEngine(reply, log), RecordingRetriever(log)
+    pipeline = build_pipelines(engine, retriever, names=[name])[name]
+    result, events = await run(pipeline, deadline=time.monotonic() + 0.5)
+    assert result.answer == streamed(events) == "The Nile is long"
+    assert result.finish_reason == "deadline"
+    assert stalled in engine.prompts[-1]  # nothing was sent to the engine after the stalled call
+    assert [s.stage.role for s in result.steps if s.stopped_at_deadline][-1] is StageRole.GENERATE
+    assert not retriever.outstanding
+
+
+async def test_an_answer_the_deadline_stops_is_what_was_streamed_by_then():
+    full = " ".join(f"word{i}" for i in range(100_000))
+    pipeline, engine, _retriever, _log = make("naive", answer=full)
+    engine.token_delay = 0.001
+    result, events = await run(pipeline, max_tokens=100_000, deadline=time.monotonic() + 0.5)
+    assert result.finish_reason == "deadline"
+    assert result.answer == streamed(events) and full.startswith(result.answer) and len(result.answer) < len(full)
 
 
 def test_every_pipeline_declares_its_stages():

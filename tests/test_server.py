@@ -12,7 +12,8 @@ import pytest
 from telerag.server.app import create_app
 from telerag.server.lifecycle import Lifecycle
 from telerag.utils.progress import StepProgress
-from tests.fake_app import DATASTORE_INFO, METRIC_SERIES, Harness, settings
+from tests.fake_app import DATASTORE_INFO, METRIC_SERIES, Harness, sdk, settings
+from tests.fakes import Reply
 
 
 async def test_query_json():
@@ -102,6 +103,28 @@ async def test_openai_clients_limit_by_max_completion_tokens_and_learn_when_the_
         assert chunks[-1].choices[0].finish_reason == "length"
         both = await client.chat.completions.create(model="naive", messages=question, max_tokens=5, max_completion_tokens=3)
         assert len(both.choices[0].message.content.split()) == 3  # both limits honoured: the tighter
+
+
+async def test_an_admitted_request_is_answered_by_its_deadline_with_what_it_had_and_says_so():
+    """A request admitted on an estimate that proves wrong (the model runs on) is still answered
+    within `scheduler.admission_deadline_s`: its generation stops, the answer is what it wrote by
+    then, and each API says so in its own words; the metric counts it apart from the answers."""
+    h = Harness(scheduler={"admission_deadline_s": 1.5})
+    h.engine.script = lambda prompt: Reply(" ".join(["Paris"] * 1000))
+    h.engine.token_delay = 0.005  # 5 s for the whole reply
+    question = [{"role": "user", "content": "Capital of France?"}]
+    async with h.client() as http:
+        native = (await http.post("/v1/rag/query", json={"query": "Capital of France?", "max_tokens": 1000})).json()
+        chat = await sdk(http).chat.completions.create(model="naive", messages=question, max_tokens=1000)
+        stream = await sdk(http).chat.completions.create(model="naive", messages=question, max_tokens=1000, stream=True)
+        chunks = [chunk async for chunk in stream]
+        metrics = (await http.get("/metrics")).text
+    assert native["finish_reason"] == "deadline" and 0 < len(native["answer"].split()) < 1000
+    assert native["steps"][-1]["stats"]["finish_reason"] == "deadline"
+    assert chat.choices[0].finish_reason == "length" and 0 < len(chat.choices[0].message.content.split()) < 1000
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert 'telerag_request_seconds_count{outcome="deadline",pipeline="naive"} 3.0' in metrics
+    assert 'outcome="ok"' not in metrics
 
 
 async def test_concurrent_requests_are_batched():

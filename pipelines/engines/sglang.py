@@ -45,6 +45,7 @@ from typing import Any
 
 from telerag.pipelines.engines import StopFilter, collect_generations, format_chat, prompt_token_ids
 from telerag.pipelines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, PipelineError
+from telerag.pipelines.stats import FinishReason
 from telerag.pipelines.types import Generation, SamplingParams, TokenChunk
 
 OVERLOADED = (429, 503)  # the status codes SGLang gives an abort for lack of room or time
@@ -74,6 +75,7 @@ class _Progress:
     logprobs: list[float] = field(default_factory=list)
     ttft_ms: float = 0.0
     done: bool = False
+    prompt_tokens: int = 0  # as sent (SGLang's own count comes with the last dict)
 
 
 class SGLangEngine:
@@ -137,6 +139,12 @@ class SGLangEngine:
             return
         started = time.perf_counter()
         input_ids = [prompt_token_ids(self.tokenizer, p) for p in prompts]
+        progress = [_Progress(StopFilter(params.stop), prompt_tokens=len(ids)) for ids in input_ids]
+        if params.deadline is not None and time.monotonic() >= params.deadline:  # nothing to send it for
+            for index, state in enumerate(progress):
+                for item in _cut(state, index, params, started):
+                    yield item
+            return
         self._start_output_loop()
         try:
             outputs = await self.engine.async_generate(
@@ -144,12 +152,18 @@ class SGLangEngine:
             )
         except Exception as exc:  # SGLang's own errors become ours
             raise _engine_error(exc) from exc
-        progress = [_Progress(StopFilter(params.stop)) for _ in prompts]
+        until = None if params.deadline is None else asyncio.get_running_loop().time() + params.deadline - time.monotonic()
         try:
             while True:
                 try:  # the request is checked (and may be refused) at the first step
-                    out = await outputs.__anext__()
+                    async with asyncio.timeout_at(until):  # around the wait only: never across a yield
+                        out = await outputs.__anext__()
                 except StopAsyncIteration:
+                    break
+                except TimeoutError:  # its deadline came: each unfinished prompt ends with what it has
+                    for index, state in enumerate(progress):
+                        for item in [] if state.done else _cut(state, index, params, started):
+                            yield item
                     break
                 except Exception as exc:
                     raise _engine_error(exc) from exc
@@ -228,25 +242,46 @@ def _translate(
     if reason == "abort":
         raise _abort_error(finish)
     matched = finish.get("matched")
-    tail = state.text.finish(matched if isinstance(matched, str) else None)
+    state.prompt_tokens = int(meta.get("prompt_tokens", state.prompt_tokens))
+    cached = int(meta.get("cached_tokens") or 0)  # its radix cache's hit, per request
+    completion = int(meta.get("completion_tokens", len(ids)))
+    ended: FinishReason = "length" if reason == "length" else "stop"
+    matched = matched if isinstance(matched, str) else None
+    return items + _finished(state, index, ended, params, started, matched, cached, completion)
+
+
+def _cut(state: _Progress, index: int, params: SamplingParams, started: float) -> list[TokenChunk | Generation]:
+    """A prompt's end at its deadline, with what it has generated so far (SGLang aborts the rest
+    when the stream closes)."""
+    return _finished(state, index, "deadline", params, started, None, 0, len(state.token_ids))
+
+
+def _finished(
+    state: _Progress,
+    index: int,
+    reason: FinishReason,
+    params: SamplingParams,
+    started: float,
+    matched: str | None,
+    cached: int,
+    completion: int,
+) -> list[TokenChunk | Generation]:
+    """The held-back tail of a prompt's text, if any, and its Generation."""
+    tail = state.text.finish(matched)
     state.done = True
-    if tail:
-        items.append(TokenChunk(index=index, text=tail))
-    items.append(
-        Generation(
-            text=state.text.final,
-            prompt_tokens=int(meta.get("prompt_tokens", 0)),
-            cached_tokens=int(meta.get("cached_tokens") or 0),  # its radix cache's hit, per request
-            completion_tokens=int(meta.get("completion_tokens", len(ids))),
-            finish_reason="length" if reason == "length" else "stop",
-            ttft_ms=state.ttft_ms,
-            total_ms=(now - started) * 1e3,
-            token_ids=tuple(ids),
-            logprobs=tuple(state.logprobs) if params.logprobs else (),
-            index=index,
-        )
+    generation = Generation(
+        text=state.text.final,
+        prompt_tokens=state.prompt_tokens,
+        cached_tokens=cached,
+        completion_tokens=completion,
+        finish_reason=reason,
+        ttft_ms=state.ttft_ms,
+        total_ms=(time.perf_counter() - started) * 1e3,
+        token_ids=tuple(state.token_ids),
+        logprobs=tuple(state.logprobs) if params.logprobs else (),
+        index=index,
     )
-    return items
+    return [TokenChunk(index=index, text=tail), generation] if tail else [generation]
 
 
 def _engine_error(exc: Exception) -> EngineError:

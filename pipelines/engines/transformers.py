@@ -323,6 +323,9 @@ class TransformersEngine:
         for row in rows:
             room = self.context_length - len(row.prompt_ids) if self.context_length else row.call.params.max_tokens
             decoding = DecodingRow(row, self.decode, max_tokens=min(row.call.params.max_tokens, room))
+            if decoding.past_deadline():  # it waited past its deadline: nothing to prefill it for
+                decoding.finish("deadline", time.perf_counter())
+                continue
             if decoding.max_tokens > 0:
                 live.append(decoding)
                 continue

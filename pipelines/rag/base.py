@@ -86,6 +86,12 @@ class RunContext:
     watch: Callable[[PartialGeneration], None] | None = None  # a pipelined lookahead's, during its pre-retrieval call
     checks: list[asyncio.Future[None]] = field(default_factory=list)  # pipelined searches checked beside the run
     speculations: list[Speculation] = field(default_factory=list)  # speculative prefills of the calls after searches
+    draft: str = ""  # the latest quiet answer with any text: the answer, should the deadline come before the last
+
+    @property
+    def past_deadline(self) -> bool:
+        """Whether the run's deadline (`RunOptions.deadline`) has come: its LLM calls generate nothing more."""
+        return self.options.deadline is not None and time.monotonic() >= self.options.deadline
 
     def generated(self, tokens: int) -> None:
         """Account for `tokens` newly generated tokens (in the result, and at once as a UsageEvent)."""
@@ -228,14 +234,16 @@ class RagPipeline:
             top_p=ctx.options.top_p,
             stop=tuple(dict.fromkeys([*stop, *(s for p in batch for s in p.stops)])),
             logprobs=logprobs,
+            deadline=ctx.options.deadline,
         )
         formatted = [self.engine.format_prompt(p.user, system=p.system) for p in batch]
         generations, start_ms, ms = await self.stage(ctx, stage, lambda: self._generate(ctx, stage, formatted, params))
         for prompt, text, generation in zip(batch, formatted, generations, strict=True):
-            for speculation in ctx.speculations:
-                speculation.observe_call(text, generation)
             ctx.generated(generation.completion_tokens)
-            self.expected_tokens.observe(stage.name, generation.completion_tokens)
+            if generation.finish_reason != "deadline":  # one cut short shows neither its length nor the engine's cache
+                for speculation in ctx.speculations:
+                    speculation.observe_call(text, generation)
+                self.expected_tokens.observe(stage.name, generation.completion_tokens)
             ctx.steps.append(
                 Step(
                     stage,
@@ -252,7 +260,10 @@ class RagPipeline:
 
     def _generate(self, ctx: RunContext, stage: Stage, prompts: list[str], params: SamplingParams) -> Awaitable[list[Generation]]:
         """The engine's generations; streamed, each partial shown to `ctx.watch`, during a
-        pipelined lookahead's pre-retrieval call (the same generations either way)."""
+        pipelined lookahead's pre-retrieval call (the same generations either way). Past the
+        run's deadline, empty ones at once: the engine would stop them before their first token."""
+        if ctx.past_deadline:
+            return asyncio.sleep(0, [Generation("", 0, 0, "deadline", 0.0, 0.0, index=i) for i in range(len(prompts))])
         if ctx.watch is None:
             return self.engine.generate(prompts, params)
         expected = self.expected_tokens.of(stage.name, params.max_tokens)
@@ -453,13 +464,17 @@ class RagPipeline:
     ) -> str:
         """The final answer, streamed to the client as it is generated: the text streamed is
         exactly the answer returned (see `replies.ReplyStream`), and generation ends as soon as
-        the reply does (the cue repeated on the same line, which no stop string catches)."""
+        the reply does (the cue repeated on the same line, which no stop string catches). Once the
+        run's deadline has come, the answer is the run's latest draft (`generate_quietly`), if any."""
+        if ctx.past_deadline:
+            return self._answer_past_deadline(ctx, stage)
         prompt = prompt or prompts.answer(ctx.query, documents, instructions=ctx.options.instructions)
         params = SamplingParams(
             max_tokens=ctx.options.max_tokens,
             temperature=ctx.options.temperature,
             top_p=ctx.options.top_p,
             stop=tuple(dict.fromkeys([*prompt.stops, *ANSWER_STOPS, *ctx.options.stop])),
+            deadline=ctx.options.deadline,
         )
         formatted = self.engine.format_prompt(prompt.user, system=prompt.system)
         reply = ReplyStream(prompt.cue)
@@ -492,16 +507,28 @@ class RagPipeline:
         ctx.steps.append(Step(stage, ctx.query[:200], prompt_tokens, completion_tokens, ms, stats, start_ms, cached))
         return reply.text
 
+    def _answer_past_deadline(self, ctx: RunContext, stage: Stage) -> str:
+        """The latest draft (or nothing), streamed as the answer: the answer's call, begun past
+        the deadline, would generate nothing. Traced as a call that stopped at the deadline."""
+        started = self.begin(ctx, stage)
+        if ctx.draft:
+            ctx.events.put_nowait(TokenEvent(ctx.draft))
+        start_ms, ms = self.end(ctx, stage, started)
+        ctx.steps.append(Step(stage, ctx.query[:200], ms=ms, stats=GenerationStats("deadline"), start_ms=start_ms))
+        return ctx.draft
+
     async def generate_quietly(self, ctx: RunContext, stage: Stage, documents: Sequence[Document], draft: str = "") -> str:
         """An answer that is not streamed to the client (a round of Iter-RetGen, a draft of Iter
-        or Self-RAG): the reply of an answer prompt."""
-        return await self.reply(
+        or Self-RAG): the reply of an answer prompt, kept as the run's latest draft."""
+        reply = await self.reply(
             ctx,
             stage,
             prompts.answer(ctx.query, documents, draft, instructions=ctx.options.instructions),
             max_tokens=ctx.options.max_tokens,
             stop=(*ANSWER_STOPS, *ctx.options.stop),
         )
+        ctx.draft = reply or ctx.draft
+        return reply
 
     # -- the result ---------------------------------------------------------------------------
 

@@ -88,7 +88,7 @@ class FLARE(RagPipeline):
                 if released := shown.push(("" if not written else " ") + piece):
                     ctx.events.put_nowait(TokenEvent(released))
                 written = f"{written} {piece}".strip()
-            if shown.stopped or not piece or sentence.finish_reason == "length" or len(written.split()) > ctx.options.max_tokens:
+            if shown.stopped or not piece or sentence.finish_reason != "stop" or len(written.split()) > ctx.options.max_tokens:
                 break
         if rest := shown.finish():
             ctx.events.put_nowait(TokenEvent(rest))
