@@ -160,7 +160,9 @@ class SchedulerSettings(Section):
     max_queue: int = setting(64, "requests waiting beyond those; past it: 429", ge=0)
     request_timeout_s: float = setting(300.0, "a request running longer is ended: 504", gt=0)
     admission_deadline_s: float | None = setting(
-        30.0, "429 at once for a request expected to finish later than this; null: none", gt=0
+        30.0,
+        "429 at once for a request expected to finish later than this; an admitted one's LLM calls stop there; null: none",
+        gt=0,
     )
     admission_margin: float = setting(
         DEADLINE_MARGIN, "share of the deadline kept for estimates that run long: admission plans to finish within the rest",
