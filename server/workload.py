@@ -15,8 +15,8 @@ is (its query and `top_k` passages), and the output of each call that writes ans
 call the pipeline may make, each with the prompt estimate and an output of `PRIOR_CALL_TOKENS`
 (`max_tokens` at most). Either is provisional: not enough to refuse a request that would run
 alone (`admission`), which is how its pipeline gets measured. An answer that its
-limit cut short says only that it would have run at least that long: for a request with a larger
-limit it counts as running to that limit. Requests that sample above `HOT_TEMPERATURE` are
+limit or the server's deadline cut short says only that it would have run at least that long:
+for a request with a larger limit it counts as running to that limit. Requests that sample above `HOT_TEMPERATURE` are
 measured apart. A request that runs longer than its estimate is the error model's business
 (`admission_model.EstimateError`).
 """
@@ -71,7 +71,7 @@ class RequestCost:
 class CallOutput:
     tokens: int
     answer: bool  # it wrote answer text: its output is bounded by the request's max_tokens
-    cut: bool = False  # it ended at its token limit, not of itself
+    cut: bool = False  # it ended at its token limit or the run's deadline, not of itself
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,9 @@ class ServedWork:
         calls = [s for s in result.steps if s.kind == "llm"]
         return cls(
             prompt_tokens=sum(s.tokens_in for s in calls),
-            outputs=tuple(CallOutput(s.tokens_out, s.stage.role is StageRole.GENERATE, s.cut) for s in calls),
+            outputs=tuple(
+                CallOutput(s.tokens_out, s.stage.role is StageRole.GENERATE, s.cut or s.stopped_at_deadline) for s in calls
+            ),
         )
 
     @property

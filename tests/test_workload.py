@@ -116,6 +116,18 @@ def test_the_cut_is_read_from_the_trace():
     assert ServedWork.of(result).outputs == (CallOutput(64, answer=True, cut=True),)
 
 
+def test_an_answer_the_deadline_stopped_is_cut_as_one_its_limit_stopped():
+    """Stopped at the server's deadline, an answer says only that it would have run at least as
+    long; a call it skipped, nothing at all: both run to the next request's limit."""
+    steps = [
+        Step(CRITIQUE, "q", tokens_in=500, tokens_out=2, stats=GenerationStats("deadline", 5.0)),
+        Step(GENERATE, "q", stats=GenerationStats("deadline")),
+    ]
+    result = RagResult("a", "self_rag", [], steps, Timings(), PrefetchSummary())
+    assert ServedWork.of(result).outputs == (CallOutput(2, answer=False, cut=True), CallOutput(0, answer=True, cut=True))
+    assert ServedWork.of(result).work_for(1.0, 64) == pytest.approx(W * 500 + 2 + 64)
+
+
 def test_requests_sampled_hot_are_measured_apart_and_costed_at_their_limit_until_they_are():
     """Above `HOT_TEMPERATURE` answers seldom end before their limit: the greedy answers'
     lengths say nothing of them (a request at 2.0 ran its 1024 tokens for 42 s where greedy
