@@ -23,9 +23,10 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 import zlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -145,10 +146,18 @@ class InferenceReplica:
         )
 
     async def run(
-        self, pipeline: str, query: str, options: RunOptions, q_in: np.ndarray | None, route: RouteHint | None = None
+        self,
+        pipeline: str,
+        query: str,
+        options: RunOptions,
+        q_in: np.ndarray | None,
+        seconds_left: float | None = None,
+        route: RouteHint | None = None,
     ) -> AsyncGenerator[RunEvent, None]:
-        """A pipeline run's events (admitted by the ingress); `q_in`: the question's vector."""
+        """A pipeline run's events (admitted by the ingress); `q_in`: the question's vector;
+        `seconds_left`: until its deadline (`shipped`)."""
         assert self.vectors is not None
+        options = received(options, seconds_left)
         prompt = self.service.prompt_tokens(query, options)
         with self.vectors.given(query, q_in):
             async for event in self.service.events(self.service.pipelines[pipeline], query, options, prompt):
@@ -200,6 +209,20 @@ class QuestionPlacer:
         return vector, tuple(int(c) for c in top[np.argsort(-scores[top], kind="stable")])
 
 
+def shipped(options: RunOptions) -> tuple[RunOptions, float | None]:
+    """A run's options as they travel to a replica, and the seconds left until its deadline: a
+    replica may be on another machine, whose monotonic clock is its own, so the deadline travels
+    as the time left (as gRPC's does), made an instant again there (`received`)."""
+    if options.deadline is None:
+        return options, None
+    return replace(options, deadline=None), options.deadline - time.monotonic()
+
+
+def received(options: RunOptions, seconds_left: float | None) -> RunOptions:
+    """The options `shipped` sent, with the deadline an instant of this machine's clock again."""
+    return options if seconds_left is None else replace(options, deadline=time.monotonic() + seconds_left)
+
+
 class Replicas:
     """The inference deployment as the ingress calls it."""
 
@@ -221,7 +244,10 @@ class Replicas:
         vector, clusters = await asyncio.to_thread(self.placer.place, query)
         route = RouteHint(clusters=clusters, key=key)
         for attempt in range(1, self.attempts + 1):
-            stream = self.handle.options(stream=True).run.remote(pipeline, query, options, vector, **{ROUTE_KWARG: route})
+            sent_options, seconds_left = shipped(options)
+            stream = self.handle.options(stream=True).run.remote(
+                pipeline, query, sent_options, vector, seconds_left, **{ROUTE_KWARG: route}
+            )
             sent = False
             try:
                 async for event in stream:

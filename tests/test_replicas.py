@@ -1,0 +1,66 @@
+"""What the ingress sends a replica for a run (`server.replicas`), against a stand-in for Serve's
+deployment handle: the deadline travels as the time left, since a replica's clock is its own."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from telerag.pipelines.types import RunEvent, RunOptions, TokenEvent
+from telerag.server.replicas import Replicas, received, shipped
+from telerag.server.routing import ROUTE_KWARG
+
+pytest.importorskip("ray", reason="the replicas need the `ray` extra")
+
+
+class Handle:
+    """Serve's deployment handle as `Replicas` calls it: `options(stream=True).run.remote(...)`."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple, dict]] = []
+        self.run = self
+
+    def options(self, **_: Any) -> Handle:
+        return self
+
+    def remote(self, *args: Any, **kwargs: Any) -> Stream:
+        self.calls.append((args, kwargs))
+        return Stream()
+
+
+class Stream:
+    """Serve's streamed response: the run's events; `cancel` stops the run in the replica."""
+
+    async def __aiter__(self) -> AsyncIterator[RunEvent]:
+        yield TokenEvent("an answer")
+
+    def cancel(self) -> None:
+        pass
+
+
+class Placer:
+    def place(self, text: str) -> tuple[np.ndarray, tuple[int, ...]]:
+        return np.zeros(4, dtype=np.float32), (1, 2)
+
+
+async def test_a_runs_deadline_reaches_the_replica_as_the_time_left_and_becomes_its_own_instant_there():
+    handle = Handle()
+    options = RunOptions(top_k=2, deadline=time.monotonic() + 10.0)
+    events = [event async for event in Replicas(handle, Placer(), attempts=1).run("naive", "q?", options, key=None)]
+    assert events == [TokenEvent("an answer")]
+    ((args, kwargs),) = handle.calls
+    pipeline, query, sent, _vector, seconds_left = args
+    assert (pipeline, query, sent) == ("naive", "q?", replace(options, deadline=None)) and ROUTE_KWARG in kwargs
+    assert 0 < seconds_left <= 10.0
+    there = received(sent, seconds_left)
+    assert there.deadline == pytest.approx(options.deadline, abs=1.0) and replace(there, deadline=None) == sent
+
+
+def test_a_run_without_a_deadline_sends_none():
+    assert shipped(RunOptions(top_k=2)) == (RunOptions(top_k=2), None)
+    assert received(RunOptions(top_k=2), None) == RunOptions(top_k=2)
