@@ -97,6 +97,7 @@ class AdmissionRow:
     failures: int
     refused_ms_p99: float | None
     slowest_ms: dict[str, float] = field(default_factory=dict)  # the slowest answer of each pipeline
+    answered_by_pipeline: dict[str, int] = field(default_factory=dict)  # a pipeline the policy starves shows as 0
 
 
 @dataclass
@@ -150,7 +151,9 @@ def _percentile_ms(values: Sequence[float], q: float) -> float | None:
     return float(np.percentile(values, q)) * 1e3 if values else None
 
 
-def _row(policy: Policy, users: int, burst: bool, report: SoakReport, seconds: float, deadline_s: float) -> AdmissionRow:
+def _row(
+    policy: Policy, users: int, burst: bool, report: SoakReport, seconds: float, deadline_s: float, pipelines: Sequence[str]
+) -> AdmissionRow:
     latencies = [a.seconds for a in report.answers]
     slowest: dict[str, float] = {}
     for answer in report.answers:
@@ -173,6 +176,7 @@ def _row(policy: Policy, users: int, burst: bool, report: SoakReport, seconds: f
         failures=sum(report.failures.values()),
         refused_ms_p99=report.refused_p99_ms,
         slowest_ms=slowest,
+        answered_by_pipeline={name: sum(a.pipeline == name for a in report.answers) for name in pipelines},
     )
 
 
@@ -187,13 +191,13 @@ async def _measure(url: str, policy: Policy, config: AdmissionConfig, questions:
         started = time.monotonic()
         report = await _burst(url, config, size, questions)
         seconds = time.monotonic() - started
-        measured.append((_row(policy, size, True, report, seconds, config.deadline_s), report))
+        measured.append((_row(policy, size, True, report, seconds, config.deadline_s, config.pipelines), report))
         log(f"{policy.name}: burst of {size}: {report.answered} answered, {report.refused} refused in {seconds:.1f} s")
     for users in config.users:
         soak_config = SoakConfig(url=url, users=users, duration_s=config.duration_s, pipelines=config.pipelines,
                                  max_tokens=config.max_tokens, timeout_s=config.timeout_s, ramp_s=config.ramp_s)  # fmt: skip
         report = await soak(soak_config, questions)
-        measured.append((_row(policy, users, False, report, report.duration_s, config.deadline_s), report))
+        measured.append((_row(policy, users, False, report, report.duration_s, config.deadline_s, config.pipelines), report))
         log(f"{policy.name}: {users} users: {report.answered} answered, {report.refused} refused")
     return measured
 
@@ -237,6 +241,12 @@ def format_table(report: AdmissionReport) -> str:
             f"{num(r.latency_ms_p50):>9}{num(r.latency_ms_p99):>9}{r.refused:>8}{r.refused_burst:>9}"
             f"{r.past_deadline:>6}{r.past_1_2_deadline:>6}{r.stopped_at_deadline:>5}{r.failures:>7}"
         )
+    if len(config.pipelines) > 1:  # where a policy answers some pipelines and not others
+        lines.append("answered by pipeline:")
+        for r in report.rows:
+            load = f"burst {r.users}" if r.burst else f"{r.users} users"
+            counts = ", ".join(f"{name} {count}" for name, count in r.answered_by_pipeline.items())
+            lines.append(f"  {r.mode:<10}{load:>10}  {counts}")
     return "\n".join(lines)
 
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from telerag.benchmarks.admission import Policy, _row, policies
+from telerag.benchmarks.admission import AdmissionConfig, AdmissionReport, Policy, _row, format_table, policies
 from telerag.benchmarks.soak import Answer, SoakReport
 from telerag.cli.main import main
 from tests.serving import build_small_datastore, save_tiny_lm
@@ -29,8 +29,12 @@ def test_each_policy_is_settings_of_the_server():
 def test_an_answer_the_servers_deadline_stopped_is_counted_apart_from_goodput():
     answers = [Answer("naive", 5.0), Answer("naive", 29.0, stopped_at_deadline=True), Answer("naive", 31.0)]
     report = SoakReport(users=2, duration_s=10.0, requests=3, answered=3, stopped_at_deadline=1, answers=answers)
-    row = _row(Policy("deadline"), 2, False, report, 10.0, 30.0)
+    row = _row(Policy("deadline"), 2, False, report, 10.0, 30.0, ("naive", "flare"))
     assert (row.goodput_per_s, row.stopped_at_deadline, row.past_deadline) == (0.1, 1, 1)
+    assert row.answered_by_pipeline == {"naive": 3, "flare": 0}  # a pipeline never answered shows as 0
+    config = AdmissionConfig(policies=(Policy("deadline"),), users=(2,), bursts=(), pipelines=("naive", "flare"))
+    table = format_table(AdmissionReport(config=config, rows=[row], capacity={}))
+    assert table.splitlines()[-2:] == ["answered by pipeline:", "  deadline     2 users  naive 3, flare 0"]
 
 
 def test_an_admission_margin_out_of_range_is_refused_in_one_line(monkeypatch):
