@@ -8,6 +8,7 @@ one place these contracts are written: every layer above imports them together.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import AsyncGenerator, AsyncIterable, Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -43,6 +44,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     deadline: float | None = None  # a time.monotonic() instant: generation stops there ("deadline")
+
+
+def deadline_passed(deadline: float | None) -> bool:
+    """Whether a deadline (a `time.monotonic()` instant; None: none) has come."""
+    return deadline is not None and time.monotonic() >= deadline
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from telerag.pipelines.types import (
     SearchRequest,
     TextEmbeddings,
     TokenChunk,
+    deadline_passed,
 )
 from telerag.retrieval.stats import PrefetchStats
 from tests.retrieval_helpers import HashEmbedder
@@ -142,10 +143,11 @@ class ScriptedEngine:
                     if token_delay:
                         left = math.inf if params.deadline is None else params.deadline - time.monotonic()
                         await asyncio.sleep(max(0.0, min(token_delay, left)))
-                    if params.deadline is not None and time.monotonic() >= params.deadline:  # as an engine stops there
+                    if deadline_passed(params.deadline):  # as an engine stops there
                         text, ids, logprobs = " ".join(words[:i]), generation.token_ids[:i], generation.logprobs[:i]
-                        generation = replace(generation, text=text, completion_tokens=i, token_ids=ids, logprobs=logprobs)
-                        generation = replace(generation, finish_reason="deadline")
+                        generation = replace(
+                            generation, text=text, completion_tokens=i, token_ids=ids, logprobs=logprobs, finish_reason="deadline"
+                        )
                         break
                     logprobs = generation.logprobs[i : i + 1]
                     yield TokenChunk(index, word + " ", generation.token_ids[i : i + 1], logprobs)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from telerag.pipelines.engines import StopFilter
 from telerag.pipelines.engines.document_kv import ChunkedIds
-from telerag.pipelines.types import Generation, SamplingParams, TokenChunk
+from telerag.pipelines.types import Generation, SamplingParams, TokenChunk, deadline_passed
 
 
 @dataclass(eq=False)
@@ -112,13 +112,9 @@ class DecodingRow:
             return self.finish("stop", now)
         if len(self.tokens) >= self.max_tokens:
             return self.finish("length", now)
-        if self.past_deadline():
+        if deadline_passed(self.params.deadline):
             return self.finish("deadline", now)
         return None
-
-    def past_deadline(self) -> bool:
-        """Whether its call's deadline (`SamplingParams.deadline`) has come."""
-        return self.params.deadline is not None and time.monotonic() >= self.params.deadline
 
     def finish(self, reason: str, now: float) -> str:
         """Emit the rest of the text and the row's Generation."""

@@ -46,7 +46,7 @@ from typing import Any
 from telerag.pipelines.engines import StopFilter, collect_generations, format_chat, prompt_token_ids
 from telerag.pipelines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, PipelineError
 from telerag.pipelines.stats import FinishReason
-from telerag.pipelines.types import Generation, SamplingParams, TokenChunk
+from telerag.pipelines.types import Generation, SamplingParams, TokenChunk, deadline_passed
 
 OVERLOADED = (429, 503)  # the status codes SGLang gives an abort for lack of room or time
 HOST_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)  # whose handlers SGLang must not keep
@@ -140,7 +140,7 @@ class SGLangEngine:
         started = time.perf_counter()
         input_ids = [prompt_token_ids(self.tokenizer, p) for p in prompts]
         progress = [_Progress(StopFilter(params.stop), prompt_tokens=len(ids)) for ids in input_ids]
-        if params.deadline is not None and time.monotonic() >= params.deadline:  # nothing to send it for
+        if deadline_passed(params.deadline):  # nothing to send it for
             for index, state in enumerate(progress):
                 for item in _cut(state, index, params, started):
                     yield item

@@ -48,7 +48,7 @@ from telerag.pipelines.engines.prefix_cache import LayerKV, PrefixCache, PrefixH
 from telerag.pipelines.engines.skinny_linear import use_skinny_matmuls
 from telerag.pipelines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, ModelNotFound
 from telerag.pipelines.prompts import document_chunks
-from telerag.pipelines.types import Generation, SamplingParams, TokenChunk
+from telerag.pipelines.types import Generation, SamplingParams, TokenChunk, deadline_passed
 from telerag.utils.device import resolve_device
 from telerag.utils.files import user_cache_dir
 
@@ -323,7 +323,7 @@ class TransformersEngine:
         for row in rows:
             room = self.context_length - len(row.prompt_ids) if self.context_length else row.call.params.max_tokens
             decoding = DecodingRow(row, self.decode, max_tokens=min(row.call.params.max_tokens, room))
-            if decoding.past_deadline():  # it waited past its deadline: nothing to prefill it for
+            if deadline_passed(row.call.params.deadline):  # it waited past its deadline: nothing to prefill it for
                 decoding.finish("deadline", time.perf_counter())
                 continue
             if decoding.max_tokens > 0:

@@ -51,6 +51,7 @@ from telerag.pipelines.types import (
     Step,
     TokenEvent,
     UsageEvent,
+    deadline_passed,
     query_texts,
 )
 
@@ -91,7 +92,7 @@ class RunContext:
     @property
     def past_deadline(self) -> bool:
         """Whether the run's deadline (`RunOptions.deadline`) has come: its LLM calls generate nothing more."""
-        return self.options.deadline is not None and time.monotonic() >= self.options.deadline
+        return deadline_passed(self.options.deadline)
 
     def generated(self, tokens: int) -> None:
         """Account for `tokens` newly generated tokens (in the result, and at once as a UsageEvent)."""
