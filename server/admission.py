@@ -49,9 +49,7 @@ from typing import NoReturn
 
 from telerag.server.admission_model import EstimateError, Job, Rates, ServiceRate, plan_finishes
 from telerag.server.errors import InvalidField, Overloaded, Refusal
-from telerag.server.reservation import Places
 from telerag.server.settings import DEADLINE_MARGIN
-from telerag.server.ticket import Plan, Ticket, jobs_of
 from telerag.server.workload import RequestCost
 
 logger = logging.getLogger(__name__)
@@ -60,6 +58,45 @@ ERROR_COMPARED_SHARE = 0.5  # an estimate under this share of the planned deadli
 # it could not break the deadline unless 2x off, and short estimates err most in ratio (in a real soak a request
 # estimated at 4.7 s among 8 took 11.6 s, and that one ratio, 2.45, became the factor of every load not measured
 # enough, refusing a second request with one running). On the drifting simulated load: +10% goodput at 64 clients
+
+
+@dataclass(eq=False)
+class Ticket:
+    """An admitted request."""
+
+    cost: RequestCost
+    client: str | None
+    admitted_at: float = 0.0
+    estimated_s: float | None = None  # seconds from admission to the finish the model expects, unscaled, as
+    # of the latest admission (which may have delayed it); None without a rate
+    estimated_in_flight: int = 1  # the requests admitted (itself included) when it was last estimated
+    plan: Plan | None = None  # what that estimate was made from (`Admission._replanned_s`)
+    served: float | None = None  # the work it was served, once it completed
+    calibrating: bool = False  # a request of the warm-up, estimated before the rates it ran at were measured
+    running: bool = False
+    finished: bool = False
+    attention: dict[int, float] = field(default_factory=dict)  # seconds of the whole server it has had (an equal
+    # share of the time it ran), by the number of requests running then
+
+    def job(self, rates: Rates, work: float) -> Job:
+        """What the model plans for it at `rates` if its whole work is `work`: a running one's
+        prompt counts as prefilled once it has been served as much, not as soon as it runs."""
+        had = rates.served(self.attention) if rates else 0.0
+        left = max(work - had, 0.0)
+        return Job(left, min(max(self.cost.prefill_work - had, 0.0), left), self.running)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """An estimate's inputs: at `at`, with `rates`, the admitted `tickets` and their `jobs` (in
+    admission order), the estimated one the `index`th; so that when it ends its estimate can be
+    made again with the work it and the others really had."""
+
+    at: float
+    rates: Rates
+    tickets: tuple[Ticket, ...]
+    jobs: tuple[Job, ...]
+    index: int
 
 
 @dataclass
@@ -79,7 +116,6 @@ class Admission:
     on_start: Callable[[float], None] = lambda waited_s: None  # a request got its slot after waiting this long
     rate: ServiceRate = field(default_factory=ServiceRate)
     error: EstimateError = field(default_factory=EstimateError)
-    places: Places = field(default_factory=Places)
 
     def __post_init__(self) -> None:
         self._slots = asyncio.Semaphore(self.max_concurrency)
@@ -99,16 +135,9 @@ class Admission:
     # -- decisions ---------------------------------------------------------------------------
 
     def admit(
-        self,
-        cost: RequestCost,
-        client: str | None = None,
-        *,
-        pipeline: str | None = None,
-        calibrating: bool = False,
-        limit_field: str = "max_tokens",
+        self, cost: RequestCost, client: str | None = None, *, calibrating: bool = False, limit_field: str = "max_tokens"
     ) -> Ticket:
         """Admit the request (it then waits for a slot) or raise `Overloaded` with a Retry-After.
-        `pipeline`: what it runs, whose place is kept when it is refused too often (`reservation`).
         `calibrating`: a request of the server's own warm-up, which measures what the deadline
         needs: admitted whatever it. `limit_field`: the request's field that set its token limit
         (what a request too long even alone is told to lower)."""
@@ -132,7 +161,7 @@ class Admission:
         if self.deadline_s is not None and rates and not calibrating and not cost.provisional:
             self._check_alone(rates, ticket, self.deadline_s, limit_field)
         tickets = [*self._admitted, ticket]
-        jobs = jobs_of(rates, tickets) if rates else ()
+        jobs = _jobs(rates, tickets) if rates else ()
         finishes = dict(zip(tickets, plan_finishes(rates, jobs, self.max_concurrency), strict=True)) if rates else None
         if self.deadline_s is not None and self._admitted and not calibrating:
             if finishes is None:
@@ -141,13 +170,7 @@ class Admission:
                     "the server is measuring its service rate: one request at a time until one has finished",
                     None,
                 )
-            try:
-                self._check_deadlines(rates, tickets, pipeline, self.deadline_s)
-            except Overloaded as refused:
-                if refused.reason is Refusal.DEADLINE:  # not the kept place's: its own size
-                    self.places.refused(pipeline, cost, self._last, refused.retry_after)
-                raise
-        self.places.admitted(pipeline)
+            self._check_deadlines(rates, tickets, jobs, finishes, self.deadline_s)
         if finishes is not None:
             for i, (t, in_s) in enumerate(finishes.items()):
                 t.estimated_s = self._last + in_s - t.admitted_at
@@ -159,7 +182,7 @@ class Admission:
 
     def _finishes(self, rates: Rates, tickets: list[Ticket]) -> dict[Ticket, float]:
         """Seconds from now until each of `tickets` (in admission order) finishes, nothing else admitted."""
-        return dict(zip(tickets, plan_finishes(rates, jobs_of(rates, tickets), self.max_concurrency), strict=True))
+        return dict(zip(tickets, plan_finishes(rates, _jobs(rates, tickets), self.max_concurrency), strict=True))
 
     def _check_alone(self, rates: Rates, ticket: Ticket, deadline_s: float, limit_field: str) -> None:
         """Refuse a request whose expected time alone on the server (its mean cost, unscaled:
@@ -178,27 +201,21 @@ class Admission:
             f"{deadline_s:g} s: ask for fewer {limit_field} (or sample at a lower temperature)",
         )
 
-    def _check_deadlines(self, rates: Rates, tickets: list[Ticket], pipeline: str | None, deadline_s: float) -> None:
-        """Refuse the last of `tickets` (the new one, of `pipeline`) if, with it, it or an admitted
-        request would finish past the deadline of its own admission (`_blockers`); or, when a
-        place is kept (`reservation`), if it would leave no room for a request of the kept
-        pipeline, as if that one came now (told to come back when that one is expected).
-        `Retry-After` otherwise: how much later the new one itself would fit, or, when an admitted
-        request would be late, how long until that one finishes (admitting more would only make it
-        later; told when it was expected at its mean, d9b5d26's clients came back 5x as often: 0.42x
-        fixed-12's goodput, 64 users)."""
+    def _check_deadlines(
+        self, rates: Rates, tickets: list[Ticket], jobs: tuple[Job, ...], finishes: dict[Ticket, float], deadline_s: float
+    ) -> None:
+        """Refuse the last of `tickets` (the new one) if, with it, it or an admitted request would
+        finish past the deadline of its own admission, each at its own cost's quantile
+        (`_own_tails`), the estimates scaled by their measured error. `Retry-After`: how much later
+        the new one itself would fit, or, when an admitted request would be late, how long until
+        that one finishes (admitting more would only make it later; told when it was expected at
+        its mean, d9b5d26's clients came back 5x as often: 0.42x fixed-12's goodput, 64 users)."""
         new = tickets[-1]
-        factor, tails, blockers = self._blockers(rates, tickets, deadline_s)
-        kept = self.places.kept_against(pipeline, self._last)
-        if not blockers and kept is not None:
-            held = Ticket(kept.cost, None, admitted_at=self._last)
-            if self._blockers(rates, [*tickets[:-1], held, new], deadline_s)[2]:
-                self._refuse(
-                    Refusal.PLACE_KEPT,
-                    f"server busy: the place of a {kept.pipeline} request, refused {self.places.starved_after} "
-                    "times in a row, is kept, and this request would leave it no room",
-                    kept.expected_at - self._last,
-                )
+        factor = self.error.factor(len(finishes))
+        deadline = deadline_s * (1.0 - self.margin)
+        tails = self._own_tails(rates, tickets, jobs, finishes, deadline / factor)
+        late = [(t, (self._last - t.admitted_at + in_s) * factor - deadline) for t, in_s in tails.items()]
+        blockers = [(t, lateness) for t, lateness in late if lateness > 0]
         if not blockers:
             return
         logger.debug(
@@ -215,20 +232,6 @@ class Admission:
             f"or make an admitted one finish later than the deadline of {deadline_s:g} s",
             retry,
         )
-
-    def _blockers(
-        self, rates: Rates, tickets: list[Ticket], deadline_s: float
-    ) -> tuple[float, dict[Ticket, float], list[tuple[Ticket, float]]]:
-        """With `tickets` admitted: the error factor of their load, the seconds until each finishes
-        at its own cost's quantile (`_own_tails`), and those that would then finish past the
-        deadline of their own admission, with how far past, the estimates scaled by the factor."""
-        jobs = jobs_of(rates, tickets)
-        finishes = dict(zip(tickets, plan_finishes(rates, jobs, self.max_concurrency), strict=True))
-        factor = self.error.factor(len(finishes))
-        deadline = deadline_s * (1.0 - self.margin)
-        tails = self._own_tails(rates, tickets, jobs, finishes, deadline / factor)
-        late = [(t, (self._last - t.admitted_at + in_s) * factor - deadline) for t, in_s in tails.items()]
-        return factor, tails, [(t, lateness) for t, lateness in late if lateness > 0]
 
     def _own_tails(
         self,
@@ -248,7 +251,7 @@ class Admission:
         slowest = min(rates.at(k) / k for k in range(1, slots + 1))
         tails = dict(finishes)
         for i, t in enumerate(tickets):
-            if t.cost.provisional and t in self._admitted:
+            if t.cost.provisional and t is not tickets[-1]:
                 continue
             tail = t.job(rates, t.cost.work_among(1))
             extra = tail.left - jobs[i].left
@@ -390,3 +393,8 @@ class Admission:
     async def drain(self) -> None:
         """Wait until every admitted request has finished (graceful shutdown)."""
         await self._idle.wait()
+
+
+def _jobs(rates: Rates, tickets: list[Ticket]) -> tuple[Job, ...]:
+    """The `tickets` as the model plans them, each at its share among them (`RequestCost.work_among`)."""
+    return tuple(t.job(rates, t.cost.work_among(len(tickets))) for t in tickets)

@@ -21,9 +21,8 @@ from pydantic import BaseModel
 
 from telerag.pipelines.types import RagResult, ResultEvent, RunEvent
 from telerag.server import errors
-from telerag.server.admission import Admission
+from telerag.server.admission import Admission, Ticket
 from telerag.server.protocol import ErrorDetail
-from telerag.server.ticket import Ticket
 from telerag.server.workload import ServedWork
 
 CLIENT_CLOSED_REQUEST = 499  # nobody reads it: the status for a response whose client left first

@@ -61,7 +61,6 @@ class Refusal(StrEnum):
     `prompt_tokens`), and the `reason` label of `telerag_admission_refusals_total`."""
 
     DEADLINE = "deadline"  # its expected finish is past the deadline
-    PLACE_KEPT = "place_kept"  # it would leave no room for a request of a pipeline refused too often (`reservation`)
     QUEUE_FULL = "queue_full"  # max_concurrency running and max_queue waiting
     KEY_LIMIT = "key_limit"  # its API key has max_in_flight_per_key requests admitted
     CALIBRATING = "calibrating"  # the rate or the estimates' error is not measured yet (one request in flight), or

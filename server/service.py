@@ -229,7 +229,7 @@ class Service:
         prompt = self.prompt_tokens(query, options, query_field=query_field, top_k_field=top_k_field)
         calls = pipeline.llm_calls + (1 if options.history else 0)  # a follow-up's rewrite
         cost = self.workload.estimate(pipeline.name, calls, prompt, options.max_tokens, options.temperature)
-        ticket = self.admission.admit(cost, client, pipeline=pipeline.name, limit_field=limit_field)
+        ticket = self.admission.admit(cost, client, limit_field=limit_field)
         deadline = self.admission.deadline_s
         if deadline is not None:  # the promise kept even where the estimate was wrong: its LLM calls stop in time
             options = replace(options, deadline=ticket.admitted_at + deadline - DEADLINE_STOP_LEAD_S)

@@ -38,11 +38,8 @@ PREFILL_WEIGHT = 0.03  # cost of a prompt token relative to a generated one. Mea
 # long ones look cheap: a 256-token answer was admitted at an estimate of 14.5 s and took 35 s
 PROFILE_WINDOW = 50  # completed requests of a pipeline its estimates are made from
 PROFILE_MIN_SAMPLES = 5  # below this many, the estimate is provisional
-FEW_SAMPLES_SPREAD = 0.5  # below PROFILE_MIN_SAMPLES, the quantile is taken as at least (1 + this) x the mean: one
-# request says little of how the next varies (naive's answers on the embedded default: 4-80 tokens). At 1.0 a new
-# request of a pipeline measured once was judged at twice its mean, and under load refused until its place was kept
-# (`reservation`): on the simulated mix (seeds 0-15, 16 and 64 clients, places kept) 0.82-0.83x the best fixed N's
-# goodput, 0.98-1.00x at 0.5. The deadline stop bounds what an estimate too short costs: a cut answer, not a late one
+FEW_SAMPLES_SPREAD = 1.0  # below PROFILE_MIN_SAMPLES, the quantile is taken as at least (1 + this) x the mean: one
+# request says little of how the next varies (naive's answers on the embedded default: 4-80 tokens)
 COST_QUANTILE = 0.9  # of the recent requests' work: one in ten runs longer, which the error model then sees
 PRIOR_CALL_TOKENS = 64  # output of each call of a pipeline not measured yet (its answers' `max_tokens` at most)
 HOT_TEMPERATURE = 1.0  # above it sampling flattens the model's distribution and answers seldom end before their

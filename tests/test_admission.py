@@ -17,10 +17,8 @@ from telerag.server.admission import Admission
 from telerag.server.admission_model import ERROR_WINDOW, EstimateError, Rates, ServiceRate
 from telerag.server.app import create_app, start_serving
 from telerag.server.errors import InvalidField, Overloaded, Refusal
-from telerag.server.reservation import KEPT_GRACE_S
 from telerag.server.runtime import Runtime
 from telerag.server.settings import Settings
-from telerag.server.ticket import Ticket
 from telerag.server.workload import PROFILE_MIN_SAMPLES, RequestCost
 from tests.fake_app import DATASTORE_INFO
 from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
@@ -704,61 +702,3 @@ async def test_the_priors_guess_never_refuses_a_request_that_would_run_alone():
     with pytest.raises(Overloaded):
         a.admit(RequestCost(work=10.0))  # but nothing joins it that would make it later still
     assert refused == [Refusal.DEADLINE]
-
-
-GUESS = RequestCost(work=60.0, spread=60.0, provisional=True)  # a pipeline measured once: judged at 120 units
-
-
-async def starved(clock: Clock) -> tuple[Admission, list[Refusal], list[Ticket], int]:
-    """Two naive requests admitted (200 units at 10/s: 20 s) and a FLARE request costed
-    provisionally refused three times in a row: with them it would finish in 32 s. Returns the
-    Retry-After FLARE was last told."""
-    a, refused = await measured(clock, rate=10.0)
-    naive = [a.admit(UNIT, pipeline="naive") for _ in range(2)]
-    for _ in range(3):
-        with pytest.raises(Overloaded) as info:
-            a.admit(GUESS, pipeline="flare")
-    assert refused == [Refusal.DEADLINE] * 3
-    return a, refused, naive, info.value.retry_after
-
-
-async def test_a_pipeline_refused_while_measured_once_has_its_place_kept_until_it_is_admitted():
-    """FLARE, costed at its one request's guess and refused three times in a row, gets its place
-    kept: a naive request that would fit (250 units, 25 s) is refused while it would leave FLARE
-    no room, told to come back when FLARE is expected; once a FLARE request is admitted, naive
-    ones are again."""
-    clock = Clock()
-    a, refused, naive, flare_retry = await starved(clock)
-    with pytest.raises(Overloaded) as info:
-        a.admit(RequestCost(work=50.0), pipeline="naive")
-    assert refused[-1] == Refusal.PLACE_KEPT and info.value.retry_after == flare_retry
-    assert "flare" in str(info.value)
-    for t in naive:
-        await a.start(t)
-    clock.now += 10.0  # each naive has had 50 of its 100 units
-    flare = a.admit(GUESS, pipeline="flare")  # 100 + 120 units left: 22 s
-    assert flare.estimated_s is not None and refused[-1] == Refusal.PLACE_KEPT
-    assert a.admit(RequestCost(work=10.0), pipeline="naive")  # the place is taken: nothing kept
-
-
-async def test_a_kept_place_lapses_when_its_pipeline_does_not_come_back():
-    """Kept only for the Retry-After FLARE was given and `KEPT_GRACE_S` more: a client that gave
-    up does not hold the server."""
-    clock = Clock()
-    a, refused, _, flare_retry = await starved(clock)
-    clock.now += flare_retry + KEPT_GRACE_S + 0.1
-    assert a.admit(RequestCost(work=10.0), pipeline="naive") and Refusal.PLACE_KEPT not in refused
-
-
-async def test_a_measured_pipelines_refusals_keep_no_place():
-    """A pipeline measured enough is judged at its own spread: a request refused for its size
-    keeps no room (`reservation`: kept for measured pipelines too, the simulated mix's goodput
-    fell to 0.92-0.93x the best fixed number in flight's)."""
-    clock = Clock()
-    a, refused = await measured(clock, rate=10.0)
-    for _ in range(2):
-        a.admit(UNIT, pipeline="naive")
-    for _ in range(5):
-        with pytest.raises(Overloaded):
-            a.admit(RequestCost(work=60.0, spread=60.0), pipeline="flare")
-    assert a.admit(RequestCost(work=50.0), pipeline="naive") and Refusal.PLACE_KEPT not in refused

@@ -21,15 +21,13 @@ import heapq
 import itertools
 import math
 import random
-from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
 
-from telerag.server.admission import Admission
+from telerag.server.admission import Admission, Ticket
 from telerag.server.errors import Overloaded
 from telerag.server.service import CALIBRATION_BURST
-from telerag.server.ticket import Ticket
 from telerag.server.workload import CallOutput, ServedWork, Workload
 
 STEP_S, ROW_S, PREFILL_S = 0.08, 0.02, 0.002  # about the embedded Gemma on two cores
@@ -157,7 +155,7 @@ class Simulation:
         prompt_estimate = calls[-1].prompt_tokens if pipeline == "naive" else self.rng.randint(430, 500)
         try:
             cost = self.workload.estimate(pipeline, len(calls), prompt_estimate, MAX_TOKENS)
-            ticket = self.admission.admit(cost, pipeline=pipeline, calibrating=calibrating)
+            ticket = self.admission.admit(cost, calibrating=calibrating)
         except Overloaded as refused:
             self.outcome.refusals += 1
             if self.resend:
@@ -276,18 +274,6 @@ async def test_under_a_mix_of_pipelines_goodput_is_that_of_the_best_fixed_number
         late += sum(s > DEADLINE_S for s in deadline.latencies)
     assert goodput >= 0.95 * best, (goodput, best)
     assert late <= 0.02 * answered, (late, answered)
-
-
-async def test_under_a_mix_no_pipeline_is_starved():
-    """In every run (four seeds at 16 and 64 clients) each of the seven pipelines is answered at
-    least a third of an even share of the answers: the costly ones, costed at first from the
-    warm-up's one request each, are not refused each time they ask while the cheap ones fill the
-    server (`reservation`). Before places were kept, four of these eight runs answered one or no
-    request of some pipeline."""
-    for clients, seed in itertools.product((16, 64), range(4)):
-        outcome = await saturate(seed, pipelines=tuple(MIX), clients=clients)
-        answered = Counter(outcome.pipelines)
-        assert min(answered[p] for p in MIX) >= len(outcome.latencies) / len(MIX) / 3, (seed, clients, answered)
 
 
 @pytest.mark.parametrize("burst", [8, 16])
