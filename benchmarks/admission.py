@@ -99,6 +99,11 @@ class AdmissionRow:
     slowest_ms: dict[str, float] = field(default_factory=dict)  # the slowest answer of each pipeline
     answered_by_pipeline: dict[str, int] = field(default_factory=dict)  # a pipeline the policy starves shows as 0
 
+    @property
+    def load(self) -> str:
+        """The load as the table names it."""
+        return f"burst {self.users}" if self.burst else f"{self.users} users"
+
 
 @dataclass
 class AdmissionReport:
@@ -235,18 +240,16 @@ def format_table(report: AdmissionReport) -> str:
         f"{'refused':>8}{'in burst':>9}{'late':>6}{'>1.2x':>6}{'cut':>5}{'failed':>7}",
     ]
     for r in report.rows:
-        load = f"burst {r.users}" if r.burst else f"{r.users} users"
         lines.append(
-            f"{r.mode:<10}{load:>10}{r.requests:>9}{r.answered_per_s:>11.2f}{r.goodput_per_s:>10.2f}"
+            f"{r.mode:<10}{r.load:>10}{r.requests:>9}{r.answered_per_s:>11.2f}{r.goodput_per_s:>10.2f}"
             f"{num(r.latency_ms_p50):>9}{num(r.latency_ms_p99):>9}{r.refused:>8}{r.refused_burst:>9}"
             f"{r.past_deadline:>6}{r.past_1_2_deadline:>6}{r.stopped_at_deadline:>5}{r.failures:>7}"
         )
     if len(config.pipelines) > 1:  # where a policy answers some pipelines and not others
         lines.append("answered by pipeline:")
         for r in report.rows:
-            load = f"burst {r.users}" if r.burst else f"{r.users} users"
             counts = ", ".join(f"{name} {count}" for name, count in r.answered_by_pipeline.items())
-            lines.append(f"  {r.mode:<10}{load:>10}  {counts}")
+            lines.append(f"  {r.mode:<10}{r.load:>10}  {counts}")
     return "\n".join(lines)
 
 
