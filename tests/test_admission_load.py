@@ -9,8 +9,9 @@ The engine is continuous batching as `pipelines/engines/transformers.py` does it
 decode steps the prompts that arrived are prefilled, holding up every row; then one step decodes
 a token for every row, and a row leaves when its answer is done. A step takes
 `STEP_S + ROW_S * rows + PREFILL_S * prompt tokens`, so a batch serves more per second than one
-row alone, and a burst of arrivals stalls the rows already running. Answers stop at a random
-length up to `max_tokens`. Requests are costed and measured as the service does it (`Workload`,
+row alone, and a burst of arrivals stalls the rows already running; a request's later calls
+prefill only what the prefix cache did not hold (`reusing`). Answers stop at a random length up
+to `max_tokens`. Requests are costed and measured as the service does it (`Workload`,
 `ServedWork`), and the server warms up as the service does (one request alone, then a burst).
 Nothing here measures time; every number is of the simulated clock.
 """
@@ -21,7 +22,7 @@ import heapq
 import itertools
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -40,6 +41,18 @@ class Call:
     prompt_tokens: int
     tokens: int  # its output
     answer: bool = True  # it writes answer text (bounded by max_tokens)
+    cached: int = 0  # of its prompt, the tokens the engine's prefix cache holds (not prefilled)
+
+    @property
+    def prefilled_tokens(self) -> int:
+        return self.prompt_tokens - self.cached
+
+
+def reusing(calls: list[Call]) -> list[Call]:
+    """A request's calls as the engine's prefix cache serves them: each one after the first
+    finds the prompt before it cached as far as the two are alike (the same instructions and
+    documents; on the embedded default FLARE's later calls prefilled about 15 tokens each)."""
+    return [calls[0]] + [replace(c, cached=min(c.prompt_tokens, before.prompt_tokens)) for before, c in itertools.pairwise(calls)]
 
 
 def naive(rng: random.Random) -> list[Call]:
@@ -77,12 +90,12 @@ class Request:
     prefilled: bool = False
 
     @property
-    def prompt_tokens(self) -> int:
-        return self.calls[self.call].prompt_tokens
+    def prefill_tokens(self) -> int:
+        return self.calls[self.call].prefilled_tokens
 
     def served(self) -> ServedWork:
         return ServedWork(
-            sum(c.prompt_tokens for c in self.calls),
+            sum(c.prefilled_tokens for c in self.calls),
             tuple(CallOutput(c.tokens, c.answer, cut=c.answer and c.tokens >= MAX_TOKENS) for c in self.calls),
         )
 
@@ -140,7 +153,7 @@ class Simulation:
         """Start the next step with the rows running now (prefilling those that just joined)."""
         self.stepping[:] = self.running
         if self.stepping:
-            prefill = sum(r.prompt_tokens for r in self.stepping if not r.prefilled)
+            prefill = sum(r.prefill_tokens for r in self.stepping if not r.prefilled)
             self.schedule(self.clock.now + STEP_S + ROW_S * len(self.stepping) + PREFILL_S * prefill, "step")
 
     async def take_slot(self, request: Request) -> None:
@@ -151,7 +164,7 @@ class Simulation:
 
     async def send(self, client: int, pipeline: str | None = None, *, calibrating: bool = False) -> None:
         pipeline = pipeline or next(self.turn)
-        calls = MIX[pipeline](self.rng)
+        calls = reusing(MIX[pipeline](self.rng))
         prompt_estimate = calls[-1].prompt_tokens if pipeline == "naive" else self.rng.randint(430, 500)
         try:
             cost = self.workload.estimate(pipeline, len(calls), prompt_estimate, MAX_TOKENS)

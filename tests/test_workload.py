@@ -43,6 +43,19 @@ def test_the_served_work_is_read_from_the_trace_each_llm_call_with_its_prompt():
     assert work.work == pytest.approx(W * 900 + 35)
 
 
+def test_prompt_tokens_the_prefix_cache_held_are_not_counted_as_work():
+    """A multi-call pipeline's later prompts carry the documents its first one prefilled: counted
+    again, FLARE on the embedded default was costed up to 3x its time."""
+    steps = [
+        Step(GENERATE, "q", tokens_in=450, tokens_out=10, tokens_cached=20),
+        Step(GENERATE, "q", tokens_in=470, tokens_out=12, tokens_cached=440),
+    ]
+    result = RagResult("a", "flare", [], steps, Timings(), PrefetchSummary())
+    work = ServedWork.of(result)
+    assert work.prefilled_tokens == 430 + 30
+    assert work.work == pytest.approx(W * 460 + 22)
+
+
 async def test_a_real_run_is_measured_with_every_call_it_made():
     pipeline, _, _, log = make("iterative", judge="no")
     result, _ = await run(pipeline)
