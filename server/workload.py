@@ -91,7 +91,7 @@ class ServedWork:
     def of(cls, result: RagResult) -> ServedWork:
         calls = [s for s in result.steps if s.kind == "llm"]
         return cls(
-            prefilled_tokens=sum(s.tokens_in - s.tokens_cached for s in calls),
+            prefilled_tokens=result.prompt_tokens - result.cached_tokens,
             outputs=tuple(
                 CallOutput(s.tokens_out, s.stage.role is StageRole.GENERATE, s.cut or s.stopped_at_deadline) for s in calls
             ),
