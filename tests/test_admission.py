@@ -317,6 +317,20 @@ def test_the_estimate_error_is_a_high_quantile_of_took_over_estimated_at_each_lo
     assert error.factor(1) == pytest.approx(0.5)
 
 
+def test_a_few_slow_requests_in_a_hundred_do_not_scale_every_estimate():
+    """By default estimates are scaled by the error's 95th percentile at their load, not its
+    largest: one request slowed once (a burst of prefills, a busy event loop) does not make
+    admission refuse, for the next hundred, what fits; six in a hundred do."""
+    error = EstimateError()
+    for _ in range(95):
+        error.observe(10.0, 10.0)
+    for _ in range(5):
+        error.observe(10.0, 13.0)
+    assert error.factor(1) == pytest.approx(1.0)
+    error.observe(10.0, 13.0)  # the window keeps 100: 94 on time, 6 at 1.3x
+    assert error.factor(1) == pytest.approx(1.3)
+
+
 def test_a_load_not_measured_enough_takes_every_loads_worst_and_one_never_seen_more():
     """An estimate made with 8 admitted is scaled by the error measured with 8 admitted, once
     there are enough; before, by the largest of every load's, at least 1; and with more admitted
