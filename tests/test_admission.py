@@ -388,7 +388,7 @@ async def test_the_error_scales_the_whole_estimate_as_it_was_measured():
     big = a.admit(RequestCost(work=200.0))
     await a.start(big)
     clock.now += 12.0  # 120 units done: 8 s to go alone
-    a.error.ratios[2].append(1.6)  # with two admitted, estimates have run 1.6x long
+    a.error.ratios[2].extend([1.6] * ERROR_WINDOW)  # with two admitted, estimates have run 1.6x long
     assert a.error.factor(2) == pytest.approx(1.6)
     with pytest.raises(Overloaded):
         a.admit(RequestCost(work=1.0))
