@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 RATE_TIME_CONSTANT_S = 120.0  # how long the measured rates remember
 ERROR_WINDOW = 100  # completed requests whose estimate error is remembered, at each load
-ERROR_QUANTILE = 0.95  # of that error, what scales an estimate. A request is late when its own work runs past its
-# cost's quantile (`workload.COST_QUANTILE`, 0.9) and the model errs past this one by more than the other falls short,
-# or the reverse: for two independent errors of like spread (log-normal), 2 in 100 of those planned right at the
+ERROR_QUANTILE = 0.95  # of that error, what scales an estimate. Each request is already judged with its own work at
+# its cost's quantile (`workload.COST_QUANTILE`, 0.9), and is late only when that work and the model's error together
+# run past the plan: for two independent log-normal errors of like spread, 2 in 100 of those planned right at the
 # deadline, fewer of the rest (the margin). The largest of the window (1.0, before) stacked a second worst case on the
 # cost's: in the mix at 64 users one slow request of 100 scaled 61 of 75 admissions by 1.30, and the refusals kept
 # admitted requests in time that finished by a p99 of 25.1 s of 30. On the simulated mix (16 seeds, 16 and 64 clients,
@@ -36,7 +36,7 @@ ERROR_QUANTILE = 0.95  # of that error, what scales an estimate. A request is la
 # late 15 of 3,043, 24 of 3,117 (0.8%), 40 of 3,134 (2.2% in one set of 8 seeds)
 ERROR_MIN_SAMPLES = 3  # below this many in all, estimates are not scaled (from 3 on, the largest of few is near their worst)
 ERROR_LOAD_SAMPLES = 8  # a load's own error scales its estimates from this many on (the warm-up's burst measures as
-# many at 8 admitted); before, every load's worst, at least 1. On the simulated load (tests/test_admission_load.py, 12
+# many at 8 admitted); before, every load's pooled, at least 1. On the simulated load (tests/test_admission_load.py, 12
 # runs, with the 20% margin of then) no accepted request finished past the deadline with 8, 12 or 20 (p99 at most
 # 26.5, 25.4, 25.4 s of 30)
 UNSEEN_LOAD_FACTOR = 1.5  # more requests admitted than at any load with ERROR_MIN_SAMPLES measured: estimates x 1.5
