@@ -14,6 +14,12 @@ means a restart. Against each: bursts on the idle server (`bursts` requests sent
 burst waited for), then each number of `users` for `duration_s` (`benchmarks.soak`: closed-loop
 users that honour `Retry-After`). A refusal is a *burst refusal* when this run had fewer requests
 in flight than the capacity, the N of the fixed policy with the best goodput at that load.
+
+This machine's speed drifts by a quarter from one half hour to the next, and one policy measured
+after another takes the drift for a difference between them. With `rounds` R, every policy is
+measured R times, in turns (round r starts at the policy after round r-1's first), and each row
+pools its rounds; each round's goodput is kept beside it, so that the spread between rounds says
+how far a ratio of two rows can be trusted.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 import numpy as np
 
-from telerag.benchmarks.soak import Answer, SoakConfig, SoakReport, soak
+from telerag.benchmarks.soak import Answer, Refused, SoakConfig, SoakReport, soak
 from telerag.utils.processes import free_port, stop
 
 READY_TIMEOUT_S = 1800.0  # a first start builds the datastore and converts the model
@@ -69,13 +75,14 @@ class AdmissionConfig:
     policies: tuple[Policy, ...]
     users: tuple[int, ...] = (4, 16, 64)
     bursts: tuple[int, ...] = (8, 16)
-    duration_s: float = 90.0
+    duration_s: float = 90.0  # each load's, in each round
     ramp_s: float = 10.0
     pipelines: tuple[str, ...] = ("naive",)
     max_tokens: int = 64
     deadline_s: float = 30.0  # the deadline that goodput counts against, and the `deadline` policy's
     serve_args: tuple[str, ...] = ()  # more `telerag serve` arguments (--config, --model, --datastore, ...)
     timeout_s: float = 600.0  # a request not answered in this long is a failure
+    rounds: int = 1  # each policy measured this many times, in turns (see the module's docstring)
 
 
 @dataclass
@@ -98,6 +105,7 @@ class AdmissionRow:
     refused_ms_p99: float | None
     slowest_ms: dict[str, float] = field(default_factory=dict)  # the slowest answer of each pipeline
     answered_by_pipeline: dict[str, int] = field(default_factory=dict)  # a pipeline the policy starves shows as 0
+    goodput_per_s_by_round: list[float] = field(default_factory=list)  # each round's own
 
     @property
     def load(self) -> str:
@@ -156,32 +164,54 @@ def _percentile_ms(values: Sequence[float], q: float) -> float | None:
     return float(np.percentile(values, q)) * 1e3 if values else None
 
 
-def _row(
-    policy: Policy, users: int, burst: bool, report: SoakReport, seconds: float, deadline_s: float, pipelines: Sequence[str]
-) -> AdmissionRow:
-    latencies = [a.seconds for a in report.answers]
+@dataclass
+class _Measured:
+    """One policy at one load: each round's run of it, with how long each took."""
+
+    policy: Policy
+    users: int
+    burst: bool
+    runs: list[tuple[SoakReport, float]] = field(default_factory=list)
+
+    @property
+    def answers(self) -> list[Answer]:
+        return [a for report, _ in self.runs for a in report.answers]
+
+    @property
+    def refusals(self) -> list[Refused]:
+        return [r for report, _ in self.runs for r in report.refusals]
+
+
+def _row(measured: _Measured, deadline_s: float, pipelines: Sequence[str], capacity: int | None = None) -> AdmissionRow:
+    """The row of `measured`, its rounds pooled; its refusals with fewer than `capacity` in flight
+    are burst refusals (none without a capacity)."""
+    reports = [report for report, _ in measured.runs]
+    seconds = sum(s for _, s in measured.runs)
+    answers, refusals = measured.answers, measured.refusals
+    latencies = [a.seconds for a in answers]
     slowest: dict[str, float] = {}
-    for answer in report.answers:
+    for answer in answers:
         slowest[answer.pipeline] = max(slowest.get(answer.pipeline, 0.0), answer.seconds * 1e3)
     return AdmissionRow(
-        mode=policy.name,
-        users=users,
-        burst=burst,
-        requests=report.requests,
-        answered=report.answered,
-        answered_per_s=report.answered / seconds,
-        goodput_per_s=_within(report.answers, deadline_s) / seconds,
+        mode=measured.policy.name,
+        users=measured.users,
+        burst=measured.burst,
+        requests=sum(r.requests for r in reports),
+        answered=len(answers),
+        answered_per_s=len(answers) / seconds,
+        goodput_per_s=_within(answers, deadline_s) / seconds,
         latency_ms_p50=_percentile_ms(latencies, 50),
         latency_ms_p99=_percentile_ms(latencies, 99),
-        refused=report.refused,
-        refused_burst=0,  # known once the capacity is
+        refused=len(refusals),
+        refused_burst=0 if capacity is None else sum(r.in_flight < capacity for r in refusals),
         past_deadline=sum(s > deadline_s for s in latencies),
         past_1_2_deadline=sum(s > 1.2 * deadline_s for s in latencies),
-        stopped_at_deadline=report.stopped_at_deadline,
-        failures=sum(report.failures.values()),
-        refused_ms_p99=report.refused_p99_ms,
+        stopped_at_deadline=sum(r.stopped_at_deadline for r in reports),
+        failures=sum(sum(r.failures.values()) for r in reports),
+        refused_ms_p99=_percentile_ms([r.seconds for r in refusals], 99),
         slowest_ms=slowest,
-        answered_by_pipeline={name: sum(a.pipeline == name for a in report.answers) for name in pipelines},
+        answered_by_pipeline={name: sum(a.pipeline == name for a in answers) for name in pipelines},
+        goodput_per_s_by_round=[_within(report.answers, deadline_s) / s for report, s in measured.runs],
     )
 
 
@@ -189,40 +219,47 @@ def _within(answers: Sequence[Answer], deadline_s: float) -> int:
     return sum(a.seconds <= deadline_s and not a.stopped_at_deadline for a in answers)
 
 
-async def _measure(url: str, policy: Policy, config: AdmissionConfig, questions: Sequence[str],
-                   log: Callable[[str], None]) -> list[tuple[AdmissionRow, SoakReport]]:  # fmt: skip
+async def _measure(url: str, name: str, config: AdmissionConfig, questions: Sequence[str],
+                   log: Callable[[str], None]) -> list[tuple[int, bool, SoakReport, float]]:  # fmt: skip
+    """Each burst, then each load, against the server at `url` (policy `name`): (users, burst,
+    what came back, seconds)."""
     measured = []
     for size in config.bursts:
         started = time.monotonic()
         report = await _burst(url, config, size, questions)
         seconds = time.monotonic() - started
-        measured.append((_row(policy, size, True, report, seconds, config.deadline_s, config.pipelines), report))
-        log(f"{policy.name}: burst of {size}: {report.answered} answered, {report.refused} refused in {seconds:.1f} s")
+        measured.append((size, True, report, seconds))
+        log(f"{name}: burst of {size}: {report.answered} answered, {report.refused} refused in {seconds:.1f} s")
     for users in config.users:
         soak_config = SoakConfig(url=url, users=users, duration_s=config.duration_s, pipelines=config.pipelines,
                                  max_tokens=config.max_tokens, timeout_s=config.timeout_s, ramp_s=config.ramp_s)  # fmt: skip
         report = await soak(soak_config, questions)
-        measured.append((_row(policy, users, False, report, report.duration_s, config.deadline_s, config.pipelines), report))
-        log(f"{policy.name}: {users} users: {report.answered} answered, {report.refused} refused")
+        measured.append((users, False, report, report.duration_s))
+        log(f"{name}: {users} users: {report.answered} answered, {report.refused} refused")
     return measured
 
 
 def run_admission_study(config: AdmissionConfig, questions: Sequence[str], log: Callable[[str], None] = print) -> AdmissionReport:
-    """Every policy against its own server, each measured at every burst and load."""
-    measured: list[tuple[AdmissionRow, SoakReport]] = []
-    for policy in config.policies:
-        with serving(config, policy, log) as url:
-            measured += asyncio.run(_measure(url, policy, config, questions, log))
+    """Every policy against its own server, each measured at every burst and load, `config.rounds`
+    times in turns."""
+    measured: dict[tuple[str, int, bool], _Measured] = {}
+    for round_ in range(config.rounds):
+        first = round_ % len(config.policies)
+        for policy in (*config.policies[first:], *config.policies[:first]):
+            name = policy.name if config.rounds == 1 else f"{policy.name} (round {round_ + 1} of {config.rounds})"
+            with serving(config, policy, log) as url:
+                for users, burst, report, seconds in asyncio.run(_measure(url, name, config, questions, log)):
+                    key = (policy.name, users, burst)
+                    measured.setdefault(key, _Measured(policy, users, burst)).runs.append((report, seconds))
+    ordered = list(measured.values())  # as round 1 measured them: the policies in their order
     capacity = {}
     for users in {*config.users, *config.bursts}:
-        fixed = [(row.goodput_per_s, int(row.mode.removeprefix("fixed-"))) for row, _ in measured
-                 if row.mode.startswith("fixed-") and row.users == users]  # fmt: skip
+        fixed = [(_row(m, config.deadline_s, config.pipelines).goodput_per_s, m.policy.n or 0) for m in ordered
+                 if m.policy.kind == "fixed" and m.users == users]  # fmt: skip
         if fixed:
             capacity[users] = max(fixed)[1]
-    for row, report in measured:
-        if row.users in capacity:
-            row.refused_burst = sum(r.in_flight < capacity[row.users] for r in report.refusals)
-    return AdmissionReport(config=config, rows=[row for row, _ in measured], capacity=capacity)
+    rows = [_row(m, config.deadline_s, config.pipelines, capacity.get(m.users)) for m in ordered]
+    return AdmissionReport(config=config, rows=rows, capacity=capacity)
 
 
 def format_table(report: AdmissionReport) -> str:
@@ -250,6 +287,10 @@ def format_table(report: AdmissionReport) -> str:
         for r in report.rows:
             counts = ", ".join(f"{name} {count}" for name, count in r.answered_by_pipeline.items())
             lines.append(f"  {r.mode:<10}{r.load:>10}  {counts}")
+    if config.rounds > 1:  # the spread that a ratio of two rows is to be read against
+        lines.append("goodput/s by round:")
+        for r in report.rows:
+            lines.append(f"  {r.mode:<10}{r.load:>10}  " + ", ".join(f"{g:.2f}" for g in r.goodput_per_s_by_round))
     return "\n".join(lines)
 
 

@@ -29,7 +29,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--users", type=int, nargs="*", default=[4, 16, 64], help="loads of closed-loop users (default 4 16 64)")
     parser.add_argument("--bursts", type=int, nargs="*", default=[8, 16], help="requests sent at once to the idle server")
-    parser.add_argument("--seconds", type=float, default=90.0, help="each load's duration")
+    parser.add_argument("--seconds", type=float, default=90.0, help="each load's duration (in each round)")
+    parser.add_argument(
+        "--rounds",
+        type=_positive,
+        default=1,
+        help="measure every policy this many times, in turns, so that the machine's drift falls on all alike (default 1)",
+    )
     parser.add_argument("--pipelines", default="naive", help="comma-separated names, taken in turn, or all (default naive)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--deadline", type=float, default=30.0, help="seconds: goodput's, and the deadline policy's")
@@ -37,6 +43,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON line last")
     parser.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: more `telerag serve` arguments")
     parser.set_defaults(func=run)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be 1 or more")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         deadline_s=args.deadline,
         serve_args=tuple(a for a in args.serve_args if a != "--"),
+        rounds=args.rounds,
     )
     questions = [q.text for q in read_questions(args.questions or packaged_config("questions_wiki_en.txt"))]
     report = run_admission_study(config, questions, log=logging.getLogger("telerag.bench.admission").info)

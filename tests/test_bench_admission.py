@@ -4,12 +4,23 @@ burst refusals."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
 
-from telerag.benchmarks.admission import AdmissionConfig, AdmissionReport, Policy, _row, format_table, policies
-from telerag.benchmarks.soak import Answer, SoakReport
+from telerag.benchmarks import admission
+from telerag.benchmarks.admission import (
+    AdmissionConfig,
+    AdmissionReport,
+    Policy,
+    _Measured,
+    _row,
+    format_table,
+    policies,
+    run_admission_study,
+)
+from telerag.benchmarks.soak import Answer, Refused, SoakReport
 from telerag.cli.main import main
 from tests.serving import build_small_datastore, save_tiny_lm
 from tests.tiny_models import tiny_embedder_dir
@@ -29,12 +40,55 @@ def test_each_policy_is_settings_of_the_server():
 def test_an_answer_the_servers_deadline_stopped_is_counted_apart_from_goodput():
     answers = [Answer("naive", 5.0), Answer("naive", 29.0, stopped_at_deadline=True), Answer("naive", 31.0)]
     report = SoakReport(users=2, duration_s=10.0, requests=3, answered=3, stopped_at_deadline=1, answers=answers)
-    row = _row(Policy("deadline"), 2, False, report, 10.0, 30.0, ("naive", "flare"))
+    row = _row(_Measured(Policy("deadline"), 2, False, [(report, 10.0)]), 30.0, ("naive", "flare"))
     assert (row.goodput_per_s, row.stopped_at_deadline, row.past_deadline) == (0.1, 1, 1)
     assert row.answered_by_pipeline == {"naive": 3, "flare": 0}  # a pipeline never answered shows as 0
     config = AdmissionConfig(policies=(Policy("deadline"),), users=(2,), bursts=(), pipelines=("naive", "flare"))
     table = format_table(AdmissionReport(config=config, rows=[row], capacity={}))
     assert table.splitlines()[-2:] == ["answered by pipeline:", "  deadline     2 users  naive 3, flare 0"]
+
+
+def test_rounds_take_the_policies_in_turns_and_each_row_pools_its_rounds(monkeypatch):
+    served: list[str] = []
+    goodput = {"fixed-4": [2, 1], "none": [1, 1], "deadline": [2, 0]}  # answers within the deadline, by round
+
+    @contextlib.contextmanager
+    def serving(config, policy, log):
+        served.append(policy.name)
+        yield policy.name
+
+    async def measure(url, name, config, questions, log):
+        within = goodput[url][sum(s == url for s in served) - 1]
+        answers = [Answer("naive", 1.0)] * within + [Answer("naive", 40.0)]  # and one late, each round
+        refusals = [Refused(0.01, in_flight=2, reason="deadline"), Refused(0.01, in_flight=5, reason="deadline")]
+        report = SoakReport(users=4, duration_s=10.0, requests=len(answers) + 2, answered=len(answers), refused=2,
+                            answers=answers, refusals=refusals)  # fmt: skip
+        return [(4, False, report, 10.0)]
+
+    monkeypatch.setattr(admission, "serving", serving)
+    monkeypatch.setattr(admission, "_measure", measure)
+    config = AdmissionConfig(policies=policies(["deadline", "none", "fixed"], [4]), users=(4,), bursts=(), rounds=2)
+    report = run_admission_study(config, ["q"], log=lambda line: None)
+    assert served == ["fixed-4", "none", "deadline", "none", "deadline", "fixed-4"]  # round 2 starts one later
+    rows = {r.mode: r for r in report.rows}
+    assert list(rows) == ["fixed-4", "none", "deadline"]
+    assert rows["fixed-4"].goodput_per_s_by_round == [0.2, 0.1] and rows["fixed-4"].goodput_per_s == 3 / 20
+    assert rows["deadline"].goodput_per_s_by_round == [0.2, 0.0] and rows["deadline"].goodput_per_s == 2 / 20
+    assert rows["none"].requests == 2 * 4 and rows["none"].answered == 4 and rows["none"].past_deadline == 2
+    assert report.capacity == {4: 4}  # the best fixed N by its pooled goodput
+    assert rows["none"].refused == 4 and rows["none"].refused_burst == 2  # of four refusals, two with fewer than 4 in flight
+    assert format_table(report).splitlines()[-4:] == [
+        "goodput/s by round:",
+        "  fixed-4      4 users  0.20, 0.10",
+        "  none         4 users  0.10, 0.10",
+        "  deadline     4 users  0.20, 0.00",
+    ]
+
+
+def test_rounds_are_one_or_more(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "admission", "--rounds", "0"])
+    assert "--rounds: 0: must be 1 or more" in capsys.readouterr().err
 
 
 def test_an_admission_margin_out_of_range_is_refused_in_one_line(monkeypatch):
