@@ -181,12 +181,19 @@ class _Measured:
     def refusals(self) -> list[Refused]:
         return [r for report, _ in self.runs for r in report.refusals]
 
+    @property
+    def seconds(self) -> float:
+        return sum(s for _, s in self.runs)
+
+    def goodput_per_s(self, deadline_s: float) -> float:
+        """Answers within `deadline_s`, per second, its rounds pooled."""
+        return _within(self.answers, deadline_s) / self.seconds
+
 
 def _row(measured: _Measured, deadline_s: float, pipelines: Sequence[str], capacity: int | None = None) -> AdmissionRow:
     """The row of `measured`, its rounds pooled; its refusals with fewer than `capacity` in flight
     are burst refusals (none without a capacity)."""
     reports = [report for report, _ in measured.runs]
-    seconds = sum(s for _, s in measured.runs)
     answers, refusals = measured.answers, measured.refusals
     latencies = [a.seconds for a in answers]
     slowest: dict[str, float] = {}
@@ -198,8 +205,8 @@ def _row(measured: _Measured, deadline_s: float, pipelines: Sequence[str], capac
         burst=measured.burst,
         requests=sum(r.requests for r in reports),
         answered=len(answers),
-        answered_per_s=len(answers) / seconds,
-        goodput_per_s=_within(answers, deadline_s) / seconds,
+        answered_per_s=len(answers) / measured.seconds,
+        goodput_per_s=measured.goodput_per_s(deadline_s),
         latency_ms_p50=_percentile_ms(latencies, 50),
         latency_ms_p99=_percentile_ms(latencies, 99),
         refused=len(refusals),
@@ -242,19 +249,18 @@ async def _measure(url: str, name: str, config: AdmissionConfig, questions: Sequ
 def run_admission_study(config: AdmissionConfig, questions: Sequence[str], log: Callable[[str], None] = print) -> AdmissionReport:
     """Every policy against its own server, each measured at every burst and load, `config.rounds`
     times in turns."""
-    measured: dict[tuple[str, int, bool], _Measured] = {}
+    measured: dict[tuple[Policy, int, bool], _Measured] = {}
     for round_ in range(config.rounds):
         first = round_ % len(config.policies)
         for policy in (*config.policies[first:], *config.policies[:first]):
             name = policy.name if config.rounds == 1 else f"{policy.name} (round {round_ + 1} of {config.rounds})"
             with serving(config, policy, log) as url:
                 for users, burst, report, seconds in asyncio.run(_measure(url, name, config, questions, log)):
-                    key = (policy.name, users, burst)
-                    measured.setdefault(key, _Measured(policy, users, burst)).runs.append((report, seconds))
+                    measured.setdefault((policy, users, burst), _Measured(policy, users, burst)).runs.append((report, seconds))
     ordered = list(measured.values())  # as round 1 measured them: the policies in their order
     capacity = {}
     for users in {*config.users, *config.bursts}:
-        fixed = [(_row(m, config.deadline_s, config.pipelines).goodput_per_s, m.policy.n or 0) for m in ordered
+        fixed = [(m.goodput_per_s(config.deadline_s), m.policy.n or 0) for m in ordered
                  if m.policy.kind == "fixed" and m.users == users]  # fmt: skip
         if fixed:
             capacity[users] = max(fixed)[1]
