@@ -49,6 +49,7 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--datastore", type=Path)
     parser.add_argument("--embedder", type=nullable(Path), help="sentence-transformers model directory (null: the packaged one)")
     parser.add_argument("--device", help="auto, cpu or cuda (retrieval and engine)")
+    parser.add_argument("--dtype", help="the engine's number type: auto, float32, bfloat16 or float16 (engine.dtype)")
     parser.add_argument(
         "--nprobe", type=nullable(nprobe_value), help="IVF lists searched (null: 4*sqrt(nlist); auto: see retrieval.nprobe)"
     )
@@ -93,6 +94,7 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
     put("engine", "kind", args.engine)
     put("engine", "model_path", args.model)
     put("engine", "device", args.device)
+    put("engine", "dtype", args.dtype)
     put("retrieval", "datastore", args.datastore)
     put("retrieval", "embedder", args.embedder)
     put("retrieval", "device", args.device)

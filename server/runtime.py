@@ -135,10 +135,14 @@ def build_engine(settings: Settings) -> Engine:
     from telerag.pipelines.engines.transformers import TransformersEngine
 
     device = str(resolve_device(engine.device, error=EngineUnavailable))
-    caches: dict[str, Any] = {"prefix_cache_mb": engine.prefix_cache_mb, "document_kv_mb": engine.document_kv_mb}
+    options: dict[str, Any] = {
+        "dtype": engine.dtype,
+        "prefix_cache_mb": engine.prefix_cache_mb,
+        "document_kv_mb": engine.document_kv_mb,
+    }
     if engine.model_path is None:
-        return TransformersEngine.embedded_default(device=device, **caches)
-    return TransformersEngine.from_pretrained(engine.model_path, device=device, **caches)
+        return TransformersEngine.embedded_default(device=device, **options)
+    return TransformersEngine.from_pretrained(engine.model_path, device=device, **options)
 
 
 def load_embedder(retrieval: RetrievalSettings) -> Embedder:

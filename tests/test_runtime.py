@@ -6,14 +6,17 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from pydantic import ValidationError
 
 from telerag.benchmarks.random_llm import tiny_random_lm
 from telerag.cli import runtime_flags
 from telerag.cli.main import build_parser
+from telerag.pipelines.engines.checkpoints import torch_dtype
 from telerag.pipelines.engines.transformers import TransformersEngine
 from telerag.pipelines.errors import EmbedderError, EngineUnavailable
 from telerag.pipelines.registry import PIPELINES
+from telerag.pipelines.types import SamplingParams
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.errors import DatastoreCorruptError, DatastoreMismatchError, DeviceUnavailable
 from telerag.server import process, runtime
@@ -61,6 +64,31 @@ async def test_the_transformers_engine_from_settings_and_flags(kind: str, tmp_pa
     engine = runtime.build_engine(settings)
     assert isinstance(engine, TransformersEngine) and engine.name == "tiny"
     await engine.close()
+
+
+async def test_the_engines_number_type_from_flag_environment_and_file(monkeypatch, tmp_path: Path):
+    """`engine.dtype`: auto is float32 on the CPU (the exact default) and the checkpoint's own on
+    a GPU; bfloat16 asked for is what the model computes in, and it still answers; a type the
+    engine does not know is refused naming the key."""
+    model, tokenizer = tiny_random_lm(0)
+    model.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    assert torch_dtype("auto", "cpu") is torch.float32 and torch_dtype(None, "cpu") is torch.float32
+    assert torch_dtype("auto", "cuda") == "auto" and torch_dtype("float16", "cuda") is torch.float16
+    args = build_parser().parse_args(["serve", "--model", str(tmp_path / "tiny"), "--device", "cpu", "--dtype", "bfloat16"])
+    engine = runtime.build_engine(load_settings(None, runtime_flags.overrides(args)))
+    assert isinstance(engine, TransformersEngine)
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    [generation] = await engine.generate([engine.format_prompt("hello")], SamplingParams(max_tokens=3))
+    assert generation.completion_tokens > 0
+    await engine.close()
+    monkeypatch.setenv("TELERAG_ENGINE__DTYPE", "auto")
+    engine = runtime.build_engine(load_settings(None, {"engine": {"model_path": tmp_path / "tiny", "device": "cpu"}}))
+    assert {p.dtype for p in engine.model.parameters()} == {torch.float32}
+    await engine.close()
+    monkeypatch.setenv("TELERAG_ENGINE__DTYPE", "int8")
+    with pytest.raises(SettingsError, match=r"engine\.dtype"):
+        load_settings()
 
 
 def test_the_engine_kind_is_transformers_or_sglang(monkeypatch):

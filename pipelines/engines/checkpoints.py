@@ -71,13 +71,22 @@ def _dequantized() -> dict[str, Any]:
 
 
 def torch_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype | str:
-    """float32 on the CPU unless asked (bf16 matmuls are slow without AMX); the checkpoint's own
-    dtype on an accelerator."""
-    if dtype is None:
+    """`dtype` (a name, or None / "auto"): "auto" is float32 on a CPU and the checkpoint's own on
+    an accelerator. float32 on the CPU is the exact default: there a greedy answer came out the
+    same alone or batched, with or without the prefix cache; in bfloat16 (twice the speed on a CPU
+    with AMX, `cpu_has_amx`) some did not (docs/benchmarks.md)."""
+    if dtype is None or dtype == "auto":
         return torch.float32 if device == "cpu" else "auto"
-    if isinstance(dtype, torch.dtype) or dtype == "auto":
+    if isinstance(dtype, torch.dtype):
         return dtype
     resolved = getattr(torch, dtype, None)
     if not isinstance(resolved, torch.dtype):
         raise EngineUnavailable(f"unknown dtype {dtype!r}")
     return resolved
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU multiplies bfloat16 natively with AMX tiles (Intel Sapphire Rapids and
+    later); elsewhere bfloat16 matmuls are emulated and slower than float32's."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe and probe())
