@@ -10,6 +10,11 @@ Four ways to serve the same N requests:
   engine, concurrent    TransformersEngine, N callers at once: its scheduler decodes them as one batch
 Time to first token is measured from each request's start; tokens/s is completion tokens over
 the wall time of the whole method. The greedy outputs are compared token for token.
+
+With several `dtypes` the four methods run once per number type, in turn, each on its own copies
+of the weights in that type; a later type's methods are named `<method>/<dtype>` and compared
+with the first type's `generate_1by1` like the rest (how many answers a type changes, how much
+faster it serves them).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -28,7 +33,7 @@ from transformers.generation.utils import GenerationMixin
 
 from telerag.benchmarks.random_llm import tiny_random_lm
 from telerag.pipelines.engines.batching import left_pad
-from telerag.pipelines.engines.checkpoints import converted_gguf
+from telerag.pipelines.engines.checkpoints import converted_gguf, torch_dtype
 from telerag.pipelines.engines.transformers import EMBEDDED_NAME, TransformersEngine
 from telerag.pipelines.types import SamplingParams
 
@@ -47,7 +52,7 @@ QUESTIONS = [
     "Who was the first person on the Moon?",
 ]
 
-SPEEDUPS = (  # (method, over method) pairs of the report's tokens/s ratios
+SPEEDUPS = (  # (method, over method) pairs of the report's tokens/s ratios, within one number type
     ("engine_concurrent", "generate_1by1"),
     ("engine_concurrent", "generate_batch"),
     ("engine_1by1", "generate_1by1"),
@@ -78,6 +83,7 @@ class GenerateConfig:
     max_tokens: int = 32
     device: str = "cpu"
     threads: int | None = None  # torch threads; None: torch's own choice
+    dtypes: tuple[str, ...] = ("auto",)  # the number types compared (`engine.dtype`'s values), the first the reference
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,7 @@ class GenerateReport:
     load_average_1m: float
     requests: int
     max_tokens: int
+    dtypes: list[str]  # as resolved ("auto": float32 on the CPU)
     methods: list[Measured]
 
     def same_tokens_as_generate(self) -> dict[str, int]:
@@ -99,7 +106,6 @@ class GenerateReport:
 
     def to_dict(self) -> dict:
         """The `--json` line."""
-        tokens_per_s = {m.method: m.tokens_per_s for m in self.methods}
         return {
             "model": self.model,
             "device": self.device,
@@ -107,23 +113,69 @@ class GenerateReport:
             "load_average_1m": self.load_average_1m,
             "requests": self.requests,
             "max_tokens": self.max_tokens,
+            "dtypes": self.dtypes,
             "methods": {m.method: {k: v for k, v in asdict(m).items() if k not in ("method", "token_ids")} for m in self.methods},
             "same_tokens_as_generate": self.same_tokens_as_generate(),
-            "speedup_tokens_per_s": {f"{a}_vs_{b}": tokens_per_s[a] / tokens_per_s[b] for a, b in SPEEDUPS},
+            "speedup_tokens_per_s": self.speedups(),
         }
+
+    def speedups(self) -> dict[str, float]:
+        """Tokens/s ratios: `SPEEDUPS` within each type, and each later type's engine over the first's."""
+        tokens_per_s = {m.method: m.tokens_per_s for m in self.methods}
+        suffixes = [_suffix(dtype, self.dtypes) for dtype in self.dtypes]
+        ratios = {f"{a}{x}_vs_{b}{x}": tokens_per_s[a + x] / tokens_per_s[b + x] for x in suffixes for a, b in SPEEDUPS}
+        engine = "engine_concurrent"
+        return ratios | {f"{engine}{x}_vs_{engine}": tokens_per_s[engine + x] / tokens_per_s[engine] for x in suffixes[1:]}
 
 
 def run_generate(config: GenerateConfig) -> GenerateReport:
-    """Serve the same requests the four ways, one after another, after warming both up once."""
+    """Serve the same requests the four ways in each number type, one after another."""
     if config.threads:
         torch.set_num_threads(config.threads)
-    engine, baseline = _load(config)
+    dtypes = resolved_dtypes(config)
+    methods: list[Measured] = []
+    name = ""
+    for dtype in dtypes:
+        engine, baseline = _load(config, dtype)
+        name, measured = engine.name, _serve_four_ways(engine, baseline, config)
+        methods += [replace(m, method=m.method + _suffix(dtype, dtypes)) for m in measured]
+        del engine, baseline  # one type's two copies of the weights at a time
+    return GenerateReport(
+        model=name,
+        device=config.device,
+        threads=torch.get_num_threads(),
+        load_average_1m=os.getloadavg()[0],
+        requests=config.prompts,
+        max_tokens=config.max_tokens,
+        dtypes=dtypes,
+        methods=methods,
+    )
+
+
+def _suffix(dtype: str, dtypes: Sequence[str]) -> str:
+    """What the names of `dtype`'s methods end with: nothing for the first of `dtypes`."""
+    return "" if dtype == dtypes[0] else f"/{dtype}"
+
+
+def resolved_dtypes(config: GenerateConfig) -> list[str]:
+    """`config.dtypes` as the engine resolves them on its device (auto: float32 on the CPU), or a
+    ValueError when two are the same: the model's own "auto" on a GPU counts as itself."""
+    resolved = [str(torch_dtype(d, config.device)).removeprefix("torch.") for d in config.dtypes]
+    if len(set(resolved)) < len(resolved):
+        raise ValueError(f"--dtype {' '.join(config.dtypes)} compares {', '.join(resolved)}: a type twice")
+    return resolved
+
+
+def _serve_four_ways(engine: TransformersEngine, baseline: GenerationMixin, config: GenerateConfig) -> list[Measured]:
+    """The same requests served the four ways, one after another, after warming both up once."""
     questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(config.prompts)]
     prompts = [engine.format_prompt(f"Question: {q}\nAnswer:") for q in questions]
     ids = [engine.encode_prompt(p) for p in prompts]
     params = SamplingParams(max_tokens=config.max_tokens)
-    log.info(f"{engine.name}: {config.prompts} requests x {config.max_tokens} tokens, greedy, {torch.get_num_threads()} threads")
-
+    log.info(
+        f"{engine.name} in {engine.model.dtype}: {config.prompts} requests x {config.max_tokens} tokens, greedy, "
+        f"{torch.get_num_threads()} threads"
+    )
     _hf_generate(engine, baseline, ids[:1], 2)  # warm both up once
     asyncio.run(engine.generate(prompts[:1], SamplingParams(max_tokens=2)))
     methods = [
@@ -133,29 +185,23 @@ def run_generate(config: GenerateConfig) -> GenerateReport:
         asyncio.run(_engine_concurrent(engine, prompts, params)),
     ]
     asyncio.run(engine.close())
-    return GenerateReport(
-        model=engine.name,
-        device=config.device,
-        threads=torch.get_num_threads(),
-        load_average_1m=os.getloadavg()[0],
-        requests=config.prompts,
-        max_tokens=config.max_tokens,
-        methods=methods,
-    )
+    return methods
 
 
-def _load(config: GenerateConfig) -> tuple[TransformersEngine, GenerationMixin]:
-    """The engine, and the same weights loaded again as plain transformers has them."""
+def _load(config: GenerateConfig, dtype: str) -> tuple[TransformersEngine, GenerationMixin]:
+    """The engine in `dtype`, and the same weights loaded again as plain transformers has them."""
     if config.tiny:
         model, tokenizer = tiny_random_lm(0)
         baseline, _ = tiny_random_lm(0)
+        if dtype != "auto":
+            model, baseline = model.to(getattr(torch, dtype)), baseline.to(getattr(torch, dtype))
         engine = TransformersEngine(model, tokenizer, name="tiny-gemma3", device=config.device)
         return engine, _generating(baseline, config.device)
     from transformers import AutoModelForCausalLM
 
     directory = _model_dir(config.model)
     engine = TransformersEngine.from_pretrained(
-        directory, device=config.device, name=directory.name if config.model else EMBEDDED_NAME
+        directory, device=config.device, dtype=dtype, name=directory.name if config.model else EMBEDDED_NAME
     )
     baseline = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=engine.model.dtype)
     return engine, _generating(baseline, config.device)
@@ -267,16 +313,16 @@ def format_table(report: GenerateReport) -> str:
     base = report.methods[0].tokens_per_s
     same_tokens = report.same_tokens_as_generate()
     lines = [
-        f"{report.model} on {report.device}, {report.threads} threads, load average {report.load_average_1m:.1f}; "
-        f"{report.requests} requests x {report.max_tokens} tokens",
-        f"{'method':<20}{'tokens':>8}{'seconds':>10}{'tokens/s':>10}{'ttft mean ms':>14}{'ttft p50 ms':>13}"
+        f"{report.model} on {report.device} in {', '.join(report.dtypes)}, {report.threads} threads, load average "
+        f"{report.load_average_1m:.1f}; {report.requests} requests x {report.max_tokens} tokens",
+        f"{'method':<28}{'tokens':>8}{'seconds':>10}{'tokens/s':>10}{'ttft mean ms':>14}{'ttft p50 ms':>13}"
         f"{'speedup':>9}{'same':>6}",
     ]
     for m in report.methods:
         same = same_tokens.get(m.method, m.requests)
         lines.append(
-            f"{m.method:<20}{m.tokens:>8}{m.seconds:>10.2f}{m.tokens_per_s:>10.1f}{m.ttft_ms_mean:>14.1f}"
+            f"{m.method:<28}{m.tokens:>8}{m.seconds:>10.2f}{m.tokens_per_s:>10.1f}{m.ttft_ms_mean:>14.1f}"
             f"{m.ttft_ms_p50:>13.1f}{m.tokens_per_s / base:>8.2f}x{same:>4}/{m.requests}"
         )
-    lines.append("speedup: tokens/s over 'generate_1by1'; same: requests whose tokens equal generate_1by1's")
+    lines.append("speedup: tokens/s over 'generate_1by1' (the first type's); same: requests whose tokens equal its")
     return "\n".join(lines)

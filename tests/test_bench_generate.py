@@ -23,3 +23,25 @@ def test_the_command_prints_every_method_and_one_json_line(capsys):
         "engine_concurrent_vs_generate_batch",
         "engine_1by1_vs_generate_1by1",
     }
+
+
+def test_number_types_side_by_side_each_named_and_compared_with_the_first(capsys):
+    """`--dtype float32 bfloat16`: the four methods in each type, the second's named after it,
+    every one compared with float32's `generate_1by1`, and the engine's speed in each type over
+    the first's in the JSON; two names for one type are refused in one line."""
+    assert (
+        main(["bench", "generate", "--tiny", "--prompts", "2", "--max-tokens", "3", "--dtype", "float32", "bfloat16", "--json"])
+        == 0
+    )
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "in float32, bfloat16" in lines[0]
+    methods = ["generate_1by1", "generate_batch", "engine_1by1", "engine_concurrent"]
+    named = methods + [f"{m}/bfloat16" for m in methods]
+    assert [line.split()[0] for line in lines[2:10]] == named
+    report = json.loads(lines[-1])
+    assert report["dtypes"] == ["float32", "bfloat16"] and list(report["methods"]) == named
+    assert set(report["same_tokens_as_generate"]) == set(named[1:])
+    assert report["speedup_tokens_per_s"]["engine_concurrent/bfloat16_vs_engine_concurrent"] > 0
+    assert "engine_concurrent/bfloat16_vs_generate_1by1/bfloat16" in report["speedup_tokens_per_s"]
+    assert main(["bench", "generate", "--tiny", "--dtype", "auto", "float32"]) == 2
+    assert "a type twice" in capsys.readouterr().err
