@@ -87,6 +87,6 @@ def torch_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype | s
 
 def cpu_has_amx() -> bool:
     """Whether this CPU multiplies bfloat16 natively with AMX tiles (Intel Sapphire Rapids and
-    later); elsewhere bfloat16 matmuls are emulated and slower than float32's."""
+    later), where `bfloat16` pays (README, "Number type on the CPU")."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(probe and probe())
