@@ -43,6 +43,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--prefetch-budget-mb", type=nullable(float), help="one fixed budget (default: B x each pipeline's t_LLM)"
     )
+    parser.add_argument(
+        "--cpu-threads",
+        type=int,
+        help="faiss threads of the CPU half (retrieval.cpu_threads; fewer leave cores to the thread driving the LLM)",
+    )
     add_scaled_flags(parser)
     parser.add_argument("--plot-dir", type=Path, help="write latency_breakdown.png and throughput.png here")
     parser.add_argument("--json", action="store_true", help='print one JSON line last: {"rows": [...], ...}')

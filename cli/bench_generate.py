@@ -7,6 +7,9 @@ import argparse
 import json
 import logging
 import sys
+from typing import get_args
+
+from telerag.server.settings import EngineDtype
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--dtype",
         nargs="+",
         default=["auto"],
-        choices=["auto", "float32", "bfloat16", "float16"],
+        choices=get_args(EngineDtype),
         help="number types compared side by side, the first the reference (default: auto, float32 on the CPU)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON line last")

