@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from telerag.cli import (
     ask,
     bench_admission,
-    bench_cache,
     bench_cluster,
+    bench_cluster_cache,
     bench_e2e,
     bench_generate,
     bench_kernels,
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_commands = bench_group.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     bench_retrieval.register(bench_commands)
     bench_kernels.register(bench_commands)
-    bench_cache.register(bench_commands)
+    bench_cluster_cache.register(bench_commands)
     bench_generate.register(bench_commands)
     bench_overlap.register(bench_commands)
     bench_prefix_cache.register(bench_commands)

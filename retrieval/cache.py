@@ -326,7 +326,7 @@ class ClusterCache:
     def _open_extent(self, rows: int, evictable: list[int]) -> bool:
         """Evict one of the coldest `OPEN_EXTENT_CANDIDATES` clusters whose rows, with the free
         rows beside them, make one extent of `rows`: the run then arrives in one copy, not in
-        pieces scattered over the holes the coldest left. At `bench cache`'s defaults (a cache
+        pieces scattered over the holes the coldest left. At `bench cluster-cache`'s defaults (a cache
         kept full) it took copies per copied cluster from 4.3 to 1.04 and the hit rate from 0.194
         to 0.190. False when none does."""
         for i, cluster in enumerate(evictable[:OPEN_EXTENT_CANDIDATES]):

@@ -1,4 +1,4 @@
-"""`telerag bench cache`: a cache kept full by searches, its table and one JSON line."""
+"""`telerag bench cluster-cache`: a cache kept full by searches, its table and one JSON line."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from telerag.cli.main import main
 
 def test_a_full_cache_benchmarked_places_whole_clusters_and_reports_every_field(capsys):
     flags = ["--nlist", "256", "--mean-rows", "60", "--prefetch", "40", "--demand", "8", "--searches", "40", "--json"]
-    code = main(["bench", "cache", *flags])
+    code = main(["bench", "cluster-cache", *flags])
     out = capsys.readouterr().out.splitlines()
     assert code == 0 and out[1].split() == ["acquisition", "p50", "ms", "p99", "ms"]
     report = json.loads(out[-1])
@@ -24,4 +24,4 @@ def test_a_full_cache_benchmarked_places_whole_clusters_and_reports_every_field(
 
 def test_more_clusters_than_lists_is_refused_before_anything_runs():
     with pytest.raises(SystemExit, match="--prefetch \\+ --demand must be at most --nlist"):
-        main(["bench", "cache", "--nlist", "16", "--prefetch", "12", "--demand", "8"])
+        main(["bench", "cluster-cache", "--nlist", "16", "--prefetch", "12", "--demand", "8"])

@@ -1,4 +1,4 @@
-"""`telerag bench cache`: the cluster cache's own bookkeeping, apart from any search. A synthetic
+"""`telerag bench cluster-cache`: the cluster cache's own bookkeeping, apart from any search. A synthetic
 IVF layout (`nlist` lists of random sizes about `mean_rows`), a cache of `cache_fraction` of it,
 kept full by searches that each prefetch `prefetch` clusters and then copy `demand` more on demand,
 as `bench retrieval`'s searches do at batch 1. It times each acquisition on the host (placing,

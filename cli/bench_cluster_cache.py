@@ -1,4 +1,4 @@
-"""`telerag bench cache`: the cluster cache's bookkeeping per acquisition (see `benchmarks.cache`)."""
+"""`telerag bench cluster-cache`: the cluster cache's bookkeeping per acquisition (see `benchmarks.cluster_cache`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "cache", help="the cluster cache kept full: host time of each prefetch and demand acquisition, copies per cluster"
+        "cluster-cache", help="the cluster cache kept full: host time of each prefetch and demand acquisition, copies per cluster"
     )
     parser.add_argument("--nlist", type=int, default=4096)
     parser.add_argument("--mean-rows", type=int, default=976, help="mean rows of a list (default: 4M vectors in 4096)")
@@ -23,10 +23,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from telerag.benchmarks.cache import CacheBenchConfig, format_table, run_cache_bench
+    from telerag.benchmarks.cluster_cache import CacheBenchConfig, format_table, run_cache_bench
 
     if args.prefetch + args.demand > args.nlist or not 0 < args.cache_fraction <= 1:
-        raise SystemExit("bench cache: --prefetch + --demand must be at most --nlist, and --cache-fraction in (0, 1]")
+        raise SystemExit("bench cluster-cache: --prefetch + --demand must be at most --nlist, and --cache-fraction in (0, 1]")
     report = run_cache_bench(
         CacheBenchConfig(
             nlist=args.nlist,
