@@ -1,10 +1,12 @@
-"""`telerag bench cluster-cache`: the cluster cache's own bookkeeping, apart from any search. A synthetic
-IVF layout (`nlist` lists of random sizes about `mean_rows`), a cache of `cache_fraction` of it,
-kept full by searches that each prefetch `prefetch` clusters and then copy `demand` more on demand,
-as `bench retrieval`'s searches do at batch 1. It times each acquisition on the host (placing,
-evicting, issuing the copies: on CUDA asynchronous, so the host's part; on the CPU the copies run
-as they are issued, so keep `dim` small there to time the bookkeeping) and counts copies per
-copied cluster, evictions and hits. The demand acquisition is on a search's critical path."""
+"""`telerag bench cluster-cache`: the cluster cache's own bookkeeping, apart from any search.
+
+A synthetic IVF layout (`nlist` lists of random sizes about `mean_rows`), a cache of
+`cache_fraction` of it, kept full by searches that each prefetch `prefetch` clusters and then copy
+`demand` more on demand, as `bench retrieval`'s searches do at batch 1. It times each acquisition
+on the host (placing, evicting, issuing the copies: on CUDA asynchronous, so the host's part; on
+the CPU the copies run as they are issued, so keep `dim` small there to time the bookkeeping) and
+counts copies per copied cluster, evictions and hits. The demand acquisition is on a search's
+critical path."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from telerag.retrieval.cache import ClusterCache
 
 
 @dataclass(frozen=True)
-class CacheBenchConfig:
+class ClusterCacheConfig:
     nlist: int = 4096
     mean_rows: int = 976  # 4M vectors in 4096 lists: bench retrieval's datastore
     dim: int = 2
@@ -33,8 +35,8 @@ class CacheBenchConfig:
 
 
 @dataclass(frozen=True)
-class CacheBenchReport:
-    config: CacheBenchConfig
+class ClusterCacheReport:
+    config: ClusterCacheConfig
     prefetch_ms_p50: float
     prefetch_ms_p99: float
     demand_ms_p50: float
@@ -47,7 +49,7 @@ class CacheBenchReport:
         return asdict(self)
 
 
-def run_cache_bench(config: CacheBenchConfig, progress: bool = True) -> CacheBenchReport:
+def run_cluster_cache(config: ClusterCacheConfig, progress: bool = True) -> ClusterCacheReport:
     rng = np.random.default_rng(config.seed)
     sizes = rng.integers(config.mean_rows // 3, config.mean_rows * 5 // 3 + 1, config.nlist)
     offsets = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
@@ -81,7 +83,7 @@ def run_cache_bench(config: CacheBenchConfig, progress: bool = True) -> CacheBen
                 copies += lease.copies
         prefetched.release()
         demanded.release()
-    return CacheBenchReport(
+    return ClusterCacheReport(
         config=config,
         prefetch_ms_p50=float(np.median(prefetch_ms)),
         prefetch_ms_p99=float(np.percentile(prefetch_ms, 99)),
@@ -93,7 +95,7 @@ def run_cache_bench(config: CacheBenchConfig, progress: bool = True) -> CacheBen
     )
 
 
-def format_table(report: CacheBenchReport) -> str:
+def format_table(report: ClusterCacheReport) -> str:
     c = report.config
     return "\n".join(
         [

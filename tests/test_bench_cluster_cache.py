@@ -22,6 +22,14 @@ def test_a_full_cache_benchmarked_places_whole_clusters_and_reports_every_field(
     assert 0 < report["copies_per_cluster"] < 1.3  # whole clusters, not pieces over the holes
 
 
-def test_more_clusters_than_lists_is_refused_before_anything_runs():
-    with pytest.raises(SystemExit, match="--prefetch \\+ --demand must be at most --nlist"):
-        main(["bench", "cluster-cache", "--nlist", "16", "--prefetch", "12", "--demand", "8"])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--nlist", "16", "--prefetch", "12", "--demand", "8"], "--prefetch \\+ --demand must be at most --nlist"),
+        (["--searches", "0"], "--searches must be at least 1"),
+        (["--device", "tpu"], "--device tpu: cpu, or cuda"),
+    ],
+)
+def test_what_cannot_be_run_is_refused_in_one_line_before_anything_runs(flags, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["bench", "cluster-cache", *flags])
