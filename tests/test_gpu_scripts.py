@@ -73,9 +73,11 @@ def run_script(name: str, tmp_path: Path, *args: str, image: bool = True, **env:
     return done.stdout.splitlines()
 
 
-def test_gpu_check_runs_its_tests_and_the_retrieval_benchmark(tmp_path):
-    report = json.loads(run_script("gpu_check", tmp_path, "--datastore-dir", str(tmp_path / "bench"))[-1])
-    assert report["identical_fraction"] == 1.0 and report["config"]["device"] == "cpu"
+def test_gpu_check_runs_its_tests_the_retrieval_benchmark_and_the_cluster_cache_one(tmp_path):
+    lines = run_script("gpu_check", tmp_path, "--datastore-dir", str(tmp_path / "bench"))
+    retrieval, cache = (json.loads(line) for line in lines if line.startswith("{"))
+    assert retrieval["identical_fraction"] == 1.0 and retrieval["config"]["device"] == "cpu"
+    assert cache["config"]["nlist"] == 256 and cache["copies_per_cluster"] > 0
 
 
 def test_gpu_e2e_prepares_its_data_builds_its_models_runs_bench_e2e_the_installed_server_and_bench_pipelining(tmp_path):
