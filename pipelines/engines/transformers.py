@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -44,6 +44,7 @@ from telerag.pipelines.engines.batching import (
 from telerag.pipelines.engines.checkpoints import converted_gguf, cpu_has_amx, torch_dtype
 from telerag.pipelines.engines.decoding import DecodingRow, PromptRow, StreamCall
 from telerag.pipelines.engines.document_kv import ChunkedIds, DocumentKV, rope_frequencies
+from telerag.pipelines.engines.greedy_screen import greedy_screen_for
 from telerag.pipelines.engines.prefix_cache import LayerKV, PrefixCache, PrefixHit
 from telerag.pipelines.engines.skinny_linear import use_skinny_matmuls
 from telerag.pipelines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, ModelNotFound
@@ -87,6 +88,8 @@ class TransformersEngine:
         self.model = model.eval().to(self.device)
         if self.device.type == "cpu":
             use_skinny_matmuls(self.model)
+        # greedy rows' output layer screened in bfloat16 where the CPU has AMX (`greedy_screen`)
+        self.greedy_screen = greedy_screen_for(self.model, self.device)
         self.tokenizer = tokenizer
         self.name = name
         self.max_batch_size = max_batch_size
@@ -402,7 +405,20 @@ class TransformersEngine:
         return self._advance(batch, self._forward(batch))
 
     def _forward(self, batch: Batch) -> torch.Tensor:
-        """The forward pass over the batch's next ids: the last position's logits, its cache grown."""
+        """The forward pass over the batch's next ids: the last position's logits, its cache grown
+        (with a greedy screen, greedy rows that want no log-probabilities get their argmax's
+        candidates only, -inf elsewhere)."""
+        if self.greedy_screen is not None:
+            out = cast(Any, self.model).get_decoder()(
+                input_ids=batch.next_ids,
+                attention_mask=batch.mask,
+                position_ids=batch.positions,
+                use_cache=True,
+                **{self._cache_keyword: batch.cache},
+            )
+            batch.cache = getattr(out, self._cache_keyword)
+            screened = torch.tensor([d.params.temperature == 0 and not d.params.logprobs for d in batch.live])
+            return self.greedy_screen.logits(out.last_hidden_state[:, -1, :].float(), screened)
         out = self.model(
             input_ids=batch.next_ids,
             attention_mask=batch.mask,
