@@ -103,7 +103,7 @@ class Answer:
 @dataclass(frozen=True)
 class Refused:
     seconds: float  # how fast the 429 came back
-    in_flight: int  # this run's requests outstanding when it was sent (itself not counted)
+    in_flight: int  # this run's other requests outstanding when the 429 came back
     reason: str  # the body's error type (deadline, queue_full, ...)
 
 
@@ -125,10 +125,12 @@ async def _user(
         sent += 1
         pipeline = next(tally.pipelines)
         body = {"query": next(questions), "pipeline": pipeline, "max_tokens": config.max_tokens}
-        in_flight = tally.in_flight
         tally.in_flight += 1
         try:
             response = await client.post("/v1/rag/query", json=body, timeout=config.timeout_s)
+            # counted as the reply comes, not as the request went: requests sent together reach
+            # the server in any order, and one sent first may be the one refused
+            others = tally.in_flight - 1
         except httpx.HTTPError as exc:
             tally.failures[type(exc).__name__] += 1
             continue
@@ -138,7 +140,7 @@ async def _user(
         if response.status_code == 200:
             tally.answered.append(Answer(pipeline, elapsed, response.json().get("finish_reason") == "deadline"))
         elif response.status_code == 429:
-            tally.refused.append(Refused(elapsed, in_flight, response.json().get("error", {}).get("code", "")))
+            tally.refused.append(Refused(elapsed, others, response.json().get("error", {}).get("code", "")))
             retry_after = float(response.headers.get("retry-after", 1))
             await asyncio.sleep(min(retry_after, max(end - time.monotonic(), 0.0)))
         else:

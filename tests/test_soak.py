@@ -96,7 +96,7 @@ async def test_pipelines_are_taken_in_turn_and_each_answer_keeps_its_pipeline():
 
 
 async def test_a_burst_sends_one_request_per_user_at_once_and_counts_what_was_in_flight_at_each_429():
-    # two slots, no queue (no deadline): of a burst of five, three are refused, each with what was sent before it in flight
+    # two slots, no queue (no deadline): of a burst of five, three are refused, each while the two admitted run
     slots = {"max_concurrency": 2, "max_queue": 0, "admission_deadline_s": None}
     with serving_on_fakes(delay=0.3, max_connections=64, timeout_s=60, scheduler=slots) as (
         host,
@@ -106,5 +106,5 @@ async def test_a_burst_sends_one_request_per_user_at_once_and_counts_what_was_in
         report = await soak(config, ["q?"])
     assert report.requests == 5 and report.answered == 2 and report.refused == 3
     assert all(r.reason == "queue_full" for r in report.refusals)
-    assert {r.in_flight for r in report.refusals} <= set(range(5)) and max(r.in_flight for r in report.refusals) >= 2
+    assert all(2 <= r.in_flight <= 4 for r in report.refusals)
     assert "answers" not in report.to_dict() and report.to_dict()["answered"] == 2
