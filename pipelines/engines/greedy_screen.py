@@ -59,8 +59,8 @@ class GreedyScreen:
 def greedy_screen_for(model: torch.nn.Module, device: torch.device) -> GreedyScreen | None:
     """A screen for `model`'s output layer where it pays and is sound: on a CPU with AMX (fast
     bfloat16), a float32 layer of a large vocabulary, and a model whose logits are its decoder's
-    last hidden state times that layer, nothing after (checked on a probe: Gemma 2's soft-capping,
-    say, is monotonic but not checked for); else None."""
+    last hidden state times that layer with nothing after it (checked on a probe at load, so a
+    model that soft-caps its logits, as Gemma 2 does, gets none); else None."""
     from telerag.pipelines.engines.checkpoints import cpu_has_amx
 
     hf: Any = model  # a transformers model: its output layer and decoder
