@@ -8,6 +8,9 @@ Four ways to serve the same N requests:
                         requests to arrive together; its time to first token is the batch's)
   engine, 1 by 1        TransformersEngine, one request after another
   engine, concurrent    TransformersEngine, N callers at once: its scheduler decodes them as one batch
+Where the engine screens its output layer for greedy rows (`greedy_screen`: a float32 model on
+an AMX CPU), a fifth method, `engine_concurrent_unscreened`, serves them concurrently again with
+the screen off, right after the screened run, so the screen's gain is a ratio of one run.
 Time to first token is measured from each request's start; tokens/s is completion tokens over
 the wall time of the whole method. The greedy outputs are compared token for token.
 
@@ -56,6 +59,7 @@ SPEEDUPS = (  # (method, over method) pairs of the report's tokens/s ratios, wit
     ("engine_concurrent", "generate_1by1"),
     ("engine_concurrent", "generate_batch"),
     ("engine_1by1", "generate_1by1"),
+    ("engine_concurrent", "engine_concurrent_unscreened"),  # where the engine has a greedy screen
 )
 
 log = logging.getLogger(__name__)  # progress, to stderr (the command configures logging)
@@ -123,7 +127,12 @@ class GenerateReport:
         """Tokens/s ratios: `SPEEDUPS` within each type, and each later type's engine over the first's."""
         tokens_per_s = {m.method: m.tokens_per_s for m in self.methods}
         suffixes = [_suffix(dtype, self.dtypes) for dtype in self.dtypes]
-        ratios = {f"{a}{x}_vs_{b}{x}": tokens_per_s[a + x] / tokens_per_s[b + x] for x in suffixes for a, b in SPEEDUPS}
+        ratios = {
+            f"{a}{x}_vs_{b}{x}": tokens_per_s[a + x] / tokens_per_s[b + x]
+            for x in suffixes
+            for a, b in SPEEDUPS
+            if b + x in tokens_per_s
+        }
         engine = "engine_concurrent"
         return ratios | {f"{engine}{x}_vs_{engine}": tokens_per_s[engine + x] / tokens_per_s[engine] for x in suffixes[1:]}
 
@@ -184,6 +193,8 @@ def _serve_four_ways(engine: TransformersEngine, baseline: GenerationMixin, conf
         asyncio.run(_engine_one_by_one(engine, prompts, params)),
         asyncio.run(_engine_concurrent(engine, prompts, params)),
     ]
+    if engine.greedy_screen is not None:
+        methods.append(asyncio.run(_engine_unscreened(engine, prompts, params)))
     asyncio.run(engine.close())
     return methods
 
@@ -302,6 +313,17 @@ async def _engine_concurrent(engine: TransformersEngine, prompts: list[str], par
     return _measured("engine_concurrent", [list(g.token_ids) for g in generations], [g.ttft_ms for g in generations], seconds)
 
 
+async def _engine_unscreened(engine: TransformersEngine, prompts: list[str], params: SamplingParams) -> Measured:
+    """`_engine_concurrent` with the engine's greedy screen off (and back on after)."""
+    log.info("... again with the greedy screen off")
+    screen, engine.greedy_screen = engine.greedy_screen, None
+    try:
+        measured = await _engine_concurrent(engine, prompts, params)
+    finally:
+        engine.greedy_screen = screen
+    return replace(measured, method="engine_concurrent_unscreened")
+
+
 def _measured(method: str, tokens: list[list[int]], ttfts_ms: list[float], seconds: float) -> Measured:
     count = sum(len(t) for t in tokens)
     return Measured(
@@ -315,13 +337,13 @@ def format_table(report: GenerateReport) -> str:
     lines = [
         f"{report.model} on {report.device} in {', '.join(report.dtypes)}, {report.threads} threads, load average "
         f"{report.load_average_1m:.1f}; {report.requests} requests x {report.max_tokens} tokens",
-        f"{'method':<28}{'tokens':>8}{'seconds':>10}{'tokens/s':>10}{'ttft mean ms':>14}{'ttft p50 ms':>13}"
+        f"{'method':<32}{'tokens':>8}{'seconds':>10}{'tokens/s':>10}{'ttft mean ms':>14}{'ttft p50 ms':>13}"
         f"{'speedup':>9}{'same':>6}",
     ]
     for m in report.methods:
         same = same_tokens.get(m.method, m.requests)
         lines.append(
-            f"{m.method:<28}{m.tokens:>8}{m.seconds:>10.2f}{m.tokens_per_s:>10.1f}{m.ttft_ms_mean:>14.1f}"
+            f"{m.method:<32}{m.tokens:>8}{m.seconds:>10.2f}{m.tokens_per_s:>10.1f}{m.ttft_ms_mean:>14.1f}"
             f"{m.ttft_ms_p50:>13.1f}{m.tokens_per_s / base:>8.2f}x{same:>4}/{m.requests}"
         )
     lines.append("speedup: tokens/s over 'generate_1by1' (the first type's); same: requests whose tokens equal its")

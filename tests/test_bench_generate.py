@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from telerag.cli.main import main
+from telerag.pipelines.engines.greedy_screen import GreedyScreen
 
 
 def test_the_command_prints_every_method_and_one_json_line(capsys):
@@ -45,3 +48,21 @@ def test_number_types_side_by_side_each_named_and_compared_with_the_first(capsys
     assert "engine_concurrent/bfloat16_vs_generate_1by1/bfloat16" in report["speedup_tokens_per_s"]
     assert main(["bench", "generate", "--tiny", "--dtype", "auto", "float32"]) == 2
     assert "a type twice" in capsys.readouterr().err
+
+
+def test_an_engine_with_a_greedy_screen_is_also_measured_without_it(capsys, monkeypatch: pytest.MonkeyPatch):
+    """Where the engine screens its output layer (a float32 model on an AMX CPU; here given one
+    whatever the CPU), a fifth method serves the same requests concurrently with the screen off:
+    the same tokens, and the screen's gain in the JSON."""
+    monkeypatch.setattr(
+        "telerag.pipelines.engines.transformers.greedy_screen_for",
+        lambda model, device: GreedyScreen(model.get_output_embeddings().weight.detach()),
+    )
+    assert main(["bench", "generate", "--tiny", "--prompts", "3", "--max-tokens", "4", "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[6].split()[0] == "engine_concurrent_unscreened"
+    report = json.loads(lines[-1])
+    assert list(report["methods"])[-2:] == ["engine_concurrent", "engine_concurrent_unscreened"]
+    assert report["same_tokens_as_generate"]["engine_concurrent_unscreened"] == 3
+    assert report["same_tokens_as_generate"]["engine_concurrent"] == 3
+    assert report["speedup_tokens_per_s"]["engine_concurrent_vs_engine_concurrent_unscreened"] > 0
