@@ -138,7 +138,7 @@ class GenerateReport:
 
 
 def run_generate(config: GenerateConfig) -> GenerateReport:
-    """Serve the same requests the four ways in each number type, one after another."""
+    """Serve the same requests every way in each number type, one after another."""
     if config.threads:
         torch.set_num_threads(config.threads)
     dtypes = resolved_dtypes(config)
@@ -146,7 +146,7 @@ def run_generate(config: GenerateConfig) -> GenerateReport:
     name = ""
     for dtype in dtypes:
         engine, baseline = _load(config, dtype)
-        name, measured = engine.name, _serve_four_ways(engine, baseline, config)
+        name, measured = engine.name, _serve_every_way(engine, baseline, config)
         methods += [replace(m, method=m.method + _suffix(dtype, dtypes)) for m in measured]
         del engine, baseline  # one type's two copies of the weights at a time
     return GenerateReport(
@@ -175,8 +175,9 @@ def resolved_dtypes(config: GenerateConfig) -> list[str]:
     return resolved
 
 
-def _serve_four_ways(engine: TransformersEngine, baseline: GenerationMixin, config: GenerateConfig) -> list[Measured]:
-    """The same requests served the four ways, one after another, after warming both up once."""
+def _serve_every_way(engine: TransformersEngine, baseline: GenerationMixin, config: GenerateConfig) -> list[Measured]:
+    """The same requests served the four ways (and unscreened where the engine screens), one
+    after another, after warming both up once."""
     questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(config.prompts)]
     prompts = [engine.format_prompt(f"Question: {q}\nAnswer:") for q in questions]
     ids = [engine.encode_prompt(p) for p in prompts]
