@@ -157,16 +157,19 @@ def _quantile(ordered: list[float], q: float) -> float:
 class Job:
     """An admitted request as the model plans it: the work it has `left`, of which `prefill` is
     what is left of its first prompt's (prefilled as it joins, or, `running` already, before the
-    running ones go on)."""
+    running ones go on); `after`: the jobs (their indices) that must have finished before it
+    starts (a request admitted held, `server/admission.py`)."""
 
     left: float
     prefill: float
     running: bool
+    after: frozenset[int] = frozenset()
 
 
 def plan_finishes(rates: Rates, jobs: Sequence[Job], max_concurrency: int) -> list[float]:
     """Seconds from now until each of `jobs` (in admission order) finishes: the n running share
-    R(n) equally, and the waiting ones take the slots as they free, in order. One that starts has
+    R(n) equally, and the waiting ones take the slots as they free, in order; one held `after`
+    others joins that order once they have all finished (a slot may stay free meanwhile). One that starts has
     its first prompt prefilled while the others wait (the engine prefills a joining prompt
     between two decode steps), then shares. Each running job finishes when the work served to
     every running one since now reaches its mark (what it had left when it joined, plus what had
@@ -190,16 +193,22 @@ def plan_finishes(rates: Rates, jobs: Sequence[Job], max_concurrency: int) -> li
         now = sum(jobs[i].prefill for i in started) / rates.at(len(started))
     for i in started:
         heapq.heappush(marks, (jobs[i].left - jobs[i].prefill, next(order), i))
-    waiting = deque(i for i, job in enumerate(jobs) if not job.running)
-    while waiting and len(marks) < max_concurrency:
-        join(waiting.popleft())
+    waiting = deque(i for i, job in enumerate(jobs) if not job.running and not job.after)
+    held = [i for i, job in enumerate(jobs) if not job.running and job.after]
+    ended: set[int] = set()
     finishes = [0.0] * len(jobs)
-    while marks:
+    while True:
+        while waiting and len(marks) < max_concurrency:
+            join(waiting.popleft())
+        if not marks:
+            break
         running = len(marks)
         mark, _, i = heapq.heappop(marks)
         now += (mark - served) * running / rates.at(running)
         served = mark
         finishes[i] = now
-        if waiting:
-            join(waiting.popleft())
+        ended.add(i)
+        waiting.extend(j for j in held if jobs[j].after <= ended)
+        held = [j for j in held if not jobs[j].after <= ended]
+    assert not held, "a job held after one that is not planned"  # `after` names earlier jobs of the same plan
     return finishes

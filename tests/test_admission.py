@@ -159,7 +159,9 @@ async def test_a_request_that_would_finish_past_the_deadline_is_refused_with_the
     clock.now += 10.0  # each has had a third of the server: 33 of its 100 units, none finished, none overdue
     assert a.service_rate() == pytest.approx(10.0) and a.expected_wait_s() == pytest.approx(200 / 10)
     with pytest.raises(Overloaded) as info:
-        a.admit(UNIT)  # the four sharing: the three done in 4 * 66.7 / 10 = 26.7 s, 36.7 s after their admission
+        # the four sharing: the three done in 4 * 66.7 / 10 = 26.7 s, 36.7 s after their admission; held until
+        # they are done (20 s), it would take 15 s more alone
+        a.admit(RequestCost(work=150.0))
     assert info.value.retry_after == 20  # when the three are done without it
     clock.now += 26.0  # none done: each has had 12 s of the server at 3 running, more than 100 units take at 10/s
     assert a.service_rate() == pytest.approx(10.0)  # only ended requests count: their work so far is unknown
@@ -262,39 +264,88 @@ async def test_a_running_request_whose_prompt_is_not_prefilled_yet_holds_up_the_
     assert first.estimated_s == pytest.approx(4.5 + 1.5 + 6) and last.estimated_s == pytest.approx(4.5 + 1.5 + 6)
 
 
-async def test_a_request_is_refused_if_it_would_push_an_admitted_one_past_its_deadline():
-    """Admitted requests share the server: a small one admitted late delays a big one admitted
-    early, though it would itself finish in time."""
-    clock = Clock()
+async def big_one_running(clock: Clock, left: float) -> tuple[Admission, list[Refusal], object]:
+    """An Admission at 10/s with one request of 250 units running for 10 s and `left` of it left."""
     a, refused = await measured(clock, rate=10.0)
     big = a.admit(RequestCost(work=250.0))
     assert big.estimated_s == pytest.approx(25.0)  # alone
     await a.start(big)
     clock.now += 10.0
     a.expected_wait_s()  # brings the shares up to now: the big one has had 10 s
-    a.rate = alone(10.0)  # still 10/s: 150 units left of the big one
-    small = RequestCost(work=50.0)
-    first = a.admit(small)  # shared: it finishes in 10 s, the big one in (50 + 150) / 10 = 20 s, at its deadline
-    assert first.estimated_s == pytest.approx(10.0) and big.estimated_s == pytest.approx(30.0)
-    with pytest.raises(Overloaded) as info:
-        a.admit(small)  # it would finish in 15 s, but the big one in 25 s: 5 s past its deadline
-    assert refused == [Refusal.DEADLINE] and info.value.retry_after == 20  # when the big one is done
-    assert "15 s" in str(info.value)
+    a.rate = alone(10.0)  # still 10/s
+    big.attention = {1: (250.0 - left) / 10.0}
+    return a, refused, big
 
 
-async def test_an_admitted_request_expected_late_holds_admission_until_it_finishes():
-    """Admitting more would only make it later; Retry-After is when it should be done."""
+async def test_a_request_is_refused_if_it_would_push_an_admitted_one_past_its_deadline():
+    """Admitted requests share the server: a small one admitted late delays a big one admitted
+    early, though it would itself finish in time; and held until the big one ends, it would not."""
     clock = Clock()
-    a, refused = await measured(clock, rate=10.0)
-    big = a.admit(RequestCost(work=250.0))
-    await a.start(big)
-    clock.now += 20.0
-    a.expected_wait_s()
-    a.rate = alone(10.0)  # 10/s, but only 50 units done in 20 s:
-    big.attention = {1: 5.0}  # 200 left: 20 s more, past its deadline
+    a, refused, big = await big_one_running(clock, left=150.0)
+    first = a.admit(RequestCost(work=50.0))  # shared: it finishes in 10 s, the big one in (50 + 150) / 10 = 20 s
+    assert first.estimated_s == pytest.approx(10.0) and big.estimated_s == pytest.approx(30.0)  # at its deadline
     with pytest.raises(Overloaded) as info:
-        a.admit(RequestCost(work=50.0))  # 10 s for itself
-    assert refused == [Refusal.DEADLINE] and info.value.retry_after == 20
+        # the three sharing: it finishes in 29 s, the big one in 32 s; held until the big one ends (20 s), in 32 s
+        a.admit(RequestCost(work=120.0))
+    assert refused == [Refusal.DEADLINE] and info.value.retry_after == 20  # when the big one is done
+    assert "29 s" in str(info.value)
+    assert big.estimated_s == pytest.approx(30.0) and a.n_waiting == 1  # the refused one left nothing behind
+
+
+async def test_a_request_that_would_make_an_admitted_one_late_is_held_until_it_ends_where_it_then_fits():
+    """Rather than refused, it waits for the request it would make late, where it then finishes
+    in time: the admitted one is not made later, and the server does not wait for a client's
+    retry to fill again."""
+    clock = Clock()
+    a, refused, big = await big_one_running(clock, left=150.0)
+    first = a.admit(RequestCost(work=50.0))
+    held = a.admit(RequestCost(work=50.0))  # shared, the big one would finish 5 s past its deadline
+    assert refused == [] and held.held_by == (big,)
+    # the big one and the first as before; it starts when the big one ends, 20 s from now, and takes 5 s alone
+    assert big.estimated_s == pytest.approx(30.0) and first.estimated_s == pytest.approx(10.0)
+    assert held.estimated_s == pytest.approx(25.0)
+    await a.start(first)
+    starting = asyncio.create_task(a.start(held))
+    await asyncio.sleep(0)
+    assert not starting.done() and a.n_running == 2 and a.n_waiting == 1  # a slot is free, but it is held
+    clock.now += 10.0
+    a.finish(first, completed=True)
+    await asyncio.sleep(0)
+    assert not starting.done()
+    clock.now += 10.0
+    a.finish(big, completed=True)
+    await asyncio.wait_for(starting, 1)
+    assert held.running and held.held_by == ()
+
+
+async def test_a_request_held_and_cancelled_leaves_nothing_behind():
+    clock = Clock()
+    a, _, big = await big_one_running(clock, left=150.0)
+    a.admit(RequestCost(work=50.0))
+    held = a.admit(RequestCost(work=50.0))
+    assert held.held_by == (big,)
+    starting = asyncio.create_task(a.start(held))
+    await asyncio.sleep(0)
+    starting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await starting
+    assert held.finished and a.n_waiting == 1 and a.n_running == 1
+
+
+async def test_an_admitted_request_expected_late_holds_newcomers_until_it_finishes():
+    """Admitting one beside it would only make it later: one that fits after it waits for it, one
+    that does not is refused with Retry-After when it should be done."""
+    clock = Clock()
+    a, refused, big = await big_one_running(clock, left=200.0)  # only 50 units done in 10 s: 20 s more, 30 in all
+    clock.now += 10.0
+    a.expected_wait_s()
+    big.attention = {1: 5.0}  # 20 s after its admission, still 200 left: 20 s more, past its deadline
+    held = a.admit(RequestCost(work=50.0))  # after it: in 25 s
+    assert held.held_by == (big,) and held.estimated_s == pytest.approx(25.0)
+    with pytest.raises(Overloaded) as info:
+        # beside the big one it would make that one later, and the held one after it too (26 + 5 s); held for both, in 31 s
+        a.admit(RequestCost(work=60.0))
+    assert refused == [Refusal.DEADLINE] and info.value.retry_after == 25  # when both are done
 
 
 def test_the_estimate_error_is_a_high_quantile_of_took_over_estimated_at_each_load():
@@ -382,7 +433,8 @@ async def test_an_estimate_too_short_to_threaten_the_deadline_is_not_compared():
 async def test_the_error_scales_the_whole_estimate_as_it_was_measured():
     """The error is measured as time from admission to finish over the estimate of it, so it
     scales that whole time, not only what is left of it: a request 12 s in with 8 s to go, at
-    1.6x, is expected at 32 s, past a 30 s deadline (12 + 1.6 * 8 = 24.8 s would pass)."""
+    1.6x, is expected at 32 s, past a 30 s deadline, so a newcomer waits for it to end (at 12 + 1.6
+    * 8 = 24.8 s it would run beside it)."""
     clock = Clock()
     a, refused = await measured(clock, rate=10.0)
     big = a.admit(RequestCost(work=200.0))
@@ -390,9 +442,7 @@ async def test_the_error_scales_the_whole_estimate_as_it_was_measured():
     clock.now += 12.0  # 120 units done: 8 s to go alone
     a.error.ratios[2].extend([1.6] * ERROR_WINDOW)  # with two admitted, estimates have run 1.6x long
     assert a.error.factor(2) == pytest.approx(1.6)
-    with pytest.raises(Overloaded):
-        a.admit(RequestCost(work=1.0))
-    assert refused == [Refusal.DEADLINE]
+    assert a.admit(RequestCost(work=1.0)).held_by == (big,) and refused == []
 
 
 async def test_admission_plans_to_finish_within_the_deadline_less_its_margin():

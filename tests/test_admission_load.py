@@ -142,7 +142,7 @@ class Simulation:
         self.order = itertools.count()
         self.running: list[Request] = []  # in the engine's batch
         self.stepping: list[Request] = []  # those the step in progress serves
-        self.waiting: list[Request] = []  # admitted, no slot yet
+        self.waiting: list[Request] = []  # admitted, no slot yet (or held for others to end)
         self.resend = True  # a client sends again once answered or refused
         self.end_s = math.inf
 
@@ -157,10 +157,20 @@ class Simulation:
             self.schedule(self.clock.now + STEP_S + ROW_S * len(self.stepping) + PREFILL_S * prefill, "step")
 
     async def take_slot(self, request: Request) -> None:
-        await self.admission.start(request.ticket)  # a slot is free: returns at once
+        await self.admission.start(request.ticket)  # a slot is free and it is not held: returns at once
         self.running.append(request)
         if not self.stepping:
             self.step()
+
+    async def take_slots(self) -> None:
+        """Start the waiting requests in order while slots are free, passing over the held ones
+        (`Admission.start` holds them until those they were held for have ended)."""
+        for request in list(self.waiting):
+            if len(self.running) == self.admission.max_concurrency:
+                return
+            if all(t.finished for t in request.ticket.held_by):
+                self.waiting.remove(request)
+                await self.take_slot(request)
 
     async def send(self, client: int, pipeline: str | None = None, *, calibrating: bool = False) -> None:
         pipeline = pipeline or next(self.turn)
@@ -174,11 +184,8 @@ class Simulation:
             if self.resend:
                 self.schedule(self.clock.now + refused.retry_after, "send", client)
             return
-        request = Request(ticket, client, pipeline, self.clock.now, calls, prompt_estimate)
-        if len(self.running) < self.admission.max_concurrency:
-            await self.take_slot(request)
-        else:
-            self.waiting.append(request)
+        self.waiting.append(Request(ticket, client, pipeline, self.clock.now, calls, prompt_estimate))
+        await self.take_slots()
 
     async def finish(self, request: Request, record: bool) -> None:
         self.running.remove(request)
@@ -190,8 +197,7 @@ class Simulation:
             self.outcome.pipelines.append(request.pipeline)
             if self.resend:
                 self.schedule(self.clock.now, "send", request.client)
-        if self.waiting:
-            await self.take_slot(self.waiting.pop(0))
+        await self.take_slots()
 
     async def run(self, record: bool = True) -> None:
         """Until no event is left (sends stop at `end_s`)."""
