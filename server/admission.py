@@ -11,7 +11,9 @@ they free, first come first served: the n running share R(n) equally, the one wi
 left finishes first and the next waiting one starts, and each admission delays every request
 already admitted. A request is admitted only if, with it, every admitted request (itself
 included) is expected to finish within the deadline of its own admission: a request that
-arrived in a lull is not pushed past its deadline by the ones admitted after it. Each ticket
+arrived in a lull is not pushed past its deadline by the ones admitted after it; where the only
+ones it would push are running and late already (most often near the end of their deadline), it is
+admitted held, starting once they have ended (`Admission._held`). Each ticket
 keeps the finish the model last expected for it, later admissions included, and that is what its
 real finish is compared with. Every `Retry-After` comes from the same model: when the request
 that blocks this one should be done. A burst that the model expects to finish in time is
@@ -58,6 +60,11 @@ ERROR_COMPARED_SHARE = 0.5  # an estimate under this share of the planned deadli
 # it could not break the deadline unless 2x off, and short estimates err most in ratio (in a real soak a request
 # estimated at 4.7 s among 8 took 11.6 s, and that one ratio, 2.45, became the factor of every load not measured
 # enough, refusing a second request with one running). On the drifting simulated load: +10% goodput at 64 clients
+MAX_HELD = 4  # at most this many admitted held (`Admission._check_deadlines`) at once: those held for the same requests
+# start together when they end, and their prompts' prefill stalls every running row at once, which the model counts
+# short. On the simulated load (tests/test_admission_load.py, 12 seeds each): naive at 64 clients, 11 of 2,301 answers
+# late with no bound, 4 of 2,284 with 4 (2 of 2,292 never held); the mix at 16 clients, 15 of 1,194 and 8 of 1,182
+# (8 of 1,177); goodput the same within 2%
 
 
 @dataclass(eq=False)
@@ -209,18 +216,11 @@ class Admission:
     ) -> tuple[tuple[Job, ...], dict[Ticket, float]]:
         """The plan with the last of `tickets` (the new one) admitted, or refuse it: if, with it,
         it or an admitted request would finish past the deadline of its own admission, each at its
-        own cost's quantile (`_own_tails`), the estimates scaled by their measured error. Where only
-        admitted requests would (most often ones near their deadline's end, late with or without
-        it), it is admitted held: it starts only once those have ended, so that it cannot make them
-        later, if it then finishes in time and makes no other one late. Only after running ones that
-        are late anyway: held after any other, it would take the place of one more in a batch that
-        the wait leaves smaller (simulated at 64 clients: chains of holds, one or two running, 0.64x
-        the goodput). Refused otherwise, or held for 64 users a server drained and refilled in waves
-        (0.57x fixed-8's goodput in rounds); not held, those near their end were cut at the deadline
-        (41 of 215, branch admission-late-anyway). `Retry-After`: how much later the new one itself
-        would fit, or, when an admitted request would be late, how long until that one finishes
-        (admitting more would only make it later; told when it was expected at its mean, d9b5d26's
-        clients came back 5x as often: 0.42x fixed-12's goodput, 64 users)."""
+        own cost's quantile (`_own_tails`), the estimates scaled by their measured error, it is
+        refused, unless it can be admitted held (`_held`). `Retry-After`: how much later the new one
+        itself would fit, or, when an admitted request would be late, how long until that one
+        finishes (admitting more would only make it later; told when it was expected at its mean,
+        d9b5d26's clients came back 5x as often: 0.42x fixed-12's goodput, 64 users)."""
         new = tickets[-1]
         factor = self.error.factor(len(finishes))
         deadline = deadline_s * (1.0 - self.margin)
@@ -239,19 +239,9 @@ class Admission:
         if new not in blockers and all(t.running for t in blockers):
             late_anyway = lateness(admitted, jobs_before, before)
             if all(late_anyway[t] > 0 for t in blockers):
-                new.held_by = tuple(blockers)
-                held_jobs = _jobs(rates, tickets)
-                held = dict(zip(tickets, plan_finishes(rates, held_jobs, self.max_concurrency), strict=True))
-                # it starts when they end, each at its own tail (they run late already)
-                judged = tuple(
-                    t.job(rates, t.cost.work_among(1)) if t in blockers and not t.cost.provisional else job
-                    for t, job in zip(tickets, held_jobs, strict=True)
-                )
-                judged_finishes = dict(zip(tickets, plan_finishes(rates, judged, self.max_concurrency), strict=True))
-                if all(s <= 0 or t in blockers for t, s in lateness(tickets, judged, judged_finishes).items()):
-                    logger.debug("admission: admitted held until %d of %d admitted end", len(blockers), len(admitted))
-                    return held_jobs, held
-                new.held_by = ()
+                held = self._held(rates, tickets, list(blockers), lateness, factor)
+                if held is not None:
+                    return held
         logger.debug(
             "admission: refused with %d admitted: estimates x %.2f, the latest %.1f s past the plan",
             len(admitted),
@@ -266,6 +256,41 @@ class Admission:
             retry,
         )
 
+    def _held(
+        self,
+        rates: Rates,
+        tickets: list[Ticket],
+        late: list[Ticket],
+        lateness: Callable[[list[Ticket], tuple[Job, ...], dict[Ticket, float]], dict[Ticket, float]],
+        factor: float,
+    ) -> tuple[tuple[Job, ...], dict[Ticket, float]] | None:
+        """The plan with the new one (the last of `tickets`) held until the `late` ones end (running
+        requests that would finish past their deadline with or without it, most often near its end),
+        so that it cannot make them later; None where it would then finish past its own, or make
+        another one late, or where `MAX_HELD` are held already. Its start is judged as late as
+        their deadline, where the run stops them, not when the model expects them to end (they run
+        later than it expected already). Held for one that is not late anyway, it would take the
+        place of one more in a batch that the wait leaves smaller (simulated at 64 clients: chains
+        of holds, one or two running, 0.64x the goodput). Refused instead, at 64 users, a server
+        drained and refilled in waves (0.57x fixed-8's goodput, in rounds); admitted beside them,
+        those near their end were cut at the deadline (41 of 215 answers, branch
+        admission-late-anyway)."""
+        new, deadline_s = tickets[-1], self.deadline_s
+        assert deadline_s is not None  # only a deadline makes a request late
+        if sum(bool(t.held_by) for t in tickets) >= MAX_HELD:
+            return None
+        new.held_by = tuple(late)
+        jobs = _jobs(rates, tickets)
+        finishes = dict(zip(tickets, plan_finishes(rates, jobs, self.max_concurrency), strict=True))
+        after = lateness(tickets, jobs, finishes)
+        longest_wait = max(t.admitted_at + deadline_s - self._last for t in late)
+        after[new] += max(longest_wait - max(finishes[t] for t in late), 0.0) * factor
+        if all(s <= 0 or t in late for t, s in after.items()):
+            logger.debug("admission: admitted held until %d of %d admitted end", len(late), len(tickets) - 1)
+            return jobs, finishes
+        new.held_by = ()
+        return None
+
     def _own_tails(
         self,
         rates: Rates,
@@ -274,23 +299,26 @@ class Admission:
         finishes: dict[Ticket, float],
         within_s: float,
     ) -> dict[Ticket, float]:
-        """Seconds until each of `tickets` finishes with its own work at its cost's quantile, the
-        others' as `jobs` count them (their quantile's share, `RequestCost.work_among`): a request
-        waits on its own length whole but on the others' only as their sum (an admitted one's
-        provisional cost is not: see the module's docstring). The plan is made again
-        only for those that the extra work could make finish later than `within_s` of their admission
-        (at the slowest rate a request gets among as many), not for the many it cannot."""
+        """Seconds until each of `tickets` finishes with its own work at its cost's quantile, and
+        that of those it is held for (it waits for them whole), the others' as `jobs` count them
+        (their quantile's share, `RequestCost.work_among`): a request waits on its own length whole
+        but on the others' only as their sum (an admitted one's provisional cost is not: see the
+        module's docstring). The plan is made again only for those that the extra work could make
+        finish later than `within_s` of their admission (at the slowest rate a request gets among as
+        many), not for the many it cannot."""
         slots = min(len(jobs), self.max_concurrency)
         slowest = min(rates.at(k) / k for k in range(1, slots + 1))
+        index = {t: i for i, t in enumerate(tickets)}
         tails = dict(finishes)
         for i, t in enumerate(tickets):
-            if t.cost.provisional and t is not tickets[-1]:
-                continue
-            tail = t.job(rates, t.cost.work_among(1), jobs[i].after)
-            extra = tail.left - jobs[i].left
+            whole = {i: t} if not t.cost.provisional or t is tickets[-1] else {}
+            whole |= {index[b]: b for b in t.held_by if b in index and not b.cost.provisional}
+            at_tails = {k: w.job(rates, w.cost.work_among(1), jobs[k].after) for k, w in whole.items()}
+            extra = sum(job.left - jobs[k].left for k, job in at_tails.items())
             if extra > 0 and self._last - t.admitted_at + finishes[t] + extra / slowest > within_s:
                 replanned = list(jobs)
-                replanned[i] = tail
+                for k, job in at_tails.items():
+                    replanned[k] = job
                 tails[t] = plan_finishes(rates, replanned, self.max_concurrency)[i]
         return tails
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from telerag.pipelines.registry import PIPELINES
-from telerag.server.admission import Admission
+from telerag.server.admission import MAX_HELD, Admission, Ticket
 from telerag.server.admission_model import ERROR_WINDOW, EstimateError, Rates, ServiceRate
 from telerag.server.app import create_app, start_serving
 from telerag.server.errors import InvalidField, Overloaded, Refusal
@@ -264,14 +264,15 @@ async def test_a_running_request_whose_prompt_is_not_prefilled_yet_holds_up_the_
     assert first.estimated_s == pytest.approx(4.5 + 1.5 + 6) and last.estimated_s == pytest.approx(4.5 + 1.5 + 6)
 
 
-async def big_one_running(clock: Clock, left: float) -> tuple[Admission, list[Refusal], object]:
-    """An Admission at 10/s with one request of 250 units running for 10 s and `left` of it left."""
+async def big_one_running(clock: Clock, age: float, left: float) -> tuple[Admission, list[Refusal], Ticket]:
+    """An Admission at 10/s with one request of 250 units that has run for `age` seconds and has
+    `left` of them left."""
     a, refused = await measured(clock, rate=10.0)
     big = a.admit(RequestCost(work=250.0))
     assert big.estimated_s == pytest.approx(25.0)  # alone
     await a.start(big)
-    clock.now += 10.0
-    a.expected_wait_s()  # brings the shares up to now: the big one has had 10 s
+    clock.now += age
+    a.expected_wait_s()  # brings the shares up to now
     a.rate = alone(10.0)  # still 10/s
     big.attention = {1: (250.0 - left) / 10.0}
     return a, refused, big
@@ -279,49 +280,80 @@ async def big_one_running(clock: Clock, left: float) -> tuple[Admission, list[Re
 
 async def test_a_request_is_refused_if_it_would_push_an_admitted_one_past_its_deadline():
     """Admitted requests share the server: a small one admitted late delays a big one admitted
-    early, though it would itself finish in time; and held until the big one ends, it would not."""
+    early, though it would itself finish in time."""
     clock = Clock()
-    a, refused, big = await big_one_running(clock, left=150.0)
+    a, refused, big = await big_one_running(clock, age=10.0, left=150.0)
     first = a.admit(RequestCost(work=50.0))  # shared: it finishes in 10 s, the big one in (50 + 150) / 10 = 20 s
     assert first.estimated_s == pytest.approx(10.0) and big.estimated_s == pytest.approx(30.0)  # at its deadline
     with pytest.raises(Overloaded) as info:
-        # the three sharing: it finishes in 29 s, the big one in 32 s; held until the big one ends (20 s), in 32 s
-        a.admit(RequestCost(work=120.0))
+        a.admit(RequestCost(work=50.0))  # it would finish in 15 s, but the big one in 25 s: 5 s past its deadline
     assert refused == [Refusal.DEADLINE] and info.value.retry_after == 20  # when the big one is done
-    assert "29 s" in str(info.value)
+    assert "15 s" in str(info.value)
     assert big.estimated_s == pytest.approx(30.0) and a.n_waiting == 1  # the refused one left nothing behind
 
 
-async def test_a_request_that_would_make_an_admitted_one_late_is_held_until_it_ends_where_it_then_fits():
-    """Rather than refused, it waits for the request it would make late, where it then finishes
-    in time: the admitted one is not made later, and the server does not wait for a client's
-    retry to fill again."""
+async def test_a_running_request_expected_late_holds_a_newcomer_until_it_ends_where_it_then_fits():
+    """Admitting one beside it would only make it later: one that fits after it is admitted and
+    waits for it to end (the server does not wait for a client's retry to fill again); one that
+    does not is refused with Retry-After when it should be done."""
     clock = Clock()
-    a, refused, big = await big_one_running(clock, left=150.0)
-    first = a.admit(RequestCost(work=50.0))
-    held = a.admit(RequestCost(work=50.0))  # shared, the big one would finish 5 s past its deadline
-    assert refused == [] and held.held_by == (big,)
-    # the big one and the first as before; it starts when the big one ends, 20 s from now, and takes 5 s alone
-    assert big.estimated_s == pytest.approx(30.0) and first.estimated_s == pytest.approx(10.0)
-    assert held.estimated_s == pytest.approx(25.0)
-    await a.start(first)
+    a, refused, big = await big_one_running(clock, age=20.0, left=200.0)  # 20 s more: past its deadline alone
+    held = a.admit(RequestCost(work=50.0))  # after it: in 25 s
+    assert refused == [] and held.held_by == (big,) and held.estimated_s == pytest.approx(25.0)
+    assert big.estimated_s == pytest.approx(40.0)  # not made later
+    with pytest.raises(Overloaded) as info:
+        a.admit(RequestCost(work=60.0))  # it would make the held one late too, which it is not held for
+    assert refused == [Refusal.DEADLINE] and info.value.retry_after == 25  # when both are done
     starting = asyncio.create_task(a.start(held))
     await asyncio.sleep(0)
-    assert not starting.done() and a.n_running == 2 and a.n_waiting == 1  # a slot is free, but it is held
-    clock.now += 10.0
-    a.finish(first, completed=True)
-    await asyncio.sleep(0)
-    assert not starting.done()
-    clock.now += 10.0
+    assert not starting.done() and a.n_running == 1 and a.n_waiting == 1  # a slot is free, but it is held
+    clock.now += 20.0
     a.finish(big, completed=True)
     await asyncio.wait_for(starting, 1)
     assert held.running and held.held_by == ()
 
 
+async def test_a_request_admitted_only_for_a_young_one_to_end_is_refused():
+    """Held only after a running request that is late without it: held after one it would make
+    late, it would take a place in a batch that the wait leaves smaller."""
+    clock = Clock()
+    a, refused, _ = await big_one_running(clock, age=2.0, left=230.0)  # 23 s more: in time, 25 s
+    with pytest.raises(Overloaded):
+        a.admit(RequestCost(work=60.0))  # beside it, it pushes it to 31 s; after it, it would finish in 29 s
+    assert refused == [Refusal.DEADLINE]
+
+
+async def test_a_request_held_for_a_late_one_may_start_as_late_as_that_ones_deadline():
+    """A request expected late runs longer than the model expected already; the run stops it at
+    its deadline, so one held for it is judged as starting then."""
+    clock = Clock()
+    a, refused = await measured(clock, rate=10.0)
+    big = a.admit(RequestCost(work=200.0))
+    await a.start(big)
+    clock.now += 12.0  # 120 units done: 8 s to go alone, 18 s to its deadline
+    for admitted in (2, 3):  # with two or three admitted, estimates have run 1.6x long: it is late
+        a.error.ratios[admitted].extend([1.6] * ERROR_WINDOW)
+    assert a.admit(RequestCost(work=1.0)).held_by == (big,)  # (18 + 0.1) * 1.6 = 29 s
+    with pytest.raises(Overloaded):
+        a.admit(RequestCost(work=30.0))  # (18 + 3) * 1.6 = 34 s; (8 + 3) * 1.6 = 18 s had it started when expected
+    assert refused == [Refusal.DEADLINE]
+
+
+async def test_at_most_max_held_requests_are_held_at_once():
+    """Those held for the same requests start together, their prompts' prefill stalling every
+    running row at once."""
+    clock = Clock()
+    a, refused, big = await big_one_running(clock, age=20.0, left=200.0)
+    held = [a.admit(RequestCost(work=5.0)) for _ in range(MAX_HELD)]
+    assert all(t.held_by == (big,) for t in held)
+    with pytest.raises(Overloaded):
+        a.admit(RequestCost(work=5.0))
+    assert refused == [Refusal.DEADLINE]
+
+
 async def test_a_request_held_and_cancelled_leaves_nothing_behind():
     clock = Clock()
-    a, _, big = await big_one_running(clock, left=150.0)
-    a.admit(RequestCost(work=50.0))
+    a, _, big = await big_one_running(clock, age=20.0, left=200.0)
     held = a.admit(RequestCost(work=50.0))
     assert held.held_by == (big,)
     starting = asyncio.create_task(a.start(held))
@@ -329,23 +361,7 @@ async def test_a_request_held_and_cancelled_leaves_nothing_behind():
     starting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await starting
-    assert held.finished and a.n_waiting == 1 and a.n_running == 1
-
-
-async def test_an_admitted_request_expected_late_holds_newcomers_until_it_finishes():
-    """Admitting one beside it would only make it later: one that fits after it waits for it, one
-    that does not is refused with Retry-After when it should be done."""
-    clock = Clock()
-    a, refused, big = await big_one_running(clock, left=200.0)  # only 50 units done in 10 s: 20 s more, 30 in all
-    clock.now += 10.0
-    a.expected_wait_s()
-    big.attention = {1: 5.0}  # 20 s after its admission, still 200 left: 20 s more, past its deadline
-    held = a.admit(RequestCost(work=50.0))  # after it: in 25 s
-    assert held.held_by == (big,) and held.estimated_s == pytest.approx(25.0)
-    with pytest.raises(Overloaded) as info:
-        # beside the big one it would make that one later, and the held one after it too (26 + 5 s); held for both, in 31 s
-        a.admit(RequestCost(work=60.0))
-    assert refused == [Refusal.DEADLINE] and info.value.retry_after == 25  # when both are done
+    assert held.finished and a.n_waiting == 0 and a.n_running == 1
 
 
 def test_the_estimate_error_is_a_high_quantile_of_took_over_estimated_at_each_load():
