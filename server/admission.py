@@ -60,7 +60,7 @@ ERROR_COMPARED_SHARE = 0.5  # an estimate under this share of the planned deadli
 # it could not break the deadline unless 2x off, and short estimates err most in ratio (in a real soak a request
 # estimated at 4.7 s among 8 took 11.6 s, and that one ratio, 2.45, became the factor of every load not measured
 # enough, refusing a second request with one running). On the drifting simulated load: +10% goodput at 64 clients
-MAX_HELD = 4  # at most this many admitted held (`Admission._check_deadlines`) at once: those held for the same requests
+MAX_HELD = 4  # at most this many admitted held (`Admission._held`) at once: those held for the same requests
 # start together when they end, and their prompts' prefill stalls every running row at once, which the model counts
 # short. On the simulated load (tests/test_admission_load.py, 12 seeds each): naive at 64 clients, 11 of 2,301 answers
 # late with no bound, 4 of 2,284 with 4 (2 of 2,292 never held); the mix at 16 clients, 15 of 1,194 and 8 of 1,182
@@ -82,7 +82,7 @@ class Ticket:
     calibrating: bool = False  # a request of the warm-up, estimated before the rates it ran at were measured
     running: bool = False
     finished: bool = False
-    held_by: tuple[Ticket, ...] = ()  # admitted requests it starts after (`Admission._check_deadlines`), until it starts
+    held_by: tuple[Ticket, ...] = ()  # admitted requests it starts after (`Admission._held`), until it starts
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # set when it finished, however
     attention: dict[int, float] = field(default_factory=dict)  # seconds of the whole server it has had (an equal
     # share of the time it ran), by the number of requests running then
