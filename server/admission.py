@@ -38,6 +38,10 @@ judged with its own work at its cost's quantile, the others' at their share of t
 guess from its pipeline's first requests) only at its share: guarded at the guess's tail, one
 such request held every other out (a traced HyDE: 19 s at its tail, 10 s taken, alone). The
 margin (`scheduler.admission_margin`) is for what the error's window has not seen yet.
+
+It is long because every decision here (admit, hold, refuse, and the error's comparison when a
+request ends) plans the same admitted requests with the same model: split, each part would pass
+the plan and the tickets back and forth.
 """
 
 from __future__ import annotations
