@@ -243,7 +243,7 @@ class Admission:
         if new not in blockers and all(t.running for t in blockers):
             late_anyway = lateness(admitted, jobs_before, before)
             if all(late_anyway[t] > 0 for t in blockers):
-                held = self._held(rates, tickets, list(blockers), lateness, factor)
+                held = self._held(rates, tickets, list(blockers), lateness, factor, deadline_s)
                 if held is not None:
                     return held
         logger.debug(
@@ -267,6 +267,7 @@ class Admission:
         late: list[Ticket],
         lateness: Callable[[list[Ticket], tuple[Job, ...], dict[Ticket, float]], dict[Ticket, float]],
         factor: float,
+        deadline_s: float,
     ) -> tuple[tuple[Job, ...], dict[Ticket, float]] | None:
         """The plan with the new one (the last of `tickets`) held until the `late` ones end (running
         requests that would finish past their deadline with or without it, most often near its end),
@@ -279,8 +280,7 @@ class Admission:
         drained and refilled in waves (0.57x fixed-8's goodput, in rounds); admitted beside them,
         those near their end were cut at the deadline (41 of 215 answers, branch
         admission-late-anyway)."""
-        new, deadline_s = tickets[-1], self.deadline_s
-        assert deadline_s is not None  # only a deadline makes a request late
+        new = tickets[-1]
         if sum(bool(t.held_by) for t in tickets) >= MAX_HELD:
             return None
         new.held_by = tuple(late)
