@@ -56,11 +56,16 @@ class Codec(StrEnum):
         return faiss.vector_to_array(quantizer.trained).astype(np.float32).reshape(2, -1)
 
     def to_codes(self, vectors: np.ndarray, params: np.ndarray | None = None) -> np.ndarray:
-        """float32 vectors -> codes, as faiss's own encoder makes them (fp16 rounds to nearest
-        even; sq8 needs the parameters from `train`)."""
-        if not self.has_params:
-            return np.ascontiguousarray(vectors, dtype=self.numpy_dtype)
-        return self._sq8(self._checked(params, vectors.shape[1])).compute_codes(np.ascontiguousarray(vectors, dtype=np.float32))
+        """float32 vectors -> codes, by faiss's own encoder (so a vector a live datastore adds is
+        coded as faiss's `add_with_ids` codes it: its fp16 rounds halfway cases away from zero,
+        where numpy's rounds them to even; sq8 needs the parameters from `train`)."""
+        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+        if self is Codec.FP32:
+            return vectors
+        if self is Codec.FP16:
+            quantizer = faiss.ScalarQuantizer(vectors.shape[1], faiss.ScalarQuantizer.QT_fp16)
+            return quantizer.compute_codes(vectors).view(np.float16).reshape(vectors.shape)
+        return self._sq8(self._checked(params, vectors.shape[1])).compute_codes(vectors)
 
     def decode(self, codes: torch.Tensor, params: torch.Tensor | None = None) -> torch.Tensor:
         """Codes (rows of the device cache) -> float32, as faiss decodes them."""

@@ -14,6 +14,9 @@ Layout of a datastore directory (`FORMAT_VERSION` 1):
                        `telerag datastore upgrade`)
     passages.jsonl     optional: one {"doc_id","title","text"} per row, in row order
     passages.idx.npy   optional: int64 (n + 1) byte offsets of those lines
+    wal-NNNNNN.log     a live datastore's writes since generation NNNNNN was written (`retrieval.wal`,
+                       `retrieval.live`); the files above never change
+    live.lock          held (flock) by the process that writes the datastore
 
 A cluster is one slice of `vectors.npy`, so a prefetch is one contiguous copy, and adjacent
 clusters can be copied together. A loaded datastore memory-maps these files; a benchmark's
@@ -52,6 +55,7 @@ PASSAGES = "passages.jsonl"
 PASSAGE_INDEX = "passages.idx.npy"
 LIST_STATS = "list_stats.npy"
 FILES = frozenset({MANIFEST, CENTROIDS, OFFSETS, VECTORS, CODEC_PARAMS, PASSAGES, PASSAGE_INDEX, LIST_STATS})
+LOCK = "live.lock"
 LIST_STATS_WIDTH = 3  # radius, largest norm, least projection (`retrieval.early_stop.ListStats`)
 
 
@@ -105,6 +109,16 @@ class Manifest:
             )
         if dim is not None and self.dim != dim:
             raise DatastoreMismatchError(f"{where} holds {self.dim}-d vectors, but the embedder makes {dim}-d vectors")
+
+
+def wal_name(generation: int) -> str:
+    """The log of the writes made since generation `generation` was written."""
+    return f"wal-{generation:06d}.log"
+
+
+def is_datastore_file(name: str) -> bool:
+    """Whether `name` is one of the files this project writes into a datastore's directory."""
+    return name in FILES or name == LOCK or (name.startswith("wal-") and name.endswith(".log"))
 
 
 class PassageStore(Protocol):

@@ -25,7 +25,6 @@ from telerag.retrieval.corpus import Passage
 from telerag.retrieval.datastore import (
     CENTROIDS,
     CODEC_PARAMS,
-    FILES,
     LIST_STATS,
     MANIFEST,
     OFFSETS,
@@ -34,6 +33,7 @@ from telerag.retrieval.datastore import (
     VECTORS,
     Datastore,
     Manifest,
+    is_datastore_file,
 )
 from telerag.retrieval.early_stop import ListStats
 from telerag.retrieval.errors import DatastoreError
@@ -89,7 +89,7 @@ def is_datastore_dir(path: Path) -> bool:
     """Whether `path` is a directory this project wrote: a manifest and nothing but datastore files."""
     if not (path / MANIFEST).is_file():
         return False
-    return all(entry.name in FILES for entry in path.iterdir())
+    return all(is_datastore_file(entry.name) for entry in path.iterdir())
 
 
 def check_target(out_dir: Path, *, overwrite: bool) -> None:
@@ -103,7 +103,7 @@ def check_target(out_dir: Path, *, overwrite: bool) -> None:
     if not any(out_dir.iterdir()):
         return
     if not is_datastore_dir(out_dir):
-        strangers = sorted(entry.name for entry in out_dir.iterdir() if entry.name not in FILES)
+        strangers = sorted(entry.name for entry in out_dir.iterdir() if not is_datastore_file(entry.name))
         what = f"{MANIFEST} is missing" if not (out_dir / MANIFEST).is_file() else f"it also holds {', '.join(strangers[:3])}"
         raise DatastoreError(
             f"{out_dir} exists and is not a datastore ({what}); refusing to write into it (nothing was changed): "

@@ -41,6 +41,19 @@ class DatastoreCorruptError(DatastoreError):
     code = "datastore_corrupt"
 
 
+class DatastoreBusy(DatastoreError):
+    """Another process holds the datastore for writing (`retrieval.live`)."""
+
+    code = "datastore_busy"
+
+
+class DatastoreReadOnly(DatastoreError):
+    """A write to a datastore that cannot take one: opened read-only (another process holds it,
+    or its directory cannot be written), or holding vectors without passages."""
+
+    code = "datastore_read_only"
+
+
 class LayoutError(RetrievalError):
     """Vectors, codes or codec parameters not laid out as the datastore or codec needs: a caller's
     mistake (wrong shape, dtype or memory order), never a user's input."""

@@ -1,0 +1,252 @@
+"""A live datastore equals faiss after the same writes: `IndexIVF` with the same centroids, after the
+same `add_with_ids` and `remove_ids`, at the same nprobe; durable across reopening; its log's torn
+tail discarded, its damage refused."""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+import pytest
+
+from telerag.retrieval.builder import assign_lists, train_centroids, write_clustered
+from telerag.retrieval.codecs import Codec
+from telerag.retrieval.corpus import Passage
+from telerag.retrieval.datastore import Datastore, wal_name
+from telerag.retrieval.engine import RetrievalEngine
+from telerag.retrieval.errors import DatastoreBusy, DatastoreCorruptError, DatastoreReadOnly
+from telerag.retrieval.ivf import same_results
+from telerag.retrieval.live import DocumentDelete, DocumentUpsert, LiveDatastore, WriteOutcome
+from telerag.retrieval.snapshot import search_snapshot
+from tests.retrieval_helpers import random_datastore, random_queries
+
+
+def passage_datastore(path: Path, *, n: int = 600, dim: int = 16, nlist: int = 16, codec: Codec = Codec.FP32, seed: int = 0):
+    """Random unit vectors in `nlist` lists, three passages to a document (`b0`, `b1`, ...)."""
+    rng = np.random.default_rng(seed)
+    vectors = rng.standard_normal((n, dim)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    centroids = train_centroids(vectors, nlist, seed=seed)
+    passages = [Passage(doc_id=f"b{i // 3}", title=f"base {i // 3}", text=f"base passage {i}") for i in range(n)]
+    write_clustered(
+        path,
+        vectors=vectors,
+        lists=assign_lists(vectors, centroids),
+        centroids=centroids,
+        codec=codec,
+        embedder="random",
+        passages=passages,
+    )
+    return Datastore.load(path)
+
+
+class Reference:
+    """faiss's own IVF over the same centroids and codes: the generation's codes added to its
+    lists as they lie, then every write as `add_with_ids` and `remove_ids`."""
+
+    def __init__(self, ds: Datastore, documents: dict[str, tuple[int, ...]]) -> None:
+        """`documents`: each document's ids in the generation."""
+        self.documents = dict(documents)
+        self.index, self._quantizer = ds.codec.empty_faiss_index(ds.centroids, ds.codec_params)
+        invlists = faiss.downcast_InvertedLists(self.index.invlists)
+        for cluster in range(ds.nlist):
+            start, end = int(ds.offsets[cluster]), int(ds.offsets[cluster + 1])
+            if end > start:
+                ids = np.arange(start, end, dtype=np.int64)
+                codes = np.ascontiguousarray(ds.vectors[start:end]).view(np.uint8)
+                invlists.add_entries(cluster, end - start, faiss.swig_ptr(ids), faiss.swig_ptr(codes))
+        self.index.ntotal = ds.n_vectors
+
+    def apply(self, writes, results) -> None:
+        """The writes that changed something: the document's old ids removed, its new vectors added."""
+        for write, result in zip(writes, results, strict=True):
+            if result.outcome in (WriteOutcome.UNCHANGED, WriteOutcome.NOT_FOUND):
+                continue
+            old = self.documents.pop(write.doc_id, ())
+            if old:
+                assert self.index.remove_ids(np.asarray(old, dtype=np.int64)) == len(old)
+            if isinstance(write, DocumentUpsert):
+                ids = result.document.passage_ids
+                self.index.add_with_ids(np.ascontiguousarray(write.vectors, dtype=np.float32), np.asarray(ids, dtype=np.int64))
+                self.documents[write.doc_id] = ids
+
+    def search(self, queries: np.ndarray, k: int, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.index.search(queries, k, params=faiss.SearchParametersIVF(nprobe=nprobe))
+
+
+def unit_vectors(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
+    v = rng.standard_normal((n, dim)).astype(np.float32)
+    return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+
+def upsert(doc_id: str, vectors: np.ndarray, version: Any = 0) -> DocumentUpsert:
+    texts = tuple(f"{doc_id} v{version} passage {i}" for i in range(len(vectors)))
+    return DocumentUpsert(doc_id, f"title {doc_id}", texts, vectors, content_hash=f"{doc_id}:{version}")
+
+
+def assert_equal_to_reference(live: LiveDatastore, engine: RetrievalEngine, reference: Reference, queries, k, nprobe, **options):
+    result = search_snapshot(engine, live.snapshot(), queries, k, nprobe, **options)
+    ref_scores, ref_ids = reference.search(queries, k, nprobe)
+    for i in range(len(queries)):
+        assert same_results(result.ids[i], result.scores[i], ref_ids[i], ref_scores[i]), (i, result.ids[i], ref_ids[i])
+    return result
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+@pytest.mark.parametrize("device_half", [False, True], ids=["faiss-only", "with-device-half"])
+def test_random_writes_and_searches_equal_faiss(tmp_path, codec, device_half):
+    rng = np.random.default_rng(zlib.crc32(f"{codec.value} {device_half}".encode()))
+    ds = passage_datastore(tmp_path / "ds", codec=codec)
+    live = LiveDatastore(ds, writable=True)
+    engine = RetrievalEngine(ds, cache_bytes=ds.vectors.nbytes // 2 if device_half else 0)
+    reference = Reference(ds, {e.doc_id: e.passage_ids for e in live.documents(limit=10**6)})
+    doc_ids = [f"b{i}" for i in range(200)] + [f"n{i}" for i in range(60)]
+    versions: dict[str, int] = {}
+    operations = 0
+    searches = 0
+    while operations < 1000:
+        roll = rng.random()
+        if roll < 0.45:
+            queries = unit_vectors(rng, int(rng.integers(1, 5)), ds.dim)
+            k, nprobe = int(rng.integers(1, 12)), int(rng.integers(1, ds.nlist + 1))
+            options = {}
+            if device_half:
+                handle = engine.prefetch(
+                    queries + 0.2 * unit_vectors(rng, len(queries), ds.dim), int(rng.integers(0, ds.vectors.nbytes))
+                )
+                options = {"prefetch": handle}
+            assert_equal_to_reference(live, engine, reference, queries, k, nprobe, **options)
+            searches += 1
+            operations += 1
+            continue
+        writes = []
+        for _ in range(int(rng.integers(1, 4))):  # a batch: one sync
+            doc_id = doc_ids[int(rng.integers(len(doc_ids)))]
+            if rng.random() < 0.65:
+                same = rng.random() < 0.1 and doc_id in versions
+                versions[doc_id] = versions.get(doc_id, 0) + (0 if same else 1)
+                writes.append(upsert(doc_id, unit_vectors(rng, int(rng.integers(1, 5)), ds.dim), versions[doc_id]))
+            else:
+                writes.append(DocumentDelete(doc_id))
+        results = live.write(writes)
+        reference.apply(writes, results)
+        operations += len(writes)
+    assert searches >= 200
+    snapshot = live.snapshot()
+    assert len(snapshot.deleted) and len(snapshot.delta)
+    assert snapshot.passages == reference.index.ntotal
+    queries = unit_vectors(rng, 16, ds.dim)
+    before = assert_equal_to_reference(live, engine, reference, queries, 10, 4)
+    live.close()
+    engine.close()
+
+    # reopened: every write replayed from the log, the same answers
+    again = LiveDatastore(Datastore.load(tmp_path / "ds"), writable=True)
+    assert again.snapshot().lsn == snapshot.lsn and again.snapshot().passages == snapshot.passages
+    engine = RetrievalEngine(again.datastore)
+    after = assert_equal_to_reference(again, engine, reference, queries, 10, 4)
+    np.testing.assert_array_equal(after.ids, before.ids)
+    again.close()
+
+
+def test_a_snapshot_keeps_its_version_and_an_upsert_is_atomic(tmp_path):
+    ds = passage_datastore(tmp_path / "ds")
+    live = LiveDatastore(ds, writable=True)
+    engine = RetrievalEngine(ds)
+    rng = np.random.default_rng(3)
+    target = unit_vectors(rng, 1, ds.dim)
+    old = live.write([upsert("doc", np.repeat(target, 3, axis=0) + 1e-3 * unit_vectors(rng, 3, ds.dim), 1)])[0]
+    before = live.snapshot()
+    new = live.write([upsert("doc", np.repeat(target, 2, axis=0), 2)])[0]
+    assert new.outcome is WriteOutcome.REPLACED and new.document.version == 2
+    after = live.snapshot()
+    found_before = search_snapshot(engine, before, target, 5, ds.nlist).ids[0]
+    found_after = search_snapshot(engine, after, target, 5, ds.nlist).ids[0]
+    assert set(old.document.passage_ids) <= set(found_before.tolist())
+    assert not set(new.document.passage_ids) & set(found_before.tolist())
+    assert set(new.document.passage_ids) <= set(found_after.tolist())
+    assert not set(old.document.passage_ids) & set(found_after.tolist())
+    assert [p.text for p in after.passages_of(list(new.document.passage_ids))] == ["doc v2 passage 0", "doc v2 passage 1"]
+    live.close()
+
+
+def test_outcomes_and_documents(tmp_path):
+    ds = passage_datastore(tmp_path / "ds", n=30)
+    live = LiveDatastore(ds, writable=True)
+    rng = np.random.default_rng(0)
+    assert live.document("b0").passage_ids == (*(row for row in range(30) if ds.passages([row])[0].doc_id == "b0"),)
+    results = live.write(
+        [
+            upsert("x", unit_vectors(rng, 2, ds.dim), 1),
+            upsert("x", unit_vectors(rng, 2, ds.dim), 1),  # the same hash: unchanged
+            DocumentDelete("nope"),
+            DocumentDelete("b0"),
+            upsert("b1", unit_vectors(rng, 1, ds.dim), 1),
+        ]
+    )
+    assert [r.outcome for r in results] == [
+        WriteOutcome.CREATED,
+        WriteOutcome.UNCHANGED,
+        WriteOutcome.NOT_FOUND,
+        WriteOutcome.DELETED,
+        WriteOutcome.REPLACED,
+    ]
+    assert results[0].lsn == 1 and results[3].lsn == 2 and results[4].lsn == 3 and results[2].lsn == 3
+    assert live.document("b0") is None and live.document("b1").version == 2 and live.document("x").version == 1
+    assert live.snapshot().documents == 10 - 1 + 1
+    page = live.documents(limit=3)
+    assert [d.doc_id for d in page] == ["b1", "b2", "b3"]
+    assert [d.doc_id for d in live.documents(after="b8", limit=5)] == ["b9", "x"]
+    stats = live.stats()
+    assert stats.lsn == 3 and stats.passages == 30 - 6 + 2 + 1 and stats.tombstones == 6 and stats.wal_bytes > 0
+    live.close()
+
+
+def test_torn_tail_is_discarded_with_one_line_and_damage_is_refused(tmp_path, caplog):
+    ds = passage_datastore(tmp_path / "ds", n=30)
+    live = LiveDatastore(ds, writable=True)
+    rng = np.random.default_rng(0)
+    live.write([upsert("a", unit_vectors(rng, 2, ds.dim), 1)])
+    live.write([upsert("b", unit_vectors(rng, 2, ds.dim), 1)])
+    live.close()
+    wal = tmp_path / "ds" / wal_name(0)
+    whole = wal.read_bytes()
+    wal.write_bytes(whole + whole[16:40])  # a third record cut short
+    with caplog.at_level(logging.WARNING, logger="telerag.retrieval.wal"):
+        reopened = LiveDatastore(Datastore.load(tmp_path / "ds"), writable=True)
+    assert [r.message for r in caplog.records if "torn tail" in r.message]
+    assert reopened.snapshot().lsn == 2 and reopened.document("b") is not None
+    assert wal.read_bytes() == whole
+    reopened.close()
+
+    damaged = bytearray(whole)
+    damaged[30] ^= 0xFF  # inside the first record, with the second after it
+    wal.write_bytes(bytes(damaged))
+    with pytest.raises(DatastoreCorruptError, match="damaged"):
+        LiveDatastore(Datastore.load(tmp_path / "ds"), writable=True)
+
+
+def test_one_writer_at_a_time_and_readers_beside_it(tmp_path):
+    ds = passage_datastore(tmp_path / "ds", n=30)
+    writer = LiveDatastore(ds, writable=True)
+    with pytest.raises(DatastoreBusy, match="held for writing by another process"):
+        LiveDatastore(Datastore.load(tmp_path / "ds"), writable=True)
+    writer.write([upsert("a", unit_vectors(np.random.default_rng(0), 2, ds.dim), 1)])
+    reader = LiveDatastore(Datastore.load(tmp_path / "ds"))
+    assert reader.document("a") is not None and not reader.writable
+    with pytest.raises(DatastoreReadOnly):
+        reader.write([DocumentDelete("a")])
+    writer.close()
+    LiveDatastore(Datastore.load(tmp_path / "ds"), writable=True).close()  # the lock went with the writer
+
+
+def test_vectors_only_datastore_refuses_writes(tmp_path):
+    ds = random_datastore(tmp_path / "ds", n=200)
+    live = LiveDatastore(ds, writable=True)
+    with pytest.raises(DatastoreReadOnly, match="vectors only"):
+        live.write([upsert("a", random_queries(1, ds.dim), 1)])
+    live.close()
