@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from telerag.pipelines.rag.base import merge_documents
 from telerag.pipelines.types import (
@@ -20,6 +21,9 @@ from telerag.pipelines.types import (
     SearchQuery,
     TextEmbeddings,
 )
+
+if TYPE_CHECKING:
+    from telerag.retrieval.snapshot import Snapshot
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,9 @@ class SearchRecorder:
 
     def release(self, ticket: PrefetchTicket) -> None:
         self.inner.release(ticket)
+
+    def snapshot(self) -> Snapshot | None:
+        return self.inner.snapshot()
 
     async def embed(self, texts: Sequence[str]) -> TextEmbeddings:
         return await self.inner.embed(texts)

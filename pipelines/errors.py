@@ -58,3 +58,19 @@ class UndeclaredStage(PipelineError):
     the caller's mistake."""
 
     code = "undeclared_stage"
+
+
+class InvalidDocument(PipelineError):
+    """A document a client gave cannot be written: no id, no text (`field` names what)."""
+
+    code = "invalid_document"
+
+    def __init__(self, message: str, *, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class WritesBusy(PipelineError):
+    """The queue of writes to the datastore is full; the caller may retry later."""
+
+    code = "writes_busy"

@@ -9,11 +9,12 @@ callers; the CLI and the tests call it directly.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import threading
 import time
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -35,17 +36,42 @@ from telerag.pipelines.types import (
     query_texts,
     query_vectors,
 )
-from telerag.retrieval.builder import build_datastore
-from telerag.retrieval.corpus import WIKIPEDIA_SOURCE, PassageShape, read_wikipedia
-from telerag.retrieval.datastore import LIST_STATS, MANIFEST, Datastore, Manifest
-from telerag.retrieval.datastore_writer import add_list_stats
-from telerag.retrieval.early_stop import require_list_stats
 from telerag.retrieval.engine import RetrievalEngine
-from telerag.retrieval.ivf import ListSearch
+from telerag.retrieval.live import LiveDatastore
 from telerag.retrieval.provisional import Provisional, ProvisionalReport
+from telerag.retrieval.snapshot import Snapshot, search_snapshot
 from telerag.retrieval.stats import CacheStats
 
 log = logging.getLogger(__name__)
+
+WRITE_EMBED_CHUNK = 16  # passages a write embeds at a time, each chunk only once no query is embedding
+WRITE_MAX_WAIT_S = 0.5  # how long a write's chunk waits for the queries' embeddings to pause, at most
+
+
+class EmbeddingPriority:
+    """Queries' embeddings before writes': a write embeds a chunk at a time, each once no query is
+    embedding (or after `WRITE_MAX_WAIT_S`, so that a stream of queries slows writes, never stops
+    them). The embedder runs one call at a time, so a query waits for at most one chunk."""
+
+    def __init__(self) -> None:
+        self._idle = threading.Condition()
+        self._queries = 0
+
+    @contextlib.contextmanager
+    def query(self) -> Iterator[None]:
+        with self._idle:
+            self._queries += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._queries -= 1
+                self._idle.notify_all()
+
+    def write_turn(self) -> None:
+        """Wait until no query is embedding (at most `WRITE_MAX_WAIT_S`)."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._queries == 0, timeout=WRITE_MAX_WAIT_S)
 
 
 class TextEncoder(Protocol):
@@ -60,15 +86,25 @@ class TextEncoder(Protocol):
 
 
 class DirectRetriever:
-    """Embedder + retrieval engine + passages, behind the pipelines' Retriever protocol."""
+    """Embedder + retrieval engine + the live datastore, behind the pipelines' Retriever protocol."""
 
-    def __init__(self, engine: RetrievalEngine, embedder: TextEncoder, *, prefetch_budget_bytes: int | None = None) -> None:
-        """`prefetch_budget_bytes`: the same budget for every prefetch; None: b_p = B · t (TeleRAG
+    def __init__(
+        self,
+        engine: RetrievalEngine,
+        embedder: TextEncoder,
+        *,
+        live: LiveDatastore | None = None,
+        prefetch_budget_bytes: int | None = None,
+    ) -> None:
+        """`live`: the engine's datastore with its writes (default: opened read-only here).
+        `prefetch_budget_bytes`: the same budget for every prefetch; None: b_p = B · t (TeleRAG
         §4.2) for each prefetch's own `overlap_ms` t, B being the cache's measured copy rate."""
         self.engine = engine
         self.embedder = embedder
         self.datastore = engine.datastore
+        self.live = live if live is not None else LiveDatastore(engine.datastore)
         self.prefetch_budget_bytes = prefetch_budget_bytes
+        self.priority = EmbeddingPriority()
 
     def budget_bytes(self, overlap_ms: float | None) -> int:
         """What one prefetch may copy, never more than the cache: the fixed budget if there is
@@ -99,6 +135,9 @@ class DirectRetriever:
         if ticket.handle is not None:
             ticket.handle.release()
 
+    def snapshot(self) -> Snapshot:
+        return self.live.snapshot()
+
     # -- the BatchRetriever protocol --------------------------------------------------------------
 
     async def prefetch_batch(self, requests: Sequence[PrefetchRequest]) -> list[PrefetchTicket]:
@@ -121,9 +160,19 @@ class DirectRetriever:
         """Embedded on retrieval's stream (CUDA): a query's embedding is the first step of its
         search or prefetch, and must not queue behind generation kernels either."""
         started = time.perf_counter()
-        with self.engine.on_stream():
+        with self.priority.query(), self.engine.on_stream():
             vectors = np.asarray(self.embedder.encode(texts), dtype=np.float32).reshape(len(texts), -1)
         return vectors, (time.perf_counter() - started) * 1e3
+
+    def embed_passages(self, texts: Sequence[str]) -> np.ndarray:
+        """Passages a write adds, embedded below queries' priority (`EmbeddingPriority`), a chunk
+        at a time; float32 (len(texts), dim). In a worker thread: it waits."""
+        chunks = []
+        for start in range(0, len(texts), WRITE_EMBED_CHUNK):
+            self.priority.write_turn()
+            with self.engine.on_stream():
+                chunks.append(np.asarray(self.embedder.encode(list(texts[start : start + WRITE_EMBED_CHUNK])), dtype=np.float32))
+        return np.concatenate(chunks).reshape(len(texts), -1) if chunks else np.zeros((0, self.embedder.dim), np.float32)
 
     def _prefetch_batch(self, requests: list[PrefetchRequest]) -> list[PrefetchTicket]:
         budgets = [self.budget_bytes(r.overlap_ms) if r.enabled else 0 for r in requests]
@@ -153,20 +202,29 @@ class DirectRetriever:
         vectors, embed_ms = self._embed_queries(queries)
         starts = np.concatenate(([0], np.cumsum([len(r.queries) for r in requests])))
         outcomes: list[SearchOutcome | None] = [None] * len(requests)
-        by_setting: dict[tuple[int, int, bool], list[int]] = {}
+        latest = self.live.snapshot()  # for the callers that name none: every write acknowledged before this batch
+        by_setting: dict[tuple[int, int, bool, Snapshot], list[int]] = {}
         for index, request in enumerate(requests):
             nprobe = request.options.nprobe or self.engine.nprobe
-            by_setting.setdefault((request.options.top_k, nprobe, request.options.prefetch), []).append(index)
-        for (top_k, nprobe, use_cache), members in by_setting.items():
+            setting = (request.options.top_k, nprobe, request.options.prefetch, request.options.snapshot or latest)
+            by_setting.setdefault(setting, []).append(index)
+        for (top_k, nprobe, use_cache, snapshot), members in by_setting.items():
             rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in members])
             handles = [
                 ticket.handle if (ticket := requests[i].ticket) is not None else None
                 for i in members
                 for _ in requests[i].queries
             ]
-            provisional = self._provisional([requests[i] for i in members])
-            result = self.engine.search(
-                vectors[rows], top_k, nprobe, prefetch=handles, use_cache=use_cache, provisional=provisional
+            provisional = self._provisional([requests[i] for i in members], snapshot)
+            result = search_snapshot(
+                self.engine,
+                snapshot,
+                vectors[rows],
+                top_k,
+                nprobe,
+                prefetch=handles,
+                use_cache=use_cache,
+                provisional=provisional,
             )
             offset = 0
             for i in members:
@@ -174,7 +232,7 @@ class DirectRetriever:
                 per_query = result.per_query[offset : offset + count]
                 overlaps = [s.overlap_rate for s in per_query if s.overlap_rate is not None]
                 outcomes[i] = SearchOutcome(
-                    documents=[self._documents(result.ids[j], result.scores[j]) for j in range(offset, offset + count)],
+                    documents=[self._documents(snapshot, result.ids[j], result.scores[j]) for j in range(offset, offset + count)],
                     stats=SearchStats(
                         embed_ms=embed_ms,
                         probe_ms=result.probe_ms,
@@ -194,7 +252,7 @@ class DirectRetriever:
                 offset += count
         return [outcome for outcome in outcomes if outcome is not None]
 
-    def _provisional(self, requests: list[SearchRequest]) -> ProvisionalReport | None:
+    def _provisional(self, requests: list[SearchRequest], snapshot: Snapshot) -> ProvisionalReport | None:
         """The report of one engine search's provisional top-k, split into its requests' rows: each
         request that asked hears its first stable top-k (`speculation.StableTopK`) as documents."""
         wanting = [(i, r.provisional) for i, r in enumerate(requests) if r.provisional is not None]
@@ -208,13 +266,14 @@ class DirectRetriever:
                 rows = slice(starts[i], starts[i + 1])
                 if rules[i].offer(found.ids[rows]):
                     pairs = zip(found.ids[rows], found.scores[rows], strict=True)
-                    hear(ProvisionalDocuments([self._documents(ids, scores) for ids, scores in pairs], found.lists_share))
+                    documents = [self._documents(snapshot, ids, scores) for ids, scores in pairs]
+                    hear(ProvisionalDocuments(documents, found.lists_share))
 
         return report
 
-    def _documents(self, ids: np.ndarray, scores: np.ndarray) -> list[Document]:
+    def _documents(self, snapshot: Snapshot, ids: np.ndarray, scores: np.ndarray) -> list[Document]:
         keep = [(int(i), float(s)) for i, s in zip(ids, scores, strict=True) if i >= 0]
-        passages = self.datastore.passages([i for i, _ in keep])
+        passages = snapshot.passages_of([i for i, _ in keep])
         return [
             Document(id=i, doc_id=p.doc_id, title=p.title, text=p.text, score=s) for (i, s), p in zip(keep, passages, strict=True)
         ]
@@ -230,9 +289,10 @@ class DirectRetriever:
 
     def datastore_info(self) -> DatastoreInfo:
         manifest = self.datastore.manifest
+        snapshot = self.live.snapshot()
         return DatastoreInfo(
-            passages=manifest.n_vectors,
-            documents=manifest.n_documents,
+            passages=snapshot.passages,
+            documents=snapshot.documents,
             passage_words=manifest.passage_words,
             nlist=manifest.nlist,
             dim=manifest.dim,
@@ -247,6 +307,7 @@ class DirectRetriever:
 
     def close(self) -> None:
         self.engine.close()
+        self.live.close()
         self.datastore.close()
 
 
@@ -260,115 +321,3 @@ def _on_loop(request: SearchRequest, loop: asyncio.AbstractEventLoop) -> SearchR
         loop.call_soon_threadsafe(hear, found)
 
     return dataclasses.replace(request, provisional=on_loop)
-
-
-def build_wikipedia_datastore(path: Path, embedder: TextEncoder) -> Path:
-    """The built-in Wikipedia datastore at `path` (first run of the embedded default): only into
-    a new or empty directory, never over a user's files."""
-    log.info("building the Wikipedia datastore at %s (first run; cached afterwards)", path)
-    shape = PassageShape()
-    return build_datastore(
-        shape.split(read_wikipedia()),
-        embedder.encode,
-        embedder=embedder.name,
-        out_dir=path,
-        source=WIKIPEDIA_SOURCE,
-        shape=shape,
-    )
-
-
-def load_datastore(
-    path: Path,
-    embedder: TextEncoder,
-    *,
-    build_if_missing: bool = False,
-    verify_checksums: bool = True,
-    early_stop: bool = False,
-    on_step: Callable[[str], None] = lambda step: None,
-) -> Datastore:
-    """The one way a datastore is opened for searching with `embedder`: the built-in Wikipedia
-    one is built at `path` first if there is none there and `build_if_missing`; then it is
-    loaded, refused (`DatastoreMismatchError`) if it was built with another embedder or holds
-    vectors of another dimension, and its files checked. `on_step` hears each step begin.
-
-    With `early_stop`, a datastore without the list statistics early stop needs (written
-    before they were stored) is refused in one line naming `telerag datastore upgrade`; except
-    the built-in Wikipedia one where `build_if_missing` makes it the server's own (a cache the
-    embedded default built on an older telerag): that one is upgraded here, saying so, as the
-    server would have built it here (`add_list_stats`: one new file, nothing else changed)."""
-    path = Path(path).expanduser()
-    if build_if_missing and not (path / MANIFEST).is_file():
-        on_step("building datastore (first run)")
-        build_wikipedia_datastore(path, embedder)
-    if early_stop and build_if_missing:
-        manifest = Manifest.read(path)
-        if LIST_STATS not in manifest.files and manifest.source == WIKIPEDIA_SOURCE:
-            on_step("adding list statistics to the datastore (upgrade)")
-            log.info(
-                "upgrading the Wikipedia datastore at %s, built by an older telerag: adding the list statistics that "
-                "retrieval.early_stop needs (list_stats.npy; as `telerag datastore upgrade %s` does)",
-                path,
-                path,
-            )
-            add_list_stats(path, verify_checksums=verify_checksums, progress=True)
-    on_step("checking datastore")
-    datastore = Datastore.load(path, embedder=embedder.name, dim=embedder.dim, verify_checksums=verify_checksums, progress=True)
-    if early_stop:
-        require_list_stats(datastore)
-    return datastore
-
-
-def open_retriever(
-    datastore: Path | Datastore,
-    embedder: TextEncoder,
-    *,
-    device: str = "auto",
-    cache_bytes: int = 0,
-    prefetch_budget_bytes: int | None = None,
-    nprobe: int | None = None,
-    demand_copy: bool | None = None,
-    cpu_threads: int | None = None,
-    cpu_half: ListSearch | None = None,
-    early_stop: bool = False,
-    build_if_missing: bool = False,
-    verify_checksums: bool = True,
-) -> DirectRetriever:
-    """Start the retrieval engine over `datastore`, checked to match `embedder`: a loaded one, or
-    the directory to load (`load_datastore`); `cpu_half` as `RetrievalEngine`'s."""
-    if not isinstance(datastore, Datastore):
-        datastore = load_datastore(
-            datastore, embedder, build_if_missing=build_if_missing, verify_checksums=verify_checksums, early_stop=early_stop
-        )
-    else:
-        datastore.manifest.check_embedder(datastore.where, embedder=embedder.name, dim=embedder.dim)
-    engine = RetrievalEngine(
-        datastore,
-        device=device,
-        cache_bytes=cache_bytes,
-        nprobe=nprobe,
-        demand_copy=demand_copy,
-        cpu_threads=cpu_threads,
-        cpu_half=cpu_half,
-        early_stop=early_stop,
-        progress=True,
-    )
-    log.info(
-        "datastore %s: %d passages, %d lists, dim %d, embedder %s; device %s, cluster cache %.1f MB, demand copies %s, "
-        "early stop %s",
-        datastore.where,
-        datastore.n_vectors,
-        datastore.nlist,
-        datastore.dim,
-        datastore.manifest.embedder,
-        engine.device,
-        engine.cache.capacity_bytes / 2**20,
-        "on" if engine.demand is not None and engine.demand.copy_missed else "off",
-        "on" if early_stop else "off",
-    )
-    if not engine.cache.capacity_rows:
-        log.info("prefetch off: no cluster cache")
-    elif prefetch_budget_bytes is not None:
-        log.info("prefetch budget %.1f MB per request (fixed)", min(prefetch_budget_bytes, engine.cache.capacity_bytes) / 2**20)
-    else:
-        log.info("prefetch budget B·t_LLM per pipeline, B = %.1f GB/s measured now", (engine.copy_bytes_per_ms or 0) / 1e6)
-    return DirectRetriever(engine, embedder, prefetch_budget_bytes=prefetch_budget_bytes)

@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterable, Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from telerag.pipelines.stats import (
     Timings,
 )
 from telerag.retrieval.prefetch import PrefetchHandle
+
+if TYPE_CHECKING:
+    from telerag.retrieval.snapshot import Snapshot
 
 # ---------------------------------------------------------------------------------------------
 # Generation
@@ -165,6 +168,7 @@ class SearchOptions:
     top_k: int = 3
     nprobe: int | None = None  # None: the datastore's configured default
     prefetch: bool = True  # False: every cluster is searched on the CPU (the baseline)
+    snapshot: Snapshot | None = None  # the datastore as the search reads it (`Retriever.snapshot`); None: as of now
 
 
 @dataclass
@@ -210,6 +214,12 @@ class Retriever(Protocol):
 
     def release(self, ticket: PrefetchTicket) -> None:
         """Unpin the ticket's clusters (idempotent)."""
+        ...
+
+    def snapshot(self) -> Snapshot | None:
+        """The datastore as of now, every acknowledged write in it: a request takes one when it
+        starts and every retrieval of the request reads it (None: a retriever over no live
+        datastore, whose searches read what they read)."""
         ...
 
     async def embed(self, texts: Sequence[str]) -> TextEmbeddings:

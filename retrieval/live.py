@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import logging
 import os
-import struct
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from enum import StrEnum
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,66 +32,25 @@ import numpy as np
 
 from telerag.retrieval.corpus import Passage, PassageShape
 from telerag.retrieval.datastore import LOCK, Datastore, Manifest, wal_name
+from telerag.retrieval.documents import (
+    DocumentDelete,
+    DocumentEntry,
+    DocumentUpsert,
+    Write,
+    WriteOutcome,
+    WriteRecord,
+    WriteResult,
+)
 from telerag.retrieval.errors import DatastoreBusy, DatastoreCorruptError, DatastoreError, DatastoreReadOnly
 from telerag.retrieval.snapshot import DeltaRows, Snapshot
-from telerag.retrieval.wal import LogRecord, WriteAheadLog, read_log
+from telerag.retrieval.wal import WriteAheadLog, read_log
 
 log = logging.getLogger(__name__)
 
 BASE_LIST_BLOCK = 4096  # rows of the generation's passages read at once when its documents are first listed
 
 
-# -- writes --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DocumentUpsert:
-    """A document's new version, split and embedded (the caller's work: retrieval embeds nothing)."""
-
-    doc_id: str
-    title: str
-    passages: tuple[str, ...]
-    vectors: np.ndarray  # float32 (len(passages), dim), as the embedder makes them
-    content_hash: str  # of what the caller was given; an upsert with the document's current hash changes nothing
-    metadata: Mapping[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class DocumentDelete:
-    doc_id: str
-
-
-Write = DocumentUpsert | DocumentDelete
-
-
-class WriteOutcome(StrEnum):
-    CREATED = "created"
-    REPLACED = "replaced"
-    UNCHANGED = "unchanged"  # the same content hash: nothing written
-    DELETED = "deleted"
-    NOT_FOUND = "not_found"  # a delete of a document the datastore does not hold
-
-
-@dataclass(frozen=True)
-class DocumentEntry:
-    """A document as the datastore holds it now."""
-
-    doc_id: str
-    title: str
-    version: int  # 1 for the version the datastore was built or first written with, then one more per replacement
-    passage_ids: tuple[int, ...]
-    content_hash: str | None  # None: built offline, before content hashes were kept
-    metadata: Mapping[str, Any]
-    lsn: int  # the write that made this version (0: the generation's build)
-    updated_at: float | None  # when that write was made (None: at the build)
-
-
-@dataclass(frozen=True)
-class WriteResult:
-    outcome: WriteOutcome
-    doc_id: str
-    lsn: int  # the first snapshot that shows this outcome
-    document: DocumentEntry | None  # as it is after the write (None once deleted, or never there)
+# -- the datastore ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -107,72 +63,6 @@ class LiveStats:
     tombstones: int  # deleted ids not yet compacted away
     wal_bytes: int
     imbalance: float  # the largest list over the mean list
-
-
-# -- the log's records ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Record:
-    """One write as the log keeps it: what it removes and adds, decided when it was made."""
-
-    doc_id: str
-    at: float
-    removed: tuple[int, ...]
-    entry: DocumentEntry | None  # None: a delete
-    texts: tuple[str, ...] = ()
-    lists: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
-    vectors: np.ndarray | None = None  # float32, one row per text
-
-    def encode(self) -> bytes:
-        header: dict[str, Any] = {"op": "delete" if self.entry is None else "upsert", "doc_id": self.doc_id, "at": self.at}
-        header["removed"] = list(self.removed)
-        body = b""
-        if self.entry is not None:
-            assert self.vectors is not None
-            ids = self.entry.passage_ids
-            header |= {
-                "title": self.entry.title,
-                "version": self.entry.version,
-                "hash": self.entry.content_hash,
-                "metadata": dict(self.entry.metadata),
-                "first_id": ids[0] if ids else 0,
-                "texts": list(self.texts),
-                "lists": self.lists.tolist(),
-                "dim": int(self.vectors.shape[1]),
-            }
-            body = np.ascontiguousarray(self.vectors, dtype="<f4").tobytes()
-        encoded = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-        return struct.pack("<I", len(encoded)) + encoded + body
-
-    @classmethod
-    def decode(cls, record: LogRecord, where: Path) -> _Record:
-        try:
-            (length,) = struct.unpack_from("<I", record.payload)
-            header = json.loads(record.payload[4 : 4 + length])
-            removed = tuple(int(i) for i in header["removed"])
-            if header["op"] == "delete":
-                return cls(header["doc_id"], float(header["at"]), removed, None)
-            texts = tuple(header["texts"])
-            first = int(header["first_id"])
-            vectors = np.frombuffer(record.payload[4 + length :], dtype="<f4").reshape(len(texts), int(header["dim"]))
-            entry = DocumentEntry(
-                doc_id=header["doc_id"],
-                title=header["title"],
-                version=int(header["version"]),
-                passage_ids=tuple(range(first, first + len(texts))),
-                content_hash=header["hash"],
-                metadata=header["metadata"],
-                lsn=record.lsn,
-                updated_at=float(header["at"]),
-            )
-            lists = np.asarray(header["lists"], dtype=np.int64)
-            return cls(entry.doc_id, entry.updated_at or 0.0, removed, entry, texts, lists, vectors.astype(np.float32))
-        except (ValueError, KeyError, TypeError, struct.error) as exc:
-            raise DatastoreCorruptError(f"{where}: record {record.lsn} is unreadable ({exc})") from None
-
-
-# -- the datastore ------------------------------------------------------------------------------
 
 
 class _Growing:
@@ -204,8 +94,6 @@ class LiveDatastore:
         """Open the writes made since `datastore` (generation `generation`) was written: replayed
         from its log; with `writable`, the log open for appending under the datastore's lock
         (refused, `DatastoreBusy`, while another process holds it)."""
-        if datastore.path is None:
-            raise DatastoreError("a live datastore needs a datastore on disk (its log lies beside its files)")
         self.datastore = datastore
         self.path = datastore.path
         self.generation = generation
@@ -226,9 +114,13 @@ class LiveDatastore:
         self._documents = datastore.manifest.n_documents
         self._next_id = datastore.n_vectors
         self._lsn = 0
-        wal_path = self.path / wal_name(generation)
-        if writable:
-            self._lock_file = _lock(self.path / LOCK, self.where)
+        wal_path = None if self.path is None else self.path / wal_name(generation)
+        if wal_path is None:
+            if writable:
+                raise DatastoreReadOnly(f"{self.where} is held in memory: it has no log to write")
+            records = []
+        elif writable:
+            self._lock_file = _lock(wal_path.parent / LOCK, self.where)
             try:
                 self._wal = WriteAheadLog(wal_path, next_lsn=1)
                 records = self._wal.records
@@ -238,9 +130,9 @@ class LiveDatastore:
         else:
             records = read_log(wal_path).records
         for record in records:
-            self._apply(_Record.decode(record, wal_path), record.lsn)
+            self._apply(WriteRecord.decode(record, self.where), record.lsn)
         if records:
-            log.info("%s: replayed %d writes from %s (up to LSN %d)", self.where, len(records), wal_path.name, self._lsn)
+            log.info("%s: replayed %d writes from its log (up to LSN %d)", self.where, len(records), self._lsn)
         self._snapshot = self._make_snapshot()
 
     @classmethod
@@ -339,11 +231,11 @@ class LiveDatastore:
             lsn = self._lsn
             return [result if result.lsn else replace(result, lsn=lsn) for result in results]
 
-    def _plan(self, writes: Sequence[Write]) -> tuple[list[tuple[_Record, int]], list[WriteResult]]:
+    def _plan(self, writes: Sequence[Write]) -> tuple[list[tuple[WriteRecord, int]], list[WriteResult]]:
         """What each write does against the state before it (the batch's earlier writes
         included): its record (with the index of its result), or no record for one that changes nothing."""
         pending: dict[str, DocumentEntry | None] = {}
-        records: list[tuple[_Record, int]] = []
+        records: list[tuple[WriteRecord, int]] = []
         results: list[WriteResult] = []
         next_id = self._next_id
         now = time.time()
@@ -355,7 +247,7 @@ class LiveDatastore:
                         results.append(WriteResult(WriteOutcome.NOT_FOUND, write.doc_id, 0, None))
                         continue
                     pending[write.doc_id] = None
-                    records.append((_Record(write.doc_id, now, current.passage_ids, None), len(results)))
+                    records.append((WriteRecord(write.doc_id, now, current.passage_ids, None), len(results)))
                     results.append(WriteResult(WriteOutcome.DELETED, write.doc_id, 0, None))
                     continue
                 if current is not None and current.content_hash == write.content_hash:
@@ -377,12 +269,14 @@ class LiveDatastore:
                 pending[write.doc_id] = entry
                 lists = self._quantizer.search(vectors, 1)[1][:, 0].astype(np.int64) if len(vectors) else np.empty(0, np.int64)
                 removed = () if current is None else current.passage_ids
-                records.append((_Record(write.doc_id, now, removed, entry, write.passages, lists, vectors), len(results)))
+                records.append((WriteRecord(write.doc_id, now, removed, entry, write.passages, lists, vectors), len(results)))
                 outcome = WriteOutcome.CREATED if current is None else WriteOutcome.REPLACED
                 results.append(WriteResult(outcome, write.doc_id, 0, entry))
         return records, results
 
     def _checked_vectors(self, write: DocumentUpsert) -> np.ndarray:
+        if write.vectors is None:
+            raise DatastoreError(f"document {write.doc_id!r} changed, but its passages were not embedded")
         vectors = np.ascontiguousarray(write.vectors, dtype=np.float32)
         if vectors.shape != (len(write.passages), self.datastore.dim):
             raise DatastoreError(
@@ -395,7 +289,7 @@ class LiveDatastore:
 
     # -- state ------------------------------------------------------------------------------------
 
-    def _apply(self, record: _Record, lsn: int) -> None:
+    def _apply(self, record: WriteRecord, lsn: int) -> None:
         """`record`'s effect on the state (under `_lock`, or while opening)."""
         if record.removed:
             removed = np.asarray(record.removed, dtype=np.int64)

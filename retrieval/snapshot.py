@@ -23,7 +23,6 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from telerag.retrieval.corpus import Passage
 from telerag.retrieval.datastore import Datastore
@@ -50,9 +49,10 @@ class DeltaRows:
         return len(self.ids)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Snapshot:
-    """The datastore as of `lsn`: the generation's rows, plus `delta`, minus `deleted`."""
+    """The datastore as of `lsn`: the generation's rows, plus `delta`, minus `deleted`. (Equal
+    only to itself: a batch of searches groups its callers by the snapshot they read.)"""
 
     lsn: int
     generation: int  # which generation's files (a compaction or retrain makes a new one)
@@ -96,17 +96,15 @@ class Snapshot:
     def passages_of(self, ids: Sequence[int]) -> list[Passage]:
         """The passages of living ids, of the generation or of the delta."""
         base = self.datastore.n_vectors
-        out: list[Passage | None] = [None] * len(ids)
-        in_base = [(i, row) for i, row in enumerate(ids) if 0 <= row < base]
-        for (i, _), passage in zip(in_base, self.datastore.passages([row for _, row in in_base]), strict=True):
-            out[i] = passage
-        for i, row in enumerate(ids):
-            if out[i] is None:
-                passage = self.delta_passages.get(int(row))
-                if passage is None:
-                    raise PassageNotFound(f"passage id {row} is not in the datastore")
-                out[i] = passage
-        return [p for p in out if p is not None]
+        rows = [row for row in ids if 0 <= row < base]
+        found = dict(zip(rows, self.datastore.passages(rows), strict=True))
+        out = []
+        for row in ids:
+            passage = found.get(row) if 0 <= row < base else self.delta_passages.get(int(row))
+            if passage is None:
+                raise PassageNotFound(f"passage id {row} is not in the datastore")
+            out.append(passage)
+        return out
 
     def scan_delta(self, queries: np.ndarray, k: int, lists: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each query's top-k (scores, ids) among the living delta rows of its probed `lists`
@@ -122,6 +120,8 @@ class Snapshot:
         rows = np.flatnonzero(probed[:, delta.lists].any(axis=0) & ~self.is_deleted(delta.ids))
         if not len(rows):
             return out_scores, out_ids
+        import torch  # here: the server reads snapshots' counts before torch loads
+
         params = None if self.datastore.codec_params is None else torch.from_numpy(self.datastore.codec_params)
         vectors = self.datastore.codec.decode(torch.from_numpy(np.ascontiguousarray(delta.codes[rows])), params)
         scores = (torch.from_numpy(queries) @ vectors.T).numpy()

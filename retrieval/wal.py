@@ -20,7 +20,6 @@ import os
 import struct
 import threading
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,11 +158,6 @@ class WriteAheadLog:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
-
-
-def iter_payloads(records: list[LogRecord], after_lsn: int) -> Iterator[LogRecord]:
-    """The records past `after_lsn` (those the datastore's files do not include yet)."""
-    return (record for record in records if record.lsn > after_lsn)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -15,12 +15,13 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from telerag.pipelines.datastores import load_datastore, open_retriever
 from telerag.pipelines.embedder import Embedder
 from telerag.pipelines.errors import EmbedderError, EngineUnavailable
 from telerag.pipelines.pipelining import PipeliningConfig
 from telerag.pipelines.rag.base import RagPipeline
 from telerag.pipelines.registry import build_pipelines
-from telerag.pipelines.retriever import DirectRetriever, TextEncoder, load_datastore, open_retriever
+from telerag.pipelines.retriever import DirectRetriever, TextEncoder
 from telerag.pipelines.search_budget import SearchBudget
 from telerag.pipelines.types import BatchRetriever, DatastoreInfo, Engine, Retriever, TextEmbeddings
 from telerag.retrieval.datastore import Datastore
@@ -174,7 +175,7 @@ def load_configured_datastore(
     retrieval: RetrievalSettings, embedder: Embedder, on_step: Callable[[str], None] = lambda step: None
 ) -> Datastore:
     """The configured datastore, as serve, ask and every benchmark open it
-    (`pipelines.retriever.load_datastore`: built on the embedded default's first run, refused
+    (`pipelines.datastores.load_datastore`: built on the embedded default's first run, refused
     in one line if `embedder` did not build it)."""
     return load_datastore(
         retrieval.datastore,

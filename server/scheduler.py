@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from telerag.pipelines.types import (
     BatchRetriever,
@@ -25,6 +25,9 @@ from telerag.pipelines.types import (
     SearchRequest,
     TextEmbeddings,
 )
+
+if TYPE_CHECKING:
+    from telerag.retrieval.snapshot import Snapshot
 
 Item = TypeVar("Item")
 Out = TypeVar("Out")
@@ -144,6 +147,9 @@ class BatchingRetriever:
 
     def release(self, ticket: PrefetchTicket) -> None:
         self.inner.release(ticket)
+
+    def snapshot(self) -> Snapshot | None:
+        return self.inner.snapshot()
 
     async def embed(self, texts: Sequence[str]) -> TextEmbeddings:
         """Not batched: a pipelined retrieval's comparison of two queries, a client's texts."""

@@ -230,6 +230,9 @@ class RecordingRetriever:
         embedder = HashEmbedder()
         return TextEmbeddings(embedder.encode(texts), embedder.count_tokens(texts))
 
+    def snapshot(self) -> None:
+        return None  # no datastore: nothing to keep one version of
+
     def release(self, ticket: PrefetchTicket) -> None:
         self.log.append(("release", " | ".join(ticket.queries)))
         self.released.append(ticket)

@@ -325,7 +325,7 @@ def test_builds_into_an_empty_directory(tmp_path):
 def test_serving_never_builds_over_a_users_directory(tmp_path):
     """`telerag serve --datastore DIR` with DIR holding a user's files (no manifest): refused,
     naming DIR, nothing deleted (it used to build the Wikipedia datastore over them)."""
-    from telerag.pipelines.retriever import open_retriever
+    from telerag.pipelines.datastores import open_retriever
 
     class Encoder:
         name, dim = "hash-16", 16

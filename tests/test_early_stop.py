@@ -287,7 +287,7 @@ def test_the_serve_path_upgrades_the_embedded_default_and_refuses_a_users_datast
     """An old cache of the built-in Wikipedia datastore (the server's own: it builds it there)
     is upgraded when early stop is asked for, with a log line; a user's datastore is refused
     in one line naming the upgrade; without early stop neither is touched."""
-    from telerag.pipelines.retriever import load_datastore
+    from telerag.pipelines.datastores import load_datastore
 
     wiki = random_datastore(tmp_path / "wiki", n=800, nlist=8)
     manifest = json.loads((wiki.path / MANIFEST).read_text())

@@ -17,10 +17,11 @@ from telerag.retrieval.builder import assign_lists, train_centroids, write_clust
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Passage
 from telerag.retrieval.datastore import Datastore, wal_name
+from telerag.retrieval.documents import DocumentDelete, DocumentUpsert, WriteOutcome
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.errors import DatastoreBusy, DatastoreCorruptError, DatastoreReadOnly
 from telerag.retrieval.ivf import same_results
-from telerag.retrieval.live import DocumentDelete, DocumentUpsert, LiveDatastore, WriteOutcome
+from telerag.retrieval.live import LiveDatastore
 from telerag.retrieval.snapshot import search_snapshot
 from tests.retrieval_helpers import random_datastore, random_queries
 

@@ -389,7 +389,7 @@ async def test_every_pipeline_runs_on_the_tiny_model():
 
 async def test_every_pipeline_on_the_tiny_model_and_a_small_datastore(tmp_path):
     """The real retriever (cache, prefetch, cooperative search) under every pipeline, greedy."""
-    from telerag.pipelines.retriever import open_retriever
+    from telerag.pipelines.datastores import open_retriever
     from tests.retrieval_helpers import topic_datastore
     from tests.tiny_models import tiny_engine
 

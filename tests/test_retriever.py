@@ -8,7 +8,8 @@ import contextlib
 import numpy as np
 import pytest
 
-from telerag.pipelines.retriever import DirectRetriever, open_retriever
+from telerag.pipelines.datastores import open_retriever
+from telerag.pipelines.retriever import DirectRetriever
 from telerag.pipelines.stats import PrefetchStepStats
 from telerag.pipelines.types import MeanQuery, PrefetchRequest, SearchOptions, SearchRequest
 from telerag.retrieval.errors import DatastoreMismatchError

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from telerag.pipelines.retriever import open_retriever
+from telerag.pipelines.datastores import open_retriever
 from telerag.server.app import create_app, start_serving
 from telerag.server.runtime import Runtime
 from telerag.server.settings import Settings

@@ -18,7 +18,7 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
 
 from telerag.pipelines import prompts
 from telerag.pipelines.errors import UndeclaredStage
@@ -55,6 +55,9 @@ from telerag.pipelines.types import (
     query_texts,
 )
 
+if TYPE_CHECKING:
+    from telerag.retrieval.snapshot import Snapshot
+
 T = TypeVar("T")
 Traced = tuple[T, float, float]  # a traced stage's result, when it started (ms after the request) and how long it took (ms)
 NextPrompt = Callable[[list[list[Document]]], Prompt]  # the prompt of the LLM call a search's documents go to
@@ -88,6 +91,11 @@ class RunContext:
     checks: list[asyncio.Future[None]] = field(default_factory=list)  # pipelined searches checked beside the run
     speculations: list[Speculation] = field(default_factory=list)  # speculative prefills of the calls after searches
     draft: str = ""  # the latest quiet answer with any text: the answer, should the deadline come before the last
+    snapshot: Snapshot | None = None  # the datastore every retrieval of the run reads, taken when it began
+
+    def search_options(self, nprobe: int | None) -> SearchOptions:
+        """A search of this run: the request's top_k and prefetch, over the run's snapshot."""
+        return SearchOptions(top_k=self.options.top_k, nprobe=nprobe, prefetch=self.options.prefetch, snapshot=self.snapshot)
 
     @property
     def past_deadline(self) -> bool:
@@ -138,7 +146,7 @@ class RagPipeline:
         raise NotImplementedError
 
     async def run(self, query: str, options: RunOptions) -> AsyncGenerator[RunEvent, None]:
-        ctx = RunContext(query=query, options=options, started=self.clock())
+        ctx = RunContext(query=query, options=options, started=self.clock(), snapshot=self.retriever.snapshot())
         task = asyncio.create_task(self._conversation(ctx))
         # The body's end is queued behind every event it queued, so one `get` per event suffices.
         task.add_done_callback(lambda _: ctx.events.put_nowait(None))
@@ -392,7 +400,7 @@ class RagPipeline:
     ) -> tuple[SearchOutcome, Step]:
         """A traced search; its time, nprobe and the searches in flight beside it teach the
         search-time model. `provisional` as `Retriever.search`'s."""
-        options = SearchOptions(top_k=ctx.options.top_k, nprobe=nprobe, prefetch=ctx.options.prefetch)
+        options = ctx.search_options(nprobe)
         outcome, start_ms, ms = await self.stage(ctx, SEARCH, lambda: self.search_timed(queries, options, ticket, provisional))
         step = Step(SEARCH, " | ".join(map(str, queries))[:200], ms=ms, stats=outcome.stats, start_ms=start_ms)
         ctx.steps.append(step)

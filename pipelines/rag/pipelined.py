@@ -14,7 +14,6 @@ from telerag.pipelines.stats import PipelinedSearch, SearchStats
 from telerag.pipelines.types import (
     Document,
     PrefetchTicket,
-    SearchOptions,
     SearchOutcome,
     SearchQuery,
     Step,
@@ -112,9 +111,7 @@ class PipelinedStep:
         """Search the final query of a step that used its stale documents (untraced: nothing
         waits for it but the result) and record whether they differ; a failed check is logged
         and leaves it unknown."""
-        options = SearchOptions(
-            top_k=self.ctx.options.top_k, nprobe=self.pipeline.fixed_nprobe(self.ctx), prefetch=self.ctx.options.prefetch
-        )
+        options = self.ctx.search_options(self.pipeline.fixed_nprobe(self.ctx))
         try:
             fresh = await self.pipeline.search_timed(queries, options, None)
         except Exception:  # the answer stands; only the report lacks this check

@@ -1,0 +1,157 @@
+"""Opening the datastore the pipelines search: the built-in Wikipedia one built on the embedded
+default's first run, every datastore checked against the embedder that will search it, and live
+(every write since it was built replayed; writable by the one process that holds it)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from telerag.pipelines.retriever import DirectRetriever, TextEncoder
+from telerag.retrieval.builder import build_datastore
+from telerag.retrieval.corpus import WIKIPEDIA_SOURCE, PassageShape, read_wikipedia
+from telerag.retrieval.datastore import LIST_STATS, MANIFEST, Datastore, Manifest
+from telerag.retrieval.datastore_writer import add_list_stats
+from telerag.retrieval.early_stop import require_list_stats
+from telerag.retrieval.engine import RetrievalEngine
+from telerag.retrieval.errors import DatastoreBusy
+from telerag.retrieval.ivf import ListSearch
+from telerag.retrieval.live import LiveDatastore
+
+log = logging.getLogger(__name__)
+
+
+def build_wikipedia_datastore(path: Path, embedder: TextEncoder) -> Path:
+    """The built-in Wikipedia datastore at `path` (first run of the embedded default): only into
+    a new or empty directory, never over a user's files."""
+    log.info("building the Wikipedia datastore at %s (first run; cached afterwards)", path)
+    shape = PassageShape()
+    return build_datastore(
+        shape.split(read_wikipedia()),
+        embedder.encode,
+        embedder=embedder.name,
+        out_dir=path,
+        source=WIKIPEDIA_SOURCE,
+        shape=shape,
+    )
+
+
+def load_datastore(
+    path: Path,
+    embedder: TextEncoder,
+    *,
+    build_if_missing: bool = False,
+    verify_checksums: bool = True,
+    early_stop: bool = False,
+    on_step: Callable[[str], None] = lambda step: None,
+) -> Datastore:
+    """The one way a datastore is opened for searching with `embedder`: the built-in Wikipedia
+    one is built at `path` first if there is none there and `build_if_missing`; then it is
+    loaded, refused (`DatastoreMismatchError`) if it was built with another embedder or holds
+    vectors of another dimension, and its files checked. `on_step` hears each step begin.
+
+    With `early_stop`, a datastore without the list statistics early stop needs (written
+    before they were stored) is refused in one line naming `telerag datastore upgrade`; except
+    the built-in Wikipedia one where `build_if_missing` makes it the server's own (a cache the
+    embedded default built on an older telerag): that one is upgraded here, saying so, as the
+    server would have built it here (`add_list_stats`: one new file, nothing else changed)."""
+    path = Path(path).expanduser()
+    if build_if_missing and not (path / MANIFEST).is_file():
+        on_step("building datastore (first run)")
+        build_wikipedia_datastore(path, embedder)
+    if early_stop and build_if_missing:
+        manifest = Manifest.read(path)
+        if LIST_STATS not in manifest.files and manifest.source == WIKIPEDIA_SOURCE:
+            on_step("adding list statistics to the datastore (upgrade)")
+            log.info(
+                "upgrading the Wikipedia datastore at %s, built by an older telerag: adding the list statistics that "
+                "retrieval.early_stop needs (list_stats.npy; as `telerag datastore upgrade %s` does)",
+                path,
+                path,
+            )
+            add_list_stats(path, verify_checksums=verify_checksums, progress=True)
+    on_step("checking datastore")
+    datastore = Datastore.load(path, embedder=embedder.name, dim=embedder.dim, verify_checksums=verify_checksums, progress=True)
+    if early_stop:
+        require_list_stats(datastore)
+    return datastore
+
+
+def open_retriever(
+    datastore: Path | Datastore,
+    embedder: TextEncoder,
+    *,
+    device: str = "auto",
+    cache_bytes: int = 0,
+    prefetch_budget_bytes: int | None = None,
+    nprobe: int | None = None,
+    demand_copy: bool | None = None,
+    cpu_threads: int | None = None,
+    cpu_half: ListSearch | None = None,
+    early_stop: bool = False,
+    build_if_missing: bool = False,
+    verify_checksums: bool = True,
+    writable: bool = False,
+) -> DirectRetriever:
+    """Start the retrieval engine over `datastore`, checked to match `embedder`: a loaded one, or
+    the directory to load (`load_datastore`); `cpu_half` as `RetrievalEngine`'s. With `writable`,
+    documents can be written to it through the retriever (`open_live`)."""
+    if not isinstance(datastore, Datastore):
+        datastore = load_datastore(
+            datastore, embedder, build_if_missing=build_if_missing, verify_checksums=verify_checksums, early_stop=early_stop
+        )
+    else:
+        datastore.manifest.check_embedder(datastore.where, embedder=embedder.name, dim=embedder.dim)
+    engine = RetrievalEngine(
+        datastore,
+        device=device,
+        cache_bytes=cache_bytes,
+        nprobe=nprobe,
+        demand_copy=demand_copy,
+        cpu_threads=cpu_threads,
+        cpu_half=cpu_half,
+        early_stop=early_stop,
+        progress=True,
+    )
+    log.info(
+        "datastore %s: %d passages, %d lists, dim %d, embedder %s; device %s, cluster cache %.1f MB, demand copies %s, "
+        "early stop %s",
+        datastore.where,
+        datastore.n_vectors,
+        datastore.nlist,
+        datastore.dim,
+        datastore.manifest.embedder,
+        engine.device,
+        engine.cache.capacity_bytes / 2**20,
+        "on" if engine.demand is not None and engine.demand.copy_missed else "off",
+        "on" if early_stop else "off",
+    )
+    if not engine.cache.capacity_rows:
+        log.info("prefetch off: no cluster cache")
+    elif prefetch_budget_bytes is not None:
+        log.info("prefetch budget %.1f MB per request (fixed)", min(prefetch_budget_bytes, engine.cache.capacity_bytes) / 2**20)
+    else:
+        log.info("prefetch budget B·t_LLM per pipeline, B = %.1f GB/s measured now", (engine.copy_bytes_per_ms or 0) / 1e6)
+    try:
+        live = open_live(datastore, writable=writable)
+    except BaseException:
+        engine.close()
+        raise
+    return DirectRetriever(engine, embedder, live=live, prefetch_budget_bytes=prefetch_budget_bytes)
+
+
+def open_live(datastore: Datastore, *, writable: bool) -> LiveDatastore:
+    """`datastore` with every write made to it since it was written (replayed from its log); with
+    `writable`, open for writing here unless another process holds it or its directory cannot be
+    written, in which case it is read-only here, as one warning says."""
+    if writable and datastore.path is not None:
+        try:
+            return LiveDatastore(datastore, writable=True)
+        except DatastoreBusy as exc:
+            log.warning("%s; it is read-only here: documents cannot be written through this process", exc)
+        except OSError as exc:
+            log.warning(
+                "%s cannot be written (%s); it is read-only here: no documents can be written to it", datastore.where, exc
+            )
+    return LiveDatastore(datastore)

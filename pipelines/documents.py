@@ -1,0 +1,201 @@
+"""Documents into a live datastore: cut into passages by the datastore's own rule, embedded below
+queries' priority, and written in batches, one sync each (`retrieval.live`).
+
+The server's writes go through one queue to one writer thread, so they are applied in the order
+they arrive and a stream of them is grouped: what queued while a batch was written is written
+together next. A document whose content hash is the datastore's already is not embedded at all.
+A full queue refuses at once (`WritesBusy`): writes never pile up behind a slow embedder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import logging
+import queue
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from telerag.pipelines.errors import InvalidDocument, WritesBusy
+from telerag.pipelines.retriever import DirectRetriever
+from telerag.retrieval.corpus import Article, Passage
+from telerag.retrieval.documents import DocumentDelete, DocumentEntry, DocumentUpsert, Write, WriteResult
+from telerag.retrieval.live import LiveDatastore, LiveStats
+
+log = logging.getLogger(__name__)
+
+BATCH_PASSAGES = 512  # a batch takes queued writes while their passages are at most this many (at least one write)
+
+
+@dataclass(frozen=True)
+class DocumentText:
+    """A document as a client gives it: its id, its text, a title (default: its id), metadata."""
+
+    doc_id: str
+    text: str
+    title: str = ""
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.doc_id.strip():
+            raise InvalidDocument("a document's id must not be empty", field="id")
+        if not self.text.strip():
+            raise InvalidDocument(f"document {self.doc_id!r} has no text", field="text")
+
+    @property
+    def shown_title(self) -> str:
+        return self.title or self.doc_id
+
+    @property
+    def content_hash(self) -> str:
+        """What makes two versions of a document the same: its title, text and metadata."""
+        canonical = json.dumps([self.shown_title, self.text, self.metadata], sort_keys=True, ensure_ascii=False)
+        return "sha256:" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+Change = DocumentText | str  # a document to write, or the id of one to delete
+
+
+@dataclass
+class _Job:
+    changes: list[Change]
+    passages: int
+    done: Future[list[WriteResult]] = field(default_factory=Future)
+
+
+class DocumentWriter:
+    """Writes documents into the retriever's live datastore: `upsert` and `delete` from the event
+    loop (through the queue, `max_queued` jobs at most), or `write_now` in the calling thread."""
+
+    def __init__(self, retriever: DirectRetriever, *, max_queued: int = 64) -> None:
+        self.retriever = retriever
+        self.live: LiveDatastore = retriever.live
+        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max_queued)
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    # -- reading ----------------------------------------------------------------------------------
+
+    def passages(self, document: DocumentText) -> int:
+        """How many passages `document` is cut into (as the datastore cuts its own)."""
+        return len(self._cut(document))
+
+    def document(self, doc_id: str) -> DocumentEntry | None:
+        return self.live.document(doc_id)
+
+    def documents(self, *, after: str | None = None, limit: int = 100) -> list[DocumentEntry]:
+        return self.live.documents(after=after, limit=limit)
+
+    def stats(self) -> LiveStats:
+        return self.live.stats()
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    # -- writing --------------------------------------------------------------------------------
+
+    async def upsert(self, documents: Sequence[DocumentText]) -> list[WriteResult]:
+        return await self._submit(list(documents))
+
+    async def delete(self, doc_ids: Sequence[str]) -> list[WriteResult]:
+        return await self._submit(list(doc_ids))
+
+    def write_now(self, changes: Sequence[Change]) -> list[WriteResult]:
+        """`changes` written in the calling thread (the command line over a datastore directory)."""
+        return self._write([_Job(list(changes), 0)])[0]
+
+    async def _submit(self, changes: list[Change]) -> list[WriteResult]:
+        self._start()
+        job = _Job(changes, sum(self.passages(c) for c in changes if isinstance(c, DocumentText)))
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise WritesBusy(
+                f"{self._queue.maxsize} writes are queued already: retry after a moment (documents.max_queued_writes)"
+            ) from None
+        return await asyncio.wrap_future(job.done)
+
+    def _start(self) -> None:
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="telerag-writes", daemon=True)
+                self._thread.start()
+
+    def _work(self) -> None:
+        while (job := self._queue.get()) is not None:
+            batch = [job]
+            while sum(j.passages for j in batch) < BATCH_PASSAGES:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._queue.put(None)  # close() asked: stop once this batch is written
+                    break
+                batch.append(more)
+            batch = [j for j in batch if j.done.set_running_or_notify_cancel()]
+            try:
+                results = self._write(batch)
+            except Exception as exc:  # noqa: BLE001 - each caller of the batch hears it
+                for j in batch:
+                    j.done.set_exception(exc)
+                continue
+            for j, result in zip(batch, results, strict=True):
+                j.done.set_result(result)
+
+    def _write(self, batch: list[_Job]) -> list[list[WriteResult]]:
+        """Embed what changed of `batch`'s documents and write it all: one sync."""
+        shape = self.live.shape
+        writes: list[Write] = []
+        to_embed: list[tuple[int, list[str]]] = []  # (the write's index, what the embedder reads of its passages)
+        hashes: dict[str, str | None] = {}  # each document's content hash after the batch's earlier writes
+        for job in batch:
+            for change in job.changes:
+                if isinstance(change, str):
+                    writes.append(DocumentDelete(change))
+                    hashes[change] = None
+                    continue
+                current = hashes[change.doc_id] if change.doc_id in hashes else self._hash_of(change.doc_id)
+                hashes[change.doc_id] = change.content_hash
+                passages = [] if current == change.content_hash else self._cut(change)
+                if passages:
+                    to_embed.append((len(writes), [shape.embedding_text(p) for p in passages]))
+                texts = tuple(p.text for p in passages)
+                writes.append(
+                    DocumentUpsert(change.doc_id, change.shown_title, texts, None, change.content_hash, change.metadata)
+                )
+        if to_embed:
+            vectors = self.retriever.embed_passages([text for _, read in to_embed for text in read])
+            start = 0
+            for index, read in to_embed:
+                upsert = writes[index]
+                assert isinstance(upsert, DocumentUpsert)
+                writes[index] = dataclasses.replace(upsert, vectors=vectors[start : start + len(read)])
+                start += len(read)
+        results = self.live.write(writes)
+        out, at = [], 0
+        for job in batch:
+            out.append(results[at : at + len(job.changes)])
+            at += len(job.changes)
+        return out
+
+    def _cut(self, document: DocumentText) -> list[Passage]:
+        article = Article(id=document.doc_id, title=document.shown_title, text=document.text)
+        return list(self.live.shape.split([article]))
+
+    def _hash_of(self, doc_id: str) -> str | None:
+        entry = self.live.document(doc_id)
+        return None if entry is None else entry.content_hash
+
+    def close(self) -> None:
+        """Stop the writer once the writes queued so far are written."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
