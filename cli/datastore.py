@@ -1,9 +1,11 @@
 """`telerag datastore build`: a datastore from a JSONL corpus or the built-in Wikipedia;
-`telerag datastore upgrade`: what a datastore written by an older telerag lacks, added beside its files."""
+`telerag datastore upgrade`: what a datastore written by an older telerag lacks, added beside its files;
+`telerag datastore info`: a datastore as its writes have left it (documents, log, list imbalance)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from pathlib import Path
 
@@ -51,6 +53,44 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="skip reading every file against its checksum first",
     )
     upgrade.set_defaults(func=run_upgrade)
+
+    info = subparsers.add_parser(
+        "info",
+        help="a datastore as it is now: documents, passages, its log of writes, and how even its lists are",
+        description="Reads the datastore and replays its log of writes, read-only (a server may hold it meanwhile).",
+    )
+    info.add_argument("path", type=Path, help="the datastore directory")
+    info.add_argument("--json", action="store_true", help="one JSON object")
+    info.set_defaults(func=run_info)
+
+
+def run_info(args: argparse.Namespace) -> int:
+    from telerag.retrieval.live import opened
+
+    with opened(args.path, verify_checksums=False) as live:
+        manifest, stats = live.manifest, live.stats()
+        sizes = live.snapshot().list_sizes()
+    facts = {
+        "embedder": manifest.embedder,
+        "dim": manifest.dim,
+        "codec": manifest.codec,
+        "nlist": manifest.nlist,
+        "documents": stats.documents,
+        "passages": stats.passages,
+        "lsn": stats.lsn,
+        "wal_bytes": stats.wal_bytes,
+        "delta_rows": stats.delta_rows,
+        "tombstones": stats.tombstones,
+        "list_imbalance": round(stats.imbalance, 3),
+        "largest_list": int(sizes.max()) if len(sizes) else 0,
+        "empty_lists": int((sizes == 0).sum()),
+    }
+    if args.json:
+        print(json.dumps(facts))
+    else:
+        for key, value in facts.items():
+            print(f"{key:<16}{value}")
+    return 0
 
 
 def run_upgrade(args: argparse.Namespace) -> int:

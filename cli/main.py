@@ -25,6 +25,7 @@ from telerag.cli import (
     bench_tier,
     config,
     datastore,
+    documents,
     serve,
 )
 from telerag.pipelines.errors import PipelineError
@@ -39,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.register(commands)
     ask.register(commands)
     config.register(commands)
+
+    documents.register(commands)
 
     datastore_group = commands.add_parser("datastore", help="build and inspect datastores")
     datastore.register(datastore_group.add_subparsers(dest="action", required=True, metavar="ACTION"))

@@ -13,21 +13,21 @@ import asyncio
 import dataclasses
 import hashlib
 import json
-import logging
 import queue
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from telerag.pipelines.errors import InvalidDocument, WritesBusy
-from telerag.pipelines.retriever import DirectRetriever
+from telerag.pipelines.files import convert, file_format
 from telerag.retrieval.corpus import Article, Passage
 from telerag.retrieval.documents import DocumentDelete, DocumentEntry, DocumentUpsert, Write, WriteResult
 from telerag.retrieval.live import LiveDatastore, LiveStats
-
-log = logging.getLogger(__name__)
 
 BATCH_PASSAGES = 512  # a batch takes queued writes while their passages are at most this many (at least one write)
 
@@ -58,6 +58,13 @@ class DocumentText:
         return "sha256:" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
+def document_of_file(doc_id: str, path: Path) -> DocumentText:
+    """A file on disk as a document: converted by its type (`files`), titled by its own title
+    (HTML's, Markdown's first heading, a PDF's) or else its name, as an upload is."""
+    converted = convert(path.read_bytes(), file_format(path.name))
+    return DocumentText(doc_id, converted.text, converted.title or path.name)
+
+
 Change = DocumentText | str  # a document to write, or the id of one to delete
 
 
@@ -68,13 +75,18 @@ class _Job:
     done: Future[list[WriteResult]] = field(default_factory=Future)
 
 
-class DocumentWriter:
-    """Writes documents into the retriever's live datastore: `upsert` and `delete` from the event
-    loop (through the queue, `max_queued` jobs at most), or `write_now` in the calling thread."""
+Embed = Callable[[Sequence[str]], np.ndarray]  # passages' texts -> float32 (n, dim), as the datastore's embedder makes them
 
-    def __init__(self, retriever: DirectRetriever, *, max_queued: int = 64) -> None:
-        self.retriever = retriever
-        self.live: LiveDatastore = retriever.live
+
+class DocumentWriter:
+    """Writes documents into a live datastore: `upsert` and `delete` from the event loop (through
+    the queue, `max_queued` jobs at most), or `write_now` in the calling thread."""
+
+    def __init__(self, live: LiveDatastore, embed: Embed, *, max_queued: int = 64) -> None:
+        """`embed`: the datastore's embedder (a server's: `DirectRetriever.embed_passages`, below
+        its queries' priority)."""
+        self.live = live
+        self.embed = embed
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max_queued)
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
@@ -171,7 +183,7 @@ class DocumentWriter:
                     DocumentUpsert(change.doc_id, change.shown_title, texts, None, change.content_hash, change.metadata)
                 )
         if to_embed:
-            vectors = self.retriever.embed_passages([text for _, read in to_embed for text in read])
+            vectors = self.embed([text for _, read in to_embed for text in read])
             start = 0
             for index, read in to_embed:
                 upsert = writes[index]

@@ -74,3 +74,15 @@ class WritesBusy(PipelineError):
     """The queue of writes to the datastore is full; the caller may retry later."""
 
     code = "writes_busy"
+
+
+class UnsupportedFile(PipelineError):
+    """A file of a type the server does not convert (it names the type)."""
+
+    code = "unsupported_file"
+
+
+class FileUnreadable(PipelineError):
+    """A file of a supported type that cannot be read as one (damaged, not UTF-8, no text layer)."""
+
+    code = "unreadable_file"

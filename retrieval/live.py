@@ -102,6 +102,7 @@ class LiveDatastore:
         self._write_lock = threading.Lock()  # one write at a time, from its plan to its acknowledgment
         self._lock_file: int | None = None
         self._wal: WriteAheadLog | None = None
+        self._read_bytes = 0  # read-only: the log's size when it was read
         self._quantizer = faiss.IndexFlatIP(datastore.dim)
         self._quantizer.add(np.ascontiguousarray(datastore.centroids, dtype=np.float32))
         dtype = datastore.codec.numpy_dtype
@@ -128,7 +129,8 @@ class LiveDatastore:
                 self.close()
                 raise
         else:
-            records = read_log(wal_path).records
+            contents = read_log(wal_path)
+            records, self._read_bytes = contents.records, contents.end
         for record in records:
             self._apply(WriteRecord.decode(record, self.where), record.lsn)
         if records:
@@ -201,7 +203,7 @@ class LiveDatastore:
             passages=snapshot.passages,
             delta_rows=len(snapshot.delta),
             tombstones=len(snapshot.deleted),
-            wal_bytes=self._wal.bytes if self._wal is not None else 0,
+            wal_bytes=self._wal.bytes if self._wal is not None else self._read_bytes,
             imbalance=snapshot.imbalance(),
         )
 

@@ -13,6 +13,7 @@ from telerag.pipelines.registry import PIPELINES
 from telerag.retrieval.stats import CacheStats
 from telerag.server import errors
 from telerag.server.auth import Access
+from telerag.server.documents_protocol import documents_request_models
 from telerag.server.embeddings_protocol import embedding_request_model
 from telerag.server.lifecycle import Lifecycle
 from telerag.server.metrics import Metrics
@@ -21,7 +22,7 @@ from telerag.server.openai_protocol import chat_request_model
 from telerag.server.openapi import extend_schema
 from telerag.server.protocol import default_max_tokens, query_request_model
 from telerag.server.responses_protocol import response_request_model
-from telerag.server.routes import embeddings, openai, ops, rag, responses
+from telerag.server.routes import documents, embeddings, openai, ops, rag, responses
 from telerag.server.service import Service
 from telerag.server.settings import Settings
 
@@ -55,13 +56,16 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
     app.state.metrics = Metrics(
         lambda: app.state.service.runtime.cache_stats() if app.state.service else CacheStats(),
         lambda: app.state.service.runtime.prefix_cache_bytes() if app.state.service else None,
+        lambda: app.state.service.live_stats() if app.state.service else None,
     )
     app.state.started = int(time.time())  # when /v1/models says its models were created
     app.state.default_max_tokens = default_max_tokens(settings.limits)  # a chat completion's, as a query's
     extend_schema(app, rag.STREAMED + openai.STREAMED + responses.STREAMED)
     errors.install(app)
     app.add_middleware(ServingGate, lifecycle=lifecycle)
-    app.add_middleware(BodyLimit, limit=settings.limits.max_body_bytes)
+    app.add_middleware(
+        BodyLimit, limit=settings.limits.max_body_bytes, larger={documents.DOCUMENTS: settings.documents.max_body_bytes}
+    )
     if settings.server.cors_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -79,6 +83,7 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
     app.include_router(openai.router(chat, access))
     app.include_router(responses.router(response_request_model(settings.limits, list(PIPELINES)), access))
     app.include_router(embeddings.router(embedding_request_model(settings.limits), access))
+    app.include_router(documents.router(*documents_request_models(settings.documents), access, settings.documents))
     return app
 
 

@@ -29,11 +29,23 @@ from telerag.pipelines.errors import (
     EngineError,
     EngineOverloaded,
     EngineUnavailable,
+    FileUnreadable,
     GenerationAborted,
+    InvalidDocument,
     PipelineError,
     UnknownPipeline,
+    UnsupportedFile,
+    WritesBusy,
 )
-from telerag.retrieval.errors import DatastoreError, DeviceUnavailable, RetrievalError, SearchError, TierBusy, TierUnavailable
+from telerag.retrieval.errors import (
+    DatastoreError,
+    DatastoreReadOnly,
+    DeviceUnavailable,
+    RetrievalError,
+    SearchError,
+    TierBusy,
+    TierUnavailable,
+)
 from telerag.server.protocol import UNSUPPORTED, ErrorDetail, ErrorResponse
 
 log = logging.getLogger(__name__)
@@ -143,6 +155,24 @@ class UnsupportedField(InvalidField):
     code = "unsupported_field"
 
 
+class DocumentNotFound(ServerError):
+    """No document of that id in the datastore."""
+
+    code = "document_not_found"
+
+
+class DocumentsTooLarge(ServerError):
+    """A write whose documents are cut into more passages than one request may write."""
+
+    code = "documents_too_large"
+
+
+class DocumentsUnavailable(ServerError):
+    """This deployment writes no documents (the inference replicas of a Ray cluster)."""
+
+    code = "documents_unavailable"
+
+
 class InvalidJSON(ServerError):
     """The body could not be read as JSON: not JSON, not UTF-8, or nested too deep."""
 
@@ -156,7 +186,15 @@ class BodyTooLarge(ServerError):
 STATUS: list[tuple[type[Exception], int]] = [
     (InvalidJSON, 400),
     (UnsupportedField, 400),
+    (UnsupportedFile, 400),
+    (FileUnreadable, 422),
+    (InvalidDocument, 422),
     (InvalidField, 422),
+    (DocumentNotFound, 404),
+    (DatastoreReadOnly, 409),
+    (DocumentsTooLarge, 413),
+    (WritesBusy, 429),
+    (DocumentsUnavailable, 501),
     (UnknownPipeline, 422),
     (SearchError, 422),
     (Unauthorized, 401),
@@ -180,13 +218,18 @@ STATUS: list[tuple[type[Exception], int]] = [
 ]
 WHEN = {  # what each status means, for the OpenAPI schema
     400: "The body is not JSON (or not UTF-8, or nested too deep), or it asks for what this server does not do "
-    "(a field it does not know or serve, or a value it does not serve); `error.field` names it.",
+    "(a field it does not know or serve, a value it does not serve, a file of a type it does not convert); "
+    "`error.field` names it.",
     401: "Missing or wrong API key (`Authorization: Bearer <key>`).",
-    413: "The body is over the server's `limits.max_body_bytes`.",
+    404: "No such document.",
+    409: "The datastore is read-only here (another process holds it for writing, or it holds no passages).",
+    413: "The body is over the server's `limits.max_body_bytes` (`documents.max_body_bytes` on /v1/documents), or a "
+    "write's documents are cut into more than `documents.max_passages` passages.",
     422: "A field is invalid or out of the server's limits; `error.field` names it.",
     429: "Busy: retry after `Retry-After` seconds.",
     502: "The LLM engine failed.",
     503: "Not ready (loading) or a component is unavailable: retry after `Retry-After` seconds.",
+    501: "Not served by this deployment (documents on a Ray cluster's inference replicas).",
     504: "The request took longer than `scheduler.request_timeout_s`.",
 }
 _REQUEST_ID = {
@@ -214,7 +257,7 @@ def error_detail(exc: BaseException) -> ErrorDetail:
     """What the client is told of `exc`, logged first where it is the server's fault (a 5xx that
     is not a refusal). A 500 is a bug: the client gets its request's id, the log the rest."""
     status = status_of(exc)
-    if status >= 500 and not isinstance(exc, Refused):
+    if status >= 500 and status != 501 and not isinstance(exc, Refused):  # 501: what this deployment does not do
         log.error("request %s failed: %s", request_id.get() or "-", exc, exc_info=exc)
     if status == 500:
         return detail(500, "internal_error", f"internal server error (request {request_id.get() or '-'})")

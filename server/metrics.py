@@ -11,6 +11,8 @@ from prometheus_client.registry import Collector
 
 from telerag.pipelines.stats import SearchStats
 from telerag.pipelines.types import RagResult
+from telerag.retrieval.documents import WriteOutcome, WriteResult
+from telerag.retrieval.live import LiveStats
 from telerag.retrieval.stats import CacheStats
 from telerag.server.errors import Refusal
 
@@ -59,6 +61,55 @@ class _PrefixCacheCollector(Collector):
             family = GaugeMetricFamily("telerag_prefix_cache_bytes", "bytes of prompts' KV the engine's prefix cache holds")
             family.add_metric([], float(held))
             yield family
+
+
+class _LiveCollector(Collector):
+    """Reads the live datastore's state at scrape time; nothing for a runtime without one."""
+
+    def __init__(self, stats: Callable[[], LiveStats | None]) -> None:
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats()
+        if s is None:
+            return
+        for name, value, doc in (
+            ("documents", s.documents, "documents in the datastore"),
+            ("passages", s.passages, "passages (rows) in the datastore"),
+            ("datastore_lsn", s.lsn, "the last acknowledged write's position in the datastore's log"),
+            ("datastore_wal_bytes", s.wal_bytes, "bytes of the write-ahead log since the datastore's files were written"),
+            ("datastore_delta_rows", s.delta_rows, "rows added since the datastore's files were written"),
+            ("datastore_tombstones", s.tombstones, "deleted rows still in the datastore's files or delta (filtered in the scan)"),
+            ("datastore_list_imbalance", s.imbalance, "the largest IVF list over the mean list (appends keep the centroids)"),
+        ):
+            family = GaugeMetricFamily(f"telerag_{name}", doc)
+            family.add_metric([], float(value))
+            yield family
+
+
+class DocumentMetrics:
+    """Writes of documents: by outcome, and how long each request took to be acknowledged; and the
+    live datastore's state (`live_stats`), read at scrape time."""
+
+    def __init__(self, registry: CollectorRegistry, live_stats: Callable[[], LiveStats | None]) -> None:
+        self.writes = Counter(
+            "telerag_document_writes", "documents written, by outcome (created, replaced, unchanged, deleted, not_found)",
+            ["outcome"], registry=registry,
+        )  # fmt: skip
+        for outcome in WriteOutcome:
+            self.writes.labels(outcome.value)
+        self.acknowledged = Histogram(
+            "telerag_document_write_seconds",
+            "a write request's time to its acknowledgment (durable and searchable): queue, embedding, log sync",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        registry.register(_LiveCollector(live_stats))
+
+    def observe(self, results: list[WriteResult], seconds: float) -> None:
+        for result in results:
+            self.writes.labels(result.outcome.value).inc()
+        self.acknowledged.observe(seconds)
 
 
 class ConnectionMetrics:
@@ -202,7 +253,10 @@ class _Merged:
 
 class Metrics:
     def __init__(
-        self, cache_stats: Callable[[], CacheStats], prefix_cache_bytes: Callable[[], int | None] = lambda: None
+        self,
+        cache_stats: Callable[[], CacheStats],
+        prefix_cache_bytes: Callable[[], int | None] = lambda: None,
+        live_stats: Callable[[], LiveStats | None] = lambda: None,
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -272,6 +326,7 @@ class Metrics:
             registry=r,
         )
         self.connections = ConnectionMetrics(r)
+        self.documents = DocumentMetrics(r, live_stats)
         r.register(_CacheCollector(cache_stats))
         r.register(_PrefixCacheCollector(prefix_cache_bytes))
         ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds (Linux)

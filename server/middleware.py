@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -57,19 +58,24 @@ class ErrorDialect:
 
 class BodyLimit:
     """Refuse request bodies over `limit` bytes (413), whether they declare their length or arrive
-    chunked. The body is read here, before the app sees the request: an error raised while
-    FastAPI reads it would reach the client as FastAPI's 400 ("error parsing the body")."""
+    chunked; a path under one of `larger`'s prefixes has that limit instead (documents' uploads).
+    The body is read here, before the app sees the request: an error raised while FastAPI reads
+    it would reach the client as FastAPI's 400 ("error parsing the body")."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app: ASGIApp, limit: int, larger: Mapping[str, int] | None = None) -> None:
+        self.app, self.default, self.larger = app, limit, dict(larger or {})
+
+    def _limit(self, path: str) -> int:
+        return next((limit for prefix, limit in self.larger.items() if path.startswith(prefix)), self.default)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self._limit(scope["path"])
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.limit:
-            await self._refuse(scope, receive, send)
+        if declared.isdigit() and int(declared) > limit:
+            await self._refuse(limit, scope, receive, send)
             return
         chunks: list[bytes] = []
         size = 0
@@ -80,8 +86,8 @@ class BodyLimit:
                 break
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self.limit:
-                await self._refuse(scope, receive, send)
+            if size > limit:
+                await self._refuse(limit, scope, receive, send)
                 return
             if not message.get("more_body", False):
                 replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
@@ -92,8 +98,8 @@ class BodyLimit:
 
         await self.app(scope, replayed, send)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await errors.response_for(BodyTooLarge(f"the request body is over {self.limit} bytes"))(scope, receive, send)
+    async def _refuse(self, limit: int, scope: Scope, receive: Receive, send: Send) -> None:
+        await errors.response_for(BodyTooLarge(f"the request body is over {limit} bytes"))(scope, receive, send)
 
 
 class ServingGate:

@@ -123,7 +123,7 @@ async def _load(settings: Settings, lifecycle: Lifecycle, metrics: Metrics) -> S
     # The module's attribute is looked up, not imported by name: a test launcher may replace it.
     lifecycle.loading("loading libraries")
     runtime_module = await asyncio.to_thread(importlib.import_module, "telerag.server.runtime")
-    runtime = await runtime_module.load_runtime(settings, lifecycle)
+    runtime = await runtime_module.load_runtime(settings, lifecycle, writable=settings.documents.writable)
     service = Service(runtime, metrics)
     if settings.server.warm_up:
         lifecycle.loading("warming up")

@@ -297,6 +297,19 @@ class TierState(BaseModel):
     status: str = Field(description="Ray Serve's: HEALTHY, UPDATING, UPSCALING, DOWNSCALING, UNHEALTHY, ...")
 
 
+class LiveInfo(BaseModel):
+    """The datastore's writes: how far its log is, what it holds now, how even its lists are."""
+
+    writable: bool = Field(description="false: this server serves it read-only (documents.writable, or another holds it)")
+    lsn: int = Field(description="the last acknowledged write's position in the log")
+    documents: int
+    passages: int
+    delta_rows: int = Field(description="rows added since the datastore's files were written")
+    tombstones: int = Field(description="deleted rows still in its files or delta (filtered in the scan)")
+    wal_bytes: int
+    list_imbalance: float = Field(description="the largest IVF list over the mean list (1: even)")
+
+
 class Ready(BaseModel):
     """`GET /ready`: 200 once the engine and datastore are up; 503 while loading or draining. On a
     Ray cluster (`telerag serve --ray`) also 503 while a deployment of either tier has no replica
@@ -312,6 +325,7 @@ class Ready(BaseModel):
     )
     engine: str | None = None
     datastore: DatastoreInfo | None = None
+    live: LiveInfo | None = Field(None, description="the datastore's writes (null: a deployment that writes none)")
     tiers: list[TierState] | None = Field(None, description="on a Ray cluster: each deployment of both tiers")
 
 

@@ -339,5 +339,9 @@ class ReplicaRuntime:
     def prefix_cache_bytes(self) -> int | None:
         return None  # each replica's engine has its own: in its labelled series
 
+    @property
+    def documents(self) -> None:
+        return None  # the replicas write no documents yet
+
     async def close(self) -> None:
         return None

@@ -16,6 +16,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from telerag.pipelines.datastores import load_datastore, open_retriever
+from telerag.pipelines.documents import DocumentWriter
 from telerag.pipelines.embedder import Embedder
 from telerag.pipelines.errors import EmbedderError, EngineUnavailable
 from telerag.pipelines.pipelining import PipeliningConfig
@@ -46,6 +47,7 @@ class Runtime:
     cache_stats: Callable[[], CacheStats] = CacheStats  # without a cache: all zero
     resident_clusters: Callable[[], list[int]] = list  # what the cluster cache holds now (none without one)
     closers: list[Callable[[], Any]] = field(default_factory=list)
+    documents: DocumentWriter | None = None  # what writes documents into the datastore (None: no live datastore)
 
     def pipelines(self, retriever: Retriever, names: Sequence[str] | None = None) -> dict[str, RagPipeline]:
         """The pipelines over this engine and `retriever`, each starting from its expected
@@ -188,11 +190,17 @@ def load_configured_datastore(
 
 
 def open_configured_retriever(
-    datastore: Datastore, embedder: TextEncoder, retrieval: RetrievalSettings, *, cpu_half: ListSearch | None = None
+    datastore: Datastore,
+    embedder: TextEncoder,
+    retrieval: RetrievalSettings,
+    *,
+    cpu_half: ListSearch | None = None,
+    writable: bool = False,
 ) -> DirectRetriever:
     """The retrieval engine over a loaded datastore, as the settings configure it (device,
     cluster cache, prefetch budget, nprobe, demand copies, faiss threads, early stop); `cpu_half`:
-    who scans what the device does not (default: faiss here; the retrieval tier on a Ray cluster)."""
+    who scans what the device does not (default: faiss here; the retrieval tier on a Ray cluster);
+    `writable`: documents may be written to it through this process (`datastores.open_live`)."""
     device = str(resolve_device(retrieval.device, error=DeviceUnavailable))
     return open_retriever(
         datastore,
@@ -205,6 +213,7 @@ def open_configured_retriever(
         demand_copy=retrieval.demand_copy,
         cpu_threads=retrieval.cpu_threads,
         early_stop=retrieval.early_stop,
+        writable=writable,
     )
 
 
@@ -214,6 +223,7 @@ async def load_runtime(
     *,
     cpu_half: ListSearch | None = None,
     encoder: Callable[[Embedder], TextEncoder] = lambda embedder: embedder,
+    writable: bool = False,
 ) -> Runtime:
     """Load what the server runs on, in the order that fails fast and sizes the cache right:
     the embedder (small), then the datastore, built on the embedded default's first run and
@@ -226,7 +236,8 @@ async def load_runtime(
 
     An inference replica on a Ray cluster (`replicas.InferenceReplica`) gives the retrieval
     tier as `cpu_half`, and an `encoder` over the embedder that knows the vectors the ingress
-    computed already."""
+    computed already. With `writable`, the runtime writes documents into its datastore (only one
+    process can: the one that serves it alone)."""
     observer = observer or LogSteps()
     retrieval = settings.retrieval
     with observe_progress(observer.report):
@@ -243,12 +254,16 @@ async def load_runtime(
         try:
             observer.loading("opening datastore")
             retriever = await _in_thread(
-                functools.partial(open_configured_retriever, cpu_half=cpu_half), datastore, encoder(embedder), retrieval
+                functools.partial(open_configured_retriever, cpu_half=cpu_half, writable=writable),
+                datastore,
+                encoder(embedder),
+                retrieval,
             )
         except BaseException:
             await engine.close()
             datastore.close()
             raise
+    documents = DocumentWriter(retriever.live, retriever.embed_passages, max_queued=settings.documents.max_queued_writes)
     return Runtime(
         settings=settings,
         engine=engine,
@@ -256,7 +271,8 @@ async def load_runtime(
         datastore_info=retriever.datastore_info(),
         cache_stats=retriever.cache_stats,
         resident_clusters=retriever.resident_clusters,
-        closers=[retriever.close],
+        closers=[documents.close, retriever.close],
+        documents=documents,
     )
 
 

@@ -8,7 +8,7 @@ import math
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from fastapi import Request
 
@@ -25,13 +25,17 @@ from telerag.pipelines.types import (
     UsageEvent,
     run_result,
 )
+from telerag.retrieval.live import LiveStats
 from telerag.retrieval.stats import CacheStats
 from telerag.server.admission import Admission
 from telerag.server.admitted_run import AdmittedRun
-from telerag.server.errors import InvalidField, Refusal, RequestTimeout, UnsupportedField
+from telerag.server.errors import DocumentsUnavailable, InvalidField, Refusal, RequestTimeout, UnsupportedField
 from telerag.server.metrics import Metrics
 from telerag.server.settings import DEADLINE_STOP_LEAD_S, Settings, packaged_config
 from telerag.server.workload import DEFAULT_PASSAGE_WORDS, TOKENS_PER_WORD, ServedWork, Workload
+
+if TYPE_CHECKING:
+    from telerag.pipelines.documents import DocumentWriter
 
 
 class ServedRuntime(Protocol):
@@ -56,6 +60,11 @@ class ServedRuntime(Protocol):
     def cache_stats(self) -> CacheStats: ...
 
     def prefix_cache_bytes(self) -> int | None: ...
+
+    @property
+    def documents(self) -> DocumentWriter | None:
+        """What writes documents into the datastore (None: this runtime writes none)."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -134,6 +143,18 @@ class Service:
             self.workload.observe(pipeline.name, prompt, served)
         finally:
             self.admission.finish(ticket, completed=served is not None, served_work=None if served is None else served.work)
+
+    def documents(self) -> DocumentWriter:
+        """The writer of the datastore's documents; 501 on a runtime that writes none."""
+        writer = self.runtime.documents
+        if writer is None:
+            raise DocumentsUnavailable("this deployment writes no documents (a Ray cluster's inference replicas)")
+        return writer
+
+    def live_stats(self) -> LiveStats | None:
+        """The datastore's documents, passages, log and lists now (None: no live datastore here)."""
+        writer = self.runtime.documents
+        return None if writer is None else writer.stats()
 
     def _queue_changed(self, waiting: int, running: int) -> None:
         self.metrics.admission.queue_depth.set(waiting)

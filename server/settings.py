@@ -186,6 +186,19 @@ class LimitSettings(Section):
     max_embedding_inputs: int = setting(256, "texts one /v1/embeddings request may embed", ge=1)
 
 
+class DocumentSettings(Section):
+    """Documents written into the datastore while it serves (/v1/documents, `telerag documents`)."""
+
+    writable: bool = setting(
+        True, "take documents: this server holds the datastore for writing (live.lock); false: it serves it read-only"
+    )
+    max_body_bytes: int = setting(16 * 2**20, "a /v1/documents request's body (a batch, a file); past it: 413", ge=1024)
+    max_documents: int = setting(64, "documents one request may write", ge=1)
+    max_passages: int = setting(4096, "passages one request's documents are cut into, at most; past it: 413", ge=1)
+    max_queued_writes: int = setting(64, "write requests waiting for the writer; past it: 429", ge=1)
+    max_list: int = setting(1000, "documents one GET /v1/documents page may list", ge=1)
+
+
 class ServerSettings(Section):
     host: str = setting("127.0.0.1", "the address to listen on")
     port: int = setting(8000, "the port to listen on", ge=0, le=65535)
@@ -285,6 +298,7 @@ class Settings(BaseSettings):
     retrieval: RetrievalSettings = Field(default_factory=RetrievalSettings)
     scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
+    documents: DocumentSettings = Field(default_factory=DocumentSettings)
     server: ServerSettings = Field(default_factory=ServerSettings)
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
 

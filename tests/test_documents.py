@@ -32,13 +32,18 @@ class CountingEmbedder(HashEmbedder):
 
 
 @pytest.fixture()
-def writer(tmp_path):
+def retriever(tmp_path):
     _, path = topic_datastore(tmp_path, per_topic=20, nlist=4)
     retriever = open_retriever(path, CountingEmbedder(), device="cpu", writable=True)
-    writer = DocumentWriter(retriever)
+    yield retriever
+    retriever.close()
+
+
+@pytest.fixture()
+def writer(retriever):
+    writer = DocumentWriter(retriever.live, retriever.embed_passages)
     yield writer
     writer.close()
-    retriever.close()
 
 
 async def search(retriever: DirectRetriever, text: str, **options) -> list[str]:
@@ -46,8 +51,7 @@ async def search(retriever: DirectRetriever, text: str, **options) -> list[str]:
     return [document.doc_id for document in outcome.documents[0]]
 
 
-async def test_a_document_is_found_by_the_next_search_and_gone_after_its_delete(writer):
-    retriever = writer.retriever
+async def test_a_document_is_found_by_the_next_search_and_gone_after_its_delete(writer, retriever):
     assert "volcanoes" not in await search(retriever, VOLCANO)
     (created,) = await writer.upsert([DocumentText("volcanoes", f"{VOLCANO} " * 30, title="Volcanoes")])
     assert created.outcome is WriteOutcome.CREATED and created.document.version == 1
@@ -67,8 +71,8 @@ async def test_a_document_is_found_by_the_next_search_and_gone_after_its_delete(
     assert missing.outcome is WriteOutcome.NOT_FOUND
 
 
-async def test_an_unchanged_document_is_not_embedded_again(writer):
-    embedder = writer.retriever.embedder
+async def test_an_unchanged_document_is_not_embedded_again(writer, retriever):
+    embedder = retriever.embedder
     document = DocumentText("doc", f"{VOLCANO} " * 30, metadata={"source": "a"})
     await writer.upsert([document])
     embedded = len(embedder.texts)
@@ -83,12 +87,11 @@ async def test_a_document_is_cut_by_the_datastores_rule(writer):
     assert writer.passages(DocumentText("long", words)) == 2  # 100 words a passage; a short tail joins the last
     (result,) = await writer.upsert([DocumentText("long", words)])
     assert len(result.document.passage_ids) == 2
-    passages = writer.retriever.snapshot().passages_of(list(result.document.passage_ids))
+    passages = writer.live.snapshot().passages_of(list(result.document.passage_ids))
     assert [len(p.text.split()) for p in passages] == [100, 120]
 
 
-async def test_a_search_reads_the_snapshot_it_names(writer):
-    retriever = writer.retriever
+async def test_a_search_reads_the_snapshot_it_names(writer, retriever):
     before = retriever.snapshot()
     await writer.upsert([DocumentText("volcanoes", f"{VOLCANO} " * 30)])
     assert "volcanoes" not in await search(retriever, VOLCANO, snapshot=before)
@@ -106,7 +109,7 @@ async def test_concurrent_writers_are_grouped_and_each_hears_its_own(writer):
 async def test_a_full_queue_refuses_at_once(tmp_path):
     _, path = topic_datastore(tmp_path, per_topic=5, nlist=2)
     retriever = open_retriever(path, HashEmbedder(), device="cpu", writable=True)
-    writer = DocumentWriter(retriever, max_queued=1)
+    writer = DocumentWriter(retriever.live, retriever.embed_passages, max_queued=1)
     held = threading.Event()
     release = threading.Event()
     write = retriever.live.write

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from telerag.pipelines.datastores import open_retriever
+from telerag.pipelines.documents import DocumentWriter
 from telerag.server.app import create_app, start_serving
 from telerag.server.runtime import Runtime
 from telerag.server.settings import Settings
@@ -32,10 +33,12 @@ SEED = os.environ.get("TELERAG_FUZZ_SEED", "1")  # fixed, so that CI runs the sa
 
 @pytest.fixture()
 def served(tmp_path) -> Iterator[str]:
-    """The app over the tiny model and a small datastore, with an API key and small limits (so
-    that generated requests stay cheap: at most 4 tokens, 5 documents)."""
+    """The app over the tiny model and a small datastore (writable: the documents' routes are
+    fuzzed too), with an API key and small limits (so that generated requests stay cheap: at most
+    4 tokens, 5 documents)."""
     embedder, path = topic_datastore(tmp_path, per_topic=20, nlist=4)
-    retriever = open_retriever(path, embedder, device="cpu", cache_bytes=1 << 20, prefetch_budget_bytes=1 << 20)
+    retriever = open_retriever(path, embedder, device="cpu", cache_bytes=1 << 20, prefetch_budget_bytes=1 << 20, writable=True)
+    documents = DocumentWriter(retriever.live, retriever.embed_passages)
     settings = Settings(
         server={"api_key": KEY},
         limits={"max_tokens": 4, "max_top_k": 5, "max_query_chars": 300},
@@ -47,7 +50,8 @@ def served(tmp_path) -> Iterator[str]:
         retriever=retriever,
         datastore_info=retriever.datastore_info(),
         cache_stats=retriever.cache_stats,
-        closers=[retriever.close],
+        closers=[documents.close, retriever.close],
+        documents=documents,
     )
     app = create_app(settings)
     start_serving(app, runtime)

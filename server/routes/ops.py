@@ -5,6 +5,7 @@ them in the schema.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -13,10 +14,12 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from telerag.pipelines.types import DatastoreInfo
 from telerag.server import errors
 from telerag.server.auth import Access
 from telerag.server.lifecycle import Phase
-from telerag.server.protocol import Health, LoadProgress, Ready
+from telerag.server.protocol import Health, LiveInfo, LoadProgress, Ready
+from telerag.server.service import Service
 
 METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}
@@ -83,12 +86,35 @@ async def ready(request: Request) -> Response:
         loading_s=round(now - lifecycle.started, 1) if loading else None,
         step_s=round(now - lifecycle.step_started, 1) if loading else None,
         engine=None if service is None else service.runtime.engine_name,
-        datastore=None if service is None else service.runtime.datastore_info,
+        datastore=None if service is None else _datastore(service),
+        live=None if service is None else _live(service),
         tiers=tiers,
     )
     one_process = {"tiers"} if tiers is None else None  # its body as it was before the tiers
     return Response(
         body.model_dump_json(exclude=one_process), media_type="application/json", status_code=200 if body.ready else 503
+    )
+
+
+def _datastore(service: Service) -> DatastoreInfo:
+    """The datastore as loaded, its counts as they are now (documents come and go)."""
+    info, stats = service.runtime.datastore_info, service.live_stats()
+    return info if stats is None else dataclasses.replace(info, passages=stats.passages, documents=stats.documents)
+
+
+def _live(service: Service) -> LiveInfo | None:
+    writer, stats = service.runtime.documents, service.live_stats()
+    if writer is None or stats is None:
+        return None
+    return LiveInfo(
+        writable=writer.live.writable,
+        lsn=stats.lsn,
+        documents=stats.documents,
+        passages=stats.passages,
+        delta_rows=stats.delta_rows,
+        tombstones=stats.tombstones,
+        wal_bytes=stats.wal_bytes,
+        list_imbalance=round(stats.imbalance, 3),
     )
 
 
