@@ -1,12 +1,15 @@
 """`telerag datastore build`: a datastore from a JSONL corpus or the built-in Wikipedia;
 `telerag datastore upgrade`: what a datastore written by an older telerag lacks, added beside its files;
-`telerag datastore info`: a datastore as its writes have left it (documents, log, list imbalance)."""
+`telerag datastore info`: a datastore as its writes have left it (documents, log, list imbalance);
+`telerag datastore compact|retrain`: a new generation of its files (in a directory, or a server's)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
+import time
 from pathlib import Path
 
 from telerag.retrieval.builder import build_datastore
@@ -63,6 +66,52 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     info.add_argument("--json", action="store_true", help="one JSON object")
     info.set_defaults(func=run_info)
 
+    for name, what in (
+        ("compact", "fold the documents written since into new files (the same results; writes go on meanwhile)"),
+        ("retrain", "new centroids, every passage assigned again (results change; writes go on meanwhile)"),
+    ):
+        rebuild = subparsers.add_parser(name, help=what, description=what[0].upper() + what[1:] + ".")
+        rebuild.add_argument("path", type=Path, nargs="?", help="the datastore directory, which no server may hold")
+        rebuild.add_argument("--url", help="a running server's (instead of a directory), e.g. http://127.0.0.1:8000")
+        rebuild.add_argument("--api-key", default=os.environ.get("TELERAG_API_KEY"), help="the server's (env TELERAG_API_KEY)")
+        if name == "retrain":
+            rebuild.add_argument("--nlist", type=int, help="lists of the new generation (default: about 4*sqrt(passages))")
+        rebuild.set_defaults(func=run_rebuild, kind=name, nlist=None)
+
+
+def run_rebuild(args: argparse.Namespace) -> int:
+    if (args.path is None) == (args.url is None):
+        raise SystemExit(f"telerag datastore {args.kind}: give a datastore directory or --url, one of them")
+    if args.url:
+        done = _rebuild_on_server(args.url, args.api_key, args.kind, args.nlist)
+        print(
+            f"generation {done['generation']}: {done['passages']} passages, {done['carried']} writes carried, {done['seconds']} s"
+        )
+        return 0
+    from telerag.retrieval.live import opened
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    with opened(args.path, verify_checksums=False, writable=True) as live:
+        result = live.retrain(nlist=args.nlist, progress=True) if args.kind == "retrain" else live.compact(progress=True)
+    print(f"generation {result.generation}: {result.passages} passages in {result.seconds:.1f} s")
+    return 0
+
+
+def _rebuild_on_server(url: str, api_key: str | None, kind: str, nlist: int | None) -> dict:
+    """Ask the server for a compaction or retrain, and wait for it to end."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=60) as client:
+        started = client.post(f"/v1/datastore/{kind}", json={"nlist": nlist} if kind == "retrain" else None)
+        if started.status_code != 202:
+            raise SystemExit(f"telerag datastore {kind}: {started.status_code} {started.text[:300]}")
+        while (rebuild := client.get("/v1/datastore").json()["rebuild"])["state"] == "running":
+            time.sleep(0.5)
+    if rebuild["state"] != "done":
+        raise SystemExit(f"telerag datastore {kind}: failed: {rebuild['error']}")
+    return rebuild
+
 
 def run_info(args: argparse.Namespace) -> int:
     from telerag.retrieval.live import opened
@@ -71,6 +120,7 @@ def run_info(args: argparse.Namespace) -> int:
         manifest, stats = live.manifest, live.stats()
         sizes = live.snapshot().list_sizes()
     facts = {
+        "generation": stats.generation,
         "embedder": manifest.embedder,
         "dim": manifest.dim,
         "codec": manifest.codec,

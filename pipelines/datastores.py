@@ -103,17 +103,21 @@ def open_retriever(
         )
     else:
         datastore.manifest.check_embedder(datastore.where, embedder=embedder.name, dim=embedder.dim)
-    engine = RetrievalEngine(
-        datastore,
-        device=device,
-        cache_bytes=cache_bytes,
-        nprobe=nprobe,
-        demand_copy=demand_copy,
-        cpu_threads=cpu_threads,
-        cpu_half=cpu_half,
-        early_stop=early_stop,
-        progress=True,
-    )
+
+    def new_engine(datastore: Datastore, cache_bytes: int) -> RetrievalEngine:
+        return RetrievalEngine(
+            datastore,
+            device=device,
+            cache_bytes=cache_bytes,
+            nprobe=nprobe,
+            demand_copy=demand_copy,
+            cpu_threads=cpu_threads,
+            cpu_half=cpu_half,
+            early_stop=early_stop,
+            progress=True,
+        )
+
+    engine = new_engine(datastore, cache_bytes)
     log.info(
         "datastore %s: %d passages, %d lists, dim %d, embedder %s; device %s, cluster cache %.1f MB, demand copies %s, "
         "early stop %s",
@@ -138,7 +142,9 @@ def open_retriever(
     except BaseException:
         engine.close()
         raise
-    return DirectRetriever(engine, embedder, live=live, prefetch_budget_bytes=prefetch_budget_bytes)
+    # the retrieval tier's shards hold this generation's rows: a new one needs them deployed anew (not yet done)
+    generations = new_engine if cpu_half is None else None
+    return DirectRetriever(engine, embedder, live=live, new_engine=generations, prefetch_budget_bytes=prefetch_budget_bytes)
 
 
 def open_live(datastore: Datastore, *, writable: bool) -> LiveDatastore:

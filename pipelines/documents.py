@@ -82,11 +82,14 @@ class DocumentWriter:
     """Writes documents into a live datastore: `upsert` and `delete` from the event loop (through
     the queue, `max_queued` jobs at most), or `write_now` in the calling thread."""
 
-    def __init__(self, live: LiveDatastore, embed: Embed, *, max_queued: int = 64) -> None:
+    def __init__(
+        self, live: LiveDatastore, embed: Embed, *, max_queued: int = 64, on_written: Callable[[], None] = lambda: None
+    ) -> None:
         """`embed`: the datastore's embedder (a server's: `DirectRetriever.embed_passages`, below
-        its queries' priority)."""
+        its queries' priority); `on_written` hears each batch written (`rebuilds.Rebuilds.after_writes`)."""
         self.live = live
         self.embed = embed
+        self.on_written = on_written
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max_queued)
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
@@ -120,7 +123,9 @@ class DocumentWriter:
 
     def write_now(self, changes: Sequence[Change]) -> list[WriteResult]:
         """`changes` written in the calling thread (the command line over a datastore directory)."""
-        return self._write([_Job(list(changes), 0)])[0]
+        results = self._write([_Job(list(changes), 0)])[0]
+        self.on_written()
+        return results
 
     async def _submit(self, changes: list[Change]) -> list[WriteResult]:
         self._start()
@@ -160,6 +165,7 @@ class DocumentWriter:
                 continue
             for j, result in zip(batch, results, strict=True):
                 j.done.set_result(result)
+            self.on_written()
 
     def _write(self, batch: list[_Job]) -> list[list[WriteResult]]:
         """Embed what changed of `batch`'s documents and write it all: one sync."""

@@ -86,3 +86,9 @@ class FileUnreadable(PipelineError):
     """A file of a supported type that cannot be read as one (damaged, not UTF-8, no text layer)."""
 
     code = "unreadable_file"
+
+
+class RebuildRunning(PipelineError):
+    """A compaction or retrain was asked for while one runs."""
+
+    code = "rebuild_running"

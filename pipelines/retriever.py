@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -36,8 +36,11 @@ from telerag.pipelines.types import (
     query_texts,
     query_vectors,
 )
+from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.engine import RetrievalEngine
+from telerag.retrieval.errors import InvalidCall
 from telerag.retrieval.live import LiveDatastore
+from telerag.retrieval.prefetch import PrefetchHandle
 from telerag.retrieval.provisional import Provisional, ProvisionalReport
 from telerag.retrieval.snapshot import Snapshot, search_snapshot
 from telerag.retrieval.stats import CacheStats
@@ -94,17 +97,60 @@ class DirectRetriever:
         embedder: TextEncoder,
         *,
         live: LiveDatastore | None = None,
+        new_engine: Callable[[Datastore, int], RetrievalEngine] | None = None,
         prefetch_budget_bytes: int | None = None,
     ) -> None:
         """`live`: the engine's datastore with its writes (default: opened read-only here).
-        `prefetch_budget_bytes`: the same budget for every prefetch; None: b_p = B · t (TeleRAG
-        §4.2) for each prefetch's own `overlap_ms` t, B being the cache's measured copy rate."""
+        `new_engine(datastore, cache_bytes)`: an engine like `engine` over a new generation of
+        it (a compaction's or a retrain's; None: a new generation is refused). `prefetch_budget_bytes`:
+        the same budget for every prefetch; None: b_p = B · t (TeleRAG §4.2) for each prefetch's
+        own `overlap_ms` t, B being the cache's measured copy rate."""
         self.engine = engine
         self.embedder = embedder
-        self.datastore = engine.datastore
         self.live = live if live is not None else LiveDatastore(engine.datastore)
         self.prefetch_budget_bytes = prefetch_budget_bytes
         self.priority = EmbeddingPriority()
+        self._new_engine = new_engine
+        self._engines = {engine.datastore.generation.number: engine}  # the current one, and the one before it
+        self._engines_lock = threading.Lock()
+        self._cache_owed = 0  # bytes of cache the current engine gets once the one before it has none pinned
+
+    @property
+    def datastore(self) -> Datastore:
+        return self.engine.datastore
+
+    def engine_for(self, datastore: Datastore) -> RetrievalEngine:
+        """The engine over `datastore`, a generation of the live datastore: the current one, the
+        one before it (a request that began before a switch still reads it), or a new one once the
+        live datastore has switched. Two engines at most: an older one is closed. A new engine's
+        cluster cache waits until the older one's pins are gone, so the device never holds two."""
+        number = datastore.generation.number
+        with self._engines_lock:
+            engine = self._engines.get(number)
+            if engine is None:
+                if self._new_engine is None:
+                    raise InvalidCall(f"{datastore.where}: a new generation ({number}), and no way to open an engine on it")
+                capacity = self.engine.cache.capacity_bytes
+                engine = self._new_engine(datastore, 0)
+                self._engines[number] = engine
+                if number > self.engine.datastore.generation.number:
+                    self.engine, self._cache_owed = engine, capacity
+                for older in [n for n in self._engines if n < number - 1]:
+                    self._engines.pop(older).close()
+            self._pay_cache()
+            return engine
+
+    def _pay_cache(self) -> None:
+        """Move the cluster cache to the current engine once no older engine holds a pin."""
+        older = [e for e in self._engines.values() if e is not self.engine]
+        if self._cache_owed and all(not e.cache.stats().pinned_clusters for e in older):
+            try:
+                for engine in older:
+                    engine.resize_cache(0)
+            except InvalidCall:  # a search pinned clusters since: the next call tries again
+                return
+            self.engine.resize_cache(self._cache_owed)
+            self._cache_owed = 0
 
     def budget_bytes(self, overlap_ms: float | None) -> int:
         """What one prefetch may copy, never more than the cache: the fixed budget if there is
@@ -183,7 +229,8 @@ class DirectRetriever:
             return tickets
         vectors, embed_ms = self._embed([text for i in active for text in requests[i].queries])
         splits = np.cumsum([len(requests[i].queries) for i in active])[:-1]
-        handles = self.engine.prefetch_batch(np.split(vectors, splits), [budgets[i] for i in active])
+        engine = self.engine_for(self.live.datastore)
+        handles = engine.prefetch_batch(np.split(vectors, splits), [budgets[i] for i in active])
         for i, handle in zip(active, handles, strict=True):
             tickets[i].handle = handle
             tickets[i].stats = PrefetchStepStats(enabled=True, embed_ms=embed_ms, batch=len(active), plan=handle.stats)
@@ -216,8 +263,10 @@ class DirectRetriever:
                 for _ in requests[i].queries
             ]
             provisional = self._provisional([requests[i] for i in members], snapshot)
+            engine = self.engine_for(snapshot.datastore)
+            handles = [_of_engine(handle, engine) for handle in handles]
             result = search_snapshot(
-                self.engine,
+                engine,
                 snapshot,
                 vectors[rows],
                 top_k,
@@ -288,8 +337,11 @@ class DirectRetriever:
         return np.flatnonzero(self.engine.cache.resident_mask()).tolist()
 
     def datastore_info(self) -> DatastoreInfo:
-        manifest = self.datastore.manifest
+        """The datastore's current generation and its engine (opened here, if the live datastore
+        has switched to a new generation since the last search)."""
         snapshot = self.live.snapshot()
+        engine = self.engine_for(snapshot.datastore)
+        manifest = engine.datastore.manifest
         return DatastoreInfo(
             passages=snapshot.passages,
             documents=snapshot.documents,
@@ -298,17 +350,27 @@ class DirectRetriever:
             dim=manifest.dim,
             embedder=manifest.embedder,
             codec=manifest.codec,
-            nprobe=self.engine.nprobe,
-            device=str(self.engine.device),
-            cache_bytes=self.engine.cache.capacity_bytes,
+            nprobe=engine.nprobe,
+            device=str(engine.device),
+            cache_bytes=self._cache_owed or engine.cache.capacity_bytes,
             prefetch_budget_bytes=self.prefetch_budget_bytes,
-            copy_gbps=self.engine.copy_bytes_per_ms / 1e6 if self.engine.copy_bytes_per_ms else None,
+            copy_gbps=engine.copy_bytes_per_ms / 1e6 if engine.copy_bytes_per_ms else None,
         )
 
     def close(self) -> None:
-        self.engine.close()
+        for engine in self._engines.values():
+            engine.close()
         self.live.close()
         self.datastore.close()
+
+
+def _of_engine(handle: PrefetchHandle | None, engine: RetrievalEngine) -> PrefetchHandle | None:
+    """A prefetch the search on `engine` can use: one made by it (a request that began before a
+    switch to a new generation prefetched on the engine before); another's is ended here."""
+    if handle is None or handle.lease is None or handle.lease.cache is engine.cache:
+        return handle
+    handle.release()
+    return None
 
 
 def _on_loop(request: SearchRequest, loop: asyncio.AbstractEventLoop) -> SearchRequest:

@@ -54,6 +54,7 @@ class SearchResources:
     stream: torch.cuda.Stream | None  # the search stream on CUDA; None on the CPU
     codec: Codec
     codec_params: torch.Tensor | None  # on the device
+    row_ids: torch.Tensor | None = None  # on the device: each row's passage id (None: a row's id is its row)
 
 
 class CooperativeSearch:
@@ -277,17 +278,17 @@ class CooperativeSearch:
                 if begin is None:  # timed from the first pass's start, after its copies landed
                     begin = torch.cuda.Event(enable_timing=True)
                     begin.record(stream)
-            results.append(
-                scan_resident(
-                    self.cache.buffer,
-                    q,
-                    lease.resident,
-                    probes,
-                    k,
-                    codec=self.resources.codec,
-                    codec_params=self.resources.codec_params,
-                )
+            scores, rows = scan_resident(
+                self.cache.buffer,
+                q,
+                lease.resident,
+                probes,
+                k,
+                codec=self.resources.codec,
+                codec_params=self.resources.codec_params,
             )
+            row_ids = self.resources.row_ids
+            results.append((scores, rows if row_ids is None else torch.where(rows >= 0, row_ids[rows.clamp(min=0)], rows)))
         if stream is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record(stream)

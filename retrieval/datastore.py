@@ -6,7 +6,11 @@ Layout of a datastore directory (`FORMAT_VERSION` 1):
     manifest.json      what it is (embedder, dim, metric, codec, counts) and each file's size and sha256
     centroids.npy      float32 (nlist, dim): the IVF coarse centroids, ordered so that near ones are adjacent
     offsets.npy        int64 (nlist + 1): cluster c is rows offsets[c]:offsets[c+1]
-    vectors.npy        codec dtype (n, dim): every vector, cluster after cluster; a vector's id is its row
+    vectors.npy        codec dtype (n, dim): every vector, cluster after cluster
+    ids.npy            optional: int64 (n,), each row's passage id (written by a compaction or retrain, whose
+                       rows keep the ids they had); without it a row's id is the row
+    documents.jsonl    optional: one document a line, as a live datastore holds it (`retrieval.documents`):
+                       written by a compaction or retrain; a build's are read from its passages
     codec.npy          sq8 only: float32 (2, dim), the quantizer's vmin and vdiff
     list_stats.npy     float32 (nlist, 3): each list's radius about its centroid, largest vector norm
                        and least projection on its centroid's direction, the bounds of exact early stop
@@ -16,6 +20,8 @@ Layout of a datastore directory (`FORMAT_VERSION` 1):
     passages.idx.npy   optional: int64 (n + 1) byte offsets of those lines
     wal-NNNNNN.log     a live datastore's writes since generation NNNNNN was written (`retrieval.wal`,
                        `retrieval.live`); the files above never change
+    live.json          the current generation, where a compaction or retrain made one (`retrieval.generations`):
+                       its files then lie in gen-NNNNNN/, laid out as above
     live.lock          held (flock) by the process that writes the datastore
 
 A cluster is one slice of `vectors.npy`, so a prefetch is one contiguous copy, and adjacent
@@ -40,6 +46,7 @@ from numpy.typing import DTypeLike
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Passage, PassageShape
 from telerag.retrieval.errors import DatastoreCorruptError, DatastoreError, DatastoreMismatchError, PassageNotFound
+from telerag.retrieval.generations import Generation, generation_dir, is_generation_file, read_generation
 from telerag.utils.files import file_sha256
 from telerag.utils.progress import ProgressBar
 
@@ -54,8 +61,9 @@ CODEC_PARAMS = "codec.npy"
 PASSAGES = "passages.jsonl"
 PASSAGE_INDEX = "passages.idx.npy"
 LIST_STATS = "list_stats.npy"
-FILES = frozenset({MANIFEST, CENTROIDS, OFFSETS, VECTORS, CODEC_PARAMS, PASSAGES, PASSAGE_INDEX, LIST_STATS})
-LOCK = "live.lock"
+IDS = "ids.npy"
+DOCUMENTS = "documents.jsonl"
+FILES = frozenset({MANIFEST, CENTROIDS, OFFSETS, VECTORS, CODEC_PARAMS, PASSAGES, PASSAGE_INDEX, LIST_STATS, IDS, DOCUMENTS})
 LIST_STATS_WIDTH = 3  # radius, largest norm, least projection (`retrieval.early_stop.ListStats`)
 
 
@@ -111,14 +119,9 @@ class Manifest:
             raise DatastoreMismatchError(f"{where} holds {self.dim}-d vectors, but the embedder makes {dim}-d vectors")
 
 
-def wal_name(generation: int) -> str:
-    """The log of the writes made since generation `generation` was written."""
-    return f"wal-{generation:06d}.log"
-
-
 def is_datastore_file(name: str) -> bool:
     """Whether `name` is one of the files this project writes into a datastore's directory."""
-    return name in FILES or name == LOCK or (name.startswith("wal-") and name.endswith(".log"))
+    return name in FILES or is_generation_file(name)
 
 
 class PassageStore(Protocol):
@@ -166,15 +169,21 @@ class Datastore:
         vectors: np.ndarray,
         codec_params: np.ndarray | None = None,
         list_stats: np.ndarray | None = None,
+        ids: np.ndarray | None = None,
         passages: PassageStore | None = None,
         path: Path | None = None,
+        root: Path | None = None,
+        generation: Generation | None = None,
         where: str | None = None,
     ) -> None:
-        """`path`: the directory it was loaded from (None: in memory); `where`: what messages
-        call it (default: the path). `list_stats`: None for a datastore written before they
-        were stored."""
+        """`path`: the directory its files were loaded from (None: in memory); `root`: the
+        datastore's directory, whose `generation` they are (default: `path`, generation 0);
+        `where`: what messages call it (default: the root). `list_stats`: None for a datastore
+        written before they were stored. `ids`: each row's passage id (None: its row)."""
         self.path = path
-        self.where = where or (str(path) if path is not None else "a datastore in memory")
+        self.root = root if root is not None else path
+        self.generation = generation or Generation()
+        self.where = where or (str(self.root) if self.root is not None else "a datastore in memory")
         self.manifest = manifest
         self.codec = Codec(manifest.codec)
         expected: dict[str, tuple[np.ndarray | None, tuple[int, ...], DTypeLike]] = {
@@ -186,6 +195,8 @@ class Datastore:
             expected["codec parameters"] = (codec_params, (2, manifest.dim), np.float32)
         if list_stats is not None:
             expected["list statistics"] = (list_stats, (manifest.nlist, LIST_STATS_WIDTH), np.float32)
+        if ids is not None:
+            expected["passage ids"] = (ids, (manifest.n_vectors,), np.int64)
         for name, (array, shape, dtype) in expected.items():
             if array is None or array.shape != shape or array.dtype != np.dtype(dtype):
                 got = "none" if array is None else f"{array.dtype}{array.shape}"
@@ -195,6 +206,8 @@ class Datastore:
         self.centroids, self.offsets, self.vectors = centroids, offsets, vectors
         self.codec_params = None if codec_params is None else np.array(codec_params)
         self.list_stats = None if list_stats is None else np.array(list_stats)
+        self.ids = None if ids is None else np.asarray(ids)
+        self._by_id: tuple[np.ndarray, np.ndarray] | None = None  # (sorted ids, their rows), made on first need
         self._passages = passages
 
     @classmethod
@@ -207,11 +220,14 @@ class Datastore:
         verify_checksums: bool = True,
         progress: bool = False,
     ) -> Datastore:
-        """Open a datastore, refusing one built for another embedder or dimension, or damaged.
-        Checksums read every byte (minutes for tens of GB): `progress` shows a bar."""
-        path = Path(path)
-        if not path.is_dir():
-            raise DatastoreError(f"no datastore at {path}")
+        """Open a datastore (its current generation: `retrieval.generations`), refusing one built
+        for another embedder or dimension, or damaged. Checksums read every byte (minutes for
+        tens of GB): `progress` shows a bar."""
+        root = Path(path)
+        if not root.is_dir():
+            raise DatastoreError(f"no datastore at {root}")
+        generation = read_generation(root)
+        path = generation_dir(root, generation.number)
         manifest = Manifest.read(path)
         manifest.check_embedder(path, embedder=embedder, dim=dim)
         for name, meta in manifest.files.items():
@@ -242,8 +258,11 @@ class Datastore:
             vectors=_load_array(path, manifest, VECTORS),
             codec_params=_load_array(path, manifest, CODEC_PARAMS) if Codec(manifest.codec).has_params else None,
             list_stats=_load_array(path, manifest, LIST_STATS) if LIST_STATS in manifest.files else None,
+            ids=_load_array(path, manifest, IDS) if IDS in manifest.files else None,
             passages=passages,
             path=path,
+            root=root,
+            generation=generation,
         )
 
     @property
@@ -262,14 +281,33 @@ class Datastore:
     def has_passages(self) -> bool:
         return self._passages is not None
 
-    def passages(self, ids: Sequence[int]) -> list[Passage]:
-        """The passages of the given vector ids (rows)."""
+    def ids_of(self, rows: np.ndarray) -> np.ndarray:
+        """The passage ids of rows."""
+        rows = np.asarray(rows, dtype=np.int64)
+        return rows if self.ids is None else self.ids[rows]
+
+    def rows_of(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The rows of passage ids; -1 for an id this datastore does not hold."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if self.ids is None:
+            return np.where((ids >= 0) & (ids < self.n_vectors), ids, -1)
+        if self._by_id is None:
+            order = np.argsort(self.ids, kind="stable")
+            self._by_id = (self.ids[order], order)
+        sorted_ids, rows = self._by_id
+        if not len(sorted_ids):
+            return np.full(ids.shape, -1, dtype=np.int64)
+        at = np.minimum(np.searchsorted(sorted_ids, ids), len(sorted_ids) - 1)
+        return np.where(sorted_ids[at] == ids, rows[at], -1)
+
+    def passages(self, ids: Sequence[int] | np.ndarray) -> list[Passage]:
+        """The passages of the given passage ids."""
         if self._passages is None:
             raise DatastoreError(f"{self.where} holds vectors only, no passages")
-        for row in ids:
-            if not 0 <= row < self.n_vectors:
-                raise PassageNotFound(f"passage id {row} out of range 0..{self.n_vectors - 1}")
-        return self._passages.get(ids)
+        rows = self.rows_of(ids)
+        if np.any(rows < 0):
+            raise PassageNotFound(f"passage id {int(np.asarray(ids)[rows < 0][0])} is not in {self.where}")
+        return self._passages.get(rows.tolist())
 
     def close(self) -> None:
         if self._passages is not None:

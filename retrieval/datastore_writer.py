@@ -25,6 +25,8 @@ from telerag.retrieval.corpus import Passage
 from telerag.retrieval.datastore import (
     CENTROIDS,
     CODEC_PARAMS,
+    DOCUMENTS,
+    IDS,
     LIST_STATS,
     MANIFEST,
     OFFSETS,
@@ -35,6 +37,7 @@ from telerag.retrieval.datastore import (
     Manifest,
     is_datastore_file,
 )
+from telerag.retrieval.documents import DocumentEntry
 from telerag.retrieval.early_stop import ListStats
 from telerag.retrieval.errors import DatastoreError
 from telerag.utils.files import file_sha256
@@ -143,6 +146,8 @@ def write_datastore(
     vectors: VectorRows,
     passages: Iterable[Passage] | None,
     codec_params: np.ndarray | None = None,
+    ids: np.ndarray | None = None,
+    documents: Iterable[DocumentEntry] | None = None,
     overwrite: bool = False,
     progress: bool = False,
 ) -> Path:
@@ -150,6 +155,8 @@ def write_datastore(
 
     `vectors` must already be cluster-contiguous and encoded with `manifest.codec` (and its
     `codec_params`, for a codec that has them); they are read and written a block at a time.
+    `ids`: each row's passage id (`ids.npy`; None: a row's id is its row); `documents`: the
+    documents a live datastore holds (`documents.jsonl`; None: they are read from the passages).
     `progress` shows a bar for writing them and for the checksums, which read every byte.
     """
     out_dir = Path(out_dir)
@@ -176,6 +183,14 @@ def write_datastore(
         np.save(tmp / LIST_STATS, stats)
         if codec_params is not None:
             np.save(tmp / CODEC_PARAMS, np.ascontiguousarray(codec_params, dtype=np.float32))
+        if ids is not None:
+            if np.shape(ids) != (manifest.n_vectors,) or len(np.unique(ids)) != manifest.n_vectors:
+                raise DatastoreError(f"ids must be {manifest.n_vectors} distinct passage ids, one a row")
+            np.save(tmp / IDS, np.ascontiguousarray(ids, dtype=np.int64))
+        if documents is not None:
+            with (tmp / DOCUMENTS).open("w", encoding="utf-8") as handle:
+                for entry in documents:
+                    handle.write(json.dumps(entry.to_json(), ensure_ascii=False) + "\n")
         if passages is not None:
             line_offsets = [0]
             with (tmp / PASSAGES).open("wb") as handle:

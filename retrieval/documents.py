@@ -60,6 +60,22 @@ class DocumentEntry:
     lsn: int  # the write that made this version (0: the generation's build)
     updated_at: float | None  # when that write was made (None: at the build)
 
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "doc_id": self.doc_id,
+            "title": self.title,
+            "version": self.version,
+            "passage_ids": list(self.passage_ids),
+            "content_hash": self.content_hash,
+            "metadata": dict(self.metadata),
+            "lsn": self.lsn,
+            "updated_at": self.updated_at,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> DocumentEntry:
+        return cls(**{**data, "passage_ids": tuple(data["passage_ids"])})
+
 
 @dataclass(frozen=True)
 class WriteResult:
@@ -74,14 +90,15 @@ class WriteResult:
 
 @dataclass(frozen=True)
 class WriteRecord:
-    """One write as the log keeps it: what it removes and adds, decided when it was made."""
+    """One write as the log keeps it: what it removes and adds, decided when it was made. Not the
+    lists its passages go to: those are the centroids' of the generation it is applied to (a
+    retrain carries the writes made meanwhile into a generation of other centroids)."""
 
     doc_id: str
     at: float
     removed: tuple[int, ...]
     entry: DocumentEntry | None  # None: a delete
     texts: tuple[str, ...] = ()
-    lists: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     vectors: np.ndarray | None = None  # float32, one row per text
 
     def encode(self) -> bytes:
@@ -98,7 +115,6 @@ class WriteRecord:
                 "metadata": dict(self.entry.metadata),
                 "first_id": ids[0] if ids else 0,
                 "texts": list(self.texts),
-                "lists": self.lists.tolist(),
                 "dim": int(self.vectors.shape[1]),
             }
             body = np.ascontiguousarray(self.vectors, dtype="<f4").tobytes()
@@ -126,7 +142,6 @@ class WriteRecord:
                 lsn=record.lsn,
                 updated_at=float(header["at"]),
             )
-            lists = np.asarray(header["lists"], dtype=np.int64)
-            return cls(entry.doc_id, entry.updated_at or 0.0, removed, entry, texts, lists, vectors.astype(np.float32))
+            return cls(entry.doc_id, entry.updated_at or 0.0, removed, entry, texts, vectors.astype(np.float32))
         except (ValueError, KeyError, TypeError, struct.error) as exc:
             raise DatastoreCorruptError(f"{where}: the log's record {record.lsn} is unreadable ({exc})") from None

@@ -120,6 +120,8 @@ class RetrievalEngine:
             self.codec_params = (
                 None if datastore.codec_params is None else torch.from_numpy(datastore.codec_params).to(self.device)
             )
+            # the cache scans rows; where the datastore keeps passage ids (a compacted one), rows become ids here
+            self.row_ids = None if datastore.ids is None else torch.from_numpy(np.asarray(datastore.ids)).to(self.device)
         if cpu_threads is None and self.device.type == "cuda":
             cpu_threads = max(1, faiss.omp_get_max_threads() - 1)
         self._cpu_pool = ThreadPoolExecutor(
@@ -360,6 +362,7 @@ class RetrievalEngine:
             stream=self.stream,
             codec=self.datastore.codec,
             codec_params=self.codec_params,
+            row_ids=self.row_ids,
         )
 
     def probe(self, queries: np.ndarray, q: torch.Tensor, nprobe: int) -> tuple[np.ndarray, np.ndarray]:

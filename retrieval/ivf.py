@@ -31,7 +31,8 @@ class ListSearch(Protocol):
 
 class CPUIndex:
     """An inner-product `IndexIVF` whose inverted lists are views of the datastore's own codes,
-    or of one shard's part of them (`shard`: the retrieval tier's, `retrieval.shards`)."""
+    or of one shard's part of them (`shard`: the retrieval tier's, `retrieval.shards`); it
+    answers passage ids (`Datastore.ids_of`)."""
 
     def __init__(self, datastore: Datastore, *, vectors: np.ndarray | None = None, shard: ShardRows | None = None) -> None:
         """`vectors`: the host memory faiss reads the codes from, laid out like the datastore's
@@ -41,15 +42,17 @@ class CPUIndex:
         copied from the datastore once (`vectors` is then the shard's own, in its order)."""
         self.datastore = datastore
         self.nlist = datastore.nlist
-        offsets, ids = (datastore.offsets, None) if shard is None else (shard.offsets, shard.ids)
+        offsets, rows = (datastore.offsets, None) if shard is None else (shard.offsets, shard.ids)
         if vectors is None:
-            vectors = datastore.vectors if ids is None else np.ascontiguousarray(datastore.vectors[ids])
+            vectors = datastore.vectors if rows is None else np.ascontiguousarray(datastore.vectors[rows])
         self.vectors = vectors
-        shape = datastore.vectors.shape if ids is None else (len(ids), datastore.dim)
+        shape = datastore.vectors.shape if rows is None else (len(rows), datastore.dim)
         if self.vectors.shape != shape or self.vectors.dtype != datastore.vectors.dtype:
             raise LayoutError(f"vectors must be {datastore.vectors.dtype} {shape} like the datastore's")
         self.index, self.quantizer = datastore.codec.empty_faiss_index(datastore.centroids, datastore.codec_params)
         self.lists = faiss.downcast_InvertedLists(self.index.invlists)  # faiss's ArrayInvertedLists
+        # faiss answers passage ids: a row's, its row, unless the datastore keeps ids (`Datastore.ids`)
+        ids = datastore.ids if rows is None else datastore.ids_of(rows)
         _view_lists(self.lists, self.vectors, offsets, ids)
         self.index.ntotal = shape[0]
         # How faiss spreads one call over its threads is a property of the index object, so

@@ -95,14 +95,13 @@ class Snapshot:
 
     def passages_of(self, ids: Sequence[int]) -> list[Passage]:
         """The passages of living ids, of the generation or of the delta."""
-        base = self.datastore.n_vectors
-        rows = [row for row in ids if 0 <= row < base]
-        found = dict(zip(rows, self.datastore.passages(rows), strict=True))
+        in_base = [int(i) for i, row in zip(ids, self.datastore.rows_of(ids), strict=True) if row >= 0]
+        found = dict(zip(in_base, self.datastore.passages(in_base), strict=True))
         out = []
-        for row in ids:
-            passage = found.get(row) if 0 <= row < base else self.delta_passages.get(int(row))
+        for passage_id in ids:
+            passage = found.get(int(passage_id)) or self.delta_passages.get(int(passage_id))
             if passage is None:
-                raise PassageNotFound(f"passage id {row} is not in the datastore")
+                raise PassageNotFound(f"passage id {passage_id} is not in the datastore")
             out.append(passage)
         return out
 

@@ -22,7 +22,7 @@ from telerag.server.openai_protocol import chat_request_model
 from telerag.server.openapi import extend_schema
 from telerag.server.protocol import default_max_tokens, query_request_model
 from telerag.server.responses_protocol import response_request_model
-from telerag.server.routes import documents, embeddings, openai, ops, rag, responses
+from telerag.server.routes import datastore, documents, embeddings, openai, ops, rag, responses
 from telerag.server.service import Service
 from telerag.server.settings import Settings
 
@@ -84,6 +84,7 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
     app.include_router(responses.router(response_request_model(settings.limits, list(PIPELINES)), access))
     app.include_router(embeddings.router(embedding_request_model(settings.limits), access))
     app.include_router(documents.router(*documents_request_models(settings.documents), access, settings.documents))
+    app.include_router(datastore.router(access))
     return app
 
 

@@ -8,8 +8,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, create_model
 
-from telerag.pipelines.documents import DocumentText
+from telerag.pipelines.documents import DocumentText, DocumentWriter
+from telerag.pipelines.rebuilds import Rebuild
 from telerag.retrieval.documents import DocumentEntry, WriteOutcome, WriteResult
+from telerag.server.protocol import LiveInfo
 from telerag.server.settings import DocumentSettings
 
 MAX_ID_CHARS = 512
@@ -153,3 +155,63 @@ class DeletedDocument(BaseModel):
     def of(cls, result: WriteResult) -> DeletedDocument:
         assert result.outcome is WriteOutcome.DELETED
         return cls(id=result.doc_id, lsn=result.lsn)
+
+
+def live_info(writer: DocumentWriter) -> LiveInfo:
+    """The datastore's writes as `/ready` and `/v1/datastore` report them."""
+    stats = writer.stats()
+    return LiveInfo(
+        writable=writer.live.writable,
+        generation=stats.generation,
+        lsn=stats.lsn,
+        documents=stats.documents,
+        passages=stats.passages,
+        delta_rows=stats.delta_rows,
+        tombstones=stats.tombstones,
+        wal_bytes=stats.wal_bytes,
+        list_imbalance=round(stats.imbalance, 3),
+    )
+
+
+class RetrainRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    nlist: int | None = Field(None, ge=1, description="lists of the new generation (default: about 4·sqrt(passages))")
+
+
+class RebuildOut(BaseModel):
+    """A compaction (the same results) or a retrain (new centroids: results change)."""
+
+    kind: Literal["compact", "retrain"]
+    state: Literal["running", "done", "failed"]
+    automatic: bool = Field(description="begun by itself (documents.compact_share), not asked for")
+    started_at: int
+    finished_at: int | None
+    generation: int | None = Field(description="the new generation, once done")
+    passages: int | None = Field(description="its passages, once done")
+    carried: int | None = Field(description="writes made while it was built, carried into it")
+    seconds: float | None
+    changes_results: bool = Field(description="a retrain: searches may answer otherwise from the new generation on")
+    error: str | None
+
+    @classmethod
+    def of(cls, rebuild: Rebuild) -> RebuildOut:
+        result = rebuild.result
+        return cls(
+            kind=rebuild.kind.value,
+            state=rebuild.state.value,
+            automatic=rebuild.automatic,
+            started_at=int(rebuild.started_at),
+            finished_at=None if rebuild.finished_at is None else int(rebuild.finished_at),
+            generation=None if result is None else result.generation,
+            passages=None if result is None else result.passages,
+            carried=None if result is None else result.carried,
+            seconds=None if result is None else round(result.seconds, 3),
+            changes_results=rebuild.kind.value == "retrain",
+            error=rebuild.error,
+        )
+
+
+class DatastoreState(BaseModel):
+    live: LiveInfo
+    rebuild: RebuildOut | None = Field(description="the running compaction or retrain, else the last one (null: none yet)")

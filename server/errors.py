@@ -33,6 +33,7 @@ from telerag.pipelines.errors import (
     GenerationAborted,
     InvalidDocument,
     PipelineError,
+    RebuildRunning,
     UnknownPipeline,
     UnsupportedFile,
     WritesBusy,
@@ -192,6 +193,7 @@ STATUS: list[tuple[type[Exception], int]] = [
     (InvalidField, 422),
     (DocumentNotFound, 404),
     (DatastoreReadOnly, 409),
+    (RebuildRunning, 409),
     (DocumentsTooLarge, 413),
     (WritesBusy, 429),
     (DocumentsUnavailable, 501),
@@ -222,7 +224,8 @@ WHEN = {  # what each status means, for the OpenAPI schema
     "`error.field` names it.",
     401: "Missing or wrong API key (`Authorization: Bearer <key>`).",
     404: "No such document.",
-    409: "The datastore is read-only here (another process holds it for writing, or it holds no passages).",
+    409: "The datastore is read-only here (another process holds it for writing, or it holds no passages), or a "
+    "compaction or retrain is running already.",
     413: "The body is over the server's `limits.max_body_bytes` (`documents.max_body_bytes` on /v1/documents), or a "
     "write's documents are cut into more than `documents.max_passages` passages.",
     422: "A field is invalid or out of the server's limits; `error.field` names it.",

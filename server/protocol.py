@@ -301,6 +301,7 @@ class LiveInfo(BaseModel):
     """The datastore's writes: how far its log is, what it holds now, how even its lists are."""
 
     writable: bool = Field(description="false: this server serves it read-only (documents.writable, or another holds it)")
+    generation: int = Field(description="the generation of its files: one more at each compaction or retrain")
     lsn: int = Field(description="the last acknowledged write's position in the log")
     documents: int
     passages: int

@@ -343,5 +343,9 @@ class ReplicaRuntime:
     def documents(self) -> None:
         return None  # the replicas write no documents yet
 
+    @property
+    def rebuilds(self) -> None:
+        return None
+
     async def close(self) -> None:
         return None

@@ -21,6 +21,7 @@ from telerag.pipelines.embedder import Embedder
 from telerag.pipelines.errors import EmbedderError, EngineUnavailable
 from telerag.pipelines.pipelining import PipeliningConfig
 from telerag.pipelines.rag.base import RagPipeline
+from telerag.pipelines.rebuilds import Rebuilds
 from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.retriever import DirectRetriever, TextEncoder
 from telerag.pipelines.search_budget import SearchBudget
@@ -48,6 +49,7 @@ class Runtime:
     resident_clusters: Callable[[], list[int]] = list  # what the cluster cache holds now (none without one)
     closers: list[Callable[[], Any]] = field(default_factory=list)
     documents: DocumentWriter | None = None  # what writes documents into the datastore (None: no live datastore)
+    rebuilds: Rebuilds | None = None  # what compacts and retrains it
 
     def pipelines(self, retriever: Retriever, names: Sequence[str] | None = None) -> dict[str, RagPipeline]:
         """The pipelines over this engine and `retriever`, each starting from its expected
@@ -263,17 +265,26 @@ async def load_runtime(
             await engine.close()
             datastore.close()
             raise
-    documents = DocumentWriter(retriever.live, retriever.embed_passages, max_queued=settings.documents.max_queued_writes)
-    return Runtime(
+    rebuilds = Rebuilds(retriever.live, compact_share=settings.documents.compact_share)
+    documents = DocumentWriter(
+        retriever.live,
+        retriever.embed_passages,
+        max_queued=settings.documents.max_queued_writes,
+        on_written=rebuilds.after_writes,
+    )
+    runtime = Runtime(
         settings=settings,
         engine=engine,
         retriever=retriever,
         datastore_info=retriever.datastore_info(),
         cache_stats=retriever.cache_stats,
         resident_clusters=retriever.resident_clusters,
-        closers=[documents.close, retriever.close],
+        closers=[documents.close, rebuilds.join, retriever.close],
         documents=documents,
+        rebuilds=rebuilds,
     )
+    rebuilds.on_done = lambda _: setattr(runtime, "datastore_info", retriever.datastore_info())  # a retrain's nlist
+    return runtime
 
 
 @asynccontextmanager

@@ -36,6 +36,7 @@ from telerag.server.workload import DEFAULT_PASSAGE_WORDS, TOKENS_PER_WORD, Serv
 
 if TYPE_CHECKING:
     from telerag.pipelines.documents import DocumentWriter
+    from telerag.pipelines.rebuilds import Rebuilds
 
 
 class ServedRuntime(Protocol):
@@ -64,6 +65,11 @@ class ServedRuntime(Protocol):
     @property
     def documents(self) -> DocumentWriter | None:
         """What writes documents into the datastore (None: this runtime writes none)."""
+        ...
+
+    @property
+    def rebuilds(self) -> Rebuilds | None:
+        """What compacts and retrains the datastore (None: this runtime writes none)."""
         ...
 
     async def close(self) -> None: ...
@@ -150,6 +156,13 @@ class Service:
         if writer is None:
             raise DocumentsUnavailable("this deployment writes no documents (a Ray cluster's inference replicas)")
         return writer
+
+    def rebuilds(self) -> Rebuilds:
+        """The compactions and retrains of the datastore; 501 on a runtime that writes none."""
+        rebuilds = self.runtime.rebuilds
+        if rebuilds is None:
+            raise DocumentsUnavailable("this deployment writes no documents (a Ray cluster's inference replicas)")
+        return rebuilds
 
     def live_stats(self) -> LiveStats | None:
         """The datastore's documents, passages, log and lists now (None: no live datastore here)."""

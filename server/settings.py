@@ -197,6 +197,12 @@ class DocumentSettings(Section):
     max_passages: int = setting(4096, "passages one request's documents are cut into, at most; past it: 413", ge=1)
     max_queued_writes: int = setting(64, "write requests waiting for the writer; past it: 429", ge=1)
     max_list: int = setting(1000, "documents one GET /v1/documents page may list", ge=1)
+    compact_share: float | None = setting(
+        0.25,
+        "a compaction begins by itself once the rows added and deleted since the datastore's files were written pass "
+        "this share of them (and 1024); null: only when asked (POST /v1/datastore/compact)",
+        gt=0,
+    )
 
 
 class ServerSettings(Section):

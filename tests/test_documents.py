@@ -152,3 +152,28 @@ def test_a_write_waits_while_a_query_embeds(monkeypatch):
         order.append("query done")
     writing.join(30)
     assert order == ["query done", "write"]
+
+
+async def test_a_compaction_moves_the_retriever_to_the_new_generation_with_the_same_answers(tmp_path):
+    _, path = topic_datastore(tmp_path, per_topic=20, nlist=4)
+    retriever = open_retriever(
+        path, HashEmbedder(), device="cpu", cache_bytes=1 << 20, prefetch_budget_bytes=1 << 20, writable=True
+    )
+    writer = DocumentWriter(retriever.live, retriever.embed_passages)
+    await writer.upsert([DocumentText("volcanoes", f"{VOLCANO} " * 30)])
+    await writer.delete(["rivers-0"])
+    before, capacity = retriever.snapshot(), retriever.cache_stats().capacity_bytes
+    ticket = await retriever.prefetch(["volcano lava"])  # planned on generation 0's engine
+    expected = await search(retriever, VOLCANO)
+    rebuilt = await asyncio.to_thread(retriever.live.compact)
+    assert rebuilt.generation == 1
+    outcome = await retriever.search([VOLCANO], SearchOptions(top_k=3, nprobe=4), ticket)
+    # the same passages, but for ties at the third place (the rivers' passages score alike against lava)
+    assert [d.doc_id for d in outcome.documents[0]][:2] == expected[:2] == ["volcanoes", "volcanoes"]
+    assert retriever.engine.datastore.generation.number == 1
+    assert (await search(retriever, VOLCANO, snapshot=before))[:2] == expected[:2]  # a request that began before the switch
+    # the cluster cache moved to the new generation's engine once the old one held no pin
+    assert capacity > 0 and retriever.cache_stats().capacity_bytes == capacity and retriever.cache_stats().pinned_clusters == 0
+    assert "rivers-0" not in await search(retriever, "river water fish boat delta flood bank item0")
+    writer.close()
+    retriever.close()

@@ -4,15 +4,19 @@ query, deleted ones no longer; outcomes, statuses, limits and errors as the sche
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import threading
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from telerag.pipelines import rebuilds as rebuilds_module
 from telerag.pipelines.datastores import open_retriever
 from telerag.pipelines.documents import DocumentWriter
+from telerag.pipelines.rebuilds import Rebuilds
 from telerag.server.app import create_app, start_serving
 from telerag.server.runtime import Runtime
 from tests.fake_app import settings
@@ -27,15 +31,19 @@ KEY = "secret-key"
 def documents_app(tmp_path, *, writable: bool = True, **sections) -> Iterator[httpx.AsyncClient]:
     _, path = topic_datastore(tmp_path, per_topic=10, nlist=4)
     retriever = open_retriever(path, HashEmbedder(), device="cpu", writable=writable)
-    writer = DocumentWriter(retriever.live, retriever.embed_passages)
+    configured = settings(**sections)
+    rebuilds = Rebuilds(retriever.live, compact_share=configured.documents.compact_share)
+    writer = DocumentWriter(retriever.live, retriever.embed_passages, on_written=rebuilds.after_writes)
     runtime = Runtime(
-        settings=settings(**sections),
+        settings=configured,
         engine=ScriptedEngine(lambda prompt: Reply("an answer")),
         retriever=retriever,
         datastore_info=retriever.datastore_info(),
         closers=[writer.close, retriever.close],
         documents=writer,
+        rebuilds=rebuilds,
     )
+    rebuilds.on_done = lambda _: setattr(runtime, "datastore_info", retriever.datastore_info())
     app = create_app(runtime.settings)
     start_serving(app, runtime)
     headers = {"Authorization": f"Bearer {KEY}"} if "server" in sections else {}
@@ -43,11 +51,12 @@ def documents_app(tmp_path, *, writable: bool = True, **sections) -> Iterator[ht
         yield httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=30, headers=headers)
     finally:
         writer.close()
+        rebuilds.join()
         retriever.close()
 
 
-async def found(client: httpx.AsyncClient, query: str) -> list[str]:
-    response = await client.post("/v1/rag/query", json={"query": query, "pipeline": "naive", "top_k": 3, "nprobe": 4})
+async def found(client: httpx.AsyncClient, query: str, nprobe: int = 4) -> list[str]:
+    response = await client.post("/v1/rag/query", json={"query": query, "pipeline": "naive", "top_k": 3, "nprobe": nprobe})
     assert response.status_code == 200, response.text
     return [document["doc_id"] for document in response.json()["documents"]]
 
@@ -188,3 +197,60 @@ async def test_the_schema_says_the_limits_and_answers(tmp_path):
     assert batch["maxItems"] == 7 and batch["minItems"] == 1
     assert "/v1/documents/files" in schema["paths"] and "/v1/documents/{doc_id}" in schema["paths"]
     assert {"get", "put", "delete"} <= schema["paths"]["/v1/documents/{doc_id}"].keys()
+
+
+async def rebuilt(client: httpx.AsyncClient) -> dict:
+    """`GET /v1/datastore` once its rebuild has ended."""
+    for _ in range(600):
+        state = (await client.get("/v1/datastore")).json()
+        if state["rebuild"] is not None and state["rebuild"]["state"] != "running":
+            return state
+        await asyncio.sleep(0.05)
+    raise AssertionError("the rebuild never ended")
+
+
+async def test_a_compaction_and_a_retrain_through_the_api(tmp_path):
+    with documents_app(tmp_path, documents={"compact_share": None}) as client:
+        await client.post("/v1/documents", json={"id": "volcanoes", "text": f"{VOLCANO} " * 30})
+        await client.delete("/v1/documents/rivers-3")
+        before = await found(client, VOLCANO)
+        started = await client.post("/v1/datastore/compact")
+        assert started.status_code == 202 and started.json()["kind"] == "compact" and not started.json()["automatic"]
+        state = await rebuilt(client)
+        assert state["rebuild"]["state"] == "done" and state["rebuild"]["generation"] == 1
+        assert not state["rebuild"]["changes_results"] and state["rebuild"]["passages"] == 40 - 1 + 2
+        assert state["live"]["generation"] == 1 and state["live"]["delta_rows"] == 0 and state["live"]["tombstones"] == 0
+        assert await found(client, VOLCANO) == before
+        assert (await client.get("/v1/documents/volcanoes")).json()["content_hash"].startswith("sha256:")
+
+        retrained = await client.post("/v1/datastore/retrain", json={"nlist": 2})
+        assert retrained.status_code == 202 and retrained.json()["changes_results"]
+        state = await rebuilt(client)
+        assert state["rebuild"]["generation"] == 2 and (await client.get("/ready")).json()["datastore"]["nlist"] == 2
+        assert (await found(client, VOLCANO, nprobe=2))[0] == "volcanoes"
+        refused = await client.post("/v1/rag/query", json={"query": "q", "nprobe": 3})
+        assert refused.status_code == 422 and refused.json()["error"]["field"] == "nprobe"  # nlist is 2 now
+
+
+async def test_a_compaction_begins_by_itself_once_enough_is_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(rebuilds_module, "MIN_COMPACT_ROWS", 1)
+    with documents_app(tmp_path, documents={"compact_share": 0.1}) as client:
+        for i in range(3):
+            await client.post("/v1/documents", json={"id": f"n{i}", "text": f"{VOLCANO} {i} " * 20})
+        state = await rebuilt(client)
+        assert state["rebuild"]["automatic"] and state["rebuild"]["state"] == "done"
+        assert state["live"]["generation"] >= 1 and state["live"]["documents"] == 43
+
+
+async def test_a_second_rebuild_while_one_runs_is_refused(tmp_path, monkeypatch):
+    gate = threading.Event()
+    with documents_app(tmp_path, documents={"compact_share": None}) as client:
+        from telerag.retrieval import live as live_module
+
+        build = live_module.write_generation
+        monkeypatch.setattr(live_module, "write_generation", lambda *a, **k: (gate.wait(30), build(*a, **k))[1])
+        assert (await client.post("/v1/datastore/compact")).status_code == 202
+        second = await client.post("/v1/datastore/retrain")
+        assert second.status_code == 409 and second.json()["error"]["type"] == "rebuild_running"
+        gate.set()
+        assert (await rebuilt(client))["rebuild"]["state"] == "done"

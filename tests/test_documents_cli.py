@@ -95,6 +95,10 @@ def test_a_folder_through_the_server_and_into_a_directory(tmp_path):
         assert synced.stdout.strip() == "1 deleted, 1 replaced, 2 unchanged", synced.stderr
         assert top_document(server.base, "Basalt forms when lava cools quickly at the surface.") != "notes/b.txt"
 
+        on_server = telerag("datastore", "compact", *url, cwd=work)
+        assert on_server.returncode == 0 and on_server.stdout.startswith("generation 1:"), on_server.stderr
+        assert top_document(server.base, "Dolphins sleep with one half of the brain at a time.") == "notes/d.pdf"
+
         busy = telerag("documents", "add", "notes", *directory, cwd=work)
         assert busy.returncode != 0 and "held for writing by another process" in busy.stderr
         removed = telerag("documents", "rm", "notes/a.md", "notes/nothing.md", *url, cwd=work)
@@ -112,3 +116,9 @@ def test_a_folder_through_the_server_and_into_a_directory(tmp_path):
     assert "more/e.md" in listed and "notes/c.html" in listed and "notes/a.md" not in listed
     info = json.loads(telerag("datastore", "info", str(datastore), "--json", cwd=work).stdout)
     assert info["documents"] == 20 + 2 + 4 and info["lsn"] == 4 + 2 + 1 + 4  # a write a document: added, synced, rm, added
+    assert info["delta_rows"] > 0 and info["tombstones"] > 0
+    compacted = telerag("datastore", "compact", str(datastore), cwd=work)
+    assert compacted.returncode == 0 and compacted.stdout.startswith("generation 2:"), compacted.stderr
+    info = json.loads(telerag("datastore", "info", str(datastore), "--json", cwd=work).stdout)
+    assert info["documents"] == 26 and info["generation"] == 2 and info["delta_rows"] == info["tombstones"] == 0
+    assert "more/e.md" in telerag("documents", "ls", *directory, cwd=work).stdout

@@ -13,13 +13,15 @@ import faiss
 import numpy as np
 import pytest
 
-from telerag.retrieval.builder import assign_lists, train_centroids, write_clustered
+from telerag.retrieval.builder import assign_lists, order_centroids, train_centroids, write_clustered
 from telerag.retrieval.codecs import Codec
+from telerag.retrieval.compaction import write_generation
 from telerag.retrieval.corpus import Passage
-from telerag.retrieval.datastore import Datastore, wal_name
+from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.documents import DocumentDelete, DocumentUpsert, WriteOutcome
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.errors import DatastoreBusy, DatastoreCorruptError, DatastoreReadOnly
+from telerag.retrieval.generations import wal_name
 from telerag.retrieval.ivf import same_results
 from telerag.retrieval.live import LiveDatastore
 from telerag.retrieval.snapshot import search_snapshot
@@ -52,6 +54,7 @@ class Reference:
     def __init__(self, ds: Datastore, documents: dict[str, tuple[int, ...]]) -> None:
         """`documents`: each document's ids in the generation."""
         self.documents = dict(documents)
+        self.codec, self.params = ds.codec, ds.codec_params
         self.index, self._quantizer = ds.codec.empty_faiss_index(ds.centroids, ds.codec_params)
         invlists = faiss.downcast_InvertedLists(self.index.invlists)
         for cluster in range(ds.nlist):
@@ -78,6 +81,39 @@ class Reference:
     def search(self, queries: np.ndarray, k: int, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
         return self.index.search(queries, k, params=faiss.SearchParametersIVF(nprobe=nprobe))
 
+    def rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every (id, code) the index holds, by id."""
+        invlists = faiss.downcast_InvertedLists(self.index.invlists)
+        ids, codes = [], []
+        for cluster in range(self.index.nlist):
+            n = invlists.list_size(cluster)
+            if n:
+                ids.append(faiss.rev_swig_ptr(invlists.get_ids(cluster), n).copy())
+                raw = faiss.rev_swig_ptr(invlists.get_codes(cluster), n * invlists.code_size)
+                codes.append(np.frombuffer(bytes(raw), dtype=self.codec.numpy_dtype).reshape(n, -1))
+        ids_, codes_ = np.concatenate(ids), np.concatenate(codes)
+        order = np.argsort(ids_)
+        return ids_[order], codes_[order]
+
+    def retrained(self, nlist: int) -> Reference:
+        """faiss trained as a retrain trains: k-means over the decoded vectors taken by id, the
+        centroids ordered as a build orders them; every vector added to its nearest one's list."""
+        ids, codes = self.rows()
+        decoded = self.codec.decode_exact(codes, self.params).astype(np.float32)
+        centroids = train_centroids(decoded, nlist, seed=1234)
+        centroids = np.ascontiguousarray(centroids[order_centroids(centroids)])
+        fresh = Reference.__new__(Reference)
+        fresh.documents, fresh.codec, fresh.params = dict(self.documents), self.codec, self.params
+        fresh.index, fresh._quantizer = self.codec.empty_faiss_index(centroids, self.params)
+        lists = fresh._quantizer.search(decoded, 1)[1][:, 0]
+        invlists = faiss.downcast_InvertedLists(fresh.index.invlists)
+        for cluster in np.unique(lists):
+            members = np.flatnonzero(lists == cluster)
+            member_ids, member_codes = np.ascontiguousarray(ids[members]), np.ascontiguousarray(codes[members]).view(np.uint8)
+            invlists.add_entries(int(cluster), len(members), faiss.swig_ptr(member_ids), faiss.swig_ptr(member_codes))
+        fresh.index.ntotal = len(ids)
+        return fresh
+
 
 def unit_vectors(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
     v = rng.standard_normal((n, dim)).astype(np.float32)
@@ -99,30 +135,45 @@ def assert_equal_to_reference(live: LiveDatastore, engine: RetrievalEngine, refe
 
 @pytest.mark.parametrize("codec", list(Codec))
 @pytest.mark.parametrize("device_half", [False, True], ids=["faiss-only", "with-device-half"])
-def test_random_writes_and_searches_equal_faiss(tmp_path, codec, device_half):
+def test_random_writes_searches_and_rebuilds_equal_faiss(tmp_path, codec, device_half):
+    """1,000 random upserts, deletes and searches; a compaction (the same answers) and a retrain
+    (new centroids: faiss trained the same way) now and then; reopened from the log at the end."""
     rng = np.random.default_rng(zlib.crc32(f"{codec.value} {device_half}".encode()))
     ds = passage_datastore(tmp_path / "ds", codec=codec)
     live = LiveDatastore(ds, writable=True)
-    engine = RetrievalEngine(ds, cache_bytes=ds.vectors.nbytes // 2 if device_half else 0)
+
+    def engine_of(datastore: Datastore) -> RetrievalEngine:
+        return RetrievalEngine(datastore, cache_bytes=datastore.vectors.nbytes // 2 if device_half else 0)
+
+    engine = engine_of(ds)
     reference = Reference(ds, {e.doc_id: e.passage_ids for e in live.documents(limit=10**6)})
     doc_ids = [f"b{i}" for i in range(200)] + [f"n{i}" for i in range(60)]
     versions: dict[str, int] = {}
-    operations = 0
-    searches = 0
+    operations = searches = 0
+    rebuilds: list[str] = []
     while operations < 1000:
         roll = rng.random()
         if roll < 0.45:
             queries = unit_vectors(rng, int(rng.integers(1, 5)), ds.dim)
-            k, nprobe = int(rng.integers(1, 12)), int(rng.integers(1, ds.nlist + 1))
+            k, nprobe = int(rng.integers(1, 12)), int(rng.integers(1, live.datastore.nlist + 1))
             options = {}
             if device_half:
-                handle = engine.prefetch(
-                    queries + 0.2 * unit_vectors(rng, len(queries), ds.dim), int(rng.integers(0, ds.vectors.nbytes))
-                )
-                options = {"prefetch": handle}
+                budget = int(rng.integers(0, live.datastore.vectors.nbytes))
+                options = {"prefetch": engine.prefetch(queries + 0.2 * unit_vectors(rng, len(queries), ds.dim), budget)}
             assert_equal_to_reference(live, engine, reference, queries, k, nprobe, **options)
             searches += 1
             operations += 1
+            continue
+        if roll < 0.46:
+            retrain = len(rebuilds) % 2 == 1  # compactions and retrains in turn
+            done = live.retrain(nlist=int(rng.integers(8, 24))) if retrain else live.compact()
+            assert done.generation == live.generation == len(rebuilds) + 1 and done.retrained == retrain
+            rebuilds.append("retrain" if retrain else "compact")
+            engine.close()
+            engine = engine_of(live.datastore)
+            if retrain:
+                reference = reference.retrained(live.datastore.nlist)
+            assert not len(live.snapshot().delta) and not len(live.snapshot().deleted)
             continue
         writes = []
         for _ in range(int(rng.integers(1, 4))):  # a batch: one sync
@@ -136,17 +187,17 @@ def test_random_writes_and_searches_equal_faiss(tmp_path, codec, device_half):
         results = live.write(writes)
         reference.apply(writes, results)
         operations += len(writes)
-    assert searches >= 200
+    assert searches >= 200 and {"compact", "retrain"} <= set(rebuilds), rebuilds
     snapshot = live.snapshot()
-    assert len(snapshot.deleted) and len(snapshot.delta)
     assert snapshot.passages == reference.index.ntotal
     queries = unit_vectors(rng, 16, ds.dim)
     before = assert_equal_to_reference(live, engine, reference, queries, 10, 4)
     live.close()
     engine.close()
 
-    # reopened: every write replayed from the log, the same answers
+    # reopened: the last generation's files and every write since replayed from its log, the same answers
     again = LiveDatastore(Datastore.load(tmp_path / "ds"), writable=True)
+    assert again.generation == len(rebuilds)
     assert again.snapshot().lsn == snapshot.lsn and again.snapshot().passages == snapshot.passages
     engine = RetrievalEngine(again.datastore)
     after = assert_equal_to_reference(again, engine, reference, queries, 10, 4)
@@ -251,3 +302,56 @@ def test_vectors_only_datastore_refuses_writes(tmp_path):
     with pytest.raises(DatastoreReadOnly, match="vectors only"):
         live.write([upsert("a", random_queries(1, ds.dim), 1)])
     live.close()
+
+
+def test_a_compaction_changes_no_answer_and_carries_the_writes_made_meanwhile(tmp_path, monkeypatch):
+    ds = passage_datastore(tmp_path / "ds")
+    live = LiveDatastore(ds, writable=True)
+    rng = np.random.default_rng(5)
+    for i in range(30):
+        live.write([upsert(f"n{i}", unit_vectors(rng, 2, ds.dim), 1), DocumentDelete(f"b{i}")])
+    before, old_engine = live.snapshot(), RetrievalEngine(ds)
+    queries = unit_vectors(rng, 20, ds.dim)
+
+    from telerag.retrieval import live as live_module
+
+    build = live_module.write_generation
+
+    def build_then_write(*args, **kwargs):
+        out = build(*args, **kwargs)
+        live.write([upsert("during", unit_vectors(rng, 3, ds.dim), 1)])  # while the new generation was built
+        return out
+
+    monkeypatch.setattr(live_module, "write_generation", build_then_write)
+    done = live.compact()
+    assert (done.generation, done.carried, done.lsn, done.retrained) == (1, 1, before.lsn, False)
+    assert live.document("during") is not None and live.snapshot().lsn == before.lsn + 1
+    new_engine = RetrievalEngine(live.datastore)
+    for nprobe in (1, 4, ds.nlist):
+        old = search_snapshot(old_engine, before, queries, 8, nprobe)
+        new = search_snapshot(new_engine, live.snapshot(), queries, 8, nprobe)
+        during = set(live.document("during").passage_ids)
+        for i in range(len(queries)):
+            kept = [j for j, passage_id in enumerate(new.ids[i]) if passage_id not in during][:5]
+            assert same_results(new.ids[i][kept], new.scores[i][kept], old.ids[i][:5], old.scores[i][:5])
+    assert not (tmp_path / "ds" / wal_name(0)).exists() and (tmp_path / "ds" / "gen-000001" / "ids.npy").is_file()
+    live.close()
+    again = LiveDatastore(Datastore.load(tmp_path / "ds"))
+    assert again.generation == 1 and again.document("during").version == 1 and again.document("b3") is None
+    assert again.document("n7").content_hash == "n7:1" and again.snapshot().passages == live.snapshot().passages
+
+
+def test_a_build_killed_before_its_switch_leaves_the_datastore_as_it_was(tmp_path):
+    ds = passage_datastore(tmp_path / "ds")
+    live = LiveDatastore(ds, writable=True)
+    rng = np.random.default_rng(6)
+    live.write([upsert("n", unit_vectors(rng, 2, ds.dim), 1), DocumentDelete("b1")])
+    write_generation(tmp_path / "ds" / "gen-000001", live.snapshot(), {})  # a build whose switch never came
+    (tmp_path / "ds" / wal_name(1)).write_bytes(b"TELERAG-WAL")  # and the start of its log
+    live.close()
+    again = LiveDatastore(Datastore.load(tmp_path / "ds"), writable=True)
+    assert again.generation == 0 and again.document("n") is not None and again.document("b1") is None
+    assert sorted(p.name for p in (tmp_path / "ds").iterdir() if p.name.startswith(("gen-", "wal-"))) == [wal_name(0)]
+    done = again.compact()  # and the next build goes through
+    assert done.generation == 1 and again.document("n") is not None
+    again.close()

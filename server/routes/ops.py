@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from telerag.pipelines.types import DatastoreInfo
 from telerag.server import errors
 from telerag.server.auth import Access
+from telerag.server.documents_protocol import live_info
 from telerag.server.lifecycle import Phase
 from telerag.server.protocol import Health, LiveInfo, LoadProgress, Ready
 from telerag.server.service import Service
@@ -103,19 +104,8 @@ def _datastore(service: Service) -> DatastoreInfo:
 
 
 def _live(service: Service) -> LiveInfo | None:
-    writer, stats = service.runtime.documents, service.live_stats()
-    if writer is None or stats is None:
-        return None
-    return LiveInfo(
-        writable=writer.live.writable,
-        lsn=stats.lsn,
-        documents=stats.documents,
-        passages=stats.passages,
-        delta_rows=stats.delta_rows,
-        tombstones=stats.tombstones,
-        wal_bytes=stats.wal_bytes,
-        list_imbalance=round(stats.imbalance, 3),
-    )
+    writer = service.runtime.documents
+    return None if writer is None else live_info(writer)
 
 
 async def metrics(request: Request) -> Response:
