@@ -13,6 +13,7 @@ from telerag.cli import (
     bench_cluster_cache,
     bench_e2e,
     bench_generate,
+    bench_ingest,
     bench_kernels,
     bench_overlap,
     bench_pipelining,
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cluster.register(bench_commands)
     bench_sizing.register(bench_commands)
     bench_pipelining.register(bench_commands)
+    bench_ingest.register(bench_commands)
     return parser
 
 

@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 import queue
+import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
@@ -32,6 +33,11 @@ from telerag.retrieval.live import LiveDatastore, LiveStats
 BATCH_PASSAGES = 512  # a batch takes queued writes while their passages are at most this many (at least one write)
 
 
+# A document's id and text each need a character that is not blank: not Python's whitespace (what cuts a text
+# into words, `str.split`: U+001C-U+001F too), nor U+FEFF. As a pattern a JSON Schema validator reads the same.
+NON_BLANK = r"[^\t\n\x0b\f\r\x1c-\x1f \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\ufeff]"
+
+
 @dataclass(frozen=True)
 class DocumentText:
     """A document as a client gives it: its id, its text, a title (default: its id), metadata."""
@@ -42,9 +48,9 @@ class DocumentText:
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.doc_id.strip():
+        if not re.search(NON_BLANK, self.doc_id):
             raise InvalidDocument("a document's id must not be empty", field="id")
-        if not self.text.strip():
+        if not re.search(NON_BLANK, self.text):
             raise InvalidDocument(f"document {self.doc_id!r} has no text", field="text")
 
     @property

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import StrEnum
@@ -60,6 +61,7 @@ class Rebuilds:
         self.on_done = on_done
         self._lock = threading.Lock()
         self._last: Rebuild | None = None
+        self._ended: Counter[tuple[RebuildKind, RebuildState]] = Counter()
         self._thread: threading.Thread | None = None
 
     @property
@@ -98,10 +100,16 @@ class Rebuilds:
         self._finish(state=RebuildState.DONE, result=result)
         self.on_done(result)
 
+    def ended(self) -> dict[tuple[RebuildKind, RebuildState], int]:
+        """How many rebuilds have ended, by kind and state (done, failed)."""
+        with self._lock:
+            return dict(self._ended)
+
     def _finish(self, **outcome: object) -> None:
         with self._lock:
             assert self._last is not None
             self._last = replace(self._last, finished_at=time.time(), **outcome)  # type: ignore[arg-type]
+            self._ended[self._last.kind, self._last.state] += 1
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for the running rebuild, if any (tests, shutdown)."""

@@ -40,7 +40,7 @@ from telerag.retrieval.datastore import (
 from telerag.retrieval.documents import DocumentEntry
 from telerag.retrieval.early_stop import ListStats
 from telerag.retrieval.errors import DatastoreError
-from telerag.utils.files import file_sha256
+from telerag.utils.files import file_sha256, fsync_path, write_by_rename
 from telerag.utils.progress import ProgressBar
 
 log = logging.getLogger(__name__)
@@ -78,14 +78,6 @@ def _write_rows(path: Path, vectors: VectorRows, stats: ListStats, progress: boo
             stats.add(start, block)
             del block  # before the next one is made
     return stats.result()
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def is_datastore_dir(path: Path) -> bool:
@@ -183,38 +175,16 @@ def write_datastore(
         np.save(tmp / LIST_STATS, stats)
         if codec_params is not None:
             np.save(tmp / CODEC_PARAMS, np.ascontiguousarray(codec_params, dtype=np.float32))
-        if ids is not None:
-            if np.shape(ids) != (manifest.n_vectors,) or len(np.unique(ids)) != manifest.n_vectors:
-                raise DatastoreError(f"ids must be {manifest.n_vectors} distinct passage ids, one a row")
-            np.save(tmp / IDS, np.ascontiguousarray(ids, dtype=np.int64))
-        if documents is not None:
-            with (tmp / DOCUMENTS).open("w", encoding="utf-8") as handle:
-                for entry in documents:
-                    handle.write(json.dumps(entry.to_json(), ensure_ascii=False) + "\n")
-        if passages is not None:
-            line_offsets = [0]
-            with (tmp / PASSAGES).open("wb") as handle:
-                for passage in passages:
-                    line = (
-                        json.dumps(
-                            {"doc_id": passage.doc_id, "title": passage.title, "text": passage.text}, ensure_ascii=False
-                        ).encode("utf-8")
-                        + b"\n"
-                    )
-                    handle.write(line)
-                    line_offsets.append(line_offsets[-1] + len(line))
-            if len(line_offsets) - 1 != manifest.n_vectors:
-                raise DatastoreError(f"{len(line_offsets) - 1} passages for {manifest.n_vectors} vectors")
-            np.save(tmp / PASSAGE_INDEX, np.asarray(line_offsets, dtype=np.int64))
+        _write_passages(tmp, manifest, passages, ids, documents)
         manifest.files = {}
         files = sorted(tmp.iterdir())
         total = sum(file.stat().st_size for file in files)
         with ProgressBar[None](total=total, desc="checksum", unit="B", unit_scale=True, disable=not progress) as bar:
             for file in files:
-                _fsync(file)
+                fsync_path(file)
                 manifest.files[file.name] = {"bytes": file.stat().st_size, "sha256": file_sha256(file, bar)}
         (tmp / MANIFEST).write_text(json.dumps(asdict(manifest), indent=2), encoding="utf-8")
-        _fsync(tmp / MANIFEST)
+        fsync_path(tmp / MANIFEST)
         check_target(out_dir, overwrite=overwrite)  # again: the directory may have changed during the build
         if out_dir.is_dir() and not any(out_dir.iterdir()):
             out_dir.rmdir()
@@ -229,6 +199,37 @@ def write_datastore(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _write_passages(
+    tmp: Path,
+    manifest: Manifest,
+    passages: Iterable[Passage] | None,
+    ids: np.ndarray | None,
+    documents: Iterable[DocumentEntry] | None,
+) -> None:
+    """What a datastore holds beside its vectors: the passages (a JSON line each, and where each
+    line starts), their ids and its documents, where it has them."""
+    if ids is not None:
+        if np.shape(ids) != (manifest.n_vectors,) or len(np.unique(ids)) != manifest.n_vectors:
+            raise DatastoreError(f"ids must be {manifest.n_vectors} distinct passage ids, one a row")
+        np.save(tmp / IDS, np.ascontiguousarray(ids, dtype=np.int64))
+    if documents is not None:
+        with (tmp / DOCUMENTS).open("w", encoding="utf-8") as handle:
+            for entry in documents:
+                handle.write(json.dumps(entry.to_json(), ensure_ascii=False) + "\n")
+    if passages is None:
+        return
+    line_offsets = [0]
+    with (tmp / PASSAGES).open("wb") as handle:
+        for passage in passages:
+            record = {"doc_id": passage.doc_id, "title": passage.title, "text": passage.text}
+            line = json.dumps(record, ensure_ascii=False).encode("utf-8") + b"\n"
+            handle.write(line)
+            line_offsets.append(line_offsets[-1] + len(line))
+    if len(line_offsets) - 1 != manifest.n_vectors:
+        raise DatastoreError(f"{len(line_offsets) - 1} passages for {manifest.n_vectors} vectors")
+    np.save(tmp / PASSAGE_INDEX, np.asarray(line_offsets, dtype=np.int64))
 
 
 def add_list_stats(path: Path, *, verify_checksums: bool = True, progress: bool = False) -> bool:
@@ -265,9 +266,9 @@ def add_list_stats(path: Path, *, verify_checksums: bool = True, progress: bool 
         )
     try:
         if not target.exists():
-            _write_by_rename(target, _npy_bytes(stats))
+            write_by_rename(target, _npy_bytes(stats))
         manifest.files[LIST_STATS] = {"bytes": target.stat().st_size, "sha256": file_sha256(target)}
-        _write_by_rename(path / MANIFEST, json.dumps(asdict(manifest), indent=2).encode("utf-8"))
+        write_by_rename(path / MANIFEST, json.dumps(asdict(manifest), indent=2).encode("utf-8"))
     except OSError as exc:
         raise DatastoreError(
             f"could not add {LIST_STATS} to {path} ({exc}); it reads as before: run the upgrade again where it can be written"
@@ -279,17 +280,3 @@ def _npy_bytes(array: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     np.save(buffer, array)
     return buffer.getvalue()
-
-
-def _write_by_rename(target: Path, data: bytes) -> None:
-    """`data` into a temporary file beside `target`, synced, then renamed over it."""
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
-    try:
-        with tmp.open("wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        tmp.rename(target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

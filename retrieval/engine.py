@@ -1,6 +1,5 @@
-"""The retrieval engine: lookahead prefetch into the device cluster cache, and exact
-GPU/CPU cooperative IVF search (TeleRAG chapter 4; the search's steps after the probe are in
-`retrieval.cooperative`).
+"""The retrieval engine: lookahead prefetch into the device cluster cache, and exact GPU/CPU
+cooperative IVF search (TeleRAG chapter 4; the steps after the probe: `retrieval.cooperative`).
 
 On CUDA its device work (query copies, centroid products, scans, merges) runs on a stream of its
 own, created with high priority, never on the default stream: kernels other threads of the
@@ -120,8 +119,7 @@ class RetrievalEngine:
             self.codec_params = (
                 None if datastore.codec_params is None else torch.from_numpy(datastore.codec_params).to(self.device)
             )
-            # the cache scans rows; where the datastore keeps passage ids (a compacted one), rows become ids here
-            self.row_ids = None if datastore.ids is None else torch.from_numpy(np.asarray(datastore.ids)).to(self.device)
+            self.row_ids = None if datastore.ids is None else torch.from_numpy(np.array(datastore.ids)).to(self.device)
         if cpu_threads is None and self.device.type == "cuda":
             cpu_threads = max(1, faiss.omp_get_max_threads() - 1)
         self._cpu_pool = ThreadPoolExecutor(

@@ -13,13 +13,12 @@ are never removed.
 from __future__ import annotations
 
 import json
-import os
 import re
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from telerag.retrieval.errors import DatastoreCorruptError
+from telerag.utils.files import write_by_rename
 
 POINTER = "live.json"
 LOCK = "live.lock"  # held (flock) by the process that writes the datastore
@@ -64,18 +63,7 @@ def read_generation(root: Path) -> Generation:
 
 def switch_to(root: Path, generation: Generation) -> None:
     """Make `generation` the current one: `live.json` written beside, synced, renamed into place."""
-    target = root / POINTER
-    tmp = root / f".{POINTER}.tmp-{os.getpid()}-{time.monotonic_ns()}"
-    try:
-        with tmp.open("w", encoding="utf-8") as handle:
-            json.dump(asdict(generation), handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        tmp.rename(target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    sync_dir(root)
+    write_by_rename(root / POINTER, json.dumps(asdict(generation)).encode("utf-8"))
 
 
 def stale(root: Path, current: int) -> list[Path]:
@@ -87,11 +75,3 @@ def stale(root: Path, current: int) -> list[Path]:
         if match is not None and int(match.group(1)) != current:
             out.append(entry)
     return out
-
-
-def sync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -36,10 +36,11 @@ from telerag.retrieval.corpus import PassageShape
 from telerag.retrieval.datastore import Datastore, Manifest
 from telerag.retrieval.documents import DocumentEntry, Write, WriteRecord, WriteResult
 from telerag.retrieval.errors import DatastoreBusy, DatastoreError, DatastoreReadOnly
-from telerag.retrieval.generations import LOCK, Generation, generation_dir, stale, switch_to, sync_dir, wal_name
+from telerag.retrieval.generations import LOCK, Generation, generation_dir, stale, switch_to, wal_name
 from telerag.retrieval.live_state import GenerationState
 from telerag.retrieval.snapshot import Snapshot
 from telerag.retrieval.wal import LogRecord, WriteAheadLog, read_log
+from telerag.utils.files import fsync_path
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +293,7 @@ class LiveDatastore:
             else:
                 path.unlink()
             log.info("%s: removed %s, left by an earlier generation", self.where, path.name)
-        sync_dir(self.root)
+        fsync_path(self.root)
 
     def close(self) -> None:
         if self._wal is not None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from telerag.retrieval.errors import DatastoreCorruptError, DatastoreError
+from telerag.utils.files import fsync_path
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ class WriteAheadLog:
                 os.ftruncate(self._fd, contents.end)
             os.fsync(self._fd)
             if created:
-                _fsync_dir(path.parent)
+                fsync_path(path.parent)
             os.lseek(self._fd, 0, os.SEEK_END)
         except BaseException:
             os.close(self._fd)
@@ -158,11 +159,3 @@ class WriteAheadLog:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

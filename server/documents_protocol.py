@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, create_model
 
-from telerag.pipelines.documents import DocumentText, DocumentWriter
+from telerag.pipelines.documents import NON_BLANK, DocumentText, DocumentWriter
 from telerag.pipelines.rebuilds import Rebuild
 from telerag.retrieval.documents import DocumentEntry, WriteOutcome, WriteResult
 from telerag.server.protocol import LiveInfo
@@ -25,7 +25,7 @@ Metadata = Annotated[
     dict[Annotated[str, Field(min_length=1, max_length=MAX_METADATA_KEY_CHARS)], MetadataValue],
     Field(max_length=MAX_METADATA_KEYS, description=f"at most {MAX_METADATA_KEYS} keys; values text, numbers or booleans"),
 ]
-DocumentId = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS, pattern=r"\S", description="the caller's own id")]
+DocumentId = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS, pattern=NON_BLANK, description="the caller's own id")]
 
 
 class DocumentFields(BaseModel):
@@ -33,7 +33,9 @@ class DocumentFields(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    text: str = Field(min_length=1, description="the document's text (cut into passages by the datastore's rule)")
+    text: str = Field(
+        min_length=1, pattern=NON_BLANK, description="the document's text (cut into passages by the datastore's rule)"
+    )
     title: str | None = Field(None, max_length=MAX_TITLE_CHARS, description="default: the id")
     metadata: Metadata = Field(default_factory=dict)
 
@@ -61,7 +63,7 @@ def _one_or_batch(value: Any) -> str:
 def documents_request_models(limits: DocumentSettings) -> tuple[Any, type[DocumentFields]]:
     """This app's body of `POST /v1/documents` (one document, or `{"documents": [...]}` of at most
     `limits.max_documents`) and of `PUT /v1/documents/{id}`, their texts bounded by the body's limit."""
-    text = (str, Field(min_length=1, max_length=limits.max_body_bytes, description="the document's text"))
+    text = (str, Field(min_length=1, max_length=limits.max_body_bytes, pattern=NON_BLANK, description="the document's text"))
     fields = create_model("DocumentFields", __base__=DocumentFields, __module__=__name__, text=text)
     one = create_model("DocumentIn", __base__=DocumentIn, __module__=__name__, text=text)
     batch = create_model(

@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
 
 from telerag.pipelines.errors import (
     EmbedderError,
@@ -330,12 +331,22 @@ def _http_error(request: Request, error: Exception) -> JSONResponse:
     exc = cast(StarletteHTTPException, error)
     if exc.status_code == 400:
         return response_for(InvalidJSON("the body could not be parsed as JSON: it is not UTF-8 or is nested too deeply"))
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405:  # Starlette names the first route of the path's; a path has a route per method
+        headers["Allow"] = ", ".join(_methods_of(request))
     message = {
         404: f"no route {request.url.path}",
-        405: f"{request.method} is not allowed on {request.url.path} (allowed: {(exc.headers or {}).get('Allow', '')})",
+        405: f"{request.method} is not allowed on {request.url.path} (allowed: {headers.get('Allow', '')})",
     }.get(exc.status_code, str(exc.detail))
     code = HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_")
-    return error_response(exc.status_code, detail(exc.status_code, code, message), exc.headers)
+    return error_response(exc.status_code, detail(exc.status_code, code, message), headers)
+
+
+def _methods_of(request: Request) -> list[str]:
+    """Every method the app's routes serve at the request's path."""
+    path = request.url.path
+    matching = [route for route in request.app.routes if isinstance(route, Route) and route.path_regex.match(path)]
+    return sorted({method for route in matching for method in route.methods or ()})
 
 
 def _unhandled(_: Request, exc: Exception) -> JSONResponse:

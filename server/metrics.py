@@ -64,19 +64,32 @@ class _PrefixCacheCollector(Collector):
 
 
 class _LiveCollector(Collector):
-    """Reads the live datastore's state at scrape time; nothing for a runtime without one."""
+    """Reads the live datastore's state, and its rebuilds' count, at scrape time; nothing for a
+    runtime without one."""
 
-    def __init__(self, stats: Callable[[], LiveStats | None]) -> None:
-        self.stats = stats
+    def __init__(self, stats: Callable[[], LiveStats | None], rebuilds: Callable[[], Mapping[tuple[str, str], int]]) -> None:
+        self.stats, self.rebuilds = stats, rebuilds
 
     def collect(self):
         s = self.stats()
         if s is None:
             return
+        ended = CounterMetricFamily(
+            "telerag_datastore_rebuilds", "compactions and retrains that ended, by kind and state", labels=["kind", "state"]
+        )
+        for kind in ("compact", "retrain"):
+            for state in ("done", "failed"):
+                ended.add_metric([kind, state], float(self.rebuilds().get((kind, state), 0)))
+        yield ended
         for name, value, doc in (
             ("documents", s.documents, "documents in the datastore"),
             ("passages", s.passages, "passages (rows) in the datastore"),
             ("datastore_lsn", s.lsn, "the last acknowledged write's position in the datastore's log"),
+            (
+                "datastore_generation",
+                s.generation,
+                "the generation of the datastore's files: one more each compaction or retrain",
+            ),
             ("datastore_wal_bytes", s.wal_bytes, "bytes of the write-ahead log since the datastore's files were written"),
             ("datastore_delta_rows", s.delta_rows, "rows added since the datastore's files were written"),
             ("datastore_tombstones", s.tombstones, "deleted rows still in the datastore's files or delta (filtered in the scan)"),
@@ -91,7 +104,12 @@ class DocumentMetrics:
     """Writes of documents: by outcome, and how long each request took to be acknowledged; and the
     live datastore's state (`live_stats`), read at scrape time."""
 
-    def __init__(self, registry: CollectorRegistry, live_stats: Callable[[], LiveStats | None]) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        live_stats: Callable[[], LiveStats | None],
+        rebuilds: Callable[[], Mapping[tuple[str, str], int]],
+    ) -> None:
         self.writes = Counter(
             "telerag_document_writes", "documents written, by outcome (created, replaced, unchanged, deleted, not_found)",
             ["outcome"], registry=registry,
@@ -104,7 +122,7 @@ class DocumentMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
-        registry.register(_LiveCollector(live_stats))
+        registry.register(_LiveCollector(live_stats, rebuilds))
 
     def observe(self, results: list[WriteResult], seconds: float) -> None:
         for result in results:
@@ -257,6 +275,7 @@ class Metrics:
         cache_stats: Callable[[], CacheStats],
         prefix_cache_bytes: Callable[[], int | None] = lambda: None,
         live_stats: Callable[[], LiveStats | None] = lambda: None,
+        rebuilds: Callable[[], Mapping[tuple[str, str], int]] = dict,
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -326,7 +345,7 @@ class Metrics:
             registry=r,
         )
         self.connections = ConnectionMetrics(r)
-        self.documents = DocumentMetrics(r, live_stats)
+        self.documents = DocumentMetrics(r, live_stats, rebuilds)
         r.register(_CacheCollector(cache_stats))
         r.register(_PrefixCacheCollector(prefix_cache_bytes))
         ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds (Linux)

@@ -288,9 +288,11 @@ async def load_runtime(
 
 
 @asynccontextmanager
-async def open_runtime(settings: Settings, observer: LoadObserver | None = None) -> AsyncIterator[Runtime]:
+async def open_runtime(
+    settings: Settings, observer: LoadObserver | None = None, *, writable: bool = False
+) -> AsyncIterator[Runtime]:
     """`load_runtime`, closed (engine, retrieval engine, datastore) on exit."""
-    runtime = await load_runtime(settings, observer)
+    runtime = await load_runtime(settings, observer, writable=writable)
     try:
         yield runtime
     finally:

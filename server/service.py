@@ -164,6 +164,11 @@ class Service:
             raise DocumentsUnavailable("this deployment writes no documents (a Ray cluster's inference replicas)")
         return rebuilds
 
+    def rebuilds_ended(self) -> dict[tuple[str, str], int]:
+        """The compactions and retrains that ended, by kind and state (none on a runtime that writes none)."""
+        rebuilds = self.runtime.rebuilds
+        return {} if rebuilds is None else {(kind.value, state.value): n for (kind, state), n in rebuilds.ended().items()}
+
     def live_stats(self) -> LiveStats | None:
         """The datastore's documents, passages, log and lists now (None: no live datastore here)."""
         writer = self.runtime.documents

@@ -198,11 +198,9 @@ class DocumentSettings(Section):
     max_queued_writes: int = setting(64, "write requests waiting for the writer; past it: 429", ge=1)
     max_list: int = setting(1000, "documents one GET /v1/documents page may list", ge=1)
     compact_share: float | None = setting(
-        0.25,
-        "a compaction begins by itself once the rows added and deleted since the datastore's files were written pass "
-        "this share of them (and 1024); null: only when asked (POST /v1/datastore/compact)",
-        gt=0,
-    )
+        0.25, "a compaction begins by itself once the rows added and deleted since the files were written pass this share of "
+        "them (and 1024); null: only when asked (POST /v1/datastore/compact)", gt=0,
+    )  # fmt: skip
 
 
 class ServerSettings(Section):

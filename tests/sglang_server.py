@@ -24,8 +24,8 @@ from tests.fakes import RecordingRetriever
 ANSWER = ["Paris"] + [" is"] * 39
 
 
-async def load_fake_runtime(settings: Settings, lifecycle: Lifecycle) -> Runtime:
-    """What `load_runtime` would load, with SGLang's fake as the engine."""
+async def load_fake_runtime(settings: Settings, lifecycle: Lifecycle, *, writable: bool = False) -> Runtime:
+    """What `load_runtime` would load, with SGLang's fake as the engine (and no datastore to write)."""
     engine = SGLangEngine("fake-model", module=types.SimpleNamespace(Engine=FakeEngine))  # type: ignore[arg-type]
     fake = FakeEngine.instances[0]
 

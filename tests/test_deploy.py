@@ -32,6 +32,7 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
+from telerag.retrieval.live import LiveStats
 from telerag.retrieval.stats import CacheStats
 from telerag.server.metrics import Metrics
 from telerag.server.settings import Settings
@@ -376,9 +377,9 @@ def exported_metrics() -> set[str]:
         "histogram": ("_bucket", "_count", "_sum"),
         "summary": ("", "_count", "_sum"),
     }
-    return {
-        family.name + suffix for family in Metrics(cache_stats=CacheStats).registry.collect() for suffix in suffixes[family.type]
-    }
+    live = LiveStats(lsn=0, generation=0, documents=0, passages=0, delta_rows=0, tombstones=0, wal_bytes=0, imbalance=1.0)
+    metrics = Metrics(cache_stats=CacheStats, live_stats=lambda: live)  # a server over a live datastore
+    return {family.name + suffix for family in metrics.registry.collect() for suffix in suffixes[family.type]}
 
 
 def metric_names(expr: str) -> set[str]:
@@ -519,7 +520,7 @@ def serving(settings) -> Iterator[str]:
     state: dict = {}
 
     async def main() -> None:
-        async with open_runtime(settings) as runtime:
+        async with open_runtime(settings, writable=settings.documents.writable) as runtime:
             app = create_app(settings)
             start_serving(app, runtime)
             state["server"] = uvicorn.Server(
@@ -652,12 +653,16 @@ def test_every_dashboard_panel_shows_data_from_the_compose_scrape_config(small_d
     ]
     with serving(settings) as server, prometheus(scrape, tmp_path) as prom:
         wait_for_scrape_after(prom, 0)
-        for _round in range(2):  # two scrapes, each after queries: every rate() has two samples that differ
+        for round_ in range(2):  # two scrapes, each after queries and writes: every rate() has two samples that differ
             for pipeline, question in questions:
                 response = httpx.post(
                     f"{server}/v1/rag/query", json={"query": question, "pipeline": pipeline, "max_tokens": 4}, timeout=120
                 )
                 assert response.status_code == 200, response.text
+            written = httpx.post(
+                f"{server}/v1/documents", json={"id": "notes", "text": f"topic {round_} notes " * 30}, timeout=120
+            )
+            assert written.status_code in (200, 201), written.text
             wait_for_scrape_after(prom, time.time())
         assert float(promql(prom, "telerag_cache_hits_total")[0]["value"][1]) > 0  # prefetches landed and were searched
         assert float(promql(prom, "sum(telerag_prefetched_bytes_total)")[0]["value"][1]) > 0

@@ -41,7 +41,7 @@ def router(access: Access) -> APIRouter:
         methods=["POST"],
         status_code=202,
         response_model=RebuildOut,
-        responses=errors.responses(*access.api_errors, 409, 422, 501, 503),
+        responses=errors.responses(400, *access.api_errors, 409, 422, 501, 503),
         summary="New centroids, every passage assigned again, in the background: results change",
     )
     return routes

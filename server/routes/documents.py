@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, File, Form, Query, Request, Response, UploadFile
+from fastapi import APIRouter, Depends, File, Form, Path, Query, Request, Response, UploadFile
 from pydantic import ValidationError
 
-from telerag.pipelines.documents import DocumentText, DocumentWriter
+from telerag.pipelines.documents import NON_BLANK, DocumentText, DocumentWriter
 from telerag.pipelines.files import convert, file_format
 from telerag.retrieval.documents import WriteOutcome, WriteResult
 from telerag.server import errors
@@ -41,6 +42,7 @@ from telerag.server.settings import DocumentSettings
 
 DOCUMENTS = "/v1/documents"
 ONE = DOCUMENTS + "/{doc_id:path}"
+DocumentPathId = Annotated[str, Path(max_length=MAX_ID_CHARS, pattern=NON_BLANK, description="the document's id")]
 WRITE_ERRORS = (400, 409, 413, 422, 429, 501, 503)  # 501: a deployment that writes none (Ray replicas)
 
 
@@ -122,9 +124,12 @@ async def write_documents(
 
 
 async def put_document(
-    doc_id: str, body: DocumentFields, request: Request, response: Response, documents: DocumentWriter = Depends(writer)
+    doc_id: DocumentPathId,
+    body: DocumentFields,
+    request: Request,
+    response: Response,
+    documents: DocumentWriter = Depends(writer),
 ) -> WrittenDocument:
-    _check_id(doc_id)
     (result,) = await _write(request, documents, [body.document(doc_id)])
     _created_or_not(response, [result])
     return WrittenDocument.of(result)
@@ -134,7 +139,7 @@ async def upload_document(
     request: Request,
     response: Response,
     file: Annotated[UploadFile, File(description="plain text, Markdown, HTML or PDF (by its name's extension, else its type)")],
-    id: Annotated[str | None, Form(max_length=MAX_ID_CHARS, description="default: the file's name")] = None,
+    id: Annotated[str | None, Form(max_length=MAX_ID_CHARS, pattern=NON_BLANK, description="default: the file's name")] = None,
     title: Annotated[
         str | None, Form(max_length=MAX_TITLE_CHARS, description="default: the file's own title, else its name")
     ] = None,
@@ -143,7 +148,8 @@ async def upload_document(
 ) -> WrittenDocument:
     name = file.filename or ""
     doc_id = id if id is not None else name
-    _check_id(doc_id, field="id")
+    if not re.search(NON_BLANK, doc_id):
+        raise InvalidField("id", "id: a document's id needs a character that is not blank (default: the file's name)")
     fmt = file_format(name, file.content_type)
     data = await file.read()
     converted = await asyncio.to_thread(convert, data, fmt)
@@ -169,7 +175,7 @@ async def list_documents(
     )
 
 
-async def get_document(doc_id: str, documents: DocumentWriter = Depends(writer)) -> DocumentOut:
+async def get_document(doc_id: DocumentPathId, documents: DocumentWriter = Depends(writer)) -> DocumentOut:
     entry = await asyncio.to_thread(documents.document, doc_id)
     if entry is None:
         raise DocumentNotFound(f"no document {doc_id!r}")
@@ -181,7 +187,9 @@ async def get_document(doc_id: str, documents: DocumentWriter = Depends(writer))
     )
 
 
-async def delete_document(doc_id: str, request: Request, documents: DocumentWriter = Depends(writer)) -> DeletedDocument:
+async def delete_document(
+    doc_id: DocumentPathId, request: Request, documents: DocumentWriter = Depends(writer)
+) -> DeletedDocument:
     started = time.perf_counter()
     (result,) = await documents.delete([doc_id])
     _observe(request, [result], started)
@@ -212,11 +220,6 @@ def _observe(request: Request, results: list[WriteResult], started: float) -> No
 def _created_or_not(response: Response, results: list[WriteResult]) -> None:
     """201 where a document was created, else 200 (replaced or unchanged)."""
     response.status_code = 201 if any(r.outcome is WriteOutcome.CREATED for r in results) else 200
-
-
-def _check_id(doc_id: str, *, field: str = "doc_id") -> None:
-    if not doc_id.strip() or len(doc_id) > MAX_ID_CHARS:
-        raise InvalidField(field, f"{field}: a document's id is 1 to {MAX_ID_CHARS} characters, not all blank")
 
 
 def _fields(text: str, title: str | None, metadata: str | None) -> DocumentFields:
