@@ -20,8 +20,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
-import faiss
 import numpy as np
 
 from telerag.pipelines.datastores import open_retriever
@@ -31,7 +31,7 @@ from telerag.pipelines.types import SearchOptions
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.documents import WriteOutcome, WriteResult
 from telerag.retrieval.generations import LOCK
-from telerag.retrieval.ivf import same_results
+from telerag.retrieval.ivf import faiss, same_results  # faiss untyped, as ivf reaches below its Python API
 
 FRESHNESS_POLL_S = 5.0  # how long a write not visible at once is searched for again, before it counts as never
 
@@ -224,6 +224,7 @@ class FaissReplay:
 
     def __init__(self, datastore: Datastore, documents: dict[str, tuple[int, ...]]) -> None:
         self.documents = dict(documents)
+        self.index: Any
         self.index, self._quantizer = datastore.codec.empty_faiss_index(datastore.centroids, datastore.codec_params)
         invlists = faiss.downcast_InvertedLists(self.index.invlists)
         for cluster in range(datastore.nlist):
