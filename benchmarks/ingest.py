@@ -1,13 +1,13 @@
 """`telerag bench ingest`: a stream of document writes beside a stream of searches, on a copy of a
 datastore (the user's is never written), in process, through the server's own retriever and writer.
 
-The same searches run twice, side by side in one run: alone, then while a client writes documents
-one request at a time (upserts of the datastore's own documents, revised; new documents; deletes).
-Each write's acknowledgment is timed, with the embedding inside it; right after each
-acknowledgment a search for the written passage's own text checks that it is visible (a delete:
-that it is gone): freshness is measured, not assumed. At the end every write is replayed into
-faiss's own `IndexIVF` (the copy's codes, then `add_with_ids`/`remove_ids`) and the searches are
-compared with it.
+The same searches run twice, side by side in one run: alone (half before the writes, half after),
+and while a client writes documents one request at a time (upserts of the datastore's own
+documents, revised; new documents; deletes). Each write's acknowledgment is timed, with the
+embedding inside it; right after each acknowledgment a search for the written passage's own text
+checks that it is visible (a delete: that it is gone): freshness is measured, not assumed. At the
+end every write is replayed into faiss's own `IndexIVF` (the copy's codes, then
+`add_with_ids`/`remove_ids`) and the searches are compared with it.
 """
 
 from __future__ import annotations
@@ -39,9 +39,11 @@ FRESHNESS_POLL_S = 5.0  # how long a write not visible at once is searched for a
 @dataclass(frozen=True)
 class IngestConfig:
     writes: int = 200  # documents written (upserts and deletes), one request at a time
+    writes_per_s: float | None = 2.0  # a write begins this often (or once the one before is answered); None: back to back
+    searches_per_s: float | None = 10.0  # a search begins this often, whatever is in flight; None: `clients` back to back
+    clients: int = 2  # searching back to back, where searches_per_s is None
     delete_share: float = 0.2
     new_share: float = 0.3  # of the upserts, documents the datastore did not hold
-    clients: int = 2  # searching at once
     top_k: int = 3
     seed: int = 0
 
@@ -120,7 +122,16 @@ async def _search_ms(retriever: DirectRetriever, question: str, k: int) -> float
 
 
 async def _searches(retriever: DirectRetriever, questions: Sequence[str], config: IngestConfig) -> list[float]:
-    """Every question once, `config.clients` at a time; each one's latency (ms)."""
+    """Every question once: one begun every 1/`searches_per_s` s whatever is in flight (an open
+    load, as independent users make), or `clients` back to back; each one's latency (ms)."""
+    if config.searches_per_s is not None:
+        period = 1.0 / config.searches_per_s
+
+        async def at(i: int, question: str) -> float:
+            await asyncio.sleep(i * period)
+            return await _search_ms(retriever, question, config.top_k)
+
+        return list(await asyncio.gather(*(at(i, q) for i, q in enumerate(questions))))
     pending = list(questions)
     latencies: list[float] = []
 
@@ -139,10 +150,16 @@ async def _visible(retriever: DirectRetriever, write: _Write) -> bool:
     return write.change not in found if isinstance(write.change, str) else write.change.doc_id in found
 
 
-async def _write_all(writer: DocumentWriter, retriever: DirectRetriever, writes: list[_Write], embed_ms: list[float]) -> None:
-    """Each write in turn: acknowledged, then searched for at once (again until it shows, at most
-    `FRESHNESS_POLL_S`): freshness 0 when the first search after the acknowledgment shows it."""
-    for write in writes:
+async def _write_all(
+    writer: DocumentWriter, retriever: DirectRetriever, writes: list[_Write], embed_ms: list[float], per_s: float | None
+) -> None:
+    """Each write in turn (begun every 1/`per_s` s, or once the one before was checked):
+    acknowledged, then searched for at once (again until it shows, at most `FRESHNESS_POLL_S`):
+    freshness 0 when the first search after the acknowledgment shows it."""
+    begun = time.perf_counter()
+    for i, write in enumerate(writes):
+        if per_s is not None:
+            await asyncio.sleep(max(0.0, begun + i / per_s - time.perf_counter()))
         before = len(embed_ms)
         started = time.perf_counter()
         change = write.change
@@ -182,12 +199,14 @@ async def ingest(retriever: DirectRetriever, questions: Sequence[str], config: I
     writes = plan_writes(retriever.live.datastore, config)
     try:
         await _searches(retriever, questions[:4], config)  # first use: not timed
-        alone = await _searches(retriever, questions, config)
+        half = len(questions) // 2
+        alone = await _searches(retriever, questions[:half], config)  # half before the writes, half after
         started = time.perf_counter()
-        writing = asyncio.ensure_future(_write_all(writer, retriever, writes, embed_ms))
+        writing = asyncio.ensure_future(_write_all(writer, retriever, writes, embed_ms, config.writes_per_s))
         under = await _searches(retriever, questions, config)
         await writing
         seconds = time.perf_counter() - started
+        alone += await _searches(retriever, questions[half:], config)
     finally:
         writer.close()
     for write in writes:
