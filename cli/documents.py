@@ -142,7 +142,7 @@ class ServerDocuments:
         outcomes = []
         for doc_id, path in ProgressBar(files, desc="add", unit="file"):
             upload = {"file": (path.name, path.read_bytes())}
-            outcomes.append(self._send("POST", "/v1/documents/files", files=upload, data={"id": doc_id}).json()["outcome"])
+            outcomes.append(self._send("POST", "/v1/uploads", files=upload, data={"id": doc_id}).json()["outcome"])
         return outcomes
 
     def remove(self, doc_ids: list[str]) -> list[str]:

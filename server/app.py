@@ -65,7 +65,9 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
     errors.install(app)
     app.add_middleware(ServingGate, lifecycle=lifecycle)
     app.add_middleware(
-        BodyLimit, limit=settings.limits.max_body_bytes, larger={documents.DOCUMENTS: settings.documents.max_body_bytes}
+        BodyLimit,
+        limit=settings.limits.max_body_bytes,
+        larger=dict.fromkeys((documents.DOCUMENTS, documents.UPLOADS), settings.documents.max_body_bytes),
     )
     if settings.server.cors_origins:
         app.add_middleware(

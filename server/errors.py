@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Route
+from starlette.routing import Match
 
 from telerag.pipelines.errors import (
     EmbedderError,
@@ -343,10 +343,11 @@ def _http_error(request: Request, error: Exception) -> JSONResponse:
 
 
 def _methods_of(request: Request) -> list[str]:
-    """Every method the app's routes serve at the request's path."""
-    path = request.url.path
-    matching = [route for route in request.app.routes if isinstance(route, Route) and route.path_regex.match(path)]
-    return sorted({method for route in matching for method in route.methods or ()})
+    """Every method the app's routes serve at the request's path (asked of the routes themselves:
+    FastAPI wraps included routers)."""
+    methods = ("GET", "POST", "PUT", "PATCH", "DELETE")
+    routes = request.app.router.routes
+    return [m for m in methods if any(r.matches({**request.scope, "method": m})[0] is Match.FULL for r in routes)]
 
 
 def _unhandled(_: Request, exc: Exception) -> JSONResponse:

@@ -277,8 +277,7 @@ class Metrics:
         live_stats: Callable[[], LiveStats | None] = lambda: None,
         rebuilds: Callable[[], Mapping[tuple[str, str], int]] = dict,
     ) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
+        self.registry = r = CollectorRegistry()
         self.request_latency = Histogram(
             "telerag_request_seconds",
             "request latency, from its slot to its end (the wait for the slot: telerag_queue_wait_seconds)",

@@ -349,11 +349,11 @@ from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import read_jsonl, split_passages
 from tests.retrieval_helpers import hashing_encoder
 
-slow_fsync = datastore_writer._fsync
+slow_fsync = datastore_writer.fsync_path
 def fsync(path):  # slow the write down so the parent can kill it part-way
     time.sleep(0.2)
     slow_fsync(path)
-datastore_writer._fsync = fsync
+datastore_writer.fsync_path = fsync
 out, corpus = Path(sys.argv[1]), Path(sys.argv[2])
 build_datastore(list(split_passages(read_jsonl(corpus))), hashing_encoder(), embedder="new", out_dir=out,
                 nlist=2, overwrite=True, progress=False)

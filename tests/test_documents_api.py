@@ -122,7 +122,7 @@ async def test_uploaded_files_are_converted_and_answered_from(tmp_path):
     with documents_app(tmp_path) as client:
         markdown = f"# Volcanoes of the world\n\n{VOLCANO} " * 3
         uploaded = await client.post(
-            "/v1/documents/files",
+            "/v1/uploads",
             files={"file": ("guide.md", markdown.encode(), "text/markdown")},
             data={"metadata": json.dumps({"kind": "guide"})},
         )
@@ -132,10 +132,10 @@ async def test_uploaded_files_are_converted_and_answered_from(tmp_path):
         assert document["title"] == "Volcanoes of the world" and document["metadata"] == {"kind": "guide"}
         assert "guide.md" in await found(client, VOLCANO)
 
-        refused = await client.post("/v1/documents/files", files={"file": ("photo.png", b"\x89PNG", "image/png")})
+        refused = await client.post("/v1/uploads", files={"file": ("photo.png", b"\x89PNG", "image/png")})
         assert refused.status_code == 400 and refused.json()["error"]["type"] == "unsupported_file"
         assert "image/png" in refused.json()["error"]["message"] or ".png" in refused.json()["error"]["message"]
-        bad = await client.post("/v1/documents/files", files={"file": ("a.txt", b"text")}, data={"metadata": "{"})
+        bad = await client.post("/v1/uploads", files={"file": ("a.txt", b"text")}, data={"metadata": "{"})
         assert bad.status_code == 422 and bad.json()["error"]["field"] == "metadata"
 
 
@@ -195,7 +195,7 @@ async def test_the_schema_says_the_limits_and_answers(tmp_path):
     assert {"200", "201", "409", "413", "422", "429"} <= post["responses"].keys()
     batch = schema["components"]["schemas"]["DocumentBatch"]["properties"]["documents"]
     assert batch["maxItems"] == 7 and batch["minItems"] == 1
-    assert "/v1/documents/files" in schema["paths"] and "/v1/documents/{doc_id}" in schema["paths"]
+    assert "/v1/uploads" in schema["paths"] and "/v1/documents/{doc_id}" in schema["paths"]
     assert {"get", "put", "delete"} <= schema["paths"]["/v1/documents/{doc_id}"].keys()
 
 

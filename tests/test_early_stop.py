@@ -273,7 +273,7 @@ def test_an_upgrade_that_cannot_write_says_so_and_leaves_the_datastore_readable(
     def read_only(target: Path, data: bytes) -> None:
         raise PermissionError(13, "Permission denied", str(target))
 
-    monkeypatch.setattr(datastore_writer, "_write_by_rename", read_only)
+    monkeypatch.setattr(datastore_writer, "write_by_rename", read_only)
     with pytest.raises(DatastoreError, match=r"could not add list_stats\.npy .*Permission denied.*run the upgrade again"):
         add_list_stats(ds.path)
     assert Datastore.load(ds.path).list_stats is None

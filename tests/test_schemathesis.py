@@ -34,7 +34,7 @@ SEED = os.environ.get("TELERAG_FUZZ_SEED", "1")  # fixed, so that CI runs the sa
 # of an image (400 naming its type) or of an empty or textless file (422) is refused, as documented.
 UPLOADS = """
 [[operations]]
-include-path = "/v1/documents/files"
+include-path = "/v1/uploads"
 include-method = "POST"
 checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "409", "413", "422", "429"]
 """

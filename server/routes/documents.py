@@ -1,5 +1,5 @@
 """Documents in and out of the live datastore while it serves: `POST /v1/documents` (one or a
-batch), `POST /v1/documents/files` (a file: text, Markdown, HTML, PDF), `PUT`, `GET` and `DELETE
+batch), `POST /v1/uploads` (a file: text, Markdown, HTML, PDF), `PUT`, `GET` and `DELETE
 /v1/documents/{id}`, `GET /v1/documents` (paged). A write answers once it is durable and every
 search that starts after the answer sees it. (The endpoints have no docstrings: FastAPI would
 publish them in the schema.)"""
@@ -42,6 +42,7 @@ from telerag.server.settings import DocumentSettings
 
 DOCUMENTS = "/v1/documents"
 ONE = DOCUMENTS + "/{doc_id:path}"
+UPLOADS = "/v1/uploads"  # not under /v1/documents/: there a path names a document (ids may hold slashes)
 DocumentPathId = Annotated[str, Path(max_length=MAX_ID_CHARS, pattern=NON_BLANK, description="the document's id")]
 WRITE_ERRORS = (400, 409, 413, 422, 429, 501, 503)  # 501: a deployment that writes none (Ray replicas)
 
@@ -63,7 +64,7 @@ def router(write: Any, fields: type[DocumentFields], access: Access, limits: Doc
         summary=f"Write one document, or a batch of at most {limits.max_documents} ({limits.max_passages} passages in all)",
     )
     routes.add_api_route(
-        DOCUMENTS + "/files",
+        UPLOADS,
         upload_document,
         methods=["POST"],
         response_model=WrittenDocument,
