@@ -93,7 +93,7 @@ class LiveDatastore:
             try:
                 self._remove_stale()
                 self._wal = WriteAheadLog(self._wal_path(datastore), next_lsn=datastore.generation.lsn + 1)
-                records = self._wal.records
+                records = self._wal.take_records()
             except BaseException:
                 self.close()
                 raise
@@ -241,7 +241,7 @@ class LiveDatastore:
             carried = [record for record in read_log(self._wal.path).records if record.lsn > snapshot.lsn]
             wal = WriteAheadLog(self.root / wal_name(number), next_lsn=snapshot.lsn + 1)
             try:
-                if wal.records:
+                if wal.take_records():
                     raise DatastoreError(f"{wal.path} holds writes already: a generation {number} was begun before")
                 wal.append([record.payload for record in carried])
                 wal.sync()

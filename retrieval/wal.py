@@ -111,7 +111,7 @@ class WriteAheadLog:
                 contents.torn_bytes,
                 contents.records[-1].lsn if contents.records else "none",
             )
-        self.records = contents.records  # what was in the log when it was opened; the caller replays them
+        self._records = contents.records  # what was in the log when it was opened, until the caller takes them
         created = not path.exists()
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -128,9 +128,15 @@ class WriteAheadLog:
         except BaseException:
             os.close(self._fd)
             raise
-        self.next_lsn = self.records[-1].lsn + 1 if self.records else next_lsn
+        self.next_lsn = self._records[-1].lsn + 1 if self._records else next_lsn
         self.bytes = contents.end
         self._lock = threading.Lock()
+
+    def take_records(self) -> list[LogRecord]:
+        """What the log held when it was opened, to replay: handed over once, not kept (a long log
+        holds every write's embeddings)."""
+        records, self._records = self._records, []
+        return records
 
     def append(self, payloads: list[bytes]) -> list[int]:
         """Append one record per payload (not yet durable: `sync`); their LSNs."""
