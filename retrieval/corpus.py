@@ -104,8 +104,8 @@ def read_wikipedia(path: Path | None = None) -> Iterator[Article]:
 @dataclass(frozen=True)
 class PassageShape:
     """How articles become passages and what of a passage the embedder reads; a datastore's
-    manifest records it. `telerag bench quality --retrieval-only` compares shapes (README,
-    "Passage shape")."""
+    manifest records it. `telerag bench quality --retrieval-only` compares shapes
+    (docs/benchmarks.md, "Passage shape")."""
 
     words: int = 100
     overlap: int = 0  # words each passage repeats from the end of the one before

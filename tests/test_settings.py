@@ -1,5 +1,5 @@
 """The settings' one source: `config/default.yaml` is generated from the models in
-`server/settings.py`, and the README's table names every setting; a value a setting cannot take
+`server/settings.py`, and the manual's table (docs/configuration.md) names every setting; a value a setting cannot take
 is refused in one line naming it, from the file, the environment or a flag, and `null` means
 None in all three."""
 
@@ -39,9 +39,9 @@ def test_the_default_file_holds_exactly_the_defaults(monkeypatch, tmp_path):
     assert listed | commented == set(every_setting()) and commented == {"retrieval.datastore"}
 
 
-def test_the_readme_documents_every_setting():
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    table = readme[readme.index("## Configuration") : readme.index("## Admission")]
+def test_the_manual_documents_every_setting():
+    manual = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
+    table = manual[manual.index("## Configuration") : manual.index("## Number type on the CPU")]
     documented: set[str] = set()
     for row in re.findall(r"^\| (`[^|]*) \|", table, re.M):
         names = re.findall(r"`([\w.*]+)`", row)
@@ -50,7 +50,7 @@ def test_the_readme_documents_every_setting():
             documented.add(name if "." in name else f"{section}.{name}")
     wildcards = {name.removesuffix(".*") for name in documented if name.endswith(".*")}
     missing = [s for s in every_setting() if s not in documented and s.split(".")[0] not in wildcards]
-    assert not missing, f"README's configuration table lacks {missing}"
+    assert not missing, f"the configuration table (docs/configuration.md) lacks {missing}"
 
 
 @pytest.mark.parametrize(

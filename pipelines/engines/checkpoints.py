@@ -87,6 +87,6 @@ def torch_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype | s
 
 def cpu_has_amx() -> bool:
     """Whether this CPU multiplies bfloat16 natively with AMX tiles (Intel Sapphire Rapids and
-    later), where `bfloat16` pays (README, "Number type on the CPU")."""
+    later), where `bfloat16` pays (docs/configuration.md, "Number type on the CPU")."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(probe and probe())
