@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from telerag.pipelines.errors import InvalidDocument, WritesBusy
+from telerag.pipelines.errors import DocumentsTooLarge, InvalidDocument, WritesBusy
 from telerag.pipelines.files import convert, file_format
 from telerag.retrieval.corpus import Article, Passage
 from telerag.retrieval.documents import DocumentDelete, DocumentEntry, DocumentUpsert, Write, WriteResult
@@ -77,8 +77,12 @@ Change = DocumentText | str  # a document to write, or the id of one to delete
 @dataclass
 class _Job:
     changes: list[Change]
-    passages: int
+    cuts: list[list[Passage]]  # each change's passages, cut once when it is asked for (a delete's: none)
     done: Future[list[WriteResult]] = field(default_factory=Future)
+
+    @property
+    def passages(self) -> int:
+        return sum(len(cut) for cut in self.cuts)
 
 
 Embed = Callable[[Sequence[str]], np.ndarray]  # passages' texts -> float32 (n, dim), as the datastore's embedder makes them
@@ -102,10 +106,6 @@ class DocumentWriter:
 
     # -- reading ----------------------------------------------------------------------------------
 
-    def passages(self, document: DocumentText) -> int:
-        """How many passages `document` is cut into (as the datastore cuts its own)."""
-        return len(self._cut(document))
-
     def document(self, doc_id: str) -> DocumentEntry | None:
         return self.live.document(doc_id)
 
@@ -115,27 +115,34 @@ class DocumentWriter:
     def stats(self) -> LiveStats:
         return self.live.stats()
 
-    @property
-    def queued(self) -> int:
-        return self._queue.qsize()
-
     # -- writing --------------------------------------------------------------------------------
 
-    async def upsert(self, documents: Sequence[DocumentText]) -> list[WriteResult]:
-        return await self._submit(list(documents))
+    async def upsert(self, documents: Sequence[DocumentText], *, max_passages: int | None = None) -> list[WriteResult]:
+        """Write `documents`, refused (`DocumentsTooLarge`) if they are cut into more than
+        `max_passages` passages in all."""
+        return await self._submit(self._job(documents, max_passages))
 
     async def delete(self, doc_ids: Sequence[str]) -> list[WriteResult]:
-        return await self._submit(list(doc_ids))
+        return await self._submit(self._job(doc_ids))
 
     def write_now(self, changes: Sequence[Change]) -> list[WriteResult]:
         """`changes` written in the calling thread (the command line over a datastore directory)."""
-        results = self._write([_Job(list(changes), 0)])[0]
+        results = self._write([self._job(changes)])[0]
         self.on_written()
         return results
 
-    async def _submit(self, changes: list[Change]) -> list[WriteResult]:
+    def _job(self, changes: Sequence[Change], max_passages: int | None = None) -> _Job:
+        cuts = [[] if isinstance(change, str) else self._cut(change) for change in changes]
+        job = _Job(list(changes), cuts)
+        if max_passages is not None and job.passages > max_passages:
+            raise DocumentsTooLarge(
+                f"the documents are cut into {job.passages} passages, over documents.max_passages ({max_passages}): "
+                "write them in smaller batches"
+            )
+        return job
+
+    async def _submit(self, job: _Job) -> list[WriteResult]:
         self._start()
-        job = _Job(changes, sum(self.passages(c) for c in changes if isinstance(c, DocumentText)))
         try:
             self._queue.put_nowait(job)
         except queue.Full:
@@ -180,14 +187,14 @@ class DocumentWriter:
         to_embed: list[tuple[int, list[str]]] = []  # (the write's index, what the embedder reads of its passages)
         hashes: dict[str, str | None] = {}  # each document's content hash after the batch's earlier writes
         for job in batch:
-            for change in job.changes:
+            for change, cut in zip(job.changes, job.cuts, strict=True):
                 if isinstance(change, str):
                     writes.append(DocumentDelete(change))
                     hashes[change] = None
                     continue
                 current = hashes[change.doc_id] if change.doc_id in hashes else self._hash_of(change.doc_id)
                 hashes[change.doc_id] = change.content_hash
-                passages = [] if current == change.content_hash else self._cut(change)
+                passages = [] if current == change.content_hash else cut
                 if passages:
                     to_embed.append((len(writes), [shape.embedding_text(p) for p in passages]))
                 texts = tuple(p.text for p in passages)

@@ -92,3 +92,9 @@ class RebuildRunning(PipelineError):
     """A compaction or retrain was asked for while one runs."""
 
     code = "rebuild_running"
+
+
+class DocumentsTooLarge(PipelineError):
+    """A write whose documents are cut into more passages than one request may write."""
+
+    code = "documents_too_large"

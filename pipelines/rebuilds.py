@@ -84,8 +84,8 @@ class Rebuilds:
         """Begin a compaction if the rows added and deleted since the generation passed the share."""
         if self.compact_share is None or not self.live.writable:
             return
-        stats = self.live.stats()
-        churned = stats.delta_rows + stats.tombstones
+        snapshot = self.live.snapshot()
+        churned = len(snapshot.delta) + len(snapshot.deleted)
         if churned >= max(MIN_COMPACT_ROWS, self.compact_share * max(1, self.live.datastore.n_vectors)):
             with contextlib.suppress(RebuildRunning):  # one runs already: it folds these rows in too, or the next will
                 self.start(RebuildKind.COMPACT, automatic=True)

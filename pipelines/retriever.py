@@ -251,12 +251,11 @@ class DirectRetriever:
         starts = np.concatenate(([0], np.cumsum([len(r.queries) for r in requests])))
         outcomes: list[SearchOutcome | None] = [None] * len(requests)
         latest = self.live.snapshot()  # for the callers that name none: every write acknowledged before this batch
-        by_setting: dict[tuple[int, int, bool, Snapshot], list[int]] = {}
+        by_setting: dict[tuple[int, int | None, bool, Snapshot], list[int]] = {}
         for index, request in enumerate(requests):
-            nprobe = request.options.nprobe or self.engine.nprobe
-            setting = (request.options.top_k, nprobe, request.options.prefetch, request.options.snapshot or latest)
-            by_setting.setdefault(setting, []).append(index)
-        for (top_k, nprobe, use_cache, snapshot), members in by_setting.items():
+            options = request.options
+            by_setting.setdefault((options.top_k, options.nprobe, options.prefetch, options.snapshot or latest), []).append(index)
+        for (top_k, asked_nprobe, use_cache, snapshot), members in by_setting.items():
             rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in members])
             handles = [
                 ticket.handle if (ticket := requests[i].ticket) is not None else None
@@ -265,6 +264,7 @@ class DirectRetriever:
             ]
             provisional = self._provisional([requests[i] for i in members], snapshot)
             engine = self.engine_for(snapshot.datastore)
+            nprobe = asked_nprobe or engine.nprobe  # the default of the snapshot's generation (a retrain's nlist may differ)
             handles = [_of_engine(handle, engine) for handle in handles]
             result = search_snapshot(
                 engine,

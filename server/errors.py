@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from telerag.pipelines.errors import (
+    DocumentsTooLarge,
     EmbedderError,
     EngineError,
     EngineOverloaded,
@@ -161,12 +162,6 @@ class DocumentNotFound(ServerError):
     """No document of that id in the datastore."""
 
     code = "document_not_found"
-
-
-class DocumentsTooLarge(ServerError):
-    """A write whose documents are cut into more passages than one request may write."""
-
-    code = "documents_too_large"
 
 
 class DocumentsUnavailable(ServerError):

@@ -13,6 +13,7 @@ import faiss
 import numpy as np
 import pytest
 
+from telerag.benchmarks.ingest import FaissReplay
 from telerag.retrieval.builder import assign_lists, order_centroids, train_centroids, write_clustered
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.compaction import write_generation
@@ -47,23 +48,14 @@ def passage_datastore(path: Path, *, n: int = 600, dim: int = 16, nlist: int = 1
     return Datastore.load(path)
 
 
-class Reference:
-    """faiss's own IVF over the same centroids and codes: the generation's codes added to its
-    lists as they lie, then every write as `add_with_ids` and `remove_ids`."""
+class Reference(FaissReplay):
+    """faiss's own IVF over the same centroids and codes (`FaissReplay`: the generation's codes added
+    to its lists as they lie), then every write as `add_with_ids` and `remove_ids`."""
 
     def __init__(self, ds: Datastore, documents: dict[str, tuple[int, ...]]) -> None:
         """`documents`: each document's ids in the generation."""
-        self.documents = dict(documents)
+        super().__init__(ds, documents)
         self.codec, self.params = ds.codec, ds.codec_params
-        self.index, self._quantizer = ds.codec.empty_faiss_index(ds.centroids, ds.codec_params)
-        invlists = faiss.downcast_InvertedLists(self.index.invlists)
-        for cluster in range(ds.nlist):
-            start, end = int(ds.offsets[cluster]), int(ds.offsets[cluster + 1])
-            if end > start:
-                ids = np.arange(start, end, dtype=np.int64)
-                codes = np.ascontiguousarray(ds.vectors[start:end]).view(np.uint8)
-                invlists.add_entries(cluster, end - start, faiss.swig_ptr(ids), faiss.swig_ptr(codes))
-        self.index.ntotal = ds.n_vectors
 
     def apply(self, writes, results) -> None:
         """The writes that changed something: the document's old ids removed, its new vectors added."""

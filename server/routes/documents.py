@@ -34,7 +34,7 @@ from telerag.server.documents_protocol import (
     WrittenDocument,
     WrittenDocuments,
 )
-from telerag.server.errors import DocumentNotFound, DocumentsTooLarge, InvalidField
+from telerag.server.errors import DocumentNotFound, InvalidField
 from telerag.server.metrics import Metrics
 from telerag.server.routes.signature import typed
 from telerag.server.service import Service, serving
@@ -201,14 +201,8 @@ async def delete_document(
 
 async def _write(request: Request, documents: DocumentWriter, texts: list[DocumentText]) -> list[WriteResult]:
     limits: DocumentSettings = request.app.state.service.settings.documents
-    passages = sum(documents.passages(text) for text in texts)
-    if passages > limits.max_passages:
-        raise DocumentsTooLarge(
-            f"the documents are cut into {passages} passages, over documents.max_passages ({limits.max_passages}): "
-            "write them in smaller batches"
-        )
     started = time.perf_counter()
-    results = await documents.upsert(texts)
+    results = await documents.upsert(texts, max_passages=limits.max_passages)
     _observe(request, results, started)
     return results
 
