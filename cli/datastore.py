@@ -1,4 +1,5 @@
-"""`telerag datastore build`: a datastore from a JSONL corpus or the built-in Wikipedia;
+"""`telerag datastore build`: a datastore ingested from a JSONL corpus or the built-in Wikipedia
+(`pipelines.ingestion`: a sample, then the rest written as documents, then retrained);
 `telerag datastore upgrade`: what a datastore written by an older telerag lacks, added beside its files;
 `telerag datastore info`: a datastore as its writes have left it (documents, log, list imbalance);
 `telerag datastore compact|retrain`: a new generation of its files (in a directory, or a server's)."""
@@ -12,13 +13,18 @@ import os
 import time
 from pathlib import Path
 
-from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import WIKIPEDIA_SOURCE, PassageShape, read_jsonl, read_wikipedia
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("build", help="embed a corpus, train the IVF index and write a datastore")
+    parser = subparsers.add_parser(
+        "build",
+        help="ingest a corpus into a new datastore",
+        description="Embeds a sample of the corpus's documents drawn at random and trains the IVF lists on it, writes "
+        "the rest as documents are written (a block at a time, each durable once written), then trains the lists "
+        "again on all of them.",
+    )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--corpus", type=Path, help="JSONL file with id, title, text per line")
     source.add_argument("--wikipedia", action="store_true", help="the built-in English Wikipedia summaries")
@@ -38,7 +44,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="embed the article's title in front of each passage",
     )
     parser.add_argument("--codec", choices=[c.value for c in Codec], default=Codec.FP32.value)
-    parser.add_argument("--batch-size", type=int, default=1024, help="passages per embedding call")
+    parser.add_argument("--batch-size", type=int, default=1024, help="passages per embedding call (and per block written)")
+    parser.add_argument(
+        "--sample-passages",
+        type=int,
+        help="passages of the documents drawn at random to train the first lists on (default: 1024, pipelines.ingestion)",
+    )
     parser.add_argument("--overwrite", action="store_true")
     parser.set_defaults(func=run)
 
@@ -155,22 +166,30 @@ def run_upgrade(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from telerag.pipelines.embedder import Embedder
+    from telerag.pipelines.ingestion import SAMPLE_PASSAGES, IngestionRecord, corpus_documents, ingest, write_seed
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     shape = PassageShape(words=args.passage_words, overlap=args.passage_overlap, title=args.title)  # checked before loading
+    sample_passages = SAMPLE_PASSAGES if args.sample_passages is None else args.sample_passages
+    if args.batch_size < 1 or sample_passages < 1:
+        raise SystemExit("telerag datastore build: --batch-size and --sample-passages must be at least 1")
     embedder = Embedder(args.embedder, device=args.device) if args.embedder else Embedder.embedded_default(device=args.device)
-    articles = read_jsonl(args.corpus) if args.corpus else read_wikipedia()
-    path = build_datastore(
-        shape.split(articles),
+    documents = corpus_documents(read_jsonl(args.corpus) if args.corpus else read_wikipedia())
+    path = write_seed(
+        args.out,
+        documents,
         embedder.encode,
         embedder=embedder.name,
-        out_dir=args.out,
-        nlist=args.nlist,
-        codec=Codec(args.codec),
-        batch_size=args.batch_size,
-        source=str(args.corpus) if args.corpus else WIKIPEDIA_SOURCE,
+        source=str(args.corpus.resolve()) if args.corpus else WIKIPEDIA_SOURCE,
         shape=shape,
+        codec=Codec(args.codec),
+        nlist=args.nlist,
+        sample_passages=sample_passages,
+        batch_size=args.batch_size,
         overwrite=args.overwrite,
     )
+    record = IngestionRecord.read(path)
+    if record is not None and not record.done:
+        ingest(path, documents, embedder.encode, record, block_passages=args.batch_size)
     print(f"datastore written to {path}")
     return 0

@@ -1,6 +1,6 @@
-"""Opening the datastore the pipelines search: the built-in Wikipedia one built on the embedded
-default's first run, every datastore checked against the embedder that will search it, and live
-(every write since it was built replayed; writable by the one process that holds it)."""
+"""Opening the datastore the pipelines search: the built-in Wikipedia one ingested on the embedded
+default's first run (`ingestion`), every datastore checked against the embedder that will search
+it, and live (every write since it was built replayed; writable by the one process that holds it)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from telerag.pipelines.ingestion import corpus_documents, finish_ingestion, ingestion_pending, write_seed
 from telerag.pipelines.retriever import DirectRetriever, TextEncoder
-from telerag.retrieval.builder import build_datastore
-from telerag.retrieval.corpus import WIKIPEDIA_SOURCE, PassageShape, read_wikipedia
+from telerag.retrieval.corpus import WIKIPEDIA_SOURCE, read_wikipedia
 from telerag.retrieval.datastore import LIST_STATS, MANIFEST, Datastore, Manifest
 from telerag.retrieval.datastore_writer import add_list_stats
 from telerag.retrieval.early_stop import require_list_stats
@@ -22,19 +22,11 @@ from telerag.retrieval.live import LiveDatastore
 log = logging.getLogger(__name__)
 
 
-def build_wikipedia_datastore(path: Path, embedder: TextEncoder) -> Path:
-    """The built-in Wikipedia datastore at `path` (first run of the embedded default): only into
-    a new or empty directory, never over a user's files."""
-    log.info("building the Wikipedia datastore at %s (first run; cached afterwards)", path)
-    shape = PassageShape()
-    return build_datastore(
-        shape.split(read_wikipedia()),
-        embedder.encode,
-        embedder=embedder.name,
-        out_dir=path,
-        source=WIKIPEDIA_SOURCE,
-        shape=shape,
-    )
+def seed_wikipedia_datastore(path: Path, embedder: TextEncoder) -> Path:
+    """The seed of the built-in Wikipedia datastore at `path` (first run of the embedded default;
+    the rest of it follows, `ingestion`): only into a new or empty directory, never over a user's files."""
+    log.info("ingesting the Wikipedia datastore at %s (first run; kept afterwards): a sample first", path)
+    return write_seed(path, corpus_documents(read_wikipedia()), embedder.encode, embedder=embedder.name, source=WIKIPEDIA_SOURCE)
 
 
 def load_datastore(
@@ -42,14 +34,17 @@ def load_datastore(
     embedder: TextEncoder,
     *,
     build_if_missing: bool = False,
+    ingest_now: bool = True,
     verify_checksums: bool = True,
     early_stop: bool = False,
     on_step: Callable[[str], None] = lambda step: None,
 ) -> Datastore:
     """The one way a datastore is opened for searching with `embedder`: the built-in Wikipedia
-    one is built at `path` first if there is none there and `build_if_missing`; then it is
-    loaded, refused (`DatastoreMismatchError`) if it was built with another embedder or holds
-    vectors of another dimension, and its files checked. `on_step` hears each step begin.
+    one is begun at `path` first if there is none there and `build_if_missing` (its seed); with
+    `ingest_now`, an ingestion that has not ended is taken to its end here (a server passes False:
+    it writes the rest in the background, `ingestion.Ingestion`); then the datastore is loaded,
+    refused (`DatastoreMismatchError`) if it was built with another embedder or holds vectors of
+    another dimension, and its files checked. `on_step` hears each step begin.
 
     With `early_stop`, a datastore without the list statistics early stop needs (written
     before they were stored) is refused in one line naming `telerag datastore upgrade`; except
@@ -58,8 +53,11 @@ def load_datastore(
     server would have built it here (`add_list_stats`: one new file, nothing else changed)."""
     path = Path(path).expanduser()
     if build_if_missing and not (path / MANIFEST).is_file():
-        on_step("building datastore (first run)")
-        build_wikipedia_datastore(path, embedder)
+        on_step("embedding a first sample of the datastore (first run)")
+        seed_wikipedia_datastore(path, embedder)
+    if ingest_now and (path / MANIFEST).is_file() and ingestion_pending(path):
+        on_step("ingesting the rest of the datastore")
+        finish_ingestion(path, embedder.encode)
     if early_stop and build_if_missing:
         manifest = Manifest.read(path)
         if LIST_STATS not in manifest.files and manifest.source == WIKIPEDIA_SOURCE:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from telerag.pipelines.errors import RebuildRunning
+from telerag.retrieval.errors import DatastoreError
 from telerag.retrieval.live import LiveDatastore, Rebuilt
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,22 @@ class Rebuilds:
             self._thread = threading.Thread(target=self._run, args=(kind, nlist), name=f"telerag-{kind.value}", daemon=True)
             self._thread.start()
             return self._last
+
+    def run(self, kind: RebuildKind, *, nlist: int | None = None) -> Rebuilt:
+        """Begin a rebuild by itself once none runs, and wait for it to end: what it made
+        (`DatastoreError`, with its reason, if it failed)."""
+        while True:
+            self.join()
+            try:
+                self.start(kind, nlist=nlist, automatic=True)
+                break
+            except RebuildRunning:  # another began between: wait for that one too
+                continue
+        self.join()
+        last = self._last
+        if last is None or last.result is None:
+            raise DatastoreError(f"{self.live.where}: the {kind.value} failed: {last.error if last else 'not begun'}")
+        return last.result
 
     def after_writes(self) -> None:
         """Begin a compaction if the rows added and deleted since the generation passed the share."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +15,7 @@ from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Passage, PassageShape
 from telerag.retrieval.datastore import Manifest
 from telerag.retrieval.datastore_writer import check_target, write_datastore
+from telerag.retrieval.documents import DocumentEntry
 from telerag.retrieval.errors import CorpusError, DatastoreError
 from telerag.utils.progress import ProgressBar
 
@@ -126,16 +127,28 @@ def write_clustered(
     passages: Sequence[Passage] | None = None,
     source: str = "",
     shape: PassageShape | None = None,
+    content_hashes: Mapping[str, str] | None = None,
+    extra_files: Mapping[str, bytes] | None = None,
     overwrite: bool = False,
     progress: bool = False,
 ) -> Path:
-    """Reorder centroids for locality, sort vectors (and passages) by list, and write the datastore."""
+    """Reorder centroids for locality, sort vectors (and passages) by list, and write the datastore.
+    `content_hashes`: each document's (`pipelines.documents.DocumentText.content_hash`), kept
+    with its passages' ids in `documents.jsonl`, so that writing the same document again later
+    changes nothing (a passage's id is then its place in `passages`, so that a document's ids run
+    in the order of its passages, as a written document's do); None: the documents are read from
+    the passages when needed, with no hash (and a passage's id is its row).
+    `extra_files`: as `write_datastore`'s."""
     nlist, dim = centroids.shape
     layout = lay_out_clusters(centroids, lists)
     params = codec.train(vectors)
     ordered_passages: Iterable[Passage] | None = None
+    documents: list[DocumentEntry] | None = None
+    ids: np.ndarray | None = None
     if passages is not None:
         ordered_passages = (passages[i] for i in layout.perm)
+        if content_hashes is not None:
+            documents, ids = _documents(passages, content_hashes), layout.perm
     manifest = Manifest(
         embedder=embedder,
         dim=dim,
@@ -156,9 +169,25 @@ def write_clustered(
         vectors=ClusterOrdered(vectors, layout.perm, codec, params),
         passages=ordered_passages,
         codec_params=params,
+        ids=ids,
+        documents=documents,
+        extra_files=extra_files,
         overwrite=overwrite,
         progress=progress,
     )
+
+
+def _documents(passages: Sequence[Passage], content_hashes: Mapping[str, str]) -> list[DocumentEntry]:
+    """The documents of `passages` (a passage's id its place among them), by id."""
+    ids: dict[str, list[int]] = {}
+    titles: dict[str, str] = {}
+    for passage_id, passage in enumerate(passages):
+        ids.setdefault(passage.doc_id, []).append(passage_id)
+        titles.setdefault(passage.doc_id, passage.title)
+    return [
+        DocumentEntry(doc_id, titles[doc_id], 1, tuple(ids[doc_id]), content_hashes[doc_id], {}, 0, None)
+        for doc_id in sorted(ids)
+    ]
 
 
 def build_datastore(
@@ -172,13 +201,16 @@ def build_datastore(
     batch_size: int = 1024,  # texts per encode call: the embedder sorts each call by length, so bigger calls pad less
     source: str = "",
     shape: PassageShape | None = None,
+    content_hashes: Mapping[str, str] | None = None,
+    extra_files: Mapping[str, bytes] | None = None,
     overwrite: bool = False,
     progress: bool = True,
     seed: int = 1234,
 ) -> Path:
     """Embed `passages` with `encode`, train an IVF over them and write the datastore to `out_dir`
     (refused at once, before the embedding, if `out_dir` may not be written). `shape`: how the
-    passages were cut and what of each to embed (None: its text, shape unrecorded)."""
+    passages were cut and what of each to embed (None: its text, shape unrecorded);
+    `content_hashes` and `extra_files`: as `write_clustered`'s."""
     check_target(out_dir, overwrite=overwrite)
     items = list(passages)
     embedding_text = shape.embedding_text if shape else (lambda passage: passage.text)
@@ -208,6 +240,8 @@ def build_datastore(
         passages=items,
         source=source,
         shape=shape,
+        content_hashes=content_hashes,
+        extra_files=extra_files,
         overwrite=overwrite,
         progress=progress,
     )

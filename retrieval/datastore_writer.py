@@ -13,7 +13,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Protocol
@@ -26,6 +26,7 @@ from telerag.retrieval.datastore import (
     CENTROIDS,
     CODEC_PARAMS,
     DOCUMENTS,
+    FILES,
     IDS,
     LIST_STATS,
     MANIFEST,
@@ -140,6 +141,7 @@ def write_datastore(
     codec_params: np.ndarray | None = None,
     ids: np.ndarray | None = None,
     documents: Iterable[DocumentEntry] | None = None,
+    extra_files: Mapping[str, bytes] | None = None,
     overwrite: bool = False,
     progress: bool = False,
 ) -> Path:
@@ -148,8 +150,10 @@ def write_datastore(
     `vectors` must already be cluster-contiguous and encoded with `manifest.codec` (and its
     `codec_params`, for a codec that has them); they are read and written a block at a time.
     `ids`: each row's passage id (`ids.npy`; None: a row's id is its row); `documents`: the
-    documents a live datastore holds (`documents.jsonl`; None: they are read from the passages).
-    `progress` shows a bar for writing them and for the checksums, which read every byte.
+    documents a live datastore holds (`documents.jsonl`; None: they are read from the passages);
+    `extra_files`: files of the datastore's own that change after it is written (an ingestion's
+    record), written with the rest but not in its manifest. `progress` shows a bar for writing them
+    and for the checksums, which read every byte.
     """
     out_dir = Path(out_dir)
     codec = Codec(manifest.codec)
@@ -163,6 +167,9 @@ def write_datastore(
         raise DatastoreError("centroids / offsets do not match the manifest's nlist and dim")
     if offsets[0] != 0 or offsets[-1] != manifest.n_vectors or np.any(np.diff(offsets) < 0):
         raise DatastoreError("offsets must rise from 0 to n_vectors")
+    extra_files = extra_files or {}
+    if any(name in FILES or not is_datastore_file(name) for name in extra_files):
+        raise DatastoreError(f"not a datastore's own file beside its generation's: {sorted(extra_files)}")
     check_target(out_dir, overwrite=overwrite)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_siblings(out_dir)
@@ -185,6 +192,9 @@ def write_datastore(
                 manifest.files[file.name] = {"bytes": file.stat().st_size, "sha256": file_sha256(file, bar)}
         (tmp / MANIFEST).write_text(json.dumps(asdict(manifest), indent=2), encoding="utf-8")
         fsync_path(tmp / MANIFEST)
+        for name, data in extra_files.items():
+            (tmp / name).write_bytes(data)
+            fsync_path(tmp / name)
         check_target(out_dir, overwrite=overwrite)  # again: the directory may have changed during the build
         if out_dir.is_dir() and not any(out_dir.iterdir()):
             out_dir.rmdir()

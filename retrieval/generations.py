@@ -22,6 +22,7 @@ from telerag.utils.files import write_by_rename
 
 POINTER = "live.json"
 LOCK = "live.lock"  # held (flock) by the process that writes the datastore
+INGESTION = "ingestion.json"  # how far a corpus's ingestion into the datastore is (`pipelines.ingestion`)
 _GENERATION_DIR = re.compile(r"gen-(\d{6})")
 _WAL = re.compile(r"wal-(\d{6})\.log")
 
@@ -47,7 +48,7 @@ def generation_dir(root: Path, number: int) -> Path:
 
 def is_generation_file(name: str) -> bool:
     """Whether `name`, in a datastore directory, is one of the files or folders of its generations."""
-    return name in (POINTER, LOCK) or bool(_GENERATION_DIR.fullmatch(name) or _WAL.fullmatch(name))
+    return name in (POINTER, LOCK, INGESTION) or bool(_GENERATION_DIR.fullmatch(name) or _WAL.fullmatch(name))
 
 
 def read_generation(root: Path) -> Generation:

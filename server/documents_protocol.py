@@ -4,14 +4,16 @@ schema says what the server takes."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, create_model
 
 from telerag.pipelines.documents import NON_BLANK, DocumentText, DocumentWriter
+from telerag.pipelines.ingestion import Ingestion
 from telerag.pipelines.rebuilds import Rebuild
 from telerag.retrieval.documents import DocumentEntry, WriteOutcome, WriteResult
-from telerag.server.protocol import LiveInfo
+from telerag.server.protocol import IngestionInfo, LiveInfo
 from telerag.server.settings import DocumentSettings
 
 MAX_ID_CHARS = 512
@@ -159,9 +161,10 @@ class DeletedDocument(BaseModel):
         return cls(id=result.doc_id, lsn=result.lsn)
 
 
-def live_info(writer: DocumentWriter) -> LiveInfo:
-    """The datastore's writes as `/ready` and `/v1/datastore` report them."""
+def live_info(writer: DocumentWriter, ingestion: Ingestion | None) -> LiveInfo:
+    """The datastore's writes (and its ingestion, if one goes on) as `/ready` and `/v1/datastore` report them."""
     stats = writer.stats()
+    progress = None if ingestion is None else ingestion.progress
     return LiveInfo(
         writable=writer.live.writable,
         generation=stats.generation,
@@ -172,6 +175,7 @@ def live_info(writer: DocumentWriter) -> LiveInfo:
         tombstones=stats.tombstones,
         wal_bytes=stats.wal_bytes,
         list_imbalance=round(stats.imbalance, 3),
+        ingestion=None if progress is None else IngestionInfo(**dataclasses.asdict(progress)),
     )
 
 

@@ -118,7 +118,8 @@ async def serve(settings: Settings) -> int:
 
 async def _load(settings: Settings, lifecycle: Lifecycle, metrics: Metrics) -> Service:
     """The service over the loaded runtime, warmed up (unless `server.warm_up` is off: see
-    `Service.warm_up`)."""
+    `Service.warm_up`), then the rest of its datastore's corpus written while it serves (on the
+    embedded default's first run: `Runtime.ingestion`)."""
     # imported here, in a thread: it brings torch (seconds), and `/health` answers meanwhile.
     # The module's attribute is looked up, not imported by name: a test launcher may replace it.
     lifecycle.loading("loading libraries")
@@ -132,6 +133,8 @@ async def _load(settings: Settings, lifecycle: Lifecycle, metrics: Metrics) -> S
         except BaseException:
             await runtime.close()
             raise
+    if runtime.ingestion is not None:
+        runtime.ingestion.start()
     return service
 
 

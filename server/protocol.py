@@ -297,6 +297,18 @@ class TierState(BaseModel):
     status: str = Field(description="Ray Serve's: HEALTHY, UPDATING, UPSCALING, DOWNSCALING, UNHEALTHY, ...")
 
 
+class IngestionInfo(BaseModel):
+    """A corpus being written into the datastore while it serves (the embedded default's first run)."""
+
+    source: str = Field(description="the corpus")
+    state: Literal["ingesting", "retraining", "done", "failed"] = Field(
+        description="retraining: every document is written and the centroids are trained again on them all"
+    )
+    documents: int = Field(description="the corpus's documents written so far")
+    total_documents: int
+    error: str | None = Field(None, description="failed: why (the next start goes on from the last block written)")
+
+
 class LiveInfo(BaseModel):
     """The datastore's writes: how far its log is, what it holds now, how even its lists are."""
 
@@ -309,6 +321,9 @@ class LiveInfo(BaseModel):
     tombstones: int = Field(description="deleted rows still in its files or delta (filtered in the scan)")
     wal_bytes: int
     list_imbalance: float = Field(description="the largest IVF list over the mean list (1: even)")
+    ingestion: IngestionInfo | None = Field(
+        None, description="the corpus being written into it while it serves (null: none since this server started)"
+    )
 
 
 class Ready(BaseModel):

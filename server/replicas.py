@@ -347,5 +347,9 @@ class ReplicaRuntime:
     def rebuilds(self) -> None:
         return None
 
+    @property
+    def ingestion(self) -> None:
+        return None
+
     async def close(self) -> None:
         return None

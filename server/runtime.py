@@ -19,9 +19,10 @@ from telerag.pipelines.datastores import load_datastore, open_retriever
 from telerag.pipelines.documents import DocumentWriter
 from telerag.pipelines.embedder import Embedder
 from telerag.pipelines.errors import EmbedderError, EngineUnavailable
+from telerag.pipelines.ingestion import Ingestion, resumed_ingestion
 from telerag.pipelines.pipelining import PipeliningConfig
 from telerag.pipelines.rag.base import RagPipeline
-from telerag.pipelines.rebuilds import Rebuilds
+from telerag.pipelines.rebuilds import RebuildKind, Rebuilds
 from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.retriever import DirectRetriever, TextEncoder
 from telerag.pipelines.search_budget import SearchBudget
@@ -50,6 +51,7 @@ class Runtime:
     closers: list[Callable[[], Any]] = field(default_factory=list)
     documents: DocumentWriter | None = None  # what writes documents into the datastore (None: no live datastore)
     rebuilds: Rebuilds | None = None  # what compacts and retrains it
+    ingestion: Ingestion | None = None  # the rest of its corpus, written while it serves (None: nothing left to write)
 
     def pipelines(self, retriever: Retriever, names: Sequence[str] | None = None) -> dict[str, RagPipeline]:
         """The pipelines over this engine and `retriever`, each starting from its expected
@@ -176,15 +178,20 @@ def open_retrieval(settings: Settings) -> DirectRetriever:
 
 
 def load_configured_datastore(
-    retrieval: RetrievalSettings, embedder: Embedder, on_step: Callable[[str], None] = lambda step: None
+    retrieval: RetrievalSettings,
+    embedder: Embedder,
+    on_step: Callable[[str], None] = lambda step: None,
+    *,
+    ingest_now: bool = True,
 ) -> Datastore:
     """The configured datastore, as serve, ask and every benchmark open it
-    (`pipelines.datastores.load_datastore`: built on the embedded default's first run, refused
-    in one line if `embedder` did not build it)."""
+    (`pipelines.datastores.load_datastore`: ingested on the embedded default's first run, all of
+    it unless not `ingest_now`; refused in one line if `embedder` did not build it)."""
     return load_datastore(
         retrieval.datastore,
         embedder,
         build_if_missing=retrieval.build_if_missing,
+        ingest_now=ingest_now,
         verify_checksums=retrieval.verify_checksums,
         early_stop=retrieval.early_stop,
         on_step=on_step,
@@ -239,13 +246,17 @@ async def load_runtime(
     An inference replica on a Ray cluster (`replicas.InferenceReplica`) gives the retrieval
     tier as `cpu_half`, and an `encoder` over the embedder that knows the vectors the ingress
     computed already. With `writable`, the runtime writes documents into its datastore (only one
-    process can: the one that serves it alone)."""
+    process can: the one that serves it alone), and an ingestion of it that has not ended (the
+    embedded default's first run) is left to `Runtime.ingestion`, to go on with while it serves;
+    without, it is taken to its end before the datastore is opened."""
     observer = observer or LogSteps()
     retrieval = settings.retrieval
     with observe_progress(observer.report):
         observer.loading("loading embedder")
         embedder = await _in_thread(load_embedder, retrieval)
-        datastore = await _in_thread(load_configured_datastore, retrieval, embedder, observer.loading)
+        datastore = await _in_thread(
+            functools.partial(load_configured_datastore, ingest_now=not writable), retrieval, embedder, observer.loading
+        )
         try:
             observer.loading("loading model")
             engine = await _in_thread(build_engine, settings)
@@ -272,6 +283,7 @@ async def load_runtime(
         max_queued=settings.documents.max_queued_writes,
         on_written=rebuilds.after_writes,
     )
+    ingestion = resumed_ingestion(documents, retrain=lambda nlist: rebuilds.run(RebuildKind.RETRAIN, nlist=nlist))
     runtime = Runtime(
         settings=settings,
         engine=engine,
@@ -279,9 +291,10 @@ async def load_runtime(
         datastore_info=retriever.datastore_info(),
         cache_stats=retriever.cache_stats,
         resident_clusters=retriever.resident_clusters,
-        closers=[documents.close, rebuilds.join, retriever.close],
+        closers=[*([ingestion.stop] if ingestion else []), documents.close, rebuilds.join, retriever.close],
         documents=documents,
         rebuilds=rebuilds,
+        ingestion=ingestion,
     )
     rebuilds.on_done = lambda _: setattr(runtime, "datastore_info", retriever.datastore_info())  # a retrain's nlist
     return runtime

@@ -36,7 +36,8 @@ from telerag.server.workload import DEFAULT_PASSAGE_WORDS, TOKENS_PER_WORD, Serv
 
 if TYPE_CHECKING:
     from telerag.pipelines.documents import DocumentWriter
-    from telerag.pipelines.rebuilds import Rebuilds
+    from telerag.pipelines.ingestion import Ingestion
+from telerag.pipelines.rebuilds import Rebuilds
 
 
 class ServedRuntime(Protocol):
@@ -70,6 +71,11 @@ class ServedRuntime(Protocol):
     @property
     def rebuilds(self) -> Rebuilds | None:
         """What compacts and retrains the datastore (None: this runtime writes none)."""
+        ...
+
+    @property
+    def ingestion(self) -> Ingestion | None:
+        """The rest of the datastore's corpus, written while it serves (None: none left, or none written here)."""
         ...
 
     async def close(self) -> None: ...

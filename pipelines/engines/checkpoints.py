@@ -3,11 +3,13 @@ a GGUF file converted to one once and kept in the telerag cache."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +24,13 @@ log = logging.getLogger(__name__)
 def converted_gguf(gguf: str | Path, *, cache_dir: str | Path | None = None) -> Path:
     """A transformers model directory (weights and tokenizer) converted from `gguf`.
 
-    transformers reads GGUF by dequantising every tensor, which takes over a minute on a CPU,
-    so it is done once and kept under `<cache>/models/<stem>-<sha256 prefix>`: a changed file
-    gets a new directory (hashing the file costs little beside the conversion it saves).
-    Written to a temporary directory and renamed, so a reader never sees half a model, and two
-    processes converting at once both end with the same complete one.
+    transformers reads GGUF by parsing its metadata (a vocabulary of 262k tokens for Gemma 3,
+    element by element) and dequantising every tensor, which takes tens of seconds on a CPU even
+    with the file parsed once (`_parsed_once`), so it is done once and kept under
+    `<cache>/models/<stem>-<sha256 prefix>`: a changed file gets a new directory (hashing the file
+    costs little beside the conversion it saves). Written to a temporary directory and renamed, so
+    a reader never sees half a model, and two processes converting at once both end with the same
+    complete one.
     """
     gguf = Path(gguf).expanduser()
     if not gguf.is_file():
@@ -41,9 +45,10 @@ def converted_gguf(gguf: str | Path, *, cache_dir: str | Path | None = None) -> 
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        log.info("tokenizer read; dequantising the weights ...")
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **_dequantized())
+        with _parsed_once():
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            log.info("tokenizer read; dequantising the weights ...")
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **_dequantized())
         log.info("weights read in %.0f s; saving ...", time.perf_counter() - started)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -58,6 +63,33 @@ def converted_gguf(gguf: str | Path, *, cache_dir: str | Path | None = None) -> 
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("converted %s in %.0f s", gguf.name, time.perf_counter() - started)
     return target
+
+
+@contextlib.contextmanager
+def _parsed_once() -> Iterator[None]:
+    """transformers parses a GGUF file three times to convert it (for the tokenizer, the model's
+    config and its weights: 20 s each on this project's 2-core machine for Gemma 3's vocabulary);
+    here the first parse of each file is kept and handed to the other two. transformers opens the
+    file with `gguf.GGUFReader(path)`, looked up in the `gguf` module at each call, so the module's
+    name is pointed at a reader that remembers, for the conversion only (this thread's and any
+    other's: a conversion runs once per process, and a reader is read-only)."""
+    import gguf
+
+    module: Any = gguf
+    reader = module.GGUFReader
+    parsed: dict[tuple[str, tuple[Any, ...]], Any] = {}
+
+    def read_once(path: os.PathLike[str] | str, *mode: Any) -> Any:
+        key = (os.fspath(path), mode)
+        if key not in parsed:
+            parsed[key] = reader(path, *mode)
+        return parsed[key]
+
+    module.GGUFReader = read_once
+    try:
+        yield
+    finally:
+        module.GGUFReader = reader
 
 
 def _dequantized() -> dict[str, Any]:

@@ -53,7 +53,9 @@ def rebuilds(service: Service = Depends(serving)) -> Rebuilds:
 
 async def datastore_state(service: Service = Depends(serving), rebuilds: Rebuilds = Depends(rebuilds)) -> DatastoreState:
     last = rebuilds.last
-    return DatastoreState(live=live_info(service.documents()), rebuild=None if last is None else RebuildOut.of(last))
+    return DatastoreState(
+        live=live_info(service.documents(), service.runtime.ingestion), rebuild=None if last is None else RebuildOut.of(last)
+    )
 
 
 async def compact(rebuilds: Rebuilds = Depends(rebuilds)) -> RebuildOut:
