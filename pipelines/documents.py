@@ -126,7 +126,8 @@ class DocumentWriter:
         return await self._submit(self._job(doc_ids))
 
     def write_now(self, changes: Sequence[Change]) -> list[WriteResult]:
-        """`changes` written in the calling thread (the command line over a datastore directory)."""
+        """`changes` written in the calling thread (the command line over a datastore directory, an
+        ingestion), beside the queue's writes (the datastore serialises them)."""
         results = self._write([self._job(changes)])[0]
         self.on_written()
         return results

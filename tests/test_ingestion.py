@@ -35,7 +35,7 @@ from tests.retrieval_helpers import HashEmbedder
 from tests.serving import save_tiny_lm, start_server
 from tests.tiny_models import tiny_embedder_dir
 
-WORDS = "river star piano bread flood orbit violin yeast delta comet concert dough".split()
+WORDS = ["river", "star", "piano", "bread", "flood", "orbit", "violin", "yeast", "delta", "comet", "concert", "dough"]
 
 
 def corpus(n: int, seed: int = 0) -> list[DocumentText]:
@@ -46,6 +46,14 @@ def corpus(n: int, seed: int = 0) -> list[DocumentText]:
         words = rng.choice(WORDS, size=int(rng.integers(40, 300))).tolist()
         documents.append(DocumentText(f"doc-{i:03d}", " ".join([f"doc{i}", *words]), f"Document {i}"))
     return documents
+
+
+def seed(path, documents, embedder, *, source="test", **options):
+    return write_seed(path, documents, embedder.encode, embedder=embedder.name, source=source, progress=False, **options)
+
+
+def write_corpus(path, documents) -> None:
+    path.write_text("\n".join(json.dumps({"id": d.doc_id, "title": d.title, "text": d.text}) for d in documents))
 
 
 def passages_of(documents: list[DocumentText]) -> dict[str, list[str]]:
@@ -76,9 +84,7 @@ def check_holds(path, documents: list[DocumentText], embedder: HashEmbedder) -> 
 
 def test_a_corpus_is_ingested_whole_and_retrained(tmp_path):
     documents, embedder = corpus(60), HashEmbedder()
-    path = write_seed(
-        tmp_path / "ds", documents, embedder.encode, embedder=embedder.name, source="test", sample_passages=25, progress=False
-    )
+    path = seed(tmp_path / "ds", documents, embedder, sample_passages=25)
     record = IngestionRecord.read(path)
     assert record == IngestionRecord("test", 60, 0, None, False)
     check_target(path, overwrite=True)  # its record is one of its own files: a datastore, which --overwrite may replace
@@ -99,9 +105,7 @@ def test_a_corpus_is_ingested_whole_and_retrained(tmp_path):
 
 def test_a_corpus_smaller_than_the_sample_is_one_datastore_with_no_ingestion(tmp_path):
     documents, embedder = corpus(12), HashEmbedder()
-    path = write_seed(
-        tmp_path / "ds", documents, embedder.encode, embedder=embedder.name, source="test", nlist=3, progress=False
-    )
+    path = seed(tmp_path / "ds", documents, embedder, nlist=3)
     assert not (path / INGESTION).exists() and not ingestion_pending(path)
     with opened(path) as live:
         assert live.generation == 0 and live.manifest.nlist == 3
@@ -110,9 +114,7 @@ def test_a_corpus_smaller_than_the_sample_is_one_datastore_with_no_ingestion(tmp
 
 def test_an_ingestion_stopped_part_way_goes_on_from_its_last_block(tmp_path):
     documents, embedder = corpus(50, seed=1), HashEmbedder()
-    path = write_seed(
-        tmp_path / "ds", documents, embedder.encode, embedder=embedder.name, source="test", sample_passages=10, progress=False
-    )
+    path = seed(tmp_path / "ds", documents, embedder, sample_passages=10)
     calls = []
 
     def failing(texts):
@@ -142,11 +144,9 @@ def test_what_opens_a_datastore_to_search_it_ingests_the_rest_first(tmp_path):
     embedder = HashEmbedder()
     source = tmp_path / "c.jsonl"
     documents = corpus(40, seed=2)
-    source.write_text("\n".join(json.dumps({"id": d.doc_id, "title": d.title, "text": d.text}) for d in documents))
+    write_corpus(source, documents)
     assert corpus_documents(read_jsonl(source)) == documents
-    path = write_seed(
-        tmp_path / "ds", documents, embedder.encode, embedder=embedder.name, source=str(source), sample_passages=20, progress=False
-    )
+    path = seed(tmp_path / "ds", documents, embedder, source=str(source), sample_passages=20)
     with opened(path, writable=True):  # a server holds it: it writes the rest itself; this opens what is written
         datastore = load_datastore(path, embedder)
         assert datastore.n_vectors < sum(len(t) for t in passages_of(documents).values())
@@ -159,9 +159,7 @@ def test_what_opens_a_datastore_to_search_it_ingests_the_rest_first(tmp_path):
 
 def test_an_ingestion_record_of_another_corpus_is_refused(tmp_path):
     documents, embedder = corpus(30), HashEmbedder()
-    path = write_seed(
-        tmp_path / "ds", documents, embedder.encode, embedder=embedder.name, source="test", sample_passages=10, progress=False
-    )
+    path = seed(tmp_path / "ds", documents, embedder, sample_passages=10)
     with opened(path, writable=True) as live, pytest.raises(DatastoreError, match="counts 30 documents"):
         Ingestion(DocumentWriter(live, embedder.encode), documents[:20], IngestionRecord.read(path), retrain=live.retrain)
 
@@ -174,10 +172,8 @@ def test_a_server_answers_from_the_seed_and_writes_the_rest_while_it_serves(tmp_
     embedder = Embedder(embedder_dir)
     source = tmp_path / "corpus.jsonl"
     documents = corpus(400, seed=3)
-    source.write_text("\n".join(json.dumps({"id": d.doc_id, "title": d.title, "text": d.text}) for d in documents))
-    path = write_seed(
-        tmp_path / "ds", documents, embedder.encode, embedder=embedder.name, source=str(source), sample_passages=40, progress=False
-    )
+    write_corpus(source, documents)
+    path = seed(tmp_path / "ds", documents, embedder, source=str(source), sample_passages=40)
     lm = save_tiny_lm(tmp_path / "lm")
     args = ["--model", str(lm), "--embedder", str(embedder_dir), "--datastore", str(path)]
     env = {"TELERAG_SERVER__WARM_UP": "false"}

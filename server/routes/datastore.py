@@ -54,7 +54,7 @@ def rebuilds(service: Service = Depends(serving)) -> Rebuilds:
 async def datastore_state(service: Service = Depends(serving), rebuilds: Rebuilds = Depends(rebuilds)) -> DatastoreState:
     last = rebuilds.last
     return DatastoreState(
-        live=live_info(service.documents(), service.runtime.ingestion), rebuild=None if last is None else RebuildOut.of(last)
+        live=live_info(service.documents(), service.ingestion_progress()), rebuild=None if last is None else RebuildOut.of(last)
     )
 
 

@@ -105,7 +105,7 @@ def _datastore(service: Service) -> DatastoreInfo:
 
 def _live(service: Service) -> LiveInfo | None:
     writer = service.runtime.documents
-    return None if writer is None else live_info(writer, service.runtime.ingestion)
+    return None if writer is None else live_info(writer, service.ingestion_progress())
 
 
 async def metrics(request: Request) -> Response:
