@@ -17,8 +17,10 @@ stamp="$VENV/.telerag-installed${EXTRAS:+-$EXTRAS}"
 want="$(sha256sum "$ROOT/pyproject.toml" | cut -d" " -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "==> installing telerag${EXTRAS:+[$EXTRAS]} into $VENV"
-  "$VENV/bin/python" -m pip install --quiet "torch==${TELERAG_TORCH_VERSION:-2.13.0}"
-  "$VENV/bin/python" -m pip install --quiet -e "$ROOT${EXTRAS:+[$EXTRAS]}"
+  # --no-compile: Python compiles a module when it is first imported, so only what is used gets
+  # compiled, not all of torch and transformers at install (measured: 112 s -> 52 s, pip's cache warm)
+  "$VENV/bin/python" -m pip install --quiet --no-compile "torch==${TELERAG_TORCH_VERSION:-2.13.0}"
+  "$VENV/bin/python" -m pip install --quiet --no-compile -e "$ROOT${EXTRAS:+[$EXTRAS]}"
   echo "$want" > "$stamp"
 fi
 export PATH="$VENV/bin:$PATH"
