@@ -48,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--sample-passages",
         type=int,
-        help="passages of the documents drawn at random to train the first lists on (default: 1024, pipelines.ingestion)",
+        help="passages of the documents drawn at random to train the first lists on (default: 512, pipelines.ingestion)",
     )
     parser.add_argument("--overwrite", action="store_true")
     parser.set_defaults(func=run)

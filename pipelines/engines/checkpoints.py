@@ -40,7 +40,7 @@ def converted_gguf(gguf: str | Path, *, cache_dir: str | Path | None = None) -> 
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log.info("converting %s to a transformers model, once (over a minute on a CPU); cached at %s", gguf.name, target)
+    log.info("converting %s to a transformers model, once (half a minute or more on a CPU); cached at %s", gguf.name, target)
     started = time.perf_counter()
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     shutil.rmtree(tmp, ignore_errors=True)
