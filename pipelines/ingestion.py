@@ -228,11 +228,11 @@ class Ingestion:
         remaining = record.documents - record.written
         if remaining:
             log.info(
-                "%s: writing the documents of %s from its %dth on (%d to go; those the datastore holds already are skipped)",
+                "%s: writing documents %d-%d of %s (those the datastore holds already are skipped)",
                 self.root,
-                record.source,
                 record.written + 1,
-                remaining,
+                record.documents,
+                record.source,
             )
         shape = self.writer.live.shape
         with ProgressBar[None](total=remaining, desc="ingest documents", unit="doc", disable=not self.show_progress) as bar:
