@@ -125,8 +125,10 @@ def _rebuild_on_server(url: str, api_key: str | None, kind: str, nlist: int | No
 
 
 def run_info(args: argparse.Namespace) -> int:
+    from telerag.pipelines.ingestion import IngestionRecord
     from telerag.retrieval.live import opened
 
+    record = IngestionRecord.read(args.path)
     with opened(args.path, verify_checksums=False) as live:
         manifest, stats = live.manifest, live.stats()
         sizes = live.snapshot().list_sizes()
@@ -145,6 +147,7 @@ def run_info(args: argparse.Namespace) -> int:
         "list_imbalance": round(stats.imbalance, 3),
         "largest_list": int(sizes.max()) if len(sizes) else 0,
         "empty_lists": int((sizes == 0).sum()),
+        "ingestion": "none" if record is None else "done" if record.done else f"{record.written} of {record.documents} documents",
     }
     if args.json:
         print(json.dumps(facts))

@@ -271,11 +271,14 @@ def ingest(
 ) -> bool:
     """The rest of `documents` written into the datastore at `path` here and now, a block of
     `block_passages` passages at a time, then retrained; False, saying so, while another process
-    holds it (a server, which writes them itself)."""
+    holds it (a server, which writes them itself) or where it cannot be written."""
     try:
         live = LiveDatastore.open(path, verify_checksums=False, writable=True)
     except DatastoreBusy:
         log.info("%s: another process holds it and writes the rest of %s into it; what is written serves", path, record.source)
+        return False
+    except OSError as exc:  # a read-only directory: what is written serves
+        log.warning("%s cannot be written (%s): the rest of %s cannot be ingested here", path, exc, record.source)
         return False
     try:
         ingestion = Ingestion(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -64,29 +65,35 @@ class _PrefixCacheCollector(Collector):
             yield family
 
 
+@dataclass(frozen=True)
+class LiveReport:
+    """What the metrics read of a live datastore at scrape time."""
+
+    stats: LiveStats
+    rebuilds_ended: Mapping[tuple[str, str], int]  # compactions and retrains that ended, by (kind, state)
+    ingestion: IngestionProgress | None  # the corpus being written into it (None: none since the server started)
+
+
 class _LiveCollector(Collector):
     """Reads the live datastore's state, its rebuilds' count and its ingestion's progress at scrape
     time; nothing for a runtime without one."""
 
-    def __init__(
-        self,
-        stats: Callable[[], LiveStats | None],
-        rebuilds: Callable[[], Mapping[tuple[str, str], int]],
-        ingestion: Callable[[], IngestionProgress | None],
-    ) -> None:
-        self.stats, self.rebuilds, self.ingestion = stats, rebuilds, ingestion
+    def __init__(self, live: Callable[[], LiveReport | None]) -> None:
+        self.live = live
 
     def collect(self):
-        s = self.stats()
-        if s is None:
+        report = self.live()
+        if report is None:
             return
+        s = report.stats
         ended = CounterMetricFamily(
             "telerag_datastore_rebuilds", "compactions and retrains that ended, by kind and state", labels=["kind", "state"]
         )
         for kind in ("compact", "retrain"):
             for state in ("done", "failed"):
-                ended.add_metric([kind, state], float(self.rebuilds().get((kind, state), 0)))
+                ended.add_metric([kind, state], float(report.rebuilds_ended.get((kind, state), 0)))
         yield ended
+        ingestion = report.ingestion
         for name, value, doc in (
             ("documents", s.documents, "documents in the datastore"),
             ("passages", s.passages, "passages (rows) in the datastore"),
@@ -100,30 +107,22 @@ class _LiveCollector(Collector):
             ("datastore_delta_rows", s.delta_rows, "rows added since the datastore's files were written"),
             ("datastore_tombstones", s.tombstones, "deleted rows still in the datastore's files or delta (filtered in the scan)"),
             ("datastore_list_imbalance", s.imbalance, "the largest IVF list over the mean list (appends keep the centroids)"),
+            (
+                "ingestion_documents_remaining",
+                0 if ingestion is None else ingestion.total_documents - ingestion.documents,
+                "documents of a corpus being ingested into the datastore not written yet (0: none)",
+            ),
         ):
             family = GaugeMetricFamily(f"telerag_{name}", doc)
             family.add_metric([], float(value))
-            yield family
-        progress = self.ingestion()
-        if progress is not None:
-            family = GaugeMetricFamily(
-                "telerag_ingestion_documents_remaining", "documents of the corpus being ingested not written yet (0: all written)"
-            )
-            family.add_metric([], float(progress.total_documents - progress.documents))
             yield family
 
 
 class DocumentMetrics:
     """Writes of documents: by outcome, and how long each request took to be acknowledged; and the
-    live datastore's state (`live_stats`), read at scrape time."""
+    live datastore's state (`live`), read at scrape time."""
 
-    def __init__(
-        self,
-        registry: CollectorRegistry,
-        live_stats: Callable[[], LiveStats | None],
-        rebuilds: Callable[[], Mapping[tuple[str, str], int]],
-        ingestion: Callable[[], IngestionProgress | None],
-    ) -> None:
+    def __init__(self, registry: CollectorRegistry, live: Callable[[], LiveReport | None]) -> None:
         self.writes = Counter(
             "telerag_document_writes", "documents written, by outcome (created, replaced, unchanged, deleted, not_found)",
             ["outcome"], registry=registry,
@@ -136,7 +135,7 @@ class DocumentMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
-        registry.register(_LiveCollector(live_stats, rebuilds, ingestion))
+        registry.register(_LiveCollector(live))
 
     def observe(self, results: list[WriteResult], seconds: float) -> None:
         for result in results:
@@ -288,9 +287,7 @@ class Metrics:
         self,
         cache_stats: Callable[[], CacheStats],
         prefix_cache_bytes: Callable[[], int | None] = lambda: None,
-        live_stats: Callable[[], LiveStats | None] = lambda: None,
-        rebuilds: Callable[[], Mapping[tuple[str, str], int]] = dict,
-        ingestion: Callable[[], IngestionProgress | None] = lambda: None,
+        live: Callable[[], LiveReport | None] = lambda: None,
     ) -> None:
         self.registry = r = CollectorRegistry()
         self.request_latency = Histogram(
@@ -359,7 +356,7 @@ class Metrics:
             registry=r,
         )
         self.connections = ConnectionMetrics(r)
-        self.documents = DocumentMetrics(r, live_stats, rebuilds, ingestion)
+        self.documents = DocumentMetrics(r, live)
         r.register(_CacheCollector(cache_stats))
         r.register(_PrefixCacheCollector(prefix_cache_bytes))
         ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds (Linux)

@@ -30,7 +30,7 @@ from telerag.retrieval.stats import CacheStats
 from telerag.server.admission import Admission
 from telerag.server.admitted_run import AdmittedRun
 from telerag.server.errors import DocumentsUnavailable, InvalidField, Refusal, RequestTimeout, UnsupportedField
-from telerag.server.metrics import Metrics
+from telerag.server.metrics import LiveReport, Metrics
 from telerag.server.settings import DEADLINE_STOP_LEAD_S, Settings, packaged_config
 from telerag.server.workload import DEFAULT_PASSAGE_WORDS, TOKENS_PER_WORD, ServedWork, Workload
 
@@ -170,15 +170,18 @@ class Service:
             raise DocumentsUnavailable("this deployment writes no documents (a Ray cluster's inference replicas)")
         return rebuilds
 
-    def rebuilds_ended(self) -> dict[tuple[str, str], int]:
-        """The compactions and retrains that ended, by kind and state (none on a runtime that writes none)."""
-        rebuilds = self.runtime.rebuilds
-        return {} if rebuilds is None else {(kind.value, state.value): n for (kind, state), n in rebuilds.ended().items()}
-
     def ingestion_progress(self) -> IngestionProgress | None:
         """How far the ingestion of the datastore's corpus is (None: none since this server started)."""
         ingestion = self.runtime.ingestion
         return None if ingestion is None else ingestion.progress
+
+    def live_report(self) -> LiveReport | None:
+        """What the metrics read of the live datastore (None: no live datastore here)."""
+        writer, rebuilds = self.runtime.documents, self.runtime.rebuilds
+        if writer is None:
+            return None
+        ended = {} if rebuilds is None else {(kind.value, state.value): n for (kind, state), n in rebuilds.ended().items()}
+        return LiveReport(writer.stats(), ended, self.ingestion_progress())
 
     def live_stats(self) -> LiveStats | None:
         """The datastore's documents, passages, log and lists now (None: no live datastore here)."""

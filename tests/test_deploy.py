@@ -34,7 +34,7 @@ from packaging.requirements import Requirement
 
 from telerag.retrieval.live import LiveStats
 from telerag.retrieval.stats import CacheStats
-from telerag.server.metrics import Metrics
+from telerag.server.metrics import LiveReport, Metrics
 from telerag.server.settings import Settings
 from telerag.utils.processes import free_port, stop
 
@@ -378,7 +378,7 @@ def exported_metrics() -> set[str]:
         "summary": ("", "_count", "_sum"),
     }
     live = LiveStats(lsn=0, generation=0, documents=0, passages=0, delta_rows=0, tombstones=0, wal_bytes=0, imbalance=1.0)
-    metrics = Metrics(cache_stats=CacheStats, live_stats=lambda: live)  # a server over a live datastore
+    metrics = Metrics(cache_stats=CacheStats, live=lambda: LiveReport(live, {}, None))  # a server over a live datastore
     return {family.name + suffix for family in metrics.registry.collect() for suffix in suffixes[family.type]}
 
 

@@ -116,7 +116,7 @@ def test_a_folder_through_the_server_and_into_a_directory(tmp_path):
     assert "more/e.md" in listed and "notes/c.html" in listed and "notes/a.md" not in listed
     info = json.loads(telerag("datastore", "info", str(datastore), "--json", cwd=work).stdout)
     assert info["documents"] == 20 + 2 + 4 and info["lsn"] == 4 + 2 + 1 + 4  # a write a document: added, synced, rm, added
-    assert info["delta_rows"] > 0 and info["tombstones"] > 0
+    assert info["delta_rows"] > 0 and info["tombstones"] > 0 and info["ingestion"] == "none"
     compacted = telerag("datastore", "compact", str(datastore), cwd=work)
     assert compacted.returncode == 0 and compacted.stdout.startswith("generation 2:"), compacted.stderr
     info = json.loads(telerag("datastore", "info", str(datastore), "--json", cwd=work).stdout)
