@@ -308,11 +308,9 @@ def finish_ingestion(path: Path, encode: Embed, *, progress: bool = True) -> Non
     record = IngestionRecord.read(path)
     if record is None or record.done:
         return
-    documents = read_corpus(record.source)
-    if documents is None:
-        log.warning("%s: its ingestion of %s cannot go on: the corpus is gone", path, record.source)
-        return
-    ingest(path, documents, encode, record, progress=progress)
+    documents = _corpus_of(record, path)
+    if documents is not None:
+        ingest(path, documents, encode, record, progress=progress)
 
 
 def resumed_ingestion(writer: DocumentWriter, *, retrain: Callable[[int | None], object]) -> Ingestion | None:
@@ -324,8 +322,16 @@ def resumed_ingestion(writer: DocumentWriter, *, retrain: Callable[[int | None],
     record = IngestionRecord.read(live.root)
     if record is None or record.done:
         return None
+    documents = _corpus_of(record, live.root)
+    return None if documents is None else Ingestion(writer, documents, record, retrain=retrain)
+
+
+def _corpus_of(record: IngestionRecord, root: Path) -> list[DocumentText] | None:
+    """The corpus an ingestion goes on with: its record's, as long as it holds as many documents
+    as when it began (None, saying why, if it is gone or changed: what was written serves)."""
     documents = read_corpus(record.source)
-    if documents is None:
-        log.warning("%s: its ingestion of %s cannot go on: the corpus is gone", live.where, record.source)
+    if documents is None or len(documents) != record.documents:
+        what = "is gone" if documents is None else f"holds {len(documents)} documents, not {record.documents} as it did"
+        log.warning("%s: its ingestion of %s cannot go on: the corpus %s; what was written serves", root, record.source, what)
         return None
-    return Ingestion(writer, documents, record, retrain=retrain)
+    return documents

@@ -157,6 +157,22 @@ def test_what_opens_a_datastore_to_search_it_ingests_the_rest_first(tmp_path):
     check_holds(path, documents, embedder)
 
 
+def test_a_corpus_changed_or_gone_since_its_ingestion_began_leaves_what_was_written_serving(tmp_path, caplog):
+    embedder, source = HashEmbedder(), tmp_path / "c.jsonl"
+    documents = corpus(30, seed=4)
+    write_corpus(source, documents)
+    path = seed(tmp_path / "ds", documents, embedder, source=str(source), sample_passages=10)
+    write_corpus(source, [*documents, DocumentText("doc-new", "a newer article", "New")])
+    with caplog.at_level("WARNING"):
+        load_datastore(path, embedder).close()
+    assert "holds 31 documents, not 30 as it did; what was written serves" in caplog.text
+    source.unlink()
+    with caplog.at_level("WARNING"):
+        load_datastore(path, embedder).close()
+    assert "the corpus is gone" in caplog.text
+    assert ingestion_pending(path)
+
+
 def test_an_ingestion_record_of_another_corpus_is_refused(tmp_path):
     documents, embedder = corpus(30), HashEmbedder()
     path = seed(tmp_path / "ds", documents, embedder, sample_passages=10)
