@@ -25,7 +25,7 @@ from telerag.pipelines.documents import DocumentText, DocumentWriter, Embed
 from telerag.retrieval.builder import Encoder, build_datastore, check_target
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import WIKIPEDIA_SOURCE, Article, PassageShape, read_jsonl, read_wikipedia
-from telerag.retrieval.errors import DatastoreBusy, DatastoreCorruptError
+from telerag.retrieval.errors import DatastoreBusy, DatastoreCorruptError, DatastoreError
 from telerag.retrieval.generations import INGESTION
 from telerag.retrieval.live import LiveDatastore
 from telerag.utils.files import write_by_rename
@@ -177,9 +177,9 @@ class Ingestion:
         progress: bool = False,
     ) -> None:
         if record.documents != len(documents):
-            raise DatastoreCorruptError(
+            raise DatastoreError(
                 f"{writer.live.where}: its ingestion record counts {record.documents} documents in {record.source}, "
-                f"which now holds {len(documents)}; build the datastore anew from it"
+                f"not the {len(documents)} given"
             )
         assert writer.live.root is not None  # a record was read from it
         self.root = writer.live.root
