@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from telerag.pipelines.documents import DocumentText, DocumentWriter, Embed
-from telerag.retrieval.builder import Encoder, build_datastore, check_target
+from telerag.retrieval.builder import Encoder, build_datastore
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import WIKIPEDIA_SOURCE, Article, PassageShape, read_jsonl, read_wikipedia
 from telerag.retrieval.errors import DatastoreBusy, DatastoreCorruptError, DatastoreError
@@ -117,8 +117,8 @@ def write_seed(
     hold `sample_passages` passages (all of them, for a smaller corpus: then it is complete, with
     `nlist` lists); else with the build's rule of lists for the sample, and the record of an
     ingestion that has written none of the rest yet (written with the datastore's files, so a
-    seed is never taken for a whole corpus)."""
-    check_target(out_dir, overwrite=overwrite)
+    seed is never taken for a whole corpus). `out_dir` is checked before anything is embedded
+    (`build_datastore`)."""
     shape = shape or PassageShape()
     cuts = [list(shape.split([_article(document)])) for document in documents]
     chosen = _sample([len(cut) for cut in cuts], sample_passages, seed)
