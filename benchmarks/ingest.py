@@ -5,7 +5,9 @@ The same searches run twice, side by side in one run: alone (half before the wri
 and while a client writes documents one request at a time (upserts of the datastore's own
 documents, revised; new documents; deletes). Each write's acknowledgment is timed, with the
 embedding inside it; right after each acknowledgment a search for the written passage's own text
-checks that it is visible (a delete: that it is gone): freshness is measured, not assumed. At the
+checks that it is visible (a delete: that it is gone): freshness is measured, not assumed. That
+search is by the text's vector, embedded before the run: its embedding (of a whole document's
+text) would otherwise be a load of the benchmark's own on the searches it measures. At the
 end every write is replayed into faiss's own `IndexIVF` (the copy's codes, then
 `add_with_ids`/`remove_ids`) and the searches are compared with it.
 """
@@ -32,6 +34,7 @@ from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.documents import WriteOutcome, WriteResult
 from telerag.retrieval.generations import LOCK
 from telerag.retrieval.ivf import faiss, same_results  # faiss untyped, as ivf reaches below its Python API
+from telerag.retrieval.snapshot import search_snapshot
 
 FRESHNESS_POLL_S = 5.0  # how long a write not visible at once is searched for again, before it counts as never
 
@@ -80,6 +83,7 @@ class IngestReport:
 class _Write:
     change: DocumentText | str  # a document to write, or the id of one to delete
     probe: str  # text whose search finds (or, for a delete, no longer finds) the write
+    probe_vector: np.ndarray | None = None  # the probe's embedding, made before the run
     ack_ms: float = 0.0
     embed_ms: float = 0.0
     passages: int = 0
@@ -144,9 +148,16 @@ async def _searches(retriever: DirectRetriever, questions: Sequence[str], config
 
 
 async def _visible(retriever: DirectRetriever, write: _Write) -> bool:
-    """Whether the search of the write's text, started now, shows it (a delete: no longer shows it)."""
-    outcome = await retriever.search([write.probe], SearchOptions(top_k=10, prefetch=False))
-    found = {document.doc_id for document in outcome.documents[0]}
+    """Whether the search of the write's text (by its vector), started now on the datastore as it
+    is now, shows it (a delete: no longer shows it)."""
+    assert write.probe_vector is not None
+
+    def search() -> set[str]:
+        snapshot = retriever.live.snapshot()
+        result = search_snapshot(retriever.engine_for(snapshot.datastore), snapshot, write.probe_vector[None], 10)
+        return {passage.doc_id for passage in snapshot.passages_of([int(i) for i in result.ids[0] if i >= 0])}
+
+    found = await asyncio.to_thread(search)
     return write.change not in found if isinstance(write.change, str) else write.change.doc_id in found
 
 
@@ -197,6 +208,8 @@ async def ingest(retriever: DirectRetriever, questions: Sequence[str], config: I
     writer = DocumentWriter(retriever.live, timed)
     replay = FaissReplay(retriever.live.datastore, {e.doc_id: e.passage_ids for e in retriever.live.documents(limit=10**9)})
     writes = plan_writes(retriever.live.datastore, config)
+    for write, vector in zip(writes, retriever.embedder.encode([w.probe for w in writes]), strict=True):
+        write.probe_vector = vector
     try:
         await _searches(retriever, questions[:4], config)  # first use: not timed
         half = len(questions) // 2

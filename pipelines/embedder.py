@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from telerag.pipelines.errors import EmbedderError, ModelNotFound
 from telerag.utils.device import resolve_device
@@ -48,6 +49,9 @@ class Embedder:
         self.device = device
         self.batch_size = batch_size
         self._lock = threading.Lock()  # one forward pass at a time: torch parallelises inside it
+        self._pauses = threading.local()  # the `pause` of the encode running in this thread
+        for layer in _layers(self.model):
+            layer.register_forward_pre_hook(self._before_layer)
 
     @classmethod
     def embedded_default(cls, *, device: str = "cpu") -> Embedder:
@@ -63,21 +67,52 @@ class Embedder:
         ids = self.model.tokenizer(list(texts), add_special_tokens=True, truncation=True, max_length=self.model.max_seq_length)
         return sum(len(row) for row in ids["input_ids"])
 
-    def encode(self, texts: Sequence[str], *, batch_size: int | None = None, show_progress: bool = False) -> np.ndarray:
-        """float32 (len(texts), dim), C-contiguous, each row of unit length (inner product = cosine)."""
+    def encode(
+        self,
+        texts: Sequence[str],
+        *,
+        batch_size: int | None = None,
+        show_progress: bool = False,
+        pause: Callable[[], None] | None = None,
+    ) -> np.ndarray:
+        """float32 (len(texts), dim), C-contiguous, each row of unit length (inner product = cosine).
+        `pause`: called before each of the model's layers with the embedder free meanwhile, so that
+        an embedding that may wait (a write's) lets another thread's (a query's) run between its layers."""
         if isinstance(texts, str):
             raise EmbedderError("encode takes a sequence of texts, not one string")
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
         try:
             with self._lock:
-                vectors = self.model.encode(
-                    list(texts),
-                    batch_size=batch_size or self.batch_size,
-                    normalize_embeddings=True,
-                    convert_to_numpy=True,
-                    show_progress_bar=show_progress,
-                )
+                self._pauses.pause = pause
+                try:
+                    vectors = self.model.encode(
+                        list(texts),
+                        batch_size=batch_size or self.batch_size,
+                        normalize_embeddings=True,
+                        convert_to_numpy=True,
+                        show_progress_bar=show_progress,
+                    )
+                finally:
+                    self._pauses.pause = None
         except Exception as exc:  # e.g. out of memory, a non-string text
             raise EmbedderError(f"embedding failed: {exc}") from exc
         return np.ascontiguousarray(vectors, dtype=np.float32)
+
+    def _before_layer(self, _module: object, _args: object) -> None:
+        """A forward pre-hook on each layer: this thread's `pause`, the embedder's lock let go meanwhile."""
+        pause = getattr(self._pauses, "pause", None)
+        if pause is None:
+            return
+        self._lock.release()
+        try:
+            pause()
+        finally:
+            self._lock.acquire()
+
+
+def _layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's stack of layers, the longest `ModuleList` in it (a BERT's `encoder.layer`);
+    none: an embedding is one step, never paused inside."""
+    lists = [module for module in model.modules() if isinstance(module, torch.nn.ModuleList)]
+    return max(lists, key=len, default=torch.nn.ModuleList())

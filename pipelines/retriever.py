@@ -47,15 +47,16 @@ from telerag.retrieval.stats import CacheStats
 
 log = logging.getLogger(__name__)
 
-WRITE_EMBED_CHUNK = 1  # passages a write embeds at a time, each only once no query is embedding: a query that comes
-# meanwhile waits for one passage's embedding at most. 1 ingested as fast as 16 (bench ingest, 12.7 passages/s each)
-WRITE_MAX_WAIT_S = 0.5  # how long a write's chunk waits for the queries' embeddings to pause, at most
+WRITE_EMBED_CHUNK = 1  # passages a write embeds at a time: a query that comes meanwhile waits for one layer of one
+# passage's embedding at most. 1 ingested as fast as 16 (bench ingest, 12.7 passages/s each)
+WRITE_MAX_WAIT_S = 0.5  # how long a write's embedding waits for the queries to pause, at most, each time
 
 
 class EmbeddingPriority:
-    """Queries' embeddings before writes': a write embeds a chunk at a time, each once no query is
-    embedding (or after `WRITE_MAX_WAIT_S`, so that a stream of queries slows writes, never stops
-    them). The embedder runs one call at a time, so a query waits for at most one chunk."""
+    """Queries before writes' embeddings: a write's embedding goes on, before each layer of the
+    model, only once no query is embedded or searched (or after `WRITE_MAX_WAIT_S`, so that a
+    stream of queries slows writes, never stops them). The embedder runs one call at a time and
+    lets go of itself while a write waits, so a query waits for at most one layer of a write's chunk."""
 
     def __init__(self) -> None:
         self._idle = threading.Condition()
@@ -73,7 +74,7 @@ class EmbeddingPriority:
                 self._idle.notify_all()
 
     def write_turn(self) -> None:
-        """Wait until no query is embedding (at most `WRITE_MAX_WAIT_S`)."""
+        """Wait until no query is embedded or searched (at most `WRITE_MAX_WAIT_S`)."""
         with self._idle:
             self._idle.wait_for(lambda: self._queries == 0, timeout=WRITE_MAX_WAIT_S)
 
@@ -84,7 +85,10 @@ class TextEncoder(Protocol):
     name: str
     dim: int
 
-    def encode(self, texts: Sequence[str]) -> np.ndarray: ...
+    def encode(self, texts: Sequence[str], *, pause: Callable[[], None] | None = None) -> np.ndarray:
+        """`pause`: called before the model's layers with the encoder free meanwhile: how a
+        write's embedding lets queries in."""
+        ...
 
     def count_tokens(self, texts: Sequence[str]) -> int: ...
 
@@ -213,12 +217,13 @@ class DirectRetriever:
 
     def embed_passages(self, texts: Sequence[str]) -> np.ndarray:
         """Passages a write adds, embedded below queries' priority (`EmbeddingPriority`), a chunk
-        at a time; float32 (len(texts), dim). In a worker thread: it waits."""
+        at a time, each pausing before every layer of the model while a query is served; float32
+        (len(texts), dim). In a worker thread: it waits."""
         chunks = []
         for start in range(0, len(texts), WRITE_EMBED_CHUNK):
-            self.priority.write_turn()
+            chunk = list(texts[start : start + WRITE_EMBED_CHUNK])
             with self.engine.on_stream():
-                chunks.append(np.asarray(self.embedder.encode(list(texts[start : start + WRITE_EMBED_CHUNK])), dtype=np.float32))
+                chunks.append(np.asarray(self.embedder.encode(chunk, pause=self.priority.write_turn), dtype=np.float32))
         return np.concatenate(chunks).reshape(len(texts), -1) if chunks else np.zeros((0, self.embedder.dim), np.float32)
 
     def _prefetch_batch(self, requests: list[PrefetchRequest]) -> list[PrefetchTicket]:
@@ -244,6 +249,12 @@ class DirectRetriever:
         return query_vectors(queries, vectors), embed_ms
 
     def _search_batch(self, requests: list[SearchRequest]) -> list[SearchOutcome]:
+        """The searches, a write's embedding paused meanwhile: on a CPU the scan shares the cores
+        with it as the queries' embedding does."""
+        with self.priority.query():
+            return self._search_now(requests)
+
+    def _search_now(self, requests: list[SearchRequest]) -> list[SearchOutcome]:
         queries = [query for request in requests for query in request.queries]
         if not queries:
             return [SearchOutcome(documents=[]) for _ in requests]

@@ -75,13 +75,13 @@ class KnownVectors:
                 else:
                     self._known[text] = (vector, runs - 1)
 
-    def encode(self, texts: Sequence[str]) -> np.ndarray:
+    def encode(self, texts: Sequence[str], *, pause: Callable[[], None] | None = None) -> np.ndarray:
         with self._lock:
             known = {i: self._known[t][0] for i, t in enumerate(texts) if t in self._known}
         if len(known) == len(texts):
             return np.stack([known[i] for i in range(len(texts))]).astype(np.float32, copy=False)
         rest = [i for i in range(len(texts)) if i not in known]
-        encoded = np.asarray(self.embedder.encode([texts[i] for i in rest]), dtype=np.float32).reshape(len(rest), -1)
+        encoded = np.asarray(self.embedder.encode([texts[i] for i in rest], pause=pause), dtype=np.float32).reshape(len(rest), -1)
         out = np.empty((len(texts), encoded.shape[1]), dtype=np.float32)
         out[rest] = encoded
         for i, vector in known.items():

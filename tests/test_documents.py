@@ -26,9 +26,9 @@ class CountingEmbedder(HashEmbedder):
         super().__init__()
         self.texts: list[str] = []
 
-    def encode(self, texts):
+    def encode(self, texts, *, pause=None):
         self.texts.extend(texts)
-        return super().encode(texts)
+        return super().encode(texts, pause=pause)
 
 
 @pytest.fixture()

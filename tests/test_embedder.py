@@ -4,6 +4,7 @@ across threads, typed errors; the packaged MiniLM (slow) embeds by meaning."""
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -61,6 +62,30 @@ def test_concurrent_callers_get_what_they_would_alone(embedder: Embedder):
         results = list(pool.map(lambda _: embedder.encode(TEXTS), range(8)))
     for result in results:
         np.testing.assert_allclose(result, expected, atol=1e-6)
+
+
+def test_a_paused_embedding_lets_another_thread_embed_between_its_layers(embedder: Embedder):
+    """A write's embedding pauses before each layer with the embedder free: a query embeds while
+    the write waits inside its forward pass, and neither's vectors change."""
+    inside, query_done = threading.Event(), threading.Event()
+    pauses: list[int] = []
+
+    def pause() -> None:
+        pauses.append(1)
+        inside.set()
+        assert query_done.wait(30), "the query never ran while the write was paused"
+
+    with ThreadPoolExecutor(1) as pool:
+        writing = pool.submit(embedder.encode, TEXTS[:2], pause=pause)
+        assert inside.wait(30)
+        query = embedder.encode(TEXTS[2:3])  # the write is paused inside its forward pass
+        query_done.set()
+        written = writing.result(30)
+    np.testing.assert_array_equal(query, embedder.encode(TEXTS[2:3]))
+    np.testing.assert_array_equal(written, embedder.encode(TEXTS[:2]))
+    assert len(pauses) == 1  # before the tiny model's one layer, once per batch of 64
+    embedder.encode(TEXTS[:1])
+    assert len(pauses) == 1  # no pause given, none called
 
 
 def test_nothing_in_nothing_out(embedder: Embedder):
