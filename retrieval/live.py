@@ -55,6 +55,8 @@ class LiveStats:
     tombstones: int  # deleted ids not yet compacted away
     wal_bytes: int
     imbalance: float  # the largest list over the mean list
+    published: int  # write batches made searchable since the datastore was opened
+    publish_seconds: float  # their time from durable (the log synced) to searchable (the snapshot published), all together
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,7 @@ class LiveDatastore:
         self._lock_file: int | None = None
         self._wal: WriteAheadLog | None = None
         self._read_bytes = 0  # read-only: the log's size when it was read
+        self._published, self._publish_seconds = 0, 0.0  # write batches made searchable, and how long that took
         self._state = GenerationState(datastore)
         records: list[LogRecord] = []
         if self.root is None:  # held in memory: nothing was ever written to it
@@ -171,6 +174,8 @@ class LiveDatastore:
             tombstones=len(snapshot.deleted),
             wal_bytes=self._wal.bytes if self._wal is not None else self._read_bytes,
             imbalance=snapshot.imbalance(),
+            published=self._published,
+            publish_seconds=self._publish_seconds,
         )
 
     # -- writing --------------------------------------------------------------------------------
@@ -186,10 +191,13 @@ class LiveDatastore:
             if records:
                 lsns = wal.append([record.encode() for record, _ in records])
                 wal.sync()
+                durable = time.perf_counter()
                 with self._lock:
                     for (record, _), lsn in zip(records, lsns, strict=True):
                         self._state.apply(record, lsn)
                     self._snapshot = self._state.snapshot(self.generation)
+                self._published += 1
+                self._publish_seconds += time.perf_counter() - durable
                 for (_, at), lsn in zip(records, lsns, strict=True):
                     result = results[at]
                     entry = None if result.document is None else replace(result.document, lsn=lsn)

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
@@ -93,6 +93,14 @@ class _LiveCollector(Collector):
             for state in ("done", "failed"):
                 ended.add_metric([kind, state], float(report.rebuilds_ended.get((kind, state), 0)))
         yield ended
+        published = SummaryMetricFamily(
+            "telerag_datastore_publish_seconds",
+            "write batches' time from durable (log synced) to searchable (snapshot published), part of each "
+            "acknowledgment: a write is searchable before it is acknowledged (freshness after it: 0)",
+            count_value=s.published,
+            sum_value=s.publish_seconds,
+        )
+        yield published
         ingestion = report.ingestion
         for name, value, doc in (
             ("documents", s.documents, "documents in the datastore"),

@@ -116,6 +116,7 @@ async def test_a_batch_ids_with_slashes_and_paging(tmp_path):
         assert ready["live"]["documents"] == 45 and ready["live"]["lsn"] == 5 and ready["datastore"]["documents"] == 45
         metrics = (await client.get("/metrics")).text
         assert 'telerag_document_writes_total{outcome="created"} 5.0' in metrics and "telerag_documents 45.0" in metrics
+        assert "telerag_datastore_publish_seconds_count 1.0" in metrics  # the batch, made searchable at once
 
 
 async def test_uploaded_files_are_converted_and_answered_from(tmp_path):
