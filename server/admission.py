@@ -149,12 +149,14 @@ class Admission:
     # -- decisions ---------------------------------------------------------------------------
 
     def admit(
-        self, cost: RequestCost, client: str | None = None, *, calibrating: bool = False, limit_field: str = "max_tokens"
+        self, cost: RequestCost, client: str | None = None, *, calibrating: bool = False, limit_field: str | None = "max_tokens"
     ) -> Ticket:
         """Admit the request (it then waits for a slot) or raise `Overloaded` with a Retry-After.
         `calibrating`: a request of the server's own warm-up, which measures what the deadline
         needs: admitted whatever it. `limit_field`: the request's field that set its token limit
-        (what a request too long even alone is told to lower)."""
+        (what a request too long even alone is told to lower); None: the request left it unset,
+        so nothing of its own is too long: it is never refused as such, and its answer is cut at
+        the deadline (what the load decides stays a 429)."""
         self._advance()
         rates = self.rate.rates()
         if self.max_in_flight_per_key is not None and client is not None:
@@ -172,7 +174,7 @@ class Admission:
                 self._soonest(rates, self._admitted),
             )
         ticket = Ticket(cost, client, admitted_at=self._last, calibrating=calibrating)
-        if self.deadline_s is not None and rates and not calibrating and not cost.provisional:
+        if self.deadline_s is not None and rates and not calibrating and not cost.provisional and limit_field is not None:
             self._check_alone(rates, ticket, self.deadline_s, limit_field)
         tickets = [*self._admitted, ticket]
         jobs = _jobs(rates, tickets) if rates else ()

@@ -81,8 +81,8 @@ class Refusal(StrEnum):
     CALIBRATING = "calibrating"  # the rate or the estimates' error is not measured yet (one request in flight), or
     # fewer estimates have been checked than requests would be in flight
     PROMPT_TOKENS = "prompt_tokens"  # over limits.max_prompt_tokens (422, counted here too)
-    BEYOND_DEADLINE = "beyond_deadline"  # expected past the deadline even alone: no wait would let it in (422 naming
-    # max_tokens, counted here too)
+    BEYOND_DEADLINE = "beyond_deadline"  # its own token limit makes it expected past the deadline even alone: no wait
+    # would let it in (422 naming that limit, counted here too)
 
 
 class ServerError(Exception):

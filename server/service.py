@@ -273,12 +273,13 @@ class Service:
         *,
         query_field: str = "query",
         top_k_field: str | None = "top_k",
-        limit_field: str = "max_tokens",
+        limit_field: str | None = "max_tokens",
     ) -> AdmittedRun:
         """Admit the request at its expected cost (`workload`), or refuse it at once (422 over the
-        prompt limit or past the deadline even alone, 429 when busy); its run starts waiting for a
-        slot. The fields name what is blamed: the question and top_k (`prompt_tokens`), the token
-        limit (the request's own name for it)."""
+        prompt limit or, with a token limit of its own, past the deadline even alone; 429 when
+        busy); its run starts waiting for a slot. The fields name what is blamed: the question and
+        top_k (`prompt_tokens`), the token limit (the request's own name for it; None: it set
+        none, and an answer too long for the deadline is cut there instead)."""
         prompt = self.prompt_tokens(query, options, query_field=query_field, top_k_field=top_k_field)
         calls = pipeline.llm_calls + (1 if options.history else 0)  # a follow-up's rewrite
         cost = self.workload.estimate(pipeline.name, calls, prompt, options.max_tokens, options.temperature)

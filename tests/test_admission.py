@@ -655,6 +655,8 @@ async def test_on_the_tiny_model_a_request_past_the_deadline_gets_429_at_once_an
             assert (await running).status_code == 200
             admission.deadline_s = 0.001
             never = await client.post("/v1/rag/query", json=long)  # idle, and still refused
+            unset = await client.post("/v1/rag/query", json={"query": long["query"]})  # no limit of its own: cut instead
+            unset_chat = await client.post("/v1/chat/completions", json={"model": "naive", "messages": [{"role": "user", "content": long["query"]}]})
             question = [{"role": "user", "content": long["query"]}]
             chat = await client.post(
                 "/v1/chat/completions", json={"model": "naive", "messages": question, "max_completion_tokens": 200}
@@ -671,6 +673,8 @@ async def test_on_the_tiny_model_a_request_past_the_deadline_gets_429_at_once_an
     assert retry_after >= 1 and retry_after == math.ceil(float(retry_after))
     assert never.status_code == 422 and "retry-after" not in never.headers
     assert never.json()["error"]["field"] == "max_tokens" and "even alone" in never.json()["error"]["message"]
+    assert unset.status_code == 200 and unset.json()["finish_reason"] == "deadline", unset.text
+    assert unset_chat.status_code == 200, unset_chat.text
     # each route names the limit by its own name
     assert chat.status_code == 422 and chat.json()["error"]["param"] == "max_completion_tokens"
     assert response.status_code == 422 and response.json()["error"]["param"] == "max_output_tokens"
@@ -770,6 +774,19 @@ async def test_a_request_expected_past_the_deadline_even_alone_is_refused_with_4
         a.admit(RequestCost(work=310.0))  # 31 s alone
     assert info.value.field == "max_tokens" and "31 s" in str(info.value)
     assert refused == [Refusal.BEYOND_DEADLINE] and a.n_running + a.n_waiting == 0
+
+
+async def test_a_request_that_set_no_token_limit_is_never_refused_as_too_long():
+    """Past the deadline alone on the server's default limit, not the client's: admitted on an idle
+    server (its answer is cut at the deadline), and under load a 429 to retry, never a 422."""
+    clock = Clock()
+    a, refused = await measured(clock, rate=10.0)  # 30 s deadline, no margin
+    unset = a.admit(RequestCost(work=310.0), limit_field=None)  # 31 s alone
+    assert refused == [] and a.n_running + a.n_waiting == 1
+    with pytest.raises(Overloaded):
+        a.admit(RequestCost(work=310.0), limit_field=None)  # the load decides: retry later
+    a.finish(unset, completed=False)
+    assert refused == [Refusal.DEADLINE]
 
 
 async def test_the_priors_guess_never_refuses_a_request_that_would_run_alone():

@@ -84,7 +84,14 @@ def admit(service: Service, request: Request, body: Conversation, client: str | 
     )
     pipeline = service.pipelines[body.model]
     return service.admit(
-        request, pipeline, body.question, options, client, query_field=body.QUERY_FIELD, top_k_field=None, limit_field=limit_field
+        request,
+        pipeline,
+        body.question,
+        options,
+        client,
+        query_field=body.QUERY_FIELD,
+        top_k_field=None,
+        limit_field=limit_field if limit is not None else None,
     )
 
 

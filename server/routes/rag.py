@@ -82,7 +82,8 @@ async def rag_query(body: QueryRequest, request: Request, client: str | None, se
         pipelining=body.pipelining,
         speculative_prefill=body.speculative_prefill,
     )
-    run = service.admit(request, service.pipelines[body.pipeline], body.query, options, client)  # or 422 / 429, at once
+    limit_field = "max_tokens" if "max_tokens" in body.model_fields_set else None  # unset: never too long, cut at the deadline
+    run = service.admit(request, service.pipelines[body.pipeline], body.query, options, client, limit_field=limit_field)
     request_id = f"rag-{request.state.request_id}"
     if body.stream:
         events = functools.partial(query_events, request_id=request_id, with_documents=body.return_documents)
