@@ -150,11 +150,12 @@ async def _searches(retriever: DirectRetriever, questions: Sequence[str], config
 async def _visible(retriever: DirectRetriever, write: _Write) -> bool:
     """Whether the search of the write's text (by its vector), started now on the datastore as it
     is now, shows it (a delete: no longer shows it)."""
-    assert write.probe_vector is not None
+    vector = write.probe_vector
+    assert vector is not None
 
     def search() -> set[str]:
         snapshot = retriever.live.snapshot()
-        result = search_snapshot(retriever.engine_for(snapshot.datastore), snapshot, write.probe_vector[None], 10)
+        result = search_snapshot(retriever.engine_for(snapshot.datastore), snapshot, vector[None], 10)
         return {passage.doc_id for passage in snapshot.passages_of([int(i) for i in result.ids[0] if i >= 0])}
 
     found = await asyncio.to_thread(search)

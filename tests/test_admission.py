@@ -656,8 +656,8 @@ async def test_on_the_tiny_model_a_request_past_the_deadline_gets_429_at_once_an
             admission.deadline_s = 0.001
             never = await client.post("/v1/rag/query", json=long)  # idle, and still refused
             unset = await client.post("/v1/rag/query", json={"query": long["query"]})  # no limit of its own: cut instead
-            unset_chat = await client.post("/v1/chat/completions", json={"model": "naive", "messages": [{"role": "user", "content": long["query"]}]})
             question = [{"role": "user", "content": long["query"]}]
+            unset_chat = await client.post("/v1/chat/completions", json={"model": "naive", "messages": question})
             chat = await client.post(
                 "/v1/chat/completions", json={"model": "naive", "messages": question, "max_completion_tokens": 200}
             )

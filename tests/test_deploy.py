@@ -378,7 +378,16 @@ def exported_metrics() -> set[str]:
         "summary": ("", "_count", "_sum"),
     }
     live = LiveStats(
-        lsn=0, generation=0, documents=0, passages=0, delta_rows=0, tombstones=0, wal_bytes=0, imbalance=1.0, published=0, publish_seconds=0.0
+        lsn=0,
+        generation=0,
+        documents=0,
+        passages=0,
+        delta_rows=0,
+        tombstones=0,
+        wal_bytes=0,
+        imbalance=1.0,
+        published=0,
+        publish_seconds=0.0,
     )
     metrics = Metrics(cache_stats=CacheStats, live=lambda: LiveReport(live, {}, None))  # a server over a live datastore
     return {family.name + suffix for family in metrics.registry.collect() for suffix in suffixes[family.type]}
