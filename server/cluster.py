@@ -136,7 +136,6 @@ class ClusterIngress:
 
     def _ask_tiers(self) -> list[TierState]:
         from ray import serve
-        from ray.serve._private.common import ReplicaState
 
         from telerag.retrieval.tier import APP as TIER_APP
 
@@ -147,7 +146,8 @@ class ClusterIngress:
             application = applications.get(app_name)
             for name, deployment in sorted((application.deployments if application else {}).items()):
                 if (tier == "ingress") == (name == INGRESS) and (tier != "retrieval" or name.startswith("shard-")):
-                    running = deployment.replica_states.get(ReplicaState.RUNNING, 0)
+                    # keyed by Serve's `ReplicaState`, a str enum of a private module: compared by its value
+                    running = sum(n for state, n in deployment.replica_states.items() if state == "RUNNING")
                     states.append(TierState(tier=tier, deployment=name, running=running, status=str(deployment.status.value)))
         if self.shards and not any(state.tier == "retrieval" for state in states):
             states.append(TierState(tier="retrieval", deployment=TIER_APP, running=0, status="NOT_DEPLOYED"))
@@ -201,6 +201,7 @@ def inference_application(settings: Settings) -> Any:
         "request_router_class": f"{ClusterRouter.__module__}.{ClusterRouter.__qualname__}",  # imported where it routes
         "request_router_kwargs": asdict(
             RouterOptions(
+                deployment=REPLICAS,
                 policy=cluster.router,
                 balance_abs_threshold=cluster.balance_abs_threshold,
                 balance_rel_threshold=cluster.balance_rel_threshold,

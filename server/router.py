@@ -5,26 +5,30 @@ replicas' reports) lives in `routing`, reached through the module."""
 
 from __future__ import annotations
 
+import asyncio
+import random
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
-from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
+from ray.serve.request_router import FIFOMixin, LocalityMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from telerag.server import routing
 
 
 @dataclass(frozen=True)
 class RouterOptions:
-    policy: str = "cluster"  # or "default": Ray Serve's power of two choices
+    deployment: str = "inference"  # the deployment it routes to, whose replicas' reports it shares (`routing.REPLICA_STATS`)
+    policy: str = "cluster"  # or "default": the power of two choices, as Ray Serve's own router
     balance_abs_threshold: int = 4
     balance_rel_threshold: float = 1.5
     recent_s: float = 1.0  # how long clusters just sent to a replica count as resident there before it reports
 
 
-class ClusterRouter(PowerOfTwoChoicesRequestRouter):
-    """The Ray Serve request router of the inference replicas (`replicas.deployment_options`)."""
+class ClusterRouter(FIFOMixin, LocalityMixin, RequestRouter):
+    """The Ray Serve request router of the inference replicas (`cluster.inference_application`),
+    on Serve's public request-router classes only: requests in arrival order (`FIFOMixin`), the
+    default policy's candidates on this node first (`LocalityMixin`), as Serve's own router does."""
 
     def initialize_state(self, **kwargs: Any) -> None:
         """`kwargs`: a `RouterOptions`'s fields (the deployment's `request_router_kwargs`)."""
@@ -38,7 +42,7 @@ class ClusterRouter(PowerOfTwoChoicesRequestRouter):
         hint = _hint(pending_request)
         if self.options.policy != "cluster" or hint is None or not candidate_replicas:
             routing.DECISIONS.count(routing.Rule.DEFAULT)
-            return await super().choose_replicas(candidate_replicas, pending_request)
+            return self._two_choices(pending_request)
         loads = await self._loads(candidate_replicas)
         now = time.monotonic()
         candidates = [
@@ -56,7 +60,7 @@ class ClusterRouter(PowerOfTwoChoicesRequestRouter):
         """The live replicas, as Serve tells every handle's router when they or their stats change."""
         super().update_replicas(replicas)
         routing.REPLICA_STATS.update(
-            self._deployment_id.name, {r.replica_id.unique_id: dict(r.routing_stats or {}) for r in replicas}
+            self.options.deployment, {r.replica_id.unique_id: dict(r.routing_stats or {}) for r in replicas}
         )
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
@@ -69,6 +73,13 @@ class ClusterRouter(PowerOfTwoChoicesRequestRouter):
         super().on_replica_actor_died(replica_id)
         self._sent.pop(replica_id, None)
 
+    def _two_choices(self, pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
+        """Two replicas at random (this node's first, where Serve prefers them): Serve sends the
+        request to the one of them with fewer requests, as with its own default router."""
+        ids = list(self.apply_locality_routing(pending_request))
+        replicas = self.curr_replicas
+        return [[replicas[id_] for id_ in random.sample(ids, min(2, len(ids))) if id_ in replicas]] if ids else []
+
     def _resident(self, replica: RunningReplica, now: float) -> frozenset[int]:
         """What the replica last reported, and what was sent to it since (recently)."""
         reported = (replica.routing_stats or {}).get("clusters", ())
@@ -78,18 +89,28 @@ class ClusterRouter(PowerOfTwoChoicesRequestRouter):
         return frozenset(reported) | frozenset(sent)
 
     async def _loads(self, replicas: list[RunningReplica]) -> dict[ReplicaID, int]:
-        """Each replica's requests, from the queue-length cache, or asked now where it has none."""
+        """Each replica's requests, from the queue-length cache, or asked now where it has none
+        (within Serve's deadline for the answer; a replica that does not answer counts as idle
+        here, and Serve asks it again before it sends anything)."""
+        cache = self.replica_queue_len_cache
         loads: dict[ReplicaID, int] = {}
         unknown = []
         for replica in replicas:
-            cached = self._replica_queue_len_cache.get(replica.replica_id)
+            cached = cache.get(replica.replica_id)
             if cached is None:
                 unknown.append(replica)
             else:
                 loads[replica.replica_id] = cached
-        for replica, probed in await self._probe_queue_lens(unknown, 0) if unknown else []:
-            if probed is not None:
-                loads[replica.replica_id] = probed
+        if unknown:
+            deadline = self.queue_len_response_deadline_s
+            asked = [asyncio.ensure_future(r.get_queue_len(deadline_s=deadline)) for r in unknown]
+            await asyncio.wait(asked, timeout=deadline)
+            for replica, answer in zip(unknown, asked, strict=True):
+                if answer.done() and not answer.cancelled() and answer.exception() is None:
+                    loads[replica.replica_id] = answer.result()
+                    cache.update(replica.replica_id, answer.result())
+                else:
+                    answer.cancel()
         return loads
 
 
