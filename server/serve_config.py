@@ -54,7 +54,8 @@ def given_settings(settings: Settings) -> dict[str, Any]:
 
 def serve_config(settings: Settings) -> dict[str, Any]:
     """The Serve config (a `ServeDeploySchema`, validated) that deploys what `serve --ray` does."""
-    from ray.serve._private.build_app import build_app  # what `serve build` runs: Serve has no public way to list an app's deployments
+    # what `serve build` runs: Serve has no public function that lists an application's deployments
+    from ray.serve._private.build_app import build_app
     from ray.serve.deployment import deployment_to_schema
     from ray.serve.schema import ServeDeploySchema
 
