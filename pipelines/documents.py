@@ -78,6 +78,7 @@ Change = DocumentText | str  # a document to write, or the id of one to delete
 class _Job:
     changes: list[Change]
     cuts: list[list[Passage]]  # each change's passages, cut once when it is asked for (a delete's: none)
+    if_absent: bool = False  # its documents written only where none of their id is held (`DocumentUpsert.if_absent`)
     done: Future[list[WriteResult]] = field(default_factory=Future)
 
     @property
@@ -125,10 +126,14 @@ class DocumentWriter:
     async def delete(self, doc_ids: Sequence[str]) -> list[WriteResult]:
         return await self._submit(self._job(doc_ids))
 
-    def write_now(self, changes: Sequence[Change]) -> list[WriteResult]:
+    def write_now(self, changes: Sequence[Change], *, if_absent: bool = False) -> list[WriteResult]:
         """`changes` written in the calling thread (the command line over a datastore directory, an
-        ingestion), beside the queue's writes (the datastore serialises them)."""
-        results = self._write([self._job(changes)])[0]
+        ingestion), beside the queue's writes (the datastore serialises them). `if_absent`: each
+        document written only where the datastore holds none of its id, decided as it is written,
+        so a client's write made meanwhile is never replaced (an ingestion's)."""
+        job = self._job(changes)
+        job.if_absent = if_absent
+        results = self._write([job])[0]
         self.on_written()
         return results
 
@@ -194,13 +199,17 @@ class DocumentWriter:
                     hashes[change] = None
                     continue
                 current = hashes[change.doc_id] if change.doc_id in hashes else self._hash_of(change.doc_id)
-                hashes[change.doc_id] = change.content_hash
-                passages = [] if current == change.content_hash else cut
+                held = job.if_absent and current is not None  # kept as it is: nothing to embed
+                if not held:
+                    hashes[change.doc_id] = change.content_hash
+                passages = [] if held or current == change.content_hash else cut
                 if passages:
                     to_embed.append((len(writes), [shape.embedding_text(p) for p in passages]))
                 texts = tuple(p.text for p in passages)
                 writes.append(
-                    DocumentUpsert(change.doc_id, change.shown_title, texts, None, change.content_hash, change.metadata)
+                    DocumentUpsert(
+                        change.doc_id, change.shown_title, texts, None, change.content_hash, change.metadata, job.if_absent
+                    )
                 )
         if to_embed:
             vectors = self.embed([text for _, read in to_embed for text in read])

@@ -244,7 +244,7 @@ class Ingestion:
                     document = self.documents[at + len(block)]
                     block.append(document)
                     passages += sum(1 for _ in shape.split([_article(document)]))
-                self.writer.write_now(block)
+                self.writer.write_now(block, if_absent=True)  # a document a client wrote meanwhile stays theirs
                 at += len(block)
                 self._advance(replace(self.record, written=at))
                 bar.update(len(block))

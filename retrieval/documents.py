@@ -29,6 +29,7 @@ class DocumentUpsert:
     # the caller found the document's content hash unchanged
     content_hash: str  # of what the caller was given; an upsert with the document's current hash changes nothing
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    if_absent: bool = False  # written only where no document of its id is held (an ingestion's: never over a client's)
 
 
 @dataclass(frozen=True)

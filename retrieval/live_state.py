@@ -129,8 +129,11 @@ class GenerationState:
                 records.append((WriteRecord(write.doc_id, now, current.passage_ids, None), len(results)))
                 results.append(WriteResult(WriteOutcome.DELETED, write.doc_id, 0, None))
                 continue
-            if current is not None and current.content_hash == write.content_hash:
+            if current is not None and (write.if_absent or current.content_hash == write.content_hash):
                 results.append(WriteResult(WriteOutcome.UNCHANGED, write.doc_id, 0, current))
+                continue
+            if write.if_absent and write.vectors is None:  # held when its writer looked, deleted since: it stays so
+                results.append(WriteResult(WriteOutcome.UNCHANGED, write.doc_id, 0, None))
                 continue
             vectors = self._checked_vectors(write)
             ids = tuple(range(next_id, next_id + len(write.passages)))

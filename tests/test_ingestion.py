@@ -28,6 +28,7 @@ from telerag.pipelines.ingestion import (
 from telerag.retrieval.builder import default_nlist
 from telerag.retrieval.corpus import Article, PassageShape, read_jsonl
 from telerag.retrieval.datastore_writer import check_target
+from telerag.retrieval.documents import DocumentUpsert
 from telerag.retrieval.errors import DatastoreError
 from telerag.retrieval.generations import INGESTION
 from telerag.retrieval.live import LiveDatastore, opened
@@ -138,6 +139,24 @@ def test_an_ingestion_stopped_part_way_goes_on_from_its_last_block(tmp_path):
 
     assert ingest(path, documents, embedder.encode, IngestionRecord.read(path), block_passages=10, progress=False)
     check_holds(path, [d for d in documents if d.doc_id != gone], embedder)
+
+
+def test_a_document_a_client_wrote_during_the_ingestion_stays_the_clients(tmp_path):
+    """The ingestion writes a document only where none of its id is held, decided as it writes:
+    a client's version of a corpus document written before the ingestion reached it is kept."""
+    documents, embedder = corpus(40, seed=3), HashEmbedder()
+    path = seed(tmp_path / "ds", documents, embedder, sample_passages=10)
+    with opened(path, writable=True) as live:
+        absent = [d for d in documents if live.document(d.doc_id) is None]
+        mine = DocumentText(absent[-1].doc_id, "my own version of it, comet orbit", "Mine")
+        (written,) = DocumentWriter(live, embedder.encode).write_now([mine])
+        assert written.outcome == "created"
+        # held when the writer looked, deleted by a client before it wrote: it stays deleted
+        ghost = DocumentUpsert(absent[0].doc_id, "Ghost", (), None, absent[0].content_hash, if_absent=True)
+        (unchanged,) = live.write([ghost])
+        assert unchanged.outcome == "unchanged" and live.document(absent[0].doc_id) is None
+    assert ingest(path, documents, embedder.encode, IngestionRecord.read(path), block_passages=10, progress=False)
+    check_holds(path, [mine if d.doc_id == mine.doc_id else d for d in documents], embedder)
 
 
 def test_what_opens_a_datastore_to_search_it_ingests_the_rest_first(tmp_path):
