@@ -98,3 +98,15 @@ class DocumentsTooLarge(PipelineError):
     """A write whose documents are cut into more passages than one request may write."""
 
     code = "documents_too_large"
+
+
+class FileNotFound(PipelineError):
+    """No uploaded file of that id (or none its key may see)."""
+
+    code = "file_not_found"
+
+
+class FilesTooLarge(PipelineError):
+    """An upload that would take its key's files over `files.max_bytes_per_key`."""
+
+    code = "files_too_large"

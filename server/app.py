@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from telerag.pipelines.file_store import FileStore
 from telerag.pipelines.registry import PIPELINES
 from telerag.retrieval.stats import CacheStats
 from telerag.server import errors
@@ -22,12 +23,14 @@ from telerag.server.openai_protocol import chat_request_model
 from telerag.server.openapi import extend_schema
 from telerag.server.protocol import default_max_tokens, query_request_model
 from telerag.server.responses_protocol import response_request_model
-from telerag.server.routes import datastore, documents, embeddings, openai, ops, rag, responses
+from telerag.server.routes import datastore, documents, embeddings, files, openai, ops, rag, responses
 from telerag.server.service import Service
 from telerag.server.settings import Settings
 
 if TYPE_CHECKING:
     from telerag.server.service import ServedRuntime
+
+MULTIPART_OVERHEAD_BYTES = 64 * 1024  # a file upload's body: the file, its form's other fields and boundaries
 
 
 def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAPI:
@@ -60,13 +63,19 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
     )
     app.state.started = int(time.time())  # when /v1/models says its models were created
     app.state.default_max_tokens = default_max_tokens(settings.limits)  # a chat completion's, as a query's
+    app.state.files = FileStore(
+        settings.files.dir, max_bytes=settings.files.max_bytes, max_bytes_per_owner=settings.files.max_bytes_per_key
+    )
     extend_schema(app, rag.STREAMED + openai.STREAMED + responses.STREAMED)
     errors.install(app)
     app.add_middleware(ServingGate, lifecycle=lifecycle)
     app.add_middleware(
         BodyLimit,
         limit=settings.limits.max_body_bytes,
-        larger=dict.fromkeys((documents.DOCUMENTS, documents.UPLOADS), settings.documents.max_body_bytes),
+        larger={
+            **dict.fromkeys((documents.DOCUMENTS, documents.UPLOADS), settings.documents.max_body_bytes),
+            files.FILES: settings.files.max_bytes + MULTIPART_OVERHEAD_BYTES,
+        },
     )
     if settings.server.cors_origins:
         app.add_middleware(
@@ -77,7 +86,7 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
             expose_headers=["X-Request-ID", "Retry-After"],
         )
     app.add_middleware(
-        ErrorDialect, openai_paths=openai.PATHS | responses.PATHS | embeddings.PATHS
+        ErrorDialect, openai_paths=openai.PATHS | responses.PATHS | embeddings.PATHS | files.PATHS
     )  # before the refusals above are made
     app.add_middleware(RequestId)  # outermost: every response, refusals included, carries the id
     app.include_router(ops.router(access))
@@ -87,6 +96,7 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
     app.include_router(embeddings.router(embedding_request_model(settings.limits), access))
     app.include_router(documents.router(*documents_request_models(settings.documents), access, settings.documents))
     app.include_router(datastore.router(access))
+    app.include_router(files.router(access, settings.files))
     return app
 
 

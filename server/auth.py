@@ -3,6 +3,7 @@ requests in flight per key)."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -20,17 +21,20 @@ BEARER = HTTPBearer(auto_error=False, description="one of the server's API keys 
 
 class ApiKeys:
     """The dependency that lets a request through only with one of `keys` as its bearer token;
-    it names the client `key-N`, N the key's place in the settings."""
+    it names the client by a fingerprint of its key (`key-` and 12 hex digits of its SHA-256):
+    the same name across restarts and however the keys are listed, never the key itself, for
+    what a key owns outlives the process (its files)."""
 
     def __init__(self, keys: list[bytes]) -> None:
         self.keys = keys
+        self.names = [f"key-{hashlib.sha256(key).hexdigest()[:12]}" for key in keys]
 
     async def __call__(self, credentials: HTTPAuthorizationCredentials | None = Depends(BEARER)) -> str:
         token = credentials.credentials.encode() if credentials is not None else b""
         matches = [hmac.compare_digest(token, key) for key in self.keys]  # every key compared: constant time
         if credentials is None or not any(matches):
             raise Unauthorized("missing or wrong API key (Authorization: Bearer …)")
-        return f"key-{matches.index(True)}"
+        return self.names[matches.index(True)]
 
 
 async def anyone() -> None:

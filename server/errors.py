@@ -31,6 +31,8 @@ from telerag.pipelines.errors import (
     EngineError,
     EngineOverloaded,
     EngineUnavailable,
+    FileNotFound,
+    FilesTooLarge,
     FileUnreadable,
     GenerationAborted,
     InvalidDocument,
@@ -188,6 +190,8 @@ STATUS: list[tuple[type[Exception], int]] = [
     (InvalidDocument, 422),
     (InvalidField, 422),
     (DocumentNotFound, 404),
+    (FileNotFound, 404),
+    (FilesTooLarge, 413),
     (DatastoreReadOnly, 409),
     (RebuildRunning, 409),
     (DocumentsTooLarge, 413),
@@ -219,11 +223,12 @@ WHEN = {  # what each status means, for the OpenAPI schema
     "(a field it does not know or serve, a value it does not serve, a file of a type it does not convert); "
     "`error.field` names it.",
     401: "Missing or wrong API key (`Authorization: Bearer <key>`).",
-    404: "No such document.",
+    404: "No such document (or file, or none the API key may see).",
     409: "The datastore is read-only here (another process holds it for writing, or it holds no passages), or a "
     "compaction or retrain is running already.",
-    413: "The body is over the server's `limits.max_body_bytes` (`documents.max_body_bytes` on /v1/documents), or a "
-    "write's documents are cut into more than `documents.max_passages` passages.",
+    413: "The body is over the server's `limits.max_body_bytes` (`documents.max_body_bytes` on /v1/documents, "
+    "`files.max_bytes` on /v1/files), a write's documents are cut into more than `documents.max_passages` passages, "
+    "or an upload would take its key's files over `files.max_bytes_per_key`.",
     422: "A field is invalid or out of the server's limits; `error.field` names it.",
     429: "Busy: retry after `Retry-After` seconds.",
     502: "The LLM engine failed.",

@@ -52,7 +52,9 @@ class ErrorDialect:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            errors.openai_route.set(scope["path"] in self.openai_paths)  # not reset, as the request id is not
+            path = scope["path"]  # an OpenAI route, or a path under one (a file's, a model's)
+            errors.openai_route.set(any(path == p or path.startswith(p + "/") for p in self.openai_paths))  # not reset,
+            # as the request id is not
         await self.app(scope, receive, send)
 
 

@@ -1,6 +1,8 @@
 """All configuration, in one place: `config/default.yaml` (or `--config FILE`), then
 environment variables (`TELERAG_…`, nested with `__`, e.g. `TELERAG_SERVER__PORT=9000`), then
-`telerag serve` flags, each overriding the one before."""
+`telerag serve` flags, each overriding the one before. The module is long because every setting
+of every layer is declared here with its meaning: the defaults file, the manual's table and the
+flags all come from this one source."""
 
 from __future__ import annotations
 
@@ -203,6 +205,17 @@ class DocumentSettings(Section):
     )  # fmt: skip
 
 
+class FileSettings(Section):
+    """Files uploaded through OpenAI's Files API (/v1/files), each seen only by the key that uploaded it."""
+
+    dir: Path = Field(
+        default_factory=lambda: user_cache_dir() / "files",
+        description="DIR   default: $TELERAG_CACHE_DIR/files (TELERAG_CACHE_DIR defaults to ~/.cache/telerag)",
+    )
+    max_bytes: int = setting(32 * 2**20, "one file's size; past it: 413", ge=1024)
+    max_bytes_per_key: int = setting(2**30, "all the files of one API key (of everyone, on an open API); past it: 413", ge=1024)
+
+
 class ServerSettings(Section):
     host: str = setting("127.0.0.1", "the address to listen on")
     port: int = setting(8000, "the port to listen on", ge=0, le=65535)
@@ -303,6 +316,7 @@ class Settings(BaseSettings):
     scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
     documents: DocumentSettings = Field(default_factory=DocumentSettings)
+    files: FileSettings = Field(default_factory=FileSettings)
     server: ServerSettings = Field(default_factory=ServerSettings)
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
 

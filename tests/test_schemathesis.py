@@ -31,12 +31,18 @@ KEY = "fuzz-key"
 EXAMPLES = int(os.environ.get("TELERAG_FUZZ_EXAMPLES", "10"))
 SEED = os.environ.get("TELERAG_FUZZ_SEED", "1")  # fixed, so that CI runs the same requests each time
 # An uploaded file's type and text are in its bytes and name, which no schema can describe: a schema-valid upload
-# of an image (400 naming its type) or of an empty or textless file (422) is refused, as documented.
+# of an image (400 naming its type) or of an empty or textless file (422) is refused, as documented; and a
+# purpose is one of file search's (400 naming any other).
 UPLOADS = """
 [[operations]]
 include-path = "/v1/uploads"
 include-method = "POST"
 checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "409", "413", "422", "429"]
+
+[[operations]]
+include-path = "/v1/files"
+include-method = "POST"
+checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "413"]
 """
 
 
@@ -53,6 +59,7 @@ def served(tmp_path) -> Iterator[str]:
         server={"api_key": KEY},
         limits={"max_tokens": 4, "max_top_k": 5, "max_query_chars": 300},
         scheduler={"max_concurrency": 4, "max_queue": 64, "request_timeout_s": 120},
+        files={"dir": str(tmp_path / "files")},
     )
     runtime = Runtime(
         settings=settings,
