@@ -250,6 +250,34 @@ def test_outcomes_and_documents(tmp_path):
     live.close()
 
 
+def test_pages_of_documents_after_random_writes_are_the_living_ids_in_order(tmp_path):
+    """Paging by `after` and `limit` gives each living document once, in id order, whatever was
+    written, replaced or deleted since the generation (its documents and the writes' merged)."""
+    ds = passage_datastore(tmp_path / "ds", n=90)  # b0 .. b29
+    live = LiveDatastore(ds, writable=True)
+    rng = np.random.default_rng(7)
+    living = {f"b{i}" for i in range(30)}
+    for step in range(120):
+        doc_id = f"b{rng.integers(40)}" if rng.random() < 0.5 else f"n{rng.integers(40)}"
+        if rng.random() < 0.3:
+            live.write([DocumentDelete(doc_id)])
+            living.discard(doc_id)
+        else:
+            live.write([upsert(doc_id, unit_vectors(rng, 1, ds.dim), step)])
+            living.add(doc_id)
+        if step % 20 == 19:
+            limit, after, paged = int(rng.integers(1, 9)), None, []
+            while page := live.documents(after=after, limit=limit):
+                paged += [d.doc_id for d in page]
+                after = page[-1].doc_id
+            assert paged == sorted(living)
+            middle = sorted(living)[len(living) // 2]
+            assert [d.doc_id for d in live.documents(after=middle + "~", limit=3)] == [
+                i for i in sorted(living) if i > middle + "~"
+            ][:3]  # an id that is no document's starts the page as well
+    live.close()
+
+
 def test_torn_tail_is_discarded_with_one_line_and_damage_is_refused(tmp_path, caplog):
     ds = passage_datastore(tmp_path / "ds", n=30)
     live = LiveDatastore(ds, writable=True)
