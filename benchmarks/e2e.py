@@ -43,8 +43,8 @@ from telerag.pipelines.retriever import DirectRetriever
 from telerag.pipelines.types import DatastoreInfo, Engine, RagResult, RunOptions
 from telerag.retrieval.errors import DeviceMemoryError
 from telerag.server.event_loop import run_event_loop
+from telerag.server.retrieval_batching import BatchingRetriever
 from telerag.server.runtime import build_engine
-from telerag.server.scheduler import BatchingRetriever
 from telerag.server.settings import Settings, pre_retrieval_profile
 from telerag.utils.device import resolve_device
 

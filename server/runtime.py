@@ -31,7 +31,7 @@ from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.errors import DeviceUnavailable
 from telerag.retrieval.ivf import ListSearch
 from telerag.retrieval.stats import CacheStats
-from telerag.server.scheduler import BatchingRetriever
+from telerag.server.retrieval_batching import BatchingRetriever
 from telerag.server.settings import RetrievalSettings, Settings, pre_retrieval_profile
 from telerag.utils.device import resolve_device
 from telerag.utils.progress import StepProgress, observe_progress
