@@ -114,10 +114,21 @@ def tier_application(datastore: Path | str, shape: TierShape, *, verify_checksum
     """The tier as one Serve application (a Ray `Application`): the directory and a deployment
     per shard. `deploy_tier` runs it; `serve run`'s config file builds it the same way
     (`server.serve_config`)."""
-    from ray import serve
-
     path = str(Path(datastore).expanduser().resolve())  # every node of the cluster reads it at this path
     threads = max(1, math.floor(shape.cpus_per_replica))
+    *shards, directory = tier_deployments(shape)
+    bound = [
+        shard.bind(path, number, shape.shards, threads=threads, verify_checksums=verify_checksums, early_stop=shape.early_stop)
+        for number, shard in enumerate(shards)
+    ]
+    return directory.bind(path, *bound)
+
+
+def tier_deployments(shape: TierShape) -> list[Any]:
+    """The tier's Serve deployments, one per shard and then the directory that calls them (as
+    Serve lists an application's), sized by `shape`; unbound: what the Serve config file describes."""
+    from ray import serve
+
     scaling = replica_scaling(shape.replicas, shape.max_replicas, shape.target_ongoing_requests)
     shards = [
         serve.deployment(
@@ -126,13 +137,10 @@ def tier_application(datastore: Path | str, shape: TierShape, *, verify_checksum
             max_ongoing_requests=shape.max_ongoing_requests,
             max_queued_requests=shape.max_queued_requests,
             **scaling,
-        )(ShardReplica).bind(
-            path, number, shape.shards, threads=threads, verify_checksums=verify_checksums, early_stop=shape.early_stop
-        )
+        )(ShardReplica)
         for number in range(shape.shards)
     ]
-    directory = serve.deployment(name="directory", ray_actor_options={"num_cpus": 0})(TierDirectory)
-    return directory.bind(path, *shards)
+    return [*shards, serve.deployment(name="directory", ray_actor_options={"num_cpus": 0})(TierDirectory)]
 
 
 def deploy_tier(datastore: Path | str, shape: TierShape, *, verify_checksums: bool = True) -> RetrievalTier:

@@ -194,6 +194,14 @@ def deploy_inference(settings: Settings) -> None:
 
 def inference_application(settings: Settings) -> Any:
     """The inference application (a Ray `Application`): the ingress in front of the replicas."""
+    inference, ingress = inference_deployments(settings)
+    return ingress.bind(settings, inference.bind(settings, settings.cluster.shards > 0), settings.cluster.shards)
+
+
+def inference_deployments(settings: Settings) -> tuple[Any, Any]:
+    """The inference application's Serve deployments, the replicas and then the ingress in front
+    of them (as Serve lists an application's, what it calls first), shaped by the settings;
+    unbound: what the Serve config file describes."""
     from ray import serve
 
     cluster = settings.cluster
@@ -224,7 +232,7 @@ def inference_application(settings: Settings) -> Any:
         max_ongoing_requests=10_000,  # the ingress's own admission bounds what it takes (429 past it)
         graceful_shutdown_timeout_s=settings.server.shutdown_grace_s,
     )(serve.ingress()(ClusterIngress))
-    return ingress.bind(settings, inference.bind(settings, cluster.shards > 0), cluster.shards)
+    return inference, ingress
 
 
 def start_ray(settings: Settings, **options: Any) -> None:

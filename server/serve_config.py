@@ -6,9 +6,10 @@ Its applications are those `telerag serve --ray` deploys, built by the same func
 (`cluster.inference_application`, `cluster.retrieval_application`): their import paths are the
 builders below, whose `args` carry the settings the file was generated with (those that differ
 from the defaults; the cluster's environment and `config/default.yaml` give the rest, and API
-keys come from the environment, never the file). Its deployments' options are read back from the
-built applications (Serve's own `deployment_to_schema`, as `serve build` does), so the file says
-what the code deploys; tests/test_serve_config.py checks the checked-in files against this.
+keys come from the environment, never the file). Its deployments' options are read from the
+deployments the builders bind (`cluster.inference_deployments`, `tier.tier_deployments`) by
+Serve's own `deployment_to_schema`, as `serve build` does, so the file says what the code
+deploys; tests/test_serve_config.py checks the checked-in files against this.
 """
 
 from __future__ import annotations
@@ -54,17 +55,17 @@ def given_settings(settings: Settings) -> dict[str, Any]:
 
 def serve_config(settings: Settings) -> dict[str, Any]:
     """The Serve config (a `ServeDeploySchema`, validated) that deploys what `serve --ray` does."""
-    # what `serve build` runs: Serve has no public function that lists an application's deployments
-    from ray.serve._private.build_app import build_app
     from ray.serve.deployment import deployment_to_schema
     from ray.serve.schema import ServeDeploySchema
 
     from telerag.retrieval.tier import APP as TIER_APP
-    from telerag.server.cluster import APP
+    from telerag.retrieval.tier import tier_deployments
+    from telerag.server.cluster import APP, inference_deployments, tier_shape
 
     args = {"settings": given_settings(settings)}
     # the tier first: the inference replicas connect to it as they start
-    applications = ([(TIER_APP, None, retrieval_app)] if settings.cluster.shards else []) + [(APP, "/", inference_app)]
+    tier = [(TIER_APP, None, retrieval_app, tier_deployments(tier_shape(settings)))] if settings.cluster.shards else []
+    applications = [*tier, (APP, "/", inference_app, list(inference_deployments(settings)))]
     config = {
         "proxy_location": "EveryNode",
         "http_options": {"host": settings.server.host, "port": settings.server.port},
@@ -74,12 +75,9 @@ def serve_config(settings: Settings) -> dict[str, Any]:
                 "route_prefix": route_prefix,
                 "import_path": f"{builder.__module__}:{builder.__qualname__}",
                 "args": copy.deepcopy(args),  # a copy each: YAML would write one object twice as an alias
-                "deployments": [
-                    deployment_to_schema(d).model_dump(mode="json", exclude_unset=True)
-                    for d in build_app(builder(args), name=name).deployments
-                ],
+                "deployments": [deployment_to_schema(d).model_dump(mode="json", exclude_unset=True) for d in deployments],
             }
-            for name, route_prefix, builder in applications
+            for name, route_prefix, builder, deployments in applications
         ],
     }
     ServeDeploySchema.model_validate(config)
