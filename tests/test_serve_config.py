@@ -38,6 +38,8 @@ def test_the_checked_in_serve_config_is_what_the_code_generates_from_its_setting
 
 
 def test_serve_runs_schema_accepts_it_and_its_import_paths_build_both_tiers():
+    # Serve's own build (what `serve run` does with the file), private: the check that the file's
+    # deployments, read from the deployments the code binds, are what Serve builds from its import paths
     from ray._common.utils import import_attr
     from ray.serve._private.build_app import build_app
     from ray.serve.deployment import deployment_to_schema
