@@ -131,15 +131,13 @@ class DocumentWriter:
         ingestion), beside the queue's writes (the datastore serialises them). `if_absent`: each
         document written only where the datastore holds none of its id, decided as it is written,
         so a client's write made meanwhile is never replaced (an ingestion's)."""
-        job = self._job(changes)
-        job.if_absent = if_absent
-        results = self._write([job])[0]
+        results = self._write([self._job(changes, if_absent=if_absent)])[0]
         self.on_written()
         return results
 
-    def _job(self, changes: Sequence[Change], max_passages: int | None = None) -> _Job:
+    def _job(self, changes: Sequence[Change], max_passages: int | None = None, *, if_absent: bool = False) -> _Job:
         cuts = [[] if isinstance(change, str) else self._cut(change) for change in changes]
-        job = _Job(list(changes), cuts)
+        job = _Job(list(changes), cuts, if_absent)
         if max_passages is not None and job.passages > max_passages:
             raise DocumentsTooLarge(
                 f"the documents are cut into {job.passages} passages, over documents.max_passages ({max_passages}): "

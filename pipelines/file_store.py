@@ -11,7 +11,6 @@ never sees it, as if it did not exist.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import threading
 import time
@@ -20,10 +19,9 @@ from pathlib import Path
 
 from telerag.pipelines.errors import FileNotFound, FilesTooLarge
 from telerag.pipelines.files import FileFormat, file_format
-from telerag.utils.files import fsync_path
+from telerag.utils.files import fsync_path, write_by_rename
 
 PURPOSES = ("assistants", "user_data")  # OpenAI's purposes of files for file search; the rest are not served
-_TEMPORARY = ".part"
 
 
 @dataclass(frozen=True)
@@ -63,7 +61,7 @@ class FileStore:
             self._files[described["id"]] = StoredFile(**{**described, "format": FileFormat(described["format"])})
         for path in self.root.iterdir():
             unnamed = path.suffix == ".bin" and path.stem not in self._files
-            if unnamed or path.name.endswith(_TEMPORARY):
+            if unnamed or path.name.startswith("."):  # `write_by_rename`'s temporary files
                 path.unlink()
         self._opened = True
 
@@ -82,9 +80,8 @@ class FileStore:
                     f"({self.max_bytes_per_owner}): delete some first"
                 )
             stored = StoredFile(f"file-{secrets.token_hex(12)}", filename, len(data), time.time_ns(), purpose, fmt, owner)
-            _write_atomically(self.root / f"{stored.id}.bin", data)
-            _write_atomically(self.root / f"{stored.id}.json", json.dumps(asdict(stored)).encode("utf-8"))
-            fsync_path(self.root)
+            write_by_rename(self.root / f"{stored.id}.bin", data)
+            write_by_rename(self.root / f"{stored.id}.json", json.dumps(asdict(stored)).encode("utf-8"))
             self._files[stored.id] = stored
         return stored
 
@@ -127,12 +124,3 @@ def page(files: list[StoredFile], *, after: str | None, limit: int, newest_first
     start = ids.index(after) + 1 if after in ids else 0
     chosen = ordered[start : start + limit + 1]
     return chosen[:limit], len(chosen) > limit
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    temporary = path.with_name(path.name + _TEMPORARY)
-    with open(temporary, "wb") as out:
-        out.write(data)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(temporary, path)

@@ -93,14 +93,13 @@ class _LiveCollector(Collector):
             for state in ("done", "failed"):
                 ended.add_metric([kind, state], float(report.rebuilds_ended.get((kind, state), 0)))
         yield ended
-        published = SummaryMetricFamily(
+        yield SummaryMetricFamily(
             "telerag_datastore_publish_seconds",
             "write batches' time from durable (log synced) to searchable (snapshot published), part of each "
             "acknowledgment: a write is searchable before it is acknowledged (freshness after it: 0)",
             count_value=s.published,
             sum_value=s.publish_seconds,
         )
-        yield published
         ingestion = report.ingestion
         for name, value, doc in (
             ("documents", s.documents, "documents in the datastore"),

@@ -91,7 +91,7 @@ def test_files_are_durable_and_an_upload_cut_short_leaves_nothing(tmp_path):
     store = FileStore(root, max_bytes=1024, max_bytes_per_owner=2048)
     kept = store.add(MARKDOWN, "notes.md", "assistants", "key-a")
     (root / "file-cut-short.bin").write_bytes(b"half an upload")  # its description never written
-    (root / "file-other.json.part").write_bytes(b"{")
+    (root / ".file-other.json.tmp-1-2").write_bytes(b"{")  # a description's temporary file, never renamed
     again = FileStore(root, max_bytes=1024, max_bytes_per_owner=2048)  # a restart
     assert again.files("key-a") == [kept] and again.content(kept.id, "key-a") == MARKDOWN
     assert sorted(p.name for p in root.iterdir()) == [f"{kept.id}.bin", f"{kept.id}.json"]
