@@ -23,10 +23,9 @@ from telerag.retrieval.codecs import Codec
 from telerag.retrieval.demand import DemandCopyPolicy
 from telerag.retrieval.ivf import ListSearch
 from telerag.retrieval.prefetch import PrefetchHandle
-from telerag.retrieval.provisional import ProvisionalTopK, scan_in_chunks
-from telerag.retrieval.search import merge_topk, scan_resident
+from telerag.retrieval.provisional import DeviceHalfDone
+from telerag.retrieval.search import Part, faiss_part, merge_to_host, scan_resident
 
-Part = tuple[torch.Tensor, torch.Tensor]  # one half's per-query top-k (scores, ids)
 CPUResult = tuple[np.ndarray, np.ndarray, float]  # faiss's (scores, ids) and how long it took (ms)
 
 
@@ -46,7 +45,7 @@ class SearchResources:
     """What a search runs on, as the engine holds them when it starts (a search runs against
     the cache and demand policy it began with, even if the engine's are replaced meanwhile)."""
 
-    cpu_half: ListSearch  # faiss in process, or the retrieval tier
+    cpu_half: ListSearch  # faiss in process, or the retrieval tier (as the search watches it: `SearchHalves`)
     cpu_pool: ThreadPoolExecutor  # faiss's worker threads
     cache: ClusterCache
     policy: DemandCopyPolicy | None  # None: no cache
@@ -70,16 +69,15 @@ class CooperativeSearch:
         k: int,
         lists: np.ndarray,
         list_scores: np.ndarray,
-        provisional: ProvisionalTopK | None = None,
+        device_done: DeviceHalfDone,
     ) -> None:
         """`queries` on the host and `q` the same on the device; `lists` and `list_scores` from
-        the probe. With `provisional`, faiss's half is scanned chunk by chunk and the top-k so far
-        of both halves reported to it (`retrieval.provisional`)."""
+        the probe; `device_done` hears the device half's results when it ends (`SearchHalves`)."""
         self.resources = resources
         self.cache, self.policy = resources.cache, resources.policy
         self.queries, self.q, self.k = queries, q, k
         self.lists, self.list_scores = lists, list_scores
-        self.provisional = provisional
+        self.device_done = device_done
         self.lease: Lease | None = None  # pins the resident clusters the search reads
         self.demand: Lease | None = None  # pins the clusters copied on demand
         self.resident_mask = np.zeros(lists.shape, dtype=bool)  # scanned on the device, resident at the start
@@ -115,16 +113,15 @@ class CooperativeSearch:
         """Both halves: faiss over the lists no device pass takes, the device over the rest."""
         cpu_lists = np.where(self.resident_mask | self.chosen_mask, -1, self.lists)
         if not (self.resident_mask.any() or self.chosen_mask.any()):
-            if self.provisional is not None:
-                self.provisional.device_done(None, 0)
-            cpu_scores, cpu_ids, self.cpu_ms = self._cpu_search(cpu_lists, chunked=True)
+            self.device_done([], 0)
+            cpu_scores, cpu_ids, self.cpu_ms = self._cpu_search(cpu_lists)
             self.parts.append(faiss_part((cpu_scores, cpu_ids), self.resources.device))
             return
         # faiss, the longer half, starts first and runs in a worker thread; the demand
         # copies are issued after, and what they could not place goes to faiss too
         cpu_futures = []
         if (cpu_lists >= 0).any():
-            cpu_futures.append(self.resources.cpu_pool.submit(self._cpu_search, cpu_lists, chunked=True))
+            cpu_futures.append(self._submit_cpu_search(cpu_lists))
         if self.chosen_mask.any():
             cpu_futures.extend(self._copy_on_demand())
         # what is resident first; the demand copies land meanwhile and are scanned next
@@ -133,9 +130,7 @@ class CooperativeSearch:
         if passes:
             device_parts, self.device_ms, self.wait_ms = self._device_search(self.q, self.k, self.lists, passes)
             self.parts.extend(device_parts)
-        if self.provisional is not None:
-            device_lists = int(sum(mask.sum() for mask, _ in passes))
-            self.provisional.device_done(merge_to_host(self.parts, self.k) if passes else None, device_lists)
+        self.device_done(self.parts, int(sum(mask.sum() for mask, _ in passes)))
         for future in cpu_futures:
             cpu_scores, cpu_ids, ms = future.result()
             self.parts.append(faiss_part((cpu_scores, cpu_ids), self.resources.device))
@@ -238,15 +233,10 @@ class CooperativeSearch:
     def _submit_cpu_search(self, lists: np.ndarray) -> Future[CPUResult]:
         return self.resources.cpu_pool.submit(self._cpu_search, lists)
 
-    def _cpu_search(self, lists: np.ndarray, *, chunked: bool = False) -> CPUResult:
-        """faiss over `lists` (-1: skipped), its time fed to the policy's CPU scan rate;
-        `chunked`, with a provisional top-k wanted: chunk by chunk, each reported."""
+    def _cpu_search(self, lists: np.ndarray) -> CPUResult:
+        """faiss over `lists` (-1: skipped), its time fed to the policy's CPU scan rate."""
         started = time.perf_counter()
-        cpu_half = self.resources.cpu_half
-        if chunked and self.provisional is not None:
-            scores, ids = scan_in_chunks(cpu_half, self.queries, self.k, lists, self.list_scores, self.provisional.faiss_chunk)
-        else:
-            scores, ids = cpu_half.search_lists(self.queries, self.k, lists, self.list_scores)
+        scores, ids = self.resources.cpu_half.search_lists(self.queries, self.k, lists, self.list_scores)
         ms = (time.perf_counter() - started) * 1e3
         if self.policy is not None:
             self.policy.observe_cpu(int(self.cache.sizes[lists[lists >= 0]].sum()) * self.cache.row_bytes, ms)
@@ -295,17 +285,6 @@ class CooperativeSearch:
             end.synchronize()
         ms = begin.elapsed_time(end) if begin is not None and end is not None else (time.perf_counter() - started) * 1e3
         return results, ms, sum(stop.elapsed_time(landed) for stop, landed in waits)
-
-
-def faiss_part(part: tuple[np.ndarray, np.ndarray], device: torch.device | str) -> Part:
-    """A (scores, ids) result from faiss on `device` (a view on the CPU, a small copy elsewhere)."""
-    return tuple(torch.from_numpy(a).to(device, non_blocking=True) for a in part)  # type: ignore[return-value]
-
-
-def merge_to_host(parts: Sequence[Part], k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The parts' merged top-k (see `merge_topk`), read to the host."""
-    scores, ids = merge_topk(parts, k)
-    return scores.cpu().numpy(), ids.cpu().numpy()
 
 
 def _held(lists: np.ndarray, lease: Lease) -> np.ndarray:

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from telerag.retrieval.chunked_scan import TopK, in_centroid_order, scan_in_chunks
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.errors import DatastoreMismatchError
-from telerag.retrieval.ivf import FAISS_PAD_SCORE, ListSearch
-from telerag.retrieval.shards import merge_shard_results
+from telerag.retrieval.ivf import ListSearch
 
 STATS_BLOCK_ROWS = 8192  # rows decoded at once in float64 while list statistics are computed
 FIRST_CHUNK_SHARE = 0.25  # of a query's lists, scanned before the first test of the bound
@@ -176,8 +176,8 @@ class EarlyStopSearch:
     shard of the retrieval tier) a chunk at a time per query, in centroid-score order, and
     skips every list the bound proves cannot change the top-k: exactly the full scan's answer.
 
-    Each round asks the inner search once for every query that still has lists to scan, so a
-    batch stays one faiss call per round; the chunks double (`CHUNK_GROWTH`) from a quarter of
+    Each round (`retrieval.chunked_scan`) asks the inner search once for every query that still
+    has lists to scan, so a batch stays one faiss call per round; the chunks double (`CHUNK_GROWTH`) from a quarter of
     the lists (`FIRST_CHUNK_SHARE`), and lists no round could rule out go at once
     (`_next_chunk`), so a search takes two or three calls where faiss takes one."""
 
@@ -190,42 +190,24 @@ class EarlyStopSearch:
         self, queries: np.ndarray, k: int, lists: np.ndarray, list_scores: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         queries = np.ascontiguousarray(queries, dtype=np.float32)
-        n, width = lists.shape
-        # each query's lists by centroid score, best first; -1 entries last
-        order = np.argsort(np.where(lists >= 0, -np.asarray(list_scores, dtype=np.float64), np.inf), axis=1, kind="stable")
-        lists = np.take_along_axis(np.asarray(lists, dtype=np.int64), order, axis=1)
-        list_scores = np.take_along_axis(np.asarray(list_scores, dtype=np.float32), order, axis=1)
+        lists, list_scores = in_centroid_order(lists, list_scores)
         bound = self.bounds.of_queries(queries, lists)
-        pending = bound > -np.inf  # the lists still to scan (valid and not empty)
-        scores = np.full((n, k), FAISS_PAD_SCORE, dtype=np.float32)
-        ids = np.full((n, k), -1, dtype=np.int64)
-        kth = np.full(n, -np.inf)
-        chunk = max(1, int(np.ceil(FIRST_CHUNK_SHARE * width)))
-        scanned = 0
-        while True:
-            pending &= bound > kth[:, None]
-            active = np.flatnonzero(pending.any(axis=1))
-            if not len(active):
-                break
-            take = self._next_chunk(pending[active], bound[active], scores[active, 0], ids[active, 0] >= 0, chunk)
-            # the taken entries of each active query first (in order), then -1
-            picked = np.argsort(~take, axis=1, kind="stable")[:, : int(take.sum(axis=1).max())]
-            chunk_lists = np.where(
-                np.take_along_axis(take, picked, axis=1), np.take_along_axis(lists[active], picked, axis=1), -1
-            )
-            chunk_scores = np.take_along_axis(list_scores[active], picked, axis=1)
-            found = self.inner.search_lists(
-                queries[active], k, np.ascontiguousarray(chunk_lists), np.ascontiguousarray(chunk_scores)
-            )
-            scores[active], ids[active] = merge_shard_results([(scores[active], ids[active]), found], k)
-            pending[active] &= ~take
-            scanned += int(take.sum())
-            kth[active] = np.where(ids[active, k - 1] >= 0, scores[active, k - 1], -np.inf)
+        chunk = max(1, int(np.ceil(FIRST_CHUNK_SHARE * lists.shape[1])))
+
+        def next_chunk(pending: np.ndarray, found: TopK) -> np.ndarray:
+            nonlocal chunk
+            scores, ids = found
+            kth = np.where(ids[:, k - 1] >= 0, scores[:, k - 1], -np.inf)
+            live = pending & (bound > kth[:, None])  # valid, not empty, not ruled out
+            take = self._next_chunk(live, bound, scores[:, 0], ids[:, 0] >= 0, chunk)
             chunk *= CHUNK_GROWTH
+            return take
+
+        found, scanned = scan_in_chunks(self.inner, queries, k, lists, list_scores, next_chunk)
         with self._lock:
             self.counts.probed += int((lists >= 0).sum())
             self.counts.scanned += scanned
-        return scores, ids
+        return found
 
     @staticmethod
     def _next_chunk(pending: np.ndarray, bound: np.ndarray, best: np.ndarray, found: np.ndarray, chunk: int) -> np.ndarray:

@@ -25,14 +25,15 @@ import numpy as np
 import torch
 
 from telerag.retrieval.cache import ClusterCache
-from telerag.retrieval.cooperative import CooperativeSearch, QueryStats, SearchResources, faiss_part, merge_to_host
+from telerag.retrieval.cooperative import CooperativeSearch, QueryStats, SearchResources
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.demand import DemandCopyPolicy
 from telerag.retrieval.early_stop import EarlyStopSearch, ListBounds
 from telerag.retrieval.errors import DeviceMemoryError, DeviceUnavailable, InvalidCall
 from telerag.retrieval.ivf import CPUIndex, ListSearch
 from telerag.retrieval.prefetch import PrefetchHandle, PrefetchPlan, plan_prefetch
-from telerag.retrieval.provisional import ProvisionalReport, ProvisionalTopK, scan_in_chunks
+from telerag.retrieval.provisional import ProvisionalReport, watch_halves
+from telerag.retrieval.search import faiss_part, merge_to_host
 from telerag.retrieval.stats import PrefetchStats
 from telerag.utils.device import resolve_device
 from telerag.utils.progress import ProgressBar
@@ -297,8 +298,8 @@ class RetrievalEngine:
         q = torch.from_numpy(queries).to(self.device, non_blocking=True)  # once, for probe and scan
         list_scores, lists = self.probe(queries, q, nprobe)
         probe_ms = (time.perf_counter() - started) * 1e3
-        tracker = None if provisional is None else ProvisionalTopK(k, int((lists >= 0).sum()), provisional)
-        search = CooperativeSearch(self._search_resources(), queries, q, k, lists, list_scores, tracker)
+        halves = watch_halves(self.cpu_half, k, int((lists >= 0).sum()), provisional)
+        search = CooperativeSearch(self._search_resources(halves.cpu_half), queries, q, k, lists, list_scores, halves.device_done)
         try:
             if cached:
                 search.pin_resident()
@@ -325,18 +326,15 @@ class RetrievalEngine:
         self, queries: np.ndarray, k: int, nprobe: int, started: float, provisional: ProvisionalReport | None
     ) -> SearchResult:
         """faiss's search, as is, or probed here and scanned by the CPU half that stands in for
-        it, chunk by chunk with a `provisional` report (`started`: when the search began)."""
+        it or watches it (`started`: when the search began)."""
         cpu_started = time.perf_counter()
         if self.cpu_half is self.index and provisional is None:
-            found = self.index.search(queries, k, nprobe)
+            found = self.index.search(queries, k, nprobe)  # the probe and the scan in one call
         else:
             list_scores, lists = self.index.probe(queries, nprobe)
-            if provisional is None:
-                found = self.cpu_half.search_lists(queries, k, lists, list_scores)
-            else:
-                tracker = ProvisionalTopK(k, int((lists >= 0).sum()), provisional)
-                tracker.device_done(None, 0)
-                found = scan_in_chunks(self.cpu_half, queries, k, lists, list_scores, tracker.faiss_chunk)
+            halves = watch_halves(self.cpu_half, k, int((lists >= 0).sum()), provisional)
+            halves.device_done([], 0)
+            found = halves.cpu_half.search_lists(queries, k, lists, list_scores)
         scores, ids = merge_to_host([faiss_part(found, "cpu")], k)
         cpu_ms = (time.perf_counter() - cpu_started) * 1e3
         return SearchResult(
@@ -349,10 +347,11 @@ class RetrievalEngine:
             total_ms=(time.perf_counter() - started) * 1e3,
         )
 
-    def _search_resources(self) -> SearchResources:
-        """What a search starting now runs on (the cache and policy may be replaced later)."""
+    def _search_resources(self, cpu_half: ListSearch) -> SearchResources:
+        """What a search starting now runs on (the cache and policy may be replaced later), its
+        CPU half as the search watches it."""
         return SearchResources(
-            cpu_half=self.cpu_half,
+            cpu_half=cpu_half,
             cpu_pool=self._cpu_pool,
             cache=self.cache,
             policy=self.demand,

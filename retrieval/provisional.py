@@ -1,9 +1,10 @@
 """A search's provisional top-k before it ends (issue 28, item 4: AquaPipe's early return of
 partial results, for speculative prefill).
 
-faiss's half scans each query's lists in centroid order a chunk at a time, in calls that end
-after an eighth, a quarter and a half of its lists and then all of them; after each call but the
-last, the top-k so far (merged with the device half's, once that half is done) is reported. The
+faiss's half scans each query's lists in centroid order a chunk at a time (`ProvisionalSearch`,
+a `ListSearch` wrapping the search's CPU half), in calls that end after an eighth, a quarter and
+a half of its lists and then all of them; after each call but the last, the top-k so far (merged
+with the device half's, once that half is done) is reported. The
 lists nearest a query hold most of its neighbours, so the top-k settles early. The final top-k
 merges the chunks, whose lists are disjoint: it is the full scan's (`ivf.same_results`: the same
 ids in the same order, up to ties at the k-th place), whatever was reported on the way.
@@ -16,17 +17,17 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from telerag.retrieval.chunked_scan import TopK, in_centroid_order, scan_in_chunks
 from telerag.retrieval.ivf import ListSearch
+from telerag.retrieval.search import Part, merge_to_host
 from telerag.retrieval.shards import merge_shard_results
 
 PROVISIONAL_SHARES = (0.125, 0.25, 0.5)  # of a query's lists scanned (centroid order) when a top-k so far is reported
-
-TopK = tuple[np.ndarray, np.ndarray]  # (scores, ids), (n, k), padded like faiss
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class Provisional:
 
 
 ProvisionalReport = Callable[[Provisional], None]  # called from the search's threads, never after the search returns
+DeviceHalfDone = Callable[[Sequence[Part], int], None]  # the device half's results (on the device) and its lists
 
 
 def chunk_bounds(width: int) -> list[int]:
@@ -48,63 +50,94 @@ def chunk_bounds(width: int) -> list[int]:
     return [0, *inner, width]
 
 
-def scan_in_chunks(
-    cpu_half: ListSearch,
-    queries: np.ndarray,
-    k: int,
-    lists: np.ndarray,
-    list_scores: np.ndarray,
-    on_chunk: Callable[[TopK, int], None],
-) -> TopK:
-    """`cpu_half.search_lists` over `lists` (-1 entries skipped), each query's lists scanned in
-    centroid-score order, chunk by chunk (`chunk_bounds`); after each chunk but the last,
-    `on_chunk(top-k so far, lists scanned so far)`. Returns the top-k over all of them."""
-    lists = np.asarray(lists, dtype=np.int64)
-    order = np.argsort(np.where(lists >= 0, -np.asarray(list_scores, dtype=np.float64), np.inf), axis=1, kind="stable")
-    width = max(1, int((lists >= 0).sum(axis=1).max(initial=0)))  # the -1 entries, sorted last, dropped
-    lists = np.take_along_axis(lists, order, axis=1)[:, :width]
-    list_scores = np.take_along_axis(np.asarray(list_scores, dtype=np.float32), order, axis=1)[:, :width]
-    bounds = chunk_bounds(width)
-    found: TopK | None = None
-    for start, end in itertools.pairwise(bounds):
-        chunk = cpu_half.search_lists(
-            queries, k, np.ascontiguousarray(lists[:, start:end]), np.ascontiguousarray(list_scores[:, start:end])
+@dataclass(frozen=True)
+class SearchHalves:
+    """Who scans a search's CPU half, and who hears when its device half is done: the one
+    choice a search makes about a provisional top-k (`watch_halves`)."""
+
+    cpu_half: ListSearch
+    device_done: DeviceHalfDone
+
+
+def _unheard(parts: Sequence[Part], lists: int) -> None:
+    """A search with no provisional top-k wanted: the device half's end is nobody's business."""
+
+
+def watch_halves(cpu_half: ListSearch, k: int, probed_lists: int, report: ProvisionalReport | None) -> SearchHalves:
+    """A search's halves as they are, or, with `report`, watched: the CPU half scanned chunk by
+    chunk (`ProvisionalSearch`) and the top-k so far of both halves reported."""
+    if report is None:
+        return SearchHalves(cpu_half, _unheard)
+    tracker = ProvisionalTopK(k, probed_lists, report)
+    return SearchHalves(ProvisionalSearch(cpu_half, tracker), tracker.device_done)
+
+
+class ProvisionalSearch:
+    """A `ListSearch` that scans through another one chunk by chunk in centroid order
+    (`chunk_bounds`) and tells `tracker` each call's top-k so far after every chunk but its last.
+    Its answer is the inner search's."""
+
+    def __init__(self, inner: ListSearch, tracker: ProvisionalTopK) -> None:
+        self.inner, self.tracker = inner, tracker
+
+    def search_lists(
+        self, queries: np.ndarray, k: int, lists: np.ndarray, list_scores: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        lists, list_scores = in_centroid_order(lists, list_scores)
+        width = max(1, int((lists >= 0).sum(axis=1).max(initial=0)))
+        ends = iter(chunk_bounds(width)[1:])
+        columns = np.arange(lists.shape[1])
+
+        def next_chunk(pending: np.ndarray, found: TopK) -> np.ndarray:
+            return pending & (columns < next(ends, 0))
+
+        call = self.tracker.new_call()
+        found, _ = scan_in_chunks(
+            self.inner,
+            queries,
+            k,
+            lists,
+            list_scores,
+            next_chunk,
+            lambda top, scanned, more: self.tracker.faiss_chunk(call, top, scanned, more),
         )
-        found = chunk if found is None else merge_shard_results([found, chunk], k)
-        if end < bounds[-1]:
-            on_chunk(found, int((lists[:, :end] >= 0).sum()))
-    assert found is not None
-    return found
+        return found
 
 
 class ProvisionalTopK:
-    """One search's provisional top-k, from its halves as they progress: faiss's chunks (from
-    its worker thread) and the device half's result (from the search's thread), reported each
-    time one arrives once both have something. The report is the merge of what both have."""
+    """One search's provisional top-k, from its halves as they progress: each CPU call's chunks
+    (from faiss's worker threads) and the device half's result (from the search's thread),
+    reported each time one arrives once both have something and some CPU call has lists left.
+    The report is the merge of the latest of each."""
 
     def __init__(self, k: int, probed_lists: int, report: ProvisionalReport) -> None:
         self.k, self.probed_lists, self.report = k, probed_lists, report
         self._lock = threading.Lock()
+        self._calls = itertools.count()
         self._device: list[TopK] | None = None  # None until the device half is done; empty without one
         self._device_lists = 0
-        self._faiss: TopK | None = None
-        self._faiss_lists = 0
+        self._cpu: dict[int, tuple[TopK, int, bool]] = {}  # per CPU call: its top-k so far, lists scanned, any left
 
-    def device_done(self, found: TopK | None, lists: int) -> None:
-        """The device half's top-k over its `lists`, on the host (None: no device half)."""
+    def new_call(self) -> int:
+        return next(self._calls)
+
+    def device_done(self, parts: Sequence[Part], lists: int) -> None:
+        """The device half's results over its `lists` (none: no device half)."""
+        found = merge_to_host(parts, self.k) if parts else None
         with self._lock:
             self._device, self._device_lists = ([] if found is None else [found]), lists
             self._report()
 
-    def faiss_chunk(self, found: TopK, lists: int) -> None:
-        """faiss's top-k over its first `lists` lists."""
+    def faiss_chunk(self, call: int, found: TopK, lists: int, more: bool) -> None:
+        """CPU call `call`'s top-k over its first `lists` lists; `more`: it has lists left."""
         with self._lock:
-            self._faiss, self._faiss_lists = found, lists
+            self._cpu[call] = (found, lists, more)
             self._report()
 
     def _report(self) -> None:
-        if self._device is None or self._faiss is None:
+        """Once both halves have something, unless every CPU call is done (the answer follows)."""
+        if self._device is None or not any(more for _, _, more in self._cpu.values()):
             return
-        scores, ids = merge_shard_results([*self._device, self._faiss], self.k)
-        share = (self._device_lists + self._faiss_lists) / max(1, self.probed_lists)
+        scores, ids = merge_shard_results([*self._device, *(found for found, _, _ in self._cpu.values())], self.k)
+        share = (self._device_lists + sum(lists for _, lists, _ in self._cpu.values())) / max(1, self.probed_lists)
         self.report(Provisional(scores, ids, share))

@@ -18,6 +18,8 @@ from telerag.retrieval.ivf import FAISS_PAD_SCORE
 
 SCAN_CHUNK_BYTES = 256 << 20  # bound on the gathered rows held at once
 
+Part = tuple[torch.Tensor, torch.Tensor]  # one half's per-query top-k (scores, ids)
+
 
 def _segment_table(resident: Mapping[int, Sequence[Segment]], clusters: Sequence[int]) -> np.ndarray:
     """int64 (m, 4): buffer start, length, host start, position in `clusters` of every segment."""
@@ -122,7 +124,7 @@ def scan_resident(
     return best_scores, best_ids
 
 
-def merge_topk(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_topk(parts: Sequence[Part], k: int) -> Part:
     """Merge per-query top-k lists where they lie (the device): score descending, ties broken
     by id ascending, padded like faiss. The lists come from disjoint clusters, so no id repeats."""
     scores = torch.cat([p[0] for p in parts], dim=1).float()
@@ -133,3 +135,14 @@ def merge_topk(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], k: int) -> tu
     order = torch.argsort(scores, dim=1, descending=True, stable=True)[:, :k]
     scores, ids = scores.gather(1, order), ids.gather(1, order)
     return torch.where(ids < 0, float(FAISS_PAD_SCORE), scores), ids
+
+
+def faiss_part(part: tuple[np.ndarray, np.ndarray], device: torch.device | str) -> Part:
+    """A (scores, ids) result from faiss on `device` (a view on the CPU, a small copy elsewhere)."""
+    return tuple(torch.from_numpy(a).to(device, non_blocking=True) for a in part)  # type: ignore[return-value]
+
+
+def merge_to_host(parts: Sequence[Part], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The parts' merged top-k (see `merge_topk`), read to the host."""
+    scores, ids = merge_topk(parts, k)
+    return scores.cpu().numpy(), ids.cpu().numpy()

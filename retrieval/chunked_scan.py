@@ -1,0 +1,76 @@
+"""A scan of each query's lists a chunk at a time, best centroid score first, through another
+`ListSearch`: the loop shared by exact early stop (chunks chosen by a bound, `retrieval.early_stop`)
+and the provisional top-k (chunks at fixed shares, `retrieval.provisional`).
+
+The chunks of one query are disjoint, so merging their top-ks (`merge_shard_results`) gives the
+top-k over every list scanned: the full scan's when every list is, whatever the chunks were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from telerag.retrieval.ivf import FAISS_PAD_SCORE, ListSearch
+from telerag.retrieval.shards import merge_shard_results
+
+TopK = tuple[np.ndarray, np.ndarray]  # (scores, ids), (n, k), padded like faiss
+
+# Given the lists not scanned yet (bool over the sorted lists) and the top-k so far, which to
+# scan next (a subset of them); nothing chosen ends the scan.
+NextChunk = Callable[[np.ndarray, TopK], np.ndarray]
+# After each chunk: the top-k so far (a copy, the caller's to keep), how many lists it is
+# over, and whether any are left.
+ChunkDone = Callable[[TopK, int, bool], None]
+
+
+def in_centroid_order(lists: np.ndarray, list_scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each query's lists (int64) and their centroid scores (float32), best score first and the
+    -1 entries last."""
+    lists = np.asarray(lists, dtype=np.int64)
+    order = np.argsort(np.where(lists >= 0, -np.asarray(list_scores, dtype=np.float64), np.inf), axis=1, kind="stable")
+    return (
+        np.take_along_axis(lists, order, axis=1),
+        np.take_along_axis(np.asarray(list_scores, dtype=np.float32), order, axis=1),
+    )
+
+
+def _no_report(found: TopK, lists: int, more: bool) -> None:
+    """A scan whose caller wants only its answer."""
+
+
+def scan_in_chunks(
+    inner: ListSearch,
+    queries: np.ndarray,
+    k: int,
+    lists: np.ndarray,
+    list_scores: np.ndarray,
+    next_chunk: NextChunk,
+    on_chunk: ChunkDone = _no_report,
+) -> tuple[TopK, int]:
+    """`inner.search_lists` over `lists` (in centroid order: `in_centroid_order`; -1 entries
+    skipped) a chunk at a time as `next_chunk` chooses, each round one call for every query with
+    lists in its chunk. Returns the top-k over the lists scanned and how many were."""
+    queries = np.ascontiguousarray(queries, dtype=np.float32)
+    n = len(lists)
+    scores = np.full((n, k), FAISS_PAD_SCORE, dtype=np.float32)
+    ids = np.full((n, k), -1, dtype=np.int64)
+    pending = lists >= 0
+    scanned = 0
+    while True:
+        take = next_chunk(pending, (scores, ids)) & pending
+        active = np.flatnonzero(take.any(axis=1))
+        if not len(active):
+            return (scores, ids), scanned
+        # the taken entries of each active query first (in order), then -1
+        picked = np.argsort(~take[active], axis=1, kind="stable")[:, : int(take.sum(axis=1).max())]
+        chunk_lists = np.where(
+            np.take_along_axis(take[active], picked, axis=1), np.take_along_axis(lists[active], picked, axis=1), -1
+        )
+        chunk_scores = np.take_along_axis(list_scores[active], picked, axis=1)
+        found = inner.search_lists(queries[active], k, np.ascontiguousarray(chunk_lists), np.ascontiguousarray(chunk_scores))
+        scores[active], ids[active] = merge_shard_results([(scores[active], ids[active]), found], k)
+        pending &= ~take
+        scanned += int(take.sum())
+        on_chunk((scores.copy(), ids.copy()), scanned, bool(pending.any()))
