@@ -298,7 +298,7 @@ class RetrievalEngine:
         q = torch.from_numpy(queries).to(self.device, non_blocking=True)  # once, for probe and scan
         list_scores, lists = self.probe(queries, q, nprobe)
         probe_ms = (time.perf_counter() - started) * 1e3
-        halves = watch_halves(self.cpu_half, k, int((lists >= 0).sum()), provisional)
+        halves = watch_halves(self.cpu_half, k, int((lists >= 0).sum()), provisional, merge_to_host)
         search = CooperativeSearch(self._search_resources(halves.cpu_half), queries, q, k, lists, list_scores, halves.device_done)
         try:
             if cached:
@@ -332,7 +332,7 @@ class RetrievalEngine:
             found = self.index.search(queries, k, nprobe)  # the probe and the scan in one call
         else:
             list_scores, lists = self.index.probe(queries, nprobe)
-            halves = watch_halves(self.cpu_half, k, int((lists >= 0).sum()), provisional)
+            halves = watch_halves(self.cpu_half, k, int((lists >= 0).sum()), provisional, merge_to_host)
             halves.device_done([], 0)
             found = halves.cpu_half.search_lists(queries, k, lists, list_scores)
         scores, ids = merge_to_host([faiss_part(found, "cpu")], k)

@@ -19,13 +19,16 @@ import itertools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from telerag.retrieval.chunked_scan import TopK, in_centroid_order, scan_in_chunks
 from telerag.retrieval.ivf import ListSearch
-from telerag.retrieval.search import Part, merge_to_host
 from telerag.retrieval.shards import merge_shard_results
+
+if TYPE_CHECKING:  # torch's: this module is imported where torch is not yet (`pipelines.types`)
+    from telerag.retrieval.search import Part
 
 PROVISIONAL_SHARES = (0.125, 0.25, 0.5)  # of a query's lists scanned (centroid order) when a top-k so far is reported
 
@@ -40,7 +43,8 @@ class Provisional:
 
 
 ProvisionalReport = Callable[[Provisional], None]  # called from the search's threads, never after the search returns
-DeviceHalfDone = Callable[[Sequence[Part], int], None]  # the device half's results (on the device) and its lists
+DeviceHalfDone = Callable[[Sequence["Part"], int], None]  # the device half's results (on the device) and its lists
+MergeToHost = Callable[[Sequence["Part"], int], TopK]  # parts' top-k merged and read to the host (`search.merge_to_host`)
 
 
 def chunk_bounds(width: int) -> list[int]:
@@ -63,12 +67,15 @@ def _unheard(parts: Sequence[Part], lists: int) -> None:
     """A search with no provisional top-k wanted: the device half's end is nobody's business."""
 
 
-def watch_halves(cpu_half: ListSearch, k: int, probed_lists: int, report: ProvisionalReport | None) -> SearchHalves:
+def watch_halves(
+    cpu_half: ListSearch, k: int, probed_lists: int, report: ProvisionalReport | None, merge: MergeToHost
+) -> SearchHalves:
     """A search's halves as they are, or, with `report`, watched: the CPU half scanned chunk by
-    chunk (`ProvisionalSearch`) and the top-k so far of both halves reported."""
+    chunk (`ProvisionalSearch`) and the top-k so far of both halves reported (the device half's
+    merged by `merge`)."""
     if report is None:
         return SearchHalves(cpu_half, _unheard)
-    tracker = ProvisionalTopK(k, probed_lists, report)
+    tracker = ProvisionalTopK(k, probed_lists, report, merge)
     return SearchHalves(ProvisionalSearch(cpu_half, tracker), tracker.device_done)
 
 
@@ -110,8 +117,8 @@ class ProvisionalTopK:
     reported each time one arrives once both have something and some CPU call has lists left.
     The report is the merge of the latest of each."""
 
-    def __init__(self, k: int, probed_lists: int, report: ProvisionalReport) -> None:
-        self.k, self.probed_lists, self.report = k, probed_lists, report
+    def __init__(self, k: int, probed_lists: int, report: ProvisionalReport, merge: MergeToHost) -> None:
+        self.k, self.probed_lists, self.report, self.merge = k, probed_lists, report, merge
         self._lock = threading.Lock()
         self._calls = itertools.count()
         self._device: list[TopK] | None = None  # None until the device half is done; empty without one
@@ -123,7 +130,7 @@ class ProvisionalTopK:
 
     def device_done(self, parts: Sequence[Part], lists: int) -> None:
         """The device half's results over its `lists` (none: no device half)."""
-        found = merge_to_host(parts, self.k) if parts else None
+        found = self.merge(parts, self.k) if parts else None
         with self._lock:
             self._device, self._device_lists = ([] if found is None else [found]), lists
             self._report()
