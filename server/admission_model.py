@@ -24,6 +24,8 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 RATE_TIME_CONSTANT_S = 120.0  # how long the measured rates remember
 ERROR_WINDOW = 100  # completed requests whose estimate error is remembered, at each load
 ERROR_QUANTILE = 0.95  # of that error, what scales an estimate. Each request is already judged with its own work at
@@ -140,17 +142,19 @@ class EstimateError:
         """What an estimate made with `in_flight` requests admitted is multiplied by."""
         own = self.ratios.get(in_flight, ())
         if len(own) >= self.load_samples:
-            return max(self.floor, _quantile(sorted(own), self.quantile))
-        pooled = sorted(r for ratios in self.ratios.values() for r in ratios)
+            return max(self.floor, _observed_quantile(own, self.quantile))
+        pooled = [r for ratios in self.ratios.values() for r in ratios]
         if len(pooled) < self.min_samples:
             return 1.0
-        factor = max(1.0, _quantile(pooled, self.quantile))
+        factor = max(1.0, _observed_quantile(pooled, self.quantile))
         seen = max((n for n, ratios in self.ratios.items() if len(ratios) >= self.min_samples), default=0)
         return factor * UNSEEN_LOAD_FACTOR if in_flight > seen else factor
 
 
-def _quantile(ordered: list[float], q: float) -> float:
-    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+def _observed_quantile(ratios: Sequence[float], q: float) -> float:
+    """The least ratio at or above the `q` quantile's rank: one that was measured, never a
+    value between two (numpy's inverted CDF)."""
+    return float(np.quantile(ratios, q, method="inverted_cdf"))
 
 
 @dataclass(frozen=True)

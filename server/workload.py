@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from telerag.pipelines.types import RagResult, StageRole
 
@@ -144,9 +145,10 @@ class Workload:
         if not recent:
             output = min(max_tokens, PRIOR_CALL_TOKENS)
             return RequestCost(work=llm_calls * (prefill + output), prefill_work=prefill, provisional=True)
-        works = sorted(r.served.work_for(prompt_tokens / max(r.prompt_estimate, 1), max_tokens) for r in recent)
+        works = [r.served.work_for(prompt_tokens / max(r.prompt_estimate, 1), max_tokens) for r in recent]
         mean = sum(works) / len(works)
-        spread = max(0.0, _quantile(works, self.quantile) - mean)
+        # interpolated between the two nearest (numpy's default): of few values, not simply their largest
+        spread = max(0.0, float(np.quantile(works, self.quantile)) - mean)
         if len(recent) < self.min_samples:
             return RequestCost(work=mean, prefill_work=prefill, spread=max(spread, FEW_SAMPLES_SPREAD * mean), provisional=True)
         return RequestCost(work=mean, prefill_work=prefill, spread=spread)
@@ -156,12 +158,3 @@ class Workload:
         having been served `served`."""
         recent = self._recent.setdefault((pipeline, temperature > HOT_TEMPERATURE), deque(maxlen=self.window))
         recent.append(_Served(prompt_tokens, served))
-
-
-def _quantile(ordered: Sequence[float], q: float) -> float:
-    """The `q` quantile of sorted values, interpolated between the two nearest (numpy's default):
-    of few values, not simply their largest."""
-    position = q * (len(ordered) - 1)
-    below = math.floor(position)
-    above = min(below + 1, len(ordered) - 1)
-    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
