@@ -35,12 +35,13 @@ import numpy as np
 import torch
 
 from telerag.benchmarks.scaled import DatastoreScale, open_scaled_retriever
-from telerag.pipelines.errors import EngineUnavailable, ModelNotFound
+from telerag.engines.errors import EngineUnavailable, ModelNotFound
+from telerag.engines.types import Engine
 from telerag.pipelines.questions import run_one
 from telerag.pipelines.rag.base import RagPipeline
 from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.retriever import DirectRetriever
-from telerag.pipelines.types import DatastoreInfo, Engine, RagResult, RunOptions
+from telerag.pipelines.types import DatastoreInfo, RagResult, RunOptions
 from telerag.retrieval.errors import DeviceMemoryError
 from telerag.server.event_loop import run_event_loop
 from telerag.server.retrieval_batching import BatchingRetriever
@@ -311,7 +312,7 @@ def build_llm(settings: Settings, llm: LLMChoice) -> Engine:
     if llm is LLMChoice.CONFIGURED:
         return build_engine(settings)
     from telerag.benchmarks.random_llm import random_weight_engine, tiny_random_lm
-    from telerag.pipelines.engines.transformers import TransformersEngine
+    from telerag.engines.transformers import TransformersEngine
 
     device = str(resolve_device(settings.engine.device, error=EngineUnavailable))
     if llm is LLMChoice.TINY:

@@ -35,10 +35,10 @@ import torch
 from transformers.generation.utils import GenerationMixin
 
 from telerag.benchmarks.random_llm import tiny_random_lm
-from telerag.pipelines.engines.batching import left_pad
-from telerag.pipelines.engines.checkpoints import converted_gguf, torch_dtype
-from telerag.pipelines.engines.transformers import EMBEDDED_NAME, TransformersEngine
-from telerag.pipelines.types import SamplingParams
+from telerag.engines.batching import left_pad
+from telerag.engines.checkpoints import converted_gguf, torch_dtype
+from telerag.engines.transformers import EMBEDDED_NAME, TransformersEngine
+from telerag.engines.types import SamplingParams
 
 QUESTIONS = [
     "What is the capital of France?",

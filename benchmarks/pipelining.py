@@ -35,13 +35,14 @@ import numpy as np
 from telerag.benchmarks.e2e import LLMChoice, build_llm
 from telerag.benchmarks.scaled import DatastoreScale, open_scaled_retriever
 from telerag.benchmarks.search_recorder import SearchRecorder
+from telerag.engines.types import Engine
 from telerag.pipelines.questions import run_one
 from telerag.pipelines.rag.base import RagPipeline
 from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.retriever import DirectRetriever
 from telerag.pipelines.search_budget import SearchBudget
 from telerag.pipelines.stats import SearchStats
-from telerag.pipelines.types import DatastoreInfo, Engine, RagResult, RunOptions
+from telerag.pipelines.types import DatastoreInfo, RagResult, RunOptions
 from telerag.retrieval.early_stop import EarlyStopSearch, ListBounds
 from telerag.server.event_loop import run_event_loop
 from telerag.server.retrieval_batching import BatchingRetriever

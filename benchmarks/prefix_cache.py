@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from telerag.pipelines.errors import EngineUnavailable
+from telerag.engines.errors import EngineUnavailable
 from telerag.pipelines.questions import Question, question_options
 from telerag.pipelines.types import Pipeline, RagResult, ResultEvent, RunOptions, TokenEvent
 from telerag.server.settings import Settings
 
 if TYPE_CHECKING:  # torch comes with them: imported when the study runs (the CLI reads CACHE_MODES)
-    from telerag.pipelines.engines.transformers import TransformersEngine
+    from telerag.engines.transformers import TransformersEngine
 
 REPEAT_GAP = 2  # a repeated question comes back after this many others
 CACHE_MODES = ("off", "prefix", "per_document")  # per_document: the prefix cache, and documents' KV reused anywhere
@@ -137,7 +137,7 @@ async def prefix_cache_study(
 
 async def configured_prefix_cache_study(settings: Settings, config: PrefixCacheConfig) -> list[PrefixCacheRow]:
     """`prefix_cache_study` with the configured transformers engine and datastore."""
-    from telerag.pipelines.engines.transformers import TransformersEngine
+    from telerag.engines.transformers import TransformersEngine
     from telerag.server.runtime import open_runtime
 
     async with open_runtime(settings) as runtime:

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from telerag.pipelines.engines.transformers import TransformersEngine
-from telerag.pipelines.errors import ModelNotFound
+from telerag.engines.errors import ModelNotFound
+from telerag.engines.transformers import TransformersEngine
 
 
 def tiny_random_lm(seed: int = 0) -> tuple[torch.nn.Module, Any]:

@@ -23,9 +23,9 @@ import numpy as np
 import uvicorn
 
 from telerag.benchmarks.random_llm import tiny_random_lm
+from telerag.engines.transformers import TransformersEngine
 from telerag.pipelines.datastores import open_retriever
 from telerag.pipelines.embedder import Embedder
-from telerag.pipelines.engines.transformers import TransformersEngine
 from telerag.pipelines.questions import read_questions, run_one
 from telerag.pipelines.types import RunOptions
 from telerag.retrieval.builder import build_datastore

@@ -29,6 +29,7 @@ from telerag.cli import (
     documents,
     serve,
 )
+from telerag.engines.errors import EngineError
 from telerag.pipelines.errors import PipelineError
 from telerag.retrieval.errors import RetrievalError
 from telerag.server.settings import SettingsError
@@ -73,6 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (RetrievalError, PipelineError, SettingsError) as exc:  # what the user can fix (a setting, a path, a device): one line
+    # what the user can fix (a setting, a path, a device): one line
+    except (RetrievalError, PipelineError, EngineError, SettingsError) as exc:
         print(f"{parser.prog} {args.command}: {exc}", file=sys.stderr)
         return 1

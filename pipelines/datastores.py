@@ -1,6 +1,7 @@
-"""Opening the datastore the pipelines search: the built-in Wikipedia one ingested on the embedded
-default's first run (`ingestion`), every datastore checked against the embedder that will search
-it, and live (every write since it was built replayed; writable by the one process that holds it)."""
+"""Opening the datastore the pipelines search, and the retriever over it: the built-in Wikipedia
+one ingested on the embedded default's first run (`ingestion`: it embeds), then opened as
+retrieval opens any (`retrieval.opening`: checked against the embedder that will search it, and
+live, every write since it was built replayed, writable by the one process that holds it)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,10 @@ from pathlib import Path
 from telerag.pipelines.ingestion import corpus_documents, finish_ingestion, ingestion_pending, write_seed
 from telerag.pipelines.retriever import DirectRetriever, TextEncoder
 from telerag.retrieval.corpus import WIKIPEDIA_SOURCE, read_wikipedia
-from telerag.retrieval.datastore import LIST_STATS, MANIFEST, Datastore, Manifest
-from telerag.retrieval.datastore_writer import add_list_stats
-from telerag.retrieval.early_stop import require_list_stats
+from telerag.retrieval.datastore import MANIFEST, Datastore
 from telerag.retrieval.engine import RetrievalEngine
-from telerag.retrieval.errors import DatastoreBusy
 from telerag.retrieval.ivf import ListSearch
-from telerag.retrieval.live import LiveDatastore
+from telerag.retrieval.opening import open_datastore, open_live
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +40,10 @@ def load_datastore(
     """The one way a datastore is opened for searching with `embedder`: the built-in Wikipedia
     one is begun at `path` first if there is none there and `build_if_missing` (its seed); with
     `ingest_now`, an ingestion that has not ended is taken to its end here (a server passes False:
-    it writes the rest in the background, `ingestion.Ingestion`); then the datastore is loaded,
-    refused (`DatastoreMismatchError`) if it was built with another embedder or holds vectors of
-    another dimension, and its files checked. `on_step` hears each step begin.
-
-    With `early_stop`, a datastore without the list statistics early stop needs (written
-    before they were stored) is refused in one line naming `telerag datastore upgrade`; except
-    the built-in Wikipedia one where `build_if_missing` makes it the server's own (a cache the
-    embedded default built on an older telerag): that one is upgraded here, saying so, as the
-    server would have built it here (`add_list_stats`: one new file, nothing else changed)."""
+    it writes the rest in the background, `ingestion.Ingestion`); then the datastore is opened
+    (`retrieval.opening.open_datastore`: refused if `embedder` did not build it, its files checked;
+    with `early_stop`, refused without list statistics, or given them where `build_if_missing`
+    makes the built-in Wikipedia one the server's own). `on_step` hears each step begin."""
     path = Path(path).expanduser()
     if build_if_missing and not (path / MANIFEST).is_file():
         on_step("embedding a first sample of the datastore (first run)")
@@ -58,22 +51,15 @@ def load_datastore(
     if ingest_now and (path / MANIFEST).is_file() and ingestion_pending(path):
         on_step("ingesting the rest of the datastore")
         finish_ingestion(path, embedder.encode)
-    if early_stop and build_if_missing:
-        manifest = Manifest.read(path)
-        if LIST_STATS not in manifest.files and manifest.source == WIKIPEDIA_SOURCE:
-            on_step("adding list statistics to the datastore (upgrade)")
-            log.info(
-                "upgrading the Wikipedia datastore at %s, built by an older telerag: adding the list statistics that "
-                "retrieval.early_stop needs (list_stats.npy; as `telerag datastore upgrade %s` does)",
-                path,
-                path,
-            )
-            add_list_stats(path, verify_checksums=verify_checksums, progress=True)
-    on_step("checking datastore")
-    datastore = Datastore.load(path, embedder=embedder.name, dim=embedder.dim, verify_checksums=verify_checksums, progress=True)
-    if early_stop:
-        require_list_stats(datastore)
-    return datastore
+    return open_datastore(
+        path,
+        embedder=embedder.name,
+        dim=embedder.dim,
+        verify_checksums=verify_checksums,
+        early_stop=early_stop,
+        own_wikipedia=build_if_missing,
+        on_step=on_step,
+    )
 
 
 def open_retriever(
@@ -94,7 +80,7 @@ def open_retriever(
 ) -> DirectRetriever:
     """Start the retrieval engine over `datastore`, checked to match `embedder`: a loaded one, or
     the directory to load (`load_datastore`); `cpu_half` as `RetrievalEngine`'s. With `writable`,
-    documents can be written to it through the retriever (`open_live`)."""
+    documents can be written to it through the retriever (`retrieval.opening.open_live`)."""
     if not isinstance(datastore, Datastore):
         datastore = load_datastore(
             datastore, embedder, build_if_missing=build_if_missing, verify_checksums=verify_checksums, early_stop=early_stop
@@ -143,19 +129,3 @@ def open_retriever(
     # the retrieval tier's shards hold this generation's rows: a new one needs them deployed anew (not yet done)
     generations = new_engine if cpu_half is None else None
     return DirectRetriever(engine, embedder, live=live, new_engine=generations, prefetch_budget_bytes=prefetch_budget_bytes)
-
-
-def open_live(datastore: Datastore, *, writable: bool) -> LiveDatastore:
-    """`datastore` with every write made to it since it was written (replayed from its log); with
-    `writable`, open for writing here unless another process holds it or its directory cannot be
-    written, in which case it is read-only here, as one warning says."""
-    if writable and datastore.path is not None:
-        try:
-            return LiveDatastore(datastore, writable=True)
-        except DatastoreBusy as exc:
-            log.warning("%s; it is read-only here: documents cannot be written through this process", exc)
-        except OSError as exc:
-            log.warning(
-                "%s cannot be written (%s); it is read-only here: no documents can be written to it", datastore.where, exc
-            )
-    return LiveDatastore(datastore)

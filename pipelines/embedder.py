@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from telerag.pipelines.errors import EmbedderError, ModelNotFound
+from telerag.pipelines.errors import EmbedderError, EmbedderNotFound
 from telerag.utils.device import resolve_device
 
 DEFAULT_NAME = "sentence-transformers/all-MiniLM-L6-v2"
@@ -32,7 +32,7 @@ class Embedder:
     def __init__(self, model_path: str | Path, *, device: str = "cpu", name: str | None = None, batch_size: int = 64) -> None:
         path = Path(model_path).expanduser().absolute()
         if not (path / "modules.json").is_file() and not (path / "config.json").is_file():
-            raise ModelNotFound(f"no sentence-transformers model at {path}")
+            raise EmbedderNotFound(f"no sentence-transformers model at {path}")
         device = str(resolve_device(device, error=EmbedderError))
         try:
             from sentence_transformers import SentenceTransformer

@@ -1,7 +1,10 @@
 """Typed errors of the pipelines package; the server maps them to HTTP status codes in one place
-(by class), and reports each one's `code` slug to the client."""
+(by class), and reports each one's `code` slug to the client. The LLM engine's are the engines'
+own (`engines.errors`)."""
 
 from __future__ import annotations
+
+from telerag.engines.errors import ModelNotFound
 
 
 class PipelineError(Exception):
@@ -10,41 +13,15 @@ class PipelineError(Exception):
     code = "pipeline_error"
 
 
-class EngineError(PipelineError):
-    """The LLM engine failed while generating (a bug or a broken model, not the caller's fault)."""
-
-    code = "engine_error"
-
-
-class EngineUnavailable(PipelineError):
-    """The engine is not installed or could not load its model: nothing can be generated."""
-
-    code = "engine_unavailable"
-
-
-class EngineOverloaded(PipelineError):
-    """The engine's queue is full; the caller may retry later."""
-
-    code = "engine_overloaded"
-
-
-class GenerationAborted(PipelineError):
-    """The engine stopped a generation before it finished (it was closed, or aborted it itself)."""
-
-    code = "generation_aborted"
-
-
 class EmbedderError(PipelineError):
     """The embedder could not be loaded or failed."""
 
     code = "embedder_error"
 
 
-class ModelNotFound(EngineUnavailable, EmbedderError):
-    """No model at the configured path. Both an engine and an embedder raise it, so it is each
-    one's load error: code that catches `EngineUnavailable` or `EmbedderError` sees it too."""
-
-    code = "model_not_found"
+class EmbedderNotFound(ModelNotFound, EmbedderError):
+    """No embedder model at the configured path: the models' load error (`engines.errors`) and
+    the embedder's, so code that catches `ModelNotFound` or `EmbedderError` sees it."""
 
 
 class UnknownPipeline(PipelineError):

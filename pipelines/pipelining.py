@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from telerag.pipelines.types import Document, Generation, SearchQuery, TokenChunk, query_texts
+from telerag.engines.types import Generation, TokenChunk
+from telerag.pipelines.types import Document, SearchQuery, query_texts
 
 TOKEN_SMOOTHING = 0.2  # weight of a stage's newest call in its expected completion tokens
 

@@ -15,6 +15,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from telerag.engines.types import DocumentChunks
 from telerag.pipelines.types import Document, Turn
 
 SYSTEM = "You answer questions using the documents given. Be concise and factual."
@@ -48,24 +49,12 @@ def _documents_block(documents: Sequence[Document]) -> str:
     return f"{DOCUMENTS_HEADING}{format_documents(documents) if documents else '(no documents)'}\n\n"
 
 
-@dataclass(frozen=True)
-class DocumentChunks:
-    """A formatted prompt cut around its documents: `head` (the template's start, the fixed
-    instruction and the heading), one chunk per document (its entry and the blank line after
-    it), and `tail` (what follows: instructions, question, cue, the template's end). The parts
-    join back into the prompt. What an engine with per-document KV reuses (TurboRAG): each
-    chunk's KV is computed once, as if it followed `head` directly, whatever comes between."""
-
-    head: str
-    chunks: tuple[str, ...]
-    tail: str
-
-
 def document_chunks(prompt: str) -> DocumentChunks | None:
     """`prompt` (as `Engine.format_prompt` wrote it) cut around the entries of its documents
-    block (`format_documents`), or None without one. The entries are found by their numbers in
-    turn ("[1] ", then "\n\n[2] ", ...); a document whose text holds its successor's marker
-    only moves a cut, never loses text."""
+    block (`format_documents`), or None without one: how an engine with per-document KV
+    (TurboRAG; the transformers engine's `split_documents`) finds them. The entries are found by
+    their numbers in turn ("[1] ", then "\n\n[2] ", ...); a document whose text holds its
+    successor's marker only moves a cut, never loses text."""
     start = prompt.find(f"{DOCUMENTS_HEADING}[1] ")
     if start < 0:
         return None

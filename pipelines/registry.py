@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from telerag.engines.types import Engine
 from telerag.pipelines.errors import UnknownPipeline
 from telerag.pipelines.pipelining import PipeliningConfig
 from telerag.pipelines.rag.base import RagPipeline
@@ -15,7 +16,7 @@ from telerag.pipelines.rag.naive import Naive
 from telerag.pipelines.rag.self_rag import SelfRAG
 from telerag.pipelines.rag.subquestion import SubQuestion
 from telerag.pipelines.search_budget import SearchBudget
-from telerag.pipelines.types import Engine, Retriever
+from telerag.pipelines.types import Retriever
 
 PIPELINES: dict[str, type[RagPipeline]] = {
     cls.name: cls for cls in (Naive, HyDE, SubQuestion, Iterative, IterRetGen, FLARE, SelfRAG)

@@ -17,14 +17,14 @@ the prefix cache keeps any prompt's KV).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import Callable
 
 import numpy as np
 
-from telerag.pipelines.stats import SearchStats, SpeculativePrefill
-from telerag.pipelines.types import Document, Engine, Generation, ProvisionalDocuments, Step
+from telerag.engines.types import Engine, Generation
+from telerag.pipelines.stats import SpeculativePrefill
+from telerag.pipelines.types import Document, ProvisionalDocuments
 
 log = logging.getLogger(__name__)
 
@@ -47,17 +47,16 @@ class StableTopK:
 class Speculation:
     """One search's speculative prefill: started from its stable top-k (`start`, the search's
     `provisional` callback), judged when the search ends (`settle`), and matched with the LLM call
-    whose prompt it was for (`observe_call`). What it knows goes into the search step's
-    `SearchStats.speculative` as it becomes known."""
+    whose prompt it was for (`observe_call`); `report` says what became of it."""
 
     def __init__(self, engine: Engine, prompt_of: Callable[[list[list[Document]]], str]) -> None:
         """`prompt_of`: the formatted prompt of the call a search's documents go to."""
         self.engine, self.prompt_of = engine, prompt_of
         self.task: asyncio.Future[list[Generation]] | None = None
         self.prompt = ""  # the speculated one
+        self.lists_share = 0.0  # of the search's lists, scanned when its top-k was found stable
         self.final_prompt: str | None = None  # the call's, once the search ended
-        self.step: Step | None = None
-        self.report: SpeculativePrefill | None = None
+        self.prefilled_tokens: int | None = None  # computed by the speculative prefill
         self.cached_before: int | None = None  # of the speculated prompt, what the engine held already
         self.call_cached: int | None = None  # of the call's prompt, what the engine held
 
@@ -65,28 +64,23 @@ class Speculation:
         """Prefill the call's prompt as the provisional documents would make it."""
         if self.task is not None:
             return
-        self.prompt = self.prompt_of(provisional.documents)
-        self.report = SpeculativePrefill(lists_share=provisional.lists_share, reprefilled=False)
+        self.prompt, self.lists_share = self.prompt_of(provisional.documents), provisional.lists_share
         self.task = asyncio.ensure_future(self.engine.prefill([self.prompt]))
         self.task.add_done_callback(self._prefilled)
 
-    def settle(self, documents: list[list[Document]], step: Step) -> None:
-        """The search ended with `documents`, traced as `step`: a different prompt is a re-prefill,
-        and a speculative prefill still waiting is cancelled. Nothing without a speculation."""
-        if self.task is None or self.report is None:
+    def settle(self, documents: list[list[Document]]) -> None:
+        """The search ended with `documents`: a different prompt is a re-prefill, and a
+        speculative prefill still waiting is cancelled. Nothing without a speculation."""
+        if self.task is None:
             return
-        self.step, self.final_prompt = step, self.prompt_of(documents)
-        reprefilled = self.final_prompt != self.prompt
-        if reprefilled and not self.task.done():
+        self.final_prompt = self.prompt_of(documents)
+        if self.final_prompt != self.prompt and not self.task.done():
             self.task.cancel()
-        self.report = dataclasses.replace(self.report, reprefilled=reprefilled)
-        self._publish()
 
     def observe_call(self, prompt: str, generation: Generation) -> None:
         """An LLM call of the run: the one this speculation was for, if its prompt is the final one."""
         if self.final_prompt == prompt and self.call_cached is None:
             self.call_cached = generation.cached_tokens
-            self._publish()
 
     async def finished(self) -> None:
         """Wait for the speculative prefill (cancelled or failed: nothing to wait for)."""
@@ -97,6 +91,18 @@ class Speculation:
         if self.task is not None:
             self.task.cancel()
 
+    @property
+    def report(self) -> SpeculativePrefill | None:
+        """What became of it (None: nothing was speculated), with the tokens the call reused
+        once both sides are known: what it found cached beyond what was cached before the
+        speculation, at most what the speculation computed."""
+        if self.task is None or self.final_prompt is None:
+            return None
+        reused = None
+        if self.prefilled_tokens is not None and self.cached_before is not None and self.call_cached is not None:
+            reused = min(max(0, self.call_cached - self.cached_before), self.prefilled_tokens)
+        return SpeculativePrefill(self.lists_share, self.final_prompt != self.prompt, self.prefilled_tokens, reused)
+
     def _prefilled(self, task: asyncio.Future[list[Generation]]) -> None:
         if task.cancelled():
             return
@@ -105,18 +111,4 @@ class Speculation:
             return
         generation = task.result()[0]
         self.cached_before = generation.cached_tokens
-        assert self.report is not None
-        self.report = dataclasses.replace(self.report, prefilled_tokens=generation.prompt_tokens - generation.cached_tokens)
-        self._publish()
-
-    def _publish(self) -> None:
-        """The report, with the tokens the call reused once both sides are known: what it found
-        cached beyond what was cached before the speculation, at most what the speculation computed."""
-        if self.step is None or self.report is None:
-            return
-        report = self.report
-        if report.prefilled_tokens is not None and self.cached_before is not None and self.call_cached is not None:
-            reused = min(max(0, self.call_cached - self.cached_before), report.prefilled_tokens)
-            report = dataclasses.replace(report, reused_tokens=reused)
-        assert isinstance(self.step.stats, SearchStats)
-        self.step.stats = dataclasses.replace(self.step.stats, speculative=report)
+        self.prefilled_tokens = generation.prompt_tokens - generation.cached_tokens

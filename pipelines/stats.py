@@ -7,13 +7,9 @@ server turns them into the JSON it documents (`server.protocol`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
+from telerag.engines.types import FinishReason
 from telerag.retrieval.stats import PrefetchStats
-
-# Why an LLM call ended: of itself (an end token or a stop string), at its token limit, at the
-# run's deadline (`SamplingParams.deadline`; a call begun after it generates nothing), or aborted.
-FinishReason = Literal["stop", "length", "deadline", "abort"]
 
 
 @dataclass(frozen=True)

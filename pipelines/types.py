@@ -1,4 +1,5 @@
-"""The contracts between generation, retrieval and the pipelines, and what a pipeline run yields.
+"""The contracts between retrieval and the pipelines, and what a pipeline run yields (the LLM's
+contract, `Engine` and what it takes and gives, is the engines' own: `engines.types`).
 
 Everything here is plain data or a Protocol, so the server, the CLI and the tests can drive a
 pipeline without knowing which engine or retriever sits behind it. It is long because it is the
@@ -8,7 +9,6 @@ one place these contracts are written: every layer above imports them together.
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import AsyncGenerator, AsyncIterable, Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 import numpy as np
 
 from telerag.pipelines.stats import (
-    FinishReason,
     GenerationStats,
     PipeliningSummary,
     PrefetchStepStats,
@@ -31,86 +30,6 @@ from telerag.retrieval.prefetch import PrefetchHandle
 
 if TYPE_CHECKING:
     from telerag.retrieval.snapshot import Snapshot
-
-# ---------------------------------------------------------------------------------------------
-# Generation
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to decode. `temperature == 0` means greedy."""
-
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()
-    logprobs: bool = False
-    deadline: float | None = None  # a time.monotonic() instant: generation stops there ("deadline")
-
-
-def deadline_passed(deadline: float | None) -> bool:
-    """Whether a deadline (a `time.monotonic()` instant; None: none) has come."""
-    return deadline is not None and time.monotonic() >= deadline
-
-
-@dataclass(frozen=True)
-class TokenChunk:
-    """One streamed piece of a generation: the new text and, if asked for, each new token's log-probability."""
-
-    index: int  # which prompt of the batch this belongs to
-    text: str
-    token_ids: tuple[int, ...] = ()
-    logprobs: tuple[float, ...] = ()
-
-
-@dataclass(frozen=True)
-class Generation:
-    """A finished generation of one prompt."""
-
-    text: str
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: FinishReason
-    ttft_ms: float
-    total_ms: float
-    token_ids: tuple[int, ...] = ()
-    logprobs: tuple[float, ...] = ()  # one per completion token when SamplingParams.logprobs
-    index: int = 0  # which prompt of the batch this is
-    cached_tokens: int = 0  # of prompt_tokens, those whose KV the engine reused instead of prefilling
-
-
-@runtime_checkable
-class Engine(Protocol):
-    """An LLM. Implementations: `pipelines.engines.transformers.TransformersEngine`, `pipelines.engines.sglang.SGLangEngine`."""
-
-    name: str
-
-    async def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
-        """Generate for every prompt (batched by the engine); one Generation per prompt, in order."""
-        ...
-
-    def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncGenerator[TokenChunk | Generation, None]:
-        """Yield TokenChunks as tokens are produced and one Generation per prompt when it finishes."""
-        ...
-
-    async def prefill(self, prompts: Sequence[str]) -> list[Generation]:
-        """Prefill each prompt and keep its KV for a later prompt that begins the same way (the
-        prefix cache; SGLang's radix cache), generating nothing: one Generation of no tokens per
-        prompt, whose `cached_tokens` the engine held already. Speculative prefill's call."""
-        ...
-
-    def count_tokens(self, text: str) -> int: ...
-
-    def decode(self, token_ids: Sequence[int]) -> str: ...
-
-    def format_prompt(self, user_text: str, *, system: str = "") -> str:
-        """`system` and the user turn in the model's chat template; for a base model without
-        one, the system text above the user text."""
-        ...
-
-    async def close(self) -> None: ...
-
 
 # ---------------------------------------------------------------------------------------------
 # Retrieval, as the pipelines see it

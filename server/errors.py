@@ -25,16 +25,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from telerag.engines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted
 from telerag.pipelines.errors import (
     DocumentsTooLarge,
     EmbedderError,
-    EngineError,
-    EngineOverloaded,
-    EngineUnavailable,
     FileNotFound,
     FilesTooLarge,
     FileUnreadable,
-    GenerationAborted,
     InvalidDocument,
     PipelineError,
     RebuildRunning,
@@ -360,5 +357,5 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unhandled)
-    for cls in (ServerError, PipelineError, RetrievalError):
+    for cls in (ServerError, PipelineError, EngineError, RetrievalError):
         app.add_exception_handler(cls, lambda _request, exc: response_for(exc))

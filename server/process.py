@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import uvicorn
 from fastapi import FastAPI
 
+from telerag.engines.errors import EngineError
 from telerag.pipelines.errors import PipelineError
 from telerag.retrieval.corpus import WIKIPEDIA_SOURCE
 from telerag.retrieval.datastore import MANIFEST, Manifest
@@ -67,7 +68,7 @@ async def serve(settings: Settings) -> int:
     lifecycle = Lifecycle()
     for signum in (signal.SIGINT, signal.SIGTERM):
         # Python-level handlers (as uvicorn's), not the loop's: an engine that adds its own to the
-        # loop (SGLang does) can see them and put them back (pipelines/engines/sglang.py).
+        # loop (SGLang does) can see them and put them back (engines/sglang.py).
         signal.signal(signum, lambda received, _: loop.call_soon_threadsafe(lifecycle.on_signal, received))
     app = create_app(settings, lifecycle)
     server = _Server(uvicorn_config(app, settings))
@@ -169,7 +170,7 @@ def _exit_now(status: int) -> NoReturn:
 def startup_failure(error: BaseException, datastore: Path) -> str:
     """Why start-up failed, as one line for the operator; for a datastore that is damaged,
     missing or built for another embedder, with the command that rebuilds it."""
-    typed = isinstance(error, RetrievalError | PipelineError)
+    typed = isinstance(error, RetrievalError | PipelineError | EngineError)
     message = " ".join((str(error) if typed else f"{type(error).__name__}: {error}").split())
     if isinstance(error, DatastoreError) and (command := rebuild_command(datastore)):
         message += f"; to rebuild it: {command}"

@@ -7,7 +7,8 @@ from dataclasses import asdict
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from telerag.pipelines.stats import FinishReason, GenerationStats, PrefetchStepStats, SearchStats, StepStats
+from telerag.engines.types import FinishReason
+from telerag.pipelines.stats import GenerationStats, PrefetchStepStats, SearchStats, StepStats
 
 
 class _OmitsAbsent(BaseModel):

@@ -15,10 +15,13 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from telerag.engines.errors import EngineUnavailable
+from telerag.engines.types import Engine
+from telerag.pipelines import prompts
 from telerag.pipelines.datastores import load_datastore, open_retriever
 from telerag.pipelines.documents import DocumentWriter
 from telerag.pipelines.embedder import Embedder
-from telerag.pipelines.errors import EmbedderError, EngineUnavailable
+from telerag.pipelines.errors import EmbedderError
 from telerag.pipelines.ingestion import Ingestion, resumed_ingestion
 from telerag.pipelines.pipelining import PipeliningConfig
 from telerag.pipelines.rag.base import RagPipeline
@@ -26,7 +29,7 @@ from telerag.pipelines.rebuilds import RebuildKind, Rebuilds
 from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.retriever import DirectRetriever, TextEncoder
 from telerag.pipelines.search_budget import SearchBudget
-from telerag.pipelines.types import BatchRetriever, DatastoreInfo, Engine, Retriever, TextEmbeddings
+from telerag.pipelines.types import BatchRetriever, DatastoreInfo, Retriever, TextEmbeddings
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.errors import DeviceUnavailable
 from telerag.retrieval.ivf import ListSearch
@@ -128,7 +131,7 @@ def build_engine(settings: Settings) -> Engine:
     """The configured engine: SGLang in this process on a GPU box, else transformers."""
     engine = settings.engine
     if engine.kind == "sglang":
-        from telerag.pipelines.engines.sglang import SGLangEngine
+        from telerag.engines.sglang import SGLangEngine
 
         if engine.model_path is None:
             raise EngineUnavailable("engine.kind=sglang needs engine.model_path (a local model directory)")
@@ -139,13 +142,14 @@ def build_engine(settings: Settings) -> Engine:
             tp_size=engine.tp_size,
             log_level=settings.server.log_level,
         )
-    from telerag.pipelines.engines.transformers import TransformersEngine
+    from telerag.engines.transformers import TransformersEngine
 
     device = str(resolve_device(engine.device, error=EngineUnavailable))
     options: dict[str, Any] = {
         "dtype": engine.dtype,
         "prefix_cache_mb": engine.prefix_cache_mb,
         "document_kv_mb": engine.document_kv_mb,
+        "split_documents": prompts.document_chunks,
     }
     if engine.model_path is None:
         return TransformersEngine.embedded_default(device=device, **options)
@@ -209,7 +213,7 @@ def open_configured_retriever(
     """The retrieval engine over a loaded datastore, as the settings configure it (device,
     cluster cache, prefetch budget, nprobe, demand copies, faiss threads, early stop); `cpu_half`:
     who scans what the device does not (default: faiss here; the retrieval tier on a Ray cluster);
-    `writable`: documents may be written to it through this process (`datastores.open_live`)."""
+    `writable`: documents may be written to it through this process (`retrieval.opening.open_live`)."""
     device = str(resolve_device(retrieval.device, error=DeviceUnavailable))
     return open_retriever(
         datastore,

@@ -9,23 +9,20 @@ import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
-from telerag.pipelines.errors import EngineError
+from telerag.engines.errors import EngineError
+from telerag.engines.types import Generation, SamplingParams, TokenChunk, deadline_passed
 from telerag.pipelines.stats import PrefetchStepStats, SearchStats
 from telerag.pipelines.types import (
     Document,
-    Generation,
     OnProvisional,
     PrefetchRequest,
     PrefetchTicket,
     ProvisionalDocuments,
-    SamplingParams,
     SearchOptions,
     SearchOutcome,
     SearchQuery,
     SearchRequest,
     TextEmbeddings,
-    TokenChunk,
-    deadline_passed,
 )
 from telerag.retrieval.stats import PrefetchStats
 from tests.retrieval_helpers import HashEmbedder

@@ -10,7 +10,7 @@ import json
 import sys
 import types
 
-from telerag.pipelines.engines.sglang import SGLangEngine
+from telerag.engines.sglang import SGLangEngine
 from telerag.server import runtime as runtime_module
 from telerag.server.event_loop import run_event_loop
 from telerag.server.lifecycle import Lifecycle

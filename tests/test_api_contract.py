@@ -14,6 +14,7 @@ import openai
 import pytest
 from pydantic import ValidationError
 
+from telerag.engines.types import Generation, SamplingParams, TokenChunk
 from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH
 from telerag.pipelines.stats import (
     GenerationStats,
@@ -26,7 +27,7 @@ from telerag.pipelines.stats import (
     SpeculativePrefill,
     Timings,
 )
-from telerag.pipelines.types import Generation, RagResult, SamplingParams, Step, TokenChunk
+from telerag.pipelines.types import RagResult, Step
 from telerag.retrieval.stats import PrefetchStats
 from telerag.server.app import create_app, start_serving
 from telerag.server.protocol import QueryResponse

@@ -15,7 +15,7 @@ from telerag.benchmarks.random_llm import random_weight_engine
 from telerag.benchmarks.scaled import DatastoreScale, scaled_datastore
 from telerag.cli.bench_e2e import MODE_NAMES
 from telerag.cli.main import main
-from telerag.pipelines.types import SamplingParams
+from telerag.engines.types import SamplingParams
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.errors import DatastoreError

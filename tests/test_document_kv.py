@@ -8,10 +8,11 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache
 
+from telerag.engines.document_kv import ChunkedIds, DocumentKV, rope_frequencies
+from telerag.engines.prefix_cache import PrefixHit
+from telerag.engines.types import SamplingParams
 from telerag.pipelines import prompts
-from telerag.pipelines.engines.document_kv import ChunkedIds, DocumentKV, rope_frequencies
-from telerag.pipelines.engines.prefix_cache import PrefixHit
-from telerag.pipelines.types import Document, SamplingParams
+from telerag.pipelines.types import Document
 from tests.tiny_models import tiny_engine
 
 GREEDY = SamplingParams(max_tokens=10)

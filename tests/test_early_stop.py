@@ -298,7 +298,7 @@ def test_the_serve_path_upgrades_the_embedded_default_and_refuses_a_users_datast
 
     assert load_datastore(wiki.path, Encoder(), build_if_missing=True).list_stats is None  # early stop off: as it was
     assert not (wiki.path / LIST_STATS).exists()
-    with caplog.at_level(logging.INFO, logger="telerag.pipelines.datastores"):
+    with caplog.at_level(logging.INFO, logger="telerag.retrieval.opening"):
         upgraded = load_datastore(wiki.path, Encoder(), build_if_missing=True, early_stop=True)
     assert upgraded.list_stats is not None
     assert any(

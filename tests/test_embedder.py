@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from telerag.engines.errors import ModelNotFound
 from telerag.pipelines.embedder import DEFAULT_NAME, Embedder, model_name
-from telerag.pipelines.errors import EmbedderError, ModelNotFound
+from telerag.pipelines.errors import EmbedderError
 from tests.tiny_models import tiny_embedder
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -14,19 +14,12 @@ import pytest
 import torch
 
 from telerag.benchmarks.random_llm import tiny_random_lm
-from telerag.pipelines.engines import StopFilter, format_chat
-from telerag.pipelines.engines.checkpoints import converted_gguf
-from telerag.pipelines.engines.decoding import Detokenizer
-from telerag.pipelines.engines.transformers import TransformersEngine
-from telerag.pipelines.errors import (
-    EngineError,
-    EngineOverloaded,
-    EngineUnavailable,
-    GenerationAborted,
-    ModelNotFound,
-    PipelineError,
-)
-from telerag.pipelines.types import Engine, Generation, SamplingParams, TokenChunk
+from telerag.engines import StopFilter, format_chat
+from telerag.engines.checkpoints import converted_gguf
+from telerag.engines.decoding import Detokenizer
+from telerag.engines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, ModelNotFound
+from telerag.engines.transformers import TransformersEngine
+from telerag.engines.types import Engine, Generation, SamplingParams, TokenChunk
 from tests.tiny_models import tiny_engine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -340,7 +333,7 @@ async def test_closing_the_engine_aborts_callers_with_a_typed_error():
 
 def test_errors_have_codes_and_a_common_base():
     for cls in (EngineError, EngineUnavailable, EngineOverloaded, GenerationAborted, ModelNotFound):
-        assert issubclass(cls, PipelineError) and cls.code
+        assert issubclass(cls, EngineError) and cls.code
     assert len({cls.code for cls in (EngineError, EngineUnavailable, EngineOverloaded, GenerationAborted, ModelNotFound)}) == 5
 
 

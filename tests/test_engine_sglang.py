@@ -28,9 +28,9 @@ from typing import Any
 import httpx
 import pytest
 
-from telerag.pipelines.engines.sglang import SGLangEngine, sampling_params
-from telerag.pipelines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted
-from telerag.pipelines.types import Engine, Generation, SamplingParams, TokenChunk
+from telerag.engines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted
+from telerag.engines.sglang import SGLangEngine, sampling_params
+from telerag.engines.types import Engine, Generation, SamplingParams, TokenChunk
 from tests.fake_sglang import FakeEngine, FakeTokenizer, Script
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -50,7 +50,7 @@ def test_the_wheel_installs_one_namespace_with_its_defaults(wheel):
     assert {name.split("/")[0] for name in names} == {"telerag", wheel.name.split("-py")[0] + ".dist-info"}
     for packaged in ("default.yaml", "prefetch_profiles.yaml", "questions_wiki_en.txt"):
         assert f"telerag/config/{packaged}" in names
-    for package in ("benchmarks", "pipelines", "retrieval", "server"):  # `telerag bench` runs from the wheel too
+    for package in ("benchmarks", "engines", "pipelines", "retrieval", "server"):  # `telerag bench` runs from the wheel too
         assert f"telerag/{package}/__init__.py" in names
     assert not [name for name in names if "/tests/" in name or name.endswith(".pyc")]
 

@@ -1,8 +1,10 @@
 """The import rules the package depends on: everything under the `telerag` namespace (an
 installed wheel has no top-level `server` or `retrieval`), and one-way layering
-cli -> benchmarks -> server -> pipelines -> retrieval -> utils: the command line on top, calling
-into the server and the benchmarks; shared utilities at the bottom, knowing nothing above them.
-No layer reaches up, not even with an import inside a function."""
+cli -> benchmarks -> server -> pipelines -> engines -> retrieval -> utils: the command line on
+top, calling into the server and the benchmarks; the pipelines over the two services they drive,
+the LLM engines (which know nothing of RAG: their contract and errors are their own) and
+retrieval; shared utilities at the bottom, knowing nothing above them. No layer reaches up, not
+even with an import inside a function."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ["utils", "retrieval", "pipelines", "server", "benchmarks", "cli"]  # each may import only those before it
+LAYERS = ["utils", "retrieval", "engines", "pipelines", "server", "benchmarks", "cli"]  # each may import only those before it
 SOURCES = [path for layer in LAYERS for path in sorted((ROOT / layer).rglob("*.py"))]
 BENCH_COMMANDS = sorted((ROOT / "cli").glob("bench_*.py"))
 

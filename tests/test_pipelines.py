@@ -8,8 +8,8 @@ from dataclasses import asdict
 
 import pytest
 
+from telerag.engines.errors import EngineError
 from telerag.pipelines import prompts
-from telerag.pipelines.errors import EngineError
 from telerag.pipelines.rag.base import STANDALONE_QUESTION
 from telerag.pipelines.registry import PIPELINES, build_pipelines
 from telerag.pipelines.types import MeanQuery, RunOptions, StageEvent, StageRole, TokenEvent, Turn, query_texts

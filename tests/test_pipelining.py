@@ -10,7 +10,7 @@ import numpy as np
 import openai
 import pytest
 
-from telerag.pipelines.errors import EngineError
+from telerag.engines.errors import EngineError
 from telerag.pipelines.pipelining import (
     ExpectedTokens,
     PartialGeneration,

@@ -15,10 +15,11 @@ import pytest
 import torch
 from langchain_openai import ChatOpenAI
 
-from telerag.pipelines.engines.prefix_cache import LayerKV, PrefixCache
-from telerag.pipelines.engines.transformers import TransformersEngine
+from telerag.engines.prefix_cache import LayerKV, PrefixCache
+from telerag.engines.transformers import TransformersEngine
+from telerag.engines.types import Generation, SamplingParams
 from telerag.pipelines.registry import build_pipelines
-from telerag.pipelines.types import Document, Generation, RunOptions, SamplingParams
+from telerag.pipelines.types import Document, RunOptions
 from telerag.retrieval.stats import CacheStats
 from telerag.server.app import create_app, start_serving
 from telerag.server.runtime import Runtime

@@ -12,11 +12,12 @@ from pydantic import ValidationError
 from telerag.benchmarks.random_llm import tiny_random_lm
 from telerag.cli import runtime_flags
 from telerag.cli.main import build_parser
-from telerag.pipelines.engines.checkpoints import torch_dtype
-from telerag.pipelines.engines.transformers import TransformersEngine
-from telerag.pipelines.errors import EmbedderError, EngineUnavailable
+from telerag.engines.checkpoints import torch_dtype
+from telerag.engines.errors import EngineUnavailable
+from telerag.engines.transformers import TransformersEngine
+from telerag.engines.types import SamplingParams
+from telerag.pipelines.errors import EmbedderError
 from telerag.pipelines.registry import PIPELINES
-from telerag.pipelines.types import SamplingParams
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.errors import DatastoreCorruptError, DatastoreMismatchError, DeviceUnavailable
 from telerag.server import process, runtime
@@ -31,7 +32,7 @@ from tests.tiny_models import tiny_embedder_dir
 
 
 def test_sglang_engine_from_settings(sglang, monkeypatch):
-    monkeypatch.setattr("telerag.pipelines.engines.sglang._import_sglang", lambda: sglang)
+    monkeypatch.setattr("telerag.engines.sglang._import_sglang", lambda: sglang)
     settings = Settings(
         engine={
             "kind": "sglang",

@@ -290,12 +290,12 @@ async def test_metrics_expose_everything():
 
 @pytest.mark.parametrize(("error", "status"), [("EngineOverloaded", 429), ("GenerationAborted", 503), ("EngineError", 502)])
 async def test_engine_errors_map_to_status(error, status):
-    import telerag.pipelines.errors as pipeline_errors
+    import telerag.engines.errors as engine_errors
 
     h = Harness()
 
     async def failing(prompts, params):
-        raise getattr(pipeline_errors, error)("engine says no")
+        raise getattr(engine_errors, error)("engine says no")
         yield  # an async generator
 
     h.engine.stream = failing

@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 
 from telerag.benchmarks.random_llm import tiny_random_lm
+from telerag.engines.transformers import TransformersEngine
+from telerag.pipelines import prompts
 from telerag.pipelines.embedder import Embedder
-from telerag.pipelines.engines.transformers import TransformersEngine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download
 
@@ -24,9 +25,11 @@ _TMP = tempfile.TemporaryDirectory(prefix="telerag-tiny-")  # removed when the i
 
 def tiny_engine(seed: int = 0, **options: object) -> TransformersEngine:
     """A TransformersEngine over a 2-layer random Gemma 3 (see `benchmarks.random_llm.tiny_random_lm`).
-    `options` go to TransformersEngine (max_batch_size, max_waiting, ...). Close it when done
-    (`await engine.close()`) if the test cares about its worker thread."""
+    `options` go to TransformersEngine (max_batch_size, max_waiting, ...; its documents found as
+    the server's are, `prompts.document_chunks`). Close it when done (`await engine.close()`) if
+    the test cares about its worker thread."""
     model, tokenizer = tiny_random_lm(seed)
+    options.setdefault("split_documents", prompts.document_chunks)
     return TransformersEngine(model, tokenizer, name=f"tiny-gemma3-s{seed}", **options)  # type: ignore[arg-type]
 
 

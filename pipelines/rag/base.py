@@ -6,9 +6,10 @@ A pipeline's body runs as a task that pushes events onto a queue; `run` yields t
 the `run` generator (a client went away) cancels the body, which aborts its LLM call and
 releases its prefetch in `finally`.
 
-It is long because these steps share one run's context and trace and are one pipeline's
-building blocks: the lookahead (prefetch, pre-retrieval call and search, pipelined or not:
-`rag.pipelined`), the traced LLM calls and the streamed answer.
+The run's state is its `RunContext` (`rag.run_context`); how a lookahead finds its documents is
+the request's retrieval strategy (`rag.retrieval_step`: the default, pipelined, speculative),
+chosen once when the run begins. It is long because its methods are one pipeline's building
+blocks: the lookahead, the traced LLM calls and the streamed answer.
 """
 
 from __future__ import annotations
@@ -17,50 +18,39 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
+from typing import Any, ClassVar, TypeVar, overload
 
+from telerag.engines.types import Engine, Generation, SamplingParams
 from telerag.pipelines import prompts
-from telerag.pipelines.errors import UndeclaredStage
-from telerag.pipelines.pipelining import ExpectedTokens, PartialGeneration, PipeliningConfig, StaleQuery, watched_generations
+from telerag.pipelines.pipelining import ExpectedTokens, PipeliningConfig, StaleQuery
 from telerag.pipelines.prompts import Prompt
-from telerag.pipelines.rag.pipelined import PipelinedStep
+from telerag.pipelines.rag.pipelined import Pipelined, PipelinedTools, budget_observed
+from telerag.pipelines.rag.retrieval_step import SEARCH, NextPrompt, RetrievalStrategy, Sequential, plain_search
+from telerag.pipelines.rag.run_context import RunContext, Traced
+from telerag.pipelines.rag.speculative import Speculative
 from telerag.pipelines.rag.summary import summarize
 from telerag.pipelines.replies import ReplyStream, clean_reply
 from telerag.pipelines.search_budget import SearchBudget
-from telerag.pipelines.speculation import Speculation
 from telerag.pipelines.stats import GenerationStats
 from telerag.pipelines.types import (
     Document,
-    Engine,
-    Generation,
-    OnProvisional,
     PrefetchTicket,
     RagResult,
     ResultEvent,
     Retriever,
     RunEvent,
     RunOptions,
-    SamplingParams,
-    SearchOptions,
-    SearchOutcome,
     SearchQuery,
     Stage,
-    StageEvent,
     StageRole,
     Step,
     TokenEvent,
-    UsageEvent,
-    deadline_passed,
     query_texts,
 )
 
-if TYPE_CHECKING:
-    from telerag.retrieval.snapshot import Snapshot
+__all__ = ["GENERATE", "PREFETCH", "SEARCH", "STANDALONE_QUESTION", "RagPipeline", "RunContext", "merge_documents"]
 
 T = TypeVar("T")
-Traced = tuple[T, float, float]  # a traced stage's result, when it started (ms after the request) and how long it took (ms)
-NextPrompt = Callable[[list[list[Document]]], Prompt]  # the prompt of the LLM call a search's documents go to
 
 
 # An answer is one paragraph: a base model that goes on after it starts something else.
@@ -71,42 +61,9 @@ PRE_RETRIEVAL_SMOOTHING = 0.2  # weight of the newest pre-retrieval time in the 
 # The stages every pipeline has: the lookahead's prefetch and search, and the streamed answer;
 # and first, when the question came with a conversation, its rewrite into a standalone question.
 PREFETCH = Stage("prefetch", StageRole.PREFETCH)
-SEARCH = Stage("search", StageRole.SEARCH)
 GENERATE = Stage("generate", StageRole.GENERATE)
 STANDALONE_QUESTION = Stage("standalone_question", StageRole.PRE_RETRIEVAL)
 STANDALONE_TOKENS = 24  # a topic, on one line
-
-
-@dataclass
-class RunContext:
-    query: str
-    options: RunOptions
-    started: float  # the pipeline's clock when the run began
-    events: asyncio.Queue[RunEvent | None] = field(default_factory=asyncio.Queue)  # None: the body ended
-    steps: list[Step] = field(default_factory=list)
-    documents: list[Document] = field(default_factory=list)
-    tokens_generated: int = 0
-    carried: PrefetchTicket | None = None  # the standalone question's prefetch, for the first lookahead to use
-    watch: Callable[[PartialGeneration], None] | None = None  # a pipelined lookahead's, during its pre-retrieval call
-    checks: list[asyncio.Future[None]] = field(default_factory=list)  # pipelined searches checked beside the run
-    speculations: list[Speculation] = field(default_factory=list)  # speculative prefills of the calls after searches
-    draft: str = ""  # the latest quiet answer with any text: the answer, should the deadline come before the last
-    snapshot: Snapshot | None = None  # the datastore every retrieval of the run reads, taken when it began
-
-    def search_options(self, nprobe: int | None) -> SearchOptions:
-        """A search of this run: the request's top_k and prefetch, over the run's snapshot."""
-        return SearchOptions(top_k=self.options.top_k, nprobe=nprobe, prefetch=self.options.prefetch, snapshot=self.snapshot)
-
-    @property
-    def past_deadline(self) -> bool:
-        """Whether the run's deadline (`RunOptions.deadline`) has come: its LLM calls generate nothing more."""
-        return deadline_passed(self.options.deadline)
-
-    def generated(self, tokens: int) -> None:
-        """Account for `tokens` newly generated tokens (in the result, and at once as a UsageEvent)."""
-        if tokens:
-            self.tokens_generated += tokens
-            self.events.put_nowait(UsageEvent(tokens))
 
 
 class RagPipeline:
@@ -146,7 +103,17 @@ class RagPipeline:
         raise NotImplementedError
 
     async def run(self, query: str, options: RunOptions) -> AsyncGenerator[RunEvent, None]:
-        ctx = RunContext(query=query, options=options, started=self.clock(), snapshot=self.retriever.snapshot())
+        ctx = RunContext(
+            query=query,
+            options=options,
+            pipeline=self.name,
+            stages=self.stages,
+            generate=self._engine_generate,
+            retrieval=self.retrieval_strategy(options),
+            clock=self.clock,
+            started=self.clock(),
+            snapshot=self.retriever.snapshot(),
+        )
         task = asyncio.create_task(self._conversation(ctx))
         # The body's end is queued behind every event it queued, so one `get` per event suffices.
         task.add_done_callback(lambda _: ctx.events.put_nowait(None))
@@ -167,16 +134,29 @@ class RagPipeline:
             if ctx.options.history:
                 ctx.query = await self.standalone_question(ctx)
             answer = await self.body(ctx)
-            await asyncio.gather(*ctx.checks)  # beside the answer, normally done by now
-            await asyncio.gather(*(speculation.finished() for speculation in ctx.speculations))
+            await ctx.retrieval.finished()  # what ran beside the answer, normally done by now
             return answer
         finally:
             if ctx.carried is not None:  # no lookahead took it
                 self.retriever.release(ctx.carried)
-            for check in ctx.checks:
-                check.cancel()
-            for speculation in ctx.speculations:
-                speculation.cancel()
+            ctx.retrieval.cancel()
+
+    def retrieval_strategy(self, options: RunOptions) -> RetrievalStrategy:
+        """How this request's lookaheads retrieve, chosen once (`rag.retrieval_step`): as the
+        default does, or with speculative prefill, and pipelined over either. The search-time
+        model learns from a request's searches only where it reads it (pipelined, nprobe "auto")."""
+        search = plain_search(self.retriever.search)
+        if options.pipelining and options.nprobe == "auto":
+            search = budget_observed(search, self.search_budget, self.clock)
+        strategy: RetrievalStrategy = Speculative(search, self.engine) if options.speculative_prefill else Sequential(search)
+        if options.pipelining:
+            tools = PipelinedTools(self.engine, self.retriever.embed, self.pipelining, self.search_budget, self.expected_tokens)
+            strategy = Pipelined(search, tools, strategy)
+        return strategy
+
+    def _engine_generate(self, stage: Stage, prompts: list[str], params: SamplingParams) -> Awaitable[list[Generation]]:
+        """A run's LLM calls as they are (`RunContext.generate`)."""
+        return self.engine.generate(prompts, params)
 
     async def standalone_question(self, ctx: RunContext) -> str:
         """The last message made to stand alone, as LangChain's history-aware retriever and
@@ -194,35 +174,6 @@ class RagPipeline:
         return prompts.standalone(ctx.query, (named or "").strip())
 
     # -- building blocks ------------------------------------------------------------------------
-
-    def begin(self, ctx: RunContext, stage: Stage) -> float:
-        """A declared stage begins: its start event is sent; the clock's time it began."""
-        if stage not in self.stages:
-            raise UndeclaredStage(
-                f"pipeline {self.name} traced stage {stage.name!r} ({stage.role.value}), which it does not declare"
-            )
-        ctx.events.put_nowait(StageEvent(stage, "start"))
-        return self.clock()
-
-    def end(self, ctx: RunContext, stage: Stage, started: float) -> tuple[float, float]:
-        """A stage that began at `started` ends: its end event is sent; when it began (ms after
-        the request did) and how long it took (ms)."""
-        ms = (self.clock() - started) * 1e3
-        ctx.events.put_nowait(StageEvent(stage, "end", ms))
-        return (started - ctx.started) * 1e3, ms
-
-    def stage(self, ctx: RunContext, stage: Stage, work: Callable[[], Awaitable[T]]) -> asyncio.Future[Traced[T]]:
-        """Start `work()` as a traced stage: its start event and time are taken now, so stages
-        started side by side are traced in the order they were started. The task gives the
-        result, when the stage started (ms after the request did) and how long it took (ms)."""
-        started = self.begin(ctx, stage)
-        pending = work()
-
-        async def traced() -> tuple[T, float, float]:
-            result = await pending
-            return (result, *self.end(ctx, stage, started))
-
-        return asyncio.ensure_future(traced())
 
     async def llm(
         self,
@@ -246,13 +197,10 @@ class RagPipeline:
             deadline=ctx.options.deadline,
         )
         formatted = [self.engine.format_prompt(p.user, system=p.system) for p in batch]
-        generations, start_ms, ms = await self.stage(ctx, stage, lambda: self._generate(ctx, stage, formatted, params))
+        generations, start_ms, ms = await ctx.stage(stage, lambda: self._generate(ctx, stage, formatted, params))
         for prompt, text, generation in zip(batch, formatted, generations, strict=True):
             ctx.generated(generation.completion_tokens)
-            if generation.finish_reason != "deadline":  # one cut short shows neither its length nor the engine's cache
-                for speculation in ctx.speculations:
-                    speculation.observe_call(text, generation)
-                self.expected_tokens.observe(stage.name, generation.completion_tokens)
+            ctx.called(stage, text, generation)
             ctx.steps.append(
                 Step(
                     stage,
@@ -268,15 +216,11 @@ class RagPipeline:
         return generations
 
     def _generate(self, ctx: RunContext, stage: Stage, prompts: list[str], params: SamplingParams) -> Awaitable[list[Generation]]:
-        """The engine's generations; streamed, each partial shown to `ctx.watch`, during a
-        pipelined lookahead's pre-retrieval call (the same generations either way). Past the
-        run's deadline, empty ones at once: the engine would stop them before their first token."""
+        """The run's generations (`RunContext.generate`). Past the run's deadline, empty ones at
+        once: the engine would stop them before their first token."""
         if ctx.past_deadline:
             return asyncio.sleep(0, [Generation("", 0, 0, "deadline", 0.0, 0.0, index=i) for i in range(len(prompts))])
-        if ctx.watch is None:
-            return self.engine.generate(prompts, params)
-        expected = self.expected_tokens.of(stage.name, params.max_tokens)
-        return watched_generations(self.engine.stream(prompts, params), len(prompts), expected, ctx.watch, self.clock)
+        return ctx.generate(stage, prompts, params)
 
     async def reply(
         self, ctx: RunContext, stage: Stage, prompt: Prompt, *, max_tokens: int = 64, stop: Sequence[str] = ()
@@ -322,110 +266,47 @@ class RagPipeline:
         prefetch; the search waits for both. Without a pre-retrieval call, a follow-up's standalone
         question's prefetch (`ctx.carried`) is this one: its rewrite was the call it hid behind.
 
-        With `stale` (q_out from the call's text so far) and a request with `pipelining`, the
-        search starts during the call instead, from the stale query at the launch point, and the
-        final query decides after it whether those documents are used (`PipelinedStep.use`).
-
-        With `next_prompt` (the prompt of the LLM call the documents go to) and a request with
-        `speculative_prefill`, a search the run waits for prefills that prompt from its
-        provisional top-k while it runs (`pipelines.speculation`)."""
+        How the documents are found is the request's retrieval strategy's (`ctx.retrieval`):
+        `stale` (q_out from the call's text so far) is what a pipelined step searches during the
+        call, `next_prompt` (the prompt of the LLM call the documents go to) what a speculative
+        step prefills from its provisional top-k."""
+        step = ctx.retrieval.step(ctx, stale, next_prompt)
         carried, ctx.carried = ctx.carried, None
-        pipelined: PipelinedStep | None = None
         if carried is not None and pre_retrieval is None:
             produced, ticket = None, carried
         else:
             if carried is not None:
                 self.retriever.release(carried)
             prefetch = self._prefetch(ctx, q_in, beside_call=pre_retrieval is not None)
-            if stale is not None and pre_retrieval is not None and ctx.options.pipelining:
-                pipelined = PipelinedStep(self, ctx, stale, prefetch)
-                pre_retrieval = pipelined.watching(pre_retrieval)
+            call = None if pre_retrieval is None else step.around_call(pre_retrieval, prefetch)
             try:
-                produced, ticket = await self._beside(ctx, q_in, pre_retrieval, prefetch)
+                produced, ticket = await self._beside(ctx, q_in, call, prefetch)
             except BaseException:
-                if pipelined is not None:
-                    await pipelined.abandon()
+                await step.abandon()
                 raise
         try:
             wanted = q_out(produced)
             if wanted is None:
                 return produced, []
             queries = [q for q in wanted if any(text.strip() for text in query_texts(q))] or [ctx.query]
-            if pipelined is not None and pipelined.search is not None:
-                documents = await pipelined.use(queries, ticket)
-            else:
-                speculation = self._speculation(ctx, next_prompt)
-                outcome, step = await self.search_traced(
-                    ctx, queries, ticket, self.fixed_nprobe(ctx), None if speculation is None else speculation.start
-                )
-                documents = outcome.documents
-                if speculation is not None:
-                    speculation.settle(documents, step)
+            documents = await step.documents(queries, ticket)
         finally:
-            if pipelined is not None:
-                await pipelined.abandon()  # a search nothing used: the step needed none
+            await step.abandon()  # what the step started and nothing used: the step needed no search
             self.retriever.release(ticket)
         return produced, documents
-
-    def _speculation(self, ctx: RunContext, next_prompt: NextPrompt | None) -> Speculation | None:
-        """A speculative prefill of `next_prompt` for a request that asks for one."""
-        if next_prompt is None or not ctx.options.speculative_prefill:
-            return None
-
-        def formatted(documents: list[list[Document]]) -> str:
-            prompt = next_prompt(documents)
-            return self.engine.format_prompt(prompt.user, system=prompt.system)
-
-        speculation = Speculation(self.engine, formatted)
-        ctx.speculations.append(speculation)
-        return speculation
 
     def answer_prompt(self, ctx: RunContext, draft: str = "") -> NextPrompt:
         """`next_prompt` for a search whose first query's documents go to an answer prompt (the
         answer, a round or a draft: `generate_quietly`)."""
         return lambda documents: prompts.answer(ctx.query, documents[0], draft, instructions=ctx.options.instructions)
 
-    def fixed_nprobe(self, ctx: RunContext) -> int | None:
-        """The nprobe of a search that overlaps no generation: the request's number, or the
-        default (None) for "auto", which has nothing to fit inside."""
-        return ctx.options.nprobe if isinstance(ctx.options.nprobe, int) else None
-
-    async def search_traced(
-        self,
-        ctx: RunContext,
-        queries: Sequence[SearchQuery],
-        ticket: PrefetchTicket | None,
-        nprobe: int | None,
-        provisional: OnProvisional | None = None,
-    ) -> tuple[SearchOutcome, Step]:
-        """A traced search; its time, nprobe and the searches in flight beside it teach the
-        search-time model. `provisional` as `Retriever.search`'s."""
-        options = ctx.search_options(nprobe)
-        outcome, start_ms, ms = await self.stage(ctx, SEARCH, lambda: self.search_timed(queries, options, ticket, provisional))
-        step = Step(SEARCH, " | ".join(map(str, queries))[:200], ms=ms, stats=outcome.stats, start_ms=start_ms)
-        ctx.steps.append(step)
-        return outcome, step
-
-    async def search_timed(
-        self,
-        queries: Sequence[SearchQuery],
-        options: SearchOptions,
-        ticket: PrefetchTicket | None,
-        provisional: OnProvisional | None = None,
-    ) -> SearchOutcome:
-        with self.search_budget.searching() as depth:
-            started = self.clock()
-            outcome = await self.retriever.search(queries, options, ticket, provisional=provisional)
-            self.search_budget.observe(outcome.stats.nprobe, depth, (self.clock() - started) * 1e3)
-        return outcome
-
     def _prefetch(self, ctx: RunContext, q_in: Sequence[str], *, beside_call: bool) -> asyncio.Future[Traced[PrefetchTicket]]:
         """q_in's prefetch, started now as a traced stage; its budget is the expected time of the
         pre-retrieval call it runs beside (nothing to hide copies behind without one: the search
         copies on demand)."""
         overlap_ms = self.pre_retrieval_ms if beside_call else 0.0
-        return self.stage(
-            ctx, PREFETCH, lambda: self.retriever.prefetch(list(q_in), enabled=ctx.options.prefetch, overlap_ms=overlap_ms)
+        return ctx.stage(
+            PREFETCH, lambda: self.retriever.prefetch(list(q_in), enabled=ctx.options.prefetch, overlap_ms=overlap_ms)
         )
 
     async def _beside(
@@ -487,7 +368,7 @@ class RagPipeline:
         )
         formatted = self.engine.format_prompt(prompt.user, system=prompt.system)
         reply = ReplyStream(prompt.cue)
-        started = self.begin(ctx, stage)
+        started = ctx.begin(stage)
         final: Generation | None = None
         streamed = 0  # tokens accounted for as they came
         async with contextlib.aclosing(self.engine.stream([formatted], params)) as stream:
@@ -503,10 +384,9 @@ class RagPipeline:
                     break  # closing the stream aborts the generation
         if piece := reply.finish():
             ctx.events.put_nowait(TokenEvent(piece))
-        start_ms, ms = self.end(ctx, stage, started)
+        start_ms, ms = ctx.end(stage, started)
         if final is not None:
-            for speculation in ctx.speculations:
-                speculation.observe_call(formatted, final)
+            ctx.called(stage, formatted, final)
             prompt_tokens, completion_tokens, cached = final.prompt_tokens, final.completion_tokens, final.cached_tokens
             stats = GenerationStats(final.finish_reason, final.ttft_ms)
         else:  # stopped here, when the reply was over (what the engine's cache held is not known)
@@ -519,10 +399,10 @@ class RagPipeline:
     def _answer_past_deadline(self, ctx: RunContext, stage: Stage) -> str:
         """The latest draft (or nothing), streamed as the answer: the answer's call, begun past
         the deadline, would generate nothing. Traced as a call that stopped at the deadline."""
-        started = self.begin(ctx, stage)
+        started = ctx.begin(stage)
         if ctx.draft:
             ctx.events.put_nowait(TokenEvent(ctx.draft))
-        start_ms, ms = self.end(ctx, stage, started)
+        start_ms, ms = ctx.end(stage, started)
         ctx.steps.append(Step(stage, ctx.query[:200], ms=ms, stats=GenerationStats("deadline"), start_ms=start_ms))
         return ctx.draft
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import math
 
+from telerag.engines import StopFilter
+from telerag.engines.types import Generation
 from telerag.pipelines import prompts
-from telerag.pipelines.engines import StopFilter
 from telerag.pipelines.pipelining import PartialGeneration
 from telerag.pipelines.rag.base import PREFETCH, SEARCH, STANDALONE_QUESTION, RagPipeline, RunContext
 from telerag.pipelines.replies import clean_reply
-from telerag.pipelines.types import Generation, Stage, StageRole, TokenEvent
+from telerag.pipelines.types import Stage, StageRole, TokenEvent
 
 MAX_SENTENCES = 4
 SENTENCE_TOKENS = 40

@@ -9,9 +9,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from telerag.pipelines.engines import StopFilter
-from telerag.pipelines.engines.document_kv import ChunkedIds
-from telerag.pipelines.types import Generation, SamplingParams, TokenChunk, deadline_passed
+from telerag.engines import StopFilter
+from telerag.engines.document_kv import ChunkedIds
+from telerag.engines.types import Generation, SamplingParams, TokenChunk, deadline_passed
 
 
 @dataclass(eq=False)

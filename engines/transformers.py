@@ -31,8 +31,8 @@ from typing import Any, cast
 
 import torch
 
-from telerag.pipelines.engines import collect_generations, end_of_turn, format_chat, prompt_token_ids
-from telerag.pipelines.engines.batching import (
+from telerag.engines import collect_generations, end_of_turn, format_chat, prompt_token_ids
+from telerag.engines.batching import (
     Batch,
     calls_in,
     end_recording,
@@ -41,15 +41,14 @@ from telerag.pipelines.engines.batching import (
     recorded_kv,
     recording_cache,
 )
-from telerag.pipelines.engines.checkpoints import converted_gguf, cpu_has_amx, torch_dtype
-from telerag.pipelines.engines.decoding import DecodingRow, PromptRow, StreamCall
-from telerag.pipelines.engines.document_kv import ChunkedIds, DocumentKV, rope_frequencies
-from telerag.pipelines.engines.greedy_screen import greedy_screen_for
-from telerag.pipelines.engines.prefix_cache import LayerKV, PrefixCache, PrefixHit
-from telerag.pipelines.engines.skinny_linear import use_skinny_matmuls
-from telerag.pipelines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, ModelNotFound
-from telerag.pipelines.prompts import document_chunks
-from telerag.pipelines.types import Generation, SamplingParams, TokenChunk, deadline_passed
+from telerag.engines.checkpoints import converted_gguf, cpu_has_amx, torch_dtype
+from telerag.engines.decoding import DecodingRow, PromptRow, StreamCall
+from telerag.engines.document_kv import ChunkedIds, DocumentKV, rope_frequencies
+from telerag.engines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, ModelNotFound
+from telerag.engines.greedy_screen import greedy_screen_for
+from telerag.engines.prefix_cache import LayerKV, PrefixCache, PrefixHit
+from telerag.engines.skinny_linear import use_skinny_matmuls
+from telerag.engines.types import DocumentSplitter, Generation, SamplingParams, TokenChunk, deadline_passed
 from telerag.utils.device import resolve_device
 from telerag.utils.files import user_cache_dir
 
@@ -76,13 +75,16 @@ class TransformersEngine:
         seed: int = 0,
         prefix_cache_mb: float = 0.0,
         document_kv_mb: float = 0.0,
+        split_documents: DocumentSplitter | None = None,
     ) -> None:
         """`max_batch_size` rows decode together; past `max_waiting` queued prompts a call is
         refused with EngineOverloaded. `seed` seeds sampling (temperature > 0). With
         `prefix_cache_mb`, prompts' KV is kept in a prefix cache of that many MB (see
         `prefix_cache`; off at 0, or for a model whose cache cannot resume from a prefix). With
         `document_kv_mb`, prompts with documents reuse each document's KV wherever it lands
-        (`document_kv`: TurboRAG's option, which changes answers). The engine owns `model` from
+        (`document_kv`: TurboRAG's option, which changes answers); `split_documents` finds a
+        prompt's documents (the prompts' writer knows their layout: `pipelines.prompts.document_chunks`),
+        and per-document KV needs it. The engine owns `model` from
         then on: on the CPU its Linear layers become `SkinnyLinear`s."""
         self.device = torch.device(device)
         self.model = model.eval().to(self.device)
@@ -104,6 +106,7 @@ class TransformersEngine:
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self.prefix_cache: PrefixCache | None = None
         self.document_kv: DocumentKV | None = None
+        self.split_documents = split_documents
         self.use_prefix_cache(prefix_cache_mb)
         self.use_document_kv(document_kv_mb)
         # The KV cache's keyword in and out of a forward pass: `cache` since transformers 5.24,
@@ -177,6 +180,8 @@ class TransformersEngine:
         self.document_kv = None
         if mb <= 0:
             return
+        if self.split_documents is None:
+            raise ValueError("per-document KV needs split_documents: how to find a prompt's documents")
         frequencies = rope_frequencies(self.model) if prefix_cacheable(self.model.config) else None
         if frequencies is None:
             log.warning("%s: this model's keys cannot be moved to new positions; per-document KV is off", self.name)
@@ -246,8 +251,9 @@ class TransformersEngine:
 
     def _prompt_row(self, call: StreamCall, index: int, prompt: str) -> PromptRow:
         """A prompt's row; with per-document KV, a prompt with documents is encoded part by part
-        (`prompts.document_chunks`), so that each document's ids are the same wherever it stands."""
-        parts = document_chunks(prompt) if self.document_kv is not None else None
+        (`split_documents`), so that each document's ids are the same wherever it stands."""
+        split = self.split_documents if self.document_kv is not None else None
+        parts = split(prompt) if split is not None else None
         if parts is None:
             return PromptRow(call, index, self.encode_prompt(prompt))
         with self._tokenizer_lock:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from telerag.pipelines.engines.prefix_cache import LayerKV, PrefixHit
+from telerag.engines.prefix_cache import LayerKV, PrefixHit
 
 # RoPE variants whose rotations compose (a key at position p moved by d is the key at p + d):
 # fixed frequencies, scaled or not. Dynamic ones change the frequencies with the length.
@@ -31,7 +31,7 @@ KVOf = Callable[[PrefixHit, Sequence[int]], list[LayerKV]]  # the KV of ids pref
 
 @dataclass(frozen=True)
 class ChunkedIds:
-    """A prompt's ids cut as `prompts.DocumentChunks` cut its text: head, chunks, then the tail."""
+    """A prompt's ids cut as `types.DocumentChunks` cut its text: head, chunks, then the tail."""
 
     head: tuple[int, ...]
     chunks: tuple[tuple[int, ...], ...]

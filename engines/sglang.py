@@ -43,10 +43,9 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from telerag.pipelines.engines import StopFilter, collect_generations, format_chat, prompt_token_ids
-from telerag.pipelines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, PipelineError
-from telerag.pipelines.stats import FinishReason
-from telerag.pipelines.types import Generation, SamplingParams, TokenChunk, deadline_passed
+from telerag.engines import StopFilter, collect_generations, format_chat, prompt_token_ids
+from telerag.engines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted
+from telerag.engines.types import FinishReason, Generation, SamplingParams, TokenChunk, deadline_passed
 
 OVERLOADED = (429, 503)  # the status codes SGLang gives an abort for lack of room or time
 HOST_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)  # whose handlers SGLang must not keep
@@ -292,7 +291,7 @@ def _engine_error(exc: Exception) -> EngineError:
     return EngineError(f"SGLang failed: {exc}")
 
 
-def _abort_error(finish: dict[str, Any]) -> PipelineError:
+def _abort_error(finish: dict[str, Any]) -> EngineError:
     """The typed error for a request SGLang aborted on its own: overloaded (no room, timed
     out in the queue), refused (a 4xx), or aborted for another reason."""
     message = f"SGLang aborted the request: {finish.get('message') or 'no reason given'}"

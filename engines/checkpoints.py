@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from telerag.pipelines.errors import EngineUnavailable, ModelNotFound
+from telerag.engines.errors import EngineUnavailable, ModelNotFound
 from telerag.utils.files import file_sha256, user_cache_dir
 
 log = logging.getLogger(__name__)

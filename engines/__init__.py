@@ -1,8 +1,9 @@
-"""Generation engines behind `pipelines.types.Engine`: `transformers.TransformersEngine` (any local
-causal LM on the CPU or a GPU; the embedded default) and `sglang.SGLangEngine` (production on a
-GPU). Import each from its module; they load heavy libraries. This module holds what both share:
-chat formatting, the prompt's token ids, stop-string handling, and `generate` as the collected
-`stream`."""
+"""The LLM engines, behind `types.Engine` (the contract with their callers; their errors are
+`errors`'): `transformers.TransformersEngine` (any local causal LM on the CPU or a GPU; the
+embedded default) and `sglang.SGLangEngine` (production on a GPU). They know nothing of the
+pipelines above them. Import each from its module; they load heavy libraries. This module holds
+what both share: chat formatting, the prompt's token ids, stop-string handling, and `generate`
+as the collected `stream`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from telerag.pipelines.types import Generation, TokenChunk
+from telerag.engines.types import Generation, TokenChunk
 
 
 async def collect_generations(stream: AsyncIterator[TokenChunk | Generation], n_prompts: int) -> list[Generation]:
