@@ -4,9 +4,10 @@ measure) beside throughput, latency and refusals.
 
 - `deadline`: this server's admission (`scheduler.admission_deadline_s`), whose promise is that
   an accepted request finishes within the deadline (its p99);
-- `none`: everything admitted and queued (vLLM's and SGLang's way): no refusal, no bound on latency;
+- `none`: everything admitted and queued (vLLM's and SGLang's way): no refusal, no bound on latency
+  (`scheduler.admission: fixed` with a queue of no bound);
 - `fixed-N`: at most N requests in flight, the rest refused at once (TGI's
-  `--max-concurrent-requests`), N swept.
+  `--max-concurrent-requests`; `scheduler.admission: fixed`, no queue), N swept.
 
 Each policy is a `telerag serve` of its own (started, warmed up and ready before it is measured,
 stopped after), with the same settings otherwise; the policy is its settings, so switching it
@@ -66,8 +67,8 @@ class Policy:
             margin = {} if self.margin is None else {f"{prefix}ADMISSION_MARGIN": str(self.margin)}
             return {f"{prefix}ADMISSION_DEADLINE_S": str(deadline_s), **margin}
         if self.kind == "none":
-            return {f"{prefix}ADMISSION_DEADLINE_S": "null", f"{prefix}MAX_QUEUE": str(QUEUE_WITHOUT_BOUND)}
-        return {f"{prefix}ADMISSION_DEADLINE_S": "null", f"{prefix}MAX_CONCURRENCY": str(self.n), f"{prefix}MAX_QUEUE": "0"}
+            return {f"{prefix}ADMISSION": "fixed", f"{prefix}MAX_QUEUE": str(QUEUE_WITHOUT_BOUND)}
+        return {f"{prefix}ADMISSION": "fixed", f"{prefix}MAX_CONCURRENCY": str(self.n), f"{prefix}MAX_QUEUE": "0"}
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ from pydantic import BaseModel
 
 from telerag.pipelines.types import RagResult, ResultEvent, RunEvent
 from telerag.server import errors
-from telerag.server.admission import Admission, Ticket
+from telerag.server.admission import Ticket
+from telerag.server.admission_policy import AdmissionPolicy
 from telerag.server.protocol import ErrorDetail
 from telerag.server.workload import ServedWork
 
@@ -52,7 +53,9 @@ _Item = RunEvent | _Failed | None  # what the run puts in its queue; None: the r
 class AdmittedRun:
     """A run of `events` for an admitted `ticket`; it starts at once (waiting for a slot)."""
 
-    def __init__(self, request: Request, admission: Admission, ticket: Ticket, events: AsyncGenerator[RunEvent, None]) -> None:
+    def __init__(
+        self, request: Request, admission: AdmissionPolicy, ticket: Ticket, events: AsyncGenerator[RunEvent, None]
+    ) -> None:
         self._request, self._admission, self._ticket = request, admission, ticket
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._settled = asyncio.Event()  # it holds a slot, or it ended without one

@@ -27,7 +27,7 @@ from telerag.pipelines.types import (
 )
 from telerag.retrieval.live import LiveStats
 from telerag.retrieval.stats import CacheStats
-from telerag.server.admission import Admission
+from telerag.server.admission_policy import admission_policy
 from telerag.server.admitted_run import AdmittedRun
 from telerag.server.errors import DocumentsUnavailable, InvalidField, Refusal, RequestTimeout, UnsupportedField
 from telerag.server.metrics import LiveReport, Metrics
@@ -102,21 +102,15 @@ class Service:
             lambda kind, size: self.metrics.batch_size.labels(kind).observe(size)
         )
         self.workload = Workload()
-        self.admission = Admission(
-            scheduler.max_concurrency,
-            scheduler.max_queue,
-            deadline_s=scheduler.admission_deadline_s,
-            margin=scheduler.admission_margin,
-            max_in_flight_per_key=scheduler.max_in_flight_per_key,
+        self.admission = admission_policy(
+            scheduler,
             on_change=self._queue_changed,
             on_refuse=lambda reason: self.metrics.admission.refusals.labels(reason.value).inc(),
             on_start=self.metrics.admission.queue_wait.observe,
         )
         self.metrics.admission.expected_wait.set_function(self.admission.expected_wait_s)
         self.metrics.admission.service_rate.set_function(lambda: self.admission.service_rate() or 0.0)
-        self.metrics.admission.estimate_factor.set_function(
-            lambda: self.admission.error.factor(self.admission.n_running + self.admission.n_waiting)
-        )
+        self.metrics.admission.estimate_factor.set_function(self.admission.estimate_factor)
         words = self.runtime.datastore_info.passage_words or DEFAULT_PASSAGE_WORDS
         self.passage_tokens = math.ceil(TOKENS_PER_WORD * words)
 

@@ -167,6 +167,10 @@ class SchedulerSettings(Section):
     max_concurrency: int = setting(16, "requests running at once", ge=1)
     max_queue: int = setting(64, "requests waiting beyond those; past it: 429", ge=0)
     request_timeout_s: float = setting(300.0, "a request running longer is ended: 504", gt=0)
+    admission: Literal["deadline", "fixed"] = setting(
+        "deadline",
+        "deadline: refuse at once what would finish past admission_deadline_s; fixed: max_concurrency and max_queue alone",
+    )
     admission_deadline_s: float | None = setting(
         30.0,
         "429 at once for a request expected to finish later than this; an admitted one's LLM calls stop there; null: none",

@@ -28,8 +28,9 @@ from tests.tiny_models import tiny_embedder_dir
 
 def test_each_policy_is_settings_of_the_server():
     assert Policy("deadline").environment(30.0) == {"TELERAG_SCHEDULER__ADMISSION_DEADLINE_S": "30.0"}
-    assert Policy("none").environment(30.0)["TELERAG_SCHEDULER__ADMISSION_DEADLINE_S"] == "null"
+    assert Policy("none").environment(30.0)["TELERAG_SCHEDULER__ADMISSION"] == "fixed"  # with a queue of no bound
     fixed = Policy("fixed", 4).environment(30.0)
+    assert fixed["TELERAG_SCHEDULER__ADMISSION"] == "fixed"
     assert fixed["TELERAG_SCHEDULER__MAX_CONCURRENCY"] == "4" and fixed["TELERAG_SCHEDULER__MAX_QUEUE"] == "0"
     assert [p.name for p in policies(["deadline", "none", "fixed"], [2, 8])] == ["fixed-2", "fixed-8", "none", "deadline"]
     by_margin = policies(["deadline"], [2], [0.1, 0.15])  # the margin compared side by side, a server each
