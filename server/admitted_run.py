@@ -1,5 +1,6 @@
 """One admitted request's pipeline run, and the one place that owns its admission ticket and its
-cancellation, whether the answer goes back as one JSON body or as a stream of events.
+cancellation, whether the answer goes back as one JSON body or as a stream of events (or, for the
+server's own warm-up, as the result alone).
 
 The run is a task of its own: it waits for a slot, then runs the pipeline into a queue that the
 response reads. Beside it a task waits on the client's connection (`request.receive()` returns
@@ -54,37 +55,48 @@ class AdmittedRun:
     """A run of `events` for an admitted `ticket`; it starts at once (waiting for a slot)."""
 
     def __init__(
-        self, request: Request, admission: AdmissionPolicy, ticket: Ticket, events: AsyncGenerator[RunEvent, None]
+        self,
+        request: Request | None,
+        admission: AdmissionPolicy,
+        ticket: Ticket,
+        events: AsyncGenerator[RunEvent, None],
+        served: Callable[[ServedWork], None] = lambda work: None,
     ) -> None:
-        self._request, self._admission, self._ticket = request, admission, ticket
+        """`request`: the client's, whose leaving cancels the run (None: the server's own, no
+        client); `served` hears what a completed run was served, once, as its ticket finishes."""
+        self._request, self._admission, self._ticket, self._served = request, admission, ticket, served
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._settled = asyncio.Event()  # it holds a slot, or it ended without one
         self._started = self._client_left = False
         self._result: RagResult | None = None  # once the run has completed
         self._task = asyncio.create_task(self._run(events))
         self._task.add_done_callback(self._ended)  # a callback: it runs even if the task is cancelled before it began
-        self._watcher = asyncio.create_task(self._cancel_on_disconnect())
+        self._watcher = None if request is None else asyncio.create_task(self._cancel_on_disconnect(request))
 
     # -- the two ways an answer goes back ---------------------------------------------------------
 
     async def respond(self, body: Callable[[RagResult], BaseModel]) -> Response:
         """The run to its end, answered as `body(result)` in JSON; its error raised for the app's
         error handlers."""
-        result = None
         try:
-            # the run to its end first (its ticket finished before the answer leaves), then its
-            # events at once: one wake-up for the whole run, not one per token
-            await asyncio.wait({self._task})
-            async for event in self._read():
-                if isinstance(event, ResultEvent):
-                    result = event.result
+            result = await self.result()
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return Response(body(result).model_dump_json(), media_type="application/json")
+
+    async def result(self) -> RagResult:
+        """The run to its end (its ticket finished); its error raised."""
+        try:
+            # the run to its end first, then its events at once: one wake-up for the whole run,
+            # not one per token
+            await asyncio.wait({self._task})
+            async for _ in self._read():
+                pass
         finally:
             await self._close()
-        if result is None:
+        if self._result is None:
             raise RuntimeError("the pipeline ended without a result")
-        return Response(body(result).model_dump_json(), media_type="application/json")
+        return self._result
 
     async def stream(self, form: EventStream) -> Response:
         """The run's events as `form` writes them, once it holds a slot (the status line waits
@@ -148,16 +160,17 @@ class AdmittedRun:
 
     def _ended(self, _: asyncio.Task[None]) -> None:
         """The run is over, however it ended: its ticket finishes, and its readers learn it."""
-        result = self._result
-        self._admission.finish(
-            self._ticket, completed=result is not None, served_work=ServedWork.of(result).work if result is not None else None
-        )
+        served = None if self._result is None else ServedWork.of(self._result)
+        self._admission.finish(self._ticket, completed=served is not None, served_work=None if served is None else served.work)
+        if served is not None:
+            self._served(served)
         self._settled.set()
         self._queue.put_nowait(None)
-        self._watcher.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
 
-    async def _cancel_on_disconnect(self) -> None:
-        while (await self._request.receive())["type"] != "http.disconnect":
+    async def _cancel_on_disconnect(self, request: Request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
             pass
         self._client_left = True
         self._task.cancel()

@@ -158,9 +158,8 @@ class InferenceReplica:
         `seconds_left`: until its deadline (`shipped`)."""
         assert self.vectors is not None
         options = received(options, seconds_left)
-        prompt = self.service.prompt_tokens(query, options)
         with self.vectors.given(query, q_in):
-            async for event in self.service.events(self.service.pipelines[pipeline], query, options, prompt):
+            async for event in self.service.events(self.service.pipelines[pipeline], query, options):
                 yield event
 
     def record_routing_stats(self) -> dict[str, Any]:

@@ -4,6 +4,7 @@ admission, metrics, and what turns a request into an admitted run."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
@@ -23,7 +24,6 @@ from telerag.pipelines.types import (
     TokenEvent,
     Turn,
     UsageEvent,
-    run_result,
 )
 from telerag.retrieval.live import LiveStats
 from telerag.retrieval.stats import CacheStats
@@ -139,16 +139,12 @@ class Service:
             await asyncio.gather(*(self._calibrate(p, question, options) for p, question in measuring[start : start + burst]))
 
     async def _calibrate(self, pipeline: Pipeline, question: str, options: RunOptions) -> None:
+        """One warm-up request, admitted and run as a client's is (no client to watch, no metrics)."""
         prompt = self.prompt_tokens(question, options)
         cost = self.workload.estimate(pipeline.name, pipeline.llm_calls, prompt, options.max_tokens)
         ticket = self.admission.admit(cost, calibrating=True)
-        await self.admission.start(ticket)
-        served = None
-        try:
-            served = ServedWork.of(await run_result(pipeline.run(question, options)))
-            self.workload.observe(pipeline.name, prompt, served)
-        finally:
-            self.admission.finish(ticket, completed=served is not None, served_work=None if served is None else served.work)
+        learn = functools.partial(self.workload.observe, pipeline.name, prompt)
+        await AdmittedRun(None, self.admission, ticket, pipeline.run(question, options), learn).result()
 
     def documents(self) -> DocumentWriter:
         """The writer of the datastore's documents; 501 on a runtime that writes none."""
@@ -281,14 +277,16 @@ class Service:
         deadline = self.admission.deadline_s
         if deadline is not None:  # the promise kept even where the estimate was wrong: its LLM calls stop in time
             options = replace(options, deadline=ticket.admitted_at + deadline - DEADLINE_STOP_LEAD_S)
-        return AdmittedRun(request, self.admission, ticket, self.events(pipeline, query, options, prompt))
+        learn = functools.partial(self._learn, pipeline.name, prompt, options.temperature)
+        return AdmittedRun(request, self.admission, ticket, self.events(pipeline, query, options), learn)
 
-    async def events(
-        self, pipeline: Pipeline, query: str, options: RunOptions, prompt_tokens: int
-    ) -> AsyncGenerator[RunEvent, None]:
-        """Run a pipeline (a slot must be held) with the request timeout, recording metrics and
-        what it was served (the next requests' costs come from it); the tokens it generates count
-        as they are generated, so a cancelled request's count too."""
+    def _learn(self, pipeline: str, prompt_tokens: int, temperature: float, served: ServedWork) -> None:
+        """What a completed request was served: its pipeline's next costs come from it."""
+        self.workload.observe(pipeline, prompt_tokens, served, temperature)
+
+    async def events(self, pipeline: Pipeline, query: str, options: RunOptions) -> AsyncGenerator[RunEvent, None]:
+        """Run a pipeline (a slot must be held) with the request timeout, recording metrics; the
+        tokens it generates count as they are generated, so a cancelled request's count too."""
         started = time.perf_counter()
         outcome = "error"
         first_token = True
@@ -304,7 +302,6 @@ class Service:
                         self.metrics.ttft.labels(pipeline.name).observe(time.perf_counter() - started)
                     if isinstance(event, ResultEvent):
                         self.metrics.observe_result(event.result)
-                        self.workload.observe(pipeline.name, prompt_tokens, ServedWork.of(event.result), options.temperature)
                         outcome = "deadline" if event.result.finish_reason == "deadline" else "ok"
                     yield event
         except TimeoutError:
