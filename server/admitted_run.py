@@ -22,10 +22,10 @@ from pydantic import BaseModel
 
 from telerag.pipelines.types import RagResult, ResultEvent, RunEvent
 from telerag.server import errors
-from telerag.server.admission import Ticket
-from telerag.server.admission_policy import AdmissionPolicy
+from telerag.server.admission.deadline import Ticket
+from telerag.server.admission.policy import AdmissionPolicy
+from telerag.server.admission.workload import ServedWork
 from telerag.server.protocol import ErrorDetail
-from telerag.server.workload import ServedWork
 
 CLIENT_CLOSED_REQUEST = 499  # nobody reads it: the status for a response whose client left first
 

@@ -1,4 +1,4 @@
-"""Cross-request batching of retrieval (admission is `server/admission.py`).
+"""Cross-request batching of retrieval (admission is `server/admission/deadline.py`).
 
 `BatchingRetriever` is what the pipelines see as their retriever: prefetch and search calls
 that arrive while the previous batch runs (or within an optional window, or until a batch fills) become one call of the

@@ -27,12 +27,12 @@ from telerag.pipelines.types import (
 )
 from telerag.retrieval.live import LiveStats
 from telerag.retrieval.stats import CacheStats
-from telerag.server.admission_policy import admission_policy
+from telerag.server.admission.policy import admission_policy
+from telerag.server.admission.workload import DEFAULT_PASSAGE_WORDS, TOKENS_PER_WORD, ServedWork, Workload
 from telerag.server.admitted_run import AdmittedRun
 from telerag.server.errors import DocumentsUnavailable, InvalidField, Refusal, RequestTimeout, UnsupportedField
 from telerag.server.metrics import LiveReport, Metrics
 from telerag.server.settings import DEADLINE_STOP_LEAD_S, Settings, packaged_config
-from telerag.server.workload import DEFAULT_PASSAGE_WORDS, TOKENS_PER_WORD, ServedWork, Workload
 
 if TYPE_CHECKING:
     from telerag.pipelines.documents import DocumentWriter

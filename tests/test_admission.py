@@ -13,13 +13,13 @@ import httpx
 import pytest
 
 from telerag.pipelines.registry import PIPELINES
-from telerag.server.admission import MAX_HELD, Admission, Ticket
-from telerag.server.admission_model import ERROR_WINDOW, EstimateError, Rates, ServiceRate
+from telerag.server.admission.deadline import MAX_HELD, DeadlineAdmission, Ticket
+from telerag.server.admission.model import ERROR_WINDOW, EstimateError, Rates, ServiceRate
+from telerag.server.admission.workload import PROFILE_MIN_SAMPLES, RequestCost
 from telerag.server.app import create_app, start_serving
 from telerag.server.errors import InvalidField, Overloaded, Refusal
 from telerag.server.runtime import Runtime
 from telerag.server.settings import Settings
-from telerag.server.workload import PROFILE_MIN_SAMPLES, RequestCost
 from tests.fake_app import DATASTORE_INFO
 from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
 from tests.scripted_pipelines import UNSURE, make, run
@@ -41,17 +41,19 @@ class Clock:
         return self.now
 
 
-def admission(clock: Clock, **options) -> tuple[Admission, list[Refusal]]:
-    """An Admission whose rate never forgets, whose estimates have been exact on a whole window of
+def admission(clock: Clock, **options) -> tuple[DeadlineAdmission, list[Refusal]]:
+    """A DeadlineAdmission whose rate never forgets, whose estimates have been exact on a whole window of
     requests and that plans for the whole deadline, so that the numbers below are exact."""
     refused: list[Refusal] = []
     exact = EstimateError(ratios={level: deque([1.0] * ERROR_WINDOW) for level in range(1, 8)})
     options = {"max_concurrency": 8, "max_queue": 64, "deadline_s": 30.0, "margin": 0.0, "error": exact, **options}
-    return Admission(clock=clock, on_refuse=refused.append, rate=ServiceRate(time_constant_s=math.inf), **options), refused
+    return DeadlineAdmission(
+        clock=clock, on_refuse=refused.append, rate=ServiceRate(time_constant_s=math.inf), **options
+    ), refused
 
 
-async def measured(clock: Clock, rate: float = 10.0, **options) -> tuple[Admission, list[Refusal]]:
-    """An Admission that has served one request of 100 units in 100 / rate seconds."""
+async def measured(clock: Clock, rate: float = 10.0, **options) -> tuple[DeadlineAdmission, list[Refusal]]:
+    """A DeadlineAdmission that has served one request of 100 units in 100 / rate seconds."""
     a, refused = admission(clock, **options)
     ticket = a.admit(UNIT)
     await a.start(ticket)
@@ -264,8 +266,8 @@ async def test_a_running_request_whose_prompt_is_not_prefilled_yet_holds_up_the_
     assert first.estimated_s == pytest.approx(4.5 + 1.5 + 6) and last.estimated_s == pytest.approx(4.5 + 1.5 + 6)
 
 
-async def big_one_running(clock: Clock, age: float, left: float) -> tuple[Admission, list[Refusal], Ticket]:
-    """An Admission at 10/s with one request of 250 units that has run for `age` seconds and has
+async def big_one_running(clock: Clock, age: float, left: float) -> tuple[DeadlineAdmission, list[Refusal], Ticket]:
+    """A DeadlineAdmission at 10/s with one request of 250 units that has run for `age` seconds and has
     `left` of them left."""
     a, refused = await measured(clock, rate=10.0)
     big = a.admit(RequestCost(work=250.0))

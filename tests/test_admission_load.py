@@ -26,10 +26,10 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from telerag.server.admission import Admission, Ticket
+from telerag.server.admission.deadline import DeadlineAdmission, Ticket
+from telerag.server.admission.workload import CallOutput, ServedWork, Workload
 from telerag.server.errors import Overloaded
 from telerag.server.service import CALIBRATION_BURST
-from telerag.server.workload import CallOutput, ServedWork, Workload
 
 STEP_S, ROW_S, PREFILL_S = 0.08, 0.02, 0.002  # about the embedded Gemma on two cores
 SLOTS, CLIENTS, DURATION_S, RAMP_S, DEADLINE_S, MAX_TOKENS = 16, 64, 300.0, 10.0, 30.0, 64
@@ -132,7 +132,7 @@ class Simulation:
     """One server (admission in front of the engine model) and its clients' events; the clients'
     requests take `pipelines` in turn, request by request (as `telerag bench soak` does)."""
 
-    def __init__(self, seed: int, admission: Admission, clock: Clock, pipelines: tuple[str, ...] = ("naive",)) -> None:
+    def __init__(self, seed: int, admission: DeadlineAdmission, clock: Clock, pipelines: tuple[str, ...] = ("naive",)) -> None:
         self.rng, self.clock, self.admission = random.Random(seed), clock, admission
         self.pipelines = pipelines
         self.turn = itertools.cycle(pipelines)
@@ -164,7 +164,7 @@ class Simulation:
 
     async def take_slots(self) -> None:
         """Start the waiting requests in order while slots are free, passing over the held ones
-        (`Admission.start` holds them until those they were held for have ended)."""
+        (`DeadlineAdmission.start` holds them until those they were held for have ended)."""
         for request in list(self.waiting):
             if len(self.running) == self.admission.max_concurrency:
                 return
@@ -231,14 +231,14 @@ class Simulation:
         self.resend = True
 
 
-def policy(kind: str, clock: Clock, n: int = SLOTS) -> Admission:
+def policy(kind: str, clock: Clock, n: int = SLOTS) -> DeadlineAdmission:
     """`deadline` (this server's), `none` (admit everything and queue) or `fixed` (at most `n`
     in flight, refuse the rest: TGI's max concurrent requests)."""
     if kind == "deadline":
-        return Admission(max_concurrency=SLOTS, max_queue=CLIENTS, deadline_s=DEADLINE_S, clock=clock)
+        return DeadlineAdmission(max_concurrency=SLOTS, max_queue=CLIENTS, deadline_s=DEADLINE_S, clock=clock)
     if kind == "none":
-        return Admission(max_concurrency=SLOTS, max_queue=CLIENTS, deadline_s=None, clock=clock)
-    return Admission(max_concurrency=n, max_queue=0, deadline_s=None, clock=clock)
+        return DeadlineAdmission(max_concurrency=SLOTS, max_queue=CLIENTS, deadline_s=None, clock=clock)
+    return DeadlineAdmission(max_concurrency=n, max_queue=0, deadline_s=None, clock=clock)
 
 
 async def saturate(

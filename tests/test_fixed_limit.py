@@ -9,11 +9,11 @@ import asyncio
 
 import pytest
 
-from telerag.server.admission import Admission
-from telerag.server.admission_policy import FixedLimit, admission_policy
+from telerag.server.admission.deadline import DeadlineAdmission
+from telerag.server.admission.policy import FixedLimit, admission_policy
+from telerag.server.admission.workload import RequestCost
 from telerag.server.errors import Overloaded, Refusal, status_of
 from telerag.server.settings import SchedulerSettings
-from telerag.server.workload import RequestCost
 from tests.fakes import Reply, ScriptedEngine
 from tests.test_admission import app_client, refusals
 
@@ -27,7 +27,7 @@ def fixed(**options) -> tuple[FixedLimit, list[Refusal]]:
 
 async def test_the_settings_choose_the_policy():
     callbacks = {"on_change": lambda w, r: None, "on_refuse": lambda reason: None, "on_start": lambda s: None}
-    assert isinstance(admission_policy(SchedulerSettings(), **callbacks), Admission)
+    assert isinstance(admission_policy(SchedulerSettings(), **callbacks), DeadlineAdmission)
     chosen = admission_policy(SchedulerSettings(admission="fixed", max_concurrency=3, max_queue=5), **callbacks)
     assert isinstance(chosen, FixedLimit) and (chosen.max_concurrency, chosen.max_queue, chosen.deadline_s) == (3, 5, None)
 

@@ -10,7 +10,7 @@ from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH
 from telerag.pipelines.rag.self_rag import CRITIQUE, DECIDE_RETRIEVAL
 from telerag.pipelines.stats import GenerationStats, PrefetchSummary, Timings
 from telerag.pipelines.types import RagResult, Step
-from telerag.server.workload import (
+from telerag.server.admission.workload import (
     FEW_SAMPLES_SPREAD,
     PREFILL_WEIGHT,
     PRIOR_CALL_TOKENS,

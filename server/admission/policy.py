@@ -1,5 +1,5 @@
 """Admission's interface and its two policies, chosen once in the settings
-(`scheduler.admission`): `deadline` (`admission.Admission`: each request's finish estimated and
+(`scheduler.admission`): `deadline` (`deadline.DeadlineAdmission`: each request's finish estimated and
 refused at once when it would miss `scheduler.admission_deadline_s`; the default) and `fixed`
 (`FixedLimit`: at most `max_concurrency` running and `max_queue` waiting, what vLLM, SGLang and
 TGI do, with no estimate, no deadline and no warm-up measurement to need).
@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn, Protocol
 
-from telerag.server.admission import Admission, Ticket
+from telerag.server.admission.deadline import DeadlineAdmission, Ticket
+from telerag.server.admission.workload import RequestCost
 from telerag.server.errors import Overloaded, Refusal
 from telerag.server.settings import SchedulerSettings
-from telerag.server.workload import RequestCost
 
 
 class AdmissionPolicy(Protocol):
@@ -182,7 +182,7 @@ def admission_policy(
             on_refuse=on_refuse,
             on_start=on_start,
         )
-    return Admission(
+    return DeadlineAdmission(
         settings.max_concurrency,
         settings.max_queue,
         deadline_s=settings.admission_deadline_s,

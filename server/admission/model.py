@@ -1,5 +1,5 @@
 """What admission measures: the server's service rate at each number of requests running, and the
-error of the finishes it estimated from it (see `server/admission.py` for how both are used).
+error of the finishes it estimated from it (see `server/admission/deadline.py` for how both are used).
 
 A batching engine serves more per second the more requests it runs at once (one decode step
 serves every row), so the rate is measured per number running, R(n), in work units per second of
@@ -162,7 +162,7 @@ class Job:
     """An admitted request as the model plans it: the work it has `left`, of which `prefill` is
     what is left of its first prompt's (prefilled as it joins, or, `running` already, before the
     running ones go on); `after`: the jobs (their indices) that must have finished before it
-    starts (a request admitted held, `server/admission.py`)."""
+    starts (a request admitted held, `server/admission/deadline.py`)."""
 
     left: float
     prefill: float

@@ -13,7 +13,7 @@ already admitted. A request is admitted only if, with it, every admitted request
 included) is expected to finish within the deadline of its own admission: a request that
 arrived in a lull is not pushed past its deadline by the ones admitted after it; where the only
 ones it would push are running and late already (most often near the end of their deadline), it is
-admitted held, starting once they have ended (`Admission._held`). Each ticket
+admitted held, starting once they have ended (`DeadlineAdmission._held`). Each ticket
 keeps the finish the model last expected for it, later admissions included, and that is what its
 real finish is compared with. Every `Retry-After` comes from the same model: when the request
 that blocks this one should be done. A burst that the model expects to finish in time is
@@ -53,10 +53,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import NoReturn
 
-from telerag.server.admission_model import EstimateError, Job, Rates, ServiceRate, plan_finishes
+from telerag.server.admission.model import EstimateError, Job, Rates, ServiceRate, plan_finishes
+from telerag.server.admission.workload import RequestCost
 from telerag.server.errors import InvalidField, Overloaded, Refusal
 from telerag.server.settings import DEADLINE_MARGIN
-from telerag.server.workload import RequestCost
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ ERROR_COMPARED_SHARE = 0.5  # an estimate under this share of the planned deadli
 # it could not break the deadline unless 2x off, and short estimates err most in ratio (in a real soak a request
 # estimated at 4.7 s among 8 took 11.6 s, and that one ratio, 2.45, became the factor of every load not measured
 # enough, refusing a second request with one running). On the drifting simulated load: +10% goodput at 64 clients
-MAX_HELD = 4  # at most this many admitted held (`Admission._held`) at once: those held for the same requests
+MAX_HELD = 4  # at most this many admitted held (`DeadlineAdmission._held`) at once: those held for the same requests
 # start together when they end, and their prompts' prefill stalls every running row at once, which the model counts
 # short. On the simulated load (tests/test_admission_load.py, 12 seeds each): naive at 64 clients, 11 of 2,301 answers
 # late with no bound, 4 of 2,284 with 4 (2 of 2,292 never held); the mix at 16 clients, 15 of 1,194 and 8 of 1,182
@@ -81,12 +81,12 @@ class Ticket:
     estimated_s: float | None = None  # seconds from admission to the finish the model expects, unscaled, as
     # of the latest admission (which may have delayed it); None without a rate
     estimated_in_flight: int = 1  # the requests admitted (itself included) when it was last estimated
-    plan: Plan | None = None  # what that estimate was made from (`Admission._replanned_s`)
+    plan: Plan | None = None  # what that estimate was made from (`DeadlineAdmission._replanned_s`)
     served: float | None = None  # the work it was served, once it completed
     calibrating: bool = False  # a request of the warm-up, estimated before the rates it ran at were measured
     running: bool = False
     finished: bool = False
-    held_by: tuple[Ticket, ...] = ()  # admitted requests it starts after (`Admission._held`), until it starts
+    held_by: tuple[Ticket, ...] = ()  # admitted requests it starts after (`DeadlineAdmission._held`), until it starts
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # set when it finished, however
     attention: dict[int, float] = field(default_factory=dict)  # seconds of the whole server it has had (an equal
     # share of the time it ran), by the number of requests running then
@@ -114,7 +114,7 @@ class Plan:
 
 
 @dataclass
-class Admission:
+class DeadlineAdmission:
     """At most `max_concurrency` requests run and `max_queue` more wait; a request is refused at
     once when that is full, when its key has `max_in_flight_per_key` admitted, or when it would
     finish later than `deadline_s` from now (None: no deadline), less the `margin` kept in reserve."""
