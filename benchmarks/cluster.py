@@ -1,5 +1,5 @@
 """`telerag bench cluster` (issue 27): the same question stream through the one-process server
-and through the tiers on Ray Serve (`server.cluster`: N inference replicas, S retrieval shards),
+and through the tiers on Ray Serve (`server.ray_serve.applications`: N inference replicas, S retrieval shards),
 once per request router and batch, each run on new replicas (cold cluster caches of the same
 size for both routers).
 
@@ -178,7 +178,7 @@ def run_cluster_bench(
     import ray
     from ray import serve
 
-    from telerag.server.cluster import deploy_inference, start_ray
+    from telerag.server.ray_serve.applications import deploy_inference, start_ray
 
     stream = topic_stream(questions, config.stream)
     retrieval = settings.retrieval
@@ -251,7 +251,7 @@ def _tier_overheads(settings: Settings, config: ClusterBenchConfig) -> dict[int,
     from telerag.retrieval.engine import default_nprobe
     from telerag.retrieval.ivf import CPUIndex
     from telerag.retrieval.tier import APP, RetrievalTier, deploy_tier
-    from telerag.server.cluster import tier_shape
+    from telerag.server.ray_serve.applications import tier_shape
 
     path = settings.retrieval.datastore.expanduser()
     running = RetrievalTier.connect() if APP in serve.status().applications else None

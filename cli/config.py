@@ -44,7 +44,7 @@ def run_defaults(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     require_ray("config serve")
-    from telerag.server.serve_config import serve_config_yaml
+    from telerag.server.ray_serve.serve_config import serve_config_yaml
 
     settings = load_settings(args.config, overrides(args))
     print(serve_config_yaml(settings), end="")

@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.ray:
         require_ray("serve --ray")
-        from telerag.server.cluster import serve_on_ray
+        from telerag.server.ray_serve.applications import serve_on_ray
 
         return serve_on_ray(settings)
     if any(value is not None for value in (args.replicas, args.shards, args.max_replicas, args.max_shard_replicas)):

@@ -113,7 +113,7 @@ class TierDirectory:
 def tier_application(datastore: Path | str, shape: TierShape, *, verify_checksums: bool = True) -> Any:
     """The tier as one Serve application (a Ray `Application`): the directory and a deployment
     per shard. `deploy_tier` runs it; `serve run`'s config file builds it the same way
-    (`server.serve_config`)."""
+    (`server.ray_serve.serve_config`)."""
     path = str(Path(datastore).expanduser().resolve())  # every node of the cluster reads it at this path
     threads = max(1, math.floor(shape.cpus_per_replica))
     *shards, directory = tier_deployments(shape)

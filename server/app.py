@@ -55,7 +55,7 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
     )
     app.state.lifecycle = lifecycle
     app.state.service = None
-    app.state.tiers = None  # on a Ray cluster: what each tier's deployments run (server.cluster)
+    app.state.tiers = None  # on a Ray cluster: what each tier's deployments run (server.ray_serve.applications)
     app.state.metrics = Metrics(
         lambda: app.state.service.runtime.cache_stats() if app.state.service else CacheStats(),
         lambda: app.state.service.runtime.prefix_cache_bytes() if app.state.service else None,

@@ -134,7 +134,7 @@ class RequestTimeout(ServerError):
 
 
 class ReplicasUnavailable(ServerError):
-    """The inference replica running a request failed (on a Ray cluster, `server.replicas`),
+    """The inference replica running a request failed (on a Ray cluster, `server.ray_serve.replicas`),
     after its run had begun or on every attempt: the request fails whole, with this 503."""
 
     code = "inference_replica_unavailable"

@@ -137,7 +137,7 @@ def settings(tmp_path_factory) -> Settings:
 def cluster(settings) -> Iterator[str]:
     """The local Ray cluster with Serve's proxy on a free port and the retrieval tier; its URL."""
     from telerag.retrieval.tier import deploy_tier
-    from telerag.server.cluster import tier_shape
+    from telerag.server.ray_serve.applications import tier_shape
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
@@ -153,7 +153,7 @@ def cluster(settings) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def url(cluster, settings) -> str:
     """The inference application with the cluster router: the one the bench left, or a new one."""
-    from telerag.server.cluster import APP, deploy_inference
+    from telerag.server.ray_serve.applications import APP, deploy_inference
 
     if APP not in serve.status().applications:
         deploy_inference(settings)
@@ -343,7 +343,7 @@ def test_a_replica_killed_under_load_loses_no_accepted_request(url):
         else:
             assert status in (429, 503) and set(body["error"]) >= {"type", "message", "code"}, (status, body)
     assert sum(status == 200 for status, _ in outcomes[killed_at:]) >= 6
-    from telerag.server.cluster import APP
+    from telerag.server.ray_serve.applications import APP
 
     def replaced() -> bool:  # two running, the killed one not among them
         alive = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#inference#" in a["name"]}

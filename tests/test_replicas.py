@@ -1,4 +1,4 @@
-"""What the ingress sends a replica for a run (`server.replicas`), against a stand-in for Serve's
+"""What the ingress sends a replica for a run (`server.ray_serve.replicas`), against a stand-in for Serve's
 deployment handle: the deadline travels as the time left, since a replica's clock is its own."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from telerag.pipelines.types import RunEvent, RunOptions, TokenEvent
-from telerag.server.replicas import Replicas, received, shipped
-from telerag.server.routing import ROUTE_KWARG
+from telerag.server.ray_serve.replicas import Replicas, received, shipped
+from telerag.server.ray_serve.routing import ROUTE_KWARG
 
 pytest.importorskip("ray", reason="the replicas need the `ray` extra")
 

@@ -1,4 +1,4 @@
-"""The cluster-aware routing rule (`server.routing.choose`), without Ray: SGLang's imbalance test,
+"""The cluster-aware routing rule (`server.ray_serve.routing.choose`), without Ray: SGLang's imbalance test,
 the routing key, the cache's coverage of the question's clusters, and on a stream of questions
 with topic locality over replicas with LRU caches, a hit rate above random routing's."""
 
@@ -9,7 +9,7 @@ from collections import OrderedDict
 
 import pytest
 
-from telerag.server.routing import Balance, Candidate, RouteHint, Rule, choose
+from telerag.server.ray_serve.routing import Balance, Candidate, RouteHint, Rule, choose
 
 BALANCE = Balance(abs_threshold=4, rel_threshold=1.5)
 

@@ -29,7 +29,7 @@ def file_settings(config: dict):
 
 
 def test_the_checked_in_serve_config_is_what_the_code_generates_from_its_settings():
-    from telerag.server.serve_config import serve_config_yaml
+    from telerag.server.ray_serve.serve_config import serve_config_yaml
 
     text = SERVE_YAML.read_text(encoding="utf-8")
     assert text == serve_config_yaml(file_settings(yaml.safe_load(text))), (
@@ -57,7 +57,10 @@ def test_serve_runs_schema_accepts_it_and_its_import_paths_build_both_tiers():
     scaling = {"min_replicas": 2, "max_replicas": 8, "target_ongoing_requests": 16.0}
     assert deployments["inference"]["autoscaling_config"] == scaling
     assert deployments["inference"]["ray_actor_options"]["num_gpus"] == 1.0
-    assert deployments["inference"]["request_router_config"]["request_router_class"] == "telerag.server.router.ClusterRouter"
+    assert (
+        deployments["inference"]["request_router_config"]["request_router_class"]
+        == "telerag.server.ray_serve.router.ClusterRouter"
+    )
     for shard in ("shard-0", "shard-1"):
         assert deployments[shard]["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 1.0}
     assert config["http_options"] == {"host": "0.0.0.0", "port": 8000}

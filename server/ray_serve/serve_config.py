@@ -32,14 +32,14 @@ def settings_from_args(args: dict[str, Any]) -> Settings:
 
 def inference_app(args: dict[str, Any]) -> Any:
     """`serve run`'s import path for the inference application (ingress and replicas)."""
-    from telerag.server.cluster import inference_application
+    from telerag.server.ray_serve.applications import inference_application
 
     return inference_application(settings_from_args(args))
 
 
 def retrieval_app(args: dict[str, Any]) -> Any:
     """`serve run`'s import path for the retrieval tier (cluster.shards > 0)."""
-    from telerag.server.cluster import retrieval_application
+    from telerag.server.ray_serve.applications import retrieval_application
 
     return retrieval_application(settings_from_args(args))
 
@@ -60,7 +60,7 @@ def serve_config(settings: Settings) -> dict[str, Any]:
 
     from telerag.retrieval.tier import APP as TIER_APP
     from telerag.retrieval.tier import tier_deployments
-    from telerag.server.cluster import APP, inference_deployments, tier_shape
+    from telerag.server.ray_serve.applications import APP, inference_deployments, tier_shape
 
     args = {"settings": given_settings(settings)}
     # the tier first: the inference replicas connect to it as they start

@@ -31,9 +31,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from telerag.retrieval.tier import TierShape, replica_scaling, tier_application
 from telerag.server.protocol import TierState
-from telerag.server.replicas import REPLICAS, InferenceReplica, QuestionPlacer, ReplicaRuntime, Replicas
-from telerag.server.router import ClusterRouter, RouterOptions
-from telerag.server.routing import DECISIONS
+from telerag.server.ray_serve.replicas import REPLICAS, InferenceReplica, QuestionPlacer, ReplicaRuntime, Replicas
+from telerag.server.ray_serve.router import ClusterRouter, RouterOptions
+from telerag.server.ray_serve.routing import DECISIONS
 from telerag.server.service import Service
 from telerag.server.settings import Settings
 

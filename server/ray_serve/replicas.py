@@ -6,7 +6,7 @@ over the batching retriever, the cluster cache, lookahead), loaded by `runtime.l
 with a retrieval tier (`cluster.shards` > 0) the CPU half of its cooperative searches goes to the
 tier's shards, and lookahead's clusters still come from the replica's host copy of the vectors
 (the datastore's memory map), the only copy the cache is filled from. The ingress (the same
-FastAPI app, `server.cluster`) runs its service over a `ReplicaRuntime`: admission, the
+FastAPI app, `server.ray_serve.applications`) runs its service over a `ReplicaRuntime`: admission, the
 requests' metrics and the HTTP API are the ingress's, each pipeline run is a streamed call to one
 replica (`ReplicaPipeline`), routed by `routing.ClusterRouter` on q_in's nearest clusters, which
 the ingress computes once (`QuestionPlacer`) and the replica reuses (`KnownVectors`).
@@ -14,7 +14,7 @@ the ingress computes once (`QuestionPlacer`) and the replica reuses (`KnownVecto
 A replica that fails before its run sent anything (it died, or was restarting) is asked again,
 and Serve routes the retry to a live replica; one that fails after is a 503
 (`ReplicasUnavailable`) in the one error body, or the stream's error event: an accepted request
-is never lost silently. Ray is imported only here and in `server.cluster` and `server.routing`.
+is never lost silently. Ray is imported only here and in `server.ray_serve.applications` and `server.ray_serve.routing`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from telerag.pipelines.types import DatastoreInfo, RunEvent, RunOptions, Stage, 
 from telerag.retrieval.stats import CacheStats
 from telerag.server.errors import ReplicasUnavailable
 from telerag.server.metrics import Metrics
-from telerag.server.routing import REPLICA_STATS, ROUTE_KWARG, RouteHint
+from telerag.server.ray_serve.routing import REPLICA_STATS, ROUTE_KWARG, RouteHint
 from telerag.server.service import Service
 from telerag.server.settings import Settings
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, LocalityMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from telerag.server import routing
+from telerag.server.ray_serve import routing
 
 
 @dataclass(frozen=True)
