@@ -26,7 +26,7 @@ import numpy as np
 
 from telerag.pipelines.errors import DocumentsTooLarge, InvalidDocument, WritesBusy
 from telerag.pipelines.files import convert, file_format
-from telerag.retrieval.corpus import Article, Passage
+from telerag.retrieval.corpus import Article, Passage, PassageShape
 from telerag.retrieval.documents import DocumentDelete, DocumentEntry, DocumentUpsert, Write, WriteResult
 from telerag.retrieval.live import LiveDatastore, LiveStats
 
@@ -40,12 +40,15 @@ NON_BLANK = r"[^\t\n\x0b\f\r\x1c-\x1f \u0085\u00a0\u1680\u2000-\u200a\u2028\u202
 
 @dataclass(frozen=True)
 class DocumentText:
-    """A document as a client gives it: its id, its text, a title (default: its id), metadata."""
+    """A document as a client gives it: its id, its text, a title (default: its id), metadata;
+    `shape`: how it is cut into passages where not by the datastore's own rule (a vector store
+    file's `static` chunking)."""
 
     doc_id: str
     text: str
     title: str = ""
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    shape: PassageShape | None = None
 
     def __post_init__(self) -> None:
         if not re.search(NON_BLANK, self.doc_id):
@@ -59,8 +62,10 @@ class DocumentText:
 
     @property
     def content_hash(self) -> str:
-        """What makes two versions of a document the same: its title, text and metadata."""
-        canonical = json.dumps([self.shown_title, self.text, self.metadata], sort_keys=True, ensure_ascii=False)
+        """What makes two versions of a document the same: its title, text and metadata (and the
+        rule it is cut by, where it has its own)."""
+        cut = [] if self.shape is None else [[self.shape.words, self.shape.overlap]]
+        canonical = json.dumps([self.shown_title, self.text, self.metadata, *cut], sort_keys=True, ensure_ascii=False)
         return "sha256:" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
@@ -226,7 +231,7 @@ class DocumentWriter:
 
     def _cut(self, document: DocumentText) -> list[Passage]:
         article = Article(id=document.doc_id, title=document.shown_title, text=document.text)
-        return list(self.live.shape.split([article]))
+        return list((document.shape or self.live.shape).split([article]))
 
     def _hash_of(self, doc_id: str) -> str | None:
         entry = self.live.document(doc_id)

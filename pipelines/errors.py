@@ -87,3 +87,34 @@ class FilesTooLarge(PipelineError):
     """An upload that would take its key's files over `files.max_bytes_per_key`."""
 
     code = "files_too_large"
+
+
+class VectorStoreNotFound(PipelineError):
+    """No vector store of that id (or none its key may see)."""
+
+    code = "vector_store_not_found"
+
+
+class VectorStoreFileNotFound(PipelineError):
+    """No file of that id attached to the vector store."""
+
+    code = "file_not_found"
+
+
+class FileBatchNotFound(PipelineError):
+    """No file batch of that id in the vector store."""
+
+    code = "file_batch_not_found"
+
+
+class VectorStoresTooLarge(PipelineError):
+    """A key's vector stores would be more, or hold more bytes, than `vector_stores.max_stores_per_key`
+    or `max_bytes_per_key` allow."""
+
+    code = "vector_stores_too_large"
+
+
+class VectorStoresUnavailable(PipelineError):
+    """This deployment embeds nothing in process, so it serves no vector stores (a Ray cluster's replicas)."""
+
+    code = "vector_stores_unavailable"

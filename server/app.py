@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from telerag.pipelines.file_store import FileStore
 from telerag.pipelines.registry import PIPELINES
+from telerag.pipelines.vector_store_index import StoreEncoder
+from telerag.pipelines.vector_stores import VectorStores
 from telerag.retrieval.stats import CacheStats
 from telerag.server import errors
 from telerag.server.auth import Access
@@ -23,9 +25,21 @@ from telerag.server.openai_protocol import chat_request_model
 from telerag.server.openapi import extend_schema
 from telerag.server.protocol import default_max_tokens, query_request_model
 from telerag.server.responses_protocol import response_request_model
-from telerag.server.routes import datastore, documents, embeddings, files, openai, ops, rag, responses
+from telerag.server.routes import (
+    datastore,
+    documents,
+    embeddings,
+    files,
+    openai,
+    ops,
+    rag,
+    responses,
+    vector_store_files,
+    vector_stores,
+)
 from telerag.server.service import Service
 from telerag.server.settings import Settings
+from telerag.server.vector_stores_protocol import search_request_model
 
 if TYPE_CHECKING:
     from telerag.server.service import ServedRuntime
@@ -66,6 +80,13 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
     app.state.files = FileStore(
         settings.files.dir, max_bytes=settings.files.max_bytes, max_bytes_per_owner=settings.files.max_bytes_per_key
     )
+    app.state.vector_stores = VectorStores(  # served once a runtime gives them its embedder (`publish`)
+        settings.vector_stores.dir,
+        app.state.files,
+        max_stores=settings.vector_stores.max_stores_per_key,
+        max_bytes=settings.vector_stores.max_bytes_per_key,
+        compact_share=settings.documents.compact_share,
+    )
     extend_schema(app, rag.STREAMED + openai.STREAMED + responses.STREAMED)
     errors.install(app)
     app.add_middleware(ServingGate, lifecycle=lifecycle)
@@ -86,7 +107,7 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
             expose_headers=["X-Request-ID", "Retry-After"],
         )
     app.add_middleware(
-        ErrorDialect, openai_paths=openai.PATHS | responses.PATHS | embeddings.PATHS | files.PATHS
+        ErrorDialect, openai_paths=openai.PATHS | responses.PATHS | embeddings.PATHS | files.PATHS | vector_stores.PATHS
     )  # before the refusals above are made
     app.add_middleware(RequestId)  # outermost: every response, refusals included, carries the id
     app.include_router(ops.router(access))
@@ -97,7 +118,16 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
     app.include_router(documents.router(*documents_request_models(settings.documents), access, settings.documents))
     app.include_router(datastore.router(access))
     app.include_router(files.router(access, settings.files))
+    app.include_router(vector_stores.router(access, search_request_model(settings.limits)))
+    app.include_router(vector_store_files.router(access))
     return app
+
+
+@runtime_checkable
+class EmbedsInProcess(Protocol):
+    """A runtime whose embedder runs in this process (`runtime.Runtime`), which the vector stores use."""
+
+    store_encoder: StoreEncoder | None
 
 
 def start_serving(app: FastAPI, runtime: ServedRuntime) -> Service:
@@ -106,7 +136,10 @@ def start_serving(app: FastAPI, runtime: ServedRuntime) -> Service:
 
 
 def publish(app: FastAPI, service: Service) -> Service:
-    """Serve `/v1/*` from `service` (made with `app.state.metrics`): `/ready` turns 200."""
+    """Serve `/v1/*` from `service` (made with `app.state.metrics`): `/ready` turns 200. The vector
+    stores are served with its runtime's embedder, where it runs in this process."""
+    runtime = service.runtime
+    app.state.vector_stores.serve(runtime.store_encoder if isinstance(runtime, EmbedsInProcess) else None)
     app.state.service = service
     app.state.lifecycle.ready()
     return service

@@ -29,6 +29,7 @@ from telerag.engines.errors import EngineError, EngineOverloaded, EngineUnavaila
 from telerag.pipelines.errors import (
     DocumentsTooLarge,
     EmbedderError,
+    FileBatchNotFound,
     FileNotFound,
     FilesTooLarge,
     FileUnreadable,
@@ -37,6 +38,10 @@ from telerag.pipelines.errors import (
     RebuildRunning,
     UnknownPipeline,
     UnsupportedFile,
+    VectorStoreFileNotFound,
+    VectorStoreNotFound,
+    VectorStoresTooLarge,
+    VectorStoresUnavailable,
     WritesBusy,
 )
 from telerag.retrieval.errors import (
@@ -189,6 +194,11 @@ STATUS: list[tuple[type[Exception], int]] = [
     (DocumentNotFound, 404),
     (FileNotFound, 404),
     (FilesTooLarge, 413),
+    (VectorStoreNotFound, 404),
+    (VectorStoreFileNotFound, 404),
+    (FileBatchNotFound, 404),
+    (VectorStoresTooLarge, 413),
+    (VectorStoresUnavailable, 501),
     (DatastoreReadOnly, 409),
     (RebuildRunning, 409),
     (DocumentsTooLarge, 413),
@@ -220,17 +230,18 @@ WHEN = {  # what each status means, for the OpenAPI schema
     "(a field it does not know or serve, a value it does not serve, a file of a type it does not convert); "
     "`error.field` names it.",
     401: "Missing or wrong API key (`Authorization: Bearer <key>`).",
-    404: "No such document (or file, or none the API key may see).",
+    404: "No such document (or file, vector store or file batch, or none the API key may see).",
     409: "The datastore is read-only here (another process holds it for writing, or it holds no passages), or a "
     "compaction or retrain is running already.",
     413: "The body is over the server's `limits.max_body_bytes` (`documents.max_body_bytes` on /v1/documents, "
     "`files.max_bytes` on /v1/files), a write's documents are cut into more than `documents.max_passages` passages, "
-    "or an upload would take its key's files over `files.max_bytes_per_key`.",
+    "or an upload would take its key's files over `files.max_bytes_per_key` (its vector stores over "
+    "`vector_stores.max_stores_per_key` or `max_bytes_per_key`).",
     422: "A field is invalid or out of the server's limits; `error.field` names it.",
     429: "Busy: retry after `Retry-After` seconds.",
     502: "The LLM engine failed.",
     503: "Not ready (loading) or a component is unavailable: retry after `Retry-After` seconds.",
-    501: "Not served by this deployment (documents on a Ray cluster's inference replicas).",
+    501: "Not served by this deployment (documents and vector stores on a Ray cluster's inference replicas).",
     504: "The request took longer than `scheduler.request_timeout_s`.",
 }
 _REQUEST_ID = {

@@ -220,6 +220,19 @@ class FileSettings(Section):
     max_bytes_per_key: int = setting(2**30, "all the files of one API key (of everyone, on an open API); past it: 413", ge=1024)
 
 
+class VectorStoreSettings(Section):
+    """OpenAI's vector stores (/v1/vector_stores), each a live datastore of its own, seen only by the key that made it."""
+
+    dir: Path = Field(
+        default_factory=lambda: user_cache_dir() / "vector_stores",
+        description="DIR   default: $TELERAG_CACHE_DIR/vector_stores (TELERAG_CACHE_DIR defaults to ~/.cache/telerag)",
+    )
+    max_stores_per_key: int = setting(100, "vector stores of one API key (of everyone, on an open API); past it: 413", ge=1)
+    max_bytes_per_key: int = setting(
+        2**30, "the bytes of one API key's vector stores (their files' passages and vectors); past it: 413", ge=1024
+    )
+
+
 class ServerSettings(Section):
     host: str = setting("127.0.0.1", "the address to listen on")
     port: int = setting(8000, "the port to listen on", ge=0, le=65535)
@@ -321,6 +334,7 @@ class Settings(BaseSettings):
     limits: LimitSettings = Field(default_factory=LimitSettings)
     documents: DocumentSettings = Field(default_factory=DocumentSettings)
     files: FileSettings = Field(default_factory=FileSettings)
+    vector_stores: VectorStoreSettings = Field(default_factory=VectorStoreSettings)
     server: ServerSettings = Field(default_factory=ServerSettings)
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
 

@@ -18,6 +18,7 @@ import pytest
 from telerag.pipelines.datastores import open_retriever
 from telerag.pipelines.documents import DocumentWriter
 from telerag.pipelines.rebuilds import Rebuilds
+from telerag.pipelines.vector_store_index import StoreEncoder
 from telerag.server.app import create_app, start_serving
 from telerag.server.runtime import Runtime
 from telerag.server.settings import Settings
@@ -32,8 +33,15 @@ EXAMPLES = int(os.environ.get("TELERAG_FUZZ_EXAMPLES", "10"))
 SEED = os.environ.get("TELERAG_FUZZ_SEED", "1")  # fixed, so that CI runs the same requests each time
 # An uploaded file's type and text are in its bytes and name, which no schema can describe: a schema-valid upload
 # of an image (400 naming its type) or of an empty or textless file (422) is refused, as documented; and a
-# purpose is one of file search's (400 naming any other).
+# purpose is one of file search's (400 naming any other). A vector store's, file's or batch's id is the server's to
+# make, so a schema-valid one names none (404, as documented); so a store just made answers 404 for a file id
+# that names no uploaded file, which is not the store gone missing.
 UPLOADS = """
+[[operations]]
+include-name-regex = "^POST /v1/vector_stores"
+checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "404", "413", "422"]
+checks.ensure_resource_availability.enabled = false
+
 [[operations]]
 include-path = "/v1/uploads"
 include-method = "POST"
@@ -60,6 +68,7 @@ def served(tmp_path) -> Iterator[str]:
         limits={"max_tokens": 4, "max_top_k": 5, "max_query_chars": 300},
         scheduler={"max_concurrency": 4, "max_queue": 64, "request_timeout_s": 120},
         files={"dir": str(tmp_path / "files")},
+        vector_stores={"dir": str(tmp_path / "vector_stores")},
     )
     runtime = Runtime(
         settings=settings,
@@ -70,6 +79,7 @@ def served(tmp_path) -> Iterator[str]:
         closers=[documents.close, rebuilds.join, retriever.close],
         documents=documents,
         rebuilds=rebuilds,
+        store_encoder=StoreEncoder.of(retriever),
     )
     app = create_app(settings)
     start_serving(app, runtime)

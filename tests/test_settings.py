@@ -41,7 +41,7 @@ def test_the_default_file_holds_exactly_the_defaults(monkeypatch, tmp_path):
             section = match.group(1)
         elif match := re.match(r"^  # (\w+):", line):
             commented.add(f"{section}.{match.group(1)}")
-    assert listed | commented == set(every_setting()) and commented == {"retrieval.datastore", "files.dir"}
+    assert listed | commented == set(every_setting()) and commented == {"retrieval.datastore", "files.dir", "vector_stores.dir"}
 
 
 def test_the_manual_documents_every_setting():

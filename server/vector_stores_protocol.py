@@ -1,0 +1,253 @@
+"""The models of OpenAI's Vector Stores API (`routes/vector_stores.py`, `routes/vector_store_files.py`),
+in OpenAI's shape, so that the openai SDK's `client.vector_stores` (its `create_and_poll` and
+`upload_and_poll` too) reads them unchanged. A field the server does not serve yet (`expires_after`,
+search's `filters`, `rewrite_query: true`, a ranker) is refused with a 400 naming it."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, create_model, field_validator
+
+from telerag.pipelines.documents import NON_BLANK
+from telerag.pipelines.vector_store_records import Attach, FileCounts, StaticChunking, StoreHit, StoreRecord
+from telerag.server.protocol import refuse
+from telerag.server.settings import LimitSettings
+
+FileId = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+Metadata = Annotated[
+    dict[Annotated[str, StringConstraints(max_length=64)], Annotated[str, StringConstraints(max_length=512)]],
+    Field(max_length=16, description="at most 16 keys of at most 64 characters, values of at most 512"),
+]
+Attribute = bool | float | Annotated[str, StringConstraints(max_length=512)]
+Attributes = Annotated[
+    dict[Annotated[str, StringConstraints(max_length=64)], Attribute],
+    Field(max_length=16, description="at most 16 keys of at most 64 characters; values strings (512), numbers, booleans"),
+]
+MAX_BATCH_FILES = 2000  # as OpenAI's
+
+
+def _not_served(value: Any, what: str) -> Any:
+    if value is not None:
+        raise refuse(f"not served yet: {what}")
+    return value
+
+
+# -- requests -----------------------------------------------------------------------------------
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class AutoChunking(Request):
+    type: Literal["auto"]
+
+
+class StaticSizes(Request):
+    max_chunk_size_tokens: int = Field(ge=100, le=4096, description="the embedder's tokens of a passage, at most")
+    chunk_overlap_tokens: int = Field(ge=0, description="tokens each passage repeats of the one before: at most half the size")
+
+    @field_validator("chunk_overlap_tokens")
+    @classmethod
+    def _at_most_half(cls, value: int, info: ValidationInfo) -> int:
+        size = info.data.get("max_chunk_size_tokens")
+        if size is not None and value > size // 2:
+            raise ValueError(f"at most half of max_chunk_size_tokens ({size // 2})")
+        return value
+
+
+class StaticChunkingIn(Request):
+    type: Literal["static"]
+    static: StaticSizes
+
+
+ChunkingIn = Annotated[
+    AutoChunking | StaticChunkingIn,
+    Field(
+        discriminator="type",
+        description="auto: the server's own passage rule; static: sizes in the embedder's tokens, mapped onto it",
+    ),
+]
+
+
+def chunking_of(strategy: AutoChunking | StaticChunkingIn | None) -> StaticChunking | None:
+    if not isinstance(strategy, StaticChunkingIn):
+        return None
+    return StaticChunking(strategy.static.max_chunk_size_tokens, strategy.static.chunk_overlap_tokens)
+
+
+class VectorStoreCreate(Request):
+    name: Annotated[str, StringConstraints(max_length=256)] = ""
+    file_ids: Annotated[list[FileId], Field(max_length=MAX_BATCH_FILES)] = Field(default_factory=list)
+    chunking_strategy: ChunkingIn | None = None
+    metadata: Metadata | None = None
+    description: Annotated[str, StringConstraints(max_length=512)] | None = None
+    expires_after: Any = Field(None, description="not served yet: a vector store stays until it is deleted")
+
+    @field_validator("expires_after", mode="before")
+    @classmethod
+    def _no_expiry(cls, value: Any) -> Any:
+        return _not_served(value, "a vector store stays until it is deleted")
+
+    @property
+    def attach(self) -> list[Attach]:
+        return [Attach(i, {}, chunking_of(self.chunking_strategy)) for i in dict.fromkeys(self.file_ids)]
+
+
+class VectorStoreModify(Request):
+    name: Annotated[str, StringConstraints(max_length=256)] | None = None
+    metadata: Metadata | None = None
+    expires_after: Any = Field(None, description="not served yet: a vector store stays until it is deleted")
+
+    @field_validator("expires_after", mode="before")
+    @classmethod
+    def _no_expiry(cls, value: Any) -> Any:
+        return _not_served(value, "a vector store stays until it is deleted")
+
+
+class RankingOptions(Request):
+    ranker: str = Field("auto", description="none or auto (no re-ranker: the scores are the embeddings' inner products)")
+    score_threshold: float = Field(0.0, ge=0, le=1, description="results scoring below it are left out")
+
+    @field_validator("ranker", mode="before")
+    @classmethod
+    def _no_reranker(cls, value: Any) -> Any:
+        if isinstance(value, str) and value not in ("none", "auto"):
+            raise refuse(f"not served yet: the {value!r} re-ranker (none and auto, which is none here, are)")
+        return value
+
+
+class SearchRequest(Request):
+    """`POST /v1/vector_stores/{id}/search`; the query's bounds are set per app (`search_request_model`)."""
+
+    query: str | list[str]
+    max_num_results: int = Field(10, ge=1, le=50)
+    ranking_options: RankingOptions | None = None
+    filters: Any = Field(None, description="not served yet: filters on the files' attributes")
+    rewrite_query: bool = Field(False, description="only false: the query is searched as given")
+
+    @field_validator("filters", mode="before")
+    @classmethod
+    def _no_filters(cls, value: Any) -> Any:
+        return _not_served(value, "filters on the files' attributes")
+
+    @field_validator("rewrite_query")
+    @classmethod
+    def _as_given(cls, value: bool) -> bool:
+        if value:
+            raise refuse("not served yet: the query is searched as given")
+        return value
+
+    @property
+    def queries(self) -> list[str]:
+        return [self.query] if isinstance(self.query, str) else self.query
+
+
+def search_request_model(limits: LimitSettings) -> type[SearchRequest]:
+    """`SearchRequest` for one app: each query text as a question is (`limits.max_query_chars`, not blank)."""
+    text: Any = Annotated[str, StringConstraints(min_length=1, max_length=limits.max_query_chars, pattern=NON_BLANK)]
+    return create_model(
+        "SearchRequest",
+        __base__=SearchRequest,
+        __module__=__name__,
+        query=(
+            text | Annotated[list[text], Field(min_length=1, max_length=32)],
+            Field(description="a text, or up to 32 (their embeddings' mean is searched)"),
+        ),
+    )
+
+
+# -- responses ----------------------------------------------------------------------------------
+
+
+class FileCountsOut(BaseModel):
+    in_progress: int
+    completed: int
+    failed: int
+    cancelled: int
+    total: int
+
+    @classmethod
+    def of(cls, counts: FileCounts) -> FileCountsOut:
+        return cls(
+            in_progress=counts.in_progress,
+            completed=counts.completed,
+            failed=counts.failed,
+            cancelled=counts.cancelled,
+            total=counts.total,
+        )
+
+
+class VectorStoreObject(BaseModel):
+    id: str
+    object: Literal["vector_store"] = "vector_store"
+    created_at: int = Field(description="Unix seconds")
+    name: str
+    description: str | None = None
+    usage_bytes: int = Field(description="its files' passages: their text and float32 vectors")
+    file_counts: FileCountsOut
+    status: Literal["in_progress", "completed"] = Field(description="in_progress while a file is")
+    expires_after: None = None
+    expires_at: None = Field(None, description="never: a vector store stays until it is deleted")
+    last_active_at: int = Field(description="Unix seconds: its last change, or search")
+    metadata: dict[str, str]
+
+    @classmethod
+    def of(cls, record: StoreRecord) -> VectorStoreObject:
+        return cls(
+            id=record.id,
+            created_at=record.created_at,
+            name=record.name,
+            description=record.description,
+            usage_bytes=record.usage_bytes,
+            file_counts=FileCountsOut.of(record.counts),
+            status="in_progress" if record.in_progress else "completed",
+            last_active_at=record.last_active_at,
+            metadata=dict(record.metadata),
+        )
+
+
+class VectorStoreList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[VectorStoreObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class VectorStoreDeleted(BaseModel):
+    id: str
+    object: Literal["vector_store.deleted"] = "vector_store.deleted"
+    deleted: Literal[True] = True
+
+
+class TextContent(BaseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class SearchResult(BaseModel):
+    file_id: str
+    filename: str
+    score: float = Field(description="the inner product of the query's and the passage's embeddings (cosine)")
+    attributes: dict[str, bool | float | str]
+    content: list[TextContent]
+
+    @classmethod
+    def of(cls, hit: StoreHit) -> SearchResult:
+        return cls(
+            file_id=hit.file_id,
+            filename=hit.filename,
+            score=hit.score,
+            attributes=dict(hit.attributes),
+            content=[TextContent(text=hit.text)],
+        )
+
+
+class SearchResultsPage(BaseModel):
+    object: Literal["vector_store.search_results.page"] = "vector_store.search_results.page"
+    search_query: list[str]
+    data: list[SearchResult]
+    has_more: Literal[False] = False
+    next_page: None = None
