@@ -43,7 +43,7 @@ from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.retriever import DirectRetriever
 from telerag.pipelines.types import DatastoreInfo, RagResult, RunOptions
 from telerag.retrieval.errors import DeviceMemoryError
-from telerag.server.event_loop import run_event_loop
+from telerag.server.process.event_loop import run_event_loop
 from telerag.server.retrieval_batching import BatchingRetriever
 from telerag.server.runtime import build_engine
 from telerag.server.settings import Settings, pre_retrieval_profile

@@ -44,7 +44,7 @@ from telerag.pipelines.search_budget import SearchBudget
 from telerag.pipelines.stats import SearchStats
 from telerag.pipelines.types import DatastoreInfo, RagResult, RunOptions
 from telerag.retrieval.early_stop import EarlyStopSearch, ListBounds
-from telerag.server.event_loop import run_event_loop
+from telerag.server.process.event_loop import run_event_loop
 from telerag.server.retrieval_batching import BatchingRetriever
 from telerag.server.runtime import pipelining_config
 from telerag.server.settings import Settings, pre_retrieval_profile

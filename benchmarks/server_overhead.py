@@ -31,7 +31,7 @@ from telerag.pipelines.types import RunOptions
 from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import read_wikipedia, split_passages
 from telerag.server.app import create_app, start_serving
-from telerag.server.event_loop import run_event_loop
+from telerag.server.process.event_loop import run_event_loop
 from telerag.server.runtime import Runtime
 from telerag.server.settings import Settings, load_settings, packaged_config
 

@@ -12,7 +12,7 @@ from telerag.cli.runtime_flags import add_runtime_flags, overrides
 from telerag.pipelines.registry import PIPELINES
 from telerag.pipelines.stats import SearchStats
 from telerag.pipelines.types import RagResult, RunEvent, RunOptions, TokenEvent, run_result
-from telerag.server.protocol import QueryResponse
+from telerag.server.protocols.rag import QueryResponse
 from telerag.server.settings import load_settings
 
 

@@ -1,5 +1,5 @@
 """`telerag serve`: the HTTP API with uvicorn, listening first and loading after, draining at SIGTERM
-(`server/process.py`)."""
+(`server/process/serve.py`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import logging
 
 from telerag.cli.preconditions import require_ray
 from telerag.cli.runtime_flags import add_cluster_flags, add_runtime_flags, nullable, overrides
-from telerag.server.event_loop import run_event_loop
-from telerag.server.process import serve
+from telerag.server.process.event_loop import run_event_loop
+from telerag.server.process.serve import serve
 from telerag.server.settings import ENGINE_KIND_ALIASES, load_settings
 
 

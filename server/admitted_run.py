@@ -25,7 +25,7 @@ from telerag.server import errors
 from telerag.server.admission.deadline import Ticket
 from telerag.server.admission.policy import AdmissionPolicy
 from telerag.server.admission.workload import ServedWork
-from telerag.server.protocol import ErrorDetail
+from telerag.server.protocols.common import ErrorDetail
 
 CLIENT_CLOSED_REQUEST = 499  # nobody reads it: the status for a response whose client left first
 

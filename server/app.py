@@ -16,15 +16,17 @@ from telerag.pipelines.vector_stores import VectorStores
 from telerag.retrieval.stats import CacheStats
 from telerag.server import errors
 from telerag.server.auth import Access
-from telerag.server.documents_protocol import documents_request_models
-from telerag.server.embeddings_protocol import embedding_request_model
-from telerag.server.lifecycle import Lifecycle
 from telerag.server.metrics import Metrics
 from telerag.server.middleware import BodyLimit, ErrorDialect, RequestId, ServingGate
-from telerag.server.openai_protocol import chat_request_model
 from telerag.server.openapi import extend_schema
-from telerag.server.protocol import default_max_tokens, query_request_model
-from telerag.server.responses_protocol import response_request_model
+from telerag.server.process.lifecycle import Lifecycle
+from telerag.server.protocols.common import default_max_tokens
+from telerag.server.protocols.documents import documents_request_models
+from telerag.server.protocols.embeddings import embedding_request_model
+from telerag.server.protocols.openai import chat_request_model
+from telerag.server.protocols.rag import query_request_model
+from telerag.server.protocols.responses import response_request_model
+from telerag.server.protocols.vector_stores import search_request_model
 from telerag.server.routes import (
     datastore,
     documents,
@@ -39,7 +41,6 @@ from telerag.server.routes import (
 )
 from telerag.server.service import Service
 from telerag.server.settings import Settings
-from telerag.server.vector_stores_protocol import search_request_model
 
 if TYPE_CHECKING:
     from telerag.server.service import ServedRuntime

@@ -53,7 +53,7 @@ from telerag.retrieval.errors import (
     TierBusy,
     TierUnavailable,
 )
-from telerag.server.protocol import UNSUPPORTED, ErrorDetail, ErrorResponse
+from telerag.server.protocols.common import UNSUPPORTED, ErrorDetail, ErrorResponse
 
 log = logging.getLogger(__name__)
 

@@ -151,7 +151,7 @@ class DocumentMetrics:
 
 
 class ConnectionMetrics:
-    """The connection guards' reports (`server/connections.py`'s `ConnectionObserver`)."""
+    """The connection guards' reports (`server/process/connections.py`'s `ConnectionObserver`)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.open = Gauge("telerag_connections_open", "HTTP connections open", registry=registry)

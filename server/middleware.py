@@ -9,8 +9,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from telerag.server import errors
 from telerag.server.errors import BodyTooLarge, NotReady
-from telerag.server.lifecycle import Lifecycle, Phase
-from telerag.server.protocol import new_request_id
+from telerag.server.process.lifecycle import Lifecycle, Phase
+from telerag.server.protocols.common import new_request_id
 
 REQUEST_ID_HEADER = b"x-request-id"
 CLIENT_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")  # what of a client's X-Request-ID is kept (it goes into logs)

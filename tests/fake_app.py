@@ -13,7 +13,7 @@ import openai
 from telerag.pipelines.types import DatastoreInfo
 from telerag.retrieval.stats import CacheStats
 from telerag.server.app import create_app, start_serving
-from telerag.server.connections import ConnectionLimits, guarded_protocol
+from telerag.server.process.connections import ConnectionLimits, guarded_protocol
 from telerag.server.runtime import Runtime
 from telerag.server.settings import Settings
 from tests.fakes import RecordingRetriever, Reply, ScriptedEngine

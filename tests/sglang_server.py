@@ -12,9 +12,9 @@ import types
 
 from telerag.engines.sglang import SGLangEngine
 from telerag.server import runtime as runtime_module
-from telerag.server.event_loop import run_event_loop
-from telerag.server.lifecycle import Lifecycle
-from telerag.server.process import serve
+from telerag.server.process.event_loop import run_event_loop
+from telerag.server.process.lifecycle import Lifecycle
+from telerag.server.process.serve import serve
 from telerag.server.runtime import Runtime
 from telerag.server.settings import Settings
 from tests.fake_app import DATASTORE_INFO

@@ -30,7 +30,7 @@ from telerag.pipelines.stats import (
 from telerag.pipelines.types import RagResult, Step
 from telerag.retrieval.stats import PrefetchStats
 from telerag.server.app import create_app, start_serving
-from telerag.server.protocol import QueryResponse
+from telerag.server.protocols.rag import QueryResponse
 from telerag.server.routes import openai as openai_routes
 from telerag.server.settings import Settings
 from tests.fake_app import Harness

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import uvicorn
 
-from telerag.server.connections import OVER_BOUND_GRACE_S, ConnectionLimits, uvicorn_options
+from telerag.server.process.connections import OVER_BOUND_GRACE_S, ConnectionLimits, uvicorn_options
 from telerag.server.settings import ServerSettings
 from tests.fake_app import HEADER_TIMEOUT_S, KEEP_ALIVE_S, MAX_CONNECTIONS, serving_on_fakes
 

@@ -20,8 +20,9 @@ from telerag.pipelines.errors import EmbedderError
 from telerag.pipelines.registry import PIPELINES
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.errors import DatastoreCorruptError, DatastoreMismatchError, DeviceUnavailable
-from telerag.server import process, runtime
+from telerag.server import runtime
 from telerag.server.errors import status_of
+from telerag.server.process.serve import startup_failure
 from telerag.server.settings import Settings, SettingsError, load_settings
 from telerag.utils.device import resolve_device
 from telerag.utils.progress import StepProgress
@@ -136,7 +137,7 @@ def test_a_device_that_is_not_there_is_one_start_up_failure(monkeypatch, tmp_pat
         EngineUnavailable("device 'cuda' asked for, but CUDA is not available here (use auto or cpu)"),
         EmbedderError("device 'cuda' asked for, but CUDA is not available here (use auto or cpu)"),
     ):
-        assert process.startup_failure(failure, tmp_path) == str(failure)
+        assert startup_failure(failure, tmp_path) == str(failure)
         assert status_of(failure) == 503
 
 
@@ -244,7 +245,7 @@ async def test_a_datastore_of_another_embedder_is_refused_in_one_line_before_the
     with pytest.raises(DatastoreMismatchError) as refused:
         await runtime.load_runtime(settings, watch)
     assert watch.steps == ["loading embedder", "checking datastore"]
-    line = process.startup_failure(refused.value, datastore)
+    line = startup_failure(refused.value, datastore)
     assert "\n" not in line and ("16-d" in line if other == "dimension" else "was built with embedder" in line)
     with pytest.raises(DatastoreMismatchError):  # the benchmarks' way in: the same loader
         runtime.open_retrieval(settings)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from telerag.server.protocol import NON_BLANK
+from telerag.server.protocols.common import NON_BLANK
 from tests.fake_app import Harness
 
 LIMITS = {"max_query_chars": 99, "max_top_k": 7, "max_tokens": 33}

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from telerag.server.app import create_app
-from telerag.server.lifecycle import Lifecycle
+from telerag.server.process.lifecycle import Lifecycle
 from telerag.utils.progress import StepProgress
 from tests.fake_app import DATASTORE_INFO, METRIC_SERIES, Harness, sdk, settings
 from tests.fakes import Reply

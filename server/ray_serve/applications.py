@@ -30,7 +30,7 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from telerag.retrieval.tier import TierShape, replica_scaling, tier_application
-from telerag.server.protocol import TierState
+from telerag.server.protocols.ops import TierState
 from telerag.server.ray_serve.replicas import REPLICAS, InferenceReplica, QuestionPlacer, ReplicaRuntime, Replicas
 from telerag.server.ray_serve.router import ClusterRouter, RouterOptions
 from telerag.server.ray_serve.routing import DECISIONS

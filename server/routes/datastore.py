@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends
 from telerag.pipelines.rebuilds import RebuildKind, Rebuilds
 from telerag.server import errors
 from telerag.server.auth import Access
-from telerag.server.documents_protocol import DatastoreState, RebuildOut, RetrainRequest, live_info
+from telerag.server.protocols.documents import DatastoreState, RebuildOut, RetrainRequest, live_info
 from telerag.server.service import Service, serving
 
 DATASTORE = "/v1/datastore"

@@ -20,7 +20,9 @@ from telerag.pipelines.files import convert, file_format
 from telerag.retrieval.documents import WriteOutcome, WriteResult
 from telerag.server import errors
 from telerag.server.auth import Access
-from telerag.server.documents_protocol import (
+from telerag.server.errors import DocumentNotFound, InvalidField
+from telerag.server.metrics import Metrics
+from telerag.server.protocols.documents import (
     MAX_ID_CHARS,
     MAX_TITLE_CHARS,
     DeletedDocument,
@@ -34,8 +36,6 @@ from telerag.server.documents_protocol import (
     WrittenDocument,
     WrittenDocuments,
 )
-from telerag.server.errors import DocumentNotFound, InvalidField
-from telerag.server.metrics import Metrics
 from telerag.server.routes.signature import typed
 from telerag.server.service import Service, serving
 from telerag.server.settings import DocumentSettings

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Request
 
 from telerag.server import errors
 from telerag.server.auth import Access
-from telerag.server.embeddings_protocol import EmbeddingList, EmbeddingRequest
+from telerag.server.protocols.embeddings import EmbeddingList, EmbeddingRequest
 from telerag.server.routes.signature import typed
 from telerag.server.service import Service, serving
 

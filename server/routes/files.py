@@ -15,7 +15,7 @@ from telerag.pipelines.file_store import PURPOSES, FileStore, page
 from telerag.server import errors
 from telerag.server.auth import Access
 from telerag.server.errors import UnsupportedField
-from telerag.server.files_protocol import FileDeleted, FileList, FileObject
+from telerag.server.protocols.files import FileDeleted, FileList, FileObject
 from telerag.server.routes.signature import typed
 from telerag.server.settings import FileSettings
 

@@ -15,8 +15,9 @@ from telerag.pipelines.types import ResultEvent, RunEvent, TokenEvent
 from telerag.server import errors
 from telerag.server.admitted_run import AdmittedRun, EventStream
 from telerag.server.auth import Access
-from telerag.server.conversation import Conversation
-from telerag.server.openai_protocol import (
+from telerag.server.protocols.common import ErrorResponse, documents_out
+from telerag.server.protocols.conversation import Conversation
+from telerag.server.protocols.openai import (
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
@@ -27,7 +28,6 @@ from telerag.server.openai_protocol import (
     Usage,
     finish_reason,
 )
-from telerag.server.protocol import ErrorResponse, documents_out
 from telerag.server.routes.documented import generation_errors, json_or_events
 from telerag.server.routes.signature import typed
 from telerag.server.service import Service, serving

@@ -17,9 +17,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from telerag.pipelines.types import DatastoreInfo
 from telerag.server import errors
 from telerag.server.auth import Access
-from telerag.server.documents_protocol import live_info
-from telerag.server.lifecycle import Phase
-from telerag.server.protocol import Health, LiveInfo, LoadProgress, Ready
+from telerag.server.process.lifecycle import Phase
+from telerag.server.protocols.documents import live_info
+from telerag.server.protocols.ops import Health, LiveInfo, LoadProgress, Ready
 from telerag.server.service import Service
 
 METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {

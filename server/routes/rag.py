@@ -14,16 +14,9 @@ from telerag.pipelines.types import ResultEvent, RunEvent, StageEvent, TokenEven
 from telerag.server import errors
 from telerag.server.admitted_run import EventStream
 from telerag.server.auth import Access
-from telerag.server.protocol import (
-    ErrorDetail,
-    PipelineInfo,
-    PipelineList,
-    QueryRequest,
-    QueryResponse,
-    StageInfo,
-    StageUpdate,
-    TokenText,
-)
+from telerag.server.protocols.common import ErrorDetail
+from telerag.server.protocols.ops import PipelineInfo, PipelineList, StageInfo
+from telerag.server.protocols.rag import QueryRequest, QueryResponse, StageUpdate, TokenText
 from telerag.server.routes.documented import generation_errors, json_or_events
 from telerag.server.routes.signature import typed
 from telerag.server.service import Service, serving

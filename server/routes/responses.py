@@ -14,8 +14,8 @@ from pydantic import BaseModel
 from telerag.pipelines.types import ResultEvent, RunEvent, TokenEvent
 from telerag.server.admitted_run import EventStream
 from telerag.server.auth import Access
-from telerag.server.protocol import ErrorDetail
-from telerag.server.responses_protocol import (
+from telerag.server.protocols.common import ErrorDetail
+from telerag.server.protocols.responses import (
     ContentPartEvent,
     ErrorEvent,
     OutputItemEvent,

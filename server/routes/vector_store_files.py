@@ -15,9 +15,7 @@ from fastapi import APIRouter, Path, Query, Request, Response
 from telerag.pipelines.vector_store_records import FileStatus, StoreFile, page
 from telerag.server import errors
 from telerag.server.auth import Access
-from telerag.server.routes.signature import typed
-from telerag.server.routes.vector_stores import ERRORS, ONE, Before, Cursor, Limit, Order, StoreId, stores_of
-from telerag.server.vector_store_files_protocol import (
+from telerag.server.protocols.vector_store_files import (
     FileAttach,
     FileBatchCreate,
     FileBatchObject,
@@ -27,7 +25,9 @@ from telerag.server.vector_store_files_protocol import (
     VectorStoreFileList,
     VectorStoreFileObject,
 )
-from telerag.server.vector_stores_protocol import TextContent
+from telerag.server.protocols.vector_stores import TextContent
+from telerag.server.routes.signature import typed
+from telerag.server.routes.vector_stores import ERRORS, ONE, Before, Cursor, Limit, Order, StoreId, stores_of
 
 FILES = ONE + "/files"
 FILE = FILES + "/{file_id}"

@@ -15,8 +15,7 @@ from telerag.pipelines.vector_store_records import page
 from telerag.pipelines.vector_stores import VectorStores
 from telerag.server import errors
 from telerag.server.auth import Access
-from telerag.server.routes.signature import typed
-from telerag.server.vector_stores_protocol import (
+from telerag.server.protocols.vector_stores import (
     SearchRequest,
     SearchResult,
     SearchResultsPage,
@@ -26,6 +25,7 @@ from telerag.server.vector_stores_protocol import (
     VectorStoreModify,
     VectorStoreObject,
 )
+from telerag.server.routes.signature import typed
 
 VECTOR_STORES = "/v1/vector_stores"
 ONE = VECTOR_STORES + "/{vector_store_id}"

@@ -13,7 +13,7 @@ from telerag.pipelines.documents import NON_BLANK, DocumentText, DocumentWriter
 from telerag.pipelines.ingestion import IngestionProgress
 from telerag.pipelines.rebuilds import Rebuild
 from telerag.retrieval.documents import DocumentEntry, WriteOutcome, WriteResult
-from telerag.server.protocol import IngestionInfo, LiveInfo
+from telerag.server.protocols.ops import IngestionInfo, LiveInfo
 from telerag.server.settings import DocumentSettings
 
 MAX_ID_CHARS = 512

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from telerag.pipelines.types import TextEmbeddings
-from telerag.server.protocol import refuse
+from telerag.server.protocols.common import refuse
 from telerag.server.settings import LimitSettings
 
 

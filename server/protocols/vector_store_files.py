@@ -9,8 +9,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
 from telerag.pipelines.vector_store_records import Attach, FileBatch, FileCounts, FileStatus, StoreFile, StoreRecord
-from telerag.server.protocol import refuse
-from telerag.server.vector_stores_protocol import (
+from telerag.server.protocols.common import refuse
+from telerag.server.protocols.vector_stores import (
     MAX_BATCH_FILES,
     Attributes,
     ChunkingIn,

@@ -1,6 +1,6 @@
 """Where the server is in its life: loading (what, and how far), ready, or draining before it
 stops. `/ready` reports it and `/v1/*` answers 503 unless it is ready; `telerag serve` moves it
-along (`server/process.py`)."""
+along (`server/process/serve.py`)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from telerag.pipelines.documents import NON_BLANK
 from telerag.pipelines.vector_store_records import Attach, FileCounts, StaticChunking, StoreHit, StoreRecord
-from telerag.server.protocol import refuse
+from telerag.server.protocols.common import refuse
 from telerag.server.settings import LimitSettings
 
 FileId = Annotated[str, StringConstraints(min_length=1, max_length=64)]

@@ -1,4 +1,4 @@
-"""What both OpenAI APIs (`openai_protocol`, `responses_protocol`) make of a conversation: the
+"""What both OpenAI APIs (`protocols.openai`, `protocols.responses`) make of a conversation: the
 question, the instructions for its answer, and the turns that make it a follow-up."""
 
 from __future__ import annotations

@@ -16,9 +16,17 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, create_model, field_validator, model_validator
 
 from telerag.pipelines.types import RagResult
-from telerag.server.conversation import Conversation, Said, content_text
-from telerag.server.openai_protocol import answer_cut, text_only
-from telerag.server.protocol import DocumentOut, default_max_tokens, documents_out, integer, pipeline_name, question_text, refuse
+from telerag.server.protocols.common import (
+    DocumentOut,
+    default_max_tokens,
+    documents_out,
+    integer,
+    pipeline_name,
+    question_text,
+    refuse,
+)
+from telerag.server.protocols.conversation import Conversation, Said, content_text
+from telerag.server.protocols.openai import answer_cut, text_only
 from telerag.server.settings import LimitSettings
 
 

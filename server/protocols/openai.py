@@ -25,8 +25,7 @@ from pydantic import (
 )
 
 from telerag.pipelines.types import RagResult
-from telerag.server.conversation import Conversation, Said, content_text
-from telerag.server.protocol import (
+from telerag.server.protocols.common import (
     DocumentOut,
     default_max_tokens,
     documents_out,
@@ -35,6 +34,7 @@ from telerag.server.protocol import (
     question_text,
     refuse,
 )
+from telerag.server.protocols.conversation import Conversation, Said, content_text
 from telerag.server.settings import LimitSettings
 
 SERVED_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {  # OpenAI fields served at these values only (null: the same)

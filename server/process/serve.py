@@ -1,5 +1,5 @@
 """The server process: listen at once, load after, serve, drain at SIGTERM. `telerag serve`
-(`cli/serve.py`) runs it on the event loop of `server.event_loop`."""
+(`cli/serve.py`) runs it on the event loop of `server.process.event_loop`."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ from telerag.pipelines.errors import PipelineError
 from telerag.retrieval.corpus import WIKIPEDIA_SOURCE
 from telerag.retrieval.datastore import MANIFEST, Manifest
 from telerag.retrieval.errors import DatastoreError, RetrievalError
-from telerag.server.connections import uvicorn_options
-from telerag.server.lifecycle import Lifecycle
 from telerag.server.metrics import Metrics
+from telerag.server.process.connections import uvicorn_options
+from telerag.server.process.lifecycle import Lifecycle
 from telerag.server.service import Service
 from telerag.server.settings import Settings
 

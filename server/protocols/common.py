@@ -1,0 +1,96 @@
+"""What the HTTP APIs' models share: the error body, the checks of a question, a pipeline's name
+and a bounded integer, the refusal of what is not served (400), documents as answered, and a
+request's id."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    Field,
+    StringConstraints,
+)
+from pydantic_core import PydanticCustomError
+
+from telerag.pipelines.types import Document
+from telerag.server.settings import LimitSettings
+
+# A query needs one character that is not white space. Spelled out rather than `\S`, whose
+# meaning differs between regex engines (U+0085 and U+FEFF): so pydantic, JSON Schema (ECMA-262)
+# and a client's validator agree on which queries are blank.
+NON_BLANK = r"[^\t\n\x0b\f\r \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\ufeff]"
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 2.0 as an integer, so the server does too (but never "2" or true)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(low: int, high: int | None) -> Any:
+    """An integer in [low, high] (no upper bound with None); 2.0 counts, "2" and true do not."""
+    return Annotated[int, Field(ge=low, le=high), BeforeValidator(_integral)]
+
+
+class ErrorDetail(BaseModel):
+    """What went wrong, with OpenAI's keys too (`param`, `code`), so that OpenAI clients read it."""
+
+    type: str = Field(
+        description="a stable slug, e.g. invalid_request, body_too_large, queue_full, not_found; on the OpenAI routes "
+        "(/v1/chat/completions, /v1/models) OpenAI's class of error instead: invalid_request_error, "
+        "authentication_error, rate_limit_error or server_error"
+    )
+    message: str = Field(description="what went wrong, for a human")
+    field: str | None = Field(None, description="the request field at fault (dotted path), when there is one")
+    param: str | None = Field(None, description="the same as `field`, by OpenAI's name")
+    code: str | None = Field(None, description="the slug, on every route (where `type` is OpenAI's class, the reason)")
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error the server answers, whatever its status."""
+
+    error: ErrorDetail
+
+
+UNSUPPORTED = "unsupported"  # a pydantic error type: the request asks for what this server does not do (400, not 422)
+
+
+def refuse(message: str) -> PydanticCustomError:
+    return PydanticCustomError(UNSUPPORTED, message)
+
+
+def pipeline_name(pipelines: Sequence[str]) -> Any:
+    """A field that names one of the served pipelines."""
+    return Literal[tuple(pipelines)]
+
+
+def question_text(limits: LimitSettings) -> Any:
+    """A question: not blank, at most `limits.max_query_chars` characters."""
+    return Annotated[str, StringConstraints(min_length=1, max_length=limits.max_query_chars, pattern=NON_BLANK)]
+
+
+def default_max_tokens(limits: LimitSettings) -> int:
+    """An answer's token limit when a request names none (a chat completion's as a query's)."""
+    return min(256, limits.max_tokens)
+
+
+# -- responses ----------------------------------------------------------------------------------
+
+
+class DocumentOut(BaseModel):
+    id: int
+    doc_id: str
+    title: str
+    text: str
+    score: float
+
+
+def documents_out(documents: Sequence[Document]) -> list[DocumentOut]:
+    return [DocumentOut(**vars(d)) for d in documents]
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex[:24]
