@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -31,27 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.minutes(2.5)]  # a few hundred reque
 KEY = "fuzz-key"
 EXAMPLES = int(os.environ.get("TELERAG_FUZZ_EXAMPLES", "10"))
 SEED = os.environ.get("TELERAG_FUZZ_SEED", "1")  # fixed, so that CI runs the same requests each time
-# An uploaded file's type and text are in its bytes and name, which no schema can describe: a schema-valid upload
-# of an image (400 naming its type) or of an empty or textless file (422) is refused, as documented; and a
-# purpose is one of file search's (400 naming any other). A vector store's, file's or batch's id is the server's to
-# make, so a schema-valid one names none (404, as documented); so a store just made answers 404 for a file id
-# that names no uploaded file, which is not the store gone missing.
-UPLOADS = """
-[[operations]]
-include-name-regex = "^POST /v1/vector_stores"
-checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "404", "413", "422"]
-checks.ensure_resource_availability.enabled = false
-
-[[operations]]
-include-path = "/v1/uploads"
-include-method = "POST"
-checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "409", "413", "422", "429"]
-
-[[operations]]
-include-path = "/v1/files"
-include-method = "POST"
-checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "413"]
-"""
+CONFIG = Path(__file__).resolve().parents[1] / "loadtest" / "schemathesis.toml"  # the manual runs' too
 
 
 @pytest.fixture()
@@ -89,15 +70,13 @@ def served(tmp_path) -> Iterator[str]:
 
 def test_generated_requests_pass_every_check(served, tmp_path):
     har = tmp_path / "requests.har"
-    config = tmp_path / "schemathesis.toml"
-    config.write_text(UPLOADS)
     run = subprocess.run(
         [
             sys.executable,
             "-m",
             "schemathesis.cli",
             "--config-file",
-            str(config),
+            str(CONFIG),
             "run",
             f"{served}/openapi.json",
             "--checks",
