@@ -113,8 +113,41 @@ class Plan:
     index: int
 
 
+class AdmittedTickets:
+    """What both policies keep of the requests they admitted: the tickets in admission order, the
+    running slots, and whether any is left (for the drain); `on_change` hears the counts."""
+
+    max_concurrency: int
+    on_change: Callable[[int, int], None]
+
+    def _track(self) -> None:
+        self._slots = asyncio.Semaphore(self.max_concurrency)
+        self._admitted: list[Ticket] = []  # in admission order
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def n_running(self) -> int:
+        return sum(t.running for t in self._admitted)
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self._admitted) - self.n_running
+
+    def _changed(self) -> None:
+        if self._admitted:
+            self._idle.clear()
+        else:
+            self._idle.set()
+        self.on_change(self.n_waiting, self.n_running)
+
+    async def drain(self) -> None:
+        """Wait until every admitted request has finished (graceful shutdown)."""
+        await self._idle.wait()
+
+
 @dataclass
-class DeadlineAdmission:
+class DeadlineAdmission(AdmittedTickets):
     """At most `max_concurrency` requests run and `max_queue` more wait; a request is refused at
     once when that is full, when its key has `max_in_flight_per_key` admitted, or when it would
     finish later than `deadline_s` from now (None: no deadline), less the `margin` kept in reserve."""
@@ -132,19 +165,8 @@ class DeadlineAdmission:
     error: EstimateError = field(default_factory=EstimateError)
 
     def __post_init__(self) -> None:
-        self._slots = asyncio.Semaphore(self.max_concurrency)
-        self._admitted: list[Ticket] = []  # in admission order
+        self._track()
         self._last = self.clock()
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    @property
-    def n_running(self) -> int:
-        return sum(t.running for t in self._admitted)
-
-    @property
-    def n_waiting(self) -> int:
-        return len(self._admitted) - self.n_running
 
     # -- decisions ---------------------------------------------------------------------------
 
@@ -455,17 +477,6 @@ class DeadlineAdmission:
         for t in running:
             t.attention[len(running)] = t.attention.get(len(running), 0.0) + dt / len(running)
         self.rate.advance(dt)
-
-    def _changed(self) -> None:
-        if self._admitted:
-            self._idle.clear()
-        else:
-            self._idle.set()
-        self.on_change(self.n_waiting, self.n_running)
-
-    async def drain(self) -> None:
-        """Wait until every admitted request has finished (graceful shutdown)."""
-        await self._idle.wait()
 
 
 def _jobs(rates: Rates, tickets: list[Ticket]) -> tuple[Job, ...]:

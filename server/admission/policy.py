@@ -10,13 +10,12 @@ starts and finishes its ticket through this interface alone.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn, Protocol
 
-from telerag.server.admission.deadline import DeadlineAdmission, Ticket
+from telerag.server.admission.deadline import AdmittedTickets, DeadlineAdmission, Ticket
 from telerag.server.admission.workload import RequestCost
 from telerag.server.errors import Overloaded, Refusal
 from telerag.server.settings import SchedulerSettings
@@ -71,7 +70,7 @@ class AdmissionPolicy(Protocol):
 
 
 @dataclass
-class FixedLimit:
+class FixedLimit(AdmittedTickets):
     """At most `max_concurrency` requests run and `max_queue` more wait, first come first served;
     a request past that, or past its key's `max_in_flight_per_key`, is refused at once (429, the
     server's default `Retry-After`: nothing here estimates when a slot frees). No deadline."""
@@ -85,22 +84,11 @@ class FixedLimit:
     on_start: Callable[[float], None] = lambda waited_s: None  # a request got its slot after waiting this long
 
     def __post_init__(self) -> None:
-        self._slots = asyncio.Semaphore(self.max_concurrency)
-        self._admitted: list[Ticket] = []
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._track()
 
     @property
     def deadline_s(self) -> float | None:
         return None
-
-    @property
-    def n_running(self) -> int:
-        return sum(t.running for t in self._admitted)
-
-    @property
-    def n_waiting(self) -> int:
-        return len(self._admitted) - self.n_running
 
     def admit(
         self, cost: RequestCost, client: str | None = None, *, calibrating: bool = False, limit_field: str | None = "max_tokens"
@@ -135,9 +123,6 @@ class FixedLimit:
             self._slots.release()
         self._forget(ticket)
 
-    async def drain(self) -> None:
-        await self._idle.wait()
-
     def expected_wait_s(self) -> float:
         return 0.0
 
@@ -156,13 +141,6 @@ class FixedLimit:
         ticket.ended.set()
         self._admitted.remove(ticket)
         self._changed()
-
-    def _changed(self) -> None:
-        if self._admitted:
-            self._idle.clear()
-        else:
-            self._idle.set()
-        self.on_change(self.n_waiting, self.n_running)
 
 
 def admission_policy(
