@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from telerag.engines.errors import EngineUnavailable
 from telerag.pipelines.questions import Question, question_options
-from telerag.pipelines.types import Pipeline, RagResult, ResultEvent, RunOptions, TokenEvent
+from telerag.pipelines.types import Pipeline, RagResult, RunEvent, RunOptions, TokenEvent
 from telerag.server.settings import Settings
 
 if TYPE_CHECKING:  # torch comes with them: imported when the study runs (the CLI reads CACHE_MODES)
@@ -74,14 +74,15 @@ def question_stream(questions: Sequence[Question], repeat: float, seed: int = 0)
 async def timed_run(pipeline: Pipeline, question: Question, options: RunOptions) -> tuple[RagResult, float, float]:
     """The result, ms to the first answer token (to the result when none streamed) and ms in all."""
     started = time.perf_counter()
-    first: float | None = None
-    async for event in pipeline.run(question.text, question_options(question, options)):
-        if isinstance(event, TokenEvent) and first is None:
-            first = time.perf_counter()
-        if isinstance(event, ResultEvent):
-            ended = time.perf_counter()
-            return event.result, ((first or ended) - started) * 1e3, (ended - started) * 1e3
-    raise RuntimeError(f"{pipeline.name} ended without a result")
+    first: list[float] = []  # when the first answer token came
+
+    def timed(event: RunEvent) -> None:
+        if isinstance(event, TokenEvent) and not first:
+            first.append(time.perf_counter())
+
+    result = await pipeline.run(question.text, question_options(question, options), timed)
+    ended = time.perf_counter()
+    return result, ((first[0] if first else ended) - started) * 1e3, (ended - started) * 1e3
 
 
 async def prefix_cache_study(

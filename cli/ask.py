@@ -11,7 +11,7 @@ import logging
 from telerag.cli.runtime_flags import add_runtime_flags, overrides
 from telerag.pipelines.registry import PIPELINES
 from telerag.pipelines.stats import SearchStats
-from telerag.pipelines.types import RagResult, RunEvent, RunOptions, TokenEvent, run_result
+from telerag.pipelines.types import RagResult, RunEvent, RunOptions, TokenEvent, ignore_events
 from telerag.server.protocols.rag import QueryResponse
 from telerag.server.settings import load_settings
 
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
                 pipelining=settings.retrieval.pipelining,
                 speculative_prefill=settings.retrieval.speculative_prefill,
             )
-            return await run_result(pipeline.run(args.question, options), None if args.json else print_token)
+            return await pipeline.run(args.question, options, ignore_events if args.json else print_token)
 
     result = asyncio.run(main())
     if args.json:

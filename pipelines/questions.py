@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from telerag.pipelines.types import Pipeline, RagResult, RunOptions, Turn, run_result
+from telerag.pipelines.types import Pipeline, RagResult, RunOptions, Turn, ignore_events
 
 _LINE = re.compile(r"^(?P<text>.*?)\s*(?:\[(?P<title>[^\]]+)\])?\s*(?:=>\s*(?P<answers>.*?))?\s*$")
 ANSWER_SEPARATOR = "|"
@@ -75,7 +75,7 @@ def read_questions(path: Path, limit: int | None = None) -> list[Question]:
 
 
 async def run_one(pipeline: Pipeline, question: str, options: RunOptions) -> RagResult:
-    return await run_result(pipeline.run(question, options))
+    return await pipeline.run(question, options, ignore_events)
 
 
 async def run_questions(

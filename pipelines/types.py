@@ -8,11 +8,12 @@ one place these contracts are written: every layer above imports them together.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
-from collections.abc import AsyncGenerator, AsyncIterable, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -370,11 +371,13 @@ class ResultEvent:
 
 
 RunEvent = StageEvent | TokenEvent | UsageEvent | ResultEvent
+EventSink = Callable[[RunEvent], None]  # where a run's events go as they happen
+RunBody = Callable[[EventSink], Coroutine[Any, Any, RagResult]]  # a run, once its events have somewhere to go
 
 
 @runtime_checkable
 class Pipeline(Protocol):
-    """A RAG pipeline. `run` yields stage and token events and ends with exactly one ResultEvent."""
+    """A RAG pipeline."""
 
     @property
     def name(self) -> str: ...
@@ -392,14 +395,28 @@ class Pipeline(Protocol):
         """The most LLM calls one run makes (the scheduler's cost estimate)."""
         ...
 
-    def run(self, query: str, options: RunOptions) -> AsyncGenerator[RunEvent, None]: ...
+    async def run(self, query: str, options: RunOptions, emit: EventSink) -> RagResult:
+        """Run to the end in the caller's task: each stage, token and usage event handed to
+        `emit` as it happens (on the event loop), the result returned."""
+        ...
 
 
-async def run_result(events: AsyncIterable[RunEvent], on_event: Callable[[RunEvent], None] | None = None) -> RagResult:
-    """The result a run's events end with, each event before it shown to `on_event`."""
-    async for event in events:
-        if isinstance(event, ResultEvent):
-            return event.result
-        if on_event is not None:
-            on_event(event)
-    raise RuntimeError("the pipeline ended without a result")
+def ignore_events(event: RunEvent) -> None:
+    """An `EventSink` for a caller that wants the result alone."""
+
+
+async def event_stream(run: RunBody) -> AsyncGenerator[RunEvent, None]:
+    """A run's events ending with one ResultEvent, for a reader that cannot take them as they
+    happen (a Ray streaming call, a test): the run in a task of its own, its events through a
+    queue. The server's own runs need none of this (`AdmittedRun` is their one queue)."""
+    queue: asyncio.Queue[RunEvent | None] = asyncio.Queue()
+    task = asyncio.create_task(run(queue.put_nowait))
+    task.add_done_callback(lambda _: queue.put_nowait(None))  # queued behind every event of the run
+    try:
+        while (event := await queue.get()) is not None:
+            yield event
+        yield ResultEvent(task.result())  # raises the run's error
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

@@ -2,11 +2,12 @@
 cancellation, whether the answer goes back as one JSON body or as a stream of events (or, for the
 server's own warm-up, as the result alone).
 
-The run is a task of its own: it waits for a slot, then runs the pipeline into a queue that the
-response reads. Beside it a task waits on the client's connection (`request.receive()` returns
-`http.disconnect` when the client goes away) and cancels the run at once: the LLM call is
-aborted, the clusters it pinned are released, its slot is freed. A response that stops reading
-(the stream's client left, or the handler was cancelled) cancels the run as well.
+The run is a task of its own: it waits for a slot, then runs the pipeline, whose events go into
+the one queue the response reads (a token crosses it once, from the run to the response). Beside
+it a task waits on the client's connection (`request.receive()` returns `http.disconnect` when the
+client goes away) and cancels the run at once: the LLM call is aborted, the clusters it pinned
+are released, its slot is freed. A response that stops reading (the stream's client left, or the
+handler was cancelled) cancels the run as well.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
-from telerag.pipelines.types import RagResult, ResultEvent, RunEvent
+from telerag.pipelines.types import RagResult, ResultEvent, RunBody, RunEvent
 from telerag.server import errors
 from telerag.server.admission.deadline import Ticket
 from telerag.server.admission.policy import AdmissionPolicy
@@ -52,14 +53,14 @@ _Item = RunEvent | _Failed | None  # what the run puts in its queue; None: the r
 
 
 class AdmittedRun:
-    """A run of `events` for an admitted `ticket`; it starts at once (waiting for a slot)."""
+    """A `run` for an admitted `ticket`; it starts at once (waiting for a slot)."""
 
     def __init__(
         self,
         request: Request | None,
         admission: AdmissionPolicy,
         ticket: Ticket,
-        events: AsyncGenerator[RunEvent, None],
+        run: RunBody,
         served: Callable[[ServedWork], None] = lambda work: None,
     ) -> None:
         """`request`: the client's, whose leaving cancels the run (None: the server's own, no
@@ -69,7 +70,7 @@ class AdmittedRun:
         self._settled = asyncio.Event()  # it holds a slot, or it ended without one
         self._started = self._client_left = False
         self._result: RagResult | None = None  # once the run has completed
-        self._task = asyncio.create_task(self._run(events))
+        self._task = asyncio.create_task(self._run(run))
         self._task.add_done_callback(self._ended)  # a callback: it runs even if the task is cancelled before it began
         self._watcher = None if request is None else asyncio.create_task(self._cancel_on_disconnect(request))
 
@@ -144,19 +145,18 @@ class AdmittedRun:
             self._task.cancel()
             await asyncio.wait({self._task})
 
-    async def _run(self, events: AsyncGenerator[RunEvent, None]) -> None:
-        """Wait for a slot, then run the pipeline into the queue; completed once the result came."""
+    async def _run(self, run: RunBody) -> None:
+        """Wait for a slot, then run the pipeline, its events into the queue; completed once the
+        result came."""
         await self._admission.start(self._ticket)
         self._started = True
         self._settled.set()
         try:
-            async with contextlib.aclosing(events):
-                async for event in events:
-                    if isinstance(event, ResultEvent):
-                        self._result = event.result
-                    self._queue.put_nowait(event)
+            self._result = await run(self._queue.put_nowait)
         except Exception as exc:  # noqa: BLE001 - handed to the reader of the queue
             self._queue.put_nowait(_Failed(exc))
+        else:
+            self._queue.put_nowait(ResultEvent(self._result))
 
     def _ended(self, _: asyncio.Task[None]) -> None:
         """The run is over, however it ended: its ticket finishes, and its readers learn it."""

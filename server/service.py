@@ -7,7 +7,7 @@ import asyncio
 import functools
 import math
 import time
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -16,8 +16,9 @@ from fastapi import Request
 from telerag.pipelines.questions import read_questions
 from telerag.pipelines.types import (
     DatastoreInfo,
+    EventSink,
     Pipeline,
-    ResultEvent,
+    RagResult,
     RunEvent,
     RunOptions,
     TextEmbeddings,
@@ -144,7 +145,7 @@ class Service:
         cost = self.workload.estimate(pipeline.name, pipeline.llm_calls, prompt, options.max_tokens)
         ticket = self.admission.admit(cost, calibrating=True)
         learn = functools.partial(self.workload.observe, pipeline.name, prompt)
-        await AdmittedRun(None, self.admission, ticket, pipeline.run(question, options), learn).result()
+        await AdmittedRun(None, self.admission, ticket, functools.partial(pipeline.run, question, options), learn).result()
 
     def documents(self) -> DocumentWriter:
         """The writer of the datastore's documents; 501 on a runtime that writes none."""
@@ -278,38 +279,44 @@ class Service:
         if deadline is not None:  # the promise kept even where the estimate was wrong: its LLM calls stop in time
             options = replace(options, deadline=ticket.admitted_at + deadline - DEADLINE_STOP_LEAD_S)
         learn = functools.partial(self._learn, pipeline.name, prompt, options.temperature)
-        return AdmittedRun(request, self.admission, ticket, self.events(pipeline, query, options), learn)
+        return AdmittedRun(request, self.admission, ticket, functools.partial(self.run, pipeline, query, options), learn)
 
     def _learn(self, pipeline: str, prompt_tokens: int, temperature: float, served: ServedWork) -> None:
         """What a completed request was served: its pipeline's next costs come from it."""
         self.workload.observe(pipeline, prompt_tokens, served, temperature)
 
-    async def events(self, pipeline: Pipeline, query: str, options: RunOptions) -> AsyncGenerator[RunEvent, None]:
+    async def run(self, pipeline: Pipeline, query: str, options: RunOptions, emit: EventSink) -> RagResult:
         """Run a pipeline (a slot must be held) with the request timeout, recording metrics; the
         tokens it generates count as they are generated, so a cancelled request's count too."""
         started = time.perf_counter()
         outcome = "error"
-        first_token = True
         tokens = self.metrics.tokens.labels(pipeline.name)
+        ttft = self.metrics.ttft.labels(pipeline.name)
+        answered = False  # its first token has come
+
+        def observed(event: RunEvent) -> None:
+            nonlocal answered
+            if isinstance(event, UsageEvent):
+                tokens.inc(event.tokens)
+                return
+            if isinstance(event, TokenEvent) and not answered:
+                answered = True
+                ttft.observe(time.perf_counter() - started)
+            emit(event)
+
         try:
             async with asyncio.timeout(self.settings.scheduler.request_timeout_s):
-                async for event in pipeline.run(query, options):
-                    if isinstance(event, UsageEvent):
-                        tokens.inc(event.tokens)
-                        continue
-                    if isinstance(event, TokenEvent) and first_token:
-                        first_token = False
-                        self.metrics.ttft.labels(pipeline.name).observe(time.perf_counter() - started)
-                    if isinstance(event, ResultEvent):
-                        self.metrics.observe_result(event.result)
-                        outcome = "deadline" if event.result.finish_reason == "deadline" else "ok"
-                    yield event
+                result = await pipeline.run(query, options, observed)
         except TimeoutError:
             outcome = "timeout"
             raise RequestTimeout(f"the request took longer than {self.settings.scheduler.request_timeout_s} s") from None
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
+        else:
+            self.metrics.observe_result(result)
+            outcome = "deadline" if result.finish_reason == "deadline" else "ok"
+            return result
         finally:
             self.metrics.request_latency.labels(pipeline.name, outcome).observe(time.perf_counter() - started)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from telerag.pipelines.registry import build_pipelines
-from telerag.pipelines.types import RagResult, ResultEvent, RunOptions
+from telerag.pipelines.types import RagResult, RunOptions
 from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
 
 SURE = math.log(0.9)
@@ -52,11 +52,10 @@ def script(
 
 
 async def run(pipeline, query: str = "How long is the Nile?", **options) -> tuple[RagResult, list]:
-    """Run `pipeline` to its one result; the result and every event."""
-    events = [e async for e in pipeline.run(query, RunOptions(**options))]
-    assert isinstance(events[-1], ResultEvent)
-    assert sum(isinstance(e, ResultEvent) for e in events) == 1
-    return events[-1].result, events
+    """Run `pipeline` to its result; the result and every event it emitted on the way."""
+    events: list = []
+    result = await pipeline.run(query, RunOptions(**options), events.append)
+    return result, events
 
 
 def make(name: str, **script_args):

@@ -59,9 +59,8 @@ async def _chunked(size: int) -> AsyncIterator[bytes]:
 
 
 def _break_pipeline(h: Harness) -> None:
-    async def broken(query, options):
+    async def broken(query, options, emit):
         raise RuntimeError("secret detail at /srv/data")
-        yield  # an async generator
 
     h.app.state.service.pipelines["naive"].run = broken
 

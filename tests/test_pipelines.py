@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from dataclasses import asdict
 
@@ -12,7 +13,7 @@ from telerag.engines.errors import EngineError
 from telerag.pipelines import prompts
 from telerag.pipelines.rag.base import STANDALONE_QUESTION
 from telerag.pipelines.registry import PIPELINES, build_pipelines
-from telerag.pipelines.types import MeanQuery, RunOptions, StageEvent, StageRole, TokenEvent, Turn, query_texts
+from telerag.pipelines.types import MeanQuery, RunOptions, StageEvent, StageRole, TokenEvent, Turn, event_stream, query_texts
 from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
 from tests.scripted_pipelines import SURE, UNSURE, make, run, script
 
@@ -194,7 +195,7 @@ async def test_cancellation_releases_the_prefetch(name):
     log: list = []
     retriever = RecordingRetriever(log)
     pipeline = build_pipelines(ScriptedEngine(script(), log, delay=10.0), retriever, names=[name])[name]
-    stream = pipeline.run("How long is the Nile?", RunOptions())
+    stream = event_stream(functools.partial(pipeline.run, "How long is the Nile?", RunOptions()))
     first = await stream.__anext__()
     assert isinstance(first, StageEvent)
     await asyncio.sleep(0.05)

@@ -5,6 +5,7 @@ recording retriever (hash embeddings: texts sharing words are alike)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import numpy as np
 import openai
@@ -21,7 +22,7 @@ from telerag.pipelines.pipelining import (
 from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.search_budget import SearchBudget
 from telerag.pipelines.stats import PipeliningSummary, SearchStats
-from telerag.pipelines.types import RunOptions, StageEvent
+from telerag.pipelines.types import RunOptions, StageEvent, event_stream
 from tests.fake_app import Harness, sdk
 from tests.fakes import RecordingRetriever, ScriptedEngine
 from tests.scripted_pipelines import SURE, UNSURE, run, script
@@ -182,7 +183,7 @@ async def test_a_cancelled_pipelined_run_releases_its_prefetches_and_searches(na
     retriever = RecordingRetriever(log)
     engine = ScriptedEngine(script(judge="no", flare_logprobs=[(SURE, UNSURE)] * 8), log, token_delay=0.05)
     pipeline = build_pipelines(engine, retriever, names=[name])[name]
-    stream = pipeline.run(QUESTION, RunOptions(max_tokens=4, pipelining=True))
+    stream = event_stream(functools.partial(pipeline.run, QUESTION, RunOptions(max_tokens=4, pipelining=True)))
     assert isinstance(await stream.__anext__(), StageEvent)
     await asyncio.sleep(0.3)
     await stream.aclose()

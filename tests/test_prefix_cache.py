@@ -19,7 +19,7 @@ from telerag.engines.prefix_cache import LayerKV, PrefixCache
 from telerag.engines.transformers import TransformersEngine
 from telerag.engines.types import Generation, SamplingParams
 from telerag.pipelines.registry import build_pipelines
-from telerag.pipelines.types import Document, RunOptions
+from telerag.pipelines.types import Document, RunOptions, ignore_events
 from telerag.retrieval.stats import CacheStats
 from telerag.server.app import create_app, start_serving
 from telerag.server.runtime import Runtime
@@ -261,8 +261,8 @@ async def test_every_pipelines_real_prompts_get_identical_answers_from_the_embed
         pipelines = build_pipelines(recording, WikipediaRetriever())  # type: ignore[arg-type]
         answers = {}
         for name, pipeline in pipelines.items():
-            events = [e async for e in pipeline.run("How long is the Nile?", RunOptions(max_tokens=16))]
-            answers[name] = events[-1].result.answer
+            result = await pipeline.run("How long is the Nile?", RunOptions(max_tokens=16), ignore_events)
+            answers[name] = result.answer
         return recording.generations, answers
 
     off, on = TransformersEngine.embedded_default(), TransformersEngine.embedded_default(prefix_cache_mb=256)
@@ -337,9 +337,9 @@ async def test_self_rags_critique_reuses_the_whole_prompt_of_the_draft_it_judges
     engine = tiny_engine(prefix_cache_mb=16)
     try:
         pipeline = build_pipelines(engine, RecordingRetriever(), names=["self_rag"])["self_rag"]
-        events = [e async for e in pipeline.run("How long is the Nile?", RunOptions(max_tokens=8))]
+        result = await pipeline.run("How long is the Nile?", RunOptions(max_tokens=8), ignore_events)
     finally:
         await engine.close()
-    steps = {step.stage.name: step for step in events[-1].result.steps}
+    steps = {step.stage.name: step for step in result.steps}
     draft, critique = steps["first_answer"], steps["critique"]
     assert critique.tokens_cached >= draft.tokens_in - 2  # all of the draft's prompt (its template's end aside)

@@ -2,9 +2,9 @@
 call while the clusters copy, search q_out, release), traced LLM calls, the streamed answer,
 and the result with its trace and timings.
 
-A pipeline's body runs as a task that pushes events onto a queue; `run` yields them. Closing
-the `run` generator (a client went away) cancels the body, which aborts its LLM call and
-releases its prefetch in `finally`.
+A run goes on in its caller's task, its events handed to the caller's sink as they happen (no
+task or queue of its own); cancelling it (a client went away) aborts its LLM call and releases
+its prefetch in `finally`.
 
 The run's state is its `RunContext` (`rag.run_context`); how a lookahead finds its documents is
 the request's retrieval strategy (`rag.retrieval_step`: the default, pipelined, speculative),
@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar, TypeVar, overload
 
 from telerag.engines.types import Engine, Generation, SamplingParams
@@ -34,11 +34,10 @@ from telerag.pipelines.search_budget import SearchBudget
 from telerag.pipelines.stats import GenerationStats
 from telerag.pipelines.types import (
     Document,
+    EventSink,
     PrefetchTicket,
     RagResult,
-    ResultEvent,
     Retriever,
-    RunEvent,
     RunOptions,
     SearchQuery,
     Stage,
@@ -102,7 +101,7 @@ class RagPipeline:
         """Run the pipeline; return the final answer (already streamed as TokenEvents)."""
         raise NotImplementedError
 
-    async def run(self, query: str, options: RunOptions) -> AsyncGenerator[RunEvent, None]:
+    async def run(self, query: str, options: RunOptions, emit: EventSink) -> RagResult:
         ctx = RunContext(
             query=query,
             options=options,
@@ -112,20 +111,11 @@ class RagPipeline:
             retrieval=self.retrieval_strategy(options),
             clock=self.clock,
             started=self.clock(),
+            emit=emit,
             snapshot=self.retriever.snapshot(),
         )
-        task = asyncio.create_task(self._conversation(ctx))
-        # The body's end is queued behind every event it queued, so one `get` per event suffices.
-        task.add_done_callback(lambda _: ctx.events.put_nowait(None))
-        try:
-            while (event := await ctx.events.get()) is not None:
-                yield event
-            answer = task.result()  # raises the body's error
-            yield ResultEvent(self._result(ctx, answer))
-        finally:
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        answer = await self._conversation(ctx)
+        return self._result(ctx, answer)
 
     async def _conversation(self, ctx: RunContext) -> str:
         """The body, on the question rewritten to stand alone when it came with a conversation
@@ -329,10 +319,13 @@ class RagPipeline:
             ticket, start_ms, ms = await asyncio.shield(prefetch)  # a cancelled request must not cancel it
         except BaseException:
             # Never cancelled mid-way (its clusters would stay pinned): released once it lands,
-            # which is normally before the error leaves this call.
-            prefetch.add_done_callback(self._release_unclaimed)
-            with contextlib.suppress(BaseException):
-                await asyncio.shield(prefetch)
+            # which is before the error leaves this call unless this call is cancelled again.
+            if prefetch.done():
+                self._release_unclaimed(prefetch)
+            else:
+                prefetch.add_done_callback(self._release_unclaimed)
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(prefetch)
             raise
         ctx.steps.append(Step(PREFETCH, " | ".join(q_in)[:200], ms=ms, stats=ticket.stats, start_ms=start_ms))
         return produced, ticket
@@ -379,11 +372,11 @@ class RagPipeline:
                 ctx.generated(len(item.token_ids))
                 streamed += len(item.token_ids)
                 if piece := reply.push(item.text):
-                    ctx.events.put_nowait(TokenEvent(piece))
+                    ctx.emit(TokenEvent(piece))
                 if reply.complete:
                     break  # closing the stream aborts the generation
         if piece := reply.finish():
-            ctx.events.put_nowait(TokenEvent(piece))
+            ctx.emit(TokenEvent(piece))
         start_ms, ms = ctx.end(stage, started)
         if final is not None:
             ctx.called(stage, formatted, final)
@@ -401,7 +394,7 @@ class RagPipeline:
         the deadline, would generate nothing. Traced as a call that stopped at the deadline."""
         started = ctx.begin(stage)
         if ctx.draft:
-            ctx.events.put_nowait(TokenEvent(ctx.draft))
+            ctx.emit(TokenEvent(ctx.draft))
         start_ms, ms = ctx.end(stage, started)
         ctx.steps.append(Step(stage, ctx.query[:200], ms=ms, stats=GenerationStats("deadline"), start_ms=start_ms))
         return ctx.draft

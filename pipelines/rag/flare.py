@@ -87,10 +87,10 @@ class FLARE(RagPipeline):
             if piece:
                 piece = piece + ("." if sentence.finish_reason == "stop" and not piece.endswith(".") else "")
                 if released := shown.push(("" if not written else " ") + piece):
-                    ctx.events.put_nowait(TokenEvent(released))
+                    ctx.emit(TokenEvent(released))
                 written = f"{written} {piece}".strip()
             if shown.stopped or not piece or sentence.finish_reason != "stop" or len(written.split()) > ctx.options.max_tokens:
                 break
         if rest := shown.finish():
-            ctx.events.put_nowait(TokenEvent(rest))
+            ctx.emit(TokenEvent(rest))
         return shown.final

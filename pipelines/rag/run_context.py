@@ -14,8 +14,8 @@ from telerag.engines.types import Generation, SamplingParams, deadline_passed
 from telerag.pipelines.errors import UndeclaredStage
 from telerag.pipelines.types import (
     Document,
+    EventSink,
     PrefetchTicket,
-    RunEvent,
     RunOptions,
     SearchOptions,
     Stage,
@@ -43,7 +43,7 @@ class RunContext:
     retrieval: RetrievalStrategy  # how its lookaheads retrieve, chosen when it began
     clock: Callable[[], float]  # seconds, for every time the run traces
     started: float  # the clock's time when the run began
-    events: asyncio.Queue[RunEvent | None] = field(default_factory=asyncio.Queue)  # None: the body ended
+    emit: EventSink  # where its stage, token and usage events go as they happen
     steps: list[Step] = field(default_factory=list)
     documents: list[Document] = field(default_factory=list)
     tokens_generated: int = 0
@@ -70,7 +70,7 @@ class RunContext:
         """Account for `tokens` newly generated tokens (in the result, and at once as a UsageEvent)."""
         if tokens:
             self.tokens_generated += tokens
-            self.events.put_nowait(UsageEvent(tokens))
+            self.emit(UsageEvent(tokens))
 
     def called(self, stage: Stage, prompt: str, generation: Generation) -> None:
         """An LLM call ended: shown to the retrieval strategy unless the deadline cut it (one
@@ -86,14 +86,14 @@ class RunContext:
             raise UndeclaredStage(
                 f"pipeline {self.pipeline} traced stage {stage.name!r} ({stage.role.value}), which it does not declare"
             )
-        self.events.put_nowait(StageEvent(stage, "start"))
+        self.emit(StageEvent(stage, "start"))
         return self.clock()
 
     def end(self, stage: Stage, started: float) -> tuple[float, float]:
         """A stage that began at `started` ends: its end event is sent; when it began (ms after
         the request did) and how long it took (ms)."""
         ms = (self.clock() - started) * 1e3
-        self.events.put_nowait(StageEvent(stage, "end", ms))
+        self.emit(StageEvent(stage, "end", ms))
         return (started - self.started) * 1e3, ms
 
     def stage(self, stage: Stage, work: Callable[[], Awaitable[T]]) -> asyncio.Future[Traced[T]]:

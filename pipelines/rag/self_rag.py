@@ -44,5 +44,5 @@ class SelfRAG(RagPipeline):
                     stage=REVISED_ANSWER,
                 )
         if draft:
-            ctx.events.put_nowait(TokenEvent(draft))
+            ctx.emit(TokenEvent(draft))
         return draft

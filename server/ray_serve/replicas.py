@@ -21,17 +21,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
 import zlib
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from telerag.pipelines.types import DatastoreInfo, RunEvent, RunOptions, Stage, TextEmbeddings
+from telerag.pipelines.types import (
+    DatastoreInfo,
+    EventSink,
+    RagResult,
+    ResultEvent,
+    RunEvent,
+    RunOptions,
+    Stage,
+    TextEmbeddings,
+    event_stream,
+)
 from telerag.retrieval.stats import CacheStats
 from telerag.server.errors import ReplicasUnavailable
 from telerag.server.metrics import Metrics
@@ -159,7 +170,9 @@ class InferenceReplica:
         assert self.vectors is not None
         options = received(options, seconds_left)
         with self.vectors.given(query, q_in):
-            async for event in self.service.events(self.service.pipelines[pipeline], query, options):
+            async for event in event_stream(
+                functools.partial(self.service.run, self.service.pipelines[pipeline], query, options)
+            ):
                 yield event
 
     def record_routing_stats(self) -> dict[str, Any]:
@@ -233,7 +246,7 @@ class Replicas:
         description: ReplicaDescription = await self.handle.describe.remote()
         return description
 
-    async def run(self, pipeline: str, query: str, options: RunOptions, key: str | None) -> AsyncIterator[RunEvent]:
+    async def run(self, pipeline: str, query: str, options: RunOptions, key: str | None) -> AsyncGenerator[RunEvent, None]:
         """The run's events from the replica the router picks; asked again elsewhere if that
         replica fails before sending any."""
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
@@ -291,9 +304,13 @@ class ReplicaPipeline:
     def llm_calls(self) -> int:
         return self.shape.llm_calls
 
-    async def run(self, query: str, options: RunOptions) -> AsyncGenerator[RunEvent, None]:
-        async for event in self.replicas.run(self.name, query, options, self.routing_key()):
-            yield event
+    async def run(self, query: str, options: RunOptions, emit: EventSink) -> RagResult:
+        async with contextlib.aclosing(self.replicas.run(self.name, query, options, self.routing_key())) as events:
+            async for event in events:
+                if isinstance(event, ResultEvent):
+                    return event.result
+                emit(event)
+        raise RuntimeError(f"the replica's run of {self.name} ended without a result")
 
 
 class ReplicaRuntime:
