@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -193,13 +193,18 @@ class StoreIndex:
         with self._read():
             return [p.text for p in self._passages(file_id)]
 
-    def search(self, query: np.ndarray, k: int) -> list[Hit]:
+    def search(self, query: np.ndarray, k: int, only: Collection[str] | None = None) -> list[Hit]:
         """The top k of the store's passages for `query` (1, dim), exactly as faiss's IndexIVF over
-        them would answer at the engine's default nprobe for the store's lists."""
+        them would answer at the engine's default nprobe for the store's lists; with `only`, of
+        those files' passages alone, as faiss's with an ID selector of them would (a filter's)."""
         with self._read() as retriever:
             if retriever is None:
                 return []
-            snapshot = retriever.live.snapshot()
+            if only is None:
+                snapshot = retriever.live.snapshot()
+            else:
+                snapshot, entries = retriever.live.snapshot_of(only)
+                snapshot = snapshot.restricted_to([i for entry in entries.values() for i in entry.passage_ids])
             engine = retriever.engine_for(snapshot.datastore)
             result = search_snapshot(engine, snapshot, query, k, engine.nprobe)
             found = [(int(i), float(s)) for i, s in zip(result.ids[0], result.scores[0], strict=True) if i >= 0]

@@ -16,9 +16,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from telerag.pipelines.attribute_filters import Attributes
 from telerag.utils.files import write_by_rename
-
-Attributes = Mapping[str, str | float | bool]  # a file's attributes, as OpenAI's API takes them
 
 
 class FileStatus(StrEnum):

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from telerag.pipelines.attribute_filters import AttributeFilter
 from telerag.pipelines.errors import (
     FileBatchNotFound,
     FileNotFound,
@@ -248,24 +249,32 @@ class VectorStores:
     # -- search -----------------------------------------------------------------------------------
 
     def search(
-        self, store_id: str, owner: str | None, queries: Sequence[str], k: int, score_threshold: float | None = None
+        self,
+        store_id: str,
+        owner: str | None,
+        queries: Sequence[str],
+        k: int,
+        score_threshold: float | None = None,
+        where: AttributeFilter | None = None,
     ) -> list[StoreHit]:
         """The store's top k passages for the queries' mean embedding, exact at the store's
-        default nprobe; those under `score_threshold` left out. In a worker thread: it embeds."""
+        default nprobe, over the files whose attributes `where` holds for (all: None); those under
+        `score_threshold` left out. In a worker thread: it embeds."""
         encoder = self._served()
-        self.get(store_id, owner)
+        record = self.get(store_id, owner)
+        matching = None if where is None else [f.id for f in record.files.values() if where.holds(f.attributes)]
         index = self._index(store_id)
         with encoder.priority.query():
-            hits = index.search(encoder.query(queries), k)
+            hits = index.search(encoder.query(queries), k, matching)
         with self._lock:
-            record = self._stores.get(store_id)
-            if record is None:
+            latest = self._stores.get(store_id)
+            if latest is None:
                 raise VectorStoreNotFound(f"no vector store {store_id!r}")
-            self._stores[store_id] = replace(record, active_ns=time.time_ns())  # kept with its next change
+            self._stores[store_id] = replace(latest, active_ns=time.time_ns())  # kept with its next change
         return [
             StoreHit(hit.file_id, stored.filename, hit.score, stored.attributes, hit.text)
             for hit in hits
-            if (stored := record.files.get(hit.file_id)) is not None and (score_threshold is None or hit.score >= score_threshold)
+            if (stored := latest.files.get(hit.file_id)) is not None and (score_threshold is None or hit.score >= score_threshold)
         ]
 
     # -- records ----------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -153,6 +153,12 @@ class LiveDatastore:
     def snapshot(self) -> Snapshot:
         """The latest acknowledged state (a search that starts now sees every acknowledged write)."""
         return self._snapshot
+
+    def snapshot_of(self, doc_ids: Iterable[str]) -> tuple[Snapshot, dict[str, DocumentEntry]]:
+        """The latest snapshot and the entries, as of it, of those of `doc_ids` it holds: one
+        version of both, for a search of some documents' passages alone."""
+        with self._lock:
+            return self._snapshot, {d: e for d in doc_ids if (e := self._state.entry(d)) is not None}
 
     def document(self, doc_id: str) -> DocumentEntry | None:
         with self._lock:

@@ -88,6 +88,36 @@ class Snapshot:
         largest = np.sort(self.deleted_per_list)[::-1][: max(1, nprobe)]
         return int(largest.sum())
 
+    def restricted_to(self, ids: Sequence[int] | np.ndarray) -> Snapshot:
+        """This snapshot with only the living ones of `ids` searched: every other row is left out
+        as the deleted are (`excluding`)."""
+        held = self.datastore.ids if self.datastore.ids is not None else np.arange(self.datastore.n_vectors, dtype=np.int64)
+        return self.excluding(np.setdiff1d(np.concatenate([held, self.delta.ids]), np.asarray(ids, dtype=np.int64)))
+
+    def excluding(self, ids: Sequence[int] | np.ndarray) -> Snapshot:
+        """This snapshot with the living ones of `ids` left out as the deleted are: a search of it
+        is exact over the rest, as faiss's with an ID selector that leaves them out (a search's
+        filter, `pipelines.attribute_filters`)."""
+        ids = np.unique(np.asarray(ids, dtype=np.int64))
+        ids, lists = self._lists_of(ids[~self.is_deleted(ids)])
+        if not len(ids):
+            return self
+        per_list = self.deleted_per_list + np.bincount(lists, minlength=self.datastore.nlist)
+        return replace(self, deleted=np.union1d(self.deleted, ids), deleted_per_list=per_list)
+
+    def _lists_of(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Those of `ids` this snapshot holds (of the generation, by its row, or of the delta:
+        an id written after it is not), and the list of each."""
+        rows = self.datastore.rows_of(ids)
+        lists = np.searchsorted(self.datastore.offsets, rows, side="right") - 1
+        held = rows >= 0
+        if len(self.delta):
+            at = np.minimum(np.searchsorted(self.delta.ids, ids), len(self.delta) - 1)
+            in_delta = ~held & (self.delta.ids[at] == ids)
+            lists = np.where(in_delta, self.delta.lists[at], lists)
+            held |= in_delta
+        return ids[held], lists[held].astype(np.int64)
+
     def is_deleted(self, ids: np.ndarray) -> np.ndarray:
         if not len(self.deleted):
             return np.zeros(np.shape(ids), dtype=bool)

@@ -18,6 +18,7 @@ import numpy as np
 import openai
 import pytest
 
+from telerag.pipelines.attribute_filters import Comparison
 from telerag.pipelines.file_store import FileStore
 from telerag.pipelines.retriever import EmbeddingPriority
 from telerag.pipelines.vector_store_index import StoreEncoder
@@ -146,6 +147,43 @@ async def test_a_store_is_made_filled_searched_and_emptied_through_the_sdk(tmp_p
         assert [s async for s in client.vector_stores.list()] == []
 
 
+async def test_a_search_with_filters_on_attributes_finds_the_matching_files_alone(tmp_path):
+    with stores_app(tmp_path) as http:
+        client = keyed(http)
+        store = await client.vector_stores.create(name="filtered")
+        notes = await client.vector_stores.files.upload_and_poll(
+            vector_store_id=store.id, file=("notes.md", MARKDOWN), attributes={"kind": "notes", "year": 2024, "draft": True}
+        )
+        concerts = await client.vector_stores.files.upload_and_poll(
+            vector_store_id=store.id, file=("orchard.pdf", PDF), attributes={"kind": "concerts", "year": 2025}
+        )
+
+        async def found(filters) -> set[str]:
+            page = await client.vector_stores.search(store.id, query=HARBOUR, max_num_results=10, filters=filters)
+            return {hit.file_id async for hit in page}
+
+        both = {notes.id, concerts.id}
+        assert await found({"type": "eq", "key": "kind", "value": "notes"}) == {notes.id}
+        assert await found({"type": "gte", "key": "year", "value": 2025}) == {concerts.id}  # not the nearer notes
+        assert await found({"type": "nin", "key": "kind", "value": ["notes", "manuals"]}) == {concerts.id}
+        assert await found({"type": "ne", "key": "draft", "value": True}) == set()  # a file without it: neither eq nor ne
+        assert await found({"type": "gt", "key": "kind", "value": 3}) == set()  # a text is not ordered against a number
+        either = {
+            "type": "or",
+            "filters": [{"type": "eq", "key": "draft", "value": True}, {"type": "lt", "key": "year", "value": 2026}],
+        }
+        assert await found(either) == both
+        assert await found({"type": "and", "filters": [either, {"type": "eq", "key": "kind", "value": "concerts"}]}) == {
+            concerts.id
+        }
+
+        await client.vector_stores.files.update(concerts.id, vector_store_id=store.id, attributes={"kind": "notes"})
+        assert await found({"type": "eq", "key": "kind", "value": "notes"}) == both  # the next search follows the change
+        with pytest.raises(openai.UnprocessableEntityError) as refused:
+            await found({"type": "in", "key": "kind", "value": "notes"})
+        assert refused.value.param == "filters.in.value"
+
+
 async def test_a_batch_and_a_store_made_with_files_are_processed_in_the_background(tmp_path):
     text = " ".join(f"word{i}" for i in range(400)).encode()
     with stores_app(tmp_path) as http:
@@ -231,7 +269,6 @@ async def test_a_file_detached_or_cancelled_while_it_is_written_leaves_no_passag
 @pytest.mark.parametrize(
     ("call", "field"),
     [
-        (lambda c, s: c.vector_stores.search(s, query="q", filters={"type": "eq", "key": "kind", "value": "notes"}), "filters"),
         (lambda c, s: c.vector_stores.search(s, query="q", rewrite_query=True), "rewrite_query"),
         (
             lambda c, s: c.vector_stores.search(s, query="q", ranking_options={"ranker": "default-2024-11-15"}),
@@ -356,7 +393,9 @@ def faiss_reference(store_dir, embedder: HashEmbedder) -> tuple[faiss.IndexIVFFl
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_search_equals_faiss_over_the_same_passages_at_the_same_nprobe(tmp_path, seed):
     """Random stores: a first file large enough for 17+ lists (so nprobe < nlist), more files
-    written into it, one detached; every search equal to faiss's over its living passages."""
+    written into it, one detached; every search, with a filter on the files' attributes or
+    without, equal to faiss's over its living passages (with an ID selector of the matching files'
+    passages)."""
     rng = random.Random(seed)
     vocabulary = [f"w{i}" for i in range(300)]
     files = FileStore(tmp_path / "files", max_bytes=1 << 24, max_bytes_per_owner=1 << 26)
@@ -383,11 +422,16 @@ def test_a_search_equals_faiss_over_the_same_passages_at_the_same_nprobe(tmp_pat
         assert reference.nprobe < reference.nlist
         for _ in range(10):
             query = " ".join(rng.choice(vocabulary) for _ in range(rng.randint(1, 8)))
-            hits = stores.search(store.id, None, [query], 10)
-            scores, found = reference.search(store_encoder.embedder.encode([query]), 10)
+            # a filter on the files' attributes: the passages of the files it matches, faiss's ID selector
+            kept = rng.sample(range(len(ids)), rng.randint(1, len(ids) - 1))
+            where = Comparison("in", "n", tuple(float(n) for n in kept)) if rng.random() < 0.5 else None
+            selected = {i for i, (file_id, _) in passages.items() if where is None or ids.index(file_id) in kept}
+            params = faiss.SearchParametersIVF(nprobe=reference.nprobe, sel=faiss.IDSelectorBatch(np.asarray(sorted(selected))))
+            hits = stores.search(store.id, None, [query], 10, where=where)
+            scores, found = reference.search(store_encoder.embedder.encode([query]), 10, params=params)
             got = np.asarray([by_passage.get((h.file_id, h.text), -2) for h in hits], dtype=np.int64)
             got_scores = np.asarray([h.score for h in hits], dtype=np.float32)
-            assert same_results(got, got_scores, found[0][: len(hits)], scores[0][: len(hits)]), query
+            assert same_results(got, got_scores, found[0][: len(hits)], scores[0][: len(hits)]), (query, where)
             assert len(hits) == int((found[0] >= 0).sum())  # never short
     finally:
         stores.close()
@@ -421,3 +465,9 @@ def test_a_stores_lists_follow_its_size(tmp_path):
         assert shapes == [(10, 1), (10, 1), (40, 1), (840, default_nlist(840))] and default_nlist(840) == 21
     finally:
         stores.close()
+
+
+def test_a_filter_never_takes_a_boolean_for_a_number():
+    assert not Comparison("eq", "x", 1.0).holds({"x": True}) and not Comparison("in", "x", (1.0,)).holds({"x": True})
+    assert Comparison("in", "x", (1.0, "a")).holds({"x": 1.0}) and Comparison("nin", "x", (1.0,)).holds({"x": True})
+    assert Comparison("eq", "x", True).holds({"x": True}) and not Comparison("gt", "x", False).holds({"x": True})

@@ -1,7 +1,7 @@
 """The models of OpenAI's Vector Stores API (`routes/vector_stores.py`, `routes/vector_store_files.py`),
 in OpenAI's shape, so that the openai SDK's `client.vector_stores` (its `create_and_poll` and
 `upload_and_poll` too) reads them unchanged. A field the server does not serve yet (`expires_after`,
-search's `filters`, `rewrite_query: true`, a ranker) is refused with a 400 naming it."""
+`rewrite_query: true`, a ranker) is refused with a 400 naming it."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, create_model, field_validator
 
+from telerag.pipelines.attribute_filters import Comparison, Compound
 from telerag.pipelines.documents import NON_BLANK
 from telerag.pipelines.vector_store_records import Attach, FileCounts, StaticChunking, StoreHit, StoreRecord
 from telerag.server.protocols.common import refuse
@@ -118,19 +119,48 @@ class RankingOptions(Request):
         return value
 
 
+class ComparisonFilter(Request):
+    """OpenAI's comparison of a file's attribute with a value (`pipelines.attribute_filters`)."""
+
+    type: Literal["eq", "ne", "gt", "gte", "lt", "lte", "in", "nin"]
+    key: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    value: Attribute | Annotated[list[bool | float | Annotated[str, StringConstraints(max_length=512)]], Field(max_length=512)]
+
+    @field_validator("value")
+    @classmethod
+    def _list_for_in(cls, value: Any, info: ValidationInfo) -> Any:
+        listed = info.data.get("type") in ("in", "nin")
+        if listed != isinstance(value, list):
+            raise ValueError("a list for in and nin, a single string, number or boolean for the others")
+        return value
+
+    def to_filter(self) -> Comparison:
+        return Comparison(self.type, self.key, tuple(self.value) if isinstance(self.value, list) else self.value)
+
+
+class CompoundFilter(Request):
+    """OpenAI's `and` / `or` of filters."""
+
+    type: Literal["and", "or"]
+    filters: list[Filter] = Field(min_length=1, max_length=64)
+
+    def to_filter(self) -> Compound:
+        return Compound(self.type, tuple(f.to_filter() for f in self.filters))
+
+
+Filter = Annotated[ComparisonFilter | CompoundFilter, Field(discriminator="type")]
+
+
 class SearchRequest(Request):
     """`POST /v1/vector_stores/{id}/search`; the query's bounds are set per app (`search_request_model`)."""
 
     query: str | list[str]
     max_num_results: int = Field(10, ge=1, le=50)
     ranking_options: RankingOptions | None = None
-    filters: Any = Field(None, description="not served yet: filters on the files' attributes")
+    filters: Filter | None = Field(
+        None, description="on the files' attributes: the search is exact over the passages of the files it matches"
+    )
     rewrite_query: bool = Field(False, description="only false: the query is searched as given")
-
-    @field_validator("filters", mode="before")
-    @classmethod
-    def _no_filters(cls, value: Any) -> Any:
-        return _not_served(value, "filters on the files' attributes")
 
     @field_validator("rewrite_query")
     @classmethod

@@ -146,7 +146,8 @@ async def delete_store(vector_store_id: StoreId, request: Request, client: str |
 
 async def search_store(vector_store_id: StoreId, request: Request, body: SearchRequest, client: str | None) -> SearchResultsPage:
     threshold = body.ranking_options.score_threshold if body.ranking_options is not None else None
+    where = None if body.filters is None else body.filters.to_filter()
     hits = await asyncio.to_thread(
-        stores_of(request).search, vector_store_id, client, body.queries, body.max_num_results, threshold
+        stores_of(request).search, vector_store_id, client, body.queries, body.max_num_results, threshold, where
     )
     return SearchResultsPage(search_query=body.queries, data=[SearchResult.of(hit) for hit in hits])
