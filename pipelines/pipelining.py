@@ -140,4 +140,4 @@ def cosines(stale: np.ndarray, final: np.ndarray) -> float:
 
 def same_documents(a: Sequence[Sequence[Document]], b: Sequence[Sequence[Document]]) -> bool:
     """Whether two searches' documents are the same passages in the same order, query by query."""
-    return [[d.id for d in group] for group in a] == [[d.id for d in group] for group in b]
+    return [[(d.source, d.id) for d in group] for group in a] == [[(d.source, d.id) for d in group] for group in b]

@@ -38,7 +38,7 @@ class Prompt:
 
 
 def format_documents(documents: Sequence[Document]) -> str:
-    ordered = sorted(documents, key=lambda d: d.id)
+    ordered = sorted(documents, key=lambda d: (d.source, d.id))
     return "\n\n".join(f"[{i + 1}] {d.title}\n{d.text}" for i, d in enumerate(ordered))
 
 

@@ -39,13 +39,16 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Document:
-    """A retrieved passage. `id` is the passage's row in the datastore; `doc_id` its article's corpus id."""
+    """A retrieved passage. `id` is the passage's id in its datastore; `doc_id` its document's
+    (an article's corpus id, a vector store's file id); `source` the vector store it came from
+    ("": the server's datastore)."""
 
     id: int
     doc_id: str
     title: str
     text: str
     score: float
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -398,6 +401,11 @@ class Pipeline(Protocol):
     async def run(self, query: str, options: RunOptions, emit: EventSink) -> RagResult:
         """Run to the end in the caller's task: each stage, token and usage event handed to
         `emit` as it happens (on the event loop), the result returned."""
+        ...
+
+    def over(self, retriever: Retriever) -> Pipeline:
+        """The same pipeline retrieving from `retriever` instead (a request's `file_search` tool's
+        vector stores)."""
         ...
 
 

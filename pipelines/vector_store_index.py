@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,11 +27,11 @@ from telerag.pipelines.documents import DocumentText, DocumentWriter
 from telerag.pipelines.errors import VectorStoreNotFound
 from telerag.pipelines.rebuilds import RebuildKind, Rebuilds
 from telerag.pipelines.types import MeanQuery, query_vectors
-from telerag.pipelines.vector_store_records import StaticChunking
+from telerag.pipelines.vector_store_records import StaticChunking, StoreFile
 from telerag.retrieval.builder import build_datastore, default_nlist
 from telerag.retrieval.corpus import Article, Passage, PassageShape
 from telerag.retrieval.datastore import MANIFEST, Datastore
-from telerag.retrieval.snapshot import search_snapshot
+from telerag.retrieval.snapshot import Snapshot, search_snapshot
 
 if TYPE_CHECKING:  # the retriever brings torch: the server's app is made, and listens, before it loads
     from telerag.pipelines.retriever import DirectRetriever, EmbeddingPriority, TextEncoder
@@ -84,6 +84,7 @@ def tokens_per_word(embedder: TextEncoder, words: list[str]) -> float:
 
 @dataclass(frozen=True)
 class Hit:
+    id: int  # the passage's id in its store
     file_id: str
     text: str
     score: float
@@ -193,23 +194,29 @@ class StoreIndex:
         with self._read():
             return [p.text for p in self._passages(file_id)]
 
-    def search(self, query: np.ndarray, k: int, only: Collection[str] | None = None) -> list[Hit]:
-        """The top k of the store's passages for `query` (1, dim), exactly as faiss's IndexIVF over
-        them would answer at the engine's default nprobe for the store's lists; with `only`, of
-        those files' passages alone, as faiss's with an ID selector of them would (a filter's)."""
+    def view(self, only: Collection[str] | None = None) -> Snapshot | None:
+        """The store as a search reads it now (None: empty, no datastore yet); with `only`, those
+        files' passages alone, read as one version with the snapshot (a filter's)."""
         with self._read() as retriever:
             if retriever is None:
-                return []
+                return None
             if only is None:
-                snapshot = retriever.live.snapshot()
-            else:
-                snapshot, entries = retriever.live.snapshot_of(only)
-                snapshot = snapshot.restricted_to([i for entry in entries.values() for i in entry.passage_ids])
-            engine = retriever.engine_for(snapshot.datastore)
-            result = search_snapshot(engine, snapshot, query, k, engine.nprobe)
+                return retriever.live.snapshot()
+            snapshot, entries = retriever.live.snapshot_of(only)
+            return snapshot.restricted_to([i for entry in entries.values() for i in entry.passage_ids])
+
+    def search(self, query: np.ndarray, k: int, view: Snapshot | None) -> list[Hit]:
+        """The top k of `view`'s passages for `query` (1, dim), exactly as faiss's IndexIVF over
+        them would answer at the engine's default nprobe for the store's lists (with a filter's
+        view, as faiss's with an ID selector of the files' passages would)."""
+        with self._read() as retriever:
+            if retriever is None or view is None:
+                return []
+            engine = retriever.engine_for(view.datastore)
+            result = search_snapshot(engine, view, query, k, engine.nprobe)
             found = [(int(i), float(s)) for i, s in zip(result.ids[0], result.scores[0], strict=True) if i >= 0]
-            passages = snapshot.passages_of([i for i, _ in found])
-            return [Hit(p.doc_id, p.text, s) for (_, s), p in zip(found, passages, strict=True)]
+            passages = view.passages_of([i for i, _ in found])
+            return [Hit(i, p.doc_id, p.text, s) for (i, s), p in zip(found, passages, strict=True)]
 
     def close(self) -> None:
         """Once the change and the searches under way end: the datastore's files and lock let go."""
@@ -220,3 +227,18 @@ class StoreIndex:
                 self._rebuilds.join()
             if self._retriever is not None:
                 self._retriever.close()
+
+
+@dataclass(frozen=True)
+class StoreView:
+    """One store as a request reads it: its snapshot (taken when the request began; a filter's
+    holds the matching files' passages alone) and its files as they were then."""
+
+    store_id: str
+    index: StoreIndex
+    snapshot: Snapshot | None  # None: the store had no passages
+    files: Mapping[str, StoreFile]
+
+    def search(self, query: np.ndarray, k: int) -> list[Hit]:
+        """The exact top k of the snapshot's passages for `query` (1, dim)."""
+        return self.index.search(query, k, self.snapshot)

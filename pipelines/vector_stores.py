@@ -11,6 +11,9 @@ file still in progress when the server stopped is processed again at its next st
 Each store belongs to the API key that made it (`owner`): another key gets 404 for it, as for a
 store that does not exist. A key holds at most `max_stores` stores and `max_bytes` bytes in them
 (its files' usage; a file in progress counts its uploaded size).
+
+It is long because it is the one owner of the stores' records: every route of the Vector Stores
+API (stores, their files, batches, search) reads and changes them here, under one lock.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from telerag.pipelines.errors import (
 )
 from telerag.pipelines.file_store import FileStore
 from telerag.pipelines.files import convert
-from telerag.pipelines.vector_store_index import StoreEncoder, StoreIndex
+from telerag.pipelines.vector_store_index import StoreEncoder, StoreIndex, StoreView
 from telerag.pipelines.vector_store_records import (
     Attach,
     Attributes,
@@ -248,6 +251,27 @@ class VectorStores:
 
     # -- search -----------------------------------------------------------------------------------
 
+    @property
+    def encoder(self) -> StoreEncoder:
+        """The server's embedder, as the stores use it (501 where none is served)."""
+        return self._served()
+
+    def views(self, store_ids: Sequence[str], owner: str | None, where: AttributeFilter | None = None) -> list[StoreView]:
+        """The owner's stores as a request reads them from now on: each one's snapshot (of the
+        files `where` holds for, all: None) and its files as of now; an unknown store or another
+        key's is `VectorStoreNotFound`."""
+        views = []
+        for store_id in dict.fromkeys(store_ids):
+            record = self.get(store_id, owner)
+            matching = None if where is None else [f.id for f in record.files.values() if where.holds(f.attributes)]
+            index = self._index(store_id)
+            views.append(StoreView(store_id, index, index.view(matching), record.files))
+            with self._lock:
+                latest = self._stores.get(store_id)
+                if latest is not None:
+                    self._stores[store_id] = replace(latest, active_ns=time.time_ns())  # kept with its next change
+        return views
+
     def search(
         self,
         store_id: str,
@@ -260,21 +284,13 @@ class VectorStores:
         """The store's top k passages for the queries' mean embedding, exact at the store's
         default nprobe, over the files whose attributes `where` holds for (all: None); those under
         `score_threshold` left out. In a worker thread: it embeds."""
-        encoder = self._served()
-        record = self.get(store_id, owner)
-        matching = None if where is None else [f.id for f in record.files.values() if where.holds(f.attributes)]
-        index = self._index(store_id)
-        with encoder.priority.query():
-            hits = index.search(encoder.query(queries), k, matching)
-        with self._lock:
-            latest = self._stores.get(store_id)
-            if latest is None:
-                raise VectorStoreNotFound(f"no vector store {store_id!r}")
-            self._stores[store_id] = replace(latest, active_ns=time.time_ns())  # kept with its next change
+        (view,) = self.views([store_id], owner, where)
+        with self.encoder.priority.query():
+            hits = view.search(self.encoder.query(queries), k)
         return [
             StoreHit(hit.file_id, stored.filename, hit.score, stored.attributes, hit.text)
             for hit in hits
-            if (stored := latest.files.get(hit.file_id)) is not None and (score_threshold is None or hit.score >= score_threshold)
+            if (stored := view.files.get(hit.file_id)) is not None and (score_threshold is None or hit.score >= score_threshold)
         ]
 
     # -- records ----------------------------------------------------------------------------------

@@ -143,7 +143,7 @@ async def test_the_documents_come_with_the_answer_unless_turned_off():
         client = sdk(http)
         completion = await client.chat.completions.create(model="naive", messages=QUESTION)
         documents = completion.model_extra["documents"]
-        assert len(documents) == 3 and {"id", "doc_id", "title", "text", "score"} == documents[0].keys()
+        assert len(documents) == 3 and {"id", "doc_id", "title", "text", "score", "source"} == documents[0].keys()
         stream = await client.chat.completions.create(model="naive", messages=QUESTION, stream=True)
         chunks = [chunk async for chunk in stream]
         assert [c.model_extra.get("documents") for c in chunks[:-1]] == [None] * (len(chunks) - 1)

@@ -81,6 +81,12 @@ def test_generated_requests_pass_every_check(served, tmp_path):
             f"{served}/openapi.json",
             "--checks",
             "all",
+            # The stateful phase reads neither the operations' checks nor its own (schemathesis 4.32):
+            # its check that a resource just made is found again takes any 404 of an operation below
+            # it for one, so a vector store's file id in the body that names no upload (a 404, as
+            # loadtest/schemathesis.toml says) fails it. So it is left out of this run altogether.
+            "--exclude-checks",
+            "ensure_resource_availability",
             "--max-examples",
             str(EXAMPLES),
             "--seed",

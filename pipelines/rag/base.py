@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar, TypeVar, overload
@@ -100,6 +101,14 @@ class RagPipeline:
     async def body(self, ctx: RunContext) -> str:
         """Run the pipeline; return the final answer (already streamed as TokenEvents)."""
         raise NotImplementedError
+
+    def over(self, retriever: Retriever) -> RagPipeline:
+        """A copy retrieving from `retriever`, for one request: its LLM calls teach this pipeline's
+        expected tokens as ever; the search-time model is the server datastore's, so not shared."""
+        pipeline = copy.copy(self)
+        pipeline.retriever = retriever
+        pipeline.search_budget = SearchBudget()
+        return pipeline
 
     async def run(self, query: str, options: RunOptions, emit: EventSink) -> RagResult:
         ctx = RunContext(
@@ -431,9 +440,10 @@ class RagPipeline:
 
 def merge_documents(groups: Sequence[Sequence[Document]], limit: int) -> list[Document]:
     """Unique documents across several result lists, best score first."""
-    best: dict[int, Document] = {}
+    best: dict[tuple[str, int], Document] = {}
     for group in groups:
         for doc in group:
-            if doc.id not in best or doc.score > best[doc.id].score:
-                best[doc.id] = doc
-    return sorted(best.values(), key=lambda d: (-d.score, d.id))[:limit]
+            key = (doc.source, doc.id)
+            if key not in best or doc.score > best[key].score:
+                best[key] = doc
+    return sorted(best.values(), key=lambda d: (-d.score, d.source, d.id))[:limit]

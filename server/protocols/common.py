@@ -86,6 +86,7 @@ class DocumentOut(BaseModel):
     title: str
     text: str
     score: float
+    source: str = Field("", description="the vector store it came from (a file_search tool's); empty: the server's datastore")
 
 
 def documents_out(documents: Sequence[Document]) -> list[DocumentOut]:

@@ -4,11 +4,12 @@ question, the instructions for its answer, and the turns that make it a follow-u
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar, Protocol
+from typing import Annotated, ClassVar, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from telerag.pipelines.types import Turn
+from telerag.server.protocols.file_search import FileSearchTool, file_search_only
 
 HISTORY_TURNS = 6  # of a conversation, what the standalone question is written from
 
@@ -52,6 +53,13 @@ class Conversation(BaseModel):
     return_documents: bool = Field(
         True, description="an extension: false leaves out `documents`, the passages the answer was written from"
     )
+    tools: Annotated[list[FileSearchTool], BeforeValidator(file_search_only)] | None = Field(
+        None, description="one file_search tool at most: the answer is written from those vector stores instead"
+    )
+
+    @property
+    def file_search(self) -> FileSearchTool | None:
+        return self.tools[0] if self.tools else None
 
     @property
     def said(self) -> Sequence[Said]:

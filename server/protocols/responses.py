@@ -10,12 +10,14 @@ cannot be fetched again or continued by `previous_response_id` (refused by name 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, create_model, field_validator, model_validator
 
-from telerag.pipelines.types import RagResult
+from telerag.pipelines.attribute_filters import Attributes
+from telerag.pipelines.types import Document, RagResult
 from telerag.server.protocols.common import (
     DocumentOut,
     default_max_tokens,
@@ -26,8 +28,11 @@ from telerag.server.protocols.common import (
     refuse,
 )
 from telerag.server.protocols.conversation import Conversation, Said, content_text
+from telerag.server.protocols.file_search import FileCitation, FileSearchCall, FileSearchTool, citations
 from telerag.server.protocols.openai import answer_cut, text_only
 from telerag.server.settings import LimitSettings
+
+FILE_SEARCH_RESULTS = "file_search_call.results"
 
 
 class InputText(BaseModel):
@@ -49,6 +54,15 @@ def messages_only(items: Any) -> Any:
         for at, item in enumerate(items):
             if isinstance(item, dict) and isinstance(kind := item.get("type"), str) and kind != "message":
                 raise refuse(f"only messages: item {at} is a {kind}")
+    return items
+
+
+def results_only(items: Any) -> Any:
+    """Of what `include` may ask, only the file search's results are served: the rest is refused by name."""
+    if isinstance(items, list):
+        for item in items:
+            if isinstance(item, str) and item != FILE_SEARCH_RESULTS:
+                raise refuse(f'only "{FILE_SEARCH_RESULTS}": {item} is not served')
     return items
 
 
@@ -96,6 +110,9 @@ class ResponseRequest(Conversation):
     store: Literal[False] | None = Field(None, description="only false: nothing is stored")
     truncation: Literal["disabled"] | None = Field(None, description='only "disabled": an input too long is refused')
     metadata: dict[str, str] | None = Field(None, description="given back with the response")
+    include: Annotated[list[Literal["file_search_call.results"]], BeforeValidator(results_only)] | None = Field(
+        None, description='only "file_search_call.results": the passages in the file_search_call item'
+    )
 
     @field_validator("store", mode="before")
     @classmethod
@@ -177,7 +194,7 @@ def response_request_model(limits: LimitSettings, pipelines: Sequence[str]) -> t
 class OutputText(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
-    annotations: list[Any] = Field(default_factory=list)
+    annotations: list[FileCitation] = Field(default_factory=list)
 
 
 class OutputMessage(BaseModel):
@@ -208,6 +225,19 @@ class IncompleteDetails(BaseModel):
     reason: Literal["max_output_tokens"]
 
 
+@dataclass(frozen=True)
+class FileSearchOutput:
+    """What a response with a `file_search` tool says of it: its `file_search_call` item (the
+    results with their files' `attributes`, when asked for) and its answer's citations."""
+
+    call_id: str
+    attributes: Callable[[Document], Attributes]
+    with_results: bool
+
+    def call(self, result: RagResult) -> FileSearchCall:
+        return FileSearchCall.of(self.call_id, result, self.attributes, with_results=self.with_results)
+
+
 class ResponseObject(BaseModel):
     """A response, as the Responses API returns it (and its stream's lifecycle events carry it)."""
 
@@ -216,7 +246,7 @@ class ResponseObject(BaseModel):
     created_at: int = Field(default_factory=lambda: int(time.time()))
     status: Literal["in_progress", "completed", "incomplete"]
     model: str
-    output: list[OutputMessage]
+    output: list[FileSearchCall | OutputMessage]
     instructions: str | None
     max_output_tokens: int | None
     temperature: float
@@ -226,8 +256,8 @@ class ResponseObject(BaseModel):
     error: None = None
     usage: ResponseUsage | None = None
     parallel_tool_calls: bool = False
-    tool_choice: Literal["none"] = "none"
-    tools: list[Any] = Field(default_factory=list)
+    tool_choice: Literal["none", "auto"] = "none"
+    tools: list[FileSearchTool] = Field(default_factory=list)
     text: TextConfig = Field(default_factory=lambda: TextConfig(format=TextFormat(type="text")))
     store: bool = False
     truncation: Literal["disabled"] = "disabled"
@@ -248,17 +278,24 @@ class ResponseObject(BaseModel):
             temperature=body.temperature,
             top_p=body.top_p,
             metadata=body.metadata or {},
+            tool_choice="auto" if body.tools else "none",
+            tools=body.tools or [],
         )
 
-    def finished(self, result: RagResult, *, message_id: str, with_documents: bool) -> ResponseObject:
-        """The same response, its answer in: incomplete when the token limit cut the answer."""
+    def finished(
+        self, result: RagResult, *, message_id: str, with_documents: bool, file_search: FileSearchOutput | None = None
+    ) -> ResponseObject:
+        """The same response, its answer in: incomplete when the token limit cut the answer; with
+        a file search, its call first and the answer citing its files."""
         cut = answer_cut(result)
         status: Literal["completed", "incomplete"] = "incomplete" if cut else "completed"
         prompt = result.prompt_tokens
+        cited = [] if file_search is None else citations(result.documents, result.answer)
+        message = OutputMessage(id=message_id, status=status, content=[OutputText(text=result.answer, annotations=cited)])
         return self.model_copy(
             update={
                 "status": status,
-                "output": [OutputMessage(id=message_id, status=status, content=[OutputText(text=result.answer)])],
+                "output": [message] if file_search is None else [file_search.call(result), message],
                 "incomplete_details": IncompleteDetails(reason="max_output_tokens") if cut else None,
                 "usage": ResponseUsage(
                     input_tokens=prompt,
@@ -291,7 +328,14 @@ class OutputItemEvent(ResponseEvent):
     """response.output_item.added, response.output_item.done."""
 
     output_index: int = 0
-    item: OutputMessage
+    item: FileSearchCall | OutputMessage
+
+
+class FileSearchCallEvent(ResponseEvent):
+    """response.file_search_call.in_progress, .searching, .completed: the call's progress."""
+
+    item_id: str
+    output_index: int = 0
 
 
 class PartEvent(ResponseEvent):
@@ -313,6 +357,13 @@ class TextDeltaEvent(PartEvent):
 
     delta: str
     logprobs: list[Any] = Field(default_factory=list)
+
+
+class AnnotationAddedEvent(PartEvent):
+    """response.output_text.annotation.added: a citation of the answer's text."""
+
+    annotation_index: int
+    annotation: FileCitation
 
 
 class TextDoneEvent(PartEvent):

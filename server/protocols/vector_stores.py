@@ -138,11 +138,25 @@ class ComparisonFilter(Request):
         return Comparison(self.type, self.key, tuple(self.value) if isinstance(self.value, list) else self.value)
 
 
-class CompoundFilter(Request):
-    """OpenAI's `and` / `or` of filters."""
+class NestedCompoundFilter(Request):
+    """An `and` / `or` of comparisons, inside another."""
 
     type: Literal["and", "or"]
-    filters: list[Filter] = Field(min_length=1, max_length=64)
+    filters: list[ComparisonFilter] = Field(min_length=1, max_length=64)
+
+    def to_filter(self) -> Compound:
+        return Compound(self.type, tuple(f.to_filter() for f in self.filters))
+
+
+class CompoundFilter(Request):
+    """OpenAI's `and` / `or` of filters: of comparisons, or of `and` / `or`s of comparisons (two
+    levels hold any filter in conjunctive or disjunctive form; the schema names no deeper one, so
+    that it stays one a generator of requests can walk)."""
+
+    type: Literal["and", "or"]
+    filters: list[Annotated[ComparisonFilter | NestedCompoundFilter, Field(discriminator="type")]] = Field(
+        min_length=1, max_length=64
+    )
 
     def to_filter(self) -> Compound:
         return Compound(self.type, tuple(f.to_filter() for f in self.filters))

@@ -32,11 +32,14 @@ from typing import Any
 
 import numpy as np
 
+from telerag.pipelines.errors import VectorStoresUnavailable
 from telerag.pipelines.types import (
     DatastoreInfo,
     EventSink,
+    Pipeline,
     RagResult,
     ResultEvent,
+    Retriever,
     RunEvent,
     RunOptions,
     Stage,
@@ -303,6 +306,9 @@ class ReplicaPipeline:
     @property
     def llm_calls(self) -> int:
         return self.shape.llm_calls
+
+    def over(self, retriever: Retriever) -> Pipeline:
+        raise VectorStoresUnavailable("a Ray cluster's inference replicas retrieve from their own datastore alone")
 
     async def run(self, query: str, options: RunOptions, emit: EventSink) -> RagResult:
         async with contextlib.aclosing(self.replicas.run(self.name, query, options, self.routing_key())) as events:

@@ -13,6 +13,9 @@ def json_or_events(model: type, events: dict[str, Any], description: str) -> dic
     return {200: {"model": model, "description": description, "content": {"text/event-stream": {"schema": events}}}}
 
 
-def generation_errors(access: Access) -> dict[int | str, dict[str, Any]]:
-    """Every error a route that runs a pipeline may answer."""
-    return errors.responses(400, *access.api_errors, 413, 422, 429, 502, 503, 504)
+TOOL_ERRORS = (404, 501)  # a file_search tool's store that is not the key's; no stores served (Ray's inference replicas)
+
+
+def generation_errors(access: Access, *more: int) -> dict[int | str, dict[str, Any]]:
+    """Every error a route that runs a pipeline may answer, and `more` of its own."""
+    return errors.responses(400, *access.api_errors, *more, 413, 422, 429, 502, 503, 504)

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from telerag.pipelines.store_retriever import StoresRetriever
 from telerag.pipelines.types import ResultEvent, RunEvent, TokenEvent
 from telerag.server import errors
 from telerag.server.admitted_run import AdmittedRun, EventStream
@@ -28,7 +29,8 @@ from telerag.server.protocols.openai import (
     Usage,
     finish_reason,
 )
-from telerag.server.routes.documented import generation_errors, json_or_events
+from telerag.server.routes.documented import TOOL_ERRORS, generation_errors, json_or_events
+from telerag.server.routes.file_search import stores_retriever
 from telerag.server.routes.signature import typed
 from telerag.server.service import Service, serving
 from telerag.server.streaming import event_schema, json_data, sse_data
@@ -59,7 +61,7 @@ def router(chat: type[ChatCompletionRequest], access: Access) -> APIRouter:
         CHAT,
         typed(chat_completions, body=chat, client=access.client_parameter()),
         methods=["POST"],
-        responses={**json_or_events(ChatCompletion, CHAT_STREAM, CHAT_EVENTS), **generation_errors(access)},
+        responses={**json_or_events(ChatCompletion, CHAT_STREAM, CHAT_EVENTS), **generation_errors(access, *TOOL_ERRORS)},
     )
     return routes
 
@@ -68,12 +70,16 @@ async def list_models(request: Request, service: Service = Depends(serving)) -> 
     return ModelList(data=[Model(id=name, created=request.app.state.started) for name in service.pipelines])
 
 
-def admit(service: Service, request: Request, body: Conversation, client: str | None) -> AdmittedRun:
+def admit(
+    service: Service, request: Request, body: Conversation, client: str | None, stores: StoresRetriever | None = None
+) -> AdmittedRun:
     """A chat completion's or a response's run, admitted (or refused at once, naming the
-    request's own fields): its question, instructions, history, sampling and token limit."""
+    request's own fields): its question, instructions, history, sampling and token limit; with
+    a `file_search` tool, its pipeline retrieves from the tool's `stores`."""
     limit_field, limit = body.token_limit
+    tool = body.file_search
     options = service.options(
-        top_k=None,
+        top_k=None if tool is None else tool.max_num_results,
         nprobe=None,
         max_tokens=limit or request.app.state.default_max_tokens,
         temperature=body.temperature,
@@ -85,12 +91,12 @@ def admit(service: Service, request: Request, body: Conversation, client: str | 
     pipeline = service.pipelines[body.model]
     return service.admit(
         request,
-        pipeline,
+        pipeline if stores is None else pipeline.over(stores),
         body.question,
         options,
         client,
         query_field=body.QUERY_FIELD,
-        top_k_field=None,
+        top_k_field=None if tool is None or tool.max_num_results is None else "tools.0.max_num_results",
         limit_field=limit_field if limit is not None else None,
     )
 
@@ -98,7 +104,8 @@ def admit(service: Service, request: Request, body: Conversation, client: str | 
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, client: str | None, service: Service = Depends(serving)
 ) -> Response:
-    run = admit(service, request, body, client)
+    stores = None if body.file_search is None else await stores_retriever(request, body.file_search, client)
+    run = admit(service, request, body, client, stores)
     request_id = f"chatcmpl-{request.state.request_id}"
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage

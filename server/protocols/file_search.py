@@ -1,0 +1,90 @@
+"""OpenAI's `file_search` tool, as both OpenAI APIs take it (`protocols.conversation`): the
+request's pipeline runs over the named vector stores instead of the server's datastore
+(`pipelines.store_retriever`); a response says so with its `file_search_call` item and cites the
+files its answer was written from (`file_citation` annotations)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from telerag.pipelines.attribute_filters import Attributes
+from telerag.pipelines.types import Document, RagResult, StageRole
+from telerag.server.protocols.common import refuse
+from telerag.server.protocols.vector_stores import Filter, RankingOptions
+
+MAX_TOOL_STORES = 16
+
+
+class FileSearchTool(BaseModel):
+    """`{"type": "file_search", "vector_store_ids": [...]}`: the answer is written from the top
+    `max_num_results` passages (the server's `top_k` when unset) of those stores, merged exactly."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    type: Literal["file_search"]
+    vector_store_ids: list[Annotated[str, StringConstraints(min_length=1, max_length=64)]] = Field(
+        min_length=1, max_length=MAX_TOOL_STORES, description="the API key's own stores (another's is 404)"
+    )
+    max_num_results: int | None = Field(None, ge=1, le=50, description="passages the answer is written from")
+    filters: Filter | None = Field(None, description="on the files' attributes, as a vector store's search takes them")
+    ranking_options: RankingOptions | None = None
+
+
+def file_search_only(tools: Any) -> Any:
+    """Only one `file_search` tool is served: any other tool is refused by name (no function is
+    called here), before the tools are read."""
+    if isinstance(tools, list):
+        for at, tool in enumerate(tools):
+            if isinstance(tool, dict) and isinstance(kind := tool.get("type"), str) and kind != "file_search":
+                raise refuse(f"only the file_search tool: tool {at} is a {kind}")
+        if len(tools) > 1:
+            raise refuse("one file_search tool at most (it takes several vector_store_ids)")
+    return tools
+
+
+class FileSearchResult(BaseModel):
+    file_id: str
+    filename: str
+    score: float
+    text: str
+    attributes: dict[str, str | float | bool]
+
+
+class FileSearchCall(BaseModel):
+    """The `file_search_call` output item: the searches the pipeline ran, and (with `include`
+    asking for `file_search_call.results`) the passages the answer was written from."""
+
+    type: Literal["file_search_call"] = "file_search_call"
+    id: str
+    status: Literal["in_progress", "searching", "completed", "incomplete", "failed"]
+    queries: list[str] = Field(default_factory=list)
+    results: list[FileSearchResult] | None = None
+
+    @classmethod
+    def of(
+        cls, call_id: str, result: RagResult, attributes: Callable[[Document], Attributes], *, with_results: bool
+    ) -> FileSearchCall:
+        queries = [
+            q for step in result.steps if step.stage.role is StageRole.SEARCH for q in (step.query or "").split(" | ") if q
+        ]
+        results = [
+            FileSearchResult(file_id=d.doc_id, filename=d.title, score=d.score, text=d.text, attributes=dict(attributes(d)))
+            for d in result.documents
+        ]
+        return cls(id=call_id, status="completed", queries=queries, results=results if with_results else None)
+
+
+class FileCitation(BaseModel):
+    type: Literal["file_citation"] = "file_citation"
+    file_id: str
+    filename: str
+    index: int
+
+
+def citations(documents: Sequence[Document], answer: str) -> list[FileCitation]:
+    """Each file the answer was written from, once, best first, cited at the answer's end."""
+    files = dict.fromkeys((d.doc_id, d.title) for d in sorted(documents, key=lambda d: -d.score))
+    return [FileCitation(file_id=file_id, filename=filename, index=len(answer)) for file_id, filename in files]
