@@ -12,6 +12,7 @@ import faiss
 import numpy as np
 import openai
 import pytest
+from langchain_openai import ChatOpenAI
 
 from telerag.pipelines.attribute_filters import Comparison
 from telerag.pipelines.file_store import FileStore
@@ -197,3 +198,26 @@ async def test_the_tools_searches_run_beside_other_requests(tmp_path):
             *(client.responses.create(model="naive", input=QUESTION, tools=[tool([s.id])]) for s in (first, second))
         )
     assert [cited(a) for a in answers] == [[notes.id], [orchard.id]]
+
+
+async def test_langchain_with_the_file_search_tool_answers_from_the_store_and_cites_it(tmp_path):
+    """LangChain's ChatOpenAI on the Responses API, with OpenAI's built-in tool bound as its
+    documentation shows: the answer's content blocks carry the file's citation."""
+    with stores_app(tmp_path) as http:
+        client = keyed(http)
+        store = await client.vector_stores.create(name="notes")
+        notes = await client.vector_stores.files.upload_and_poll(vector_store_id=store.id, file=("notes.md", MARKDOWN))
+        chat = ChatOpenAI(
+            model="naive",
+            base_url="http://test/v1",
+            api_key="unused",
+            http_async_client=http,
+            max_retries=0,
+            use_responses_api=True,
+        )
+        reply = await chat.bind_tools([tool([store.id])]).ainvoke(QUESTION)
+    text = [block for block in reply.content if block["type"] == "text"]
+    assert [block["text"] for block in text] == ["an answer"]
+    assert [(a["type"], a["file_id"], a["filename"]) for a in text[0]["annotations"]] == [("file_citation", notes.id, "notes.md")]
+    (call,) = [block for block in reply.content if block["type"] == "file_search_call"]
+    assert (call["status"], call["queries"]) == ("completed", [QUESTION])
