@@ -170,9 +170,10 @@ def cluster_cache_bytes(retrieval: RetrievalSettings, device: str) -> int:
     CUDA the memory still free (call it after the LLM has taken its share) less the headroom."""
     if retrieval.cache_mb is not None:
         return int(retrieval.cache_mb * 2**20)
-    if device != "cuda":
+    target = torch.device(device)
+    if target.type != "cuda":
         return 0
-    free, _ = torch.cuda.mem_get_info()
+    free, _ = torch.cuda.mem_get_info(target)  # that device's (cuda:N), not the current one's
     return max(0, free - int(retrieval.cache_headroom_mb * 2**20))
 
 

@@ -146,8 +146,11 @@ def test_cluster_cache_takes_what_the_llm_leaves(monkeypatch):
 
     defaults = Settings().retrieval
     assert runtime.cluster_cache_bytes(defaults, "cpu") == 0  # faiss alone on a CPU box
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *args: (20 << 30, 80 << 30))
+    asked = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: asked.append(device) or (20 << 30, 80 << 30))
     assert runtime.cluster_cache_bytes(defaults, "cuda") == (20 << 30) - (4096 << 20)
+    assert runtime.cluster_cache_bytes(defaults, "cuda:1") == (20 << 30) - (4096 << 20)  # a device named by number too
+    assert asked == [torch.device("cuda"), torch.device("cuda:1")]  # each one's own free memory
     assert runtime.cluster_cache_bytes(Settings(retrieval={"cache_headroom_mb": 30_000}).retrieval, "cuda") == 0
     assert runtime.cluster_cache_bytes(Settings(retrieval={"cache_mb": 100}).retrieval, "cuda") == 100 << 20
 
