@@ -25,7 +25,7 @@ from telerag.retrieval.errors import DatastoreError, RetrievalError
 from telerag.server.metrics import Metrics
 from telerag.server.process.connections import uvicorn_options
 from telerag.server.process.lifecycle import Lifecycle
-from telerag.server.service import Service
+from telerag.server.service import ServedRuntime, Service
 from telerag.server.settings import Settings
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ async def serve(settings: Settings) -> int:
 
     await _first(listening, lifecycle.stop.wait())
     if listening.done():  # uvicorn stopped by itself: an error
-        await runtime.close()
+        await _close(app, runtime)
         listening.result()
         return 1
     lifecycle.drain()
@@ -112,9 +112,16 @@ async def serve(settings: Settings) -> int:
         why = "at a second signal" if lifecycle.force.is_set() else f"after the {grace:g} s grace period"
         log.error("stopping %s with %d accepted request(s) unfinished", why, unfinished)
         _exit_now(1)
-    await runtime.close()
+    await _close(app, runtime)
     log.info("stopped: every accepted request finished")
     return 0
+
+
+async def _close(app: FastAPI, runtime: ServedRuntime) -> None:
+    """The vector stores (the file being processed finished, their datastores let go), then the
+    runtime whose embedder they used."""
+    await asyncio.to_thread(app.state.vector_stores.close)
+    await runtime.close()
 
 
 async def _load(settings: Settings, lifecycle: Lifecycle, metrics: Metrics) -> Service:
