@@ -106,9 +106,10 @@ def _text_modality(modalities: Any) -> Any:
 
 class ChatCompletionRequest(Conversation):
     """`POST /v1/chat/completions`: the last user message is the question, `model` the pipeline.
-    Every field OpenAI clients send is served or refused: a field not listed here (tools,
-    tool_choice, audio, ...) or a value marked "only" otherwise is refused with a 400 that
-    names it, never ignored. The bounded fields get their bounds per app (`chat_request_model`)."""
+    Every field OpenAI clients send is served or refused: a field not listed here (tool_choice,
+    audio, ...), a tool other than file_search (`Conversation.tools`, an extension here) or a
+    value marked "only" otherwise is refused with a 400 that names it, never ignored. The
+    bounded fields get their bounds per app (`chat_request_model`)."""
 
     model_config = ConfigDict(
         strict=True,
