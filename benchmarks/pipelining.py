@@ -148,7 +148,7 @@ class ModeSetup:
                 names=config.pipelines,
                 pre_retrieval_ms=pre_retrieval_profile(),
                 pipelining=unchecked,
-                search_budget=SearchBudget(floor=floor, ceiling=nlist),
+                search_budget=SearchBudget(floor=floor, ceiling=lambda: nlist),
             )
             for mode in config.modes
         }

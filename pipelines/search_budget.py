@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,9 +49,10 @@ class SearchBudget:
     """The search-time model of the pipelines built together (they share one retriever and its
     queue), and the searches they have in flight now."""
 
-    def __init__(self, *, floor: int = 8, ceiling: int | None = None) -> None:
-        """`floor`: the least nprobe "auto" chooses; `ceiling`: the most (the datastore's nlist;
-        None: not known, so "auto" searches at the default nprobe)."""
+    def __init__(self, *, floor: int = 8, ceiling: Callable[[], int | None] = lambda: None) -> None:
+        """`floor`: the least nprobe "auto" chooses; `ceiling()`: the most, read at each choice (the
+        datastore's nlist, which a retrain changes; None: not known, so "auto" searches at the
+        default nprobe)."""
         self.floor, self.ceiling = floor, ceiling
         self.in_flight = 0
         self.observations: deque[SearchObservation] = deque(maxlen=WINDOW)
@@ -88,9 +89,9 @@ class SearchBudget:
         """The largest nprobe whose predicted time, at the depth in flight now, is within
         `budget_ms`, never below the floor nor above the ceiling; None (the default nprobe)
         with no ceiling or before the first search."""
-        fit = self.fit()
-        if self.ceiling is None or fit is None:
+        fit, ceiling = self.fit(), self.ceiling()
+        if ceiling is None or fit is None:
             return None
         room = budget_ms - fit.fixed_ms - fit.per_queued_ms * self.in_flight
         largest = math.floor(room / fit.per_list_ms) if room > 0 else 0
-        return max(min(self.floor, self.ceiling), min(largest, self.ceiling))
+        return max(min(self.floor, ceiling), min(largest, ceiling))

@@ -186,8 +186,9 @@ def search_snapshot(
     **options: Any,
 ) -> SearchResult:
     """Exact IVF search of `snapshot` at `nprobe` (see the module's docstring); `engine` is the
-    retrieval engine over the snapshot's generation, `options` its `search`'s."""
-    nprobe = nprobe or engine.nprobe
+    retrieval engine over the snapshot's generation, `options` its `search`'s. An nprobe past the
+    generation's lists (chosen before a retrain left fewer) probes every list, as faiss does."""
+    nprobe = min(nprobe or engine.nprobe, snapshot.datastore.nlist)
     extra = snapshot.overfetch(nprobe)
     if provisional is not None and extra:
         provisional = _living_provisional(snapshot, k, provisional)

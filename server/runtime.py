@@ -61,14 +61,15 @@ class Runtime:
     def pipelines(self, retriever: Retriever, names: Sequence[str] | None = None) -> dict[str, RagPipeline]:
         """The pipelines over this engine and `retriever`, each starting from its expected
         pre-retrieval time in `config/prefetch_profiles.yaml`, pipelining as the settings say,
-        with one search budget for nprobe "auto" (up to the datastore's nlist)."""
+        with one search budget for nprobe "auto" (up to the datastore's nlist, as the latest
+        retrain left it)."""
         return build_pipelines(
             self.engine,
             retriever,
             names=names,
             pre_retrieval_ms=pre_retrieval_profile(),
             pipelining=pipelining_config(self.settings.retrieval),
-            search_budget=SearchBudget(floor=self.settings.retrieval.nprobe_floor, ceiling=self.datastore_info.nlist),
+            search_budget=SearchBudget(floor=self.settings.retrieval.nprobe_floor, ceiling=lambda: self.datastore_info.nlist),
         )
 
     def serving_pipelines(self, on_batch: Callable[[str, int], None]) -> dict[str, RagPipeline]:

@@ -147,7 +147,8 @@ def test_random_writes_searches_and_rebuilds_equal_faiss(tmp_path, codec, device
         roll = rng.random()
         if roll < 0.45:
             queries = unit_vectors(rng, int(rng.integers(1, 5)), ds.dim)
-            k, nprobe = int(rng.integers(1, 12)), int(rng.integers(1, live.datastore.nlist + 1))
+            # past the lists sometimes (an nprobe chosen before a retrain left fewer): every list, as faiss's
+            k, nprobe = int(rng.integers(1, 12)), int(rng.integers(1, live.datastore.nlist + 9))
             options = {}
             if device_half:
                 budget = int(rng.integers(0, live.datastore.vectors.nbytes))

@@ -155,7 +155,7 @@ async def test_a_named_nprobe_is_used_by_every_search_of_a_pipelined_run():
 async def test_nprobe_auto_fits_the_pipelined_search_in_the_generation_left():
     """A pipelined search's nprobe comes from the model and the generation predicted left; the
     searches that overlap nothing run at the default nprobe (None)."""
-    budget = SearchBudget(floor=2, ceiling=1000)
+    budget = SearchBudget(floor=2, ceiling=lambda: 1000)
     for nprobe in (10, 20, 40):  # 1 ms a list, nothing fixed
         budget.observe(nprobe, 0, float(nprobe))
     pipeline, _engine, retriever, _log = pipelined(
@@ -243,7 +243,8 @@ def test_pipelining_config_is_checked():
 
 
 def test_the_search_budget_fits_a_linear_law_and_picks_the_largest_nprobe_within_budget():
-    budget = SearchBudget(floor=4, ceiling=512)
+    lists = [512]
+    budget = SearchBudget(floor=4, ceiling=lambda: lists[0])
     assert budget.choose(100.0) is None  # nothing observed yet: the default
     for nprobe, depth in [(8, 0), (16, 0), (32, 1), (64, 0), (128, 2), (16, 3)]:
         budget.observe(nprobe, depth, 2.0 + 0.5 * nprobe + 3.0 * depth)
@@ -252,19 +253,22 @@ def test_the_search_budget_fits_a_linear_law_and_picks_the_largest_nprobe_within
     assert budget.choose(52.25) == 100  # (52.25 - 2) / 0.5, rounded down
     assert budget.choose(1.0) == 4  # never below the floor
     assert budget.choose(1e6) == 512  # nor above the ceiling (nlist)
+    lists[0] = 64
+    assert budget.choose(1e6) == 64  # the ceiling as a retrain left it, read at each choice
+    lists[0] = 512
     with budget.searching(), budget.searching():  # two in flight: 6 ms of the budget is theirs
         assert budget.choose(52.25) == 88
 
 
 def test_with_one_nprobe_seen_the_budget_takes_time_as_proportional_to_it():
-    budget = SearchBudget(floor=1, ceiling=1000)
+    budget = SearchBudget(floor=1, ceiling=lambda: 1000)
     budget.observe(0, 0, 50.0)  # nprobe unknown (a retriever that does not say): ignored
     assert budget.choose(10.0) is None
     for _ in range(5):
         budget.observe(64, 0, 32.0)
     assert budget.fit().per_list_ms == pytest.approx(0.5, rel=1e-3)
     assert budget.choose(16.1) == 32
-    assert SearchBudget(ceiling=None).choose(10.0) is None  # no ceiling known: the default
+    assert SearchBudget(ceiling=lambda: None).choose(10.0) is None  # no ceiling known: the default
 
 
 def test_searches_are_counted_in_flight():
