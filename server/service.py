@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from fastapi import Request
@@ -28,6 +30,7 @@ from telerag.pipelines.types import (
 )
 from telerag.retrieval.live import LiveStats
 from telerag.retrieval.stats import CacheStats
+from telerag.server.admission.calibration import Calibration, load_calibration
 from telerag.server.admission.policy import admission_policy
 from telerag.server.admission.workload import DEFAULT_PASSAGE_WORDS, TOKENS_PER_WORD, ServedWork, Workload
 from telerag.server.admitted_run import AdmittedRun
@@ -82,6 +85,8 @@ class ServedRuntime(Protocol):
     async def close(self) -> None: ...
 
 
+log = logging.getLogger(__name__)
+
 CALIBRATION_PIPELINE = "naive"
 CALIBRATION_MAX_TOKENS = 64  # a client's usual limit; the answers it cuts count as running to a larger request's
 # limit (`workload`). At 256 (the default) a few of the burst's answers ran long, 4x the prior the burst was estimated
@@ -115,10 +120,22 @@ class Service:
         words = self.runtime.datastore_info.passage_words or DEFAULT_PASSAGE_WORDS
         self.passage_tokens = math.ceil(TOKENS_PER_WORD * words)
 
-    async def warm_up(self) -> None:
+    def calibration(self) -> Calibration:
+        """What admission has measured so far (to keep across a restart: `admission.calibration`)."""
+        return Calibration(self.workload, self.admission.measured)
+
+    def restore_calibration(self, path: Path) -> bool:
+        """Start from the measurements kept at `path`, if there are any this server can read."""
+        restored = load_calibration(path, self.workload, self.admission.measured) is not None
+        if restored:
+            log.info("admission starts from the measurements kept in %s", path)
+        return restored
+
+    async def warm_up(self, *, measured: bool = False) -> None:
         """Requests through the whole path and through admission before the server is ready: one
-        alone, then a burst of `CALIBRATION_BURST` at once (at most `max_concurrency`), then one
-        request of every other pipeline, as many at once, questions of the packaged set. What the chat
+        alone, then (unless admission's measurements were kept from an earlier run: `measured`,
+        `restore_calibration`) a burst of `CALIBRATION_BURST` at once (at most `max_concurrency`),
+        then one request of every other pipeline, as many at once, questions of the packaged set. What the chat
         template, the tokenizer, the embedder, the search and the engine set up on first use
         holds the GIL for a while; done here, it does not stall the event loop under the first
         clients (measured in a soak: stalls of 0.2-1.4 s in the first seconds of load without
@@ -134,6 +151,8 @@ class Service:
         questions = [q.text for q in read_questions(packaged_config("questions_wiki_en.txt"), limit=1 + burst + len(others))]
         options = RunOptions(max_tokens=CALIBRATION_MAX_TOKENS, top_k=self.settings.retrieval.top_k)
         await self._calibrate(naive, questions[0], options)
+        if measured:
+            return
         await asyncio.gather(*(self._calibrate(naive, question, options) for question in questions[1 : 1 + burst]))
         measuring = list(zip(others, questions[1 + burst :], strict=True))
         for start in range(0, len(measuring), burst):  # at once, as many as the burst (the queue may hold no more)

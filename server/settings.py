@@ -334,6 +334,12 @@ class ServerSettings(Section):
         "after SIGTERM: new work gets 503, accepted requests get this long to finish, then the server stops anyway (status 1)",
         ge=0,
     )
+    calibration_dir: Path | None = Field(
+        default_factory=lambda: user_cache_dir() / "admission",
+        description="where admission's measurements are kept when the server stops, one file per configuration "
+        "(engine settings, cores, policy, concurrency): a start that finds its own warms up with one request instead "
+        "of the bursts that measure; default: $TELERAG_CACHE_DIR/admission; null: measured at every start",
+    )
     warm_up: bool = setting(
         True,
         "before /ready turns 200, a naive request alone, a burst of 16 (at most max_concurrency) and one request of "

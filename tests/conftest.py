@@ -12,6 +12,16 @@ import pytest
 from tests.fake_sglang import FakeEngine
 
 
+@pytest.fixture(autouse=True, scope="session")
+def measured_at_every_start() -> Iterator[None]:
+    """Every server the suite starts (in process or as `telerag serve`) measures itself at start,
+    keeping nothing for the next (`server.calibration_dir`): one test's server never starts from
+    another's measurements. The tests of keeping them set a directory of their own."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TELERAG_SERVER__CALIBRATION_DIR", "null")
+        yield
+
+
 @pytest.fixture
 def sglang() -> Iterator[types.ModuleType]:
     """The fake `sglang` module, its class state reset; the root logger and the signal handlers

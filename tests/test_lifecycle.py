@@ -6,6 +6,7 @@ the end of its grace period. The load and the requests are held where a test nee
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import sys
@@ -222,3 +223,31 @@ def test_a_second_signal_or_the_end_of_the_grace_stops_at_once_with_1(assets, tm
         server.stop()
     assert "with 1 accepted request(s) unfinished" in server.output()
     assert not isinstance(results[0], httpx.Response)  # its connection closed without an answer
+
+
+def test_a_restart_starts_from_the_measurements_the_last_run_kept(assets, tmp_path):
+    """The first start measures itself and keeps what it measured when it stops (SIGTERM); the
+    next finds it, so its warm-up is one request, and it answers as before."""
+    kept = tmp_path / "calibration"
+    env = {"TELERAG_SERVER__CALIBRATION_DIR": str(kept)}
+    (tmp_path / "first").mkdir()
+    first = serve(assets, tmp_path / "first", env=env)
+    try:
+        first.wait_ready()
+        assert httpx.post(first.base + "/v1/rag/query", json=QUERY, timeout=60).status_code == 200
+        first.signal(signal.SIGTERM)
+        assert first.process.wait(timeout=60) == 0
+    finally:
+        first.stop()
+    (file,) = kept.glob("admission-*.json")
+    assert "admission starts from" not in first.output()
+    (tmp_path / "second").mkdir()
+    second = serve(assets, tmp_path / "second", env=env)
+    try:
+        second.wait_ready()
+        assert httpx.post(second.base + "/v1/rag/query", json=QUERY, timeout=60).status_code == 200
+    finally:
+        second.stop()
+    assert f"admission starts from the measurements kept in {file}" in second.output()
+    kept_rates = json.loads(file.read_text())["measured"]["rate"]
+    assert {point["running"] for point in kept_rates} >= {1, 8}  # the first start's burst measured them

@@ -52,7 +52,8 @@ def test_the_default_file_holds_exactly_the_defaults(monkeypatch, tmp_path):
             section = match.group(1)
         elif match := re.match(r"^  # (\w+):", line):
             commented.add(f"{section}.{match.group(1)}")
-    assert listed | commented == set(every_setting()) and commented == {"retrieval.datastore", "files.dir", "vector_stores.dir"}
+    machine = {"retrieval.datastore", "files.dir", "vector_stores.dir", "server.calibration_dir"}
+    assert listed | commented == set(every_setting()) and commented == machine
 
 
 def test_the_manual_table_is_generated_from_the_settings(capsys):
@@ -80,7 +81,7 @@ def test_the_table_has_one_row_of_three_cells_per_setting(monkeypatch):
     assert by_name["limits.max_top_k"] == ["`50`", "a \\| b"]
     assert by_name["scheduler.admission_deadline_s"][0] == "`30.0`" and by_name["engine.model_path"][0] == "`null`"
     machine = {name for name, (default, _) in by_name.items() if default == MACHINE_DEFAULT}
-    assert machine == {"retrieval.datastore", "files.dir", "vector_stores.dir"}
+    assert machine == {"retrieval.datastore", "files.dir", "vector_stores.dir", "server.calibration_dir"}
 
 
 @pytest.mark.parametrize(

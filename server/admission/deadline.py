@@ -53,7 +53,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import NoReturn
 
-from telerag.server.admission.model import EstimateError, Job, Rates, ServiceRate, plan_finishes
+from telerag.server.admission.model import EstimateError, Job, Measured, Rates, ServiceRate, plan_finishes
 from telerag.server.admission.workload import RequestCost
 from telerag.server.errors import InvalidField, Overloaded, Refusal
 from telerag.server.settings import DEADLINE_MARGIN
@@ -167,6 +167,10 @@ class DeadlineAdmission(AdmittedTickets):
     def __post_init__(self) -> None:
         self._track()
         self._last = self.clock()
+
+    @property
+    def measured(self) -> Measured:
+        return Measured(self.rate, self.error)
 
     # -- decisions ---------------------------------------------------------------------------
 

@@ -151,6 +151,14 @@ class EstimateError:
         return factor * UNSEEN_LOAD_FACTOR if in_flight > seen else factor
 
 
+@dataclass(frozen=True)
+class Measured:
+    """What the deadline policy measures of the server (what `calibration` keeps across restarts)."""
+
+    rate: ServiceRate
+    error: EstimateError
+
+
 def _observed_quantile(ratios: Sequence[float], q: float) -> float:
     """The least ratio at or above the `q` quantile's rank: one that was measured, never a
     value between two (numpy's inverted CDF)."""

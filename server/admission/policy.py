@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import NoReturn, Protocol
 
 from telerag.server.admission.deadline import AdmittedTickets, DeadlineAdmission, Ticket
+from telerag.server.admission.model import Measured
 from telerag.server.admission.workload import RequestCost
 from telerag.server.errors import Overloaded, Refusal
 from telerag.server.settings import SchedulerSettings
@@ -66,6 +67,11 @@ class AdmissionPolicy(Protocol):
 
     def estimate_factor(self) -> float:
         """What estimates at the load admitted now are scaled by (1: none)."""
+        ...
+
+    @property
+    def measured(self) -> Measured | None:
+        """What it measures of the server (kept across restarts: `calibration`); None: nothing."""
         ...
 
 
@@ -131,6 +137,10 @@ class FixedLimit(AdmittedTickets):
 
     def estimate_factor(self) -> float:
         return 1.0
+
+    @property
+    def measured(self) -> None:
+        return None
 
     def _refuse(self, reason: Refusal, message: str) -> NoReturn:
         self.on_refuse(reason)

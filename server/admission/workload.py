@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -152,6 +153,16 @@ class Workload:
         if len(recent) < self.min_samples:
             return RequestCost(work=mean, prefill_work=prefill, spread=max(spread, FEW_SAMPLES_SPREAD * mean), provisional=True)
         return RequestCost(work=mean, prefill_work=prefill, spread=spread)
+
+    def recent(self) -> dict[tuple[str, bool], list[tuple[int, ServedWork]]]:
+        """By pipeline and whether hot: its recent requests' prompt estimates and what they were
+        served, oldest first (what `restore` takes back)."""
+        return {key: [(r.prompt_estimate, r.served) for r in recent] for key, recent in self._recent.items()}
+
+    def restore(self, recent: Mapping[tuple[str, bool], Sequence[tuple[int, ServedWork]]]) -> None:
+        """Take back what `recent` gave (a calibration kept across a restart), after what it holds."""
+        for key, requests in recent.items():
+            self._recent.setdefault(key, deque(maxlen=self.window)).extend(_Served(p, s) for p, s in requests)
 
     def observe(self, pipeline: str, prompt_tokens: int, served: ServedWork, temperature: float = 0.0) -> None:
         """A request of `pipeline` at `temperature`, estimated with `prompt_tokens`, completed

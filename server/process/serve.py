@@ -22,10 +22,11 @@ from telerag.pipelines.errors import PipelineError
 from telerag.retrieval.corpus import WIKIPEDIA_SOURCE
 from telerag.retrieval.datastore import MANIFEST, Manifest
 from telerag.retrieval.errors import DatastoreError, RetrievalError
+from telerag.server.admission.calibration import calibration_path, save_calibration
 from telerag.server.metrics import Metrics
 from telerag.server.process.connections import uvicorn_options
 from telerag.server.process.lifecycle import Lifecycle
-from telerag.server.service import ServedRuntime, Service
+from telerag.server.service import Service
 from telerag.server.settings import Settings
 
 if TYPE_CHECKING:
@@ -91,13 +92,12 @@ async def serve(settings: Settings) -> int:
         await listening
         return 1
     service = loading.result()
-    runtime = service.runtime
     publish(app, service)
     log.info("ready")
 
     await _first(listening, lifecycle.stop.wait())
     if listening.done():  # uvicorn stopped by itself: an error
-        await _close(app, runtime)
+        await _close(app, service)
         listening.result()
         return 1
     lifecycle.drain()
@@ -112,16 +112,27 @@ async def serve(settings: Settings) -> int:
         why = "at a second signal" if lifecycle.force.is_set() else f"after the {grace:g} s grace period"
         log.error("stopping %s with %d accepted request(s) unfinished", why, unfinished)
         _exit_now(1)
-    await _close(app, runtime)
+    await _close(app, service)
     log.info("stopped: every accepted request finished")
     return 0
 
 
-async def _close(app: FastAPI, runtime: ServedRuntime) -> None:
-    """The vector stores (the file being processed finished, their datastores let go), then the
-    runtime whose embedder they used."""
+def _calibration_file(service: Service) -> Path | None:
+    """Where this server's admission measurements are kept across restarts (None: they are not)."""
+    directory = service.settings.server.calibration_dir
+    return None if directory is None else calibration_path(directory.expanduser(), service.settings, service.runtime.engine_name)
+
+
+async def _close(app: FastAPI, service: Service) -> None:
+    """Admission's measurements kept for the next start, the vector stores closed (the file being
+    processed finished, their datastores let go), then the runtime whose embedder they used."""
+    if (kept := _calibration_file(service)) is not None:
+        try:
+            await asyncio.to_thread(save_calibration, kept, service.calibration())
+        except OSError as exc:
+            log.warning("admission's measurements not kept in %s: %s", kept, exc)
     await asyncio.to_thread(app.state.vector_stores.close)
-    await runtime.close()
+    await service.runtime.close()
 
 
 async def _load(settings: Settings, lifecycle: Lifecycle, metrics: Metrics) -> Service:
@@ -134,10 +145,12 @@ async def _load(settings: Settings, lifecycle: Lifecycle, metrics: Metrics) -> S
     runtime_module = await asyncio.to_thread(importlib.import_module, "telerag.server.runtime")
     runtime = await runtime_module.load_runtime(settings, lifecycle, writable=settings.documents.writable)
     service = Service(runtime, metrics)
+    kept = _calibration_file(service)
+    measured = kept is not None and service.restore_calibration(kept)
     if settings.server.warm_up:
         lifecycle.loading("warming up")
         try:
-            await service.warm_up()
+            await service.warm_up(measured=measured)
         except BaseException:
             await runtime.close()
             raise
