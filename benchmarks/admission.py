@@ -7,7 +7,10 @@ measure) beside throughput, latency and refusals.
 - `none`: everything admitted and queued (vLLM's and SGLang's way): no refusal, no bound on latency
   (`scheduler.admission: fixed` with a queue of no bound);
 - `fixed-N`: at most N requests in flight, the rest refused at once (TGI's
-  `--max-concurrent-requests`; `scheduler.admission: fixed`, no queue), N swept.
+  `--max-concurrent-requests`; `scheduler.admission: fixed`, no queue), N swept;
+- `deadline-kept`: `deadline` starting from the measurements a start of its own kept
+  (`server.calibration_dir`), so that its warm-up is one request; every other policy measures
+  itself at every start.
 
 Each policy is a `telerag serve` of its own (started, warmed up and ready before it is measured,
 stopped after), with the same settings otherwise; the policy is its settings, so switching it
@@ -53,22 +56,26 @@ class Policy:
     kind: str
     n: int | None = None
     margin: float | None = None
+    kept: bool = False  # it starts from the measurements a start of its own kept (`server.calibration_dir`)
 
     @property
     def name(self) -> str:
         if self.kind == "fixed":
             return f"fixed-{self.n}"
-        return self.kind if self.margin is None else f"{self.kind}-{self.margin:g}"
+        name = self.kind if self.margin is None else f"{self.kind}-{self.margin:g}"
+        return f"{name}-kept" if self.kept else name
 
-    def environment(self, deadline_s: float) -> dict[str, str]:
-        """The settings that make it (the rest as the server is configured)."""
+    def environment(self, deadline_s: float, kept_dir: str) -> dict[str, str]:
+        """The settings that make it (the rest as the server is configured): a policy that is
+        not `kept` measures itself at every start, as it did before measurements were kept."""
+        kept = {"TELERAG_SERVER__CALIBRATION_DIR": kept_dir if self.kept else "null"}
         prefix = "TELERAG_SCHEDULER__"
         if self.kind == "deadline":
             margin = {} if self.margin is None else {f"{prefix}ADMISSION_MARGIN": str(self.margin)}
-            return {f"{prefix}ADMISSION_DEADLINE_S": str(deadline_s), **margin}
+            return {f"{prefix}ADMISSION_DEADLINE_S": str(deadline_s), **margin, **kept}
         if self.kind == "none":
-            return {f"{prefix}ADMISSION": "fixed", f"{prefix}MAX_QUEUE": str(QUEUE_WITHOUT_BOUND)}
-        return {f"{prefix}ADMISSION": "fixed", f"{prefix}MAX_CONCURRENCY": str(self.n), f"{prefix}MAX_QUEUE": "0"}
+            return {f"{prefix}ADMISSION": "fixed", f"{prefix}MAX_QUEUE": str(QUEUE_WITHOUT_BOUND), **kept}
+        return {f"{prefix}ADMISSION": "fixed", f"{prefix}MAX_CONCURRENCY": str(self.n), f"{prefix}MAX_QUEUE": "0", **kept}
 
 
 @dataclass(frozen=True)
@@ -127,10 +134,10 @@ class AdmissionReport:
 
 
 @contextlib.contextmanager
-def serving(config: AdmissionConfig, policy: Policy, log: Callable[[str], None]) -> Iterator[str]:
+def serving(config: AdmissionConfig, policy: Policy, log: Callable[[str], None], kept_dir: str) -> Iterator[str]:
     """`telerag serve` with `policy`, ready; its URL. Stopped (SIGTERM, then killed) on exit."""
     port = free_port()
-    env = {**os.environ, **policy.environment(config.deadline_s), "TELERAG_SERVER__PORT": str(port)}
+    env = {**os.environ, **policy.environment(config.deadline_s, kept_dir), "TELERAG_SERVER__PORT": str(port)}
     command = [sys.executable, "-m", "telerag.cli", "serve", *config.serve_args]
     with tempfile.TemporaryFile() as output:
         process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
@@ -251,13 +258,20 @@ def run_admission_study(config: AdmissionConfig, questions: Sequence[str], log: 
     """Every policy against its own server, each measured at every burst and load, `config.rounds`
     times in turns."""
     measured: dict[tuple[Policy, int, bool], _Measured] = {}
-    for round_ in range(config.rounds):
-        first = round_ % len(config.policies)
-        for policy in (*config.policies[first:], *config.policies[:first]):
-            name = policy.name if config.rounds == 1 else f"{policy.name} (round {round_ + 1} of {config.rounds})"
-            with serving(config, policy, log) as url:
-                for users, burst, report, seconds in asyncio.run(_measure(url, name, config, questions, log)):
-                    measured.setdefault((policy, users, burst), _Measured(policy, users, burst)).runs.append((report, seconds))
+    with tempfile.TemporaryDirectory(prefix="telerag-admission-kept-") as kept_dir:
+        for policy in config.policies:
+            if policy.kept:  # a start that measures and keeps what it measured, before those measured
+                log(f"{policy.name}: a first start, to keep its measurements")
+                with serving(config, policy, log, kept_dir):
+                    pass
+        for round_ in range(config.rounds):
+            first = round_ % len(config.policies)
+            for policy in (*config.policies[first:], *config.policies[:first]):
+                name = policy.name if config.rounds == 1 else f"{policy.name} (round {round_ + 1} of {config.rounds})"
+                with serving(config, policy, log, kept_dir) as url:
+                    for users, burst, report, seconds in asyncio.run(_measure(url, name, config, questions, log)):
+                        runs = measured.setdefault((policy, users, burst), _Measured(policy, users, burst)).runs
+                        runs.append((report, seconds))
     ordered = list(measured.values())  # as round 1 measured them: the policies in their order
     capacity = {}
     for users in {*config.users, *config.bursts}:
@@ -309,4 +323,6 @@ def policies(kinds: Sequence[str], fixed: Sequence[int], margins: Sequence[float
         chosen.append(Policy("none"))
     if "deadline" in kinds:
         chosen += [Policy("deadline", margin=m) for m in margins] if margins else [Policy("deadline")]
+    if "deadline-kept" in kinds:
+        chosen.append(Policy("deadline", kept=True))
     return tuple(chosen)

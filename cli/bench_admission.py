@@ -16,7 +16,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "admission", help="goodput under each admission policy (deadline, none, fixed N), a server of its own each"
     )
-    parser.add_argument("--modes", nargs="+", choices=["deadline", "none", "fixed"], default=["deadline", "none", "fixed"])
+    parser.add_argument(
+        "--modes", nargs="+", choices=["deadline", "deadline-kept", "none", "fixed"], default=["deadline", "none", "fixed"]
+    )
     parser.add_argument(
         "--fixed", type=int, nargs="+", default=[2, 4, 8, 16], help="the N of the fixed policy (default 2 4 8 16)"
     )

@@ -27,15 +27,18 @@ from tests.tiny_models import tiny_embedder_dir
 
 
 def test_each_policy_is_settings_of_the_server():
-    assert Policy("deadline").environment(30.0) == {"TELERAG_SCHEDULER__ADMISSION_DEADLINE_S": "30.0"}
-    assert Policy("none").environment(30.0)["TELERAG_SCHEDULER__ADMISSION"] == "fixed"  # with a queue of no bound
-    fixed = Policy("fixed", 4).environment(30.0)
-    assert fixed["TELERAG_SCHEDULER__ADMISSION"] == "fixed"
+    fresh = {"TELERAG_SERVER__CALIBRATION_DIR": "null"}  # each start measures itself, unless kept
+    assert Policy("deadline").environment(30.0, "/k") == {"TELERAG_SCHEDULER__ADMISSION_DEADLINE_S": "30.0", **fresh}
+    assert Policy("none").environment(30.0, "/k")["TELERAG_SCHEDULER__ADMISSION"] == "fixed"  # with a queue of no bound
+    fixed = Policy("fixed", 4).environment(30.0, "/k")
+    assert fixed["TELERAG_SCHEDULER__ADMISSION"] == "fixed" and fixed["TELERAG_SERVER__CALIBRATION_DIR"] == "null"
     assert fixed["TELERAG_SCHEDULER__MAX_CONCURRENCY"] == "4" and fixed["TELERAG_SCHEDULER__MAX_QUEUE"] == "0"
     assert [p.name for p in policies(["deadline", "none", "fixed"], [2, 8])] == ["fixed-2", "fixed-8", "none", "deadline"]
     by_margin = policies(["deadline"], [2], [0.1, 0.15])  # the margin compared side by side, a server each
     assert [p.name for p in by_margin] == ["deadline-0.1", "deadline-0.15"]
-    assert by_margin[1].environment(30.0)["TELERAG_SCHEDULER__ADMISSION_MARGIN"] == "0.15"
+    assert by_margin[1].environment(30.0, "/k")["TELERAG_SCHEDULER__ADMISSION_MARGIN"] == "0.15"
+    (kept,) = policies(["deadline-kept"], [])
+    assert kept.name == "deadline-kept" and kept.environment(30.0, "/k")["TELERAG_SERVER__CALIBRATION_DIR"] == "/k"
 
 
 def test_an_answer_the_servers_deadline_stopped_is_counted_apart_from_goodput():
@@ -54,7 +57,7 @@ def test_rounds_take_the_policies_in_turns_and_each_row_pools_its_rounds(monkeyp
     goodput = {"fixed-4": [2, 1], "none": [1, 1], "deadline": [2, 0]}  # answers within the deadline, by round
 
     @contextlib.contextmanager
-    def serving(config, policy, log):
+    def serving(config, policy, log, kept_dir):
         served.append(policy.name)
         yield policy.name
 
@@ -71,6 +74,11 @@ def test_rounds_take_the_policies_in_turns_and_each_row_pools_its_rounds(monkeyp
     config = AdmissionConfig(policies=policies(["deadline", "none", "fixed"], [4]), users=(4,), bursts=(), rounds=2)
     report = run_admission_study(config, ["q"], log=lambda line: None)
     assert served == ["fixed-4", "none", "deadline", "none", "deadline", "fixed-4"]  # round 2 starts one later
+    served.clear()
+    goodput["deadline-kept"] = [0, 1]  # its second start is the one measured
+    kept = AdmissionConfig(policies=policies(["deadline", "deadline-kept"], []), users=(4,), bursts=())
+    assert [r.mode for r in run_admission_study(kept, ["q"], log=lambda line: None).rows] == ["deadline", "deadline-kept"]
+    assert served == ["deadline-kept", "deadline", "deadline-kept"]  # a first start keeps its measurements, unmeasured
     rows = {r.mode: r for r in report.rows}
     assert list(rows) == ["fixed-4", "none", "deadline"]
     assert rows["fixed-4"].goodput_per_s_by_round == [0.2, 0.1] and rows["fixed-4"].goodput_per_s == 3 / 20
