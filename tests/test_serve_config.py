@@ -28,6 +28,13 @@ def file_settings(config: dict):
     return load_settings(None, yaml.safe_load(args)["settings"])
 
 
+@pytest.fixture(autouse=True)
+def settings_as_shipped(monkeypatch):
+    """The defaults as shipped: the suite's own setting for its servers (conftest: nothing kept
+    across starts) is not one the checked-in file carries."""
+    monkeypatch.delenv("TELERAG_SERVER__CALIBRATION_DIR", raising=False)
+
+
 def test_the_checked_in_serve_config_is_what_the_code_generates_from_its_settings():
     from telerag.server.ray_serve.serve_config import serve_config_yaml
 
