@@ -39,6 +39,7 @@ class StoresRetriever:
 
     def __init__(self, views: Sequence[StoreView], encoder: StoreEncoder, score_threshold: float | None = None) -> None:
         self.views, self.encoder, self.score_threshold = tuple(views), encoder, score_threshold
+        self.searched: list[str] = []  # every query the request's searches asked, in order
 
     async def prefetch(self, queries: Sequence[str], *, enabled: bool = True, overlap_ms: float | None = None) -> PrefetchTicket:
         return PrefetchTicket(list(queries))  # nothing to copy: no cluster cache holds a store's lists
@@ -53,6 +54,7 @@ class StoresRetriever:
     ) -> SearchOutcome:
         """Each query's top `options.top_k` over the stores (no provisional top-k: a store's search
         is one faiss call, with nothing to report before it ends)."""
+        self.searched += [str(query) for query in queries]
         return await asyncio.to_thread(self._search, list(queries), options.top_k)
 
     def release(self, ticket: PrefetchTicket) -> None:

@@ -15,12 +15,10 @@ import pytest
 from langchain_openai import ChatOpenAI
 
 from telerag.pipelines.attribute_filters import Comparison
-from telerag.pipelines.file_store import FileStore
 from telerag.pipelines.store_retriever import StoresRetriever
 from telerag.pipelines.vector_store_records import Attach
-from telerag.pipelines.vector_stores import VectorStores
 from telerag.retrieval.ivf import same_results
-from tests.test_vector_stores_api import MARKDOWN, PDF, encoder, faiss_reference, keyed, stores_app
+from tests.test_vector_stores_api import MARKDOWN, PDF, faiss_reference, keyed, served_stores, stores_app
 
 QUESTION = "Where are the blue pumpkins kept?"
 
@@ -136,11 +134,7 @@ def test_a_search_over_several_stores_is_the_merge_of_each_stores_faiss_search(t
     top k of each store at its nprobe."""
     rng = random.Random(seed)
     vocabulary = [f"w{i}" for i in range(200)]
-    files = FileStore(tmp_path / "files", max_bytes=1 << 24, max_bytes_per_owner=1 << 26)
-    stores = VectorStores(tmp_path / "stores", files, max_stores=10, max_bytes=1 << 26)
-    store_encoder = encoder(words=6)
-    stores.serve(store_encoder)
-    try:
+    with served_stores(tmp_path) as (files, stores, store_encoder):
         ids = []
         for n, sizes in enumerate([[800, 40], [30, 20], [60]]):
             store = stores.create(None, name=f"s{n}", metadata={})
@@ -182,8 +176,6 @@ def test_a_search_over_several_stores_is_the_merge_of_each_stores_faiss_search(t
                 np.asarray([e[0] for e in expected], dtype=np.float32),
             ), (query, k, where)
             assert len(got) == len(expected)  # never short
-    finally:
-        stores.close()
 
 
 async def test_the_tools_searches_run_beside_other_requests(tmp_path):

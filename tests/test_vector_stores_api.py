@@ -372,6 +372,20 @@ def test_a_file_in_progress_when_the_server_stopped_is_processed_at_the_next_sta
         stores.close()
 
 
+@contextlib.contextmanager
+def served_stores(tmp_path) -> Iterator[tuple[FileStore, VectorStores, StoreEncoder]]:
+    """A file store and vector stores under `tmp_path`, served by the bag-of-words embedder with
+    passages of 6 words; the stores let go of at the end."""
+    files = FileStore(tmp_path / "files", max_bytes=1 << 24, max_bytes_per_owner=1 << 26)
+    stores = VectorStores(tmp_path / "stores", files, max_stores=10, max_bytes=1 << 26)
+    store_encoder = encoder(words=6)
+    stores.serve(store_encoder)
+    try:
+        yield files, stores, store_encoder
+    finally:
+        stores.close()
+
+
 def faiss_reference(store_dir, embedder: HashEmbedder) -> tuple[faiss.IndexIVFFlat, dict[int, tuple[str, str]]]:
     """faiss's IndexIVFFlat with the store's centroids, the store's living passages embedded again
     and added with their ids; and each id's (file, text)."""
@@ -398,11 +412,7 @@ def test_a_search_equals_faiss_over_the_same_passages_at_the_same_nprobe(tmp_pat
     passages)."""
     rng = random.Random(seed)
     vocabulary = [f"w{i}" for i in range(300)]
-    files = FileStore(tmp_path / "files", max_bytes=1 << 24, max_bytes_per_owner=1 << 26)
-    stores = VectorStores(tmp_path / "stores", files, max_stores=10, max_bytes=1 << 26)
-    store_encoder = encoder(words=6)
-    stores.serve(store_encoder)
-    try:
+    with served_stores(tmp_path) as (files, stores, store_encoder):
         store = stores.create(None, name="random", metadata={})
         sizes = [rng.randint(700, 900), *(rng.randint(20, 120) for _ in range(3))]
         ids = []
@@ -433,20 +443,14 @@ def test_a_search_equals_faiss_over_the_same_passages_at_the_same_nprobe(tmp_pat
             got_scores = np.asarray([h.score for h in hits], dtype=np.float32)
             assert same_results(got, got_scores, found[0][: len(hits)], scores[0][: len(hits)]), (query, where)
             assert len(hits) == int((found[0] >= 0).sum())  # never short
-    finally:
-        stores.close()
 
 
 def test_a_stores_lists_follow_its_size(tmp_path):
     """One list while it is small; retrained to `default_nlist(n)` lists once it holds 4x the
     passages its lists were trained on; its searches equal faiss's throughout."""
-    files = FileStore(tmp_path / "files", max_bytes=1 << 24, max_bytes_per_owner=1 << 26)
-    stores = VectorStores(tmp_path / "stores", files, max_stores=10, max_bytes=1 << 26)
-    store_encoder = encoder(words=6)
-    stores.serve(store_encoder)
     rng = random.Random(7)
     vocabulary = [f"w{i}" for i in range(300)]
-    try:
+    with served_stores(tmp_path) as (files, stores, store_encoder):
         store = stores.create(None, name="growing", metadata={})
         shapes = []
         for n, size in enumerate([10, 20, 10, 800]):  # 10 passages; 30 (< 40); 40 (4x 10: retrained); 840 (> 160: retrained)
@@ -463,8 +467,6 @@ def test_a_stores_lists_follow_its_size(tmp_path):
             got = np.asarray([by_passage[(h.file_id, h.text)] for h in hits], dtype=np.int64)
             assert same_results(got, np.asarray([h.score for h in hits], dtype=np.float32), found[0], scores[0])
         assert shapes == [(10, 1), (10, 1), (40, 1), (840, default_nlist(840))] and default_nlist(840) == 21
-    finally:
-        stores.close()
 
 
 def test_a_filter_never_takes_a_boolean_for_a_number():

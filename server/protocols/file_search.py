@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from telerag.pipelines.attribute_filters import Attributes
-from telerag.pipelines.types import Document, RagResult, StageRole
+from telerag.pipelines.types import Document, RagResult
 from telerag.server.protocols.common import refuse
 from telerag.server.protocols.vector_stores import Filter, RankingOptions
 
@@ -65,16 +65,19 @@ class FileSearchCall(BaseModel):
 
     @classmethod
     def of(
-        cls, call_id: str, result: RagResult, attributes: Callable[[Document], Attributes], *, with_results: bool
+        cls,
+        call_id: str,
+        result: RagResult,
+        queries: Sequence[str],
+        attributes: Callable[[Document], Attributes],
+        *,
+        with_results: bool,
     ) -> FileSearchCall:
-        queries = [
-            q for step in result.steps if step.stage.role is StageRole.SEARCH for q in (step.query or "").split(" | ") if q
-        ]
         results = [
             FileSearchResult(file_id=d.doc_id, filename=d.title, score=d.score, text=d.text, attributes=dict(attributes(d)))
             for d in result.documents
         ]
-        return cls(id=call_id, status="completed", queries=queries, results=results if with_results else None)
+        return cls(id=call_id, status="completed", queries=list(queries), results=results if with_results else None)
 
 
 class FileCitation(BaseModel):

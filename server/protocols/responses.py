@@ -10,14 +10,14 @@ cannot be fetched again or continued by `previous_response_id` (refused by name 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, create_model, field_validator, model_validator
 
-from telerag.pipelines.attribute_filters import Attributes
-from telerag.pipelines.types import Document, RagResult
+from telerag.pipelines.store_retriever import StoresRetriever
+from telerag.pipelines.types import RagResult
 from telerag.server.protocols.common import (
     DocumentOut,
     default_max_tokens,
@@ -231,11 +231,13 @@ class FileSearchOutput:
     results with their files' `attributes`, when asked for) and its answer's citations."""
 
     call_id: str
-    attributes: Callable[[Document], Attributes]
+    stores: StoresRetriever  # the request's: what it searched, and its files' attributes
     with_results: bool
 
     def call(self, result: RagResult) -> FileSearchCall:
-        return FileSearchCall.of(self.call_id, result, self.attributes, with_results=self.with_results)
+        return FileSearchCall.of(
+            self.call_id, result, self.stores.searched, self.stores.attributes, with_results=self.with_results
+        )
 
 
 class ResponseObject(BaseModel):

@@ -97,9 +97,7 @@ async def create_response(
     file_search = (
         None
         if stores is None
-        else FileSearchOutput(
-            f"fs_{request.state.request_id}", stores.attributes, with_results=FILE_SEARCH_RESULTS in (body.include or ())
-        )
+        else FileSearchOutput(f"fs_{request.state.request_id}", stores, with_results=FILE_SEARCH_RESULTS in (body.include or ()))
     )
     if body.stream:
         return await run.stream(events(begun, message_id, with_documents=body.return_documents, file_search=file_search))
