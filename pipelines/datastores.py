@@ -11,6 +11,7 @@ from pathlib import Path
 
 from telerag.pipelines.ingestion import corpus_documents, finish_ingestion, ingestion_pending, write_seed
 from telerag.pipelines.retriever import DirectRetriever, TextEncoder
+from telerag.retrieval.cache import CacheBuffer
 from telerag.retrieval.corpus import WIKIPEDIA_SOURCE, read_wikipedia
 from telerag.retrieval.datastore import MANIFEST, Datastore
 from telerag.retrieval.engine import RetrievalEngine
@@ -68,6 +69,7 @@ def open_retriever(
     *,
     device: str = "auto",
     cache_bytes: int = 0,
+    cache_buffer: CacheBuffer | None = None,
     prefetch_budget_bytes: int | None = None,
     nprobe: int | None = None,
     demand_copy: bool | None = None,
@@ -79,7 +81,8 @@ def open_retriever(
     writable: bool = False,
 ) -> DirectRetriever:
     """Start the retrieval engine over `datastore`, checked to match `embedder`: a loaded one, or
-    the directory to load (`load_datastore`); `cpu_half` as `RetrievalEngine`'s. With `writable`,
+    the directory to load (`load_datastore`); `cpu_half` and `cache_buffer` (another engine's cluster
+    cache buffer to share, in place of one of `cache_bytes`) as `RetrievalEngine`'s. With `writable`,
     documents can be written to it through the retriever (`retrieval.opening.open_live`)."""
     if not isinstance(datastore, Datastore):
         datastore = load_datastore(
@@ -88,11 +91,12 @@ def open_retriever(
     else:
         datastore.manifest.check_embedder(datastore.where, embedder=embedder.name, dim=embedder.dim)
 
-    def new_engine(datastore: Datastore, cache_bytes: int) -> RetrievalEngine:
+    def new_engine(datastore: Datastore, shared: CacheBuffer | None) -> RetrievalEngine:
         return RetrievalEngine(
             datastore,
             device=device,
-            cache_bytes=cache_bytes,
+            cache_bytes=cache_bytes if shared is None else 0,
+            cache_buffer=shared,
             nprobe=nprobe,
             demand_copy=demand_copy,
             cpu_threads=cpu_threads,
@@ -101,7 +105,7 @@ def open_retriever(
             progress=True,
         )
 
-    engine = new_engine(datastore, cache_bytes)
+    engine = new_engine(datastore, cache_buffer)
     log.info(
         "datastore %s: %d passages, %d lists, dim %d, embedder %s; device %s, cluster cache %.1f MB, demand copies %s, "
         "early stop %s",

@@ -36,6 +36,7 @@ from telerag.pipelines.types import (
     query_texts,
     query_vectors,
 )
+from telerag.retrieval.cache import CacheBuffer
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.errors import InvalidCall
@@ -102,11 +103,11 @@ class DirectRetriever:
         embedder: TextEncoder,
         *,
         live: LiveDatastore | None = None,
-        new_engine: Callable[[Datastore, int], RetrievalEngine] | None = None,
+        new_engine: Callable[[Datastore, CacheBuffer], RetrievalEngine] | None = None,
         prefetch_budget_bytes: int | None = None,
     ) -> None:
         """`live`: the engine's datastore with its writes (default: opened read-only here).
-        `new_engine(datastore, cache_bytes)`: an engine like `engine` over a new generation of
+        `new_engine(datastore, buffer)`: an engine like `engine` over a new generation of
         it (a compaction's or a retrain's; None: a new generation is refused). `prefetch_budget_bytes`:
         the same budget for every prefetch; None: b_p = B · t (TeleRAG §4.2) for each prefetch's
         own `overlap_ms` t, B being the cache's measured copy rate."""
@@ -118,7 +119,6 @@ class DirectRetriever:
         self._new_engine = new_engine
         self._engines = {engine.datastore.generation.number: engine}  # the current one, and the one before it
         self._engines_lock = threading.Lock()
-        self._cache_owed = 0  # bytes of cache the current engine gets once the one before it has none pinned
 
     @property
     def datastore(self) -> Datastore:
@@ -128,34 +128,21 @@ class DirectRetriever:
         """The engine over `datastore`, a generation of the live datastore: the current one, the
         one before it (a request that began before a switch still reads it), or a new one once the
         live datastore has switched. Two engines at most: an older one is closed. A new engine's
-        cluster cache waits until the older one's pins are gone, so the device never holds two."""
+        cluster cache shares the current one's buffer: the older generation's lists cool as
+        requests leave it and are evicted first, and leave it when its engine is closed."""
         number = datastore.generation.number
         with self._engines_lock:
             engine = self._engines.get(number)
             if engine is None:
                 if self._new_engine is None:
                     raise InvalidCall(f"{datastore.where}: a new generation ({number}), and no way to open an engine on it")
-                capacity = self.engine.cache.capacity_bytes
-                engine = self._new_engine(datastore, 0)
+                engine = self._new_engine(datastore, self.engine.cache.shared)
                 self._engines[number] = engine
                 if number > self.engine.datastore.generation.number:
-                    self.engine, self._cache_owed = engine, capacity
+                    self.engine = engine
                 for older in [n for n in self._engines if n < number - 1]:
                     self._engines.pop(older).close()
-            self._pay_cache()
             return engine
-
-    def _pay_cache(self) -> None:
-        """Move the cluster cache to the current engine once no older engine holds a pin."""
-        older = [e for e in self._engines.values() if e is not self.engine]
-        if self._cache_owed and all(not e.cache.stats().pinned_clusters for e in older):
-            try:
-                for engine in older:
-                    engine.resize_cache(0)
-            except InvalidCall:  # a search pinned clusters since: the next call tries again
-                return
-            self.engine.resize_cache(self._cache_owed)
-            self._cache_owed = 0
 
     def budget_bytes(self, overlap_ms: float | None) -> int:
         """What one prefetch may copy, never more than the cache: the fixed budget if there is
@@ -364,7 +351,7 @@ class DirectRetriever:
             codec=manifest.codec,
             nprobe=engine.nprobe,
             device=str(engine.device),
-            cache_bytes=self._cache_owed or engine.cache.capacity_bytes,
+            cache_bytes=engine.cache.capacity_bytes,
             prefetch_budget_bytes=self.prefetch_budget_bytes,
             copy_gbps=engine.copy_bytes_per_ms / 1e6 if engine.copy_bytes_per_ms else None,
         )

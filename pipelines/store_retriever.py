@@ -5,20 +5,23 @@ Each search is exact: every store named is searched for its own top k (exactly a
 IndexIVF over its passages, those of the files the tool's filter matches, at its nprobe), and the
 stores' results are merged by score, then store id and passage id, so the merged top k is the
 top k of all their passages. The stores are read as they were when the request began (each
-one's snapshot is taken then), so every search of one request sees the same files. Nothing is
-prefetched: stores are searched on the CPU, with no cluster cache.
+one's snapshot is taken then), so every search of one request sees the same files. The
+lookahead is the server's: a prefetch copies each store's lists nearest q_in into the one
+cluster cache (the server's budget for the overlap, split evenly among the stores), and each
+store's search reads them, as the server's datastore's search does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from telerag.pipelines.attribute_filters import Attributes
-from telerag.pipelines.stats import SearchStats
+from telerag.pipelines.stats import PrefetchStepStats, SearchStats
 from telerag.pipelines.types import (
     Document,
     OnProvisional,
@@ -31,6 +34,10 @@ from telerag.pipelines.types import (
 )
 from telerag.pipelines.vector_store_index import StoreEncoder, StoreView
 from telerag.retrieval.snapshot import Snapshot
+from telerag.retrieval.stats import PrefetchStats
+
+if TYPE_CHECKING:
+    from telerag.retrieval.prefetch import PrefetchHandle
 
 
 class StoresRetriever:
@@ -40,9 +47,21 @@ class StoresRetriever:
     def __init__(self, views: Sequence[StoreView], encoder: StoreEncoder, score_threshold: float | None = None) -> None:
         self.views, self.encoder, self.score_threshold = tuple(views), encoder, score_threshold
         self.searched: list[str] = []  # every query the request's searches asked, in order
+        self._prefetched: dict[int, dict[str, PrefetchHandle]] = {}  # id of a ticket -> each store's part of it
 
     async def prefetch(self, queries: Sequence[str], *, enabled: bool = True, overlap_ms: float | None = None) -> PrefetchTicket:
-        return PrefetchTicket(list(queries))  # nothing to copy: no cluster cache holds a store's lists
+        """Copy each store's lists nearest `queries` (q_in) into the cluster cache, within the
+        server's budget for `overlap_ms` split evenly among the stores."""
+        ticket = PrefetchTicket(list(queries))
+        stores = [view for view in self.views if view.snapshot is not None]
+        budget = self.encoder.budget_bytes(overlap_ms) // max(len(stores), 1) if enabled else 0
+        if budget <= 0 or not queries or not stores:
+            return ticket
+        handles, embed_ms = await asyncio.to_thread(self._prefetch, list(queries), stores, budget)
+        self._prefetched[id(ticket)] = handles
+        plans = [handle.stats for handle in handles.values()]
+        ticket.stats = PrefetchStepStats(enabled=True, embed_ms=embed_ms, batch=1, plan=PrefetchStats.combined(plans))
+        return ticket
 
     async def search(
         self,
@@ -55,10 +74,14 @@ class StoresRetriever:
         """Each query's top `options.top_k` over the stores (no provisional top-k: a store's search
         is one faiss call, with nothing to report before it ends)."""
         self.searched += [str(query) for query in queries]
-        return await asyncio.to_thread(self._search, list(queries), options.top_k)
+        prefetched = self._prefetched.pop(id(ticket), {}) if ticket is not None else {}
+        try:
+            return await asyncio.to_thread(self._search, list(queries), options.top_k, prefetched)
+        finally:
+            _release(prefetched)
 
     def release(self, ticket: PrefetchTicket) -> None:
-        pass
+        _release(self._prefetched.pop(id(ticket), {}))
 
     def snapshot(self) -> Snapshot | None:
         return None  # each store's own is in its view, taken when the request began
@@ -78,25 +101,39 @@ class StoresRetriever:
 
     # -- in a worker thread -----------------------------------------------------------------------
 
-    def _search(self, queries: list[SearchQuery], k: int) -> SearchOutcome:
+    def _prefetch(self, queries: list[str], stores: list[StoreView], budget: int) -> tuple[dict[str, PrefetchHandle], float]:
+        started = time.perf_counter()
+        with self.encoder.priority.query():
+            vectors = np.asarray(self.encoder.embedder.encode(queries), dtype=np.float32)
+        embed_ms = (time.perf_counter() - started) * 1e3
+        handles = {view.store_id: handle for view in stores if (handle := view.prefetch(vectors, budget)) is not None}
+        return handles, embed_ms
+
+    def _search(self, queries: list[SearchQuery], k: int, prefetched: Mapping[str, PrefetchHandle]) -> SearchOutcome:
         started = time.perf_counter()
         with self.encoder.priority.query():
             vectors = [self.encoder.query(query_texts(query)) for query in queries]
         embedded = time.perf_counter()
-        documents = [self.merged(vector, k) for vector in vectors]
+        documents = [self.merged(vector, k, prefetched) for vector in vectors]
         embed_ms, cpu_ms = (embedded - started) * 1e3, (time.perf_counter() - embedded) * 1e3
         return SearchOutcome(
             documents, SearchStats(embed_ms=embed_ms, cpu_ms=cpu_ms, total_ms=embed_ms + cpu_ms, batch=len(queries))
         )
 
-    def merged(self, query: np.ndarray, k: int) -> list[Document]:
+    def merged(self, query: np.ndarray, k: int, prefetched: Mapping[str, PrefetchHandle] | None = None) -> list[Document]:
         """The top k for `query` (1, dim) over every store: each store's exact top k, merged by
-        score, then store id and passage id."""
+        score, then store id and passage id (`prefetched`: each store's lookahead, by store id)."""
+        prefetched = prefetched or {}
         found = [
             Document(hit.id, hit.file_id, view.files[hit.file_id].filename, hit.text, hit.score, source=view.store_id)
             for view in self.views
-            for hit in view.search(query, k)
+            for hit in view.search(query, k, prefetched.get(view.store_id))
             if hit.file_id in view.files
         ]
         found.sort(key=lambda d: (-d.score, d.source, d.id))
         return [d for d in found[:k] if self.score_threshold is None or d.score >= self.score_threshold]
+
+
+def _release(handles: Mapping[str, PrefetchHandle]) -> None:
+    for handle in handles.values():
+        handle.release()

@@ -7,9 +7,11 @@ deletes its passages. Once a store holds 4x the passages its lists were trained 
 retrained to `default_nlist(n)` lists (`Rebuilds.run`), so its lists follow its size; between
 retrains, a compaction begins by itself as the server's own datastore's do.
 
-Each store's engine is on the CPU with no cluster cache: the GPU cluster cache is the server's
-datastore's alone. Passages are embedded by the server's embedder below its queries' priority
-(`StoreEncoder`), and a store's query at the queries' priority.
+Each store's engine is on the server's device, its cluster cache on the server's cluster cache
+buffer: a cached list is a (store, list) pair, weighed against the server's datastore's lists and
+every other store's on one clock, and a request's lookahead over stores copies their lists as it
+does the server's (`StoresRetriever.prefetch`). Passages are embedded by the server's embedder
+below its queries' priority (`StoreEncoder`), and a store's query at the queries' priority.
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ from telerag.pipelines.vector_store_records import StaticChunking, StoreFile
 from telerag.retrieval.builder import build_datastore, default_nlist
 from telerag.retrieval.corpus import Article, Passage, PassageShape
 from telerag.retrieval.datastore import MANIFEST, Datastore
+from telerag.retrieval.prefetch import PrefetchHandle
 from telerag.retrieval.snapshot import Snapshot, search_snapshot
 
 if TYPE_CHECKING:  # the retriever brings torch: the server's app is made, and listens, before it loads
     from telerag.pipelines.retriever import DirectRetriever, EmbeddingPriority, TextEncoder
+    from telerag.retrieval.cache import CacheBuffer
 
 GROWTH_TO_RETRAIN = 4  # a store is retrained once it holds this many times the passages its lists were trained on
 COUNT_WORDS = 32  # words per piece when the embedder's tokens per word are counted: far below any embedder's length
@@ -42,18 +46,32 @@ COUNT_WORDS = 32  # words per piece when the embedder's tokens per word are coun
 
 @dataclass(frozen=True)
 class StoreEncoder:
-    """The server's embedder as the vector stores use it: `embed_passages` below its queries'
-    priority (a server's: `DirectRetriever.embed_passages`), a store's query at it (`priority`),
-    and `shape` the server's passage rule (`auto` chunking)."""
+    """The server's embedder and device as the vector stores use them: `embed_passages` below its
+    queries' priority (a server's: `DirectRetriever.embed_passages`), a store's query at it
+    (`priority`), `shape` the server's passage rule (`auto` chunking); the stores' engines on
+    `device` with their lists in `cache` (the server's cluster cache buffer), and what one
+    request's lookahead may copy in a given overlap (`budget_bytes`, the server's rule)."""
 
     embedder: TextEncoder
     shape: PassageShape
     embed_passages: Callable[[Sequence[str]], np.ndarray]
     priority: EmbeddingPriority
+    device: str = "cpu"
+    cache: CacheBuffer | None = None  # None: the stores' engines have no cluster cache
+    budget_bytes: Callable[[float | None], int] = lambda overlap_ms: 0
 
     @classmethod
     def of(cls, retriever: DirectRetriever) -> StoreEncoder:
-        return cls(retriever.embedder, retriever.live.shape, retriever.embed_passages, retriever.priority)
+        engine = retriever.engine
+        return cls(
+            retriever.embedder,
+            retriever.live.shape,
+            retriever.embed_passages,
+            retriever.priority,
+            str(engine.device),
+            engine.cache.shared,
+            retriever.budget_bytes,
+        )
 
     def query(self, texts: Sequence[str]) -> np.ndarray:
         """One float32 row (1, dim): the mean of the texts' embeddings (a list of queries searches
@@ -112,7 +130,8 @@ class StoreIndex:
 
         embedder = self.encoder.embedder
         datastore = Datastore.load(self.root, embedder=embedder.name, dim=embedder.dim, progress=False)  # checked, no bar
-        retriever = open_retriever(datastore, embedder, device="cpu", cache_bytes=0, writable=True)
+        encoder = self.encoder
+        retriever = open_retriever(datastore, embedder, device=encoder.device, cache_buffer=encoder.cache, writable=True)
         self._rebuilds = Rebuilds(retriever.live, compact_share=self.compact_share)
         self._writer = DocumentWriter(retriever.live, self.encoder.embed_passages, on_written=self._rebuilds.after_writes)
         self._retriever = retriever
@@ -205,15 +224,24 @@ class StoreIndex:
             snapshot, entries = retriever.live.snapshot_of(only)
             return snapshot.restricted_to([i for entry in entries.values() for i in entry.passage_ids])
 
-    def search(self, query: np.ndarray, k: int, view: Snapshot | None) -> list[Hit]:
+    def prefetch(self, queries: np.ndarray, budget_bytes: int, view: Snapshot | None) -> PrefetchHandle | None:
+        """Start copying the lists of `view`'s generation nearest `queries` (q_in, (n, dim)) into
+        the cluster cache, within `budget_bytes` (None: nothing to copy)."""
+        with self._read() as retriever:
+            if retriever is None or view is None or budget_bytes <= 0:
+                return None
+            return retriever.engine_for(view.datastore).prefetch(queries, budget_bytes)
+
+    def search(self, query: np.ndarray, k: int, view: Snapshot | None, prefetch: PrefetchHandle | None = None) -> list[Hit]:
         """The top k of `view`'s passages for `query` (1, dim), exactly as faiss's IndexIVF over
         them would answer at the engine's default nprobe for the store's lists (with a filter's
-        view, as faiss's with an ID selector of the files' passages would)."""
+        view, as faiss's with an ID selector of the files' passages would); `prefetch`, this
+        store's part of the request's lookahead, is ended by it."""
         with self._read() as retriever:
             if retriever is None or view is None:
                 return []
             engine = retriever.engine_for(view.datastore)
-            result = search_snapshot(engine, view, query, k, engine.nprobe)
+            result = search_snapshot(engine, view, query, k, engine.nprobe, prefetch=prefetch)
             found = [(int(i), float(s)) for i, s in zip(result.ids[0], result.scores[0], strict=True) if i >= 0]
             passages = view.passages_of([i for i, _ in found])
             return [Hit(i, p.doc_id, p.text, s) for (i, s), p in zip(found, passages, strict=True)]
@@ -239,6 +267,10 @@ class StoreView:
     snapshot: Snapshot | None  # None: the store had no passages
     files: Mapping[str, StoreFile]
 
-    def search(self, query: np.ndarray, k: int) -> list[Hit]:
+    def prefetch(self, queries: np.ndarray, budget_bytes: int) -> PrefetchHandle | None:
+        """The lookahead of the snapshot's lists for `queries` (q_in, (n, dim))."""
+        return self.index.prefetch(queries, budget_bytes, self.snapshot)
+
+    def search(self, query: np.ndarray, k: int, prefetch: PrefetchHandle | None = None) -> list[Hit]:
         """The exact top k of the snapshot's passages for `query` (1, dim)."""
-        return self.index.search(query, k, self.snapshot)
+        return self.index.search(query, k, self.snapshot, prefetch)

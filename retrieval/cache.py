@@ -1,5 +1,10 @@
-"""The device cluster cache: one preallocated buffer, shared by every in-flight request.
+"""The device cluster cache: one preallocated buffer, shared by every in-flight request and by
+every datastore the server searches.
 
+The buffer (`CacheBuffer`) is one per device; each datastore searched on it (the server's
+datastore, each generation of it while requests still read the one before, each vector store)
+has a `ClusterCache` on it: a cached list is a (datastore, list) pair, and eviction weighs every
+datastore's lists on one clock, so the lists searched most stay whichever datastore they are of.
 Rows of the buffer are handed out in extents. A cluster is resident when all its rows are in
 the buffer, in one or more pieces; clusters that are adjacent on the host and missing together
 are placed in one extent when one is free, so they arrive in one copy. A cluster that a search
@@ -29,7 +34,7 @@ import torch
 from telerag.retrieval.extents import FreeRows
 from telerag.retrieval.stats import CacheStats
 
-HALF_LIFE_ACCESSES = 4096.0  # a cluster's hotness halves after this many cluster accesses
+HALF_LIFE_ACCESSES = 4096.0  # a cluster's hotness halves after this many cluster accesses (of any datastore)
 OPEN_EXTENT_CANDIDATES = 32  # how many of the coldest clusters eviction looks at for room for a run in one piece
 
 
@@ -75,59 +80,170 @@ class Lease:
         return self.copy_ms
 
 
-class ClusterCache:
-    """Whole IVF clusters in a fixed device buffer, keyed by cluster id."""
+class CacheBuffer:
+    """The device rows every `ClusterCache` on it shares, their copy stream, and what they share
+    beside: the free extents, the hotness clock, the copies in flight, the counters, one lock."""
 
-    def __init__(
-        self,
-        host_vectors: torch.Tensor,
-        offsets: np.ndarray,
-        capacity_bytes: int,
-        device: torch.device,
-    ) -> None:
-        self.host = host_vectors
-        self.offsets = np.asarray(offsets, dtype=np.int64)
-        self.sizes = np.diff(self.offsets)
-        self.device = device
-        self.row_bytes = host_vectors.shape[1] * host_vectors.element_size()
-        # never more rows than the datastore has: a larger buffer could hold nothing more
-        self.capacity_rows = max(0, min(int(capacity_bytes) // self.row_bytes, len(host_vectors)))
+    def __init__(self, rows: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.device, self.dim, self.dtype = device, dim, dtype
+        self.row_bytes = dim * torch.empty((), dtype=dtype).element_size()
+        self.capacity_rows = max(0, int(rows))
         # made on the caller's current stream (the retrieval engine's), and written on the copy
         # stream: once freed, its memory waits for the copies still queued there before reuse
-        self.buffer = torch.empty((self.capacity_rows, host_vectors.shape[1]), dtype=host_vectors.dtype, device=device)
+        self.rows = torch.empty((self.capacity_rows, dim), dtype=dtype, device=device)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         if self.copy_stream is not None and self.capacity_rows:
-            self.buffer.record_stream(self.copy_stream)
-        self._lock = threading.Lock()
-        self._slots: dict[int, _Slot] = {}
-        self._free = FreeRows(self.capacity_rows)
-        nlist = len(self.sizes)
-        self._hotness = np.zeros(nlist, dtype=np.float64)
-        self._last_touch = np.zeros(nlist, dtype=np.float64)
-        self._clock = 0.0
-        self._hits = self._misses = self._evictions = self._bytes_copied = self._copies = 0
-        self._in_flight: deque[tuple[torch.cuda.Event, int]] = deque()  # (end of a copy window, its bytes), issue order
+            self.rows.record_stream(self.copy_stream)
+        self.copy_bytes_per_ms: float | None = None  # measured by the first cache on it (`measure_copy_rate`)
+        self.lock = threading.Lock()
+        self.free = FreeRows(self.capacity_rows)
+        self.caches: list[ClusterCache] = []  # those on it, until closed with nothing pinned
+        self.clock = 0.0
+        self.hits = self.misses = self.evictions = self.bytes_copied = self.copies = 0
+        self.in_flight: deque[tuple[torch.cuda.Event, int]] = deque()  # (end of a copy window, its bytes), issue order
 
-    # -- public API ---------------------------------------------------------------------------
+    @classmethod
+    def for_vectors(cls, host_vectors: torch.Tensor, capacity_bytes: int, device: torch.device) -> CacheBuffer:
+        """A buffer for rows like `host_vectors`'s, of `capacity_bytes` but never more rows than
+        they have (a larger one could hold nothing more of them)."""
+        row_bytes = host_vectors.shape[1] * host_vectors.element_size()
+        rows = min(int(capacity_bytes) // row_bytes, len(host_vectors))
+        return cls(rows, host_vectors.shape[1], host_vectors.dtype, device)
 
     @property
     def capacity_bytes(self) -> int:
         return self.capacity_rows * self.row_bytes
 
+    def holds(self, host_vectors: torch.Tensor) -> bool:
+        """Whether rows of `host_vectors` fit its rows (the same width and type)."""
+        return host_vectors.dim() == 2 and host_vectors.shape[1] == self.dim and host_vectors.dtype == self.dtype
+
+    def stats(self) -> CacheStats:
+        with self.lock:
+            slots = [slot for cache in self.caches for slot in cache._slots.values()]
+            return CacheStats(
+                capacity_bytes=self.capacity_bytes,
+                occupancy_bytes=(self.capacity_rows - self.free.total) * self.row_bytes,
+                resident_clusters=len(slots),
+                pinned_clusters=sum(1 for slot in slots if slot.pins > 0),
+                hits=self.hits,
+                misses=self.misses,
+                evictions=self.evictions,
+                bytes_copied=self.bytes_copied,
+                copies=self.copies,
+            )
+
+    def check_invariants(self) -> None:
+        """Every row is either free or owned by exactly one resident cluster (for tests)."""
+        with self.lock:
+            spans = self.free.extents()
+            for cache in self.caches:
+                for cluster, slot in cache._slots.items():
+                    assert sum(seg.length for seg in slot.segments) == cache.sizes[cluster], cluster
+                    spans.extend((seg.start, seg.length) for seg in slot.segments)
+                    assert slot.pins >= 0
+            spans.sort()
+            position = 0
+            for start, length in spans:
+                assert start == position and length > 0, (start, position)
+                position += length
+            assert position == self.capacity_rows
+
+    # -- internals (called with the lock held) -------------------------------------------------
+
+    def forget_landed(self) -> None:
+        """Drop the copy windows that have landed (the stream runs them in issue order)."""
+        while self.in_flight and self.in_flight[0][0].query():
+            self.in_flight.popleft()
+
+    def evictable(self, asking: ClusterCache, protected: set[int]) -> list[tuple[ClusterCache, int]]:
+        """The clusters that may be evicted (unpinned, and of `asking`'s not among `protected`,
+        the ones its acquisition wants), coldest first, of every cache on the buffer."""
+        keys: list[tuple[ClusterCache, int]] = []
+        hotness: list[np.ndarray] = []
+        for cache in self.caches:
+            clusters = np.fromiter(
+                (c for c, s in cache._slots.items() if s.pins == 0 and not (cache is asking and c in protected)), dtype=np.int64
+            )
+            keys.extend((cache, int(c)) for c in clusters)
+            hotness.append(cache._current_hotness(clusters))
+        if not keys:
+            return []
+        order = np.argsort(np.concatenate(hotness), kind="stable")
+        return [keys[i] for i in order]
+
+    def drop(self, cache: ClusterCache, cluster: int) -> int:
+        """Evict `cache`'s `cluster`; the rows freed."""
+        slot = cache._slots.pop(cluster)
+        for segment in slot.segments:
+            self.free.give_back(segment.start, segment.length)
+        self.evictions += 1
+        if cache.closed and not cache._slots:
+            self.caches.remove(cache)
+        return sum(segment.length for segment in slot.segments)
+
+
+class ClusterCache:
+    """One datastore's IVF lists (its host rows, split at `offsets`) in a `CacheBuffer`, keyed by
+    list id; the buffer's other caches are other datastores'."""
+
+    def __init__(self, host_vectors: torch.Tensor, offsets: np.ndarray, shared: CacheBuffer) -> None:
+        if not shared.holds(host_vectors):
+            raise ValueError(
+                f"rows of {tuple(host_vectors.shape[1:])} {host_vectors.dtype} do not fit a cache buffer of "
+                f"({shared.dim},) {shared.dtype}"
+            )
+        self.host = host_vectors
+        self.offsets = np.asarray(offsets, dtype=np.int64)
+        self.sizes = np.diff(self.offsets)
+        self.shared = shared
+        self.device, self.row_bytes = shared.device, shared.row_bytes
+        self.closed = False
+        self._slots: dict[int, _Slot] = {}
+        nlist = len(self.sizes)
+        self._hotness = np.zeros(nlist, dtype=np.float64)
+        self._last_touch = np.zeros(nlist, dtype=np.float64)
+        with shared.lock:
+            shared.caches.append(self)
+
+    # -- public API ---------------------------------------------------------------------------
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The device rows the lists are copied into (the shared buffer's)."""
+        return self.shared.rows
+
+    @property
+    def copy_stream(self) -> torch.cuda.Stream | None:
+        return self.shared.copy_stream
+
+    @property
+    def capacity_rows(self) -> int:
+        return self.shared.capacity_rows
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.shared.capacity_bytes
+
     def measure_copy_rate(self, nbytes: int = 64 << 20) -> float | None:
-        """Bytes per ms of this cache's own copy path (pinned DMA on CUDA), measured on the
-        largest run of host rows that fits in `nbytes` and the buffer. Only while nothing is
-        resident: it writes over the start of the buffer."""
-        rows = min(self.capacity_rows, max(1, nbytes // self.row_bytes))
-        if not rows or self._slots:
-            return None
-        probe = Lease(cache=self, resident={})
-        for _ in range(2):  # the first copy pays for warming up the path
-            probe.copy_events, probe.copy_ms = self._issue_copies([(0, 0, rows)])
-            if probe.copy_events is not None:
-                probe.copy_events[1].synchronize()
+        """Bytes per ms of the buffer's copy path (pinned DMA on CUDA), measured once per buffer
+        on the largest run of this datastore's host rows that fits in `nbytes` and the buffer.
+        Only while nothing is resident: it writes over the start of the buffer."""
+        shared = self.shared
+        if shared.copy_bytes_per_ms is not None:
+            return shared.copy_bytes_per_ms
+        rows = min(self.capacity_rows, len(self.host), max(1, nbytes // self.row_bytes))
+        with shared.lock:
+            if not rows or any(cache._slots for cache in shared.caches):
+                return None
+            probe = Lease(cache=self, resident={})
+            for _ in range(2):  # the first copy pays for warming up the path
+                probe.copy_events, probe.copy_ms = self._issue_copies([(0, 0, rows)])
+                if probe.copy_events is not None:
+                    probe.copy_events[1].synchronize()
         elapsed = probe.copy_elapsed_ms()
-        return rows * self.row_bytes / elapsed if elapsed else None
+        shared.copy_bytes_per_ms = rows * self.row_bytes / elapsed if elapsed else None
+        return shared.copy_bytes_per_ms
 
     def cluster_bytes(self, clusters: Iterable[int] | None = None) -> np.ndarray:
         sizes = self.sizes if clusters is None else self.sizes[np.fromiter(clusters, dtype=np.int64)]
@@ -136,24 +252,29 @@ class ClusterCache:
     def resident_mask(self) -> np.ndarray:
         """Which clusters are resident now (landed or in flight): a prefetch pins them for free."""
         mask = np.zeros(len(self.sizes), dtype=bool)
-        with self._lock:
+        with self.shared.lock:
             mask[list(self._slots)] = True
         return mask
 
+    def pinned_clusters(self) -> int:
+        """How many of this datastore's clusters a search or a prefetch holds now."""
+        with self.shared.lock:
+            return sum(1 for slot in self._slots.values() if slot.pins > 0)
+
     def queued_bytes(self) -> int:
         """Bytes issued on the copy stream that have not landed: what a new copy waits behind."""
-        with self._lock:
-            self._forget_landed()
-            return sum(nbytes for _, nbytes in self._in_flight)
+        with self.shared.lock:
+            self.shared.forget_landed()
+            return sum(nbytes for _, nbytes in self.shared.in_flight)
 
     def pending(self, lease: Lease) -> dict[int, int]:
         """The lease's clusters whose copies have not landed, each with the bytes queued on the
         copy stream up to and including its own copy (at the copy rate, how long it may take)."""
-        with self._lock:
-            self._forget_landed()
+        with self.shared.lock:
+            self.shared.forget_landed()
             ahead: dict[int, int] = {}
             queued = 0
-            for event, nbytes in self._in_flight:
+            for event, nbytes in self.shared.in_flight:
                 queued += nbytes
                 ahead[id(event)] = queued
             return {
@@ -166,14 +287,15 @@ class ClusterCache:
         """Pin the resident clusters among `clusters`; with `fetch`, copy in the missing ones too.
 
         Empty clusters are skipped (there is nothing to search). Clusters that cannot be placed
-        because everything else is pinned are counted as skipped and simply stay on the CPU.
+        because everything else is pinned are counted as skipped and simply stay on the CPU; so
+        are all of a closed cache's (its datastore is no longer searched).
         """
         ids = np.asarray(clusters, dtype=np.int64).ravel()
         ids = ids[self.sizes[ids] > 0]
         _, first = np.unique(ids, return_index=True)
         wanted: list[int] = ids[np.sort(first)].tolist()  # each once, in the order asked
         lease = Lease(cache=self, resident={})
-        with self._lock:
+        with self.shared.lock:
             self._touch(wanted)
             missing: list[int] = []
             events: set[int] = set()
@@ -189,83 +311,71 @@ class ClusterCache:
                     events.add(id(slot.event))
                     lease.events.append(slot.event)
             if not fetch:
-                self._hits += len(lease.resident)
-                self._misses += len(missing)
+                self.shared.hits += len(lease.resident)
+                self.shared.misses += len(missing)
+            elif self.closed:
+                lease.clusters_skipped += len(missing)
             elif missing:
                 self._fetch(sorted(missing), set(wanted), lease)
         return lease
 
     def release(self, lease: Lease) -> None:
-        with self._lock:
+        with self.shared.lock:
             if lease.released:
                 return
             lease.released = True
             for cluster in lease.resident:
-                self._slots[cluster].pins -= 1
+                slot = self._slots[cluster]
+                slot.pins -= 1
+                if self.closed and not slot.pins:
+                    self.shared.drop(self, cluster)
+
+    def close(self) -> None:
+        """Its datastore is no longer searched: its clusters leave the buffer, each once unpinned."""
+        with self.shared.lock:
+            self.closed = True
+            for cluster in [c for c, slot in self._slots.items() if not slot.pins]:
+                self.shared.drop(self, cluster)
+            if not self._slots and self in self.shared.caches:
+                self.shared.caches.remove(self)
 
     def stats(self) -> CacheStats:
-        with self._lock:
-            used = self.capacity_rows - self._free.total
-            return CacheStats(
-                capacity_bytes=self.capacity_bytes,
-                occupancy_bytes=used * self.row_bytes,
-                resident_clusters=len(self._slots),
-                pinned_clusters=sum(1 for s in self._slots.values() if s.pins > 0),
-                hits=self._hits,
-                misses=self._misses,
-                evictions=self._evictions,
-                bytes_copied=self._bytes_copied,
-                copies=self._copies,
-            )
+        """The buffer's: its state and counters over every datastore on it."""
+        return self.shared.stats()
 
     def check_invariants(self) -> None:
-        """Every row is either free or owned by exactly one resident cluster (for tests)."""
-        with self._lock:
-            spans = self._free.extents()
-            for cluster, slot in self._slots.items():
-                assert sum(seg.length for seg in slot.segments) == self.sizes[cluster], cluster
-                spans.extend((seg.start, seg.length) for seg in slot.segments)
-                assert slot.pins >= 0
-            spans.sort()
-            position = 0
-            for start, length in spans:
-                assert start == position and length > 0, (start, position)
-                position += length
-            assert position == self.capacity_rows
+        self.shared.check_invariants()
 
-    # -- internals (called with the lock held) -------------------------------------------------
-
-    def _forget_landed(self) -> None:
-        """Drop the copy windows that have landed (the stream runs them in issue order)."""
-        while self._in_flight and self._in_flight[0][0].query():
-            self._in_flight.popleft()
+    # -- internals (called with the buffer's lock held) ----------------------------------------
 
     def _touch(self, clusters: list[int]) -> None:
         if not clusters:
             return
         ids = np.asarray(clusters, dtype=np.int64)
-        decay = 0.5 ** ((self._clock - self._last_touch[ids]) / HALF_LIFE_ACCESSES)
+        clock = self.shared.clock
+        decay = 0.5 ** ((clock - self._last_touch[ids]) / HALF_LIFE_ACCESSES)
         self._hotness[ids] = self._hotness[ids] * decay + 1.0
-        self._last_touch[ids] = self._clock
-        self._clock += len(clusters)
+        self._last_touch[ids] = clock
+        self.shared.clock += len(clusters)
 
     def _current_hotness(self, clusters: np.ndarray) -> np.ndarray:
-        return self._hotness[clusters] * 0.5 ** ((self._clock - self._last_touch[clusters]) / HALF_LIFE_ACCESSES)
+        return self._hotness[clusters] * 0.5 ** ((self.shared.clock - self._last_touch[clusters]) / HALF_LIFE_ACCESSES)
 
     def _fetch(self, missing: list[int], protected: set[int], lease: Lease) -> None:
+        shared = self.shared
         copies: list[tuple[int, int, int]] = []  # (buffer start, host start, rows)
         placed: list[int] = []
-        evictable: list[int] | None = None  # unpinned clusters, coldest first: made when the first eviction is due
+        evictable: list[tuple[ClusterCache, int]] | None = None  # unpinned clusters, coldest first: made when due
         need = int(self.sizes[missing].sum())
-        if self._free.total < need:
-            evictable = self._evictable(protected)
-            self._evict(need - self._free.total, evictable)
+        if shared.free.total < need:
+            evictable = shared.evictable(self, protected)
+            self._evict(need - shared.free.total, evictable)
         for run in self._runs(missing):
             rows = int(self.sizes[run].sum())
-            if not self._free.fits(rows):
-                evictable = self._evictable(protected) if evictable is None else evictable
+            if not shared.free.fits(rows):
+                evictable = shared.evictable(self, protected) if evictable is None else evictable
                 self._open_extent(rows, evictable)
-            if rows <= self._free.total:
+            if rows <= shared.free.total:
                 self._place(run, rows, copies, lease)
                 placed.extend(run)
             else:
@@ -279,11 +389,11 @@ class ClusterCache:
             for cluster in placed:
                 self._slots[cluster].event = window[1]
             lease.events.append(window[1])
-            self._in_flight.append((window[1], rows_copied * self.row_bytes))
+            shared.in_flight.append((window[1], rows_copied * self.row_bytes))
         lease.bytes_copied += rows_copied * self.row_bytes
         lease.copies += len(copies)
-        self._bytes_copied += rows_copied * self.row_bytes
-        self._copies += len(copies)
+        shared.bytes_copied += rows_copied * self.row_bytes
+        shared.copies += len(copies)
 
     def _runs(self, clusters: list[int]) -> list[list[int]]:
         """Split sorted cluster ids into runs of consecutive ids (contiguous on the host)."""
@@ -297,7 +407,7 @@ class ClusterCache:
 
     def _place(self, run: list[int], rows: int, copies: list[tuple[int, int, int]], lease: Lease) -> None:
         """Allocate rows for a run of host-adjacent clusters (one extent if one fits) and queue copies."""
-        pieces = self._free.allocate(rows)
+        pieces = self.shared.free.allocate(rows)
         host = int(self.offsets[run[0]])
         segments_by_cluster: dict[int, list[Segment]] = {c: [] for c in run}
         bounds = self.offsets[run[0] : run[-1] + 2]
@@ -318,37 +428,24 @@ class ClusterCache:
             lease.resident[cluster] = segments
             lease.clusters_copied += 1
 
-    def _evictable(self, protected: set[int]) -> list[int]:
-        """The clusters that may be evicted (unpinned, not wanted by this acquisition), coldest first."""
-        candidates = np.fromiter((c for c, s in self._slots.items() if s.pins == 0 and c not in protected), dtype=np.int64)
-        return candidates[np.argsort(self._current_hotness(candidates), kind="stable")].tolist()
-
-    def _open_extent(self, rows: int, evictable: list[int]) -> bool:
+    def _open_extent(self, rows: int, evictable: list[tuple[ClusterCache, int]]) -> bool:
         """Evict one of the coldest `OPEN_EXTENT_CANDIDATES` clusters whose rows, with the free
         rows beside them, make one extent of `rows`: the run then arrives in one copy, not in
         pieces scattered over the holes the coldest left. At `bench cluster-cache`'s defaults (a cache
         kept full) it took copies per copied cluster from 4.3 to 1.04 and the hit rate from 0.194
         to 0.190. False when none does."""
-        for i, cluster in enumerate(evictable[:OPEN_EXTENT_CANDIDATES]):
-            segments = self._slots[cluster].segments
-            if len(segments) == 1 and self._free.around(segments[0].start, segments[0].length) >= rows:
-                self._drop(evictable.pop(i))
+        for i, (cache, cluster) in enumerate(evictable[:OPEN_EXTENT_CANDIDATES]):
+            segments = cache._slots[cluster].segments
+            if len(segments) == 1 and self.shared.free.around(segments[0].start, segments[0].length) >= rows:
+                self.shared.drop(*evictable.pop(i))
                 return True
         return False
 
-    def _evict(self, rows: int, evictable: list[int]) -> None:
+    def _evict(self, rows: int, evictable: list[tuple[ClusterCache, int]]) -> None:
         """Free at least `rows` rows by evicting the coldest of `evictable` (or all of them)."""
         freed = 0
         while evictable and freed < rows:
-            freed += self._drop(evictable.pop(0))
-
-    def _drop(self, cluster: int) -> int:
-        """Evict `cluster`; the rows freed."""
-        slot = self._slots.pop(cluster)
-        for segment in slot.segments:
-            self._free.give_back(segment.start, segment.length)
-        self._evictions += 1
-        return sum(segment.length for segment in slot.segments)
+            freed += self.shared.drop(*evictable.pop(0))
 
     def _issue_copies(
         self, copies: list[tuple[int, int, int]]
@@ -356,15 +453,16 @@ class ClusterCache:
         """Copy host rows into the buffer: on CUDA asynchronously on the copy stream (DMA from
         pinned memory) between two timing events, returned; on the CPU synchronously, returning
         how many ms that took."""
-        if self.copy_stream is None:
+        buffer, stream = self.shared.rows, self.shared.copy_stream
+        if stream is None:
             started = time.perf_counter()
             for start, host, rows in copies:
-                self.buffer[start : start + rows].copy_(self.host[host : host + rows])
+                buffer[start : start + rows].copy_(self.host[host : host + rows])
             return None, (time.perf_counter() - started) * 1e3
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(self.copy_stream):
-            begin.record(self.copy_stream)
+        with torch.cuda.stream(stream):
+            begin.record(stream)
             for start, host, rows in copies:
-                self.buffer[start : start + rows].copy_(self.host[host : host + rows], non_blocking=True)
-            end.record(self.copy_stream)
+                buffer[start : start + rows].copy_(self.host[host : host + rows], non_blocking=True)
+            end.record(stream)
         return (begin, end), None

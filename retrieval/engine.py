@@ -24,7 +24,7 @@ import faiss
 import numpy as np
 import torch
 
-from telerag.retrieval.cache import ClusterCache
+from telerag.retrieval.cache import CacheBuffer, ClusterCache
 from telerag.retrieval.cooperative import CooperativeSearch, QueryStats, SearchResources
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.demand import DemandCopyPolicy
@@ -83,6 +83,7 @@ class RetrievalEngine:
         *,
         device: str | torch.device = "cpu",
         cache_bytes: int = 0,
+        cache_buffer: CacheBuffer | None = None,
         nprobe: int | None = None,
         cpu_workers: int = 2,
         cpu_threads: int | None = None,
@@ -98,7 +99,9 @@ class RetrievalEngine:
         `cpu_half`: who scans the lists the device does not (default: faiss here, over the host
         copy; the retrieval tier, `retrieval.tier`, where the datastore's shards are remote).
         `early_stop`: faiss's half scans its lists with exact early stop (`retrieval.early_stop`;
-        refused for a datastore without list statistics); a tier's shards are told when deployed."""
+        refused for a datastore without list statistics); a tier's shards are told when deployed.
+        `cache_buffer`: the device buffer of another engine's cluster cache, to share (its lists and
+        this one's weighed on one clock; `cache_bytes` must then be 0); None: one of `cache_bytes`."""
         self.datastore = datastore
         self.device = resolve_device(device, error=DeviceUnavailable)
         self.nlist = datastore.nlist
@@ -115,7 +118,7 @@ class RetrievalEngine:
         if early_stop and cpu_half is None:
             self.cpu_half = EarlyStopSearch(self.index, ListBounds.of(datastore))
         with self.on_stream():  # the device tensors searches read belong to the search stream
-            self.cache = ClusterCache(self.host_vectors, datastore.offsets, cache_bytes, self.device)
+            self.cache = self._cache_on(cache_buffer, cache_bytes)
             self.centroids = torch.from_numpy(np.ascontiguousarray(datastore.centroids)).to(self.device)
             self.codec_params = (
                 None if datastore.codec_params is None else torch.from_numpy(datastore.codec_params).to(self.device)
@@ -132,6 +135,20 @@ class RetrievalEngine:
         # B of TeleRAG §4.2: the copy rate prefetch budgets are computed from
         self.copy_bytes_per_ms = self.cache.measure_copy_rate()
         self.demand = self._demand_policy(demand_copy)
+
+    def _cache_on(self, shared: CacheBuffer | None, cache_bytes: int) -> ClusterCache:
+        """This datastore's cluster cache: on `shared`, or on a buffer of `cache_bytes` of its own."""
+        if shared is None:
+            shared = CacheBuffer.for_vectors(self.host_vectors, cache_bytes, self.device)
+            return ClusterCache(self.host_vectors, self.datastore.offsets, shared)
+        if cache_bytes:
+            raise InvalidCall("a shared cluster cache buffer has its own size: cache_bytes must be 0")
+        if shared.device != self.device or not shared.holds(self.host_vectors):
+            raise InvalidCall(
+                f"a cluster cache buffer of ({shared.dim},) {shared.dtype} rows on {shared.device} cannot hold "
+                f"{self.datastore.where}'s ({self.datastore.dim},) {self.host_vectors.dtype} rows on {self.device}"
+            )
+        return ClusterCache(self.host_vectors, self.datastore.offsets, shared)
 
     def on_stream(self) -> contextlib.AbstractContextManager[Any]:
         """This engine's stream as the calling thread's current one (CUDA; nothing on the CPU):
@@ -169,7 +186,8 @@ class RetrievalEngine:
             return
         free, _ = torch.cuda.mem_get_info(self.device)
         idle = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)  # torch's, reusable
-        available = free + idle + self.cache.capacity_bytes - headroom_bytes
+        own = self.cache.capacity_bytes if self.cache.shared.caches == [self.cache] else 0  # a shared buffer stays
+        available = free + idle + own - headroom_bytes
         if cache_bytes > available:
             raise DeviceMemoryError(
                 f"a cluster cache of {cache_bytes / 2**30:.1f} GiB does not fit on {self.device}: "
@@ -178,20 +196,24 @@ class RetrievalEngine:
             )
 
     def resize_cache(self, cache_bytes: int, *, demand_copy: bool | None = None) -> None:
-        """Replace the cluster cache with an empty one of `cache_bytes` (nothing may be pinned,
-        and the device must hold it: `check_cache_fits`); `demand_copy` as in the constructor."""
-        if self.cache.stats().pinned_clusters:
+        """Replace the cluster cache with an empty one of `cache_bytes`, on a buffer of its own
+        (nothing may be pinned, and the device must hold it: `check_cache_fits`); `demand_copy`
+        as in the constructor."""
+        if self.cache.pinned_clusters():
             raise InvalidCall("cannot resize the cluster cache while clusters are pinned")
         self.check_cache_fits(cache_bytes)
         with self.on_stream():
-            self.cache = ClusterCache(self.host_vectors, self.datastore.offsets, 0, self.device)
+            self.cache.close()
+            self.cache = self._cache_on(None, 0)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            self.cache = ClusterCache(self.host_vectors, self.datastore.offsets, cache_bytes, self.device)
+            self.cache = self._cache_on(None, cache_bytes)
         self.copy_bytes_per_ms = self.cache.measure_copy_rate() or self.copy_bytes_per_ms
         self.demand = self._demand_policy(demand_copy)
 
     def close(self) -> None:
+        """Its lists leave the cluster cache (each once unpinned) and its CPU workers end."""
+        self.cache.close()
         self._cpu_pool.shutdown(wait=True)
 
     # -- prefetch -------------------------------------------------------------------------------

@@ -3,12 +3,13 @@ it (its metrics, its response models) and listen before torch is loaded."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class CacheStats:
-    """The cache's state and counters since it was made (all zero: no cache)."""
+    """The cache buffer's state and counters since it was made, over every datastore on it (all zero: no cache)."""
 
     capacity_bytes: int = 0
     occupancy_bytes: int = 0
@@ -34,3 +35,19 @@ class PrefetchStats:
     copies: int = 0  # copy calls issued (adjacent clusters coalesce into one)
     bytes_queued_ahead: int = 0  # on the copy stream before this prefetch's copies
     plan_ms: float = 0.0  # ranking and planning
+
+    @classmethod
+    def combined(cls, parts: Sequence[PrefetchStats]) -> PrefetchStats:
+        """One request's prefetches over several datastores (vector stores) as one: the counts
+        and times added, the bytes queued ahead of the first."""
+        return cls(
+            clusters_requested=sum(p.clusters_requested for p in parts),
+            bytes_requested=sum(p.bytes_requested for p in parts),
+            clusters_resident=sum(p.clusters_resident for p in parts),
+            clusters_copied=sum(p.clusters_copied for p in parts),
+            clusters_skipped=sum(p.clusters_skipped for p in parts),
+            bytes_copied=sum(p.bytes_copied for p in parts),
+            copies=sum(p.copies for p in parts),
+            bytes_queued_ahead=parts[0].bytes_queued_ahead if parts else 0,
+            plan_ms=sum(p.plan_ms for p in parts),
+        )

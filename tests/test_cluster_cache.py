@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from telerag.retrieval.cache import ClusterCache
+from telerag.retrieval.cache import CacheBuffer, ClusterCache
 from telerag.retrieval.prefetch import plan_prefetch
 from tests.retrieval_helpers import DEVICES
 
@@ -17,7 +17,7 @@ ROW_BYTES = DIM * 4
 def make_cache(sizes: list[int], capacity_rows: int, device: str = "cpu") -> ClusterCache:
     offsets = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
     host = torch.arange(int(offsets[-1]) * DIM, dtype=torch.float32).reshape(-1, DIM)
-    return ClusterCache(host, offsets, capacity_rows * ROW_BYTES, torch.device(device))
+    return ClusterCache(host, offsets, CacheBuffer.for_vectors(host, capacity_rows * ROW_BYTES, torch.device(device)))
 
 
 def rows_of(cache: ClusterCache, lease, cluster: int) -> torch.Tensor:
@@ -125,6 +125,52 @@ def test_search_lease_counts_hits_and_misses():
     lease.release()
     lease.release()  # idempotent
     assert cache.stats().pinned_clusters == 0
+
+
+def cache_on(shared: CacheBuffer, sizes: list[int], first_value: float) -> ClusterCache:
+    """Another datastore's cache on `shared`: its host rows count up from `first_value`."""
+    offsets = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+    host = first_value + torch.arange(int(offsets[-1]) * DIM, dtype=torch.float32).reshape(-1, DIM)
+    return ClusterCache(host, offsets, shared)
+
+
+def test_datastores_on_one_buffer_hold_their_own_rows_and_share_eviction():
+    server = make_cache([4] * 10, capacity_rows=16)
+    store = cache_on(server.shared, [4] * 6, first_value=1e6)  # a vector store's lists: ids 0-5 again
+    for _ in range(5):
+        server.acquire([0], fetch=True).release()  # the server's list 0 is popular
+    a = store.acquire([0, 1], fetch=True)  # the same list ids, another datastore: copied, not hits
+    assert a.clusters_copied == 2 and a.clusters_already_resident == 0
+    torch.testing.assert_close(rows_of(store, a, 1), store.host[4:8])
+    a.release()
+    server.acquire([1], fetch=True).release()  # 16 rows: the buffer is full
+    lease = store.acquire([2], fetch=True)  # evicts the coldest of either datastore, never the popular one
+    assert set(lease.resident) == {2}
+    lease.release()
+    assert server.resident_mask()[0] and store.resident_mask()[2]
+    assert server.resident_mask().sum() + store.resident_mask().sum() == 4
+    assert server.stats() == store.stats() and server.stats().evictions == 1  # the buffer's numbers, one set
+    server.check_invariants()
+
+
+def test_a_closed_cache_leaves_the_buffer_once_its_pins_are_released():
+    server = make_cache([4] * 10, capacity_rows=40)
+    old = cache_on(server.shared, [4] * 5, first_value=1e6)  # a generation being replaced
+    old.acquire([0, 1], fetch=True).release()
+    held = old.acquire([2], fetch=True)  # a request still reads the old generation
+    old.close()
+    assert old.resident_mask().tolist() == [False, False, True, False, False]  # unpinned lists leave at once
+    assert old.acquire([3], fetch=True).clusters_skipped == 1  # nothing more is copied for a closed datastore
+    held.release()
+    assert not old.resident_mask().any() and server.shared.caches == [server]
+    assert server.stats().occupancy_bytes == 0
+    server.check_invariants()
+
+
+def test_a_buffer_refuses_rows_of_another_width():
+    server = make_cache([4] * 3, capacity_rows=8)
+    with pytest.raises(ValueError, match="do not fit"):
+        ClusterCache(torch.zeros((8, DIM + 1)), np.array([0, 8]), server.shared)
 
 
 def test_plan_interleaves_ranks_within_budget():

@@ -133,6 +133,48 @@ def test_concurrent_searches_over_overlapping_clusters(tmp_path, device, demand_
     assert stats.occupancy_bytes <= stats.capacity_bytes <= total // 3
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_datastores_sharing_one_cache_buffer_search_exactly_at_once(tmp_path, device):
+    """The server's datastore and vector stores on one cluster cache buffer: each engine's lists
+    are evicted for the other's, concurrently, and every search stays faiss's."""
+    first = random_datastore(tmp_path / "a", n=3000, nlist=30, seed=1)
+    second = random_datastore(tmp_path / "b", n=2000, nlist=20, seed=2)
+    total = first.n_vectors * first.dim * 4
+    server = RetrievalEngine(first, device=device, cache_bytes=total // 3)
+    store = RetrievalEngine(second, device=device, cache_buffer=server.cache.shared)
+    assert store.cache.shared is server.cache.shared and store.copy_bytes_per_ms == server.copy_bytes_per_ms
+    held = [engine.prefetch(random_queries(1, engine.datastore.dim, 7), total // 8) for engine in (server, store)]
+    assert server.cache.resident_mask().any() and store.cache.resident_mask().any()  # both at once, in one buffer
+    for handle in held:
+        handle.release()
+    errors: list[BaseException] = []
+
+    def worker(engine: RetrievalEngine, seed: int) -> None:
+        try:
+            rng = np.random.default_rng(seed)
+            for _ in range(15):
+                q = random_queries(int(rng.integers(1, 4)), engine.datastore.dim, int(rng.integers(1 << 30)))
+                handle = engine.prefetch(q, int(rng.integers(total // 8, total // 3)))
+                assert_same_as_faiss(engine, q, 10, int(rng.integers(1, engine.nlist)), prefetch=handle)
+                handle.release()
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(engine, s)) for s, engine in enumerate([server, store] * 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    server.cache.check_invariants()
+    assert server.cache.stats().pinned_clusters == 0
+    store.close()  # its lists leave the buffer; the server's stay
+    assert not store.cache.resident_mask().any() and server.cache.shared.caches == [server.cache]
+    with pytest.raises(InvalidCall, match="cannot hold"):
+        RetrievalEngine(random_datastore(tmp_path / "c", n=500, dim=8, nlist=4), device=device, cache_buffer=server.cache.shared)
+    server.close()
+
+
 def test_bad_arguments(tmp_path):
     ds = random_datastore(tmp_path / "ds", nlist=16)
     engine = RetrievalEngine(ds, cache_bytes=0)

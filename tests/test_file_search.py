@@ -16,6 +16,7 @@ from langchain_openai import ChatOpenAI
 
 from telerag.pipelines.attribute_filters import Comparison
 from telerag.pipelines.store_retriever import StoresRetriever
+from telerag.pipelines.types import SearchOptions
 from telerag.pipelines.vector_store_records import Attach
 from telerag.retrieval.ivf import same_results
 from tests.test_vector_stores_api import MARKDOWN, PDF, faiss_reference, keyed, served_stores, stores_app
@@ -129,12 +130,13 @@ async def test_another_keys_store_is_not_found_for_the_tool(tmp_path):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_search_over_several_stores_is_the_merge_of_each_stores_faiss_search(tmp_path, seed):
-    """Three random stores (one large enough that nprobe < nlist), a filter half the time: each
-    query's top k over all of them equals the merge, by score and then store and id, of faiss's
-    top k of each store at its nprobe."""
+    """Three random stores (one large enough that nprobe < nlist) sharing a cluster cache buffer
+    too small for them all, a filter half the time, a lookahead from another query half the time:
+    each query's top k over all of them equals the merge, by score and then store and id, of
+    faiss's top k of each store at its nprobe."""
     rng = random.Random(seed)
     vocabulary = [f"w{i}" for i in range(200)]
-    with served_stores(tmp_path) as (files, stores, store_encoder):
+    with served_stores(tmp_path, cache_rows=300) as (files, stores, store_encoder):
         ids = []
         for n, sizes in enumerate([[800, 40], [30, 20], [60]]):
             store = stores.create(None, name=f"s{n}", metadata={})
@@ -154,7 +156,13 @@ def test_a_search_over_several_stores_is_the_merge_of_each_stores_faiss_search(t
             retriever = StoresRetriever(stores.views(ids, None, where), store_encoder)
             with store_encoder.priority.query():
                 vector = store_encoder.query([query])
-            got = retriever.merged(vector, k)
+            if rng.random() < 0.5:
+                q_in = " ".join(rng.choice(vocabulary) for _ in range(3))  # what a lookahead guessed, right or not
+                ticket = asyncio.run(retriever.prefetch([q_in]))
+                assert ticket.stats.enabled and ticket.stats.plan.clusters_requested > 0
+                got = asyncio.run(retriever.search([query], SearchOptions(top_k=k), ticket)).documents[0]
+            else:
+                got = retriever.merged(vector, k)
             expected = []
             for at, (reference, passages) in enumerate(references):
                 selected = [
@@ -176,6 +184,10 @@ def test_a_search_over_several_stores_is_the_merge_of_each_stores_faiss_search(t
                 np.asarray([e[0] for e in expected], dtype=np.float32),
             ), (query, k, where)
             assert len(got) == len(expected)  # never short
+        cache = store_encoder.cache
+        assert cache is not None and cache.stats().copies > 0 and cache.stats().pinned_clusters == 0
+        assert len(cache.caches) == 3  # each store's lists, in the one buffer
+        cache.check_invariants()
 
 
 async def test_the_tools_searches_run_beside_other_requests(tmp_path):

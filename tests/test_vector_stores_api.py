@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 import threading
 import time
@@ -17,6 +18,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import torch
 
 from telerag.pipelines.attribute_filters import Comparison
 from telerag.pipelines.file_store import FileStore
@@ -25,6 +27,7 @@ from telerag.pipelines.vector_store_index import StoreEncoder
 from telerag.pipelines.vector_store_records import Attach, FileStatus, StoreFile, StoreRecord
 from telerag.pipelines.vector_stores import VectorStores
 from telerag.retrieval.builder import default_nlist
+from telerag.retrieval.cache import CacheBuffer
 from telerag.retrieval.corpus import PassageShape
 from telerag.retrieval.engine import default_nprobe
 from telerag.retrieval.ivf import same_results
@@ -373,12 +376,16 @@ def test_a_file_in_progress_when_the_server_stopped_is_processed_at_the_next_sta
 
 
 @contextlib.contextmanager
-def served_stores(tmp_path) -> Iterator[tuple[FileStore, VectorStores, StoreEncoder]]:
+def served_stores(tmp_path, cache_rows: int = 0) -> Iterator[tuple[FileStore, VectorStores, StoreEncoder]]:
     """A file store and vector stores under `tmp_path`, served by the bag-of-words embedder with
-    passages of 6 words; the stores let go of at the end."""
+    passages of 6 words, their lists in a cluster cache buffer of `cache_rows` rows (in host
+    memory: the same code as on a GPU) that any prefetch may fill; the stores let go of at the end."""
     files = FileStore(tmp_path / "files", max_bytes=1 << 24, max_bytes_per_owner=1 << 26)
     stores = VectorStores(tmp_path / "stores", files, max_stores=10, max_bytes=1 << 26)
     store_encoder = encoder(words=6)
+    if cache_rows:
+        cache = CacheBuffer(cache_rows, store_encoder.embedder.dim, torch.float32, torch.device("cpu"))
+        store_encoder = dataclasses.replace(store_encoder, cache=cache, budget_bytes=lambda overlap_ms: cache.capacity_bytes)
     stores.serve(store_encoder)
     try:
         yield files, stores, store_encoder
