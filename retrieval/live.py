@@ -7,9 +7,17 @@ replays it without embedding anything; applied (`retrieval.live_state`), it publ
 `Snapshot`, which searches read (`retrieval.snapshot`). An upsert is one record, so a snapshot holds
 either all of a document's old passages or all of its new ones.
 
-Writes are serialised (one writer, holding `live.lock`; another process may open the datastore
-read-only) and grouped: `write` takes a batch, appends its records and syncs once (group commit)
-before anything is applied or acknowledged.
+Writes are serialised (one writer, holding `live.lock`) and grouped: `write` takes a batch,
+appends its records and syncs once (group commit) before anything is applied or acknowledged.
+Other processes (an inference replica on any node of a Ray cluster, the directory on a volume
+they all mount) open the datastore read-only and follow the writer: each read (a snapshot, a
+document, a page) first applies what the writer appended since, in order, and moves to a
+generation the writer switched to, so a request that starts after a write was acknowledged, in
+any process, sees it. A record the writer is still appending (or that a crash cut short) is
+left until it is whole; a record appended and not yet synced may be seen before its
+acknowledgment, which a crash of the writer's process never takes back (the data is in the
+page cache or the volume's server) and only the loss of the writer's machine before its sync
+could.
 
 `compact` and `retrain` write a new generation (`retrieval.compaction`) from a snapshot while
 writes go on, then switch under the write lock: the writes made meanwhile are carried into the new
@@ -36,13 +44,25 @@ from telerag.retrieval.corpus import PassageShape
 from telerag.retrieval.datastore import Datastore, Manifest
 from telerag.retrieval.documents import DocumentEntry, Write, WriteRecord, WriteResult
 from telerag.retrieval.errors import DatastoreBusy, DatastoreError, DatastoreReadOnly
-from telerag.retrieval.generations import LOCK, Generation, generation_dir, stale, switch_to, wal_name
+from telerag.retrieval.generations import (
+    LOCK,
+    POINTER,
+    Generation,
+    generation_dir,
+    read_generation,
+    stale,
+    switch_to,
+    wal_name,
+)
 from telerag.retrieval.live_state import GenerationState
 from telerag.retrieval.snapshot import Snapshot
 from telerag.retrieval.wal import LogRecord, WriteAheadLog, read_log
 from telerag.utils.files import fsync_path
 
 log = logging.getLogger(__name__)
+
+FOLLOW_ATTEMPTS = 5  # a reader opening the generation a writer switched to, while it switches again
+MOVED_ON = (-1, -1)  # a pointer stamp no file has: the writer switched since the files this reader opened
 
 
 @dataclass(frozen=True)
@@ -84,7 +104,9 @@ class LiveDatastore:
         self._write_lock = threading.Lock()  # one write (or switch) at a time, from its plan to its acknowledgment
         self._lock_file: int | None = None
         self._wal: WriteAheadLog | None = None
-        self._read_bytes = 0  # read-only: the log's size when it was read
+        self._read_bytes = 0  # read-only: where the whole records of the log read so far end
+        self._following = threading.Lock()  # read-only: one catch-up with the writer at a time
+        self._pointer: tuple[int, int] | None = None  # read-only: live.json's (inode, mtime) when last read
         self._published, self._publish_seconds = 0, 0.0  # write batches made searchable, and how long that took
         self._state = GenerationState(datastore)
         records: list[LogRecord] = []
@@ -101,6 +123,8 @@ class LiveDatastore:
                 self.close()
                 raise
         else:
+            stamp = _pointer_stamp(self.root)  # before the generation is read: a switch after it changes the stamp
+            self._pointer = stamp if read_generation(self.root).number == self.generation else MOVED_ON
             contents = read_log(self._wal_path(datastore))
             records, self._read_bytes = contents.records, contents.end
         self._replay(self._state, records)
@@ -151,26 +175,83 @@ class LiveDatastore:
         return self.manifest.shape or PassageShape()
 
     def snapshot(self) -> Snapshot:
-        """The latest acknowledged state (a search that starts now sees every acknowledged write)."""
+        """The latest acknowledged state (a search that starts now sees every acknowledged write,
+        this process's or, read-only, the writer's)."""
+        self.follow()
         return self._snapshot
 
     def snapshot_of(self, doc_ids: Iterable[str]) -> tuple[Snapshot, dict[str, DocumentEntry]]:
         """The latest snapshot and the entries, as of it, of those of `doc_ids` it holds: one
         version of both, for a search of some documents' passages alone."""
+        self.follow()
         with self._lock:
             return self._snapshot, {d: e for d in doc_ids if (e := self._state.entry(d)) is not None}
 
     def document(self, doc_id: str) -> DocumentEntry | None:
+        self.follow()
         with self._lock:
             return self._state.entry(doc_id)
 
     def documents(self, *, after: str | None = None, limit: int = 100) -> list[DocumentEntry]:
         """Up to `limit` documents, ordered by id, those after `after` (a page's last id)."""
+        self.follow()
         with self._lock:
             return self._state.documents_page(after, limit)
 
+    def follow(self) -> int:
+        """Read-only: catch up with the writer (another process): the records appended to the log
+        since it was last read, applied in order, or the generation it switched to, opened with
+        its log replayed. Costs a `stat` of two files when nothing changed. Returns the LSN now
+        applied (the writer's own, or one held in memory: nothing to follow)."""
+        if self._wal is not None or self.root is None:
+            return self._state.lsn
+        with self._following:
+            pointer = _pointer_stamp(self.root)
+            if pointer != self._pointer:
+                self._open_current()
+                self._pointer = pointer
+                return self._state.lsn
+            path = self._wal_path(self.datastore)
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:  # removed by a switch whose pointer this read missed: the next call sees it
+                return self._state.lsn
+            if size > self._read_bytes:
+                contents = read_log(path, start=self._read_bytes, after_lsn=self._state.lsn)
+                if contents.records:
+                    with self._lock:
+                        for record in contents.records:
+                            self._state.apply(WriteRecord.decode(record, self.where), record.lsn)
+                        self._snapshot = self._state.snapshot(self.generation)
+                    self._published += 1
+                self._read_bytes = contents.end
+            return self._state.lsn
+
+    def _open_current(self) -> None:
+        """Read-only: the generation `live.json` names now, its log replayed (the writer switched:
+        its files are whole before the pointer names them; a generation removed by a later switch
+        while it was opened is passed over for that one)."""
+        assert self.root is not None
+        for attempt in range(FOLLOW_ATTEMPTS):
+            try:
+                datastore = Datastore.load(self.root, verify_checksums=False)
+                contents = read_log(self._wal_path(datastore))
+                break
+            except (FileNotFoundError, DatastoreError):
+                if attempt == FOLLOW_ATTEMPTS - 1:
+                    raise
+                time.sleep(0.01 * (attempt + 1))
+        state = GenerationState(datastore)
+        for record in contents.records:
+            state.apply(WriteRecord.decode(record, self.where), record.lsn)
+        with self._lock:
+            self._state = state
+            self._snapshot = state.snapshot(datastore.generation.number)
+        self._read_bytes = contents.end
+        log.info("%s: following the writer to generation %d (LSN %d)", self.where, datastore.generation.number, state.lsn)
+
     def stats(self) -> LiveStats:
-        snapshot = self._snapshot
+        snapshot = self.snapshot()
         return LiveStats(
             lsn=snapshot.lsn,
             generation=snapshot.generation,
@@ -316,6 +397,16 @@ class LiveDatastore:
         if self._lock_file is not None:
             os.close(self._lock_file)  # releases the flock
             self._lock_file = None
+
+
+def _pointer_stamp(root: Path) -> tuple[int, int] | None:
+    """`live.json`'s inode and modification time (None: generation 0, no switch yet): a switch
+    renames a new file into place, so either changes."""
+    try:
+        stat = (root / POINTER).stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
 
 
 def _lock(path: Path, where: str) -> int:

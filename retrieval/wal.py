@@ -61,21 +61,27 @@ class LogContents:
         return self.size - self.end
 
 
-def read_log(path: Path) -> LogContents:
-    """Every whole record of the log at `path` (none if there is no file), in order."""
+def read_log(path: Path, *, start: int = 0, after_lsn: int | None = None) -> LogContents:
+    """Every whole record of the log at `path` (none if there is no file), in order; from byte
+    `start` on (where a reader's earlier read ended: a record's first byte), the first record
+    read there following `after_lsn`."""
     if not path.exists():
         return LogContents([], 0, 0)
-    data = path.read_bytes()
-    if len(data) < len(MAGIC):
-        # a log whose header was being written when the process died: nothing was ever in it
-        return LogContents([], 0, len(data))
-    if data[: len(MAGIC)] != MAGIC:
-        raise DatastoreCorruptError(f"{path} is not a telerag write-ahead log (or is of another version)")
+    with open(path, "rb") as file:
+        if start:
+            file.seek(start)
+        data = file.read()
+    if not start:
+        if len(data) < len(MAGIC):
+            # a log whose header was being written when the process died: nothing was ever in it
+            return LogContents([], 0, len(data))
+        if data[: len(MAGIC)] != MAGIC:
+            raise DatastoreCorruptError(f"{path} is not a telerag write-ahead log (or is of another version)")
     records: list[LogRecord] = []
-    offset = len(MAGIC)
+    offset = 0 if start else len(MAGIC)
     while offset < len(data):
         if len(data) - offset < RECORD_HEADER.size:
-            break  # a header cut short: torn
+            break  # a header cut short: torn (or being appended)
         length, lsn, crc = RECORD_HEADER.unpack_from(data, offset)
         end = offset + RECORD_HEADER.size + length
         if length > MAX_RECORD_BYTES or end > len(data):
@@ -84,16 +90,16 @@ def read_log(path: Path) -> LogContents:
         if _checksum(lsn, payload) != crc:
             if end < len(data):
                 raise DatastoreCorruptError(
-                    f"{path}: the record at byte {offset} fails its checksum and {len(data) - end} bytes follow it; the "
-                    "log is damaged (not torn by a crash), and what follows was acknowledged: restore it from a backup"
+                    f"{path}: the record at byte {start + offset} fails its checksum and {len(data) - end} bytes follow "
+                    "it; the log is damaged (not torn by a crash), and what follows was acknowledged: restore it from a backup"
                 )
             break  # the last record, half written: torn
-        expected = records[-1].lsn + 1 if records else None
+        expected = records[-1].lsn + 1 if records else None if after_lsn is None else after_lsn + 1
         if expected is not None and lsn != expected:
-            raise DatastoreCorruptError(f"{path}: record at byte {offset} has LSN {lsn}, expected {expected}")
+            raise DatastoreCorruptError(f"{path}: record at byte {start + offset} has LSN {lsn}, expected {expected}")
         records.append(LogRecord(lsn, payload))
         offset = end
-    return LogContents(records, offset, len(data))
+    return LogContents(records, start + offset, start + len(data))
 
 
 class WriteAheadLog:

@@ -129,15 +129,19 @@ def assert_equal_to_reference(live: LiveDatastore, engine: RetrievalEngine, refe
 @pytest.mark.parametrize("device_half", [False, True], ids=["faiss-only", "with-device-half"])
 def test_random_writes_searches_and_rebuilds_equal_faiss(tmp_path, codec, device_half):
     """1,000 random upserts, deletes and searches; a compaction (the same answers) and a retrain
-    (new centroids: faiss trained the same way) now and then; reopened from the log at the end."""
+    (new centroids: faiss trained the same way) now and then; reopened from the log at the end.
+    A reader opened beside the writer (another process would be: an inference replica) follows
+    it and answers every search as faiss does too."""
     rng = np.random.default_rng(zlib.crc32(f"{codec.value} {device_half}".encode()))
     ds = passage_datastore(tmp_path / "ds", codec=codec)
     live = LiveDatastore(ds, writable=True)
+    follower = LiveDatastore(Datastore.load(tmp_path / "ds"))
 
     def engine_of(datastore: Datastore) -> RetrievalEngine:
         return RetrievalEngine(datastore, cache_bytes=datastore.vectors.nbytes // 2 if device_half else 0)
 
     engine = engine_of(ds)
+    follower_engines = {0: RetrievalEngine(follower.datastore)}
     reference = Reference(ds, {e.doc_id: e.passage_ids for e in live.documents(limit=10**6)})
     doc_ids = [f"b{i}" for i in range(200)] + [f"n{i}" for i in range(60)]
     versions: dict[str, int] = {}
@@ -154,6 +158,11 @@ def test_random_writes_searches_and_rebuilds_equal_faiss(tmp_path, codec, device
                 budget = int(rng.integers(0, live.datastore.vectors.nbytes))
                 options = {"prefetch": engine.prefetch(queries + 0.2 * unit_vectors(rng, len(queries), ds.dim), budget)}
             assert_equal_to_reference(live, engine, reference, queries, k, nprobe, **options)
+            followed = follower.snapshot()
+            assert followed.lsn == live.snapshot().lsn and followed.generation == live.generation
+            if followed.generation not in follower_engines:
+                follower_engines[followed.generation] = RetrievalEngine(followed.datastore)
+            assert_equal_to_reference(follower, follower_engines[followed.generation], reference, queries, k, nprobe)
             searches += 1
             operations += 1
             continue
@@ -187,6 +196,9 @@ def test_random_writes_searches_and_rebuilds_equal_faiss(tmp_path, codec, device
     before = assert_equal_to_reference(live, engine, reference, queries, 10, 4)
     live.close()
     engine.close()
+    for follower_engine in follower_engines.values():
+        follower_engine.close()
+    follower.close()
 
     # reopened: the last generation's files and every write since replayed from its log, the same answers
     again = LiveDatastore(Datastore.load(tmp_path / "ds"), writable=True)
@@ -301,6 +313,37 @@ def test_torn_tail_is_discarded_with_one_line_and_damage_is_refused(tmp_path, ca
     wal.write_bytes(bytes(damaged))
     with pytest.raises(DatastoreCorruptError, match="damaged"):
         LiveDatastore(Datastore.load(tmp_path / "ds"), writable=True)
+
+
+def test_a_reader_follows_the_writer_record_by_record_and_waits_out_a_record_being_appended(tmp_path):
+    """A reader applies the writer's records as they become whole: one appended in two pieces
+    (a writer's process between two writes of it, or killed there) is not read until it is whole;
+    the writer's switch to a new generation is followed, with the writes carried into it."""
+    ds = passage_datastore(tmp_path / "ds", n=60)
+    writer = LiveDatastore(ds, writable=True)
+    reader = LiveDatastore(Datastore.load(tmp_path / "ds"))
+    rng = np.random.default_rng(0)
+    writer.write([upsert("a", unit_vectors(rng, 2, ds.dim), 1)])
+    assert reader.document("a") is not None and reader.snapshot().lsn == 1
+    wal = tmp_path / "ds" / wal_name(0)
+    before = wal.read_bytes()
+    writer.write([upsert("c", unit_vectors(rng, 3, ds.dim), 1)])
+    record = wal.read_bytes()[len(before) :]
+    wal.write_bytes(before + record[:20])  # the record half appended
+    assert reader.document("c") is None and reader.snapshot().lsn == 1
+    wal.write_bytes(before + record)  # then whole
+    assert reader.document("c") is not None and reader.snapshot().lsn == 2
+    assert reader.snapshot().passages == writer.snapshot().passages
+    writer.write([DocumentDelete("a")])
+    writer.compact()
+    writer.write([upsert("d", unit_vectors(rng, 1, ds.dim), 1)])
+    followed = reader.snapshot()
+    assert (followed.generation, followed.lsn) == (1, 4) and reader.document("a") is None
+    assert {e.doc_id for e in reader.documents(limit=1000)} == {e.doc_id for e in writer.documents(limit=1000)}
+    with pytest.raises(DatastoreReadOnly):
+        reader.write([DocumentDelete("c")])
+    writer.close()
+    reader.close()
 
 
 def test_one_writer_at_a_time_and_readers_beside_it(tmp_path):
