@@ -74,15 +74,16 @@ def open_retriever(
     nprobe: int | None = None,
     demand_copy: bool | None = None,
     cpu_threads: int | None = None,
-    cpu_half: ListSearch | None = None,
+    cpu_half: Callable[[Datastore], ListSearch] | None = None,
     early_stop: bool = False,
     build_if_missing: bool = False,
     verify_checksums: bool = True,
     writable: bool = False,
 ) -> DirectRetriever:
     """Start the retrieval engine over `datastore`, checked to match `embedder`: a loaded one, or
-    the directory to load (`load_datastore`); `cpu_half` and `cache_buffer` (another engine's cluster
-    cache buffer to share, in place of one of `cache_bytes`) as `RetrievalEngine`'s. With `writable`,
+    the directory to load (`load_datastore`); `cpu_half(generation)` the `RetrievalEngine`'s of each
+    generation of it (None: faiss here; the retrieval tier's view of that generation), `cache_buffer`
+    (another engine's cluster cache buffer to share, in place of one of `cache_bytes`) as its. With `writable`,
     documents can be written to it through the retriever (`retrieval.opening.open_live`)."""
     if not isinstance(datastore, Datastore):
         datastore = load_datastore(
@@ -100,7 +101,7 @@ def open_retriever(
             nprobe=nprobe,
             demand_copy=demand_copy,
             cpu_threads=cpu_threads,
-            cpu_half=cpu_half,
+            cpu_half=None if cpu_half is None else cpu_half(datastore),
             early_stop=early_stop,
             progress=True,
         )
@@ -130,6 +131,4 @@ def open_retriever(
     except BaseException:
         engine.close()
         raise
-    # the retrieval tier's shards hold this generation's rows: a new one needs them deployed anew (not yet done)
-    generations = new_engine if cpu_half is None else None
-    return DirectRetriever(engine, embedder, live=live, new_engine=generations, prefetch_budget_bytes=prefetch_budget_bytes)
+    return DirectRetriever(engine, embedder, live=live, new_engine=new_engine, prefetch_budget_bytes=prefetch_budget_bytes)

@@ -83,10 +83,30 @@ def answer(question: str, documents: Sequence[Document], draft: str = "", *, ins
 
 
 TOPIC_CUE = "Topic:"
-TOPIC_SYSTEM = (
-    "Name the topic of the conversation.\n\nUser: Tell me about the Eiffel Tower.\nAssistant: It is a wrought-iron "
-    f"tower in Paris.\n{TOPIC_CUE} the Eiffel Tower\n\nUser: Who was Marie Curie?\nAssistant: She was a physicist "
-    f"and chemist.\n{TOPIC_CUE} Marie Curie"
+
+
+def _turns(turns: Sequence[Turn]) -> str:
+    return "".join(f"{'User' if turn.role == 'user' else 'Assistant'}: {turn.text.strip()}\n" for turn in turns)
+
+
+def _topic_system(examples: Sequence[tuple[Sequence[Turn], str]]) -> str:
+    """The instruction to name a conversation's topic, shown on `examples` (turns, topic) laid out
+    as the call's own turns are: a small model follows their shape."""
+    shown = "\n\n".join(f"{_turns(turns)}{TOPIC_CUE} {topic}" for turns, topic in examples)
+    return f"Name the topic of the conversation.\n\n{shown}"
+
+
+TOPIC_SYSTEM = _topic_system(
+    [
+        (
+            (Turn("user", "Tell me about the Eiffel Tower."), Turn("assistant", "It is a wrought-iron tower in Paris.")),
+            "the Eiffel Tower",
+        ),
+        ((Turn("user", "Who was Marie Curie?"), Turn("assistant", "She was a physicist and chemist.")), "Marie Curie"),
+    ]
+)
+QUERY_TOPIC_SYSTEM = _topic_system(
+    [((Turn("user", "Who wrote Hamlet?"),), "Hamlet"), ((Turn("user", "When did the Titanic sink?"),), "the Titanic")]
 )
 
 
@@ -94,12 +114,21 @@ def conversation_topic(history: Sequence[Turn]) -> Prompt:
     """What a conversation is about, which makes its follow-up question stand alone. The question
     itself is left out: a small model shown it answers it instead (Gemma 3 270M named the topic
     of 29 of the 30 shipped follow-ups this way, and rewrote 7 when asked for the question)."""
-    turns = "".join(f"{'User' if turn.role == 'user' else 'Assistant'}: {turn.text.strip()}\n" for turn in history)
-    return Prompt(TOPIC_SYSTEM, f"{turns}{TOPIC_CUE}", TOPIC_CUE)
+    return Prompt(TOPIC_SYSTEM, f"{_turns(history)}{TOPIC_CUE}", TOPIC_CUE)
+
+
+def query_topic(query: str) -> Prompt:
+    """What a search's query is about (a vector store search's `rewrite_query`): the query as a
+    conversation of its one turn, shown examples of that shape whose topic is not their answer.
+    Of the first 60 shipped questions, Gemma 3 270M named a topic in the question's own words for
+    22 this way (the others mostly a guess at the answer), and for 6 shown the conversations'
+    examples (it wrote the assistant's answer instead)."""
+    return Prompt(QUERY_TOPIC_SYSTEM, f"{_turns([Turn('user', query)])}{TOPIC_CUE}", TOPIC_CUE)
 
 
 def standalone(question: str, topic: str) -> str:
-    """A follow-up question made to stand alone by its conversation's topic."""
+    """A question asked about a topic (its conversation's, for a follow-up; a search query's own):
+    the question as it is without one."""
     return f"{question} ({topic})" if topic else question
 
 

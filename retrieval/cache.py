@@ -18,6 +18,9 @@ every request: the cache tracks what is issued and has not landed, so a new pref
 can subtract what queues ahead of it and a search can tell how long a copy may still take.
 Without CUDA the buffer is plain CPU memory and copies are synchronous (nothing is ever in
 flight), so the same code runs (and is tested) everywhere.
+
+The module is long because the buffer and the caches on it are one mechanism: one lock, one set
+of free extents and one eviction order over every datastore's lists.
 """
 
 from __future__ import annotations

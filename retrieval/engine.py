@@ -6,6 +6,9 @@ own, created with high priority, never on the default stream: kernels other thre
 process queue there (the transformers engine's decode steps) would otherwise run first. The
 cache's copies have a stream of their own too; a search's stream waits on exactly the copies it
 reads (events), and a search reads its answer to the host only after its own stream's work.
+
+The module is long because the engine is the one owner of what a search reads on the device (the
+index, the host copy, the cache, the streams): prefetch, search and their resources belong together.
 """
 
 from __future__ import annotations

@@ -101,6 +101,14 @@ class TierUnavailable(RetrievalError):
     code = "retrieval_tier_unavailable"
 
 
+class GenerationGone(RetrievalError):
+    """A retrieval shard's replica does not hold the generation a search named: it started after
+    the writer switched away from it, whose files are gone. Another replica of the shard may hold
+    it (the call is asked again there); if none does, the search fails as `TierUnavailable`."""
+
+    code = "retrieval_generation_gone"
+
+
 class TierBusy(RetrievalError):
     """Every replica of a shard of the retrieval tier has its queue full (Ray Serve's
     back-pressure): come back later."""

@@ -19,6 +19,9 @@ acknowledgment, which a crash of the writer's process never takes back (the data
 page cache or the volume's server) and only the loss of the writer's machine before its sync
 could.
 
+The module is long because writing and following are the two sides of one log and one switch
+of generations, each the mirror of the other's steps.
+
 `compact` and `retrain` write a new generation (`retrieval.compaction`) from a snapshot while
 writes go on, then switch under the write lock: the writes made meanwhile are carried into the new
 generation's log, `live.json` is renamed into place (`retrieval.generations`), and the next

@@ -3,6 +3,14 @@
 searches given lists as `CPUIndex.search_lists` does, by asking one replica of every shard and
 merging their top-k exactly.
 
+A live datastore's writes reach the tier without the shards reading its log: a shard holds a
+generation's files, which never change, and the writes since (the delta rows, the deletions) are
+applied by the caller, whose snapshot holds them (`retrieval.snapshot.search_snapshot`: deleted
+rows over-fetched and dropped, delta rows scanned beside). What a shard follows is the writer's
+switch to a new generation (a compaction, a retrain): each call names the generation its
+request's snapshot reads, and a replica that does not hold it yet loads it (its part of it)
+before it searches; it keeps the one before for the requests that began before the switch.
+
 A shard whose call fails (its replica died or was restarting) is asked again, and Serve routes
 the retry to a live replica of the same shard; if every attempt fails the whole search fails
 with `TierUnavailable`: a partial top-k is never returned as whole. A shard whose replicas'
@@ -12,6 +20,7 @@ imports it only when a tier is deployed or reached.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -24,7 +33,7 @@ import numpy as np
 
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.early_stop import EarlyStopSearch, ListBounds
-from telerag.retrieval.errors import TierBusy, TierUnavailable
+from telerag.retrieval.errors import GenerationGone, TierBusy, TierUnavailable
 from telerag.retrieval.ivf import CPUIndex, ListSearch, faiss
 from telerag.retrieval.shards import ShardRows, merge_shard_results
 
@@ -39,7 +48,9 @@ def shard_deployment(shard: int) -> str:
 
 class ShardReplica:
     """One replica of one shard: its part of every list, searched for given lists. Loads only
-    its rows of the datastore's vectors (a memory node holds its partition, not the whole)."""
+    its rows of the datastore's vectors (a memory node holds its partition, not the whole), of
+    the generations the callers name: the current one when it starts, then each the writer
+    switches to, with the one before it kept."""
 
     def __init__(
         self,
@@ -54,22 +65,54 @@ class ShardReplica:
         """`early_stop`: scan this shard's part of the lists with exact early stop, bounded by
         each whole list's statistics (they bound any part of it too)."""
         self.threads = threads  # its share of the node's cores, not all of them
-        store = Datastore.load(Path(datastore), verify_checksums=verify_checksums)
-        rows = ShardRows.of(store.offsets, shard, shards)
-        self.index = CPUIndex(store, shard=rows)
-        self.lists: ListSearch = EarlyStopSearch(self.index, ListBounds.of(store)) if early_stop else self.index
-        log.info("shard %d of %d: %d of %d rows of %s", shard, shards, len(rows.ids), store.n_vectors, datastore)
+        self.path, self.shard, self.shards, self.early_stop = Path(datastore), shard, shards, early_stop
+        self.generations: dict[int, ListSearch] = {}
+        self._loading = asyncio.Lock()
+        self._load(verify_checksums)
+
+    def _load(self, verify_checksums: bool) -> int:
+        """The datastore's current generation, this shard's part of it; the generations before the
+        one before it let go of."""
+        store = Datastore.load(self.path, verify_checksums=verify_checksums)
+        rows = ShardRows.of(store.offsets, self.shard, self.shards)
+        index = CPUIndex(store, shard=rows)
+        number = store.generation.number
+        self.generations[number] = EarlyStopSearch(index, ListBounds.of(store)) if self.early_stop else index
+        for older in [n for n in self.generations if n < number - 1]:
+            del self.generations[older]
+        log.info(
+            "shard %d of %d: %d of %d rows of %s, generation %d",
+            self.shard,
+            self.shards,
+            len(rows.ids),
+            store.n_vectors,
+            self.path,
+            number,
+        )
+        return number
 
     async def search_lists(
-        self, queries: np.ndarray, k: int, lists: np.ndarray, list_scores: np.ndarray
+        self, queries: np.ndarray, k: int, lists: np.ndarray, list_scores: np.ndarray, generation: int = 0
     ) -> tuple[np.ndarray, np.ndarray]:
         """Searched on Serve's event loop for user code, not handed to its thread pool as a sync
         method would be (with the gRPC transport, `RetrievalTier.connect`, 2.6-5 ms less a
         search on two cores); the replica searches one request at a time, as its CPUs would
         anyway. OpenMP's thread count belongs to the calling thread, so it is set here, in the
-        thread that searches, not in `__init__`'s."""
+        thread that searches, not in `__init__`'s. A generation this replica does not hold is
+        loaded first (the writer's files are whole once it switched; checked when written)."""
+        searched = self.generations.get(generation)
+        if searched is None:
+            async with self._loading:
+                if generation not in self.generations and generation > max(self.generations):
+                    await asyncio.to_thread(self._load, False)
+            searched = self.generations.get(generation)
+            if searched is None:
+                raise GenerationGone(
+                    f"retrieval shard {self.shard}: generation {generation} of {self.path} is not held here "
+                    f"(it holds {sorted(self.generations)})"
+                )
         faiss.omp_set_num_threads(self.threads)
-        return self.lists.search_lists(queries, k, lists, list_scores)
+        return searched.search_lists(queries, k, lists, list_scores)
 
 
 @dataclass(frozen=True)
@@ -153,13 +196,33 @@ def deploy_tier(datastore: Path | str, shape: TierShape, *, verify_checksums: bo
 
 
 class RetrievalTier:
-    """The caller's side of the tier: `search_lists` as `CPUIndex`'s, over every shard."""
+    """The caller's side of the tier: `search_lists` as `CPUIndex`'s, over every shard, of one
+    generation of the datastore (`at`)."""
 
-    def __init__(self, handles: Sequence[Any], *, timeout_s: float = 60.0, attempts: int = 3, retry_wait_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        handles: Sequence[Any],
+        *,
+        generation: int = 0,
+        timeout_s: float = 60.0,
+        attempts: int = 3,
+        retry_wait_s: float = 0.5,
+    ) -> None:
         """`handles`: one Serve `DeploymentHandle` per shard, in shard order."""
         self.handles = list(handles)
+        self.generation = generation
         self.timeout_s, self.attempts, self.retry_wait_s = timeout_s, attempts, retry_wait_s
         self.retries = 0  # calls asked again after a failure, over the tier's life
+
+    def at(self, datastore: Datastore) -> RetrievalTier:
+        """The tier searching `datastore`'s generation (the same shards and handles)."""
+        return RetrievalTier(
+            self.handles,
+            generation=datastore.generation.number,
+            timeout_s=self.timeout_s,
+            attempts=self.attempts,
+            retry_wait_s=self.retry_wait_s,
+        )
 
     @classmethod
     def connect(cls, *, wait_s: float = 300.0, **kwargs: Any) -> RetrievalTier:
@@ -192,7 +255,7 @@ class RetrievalTier:
     def search_lists(
         self, queries: np.ndarray, k: int, lists: np.ndarray, list_scores: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
-        args = (np.ascontiguousarray(queries, dtype=np.float32), k, lists, list_scores)
+        args = (np.ascontiguousarray(queries, dtype=np.float32), k, lists, list_scores, self.generation)
         calls = [handle.search_lists.remote(*args) for handle in self.handles]
         parts = [self._result(shard, call, args) for shard, call in enumerate(calls)]
         return merge_shard_results(parts, k)
@@ -203,7 +266,8 @@ class RetrievalTier:
         from ray.exceptions import GetTimeoutError, RayActorError
         from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
-        retried = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError, GetTimeoutError)
+        # a replica started after the switch away from a request's generation: another may hold it
+        retried = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError, GetTimeoutError, GenerationGone)
         attempt = 1
         while True:
             try:

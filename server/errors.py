@@ -169,7 +169,7 @@ class DocumentNotFound(ServerError):
 
 
 class DocumentsUnavailable(ServerError):
-    """This deployment writes no documents (the inference replicas of a Ray cluster)."""
+    """This deployment writes no documents (a runtime without a writer of its datastore)."""
 
     code = "documents_unavailable"
 
@@ -241,7 +241,7 @@ WHEN = {  # what each status means, for the OpenAPI schema
     429: "Busy: retry after `Retry-After` seconds.",
     502: "The LLM engine failed.",
     503: "Not ready (loading) or a component is unavailable: retry after `Retry-After` seconds.",
-    501: "Not served by this deployment (documents and vector stores on a Ray cluster's inference replicas).",
+    501: "Not served by this deployment (vector stores on a Ray cluster).",
     504: "The request took longer than `scheduler.request_timeout_s`.",
 }
 _REQUEST_ID = {

@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
 import torch
 
 from telerag.engines.errors import EngineUnavailable
@@ -25,6 +26,7 @@ from telerag.pipelines.errors import EmbedderError
 from telerag.pipelines.ingestion import Ingestion, resumed_ingestion
 from telerag.pipelines.pipelining import PipeliningConfig
 from telerag.pipelines.rag.base import RagPipeline
+from telerag.pipelines.rag.query_rewrite import QueryRewrite
 from telerag.pipelines.rebuilds import RebuildKind, Rebuilds
 from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.retriever import DirectRetriever, TextEncoder
@@ -34,6 +36,7 @@ from telerag.pipelines.vector_store_index import StoreEncoder
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.errors import DeviceUnavailable
 from telerag.retrieval.ivf import ListSearch
+from telerag.retrieval.live import LiveDatastore
 from telerag.retrieval.stats import CacheStats
 from telerag.server.retrieval_batching import BatchingRetriever
 from telerag.server.settings import RetrievalSettings, Settings, pre_retrieval_profile
@@ -80,6 +83,11 @@ class Runtime:
             self.retriever, window_ms=scheduler.batch_window_ms, max_batch=scheduler.max_batch, on_batch=on_batch
         )
         return self.pipelines(batching)
+
+    def query_rewrite(self) -> RagPipeline:
+        """The rewrite of a vector store search's query (`rewrite_query`) on this engine; it
+        retrieves nothing, so any retriever serves."""
+        return QueryRewrite(self.engine, self.retriever)
 
     @property
     def engine_name(self) -> str | None:
@@ -211,12 +219,13 @@ def open_configured_retriever(
     embedder: TextEncoder,
     retrieval: RetrievalSettings,
     *,
-    cpu_half: ListSearch | None = None,
+    cpu_half: Callable[[Datastore], ListSearch] | None = None,
     writable: bool = False,
 ) -> DirectRetriever:
     """The retrieval engine over a loaded datastore, as the settings configure it (device,
     cluster cache, prefetch budget, nprobe, demand copies, faiss threads, early stop); `cpu_half`:
-    who scans what the device does not (default: faiss here; the retrieval tier on a Ray cluster);
+    who scans what the device does not in a generation (default: faiss here; the retrieval tier's
+    view of it on a Ray cluster);
     `writable`: documents may be written to it through this process (`retrieval.opening.open_live`)."""
     device = str(resolve_device(retrieval.device, error=DeviceUnavailable))
     return open_retriever(
@@ -238,7 +247,7 @@ async def load_runtime(
     settings: Settings,
     observer: LoadObserver | None = None,
     *,
-    cpu_half: ListSearch | None = None,
+    cpu_half: Callable[[Datastore], ListSearch] | None = None,
     encoder: Callable[[Embedder], TextEncoder] = lambda embedder: embedder,
     writable: bool = False,
 ) -> Runtime:
@@ -252,7 +261,7 @@ async def load_runtime(
     and `/ready` meanwhile keeps answering and can say what is loading and how far it is.
 
     An inference replica on a Ray cluster (`replicas.InferenceReplica`) gives the retrieval
-    tier as `cpu_half`, and an `encoder` over the embedder that knows the vectors the ingress
+    tier's view of a generation as `cpu_half`, and an `encoder` over the embedder that knows the vectors the ingress
     computed already. With `writable`, the runtime writes documents into its datastore (only one
     process can: the one that serves it alone), and an ingestion of it that has not ended (the
     embedded default's first run) is left to `Runtime.ingestion`, to go on with while it serves;
@@ -284,13 +293,7 @@ async def load_runtime(
             await engine.close()
             datastore.close()
             raise
-    rebuilds = Rebuilds(retriever.live, compact_share=settings.documents.compact_share)
-    documents = DocumentWriter(
-        retriever.live,
-        retriever.embed_passages,
-        max_queued=settings.documents.max_queued_writes,
-        on_written=rebuilds.after_writes,
-    )
+    documents, rebuilds = datastore_writes(retriever.live, retriever.embed_passages, settings)
     ingestion = resumed_ingestion(documents, retrain=lambda nlist: rebuilds.run(RebuildKind.RETRAIN, nlist=nlist))
     runtime = Runtime(
         settings=settings,
@@ -307,6 +310,18 @@ async def load_runtime(
     )
     rebuilds.on_done = lambda _: setattr(runtime, "datastore_info", retriever.datastore_info())  # a retrain's nlist
     return runtime
+
+
+def datastore_writes(
+    live: LiveDatastore, embed_passages: Callable[[Sequence[str]], np.ndarray], settings: Settings
+) -> tuple[DocumentWriter, Rebuilds]:
+    """What writes documents into `live` (their passages embedded by `embed_passages`) and the
+    compactions and retrains its writes begin, as the settings configure them."""
+    rebuilds = Rebuilds(live, compact_share=settings.documents.compact_share)
+    writer = DocumentWriter(
+        live, embed_passages, max_queued=settings.documents.max_queued_writes, on_written=rebuilds.after_writes
+    )
+    return writer, rebuilds
 
 
 @asynccontextmanager

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 from fastapi import Request
 
+from telerag.pipelines.errors import VectorStoresUnavailable
 from telerag.pipelines.questions import read_questions
+from telerag.pipelines.rag.query_rewrite import REWRITE_OPTIONS
 from telerag.pipelines.types import (
     DatastoreInfo,
     EventSink,
@@ -60,6 +62,11 @@ class ServedRuntime(Protocol):
     def count_tokens(self, text: str) -> int: ...
 
     def serving_pipelines(self, on_batch: Callable[[str, int], None]) -> Mapping[str, Pipeline]: ...
+
+    def query_rewrite(self) -> Pipeline | None:
+        """What rewrites a vector store search's query on the engine (`rewrite_query`; None: no
+        vector stores are served)."""
+        ...
 
     async def embed(self, texts: Sequence[str]) -> TextEmbeddings: ...
 
@@ -107,6 +114,7 @@ class Service:
         self.pipelines: Mapping[str, Pipeline] = runtime.serving_pipelines(
             lambda kind, size: self.metrics.batch_size.labels(kind).observe(size)
         )
+        self.query_rewrite = runtime.query_rewrite()
         self.workload = Workload()
         self.admission = admission_policy(
             scheduler,
@@ -299,6 +307,16 @@ class Service:
             options = replace(options, deadline=ticket.admitted_at + deadline - DEADLINE_STOP_LEAD_S)
         learn = functools.partial(self._learn, pipeline.name, prompt, options.temperature)
         return AdmittedRun(request, self.admission, ticket, functools.partial(self.run, pipeline, query, options), learn)
+
+    async def rewrite_query(self, request: Request, query: str, client: str | None) -> str:
+        """`query` as a vector store search should ask it (`rewrite_query`: `QueryRewrite`), by a
+        run of its own admitted as every request is (429 when busy, 422 past the prompt limit),
+        stopped at the admission deadline, timed out and cancelled with its client
+        (`ClientDisconnected`) as any run."""
+        if self.query_rewrite is None:
+            raise VectorStoresUnavailable("this deployment serves no vector stores (a Ray cluster's inference replicas)")
+        run = self.admit(request, self.query_rewrite, query, REWRITE_OPTIONS, client, top_k_field=None, limit_field=None)
+        return (await run.result()).answer
 
     def _learn(self, pipeline: str, prompt_tokens: int, temperature: float, served: ServedWork) -> None:
         """What a completed request was served: its pipeline's next costs come from it."""

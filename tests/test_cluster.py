@@ -355,3 +355,82 @@ def test_a_replica_killed_under_load_loses_no_accepted_request(url):
             break
         time.sleep(0.5)
     assert replaced()
+
+
+def test_a_document_written_through_the_ingress_is_found_through_every_replica_and_deleted(url):
+    """The ingress writes the datastore (its one writer); each replica's next request finds the
+    document (the replicas follow the writer's log), and a delete is seen by each as well.
+    Last in the module: the document changes what later searches would find."""
+    text = "zebra quasar lantern orchard violin harbour pumpkin glacier"
+    created = httpx.post(f"{url}/v1/documents", json={"id": "zebra-notes", "text": text, "title": "Zebra notes"}, timeout=60)
+    assert created.status_code in (200, 201), created.text
+    assert httpx.get(f"{url}/v1/documents/zebra-notes", timeout=10).status_code == 200
+
+    def found_by_each_replica() -> list[bool]:
+        before, found = served_by(url), []
+        for n in range(8):  # keys spread over both replicas
+            response = httpx.post(
+                f"{url}/v1/rag/query",
+                json={"query": text, "pipeline": "naive", "max_tokens": 4},
+                headers={"X-Routing-Key": f"writer-{n}"},
+                timeout=60,
+            )
+            assert response.status_code == 200, response.text
+            found.append("zebra-notes" in [d["doc_id"] for d in response.json()["documents"]])
+        after = served_by(url)
+        assert sum(after[r] - before.get(r, 0.0) > 0 for r in after) == 2, (before, after)  # both replicas answered
+        return found
+
+    assert all(found_by_each_replica())
+    assert httpx.delete(f"{url}/v1/documents/zebra-notes", timeout=60).status_code == 200
+    assert not any(found_by_each_replica())
+
+
+def test_the_writer_killed_under_a_stream_of_writes_loses_nothing_acknowledged(url):
+    """The ingress (the datastore's one writer) killed while a client writes document after
+    document: Serve starts it again, it opens the log again (a record it was appending, never
+    acknowledged, cut off), and every write acknowledged before the kill or after is there, and
+    found by a replica's search."""
+    acknowledged: list[str] = []
+    stop = threading.Event()
+
+    def write() -> None:
+        n = 0
+        while not stop.is_set():
+            doc_id = f"stream-{n}"
+            try:
+                response = httpx.post(
+                    f"{url}/v1/documents", json={"id": doc_id, "text": f"stream note {n} " * 12, "title": doc_id}, timeout=30
+                )
+            except httpx.HTTPError:
+                time.sleep(0.2)
+                continue
+            if response.status_code in (200, 201):
+                acknowledged.append(doc_id)
+                n += 1
+            else:
+                time.sleep(0.2)  # the ingress restarting (503) or not yet ready
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    while len(acknowledged) < 5:
+        time.sleep(0.05)
+    ingress = next(a for a in ray.util.list_named_actors(all_namespaces=True) if "#ingress#" in a["name"])
+    ray.kill(ray.get_actor(ingress["name"], namespace=ingress["namespace"]), no_restart=True)
+    killed_at = len(acknowledged)
+    deadline = time.monotonic() + 120
+    while len(acknowledged) < killed_at + 5:  # writes acknowledged again: a new ingress serves
+        assert time.monotonic() < deadline, f"no write acknowledged after the kill ({killed_at} before it)"
+        time.sleep(0.1)
+    stop.set()
+    writer.join(60)
+    wait_ready(url)
+    missing = [d for d in acknowledged if httpx.get(f"{url}/v1/documents/{d}", timeout=10).status_code != 200]
+    assert not missing, missing
+    last = acknowledged[-1]
+    response = httpx.post(
+        f"{url}/v1/rag/query", json={"query": f"stream note {last.split('-')[1]} " * 12, "pipeline": "naive"}, timeout=60
+    )
+    assert last in [d["doc_id"] for d in response.json()["documents"]], response.json()["documents"]
+    for doc_id in acknowledged:  # the module's datastore as it was
+        httpx.delete(f"{url}/v1/documents/{doc_id}", timeout=30)

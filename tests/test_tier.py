@@ -14,11 +14,16 @@ import numpy as np
 import pytest
 
 from telerag.cli.main import main
+from telerag.retrieval.datastore import Datastore
+from telerag.retrieval.documents import DocumentDelete
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.errors import TierBusy, TierUnavailable
 from telerag.retrieval.ivf import CPUIndex, faiss, same_results
+from telerag.retrieval.live import LiveDatastore
+from telerag.retrieval.snapshot import search_snapshot
 from telerag.retrieval.tier import APP, RetrievalTier, TierShape, deploy_tier
 from tests.retrieval_helpers import random_datastore, random_queries
+from tests.test_live_datastore import Reference, passage_datastore, unit_vectors, upsert
 
 ray = pytest.importorskip("ray", reason="the retrieval tier needs the `ray` extra")
 serve = pytest.importorskip("ray.serve")
@@ -146,6 +151,65 @@ def test_the_deployed_tier_equals_one_faiss_index_with_1_2_and_3_shards(cluster,
                 assert_same((got.scores, got.ids), (want.scores, want.ids))
         finally:
             serve.delete(APP)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shards", [1, 2, 3])
+def test_writes_interleaved_with_searches_through_the_tier_equal_faiss(cluster, tmp_path, shards):
+    """A writer (the process holding the datastore) and a caller beside it that follows it, as an
+    inference replica does, searching through the tier: random upserts and deletes between
+    searches, a compaction and a retrain (the shards load each new generation when a search names
+    it); every search equals faiss's IndexIVF after the same writes, at the same nprobe."""
+    rng = np.random.default_rng(shards)
+    ds = passage_datastore(tmp_path / "ds", n=900, nlist=12, seed=shards)
+    writer = LiveDatastore(ds, writable=True)
+    follower = LiveDatastore(Datastore.load(ds.path))
+    reference = Reference(ds, {e.doc_id: e.passage_ids for e in writer.documents(limit=10**6)})
+    tier = deploy_tier(ds.path, TierShape(shards=shards, replicas=2 if shards == 2 else 1, cpus_per_replica=0.5))
+    engines: dict[int, RetrievalEngine] = {}
+    versions: dict[str, int] = {}
+    try:
+        for step in range(90):
+            if step in (30, 60):
+                if step == 30:
+                    writer.compact()
+                else:
+                    writer.retrain(nlist=9)
+                    reference = reference.retrained(9)
+                continue
+            if step % 3:
+                writes = []
+                for _ in range(int(rng.integers(1, 4))):
+                    doc_id = f"b{int(rng.integers(0, 300))}" if rng.random() < 0.5 else f"n{int(rng.integers(0, 40))}"
+                    if rng.random() < 0.7:
+                        versions[doc_id] = versions.get(doc_id, 0) + 1
+                        writes.append(upsert(doc_id, unit_vectors(rng, int(rng.integers(1, 4)), ds.dim), versions[doc_id]))
+                    else:
+                        writes.append(DocumentDelete(doc_id))
+                reference.apply(writes, writer.write(writes))
+                continue
+            snapshot = follower.snapshot()  # what a request beginning now reads: every acknowledged write
+            assert snapshot.lsn == writer.snapshot().lsn
+            generation = snapshot.datastore
+            if generation.generation.number not in engines:
+                engines[generation.generation.number] = RetrievalEngine(
+                    generation, cache_bytes=generation.vectors.nbytes // 3, cpu_half=tier.at(generation)
+                )
+            engine = engines[generation.generation.number]
+            queries = unit_vectors(rng, int(rng.integers(1, 6)), ds.dim)
+            k, nprobe = int(rng.integers(1, 12)), int(rng.integers(1, generation.nlist + 1))
+            prefetch = engine.prefetch(queries, int(rng.integers(0, generation.vectors.nbytes // 3)))
+            result = search_snapshot(engine, snapshot, queries, k, nprobe, prefetch=prefetch)
+            ref_scores, ref_ids = reference.search(queries, k, nprobe)
+            for i in range(len(queries)):
+                assert same_results(result.ids[i], result.scores[i], ref_ids[i], ref_scores[i]), (step, i)
+        assert sorted(engines) == [0, 1, 2]
+    finally:
+        serve.delete(APP)
+        for engine in engines.values():
+            engine.close()
+        follower.close()
+        writer.close()
 
 
 @pytest.mark.slow

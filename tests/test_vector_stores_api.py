@@ -1,7 +1,8 @@
 """Issue 53, the Vector Stores API: stores made, filled, searched, changed and deleted through the
 official `openai` SDK (its polling helpers unchanged), each seen only by the API key that made it;
 a search equal to faiss's IndexIVF over the same passages at the same nprobe; a store durable
-across a restart, a file in progress processed again; fields not served refused by name."""
+across a restart, a file in progress processed again; `rewrite_query` the engine's rewrite searched,
+admitted as any engine call; fields not served refused by name."""
 
 from __future__ import annotations
 
@@ -67,14 +68,17 @@ class Gate:
 
 
 @contextlib.contextmanager
-def stores_app(tmp_path, store_encoder: StoreEncoder | None = None, **sections) -> Iterator[httpx.AsyncClient]:
-    """The app on fakes (a scripted engine, a recording retriever) with vector stores served by
-    the bag-of-words embedder; its stores let go of when the client is done (as a server's end)."""
+def stores_app(
+    tmp_path, store_encoder: StoreEncoder | None = None, scripted: ScriptedEngine | None = None, **sections
+) -> Iterator[httpx.AsyncClient]:
+    """The app on fakes (a scripted engine, `scripted` if given, and a recording retriever) with
+    vector stores served by the bag-of-words embedder; its stores let go of when the client is
+    done (as a server's end)."""
     stores = {"dir": str(tmp_path / "stores"), **sections.pop("vector_stores", {})}
     configured = settings(files={"dir": str(tmp_path / "files")}, vector_stores=stores, **sections)
     runtime = Runtime(
         settings=configured,
-        engine=ScriptedEngine(lambda prompt: Reply("an answer")),
+        engine=scripted or ScriptedEngine(lambda prompt: Reply("an answer")),
         retriever=RecordingRetriever(),
         datastore_info=DATASTORE_INFO,
         store_encoder=store_encoder or encoder(),
@@ -272,7 +276,6 @@ async def test_a_file_detached_or_cancelled_while_it_is_written_leaves_no_passag
 @pytest.mark.parametrize(
     ("call", "field"),
     [
-        (lambda c, s: c.vector_stores.search(s, query="q", rewrite_query=True), "rewrite_query"),
         (
             lambda c, s: c.vector_stores.search(s, query="q", ranking_options={"ranker": "default-2024-11-15"}),
             "ranking_options.ranker",
@@ -289,6 +292,99 @@ async def test_what_is_not_served_is_refused_naming_the_field(tmp_path, call, fi
         with pytest.raises(openai.BadRequestError) as refused:
             await call(client, store.id)
     assert refused.value.param == field and refused.value.code == "unsupported_field"
+
+
+TOPIC_PROMPT = "Name the topic of the conversation."  # the follow-up rewrite's call, which rewrite_query makes too
+
+
+def naming(topic: str) -> ScriptedEngine:
+    """An engine that replies `topic` to a topic's prompt (and answers any other)."""
+    return ScriptedEngine(lambda prompt: Reply(topic if prompt.startswith(TOPIC_PROMPT) else "an answer"))
+
+
+def listed(page) -> list[tuple[str, float, str]]:
+    return [(hit.file_id, hit.score, hit.content[0].text) for hit in page.data]
+
+
+async def found(client: openai.AsyncOpenAI, store_id: str, query: str) -> list[tuple[str, float, str]]:
+    """The top 3 of `query` searched as given."""
+    return listed(await client.vector_stores.search(store_id, query=query, max_num_results=3))
+
+
+async def test_rewrite_query_searches_the_engines_rewrite_and_says_so(tmp_path):
+    """The query asked about the topic the engine names (the first line of its reply), the page's
+    search_query, and searched exactly as that text is without rewrite_query; a list is one query,
+    its texts in turn; a store that is not the key's is 404 before any call."""
+    engine = naming("the apple orchard concert\nand a line more")
+    with stores_app(tmp_path, scripted=engine) as http:
+        client = keyed(http)
+        store = await client.vector_stores.create(name="rewritten")
+        notes = await client.vector_stores.files.upload_and_poll(vector_store_id=store.id, file=("notes.md", MARKDOWN))
+        concerts = await client.vector_stores.files.upload_and_poll(vector_store_id=store.id, file=("orchard.pdf", PDF))
+
+        page = await client.vector_stores.search(store.id, query="blue pumpkins", max_num_results=3, rewrite_query=True)
+        assert page.search_query == ["blue pumpkins (the apple orchard concert)"]
+        assert [p for p in engine.prompts if p.startswith(TOPIC_PROMPT)] == engine.prompts  # one call, the topic's
+        assert len(engine.prompts) == 1 and engine.prompts[0].endswith("\n\nUser: blue pumpkins\nTopic:")
+        rewritten = listed(page)
+        assert rewritten == await found(client, store.id, page.search_query[0])
+        assert rewritten[0][0] == concerts.id and (await found(client, store.id, "blue pumpkins"))[0][0] == notes.id
+
+        page = await client.vector_stores.search(store.id, query=["blue", "pumpkins"], max_num_results=3, rewrite_query=True)
+        assert page.search_query == ["blue pumpkins (the apple orchard concert)"]
+        assert engine.prompts[-1].endswith("\n\nUser: blue pumpkins\nTopic:") and len(engine.prompts) == 2
+        assert listed(page) == rewritten
+
+        with pytest.raises(openai.NotFoundError):
+            await client.vector_stores.search("vs_none", query="blue pumpkins", rewrite_query=True)
+        assert len(engine.prompts) == 2
+
+
+@pytest.mark.parametrize("reply", ["", "\nthe apple orchard", " ... "])
+async def test_a_rewrite_that_names_no_topic_searches_the_query_as_given(tmp_path, reply):
+    """Nothing on the reply's first line, or nothing but punctuation: the query is searched as it is."""
+    engine = naming(reply)
+    with stores_app(tmp_path, scripted=engine) as http:
+        client = keyed(http)
+        store = await client.vector_stores.create(name="as given")
+        await client.vector_stores.files.upload_and_poll(vector_store_id=store.id, file=("notes.md", MARKDOWN))
+        await client.vector_stores.files.upload_and_poll(vector_store_id=store.id, file=("orchard.pdf", PDF))
+        page = await client.vector_stores.search(store.id, query="blue pumpkins", max_num_results=3, rewrite_query=True)
+        assert page.search_query == ["blue pumpkins"] and len(engine.prompts) == 1
+        assert listed(page) == await found(client, store.id, "blue pumpkins")
+
+
+class HeldEngine(ScriptedEngine):
+    """A scripted engine whose calls wait for `release`; `begun` is set once one has begun."""
+
+    def __init__(self, script) -> None:
+        super().__init__(script)
+        self.begun, self.release = asyncio.Event(), asyncio.Event()
+
+    async def stream(self, prompts, params):
+        self.begun.set()
+        await self.release.wait()
+        async for item in super().stream(prompts, params):
+            yield item
+
+
+async def test_a_rewrite_is_admitted_as_every_engine_call(tmp_path):
+    """With one request running and none waiting (`fixed` admission), a second rewrite is refused
+    with a 429 while the first holds the engine; a search without one makes no call, and is served."""
+    engine = HeldEngine(lambda prompt: Reply("the harbour"))
+    busy = {"admission": "fixed", "max_concurrency": 1, "max_queue": 0}
+    with stores_app(tmp_path, scripted=engine, scheduler=busy) as http:
+        client = keyed(http)
+        store = await client.vector_stores.create(name="busy")
+        notes = await client.vector_stores.files.upload_and_poll(vector_store_id=store.id, file=("notes.md", MARKDOWN))
+        held = asyncio.ensure_future(client.vector_stores.search(store.id, query=HARBOUR, rewrite_query=True))
+        await asyncio.wait_for(engine.begun.wait(), 30)
+        with pytest.raises(openai.RateLimitError) as refused:  # not held behind the first (30 s: a guard, not a bound)
+            await asyncio.wait_for(client.vector_stores.search(store.id, query=HARBOUR, rewrite_query=True), 30)
+        assert refused.value.code == "queue_full"
+        assert [hit.file_id for hit in (await client.vector_stores.search(store.id, query=HARBOUR)).data] == [notes.id]
+        engine.release.set()
+        assert (await held).search_query == [f"{HARBOUR} (the harbour)"] and len(engine.prompts) == 1
 
 
 async def test_one_key_never_sees_searches_or_changes_anothers_store(tmp_path):

@@ -165,12 +165,15 @@ class RagPipeline:
         pre-retrieval call of its own searches q_out (the standalone question) with that
         prefetch; one with its own releases it (its clusters stay cached)."""
         prompt = prompts.conversation_topic(ctx.options.history)
+        named, ctx.carried = await self._beside(ctx, [ctx.query], lambda: self.topic(ctx, prompt))
+        return prompts.standalone(ctx.query, named or "")
 
-        async def topic() -> str:
-            return await self.reply(ctx, STANDALONE_QUESTION, prompt, max_tokens=STANDALONE_TOKENS, stop=("\n",))
-
-        named, ctx.carried = await self._beside(ctx, [ctx.query], topic)
-        return prompts.standalone(ctx.query, (named or "").strip())
+    async def topic(self, ctx: RunContext, prompt: Prompt) -> str:
+        """The standalone question's call (`prompts.conversation_topic`, `prompts.query_topic`):
+        the topic it names, on one line (the call stops at its end) and stripped; empty when the
+        reply holds no letter or digit, so the question is asked as it is."""
+        named = (await self.reply(ctx, STANDALONE_QUESTION, prompt, max_tokens=STANDALONE_TOKENS, stop=("\n",))).strip()
+        return named if any(c.isalnum() for c in named) else ""
 
     # -- building blocks ------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """The models of OpenAI's Vector Stores API (`routes/vector_stores.py`, `routes/vector_store_files.py`),
 in OpenAI's shape, so that the openai SDK's `client.vector_stores` (its `create_and_poll` and
 `upload_and_poll` too) reads them unchanged. A field the server does not serve yet (`expires_after`,
-`rewrite_query: true`, a ranker) is refused with a 400 naming it."""
+a ranker) is refused with a 400 naming it."""
 
 from __future__ import annotations
 
@@ -174,14 +174,11 @@ class SearchRequest(Request):
     filters: Filter | None = Field(
         None, description="on the files' attributes: the search is exact over the passages of the files it matches"
     )
-    rewrite_query: bool = Field(False, description="only false: the query is searched as given")
-
-    @field_validator("rewrite_query")
-    @classmethod
-    def _as_given(cls, value: bool) -> bool:
-        if value:
-            raise refuse("not served yet: the query is searched as given")
-        return value
+    rewrite_query: bool = Field(
+        False,
+        description="true: the query (a list's texts in turn, as one) is first asked about its topic, which a short "
+        "LLM call names, and that is searched (the page's search_query); false: the query is searched as given",
+    )
 
     @property
     def queries(self) -> list[str]:

@@ -34,6 +34,7 @@ from telerag.server.protocols.ops import TierState
 from telerag.server.ray_serve.replicas import REPLICAS, InferenceReplica, QuestionPlacer, ReplicaRuntime, Replicas
 from telerag.server.ray_serve.router import ClusterRouter, RouterOptions
 from telerag.server.ray_serve.routing import DECISIONS
+from telerag.server.ray_serve.writes import IngressWrites
 from telerag.server.service import Service
 from telerag.server.settings import Settings
 
@@ -96,7 +97,13 @@ class ClusterIngress:
         self.fastapi.state.metrics.registry.register(_Decisions())
         self.fastapi.state.tiers = self.tiers
         self._tiers: tuple[float, list[TierState]] = (0.0, [])
+        self._runtime: ReplicaRuntime | None = None
         self._loading = asyncio.create_task(self._load(replicas))
+
+    async def __del__(self) -> None:
+        """Serve stops the ingress: the writes queued end and the datastore's lock lets go."""
+        if self._runtime is not None:
+            await self._runtime.close()
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
         return self.fastapi
@@ -110,7 +117,10 @@ class ClusterIngress:
             replicas = Replicas(handle, placer, settings.cluster.attempts)
             lifecycle.loading("asking the inference replicas")
             description = await replicas.describe()
-            service = Service(ReplicaRuntime(settings, description, replicas, routing_key.get), metrics)
+            lifecycle.loading("opening the datastore for writing")
+            writes = await asyncio.to_thread(IngressWrites.open, settings, placer)
+            self._runtime = ReplicaRuntime(settings, description, replicas, routing_key.get, writes)
+            service = Service(self._runtime, metrics)
             metrics.replica_series = lambda: {
                 replica: zlib.decompress(stats["metrics"]) for replica, stats in replicas.reports().items() if "metrics" in stats
             }

@@ -28,7 +28,7 @@ import time
 import zlib
 from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -52,6 +52,11 @@ from telerag.server.metrics import Metrics
 from telerag.server.ray_serve.routing import REPLICA_STATS, ROUTE_KWARG, RouteHint
 from telerag.server.service import Service
 from telerag.server.settings import Settings
+
+if TYPE_CHECKING:
+    from telerag.pipelines.documents import DocumentWriter
+    from telerag.pipelines.rebuilds import Rebuilds
+    from telerag.server.ray_serve.writes import IngressWrites
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +149,8 @@ class InferenceReplica:
             self.vectors = KnownVectors(embedder)
             return self.vectors
 
-        cpu_half = await asyncio.to_thread(RetrievalTier.connect) if tier else None  # it waits on the tier's answer
-        self.runtime = await load_runtime(settings, cpu_half=cpu_half, encoder=known)
+        retrieval_tier = await asyncio.to_thread(RetrievalTier.connect) if tier else None  # it waits on the tier's answer
+        self.runtime = await load_runtime(settings, cpu_half=retrieval_tier.at if retrieval_tier else None, encoder=known)
         self.service = Service(self.runtime, Metrics(self.runtime.cache_stats, self.runtime.prefix_cache_bytes))
         if settings.server.warm_up:
             await self.service.warm_up()
@@ -215,6 +220,11 @@ class QuestionPlacer:
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         with self._lock:
             return np.asarray(self.embedder.encode(list(texts)), dtype=np.float32).reshape(len(texts), -1)
+
+    def follow(self, datastore: Any) -> None:
+        """Place questions on `datastore`'s lists from now on (a retrain's new centroids; a
+        `retrieval.datastore.Datastore`)."""
+        self.centroids = np.ascontiguousarray(datastore.centroids, dtype=np.float32)
 
     def place(self, text: str) -> tuple[np.ndarray, tuple[int, ...]]:
         vector = self.embed([text])[0]
@@ -328,8 +338,11 @@ class ReplicaRuntime:
         description: ReplicaDescription,
         replicas: Replicas,
         routing_key: Callable[[], str | None] = lambda: None,
+        writes: IngressWrites | None = None,
     ) -> None:
+        """`writes`: the datastore's writer, the ingress's own (None: no documents are written)."""
         self.settings, self.description, self.replicas, self.routing_key = settings, description, replicas, routing_key
+        self.writes = writes
         self._tokenizer_lock = threading.Lock()
 
     @property
@@ -348,6 +361,9 @@ class ReplicaRuntime:
         """Each replica batches its own retrieval (its batch sizes are in its series)."""
         return {shape.name: ReplicaPipeline(shape, self.replicas, self.routing_key) for shape in self.description.pipelines}
 
+    def query_rewrite(self) -> None:
+        return None  # no vector stores are served here (501), so no search's query to rewrite
+
     async def embed(self, texts: Sequence[str]) -> TextEmbeddings:
         placer = self.replicas.placer
         vectors = await asyncio.to_thread(placer.embed, texts)
@@ -362,16 +378,17 @@ class ReplicaRuntime:
         return None  # each replica's engine has its own: in its labelled series
 
     @property
-    def documents(self) -> None:
-        return None  # the replicas write no documents yet
+    def documents(self) -> DocumentWriter | None:
+        return None if self.writes is None else self.writes.documents
 
     @property
-    def rebuilds(self) -> None:
-        return None
+    def rebuilds(self) -> Rebuilds | None:
+        return None if self.writes is None else self.writes.rebuilds
 
     @property
     def ingestion(self) -> None:
-        return None
+        return None  # a first run's ingestion ends before the replicas serve
 
     async def close(self) -> None:
-        return None
+        if self.writes is not None:
+            await asyncio.to_thread(self.writes.close)

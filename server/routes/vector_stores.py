@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi.responses import Response
 
 from telerag.pipelines.vector_store_records import page
 from telerag.pipelines.vector_stores import VectorStores
 from telerag.server import errors
+from telerag.server.admitted_run import CLIENT_CLOSED_REQUEST, ClientDisconnected
 from telerag.server.auth import Access
 from telerag.server.protocols.vector_stores import (
     SearchRequest,
@@ -26,6 +28,7 @@ from telerag.server.protocols.vector_stores import (
     VectorStoreObject,
 )
 from telerag.server.routes.signature import typed
+from telerag.server.service import Service, serving
 
 VECTOR_STORES = "/v1/vector_stores"
 ONE = VECTOR_STORES + "/{vector_store_id}"
@@ -87,7 +90,7 @@ def router(access: Access, search: type[SearchRequest]) -> APIRouter:
         typed(search_store, body=search, client=client),
         methods=["POST"],
         response_model=SearchResultsPage,
-        responses=errors.responses(400, *access.api_errors, *ERRORS),
+        responses=errors.responses(400, *access.api_errors, *ERRORS, 429, 502, 504),  # 429, 502, 504: rewrite_query's call
         summary="Search a vector store's passages (exact at its lists' default nprobe)",
     )
     return routes
@@ -144,10 +147,18 @@ async def delete_store(vector_store_id: StoreId, request: Request, client: str |
     return VectorStoreDeleted(id=record.id)
 
 
-async def search_store(vector_store_id: StoreId, request: Request, body: SearchRequest, client: str | None) -> SearchResultsPage:
+async def search_store(
+    vector_store_id: StoreId, request: Request, body: SearchRequest, client: str | None, service: Service = Depends(serving)
+) -> Response | SearchResultsPage:
+    stores = stores_of(request)
+    queries = body.queries
+    if body.rewrite_query:  # a list is one query, its texts in turn; the store is checked (404) before the call
+        await asyncio.to_thread(stores.get, vector_store_id, client)
+        try:
+            queries = [await service.rewrite_query(request, " ".join(queries), client)]
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
     threshold = body.ranking_options.score_threshold if body.ranking_options is not None else None
     where = None if body.filters is None else body.filters.to_filter()
-    hits = await asyncio.to_thread(
-        stores_of(request).search, vector_store_id, client, body.queries, body.max_num_results, threshold, where
-    )
-    return SearchResultsPage(search_query=body.queries, data=[SearchResult.of(hit) for hit in hits])
+    hits = await asyncio.to_thread(stores.search, vector_store_id, client, queries, body.max_num_results, threshold, where)
+    return SearchResultsPage(search_query=queries, data=[SearchResult.of(hit) for hit in hits])
