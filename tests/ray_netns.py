@@ -274,6 +274,15 @@ class NetnsCluster:
             raise NetnsError(f"after {self.start_timeout_s:.0f} s the nodes alive are {alive}, not {[n.ip for n in self.nodes]}")
         return alive
 
+    def restart_ray(self) -> None:
+        """The whole cluster lost and started again: every process of every node killed at once
+        (SIGKILL: nothing cleans up), then Ray started on each node anew."""
+        for node in self.nodes:
+            kill_all(node.namespace, grace_s=0.0)
+        for node in self.nodes:
+            self.start_ray(node)
+        self.wait_for_nodes()
+
     def processes(self) -> dict[str, dict[str, int]]:
         """Each node's processes now: their count, RSS and PSS in bytes (summed)."""
         report = {}

@@ -1,0 +1,335 @@
+"""A whole node lost, here: `serve --ray`'s applications (the ingress, two inference replicas,
+two retrieval shards of two replicas each) on a Ray cluster of a head and two workers, each node
+in a network namespace of its own (`tests/ray_netns.py`), the datastore on the filesystem they all
+read (the shared volume). Under a load of queries and a stream of document writes, every process
+of a worker that holds a shard replica is killed at once (its raylet with them): no acknowledged
+write is lost, no answer is served from a partial top-k (each query is a passage's own text,
+which must come first; an answer either has it or is a 503/429 in the one error body), Serve
+places the lost replicas on the nodes left and they serve again, having read the writer's log.
+Where the lost node held the ingress (the writer), the requests in flight there get Serve's
+proxy's own error (at most one per client thread), the writes stop until Serve starts it again,
+and none acknowledged is lost. Then the whole cluster is lost (every process of every node
+killed) and started again: the applications deployed anew find every acknowledged write.
+
+The driver's part is this module run as a script inside the head's namespace
+(`python -m tests.test_node_faults <json>`); it prints one line, `FAULTS <json>`, of what it
+found, and the test asserts on that."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from tests.ray_netns import NetnsCluster, kill_all, pids_in, unavailable
+
+pytestmark = [pytest.mark.slow, pytest.mark.minutes(4)]  # 1.5-3.5 min here
+
+MARK = "FAULTS "
+QUERIES = 12  # passages whose own text is asked
+
+
+def placement(app_names: tuple[str, ...]) -> list[dict]:
+    """Each Serve replica of the named applications: its deployment and its node's address."""
+    import ray
+
+    def where(_replica: object) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    found = []
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        name = actor["name"]  # SERVE_REPLICA::<app>#<deployment>#<id>
+        if not name.startswith("SERVE_REPLICA::") or name.count("#") != 2:
+            continue
+        app, deployment, _ = name.removeprefix("SERVE_REPLICA::").split("#")
+        if app in app_names:
+            handle = ray.get_actor(name, namespace=actor["namespace"])
+            try:
+                ip = ray.get(handle.__ray_call__.remote(where), timeout=30)
+            except Exception:  # noqa: BLE001 - a replica on the node just lost
+                continue
+            found.append({"deployment": deployment, "ip": ip})
+    return found
+
+
+def drive(args: dict) -> dict:
+    """The driver's part, in the head's namespace (see the module's docstring)."""
+    import httpx
+    import ray
+    from ray import serve
+
+    from telerag.retrieval.live import opened
+    from telerag.retrieval.tier import APP as TIER_APP
+    from telerag.retrieval.tier import deploy_tier
+    from telerag.server.ray_serve.applications import APP, deploy_inference, tier_shape
+    from telerag.server.settings import Settings
+
+    settings = Settings.model_validate(args["settings"])
+    ray.init(address=args["address"], _node_ip_address=args["ip"], log_to_driver=False, configure_logging=False)
+    url = f"http://{args['ip']}:{args['port']}"
+    serve.start(http_options={"host": args["ip"], "port": args["port"]}, proxy_location="HeadOnly")
+    deploy_tier(settings.retrieval.datastore, tier_shape(settings))
+    deploy_inference(settings)
+    wait_ready(url, 240)
+    with opened(settings.retrieval.datastore) as live:
+        snapshot = live.snapshot()
+        asked = [
+            (p.doc_id, p.text) for p in snapshot.passages_of(list(range(0, snapshot.passages, snapshot.passages // QUERIES)))
+        ]
+
+    answers: list[dict] = []
+    acknowledged: list[str] = []
+    stop = threading.Event()
+
+    def ask(worker: int) -> None:
+        n = worker
+        while not stop.is_set():
+            doc_id, text = asked[n % len(asked)]
+            n += 2
+            started = time.monotonic()
+            try:
+                response = httpx.post(
+                    f"{url}/v1/rag/query", json={"query": text, "pipeline": "naive", "max_tokens": 2}, timeout=60
+                )
+            except httpx.HTTPError as exc:
+                answers.append(
+                    {"status": 0, "error": type(exc).__name__, "at": time.monotonic(), "s": time.monotonic() - started}
+                )
+                continue
+            try:
+                body = response.json()
+            except ValueError:  # not this server's answer: Serve's proxy's, for a request whose ingress died
+                body = {"raw": response.text[:200]}
+            first = body["documents"][0]["doc_id"] if response.status_code == 200 and body.get("documents") else None
+            error = sorted(body["error"]) if "error" in body else None
+            at = time.monotonic()
+            answers.append(
+                {"status": response.status_code, "want": doc_id, "first": first, "error": error, "at": at, "s": at - started}
+            )
+
+    def write() -> None:
+        n = 0
+        while not stop.is_set():
+            doc_id = f"stream-{n}"
+            try:
+                response = httpx.post(
+                    f"{url}/v1/documents", json={"id": doc_id, "text": f"stream note {n} " * 8, "title": doc_id}, timeout=60
+                )
+            except httpx.HTTPError:
+                time.sleep(0.2)
+                continue
+            if response.status_code in (200, 201):
+                acknowledged.append(doc_id)
+                n += 1
+                time.sleep(0.1)  # a stream, not a flood
+            else:
+                time.sleep(0.2)
+
+    threads = [threading.Thread(target=ask, args=(w,)) for w in range(2)] + [threading.Thread(target=write)]
+    for thread in threads:
+        thread.start()
+    try:
+        while len(acknowledged) < 5 or len(answers) < 6:
+            time.sleep(0.1)
+        before = placement((APP, TIER_APP))
+        victims = {r["ip"] for r in before if r["deployment"].startswith("shard-")} - {args["ip"]}
+        victim = sorted(victims)[0]
+        killed_at, acknowledged_before = time.monotonic(), len(acknowledged)
+        killed = pids_in(args["namespaces"][victim])
+        kill_all(args["namespaces"][victim], grace_s=0.0)
+        recovered_s = None
+        deadline = killed_at + args["recover_s"]
+        wanted = {"inference": 2, "shard-0": 2, "shard-1": 2}
+        while time.monotonic() < deadline:  # every replica answering again, none on the lost node
+            reachable = Counter(r["deployment"] for r in placement((APP, TIER_APP)) if r["ip"] != victim)
+            if all(reachable[name] == count for name, count in wanted.items()):
+                recovered_s = time.monotonic() - killed_at
+                break
+            time.sleep(1.0)
+        # then writes and queries through the replaced replicas (one stuck on the lost node may time out first)
+        settle = time.monotonic()
+        while time.monotonic() - settle < 90 and (
+            len(acknowledged) < acknowledged_before + 5 or sum(a["at"] >= settle for a in answers) < 10
+        ):
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(120)
+    stuck = sum(thread.is_alive() for thread in threads)
+    missing = [d for d in acknowledged if httpx.get(f"{url}/v1/documents/{d}", timeout=30).status_code != 200]
+    last = acknowledged[-1]
+    found_last = []
+    for n in range(6):  # through both replicas (keys spread)
+        response = httpx.post(
+            f"{url}/v1/rag/query",
+            json={"query": f"stream note {last.split('-')[1]} " * 8, "pipeline": "naive", "max_tokens": 2},
+            headers={"X-Routing-Key": f"after-{n}"},
+            timeout=60,
+        )
+        found_last.append(response.status_code == 200 and last in [d["doc_id"] for d in response.json()["documents"]])
+    serve.shutdown()
+    ray.shutdown()
+    return {
+        "acknowledged_ids": acknowledged,
+        "victim": victim,
+        "killed_processes": len(killed),
+        "placement_before": before,
+        "recovered_s": recovered_s,
+        "acknowledged": len(acknowledged),
+        "acknowledged_before_kill": acknowledged_before,
+        "missing": missing,
+        "answers": [{**a, "after_kill": a["at"] >= killed_at} for a in answers],
+        "found_last": found_last,
+        "stuck_threads": stuck,
+    }
+
+
+def after_restart(args: dict) -> dict:
+    """The driver's part once the whole cluster was killed and started again: the applications
+    deployed anew over the same volume; which acknowledged writes are missing, and whether a
+    search through each replica finds the last one."""
+    import httpx
+    import ray
+    from ray import serve
+
+    from telerag.retrieval.tier import deploy_tier
+    from telerag.server.ray_serve.applications import deploy_inference, tier_shape
+    from telerag.server.settings import Settings
+
+    settings = Settings.model_validate(args["settings"])
+    ray.init(address=args["address"], _node_ip_address=args["ip"], log_to_driver=False, configure_logging=False)
+    url = f"http://{args['ip']}:{args['port']}"
+    serve.start(http_options={"host": args["ip"], "port": args["port"]}, proxy_location="HeadOnly")
+    deploy_tier(settings.retrieval.datastore, tier_shape(settings))
+    deploy_inference(settings)
+    wait_ready(url, 240)
+    acknowledged = args["acknowledged"]
+    missing = [d for d in acknowledged if httpx.get(f"{url}/v1/documents/{d}", timeout=30).status_code != 200]
+    last = acknowledged[-1]
+    found_last = []
+    for n in range(6):
+        response = httpx.post(
+            f"{url}/v1/rag/query",
+            json={"query": f"stream note {last.split('-')[1]} " * 8, "pipeline": "naive", "max_tokens": 2},
+            headers={"X-Routing-Key": f"restart-{n}"},
+            timeout=60,
+        )
+        found_last.append(response.status_code == 200 and last in [d["doc_id"] for d in response.json()["documents"]])
+    serve.shutdown()
+    ray.shutdown()
+    return {"missing": missing, "found_last": found_last}
+
+
+def wait_ready(url: str, timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/ready", timeout=10).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} not ready after {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    with NetnsCluster(workers=2, cpus=2, logs_to=tmp_path / "ray-logs") as running:
+        yield running
+
+
+def test_a_node_killed_under_queries_and_writes_then_the_whole_cluster_loses_no_acknowledged_write(cluster, tmp_path):
+    from telerag.server.settings import Settings
+    from tests.serving import save_tiny_lm
+    from tests.test_cluster import build_topic_datastore
+    from tests.tiny_models import tiny_embedder_dir
+
+    embedder = tiny_embedder_dir(32, 0)
+    settings = Settings(
+        engine={"model_path": save_tiny_lm(tmp_path / "lm"), "device": "cpu", "prefix_cache_mb": 0},
+        retrieval={
+            "datastore": build_topic_datastore(tmp_path / "ds", embedder),
+            "embedder": embedder,
+            "device": "cpu",
+            "embedder_device": "cpu",
+            "build_if_missing": False,
+            "nprobe": 6,
+        },
+        scheduler={"max_concurrency": 2, "max_queue": 4, "admission_deadline_s": None, "request_timeout_s": 60},
+        server={"warm_up": False, "calibration_dir": None},
+        cluster={"replicas": 2, "shards": 2, "shard_replicas": 2, "replica_cpus": 0.5, "shard_cpus": 0.5, "attempts": 3},
+    )
+    args = {
+        "address": cluster.address,
+        "ip": cluster.head.ip,
+        "port": 8000,
+        "settings": settings.model_dump(mode="json"),
+        "namespaces": {node.ip: node.namespace for node in cluster.nodes},
+        "recover_s": 150,
+    }
+    done = cluster.python(["-m", "tests.test_node_faults", json.dumps(args)], timeout_s=560)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
+    assert lines, f"the driver printed no {MARK.strip()} line:\n{done.stdout[-4000:]}"
+    found = json.loads(lines[-1].removeprefix(MARK))
+    answers = found["answers"]
+    keys = ("victim", "killed_processes", "recovered_s", "acknowledged", "acknowledged_before_kill", "stuck_threads")
+    summary = {key: found[key] for key in keys}
+    summary["on_victim"] = sorted(r["deployment"] for r in found["placement_before"] if r["ip"] == found["victim"])
+    summary["answers"] = {
+        "before_kill": sum(not a["after_kill"] for a in answers),
+        "after_kill_ok": sum(a["after_kill"] and a["status"] == 200 for a in answers),
+        "after_kill_refused": sum(a["after_kill"] and a["status"] != 200 for a in answers),
+        "proxy_answers": sum(a["status"] not in (0, 200) and a["error"] is None for a in answers),
+        "slowest_s": round(max(a["s"] for a in answers), 1),
+    }
+    print(json.dumps(summary))
+
+    assert found["killed_processes"] > 0 and not pids_in(args["namespaces"][found["victim"]])
+    assert found["missing"] == [], found["missing"]  # no acknowledged write lost
+    assert found["acknowledged"] >= found["acknowledged_before_kill"] + 5  # writes went on after the loss
+    proxied = []  # Serve's proxy's own answers: only for the requests in flight where the ingress died
+    for answer in answers:
+        if answer["status"] == 200:
+            assert answer["first"] == answer["want"], answer  # never an answer from a partial top-k
+        elif answer["error"] is None:
+            proxied.append(answer)
+        else:  # refused in the one error body (a lost connection would be 0: none)
+            assert answer["status"] in (429, 503) and set(answer["error"]) >= {"type", "message", "code"}, answer
+    if "ingress" in summary["on_victim"]:
+        assert len(proxied) <= 2 and all(a["status"] >= 500 and a["after_kill"] for a in proxied), proxied
+    else:
+        assert not proxied, proxied
+    assert found["recovered_s"] is not None, "Serve did not place the lost replicas again"
+    assert summary["answers"]["after_kill_ok"] >= 5
+    assert all(found["found_last"]), found["found_last"]  # the replaced replicas read the writer's log
+
+    # the whole cluster lost (every process of every node killed) and started again: the datastore
+    # comes back at its last acknowledged write
+    cluster.restart_ray()
+    again = {**args, "acknowledged": found["acknowledged_ids"]}
+    done = cluster.python(["-m", "tests.test_node_faults", json.dumps(again)], timeout_s=400)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
+    assert lines, f"the driver printed no {MARK.strip()} line after the restart:\n{done.stdout[-4000:]}"
+    restarted = json.loads(lines[-1].removeprefix(MARK))
+    assert restarted["missing"] == [] and all(restarted["found_last"]), restarted
+
+
+if __name__ == "__main__":
+    given = json.loads(sys.argv[1])
+    found = after_restart(given) if "acknowledged" in given else drive(given)
+    print(MARK + json.dumps(found), flush=True)
+    os._exit(0)  # Ray's threads left behind would hold the process
