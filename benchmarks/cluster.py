@@ -13,18 +13,29 @@ bytes copied into their caches, `same_documents` (the share of requests whose do
 the one-process server's for the same question) and `remote_overhead` (a tier search's time
 over faiss's here, same lists: `benchmarks.tier.measure_tier`).
 
+With a write rate (`--write-rate`), each batch's stream runs once more, on the last router's
+replicas, beside a client writing documents through the ingress (the datastore's one writer) at
+that rate: each write's acknowledgment is timed, and right after it a query through the ingress
+for the written text checks that a replica's search finds it (freshness: from the acknowledgment
+to the start of the first query that found it, 0 when the first did). The bench then runs on a
+copy of the datastore (the user's is never written).
+
 On one small machine every replica shares the same cores: the figures show the overhead, the
-routing and the correctness, not scaling.
+routing and the correctness, not scaling. The module is long because the stream, its clients
+(questions and writes) and the report's rows are one run, timed side by side.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -33,6 +44,7 @@ from telerag.pipelines.questions import Question
 from telerag.server.settings import Settings
 
 ROUTERS = ("cluster", "default")
+FRESHNESS_POLL_S = 5.0  # how long a write not found at once is asked for again, before it counts as never
 TITLE_QUESTIONS = ("Tell me about {}.", "What is {} known for?", "Why is {} notable?")  # a run longer than an article's own
 
 
@@ -70,6 +82,7 @@ class ClusterBenchConfig:
     pipeline: str = "naive"
     max_tokens: int = 8
     tier_searches: int = 30  # per batch, for remote_overhead
+    write_rate: float = 0.0  # documents a second written beside each batch's stream once more; 0: no write rows
 
 
 @dataclass(frozen=True)
@@ -89,6 +102,24 @@ class ClusterRow:
     refused: int  # 429s answered before requests were admitted (retried after Retry-After)
 
 
+@dataclass(frozen=True)
+class ClusterWriteRow:
+    """A batch's stream beside a stream of writes through the ingress (on the last router's replicas)."""
+
+    router: str
+    batch: int
+    requests: int
+    latency_ms_p50: float  # the stream's, with the writes
+    latency_ms_p99: float
+    latency_ms_p50_alone: float  # the same router and batch's row, without
+    writes: int
+    ack_ms_p50: float  # a write's answer, its embedding and the log's sync inside
+    ack_ms_p99: float
+    fresh_ms_p50: float | None  # from the acknowledgment to the first query that found it (0: the first did)
+    fresh_ms_p99: float | None
+    never_found: int  # writes no query found within FRESHNESS_POLL_S
+
+
 @dataclass
 class ClusterReport:
     datastore: str
@@ -99,6 +130,7 @@ class ClusterReport:
     prefetch_budget_mb: float | None
     one_process_latency_ms_p50: float  # the same questions one at a time through the one-process server
     rows: list[ClusterRow] = field(default_factory=list)
+    writes: list[ClusterWriteRow] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -133,6 +165,50 @@ async def closed_loop(
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(batch)))
     return [a for a in answers if a is not None], time.perf_counter() - started
+
+
+@dataclass(frozen=True)
+class Written:
+    ack_ms: float
+    fresh_ms: float | None  # None: no query found it within FRESHNESS_POLL_S
+
+
+async def write_stream(client: httpx.AsyncClient, rate: float, done: asyncio.Event, config: ClusterBenchConfig) -> list[Written]:
+    """Documents written one at a time at `rate` a second until `done`, each one's freshness asked
+    right after its acknowledgment."""
+    written: list[Written] = []
+    while not done.is_set():
+        n = len(written)
+        text = f"benchmark write {n} " + " ".join(f"w{n}x{k}" for k in range(24))
+        started = time.perf_counter()
+        response = await client.post("/v1/documents", json={"id": f"bench-write-{n}", "text": text, "title": f"write {n}"})
+        response.raise_for_status()
+        acknowledged = time.perf_counter()
+        fresh_ms, first = None, True
+        while time.perf_counter() - acknowledged < FRESHNESS_POLL_S:
+            asked = time.perf_counter()
+            body = {"query": text, "pipeline": config.pipeline, "max_tokens": 1}
+            found = await client.post("/v1/rag/query", json=body)
+            if found.status_code == 200 and f"bench-write-{n}" in [d["doc_id"] for d in found.json()["documents"]]:
+                fresh_ms = 0.0 if first else (asked - acknowledged) * 1e3
+                break
+            first = False
+        written.append(Written((acknowledged - started) * 1e3, fresh_ms))
+        await asyncio.sleep(max(0.0, 1.0 / rate - (time.perf_counter() - started)))
+    return written
+
+
+async def _stream_with_writes(
+    base: str, stream: Sequence[str], batch: int, config: ClusterBenchConfig
+) -> tuple[list[Answer], list[Written]]:
+    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+        done = asyncio.Event()
+        writing = asyncio.create_task(write_stream(client, config.write_rate, done, config))
+        try:
+            answers, _ = await closed_loop(client, stream, batch, config)
+        finally:
+            done.set()
+        return answers, await writing
 
 
 async def one_process(
@@ -181,6 +257,13 @@ def run_cluster_bench(
     from telerag.server.ray_serve.applications import deploy_inference, start_ray
 
     stream = topic_stream(questions, config.stream)
+    copied = None
+    if config.write_rate:  # the writes go to a copy: the user's datastore is never written
+        from telerag.benchmarks.ingest import copy_datastore
+
+        copied = Path(tempfile.mkdtemp(prefix="telerag-bench-cluster-"))
+        copy = copy_datastore(settings.retrieval.datastore.expanduser(), copied)
+        settings = settings.model_copy(update={"retrieval": settings.retrieval.model_copy(update={"datastore": copy})})
     retrieval = settings.retrieval
     report = ClusterReport(
         datastore=str(retrieval.datastore),
@@ -230,10 +313,56 @@ def run_cluster_bench(
                         remote_overhead=overheads.get(batch),
                     )
                 )
+            if config.write_rate:
+                report.writes.append(_with_writes(settings, base, stream, batch, config, report.rows[-1], log))
     finally:
         if started_ray:
             ray.shutdown()  # Serve and the applications with it
+        elif copied is not None:  # they serve the copy, removed next
+            from telerag.retrieval.tier import APP as TIER_APP
+            from telerag.server.ray_serve.applications import APP
+
+            for app in (APP, TIER_APP):
+                serve.delete(app)
+        if copied is not None:
+            shutil.rmtree(copied, ignore_errors=True)
     return report
+
+
+def _with_writes(
+    settings: Settings,
+    base: str,
+    stream: Sequence[str],
+    batch: int,
+    config: ClusterBenchConfig,
+    alone: ClusterRow,
+    log: Callable[[str], None],
+) -> ClusterWriteRow:
+    """The stream once more on new replicas of `alone`'s router, beside the writes."""
+    from telerag.server.ray_serve.applications import deploy_inference
+
+    log(f"router {alone.router}, batch {batch}, writes at {config.write_rate:g}/s: new replicas")
+    cluster = settings.cluster.model_copy(update={"router": alone.router})
+    deploy_inference(settings.model_copy(update={"cluster": cluster}))
+    wait_ready(base)
+    answers, written = asyncio.run(_stream_with_writes(base, stream, batch, config))
+    latencies = [answer.latency_ms for answer in answers]
+    acks = [w.ack_ms for w in written]
+    fresh = [w.fresh_ms for w in written if w.fresh_ms is not None]
+    return ClusterWriteRow(
+        router=alone.router,
+        batch=batch,
+        requests=len(answers),
+        latency_ms_p50=float(np.percentile(latencies, 50)),
+        latency_ms_p99=float(np.percentile(latencies, 99)),
+        latency_ms_p50_alone=alone.latency_ms_p50,
+        writes=len(written),
+        ack_ms_p50=float(np.percentile(acks, 50)) if acks else 0.0,
+        ack_ms_p99=float(np.percentile(acks, 99)) if acks else 0.0,
+        fresh_ms_p50=float(np.percentile(fresh, 50)) if fresh else None,
+        fresh_ms_p99=float(np.percentile(fresh, 99)) if fresh else None,
+        never_found=sum(w.fresh_ms is None for w in written),
+    )
 
 
 async def _stream(base: str, stream: Sequence[str], batch: int, config: ClusterBenchConfig) -> tuple[list[Answer], float]:
@@ -254,8 +383,8 @@ def _tier_overheads(settings: Settings, config: ClusterBenchConfig) -> dict[int,
     from telerag.server.ray_serve.applications import tier_shape
 
     path = settings.retrieval.datastore.expanduser()
-    running = RetrievalTier.connect() if APP in serve.status().applications else None
-    if running is not None and len(running.handles) == settings.cluster.shards:
+    running = RetrievalTier.connect() if APP in serve.status().applications and not config.write_rate else None
+    if running is not None and len(running.handles) == settings.cluster.shards:  # (with writes: a copy, a tier of its own)
         tier = running
     else:
         tier = deploy_tier(path, tier_shape(settings), verify_checksums=settings.retrieval.verify_checksums)
@@ -284,5 +413,17 @@ def format_table(report: ClusterReport) -> str:
             f"{row.router:<8}{row.replicas:>9}{row.shards:>7}{row.batch:>6}{row.requests:>9}{row.latency_ms_p50:>9.0f}"
             f"{row.latency_ms_p99:>9.0f}{row.throughput_rps:>7.2f}{hit:>9}{row.bytes_copied / 2**20:>10.3g}"
             f"{row.same_documents:>10.3f}{overhead:>16}{row.refused:>6}"
+        )
+    if report.writes:
+        lines.append(
+            f"{'router':<8}{'batch':>6}{'requests':>9}{'p50 ms':>9}{'p99 ms':>9}{'alone p50':>10}{'writes':>7}"
+            f"{'ack p50':>9}{'ack p99':>9}{'fresh p50':>10}{'fresh p99':>10}{'never':>6}"
+        )
+    for write in report.writes:
+        fresh = ["-" if v is None else f"{v:.0f}" for v in (write.fresh_ms_p50, write.fresh_ms_p99)]
+        lines.append(
+            f"{write.router:<8}{write.batch:>6}{write.requests:>9}{write.latency_ms_p50:>9.0f}{write.latency_ms_p99:>9.0f}"
+            f"{write.latency_ms_p50_alone:>10.0f}{write.writes:>7}{write.ack_ms_p50:>9.0f}{write.ack_ms_p99:>9.0f}"
+            f"{fresh[0]:>10}{fresh[1]:>10}{write.never_found:>6}"
         )
     return "\n".join(lines)

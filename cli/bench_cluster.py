@@ -38,6 +38,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--cache-mb", type=float, help="each replica's cluster cache (default: a quarter of the datastore)")
     parser.add_argument("--prefetch-budget-mb", type=float, help="every prefetch's budget (default: 1/32 of the datastore)")
     parser.add_argument("--tier-searches", type=int, default=30, help="searches per batch for remote_overhead")
+    parser.add_argument(
+        "--write-rate",
+        type=float,
+        default=0.0,
+        help="documents a second written through the ingress beside each batch's stream run once more (on a copy of "
+        "the datastore): acknowledgment and freshness; 0: none",
+    )
     parser.add_argument("--port", type=int, help="Serve's HTTP proxy (server.port); a running Serve's if joining one")
     parser.add_argument("--json", action="store_true", help='print one JSON line last: {"rows": [...], ...}')
     parser.set_defaults(func=run)
@@ -67,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         pipeline=args.pipeline,
         max_tokens=args.max_tokens,
         tier_searches=args.tier_searches,
+        write_rate=args.write_rate,
     )
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
