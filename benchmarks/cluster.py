@@ -259,11 +259,7 @@ def run_cluster_bench(
     stream = topic_stream(questions, config.stream)
     copied = None
     if config.write_rate:  # the writes go to a copy: the user's datastore is never written
-        from telerag.benchmarks.ingest import copy_datastore
-
-        copied = Path(tempfile.mkdtemp(prefix="telerag-bench-cluster-"))
-        copy = copy_datastore(settings.retrieval.datastore.expanduser(), copied)
-        settings = settings.model_copy(update={"retrieval": settings.retrieval.model_copy(update={"datastore": copy})})
+        settings, copied = _on_a_copy(settings)
     retrieval = settings.retrieval
     report = ClusterReport(
         datastore=str(retrieval.datastore),
@@ -318,15 +314,30 @@ def run_cluster_bench(
     finally:
         if started_ray:
             ray.shutdown()  # Serve and the applications with it
-        elif copied is not None:  # they serve the copy, removed next
-            from telerag.retrieval.tier import APP as TIER_APP
-            from telerag.server.ray_serve.applications import APP
-
-            for app in (APP, TIER_APP):
-                serve.delete(app)
+        elif copied is not None:
+            _delete_applications()  # they serve the copy, removed next
         if copied is not None:
             shutil.rmtree(copied, ignore_errors=True)
     return report
+
+
+def _on_a_copy(settings: Settings) -> tuple[Settings, Path]:
+    """The settings over a copy of their datastore, and the temporary directory holding it."""
+    from telerag.benchmarks.ingest import copy_datastore
+
+    copied = Path(tempfile.mkdtemp(prefix="telerag-bench-cluster-"))
+    copy = copy_datastore(settings.retrieval.datastore.expanduser(), copied)
+    return settings.model_copy(update={"retrieval": settings.retrieval.model_copy(update={"datastore": copy})}), copied
+
+
+def _delete_applications() -> None:
+    from ray import serve
+
+    from telerag.retrieval.tier import APP as TIER_APP
+    from telerag.server.ray_serve.applications import APP
+
+    for app in (APP, TIER_APP):
+        serve.delete(app)
 
 
 def _with_writes(
