@@ -92,7 +92,7 @@ class ShardReplica:
         return number
 
     async def search_lists(
-        self, queries: np.ndarray, k: int, lists: np.ndarray, list_scores: np.ndarray, generation: int = 0
+        self, queries: np.ndarray, k: int, lists: np.ndarray, list_scores: np.ndarray, generation: int | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """Searched on Serve's event loop for user code, not handed to its thread pool as a sync
         method would be (with the gRPC transport, `RetrievalTier.connect`, 2.6-5 ms less a
@@ -100,6 +100,8 @@ class ShardReplica:
         anyway. OpenMP's thread count belongs to the calling thread, so it is set here, in the
         thread that searches, not in `__init__`'s. A generation this replica does not hold is
         loaded first (the writer's files are whole once it switched; checked when written)."""
+        if generation is None:  # a caller of no particular generation (a benchmark): the newest held
+            generation = max(self.generations)
         searched = self.generations.get(generation)
         if searched is None:
             async with self._loading:
@@ -203,12 +205,13 @@ class RetrievalTier:
         self,
         handles: Sequence[Any],
         *,
-        generation: int = 0,
+        generation: int | None = None,
         timeout_s: float = 60.0,
         attempts: int = 3,
         retry_wait_s: float = 0.5,
     ) -> None:
-        """`handles`: one Serve `DeploymentHandle` per shard, in shard order."""
+        """`handles`: one Serve `DeploymentHandle` per shard, in shard order; `generation`: the one
+        every search names (None: each shard's newest, for a caller of a datastore no writer changes)."""
         self.handles = list(handles)
         self.generation = generation
         self.timeout_s, self.attempts, self.retry_wait_s = timeout_s, attempts, retry_wait_s

@@ -204,6 +204,9 @@ def test_writes_interleaved_with_searches_through_the_tier_equal_faiss(cluster, 
             for i in range(len(queries)):
                 assert same_results(result.ids[i], result.scores[i], ref_ids[i], ref_scores[i]), (step, i)
         assert sorted(engines) == [0, 1, 2]
+        newest = CPUIndex(follower.snapshot().datastore)  # a caller naming no generation (a benchmark): the newest
+        for q, lists, list_scores in searches(newest, 3, seed=shards):
+            assert_same(tier.search_lists(q, 5, lists, list_scores), newest.search_lists(q, 5, lists, list_scores))
     finally:
         serve.delete(APP)
         for engine in engines.values():
