@@ -17,7 +17,8 @@ With a write rate (`--write-rate`), each batch's stream runs once more, on the l
 replicas, beside a client writing documents through the ingress (the datastore's one writer) at
 that rate: each write's acknowledgment is timed, and right after it a query through the ingress
 for the written text checks that a replica's search finds it (freshness: from the acknowledgment
-to the start of the first query that found it, 0 when the first did). The bench then runs on a
+to the start of the first query that found it, 0 when the first did; a query admission refused
+was not asked, and is asked again after its Retry-After). The bench then runs on a
 copy of the datastore (the user's is never written).
 
 On one small machine every replica shares the same cores: the figures show the overhead, the
@@ -189,6 +190,9 @@ async def write_stream(client: httpx.AsyncClient, rate: float, done: asyncio.Eve
             asked = time.perf_counter()
             body = {"query": text, "pipeline": config.pipeline, "max_tokens": 1}
             found = await client.post("/v1/rag/query", json=body)
+            if found.status_code == 429:  # refused by admission, not asked: its search is still the first
+                await asyncio.sleep(float(found.headers.get("Retry-After", 1)))
+                continue
             if found.status_code == 200 and f"bench-write-{n}" in [d["doc_id"] for d in found.json()["documents"]]:
                 fresh_ms = 0.0 if first else (asked - acknowledged) * 1e3
                 break
