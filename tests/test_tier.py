@@ -17,7 +17,7 @@ from telerag.cli.main import main
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.documents import DocumentDelete
 from telerag.retrieval.engine import RetrievalEngine
-from telerag.retrieval.errors import TierBusy, TierUnavailable
+from telerag.retrieval.errors import GenerationGone, TierBusy, TierUnavailable
 from telerag.retrieval.ivf import CPUIndex, faiss, same_results
 from telerag.retrieval.live import LiveDatastore
 from telerag.retrieval.snapshot import search_snapshot
@@ -58,14 +58,17 @@ class FailingCall:
         if self.handle.failures > 0:
             self.handle.failures -= 1
             raise RayActorError()
+        if self.handle.gone > 0:  # a replica started after the switch away from the search's generation
+            self.handle.gone -= 1
+            raise GenerationGone("generation 0 is not held here")
         return self.handle.answer
 
 
 class FakeHandle:
     """A shard's handle whose first `failures` calls fail as a dead replica's do."""
 
-    def __init__(self, answer: tuple[np.ndarray, np.ndarray], failures: int = 0, busy: bool = False) -> None:
-        self.answer, self.failures, self.busy, self.calls = answer, failures, busy, 0
+    def __init__(self, answer: tuple[np.ndarray, np.ndarray], failures: int = 0, busy: bool = False, gone: int = 0) -> None:
+        self.answer, self.failures, self.busy, self.gone, self.calls = answer, failures, busy, gone, 0
         self.search_lists = self
 
     def remote(self, *args: object) -> FailingCall:
@@ -82,6 +85,9 @@ def test_a_failed_shard_call_is_asked_again_and_one_that_never_answers_fails_the
     scores, ids = tier.search_lists(*args)
     assert ids.tolist() == [[4, 1, 3]] and np.allclose(scores, [[0.9, 0.8, 0.7]])
     assert tier.retries == 2 and flaky.calls == 3
+    behind = FakeHandle(part, gone=1)  # the first replica asked lacks the generation: another holds it
+    assert RetrievalTier([behind, FakeHandle(other)], attempts=3, retry_wait_s=0).search_lists(*args)[1].tolist() == [[4, 1, 3]]
+    assert behind.calls == 2
     dead = RetrievalTier([FakeHandle(part, failures=5), FakeHandle(other)], attempts=3, retry_wait_s=0)
     with pytest.raises(TierUnavailable, match="shard 0 did not answer in 3 attempts"):
         dead.search_lists(*args)
