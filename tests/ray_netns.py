@@ -343,6 +343,27 @@ class NetnsCluster:
             raise NetnsError("the cluster was not taken down whole:\n" + "\n".join(errors))
 
 
+def driver_findings(stdout: str, mark: str) -> dict:
+    """What a driver run in a namespace found: the JSON of its last line starting with `mark`."""
+    lines = [line for line in stdout.splitlines() if line.startswith(mark)]
+    assert lines, f"the driver printed no {mark.strip()} line:\n{stdout[-4000:]}"
+    found: dict = json.loads(lines[-1].removeprefix(mark))
+    return found
+
+
+@contextlib.contextmanager
+def cluster_for_test(logs_to: Path, *, workers: int = 2, cpus: int = 1) -> Iterator[NetnsCluster]:
+    """A test's cluster (`NetnsCluster`), or the test skipped where this machine cannot run one
+    (`unavailable`); each node's Ray logs copied to `logs_to` if the test failed."""
+    import pytest
+
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    with NetnsCluster(workers=workers, cpus=cpus, logs_to=logs_to) as running:
+        yield running
+
+
 def main(argv: list[str] | None = None) -> int:
     """A cluster held until Ctrl-C, for manual runs: it prints how to reach each node."""
     import argparse

@@ -27,6 +27,7 @@ from telerag.retrieval.corpus import Article, split_passages
 from telerag.server.app import create_app, start_serving
 from telerag.server.settings import Settings
 from telerag.utils.processes import free_port
+from tests.document_stream import DocumentStream
 from tests.serving import save_tiny_lm
 from tests.tiny_models import tiny_embedder_dir
 
@@ -111,9 +112,10 @@ def question(topic: int, n: int) -> str:
     return f"what about {words[n % 6]} and {words[(n + 2) % 6]}?"
 
 
-@pytest.fixture(scope="module")
-def settings(tmp_path_factory) -> Settings:
-    root = tmp_path_factory.mktemp("cluster")
+def tiny_cluster_settings(root: Path, *, retrieval: dict, scheduler: dict, cluster: dict) -> Settings:
+    """The tiny test model and embedder over the topic datastore, under `root`, on the CPU, with no
+    warm-up, no admission measurements kept, no admission deadline and a 60-s request timeout; `retrieval`, `scheduler` and
+    `cluster` the rest of those sections."""
     embedder = tiny_embedder_dir(32, 0)
     return Settings(
         engine={"model_path": save_tiny_lm(root / "lm"), "device": "cpu", "prefix_cache_mb": 0},
@@ -122,13 +124,25 @@ def settings(tmp_path_factory) -> Settings:
             "embedder": embedder,
             "device": "cpu",
             "embedder_device": "cpu",
+            "build_if_missing": False,
+            **retrieval,
+        },
+        scheduler={"admission_deadline_s": None, "request_timeout_s": 60, **scheduler},
+        server={"warm_up": False, "calibration_dir": None},
+        cluster=cluster,
+    )
+
+
+@pytest.fixture(scope="module")
+def settings(tmp_path_factory) -> Settings:
+    return tiny_cluster_settings(
+        tmp_path_factory.mktemp("cluster"),
+        retrieval={
             "cache_mb": 0.012,  # a third of the lists per replica
             "prefetch_budget_mb": 0.003,  # one to three lists: a question's other lists hit only where they are resident
-            "build_if_missing": False,
             "nprobe": 4,
         },
-        scheduler={"max_concurrency": 2, "max_queue": 2, "admission_deadline_s": None, "request_timeout_s": 60},
-        server={"warm_up": False},
+        scheduler={"max_concurrency": 2, "max_queue": 2},
         cluster={"replicas": 2, "shards": 2, "replica_cpus": 0.5, "shard_cpus": 0.5, "routing_stats_period_s": 0.2},
     )
 
@@ -278,6 +292,14 @@ def test_ready_reports_both_tiers_and_metrics_every_replica(url):
     assert metrics.count("# TYPE telerag_request_seconds histogram") == 1  # the ingress's and the replicas' in one family
 
 
+def kill_replica(deployment: str) -> dict:
+    """One replica of the `telerag` application's `deployment` killed (Serve starts another): its
+    actor's name and namespace."""
+    victim = next(a for a in ray.util.list_named_actors(all_namespaces=True) if f"#{deployment}#" in a["name"])
+    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+    return victim
+
+
 def served_by(url: str) -> dict[str, float]:
     """Requests each replica has finished (its telerag_request_seconds_count, all pipelines)."""
     time.sleep(0.6)  # a report or two
@@ -341,8 +363,7 @@ def test_a_replica_killed_under_load_loses_no_accepted_request(url):
         worker.start()
     while len(outcomes) < 6:
         time.sleep(0.05)
-    victim = next(a for a in ray.util.list_named_actors(all_namespaces=True) if "#inference#" in a["name"])
-    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+    victim = kill_replica("inference")
     killed_at = len(outcomes)
     while len(outcomes) < killed_at + 12:
         time.sleep(0.05)
@@ -403,46 +424,15 @@ def test_the_writer_killed_under_a_stream_of_writes_loses_nothing_acknowledged(u
     document: Serve starts it again, it opens the log again (a record it was appending, never
     acknowledged, cut off), and every write acknowledged before the kill or after is there, and
     found by a replica's search."""
-    acknowledged: list[str] = []
-    stop = threading.Event()
-
-    def write() -> None:
-        n = 0
-        while not stop.is_set():
-            doc_id = f"stream-{n}"
-            try:
-                response = httpx.post(
-                    f"{url}/v1/documents", json={"id": doc_id, "text": f"stream note {n} " * 12, "title": doc_id}, timeout=30
-                )
-            except httpx.HTTPError:
-                time.sleep(0.2)
-                continue
-            if response.status_code in (200, 201):
-                acknowledged.append(doc_id)
-                n += 1
-            else:
-                time.sleep(0.2)  # the ingress restarting (503) or not yet ready
-
-    writer = threading.Thread(target=write)
-    writer.start()
-    while len(acknowledged) < 5:
-        time.sleep(0.05)
-    ingress = next(a for a in ray.util.list_named_actors(all_namespaces=True) if "#ingress#" in a["name"])
-    ray.kill(ray.get_actor(ingress["name"], namespace=ingress["namespace"]), no_restart=True)
-    killed_at = len(acknowledged)
-    deadline = time.monotonic() + 120
-    while len(acknowledged) < killed_at + 5:  # writes acknowledged again: a new ingress serves
-        assert time.monotonic() < deadline, f"no write acknowledged after the kill ({killed_at} before it)"
-        time.sleep(0.1)
-    stop.set()
-    writer.join(60)
+    stream = DocumentStream(url, repeats=12, timeout_s=30).start()
+    assert stream.wait_for(5, 120)
+    kill_replica("ingress")
+    killed_at = len(stream.acknowledged)
+    # writes acknowledged again: a new ingress serves
+    assert stream.wait_for(killed_at + 5, 120), f"no write acknowledged after the kill ({killed_at} before it)"
+    assert stream.stop()
     wait_ready(url)
-    missing = [d for d in acknowledged if httpx.get(f"{url}/v1/documents/{d}", timeout=10).status_code != 200]
-    assert not missing, missing
-    last = acknowledged[-1]
-    response = httpx.post(
-        f"{url}/v1/rag/query", json={"query": f"stream note {last.split('-')[1]} " * 12, "pipeline": "naive"}, timeout=60
-    )
-    assert last in [d["doc_id"] for d in response.json()["documents"]], response.json()["documents"]
-    for doc_id in acknowledged:  # the module's datastore as it was
+    assert stream.missing() == []
+    assert stream.last_found(["after"]) == [True]
+    for doc_id in stream.acknowledged:  # the module's datastore as it was
         httpx.delete(f"{url}/v1/documents/{doc_id}", timeout=30)

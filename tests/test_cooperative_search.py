@@ -100,6 +100,31 @@ def test_overlap_rate_is_eq_3_1(tmp_path, device):
     assert same.per_query[0].overlap_rate == 1.0
 
 
+def search_at_once(work: list[tuple[RetrievalEngine, int]], budgets: tuple[int, int]) -> None:
+    """Each (engine, seed) in a thread of its own: 15 searches of 1 to 3 random queries, each after
+    a prefetch within `budgets` (low, high) and at a random nprobe, each equal to faiss's; the first
+    failure raised here."""
+    errors: list[BaseException] = []
+
+    def worker(engine: RetrievalEngine, seed: int) -> None:
+        try:
+            rng = np.random.default_rng(seed)
+            for _ in range(15):
+                q = random_queries(int(rng.integers(1, 4)), engine.datastore.dim, int(rng.integers(1 << 30)))
+                handle = engine.prefetch(q, int(rng.integers(*budgets)))
+                assert_same_as_faiss(engine, q, 10, int(rng.integers(1, engine.nlist)), prefetch=handle)
+                handle.release()
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=pair) for pair in work]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("demand_copy", [False, True])
 def test_concurrent_searches_over_overlapping_clusters(tmp_path, device, demand_copy):
@@ -108,25 +133,7 @@ def test_concurrent_searches_over_overlapping_clusters(tmp_path, device, demand_
     engine = RetrievalEngine(ds, device=device, cache_bytes=total // 3, demand_copy=demand_copy)
     if demand_copy:
         engine.demand = CopyEveryMiss()
-    errors: list[BaseException] = []
-
-    def worker(seed: int) -> None:
-        try:
-            rng = np.random.default_rng(seed)
-            for _ in range(15):
-                q = random_queries(int(rng.integers(1, 4)), ds.dim, int(rng.integers(1 << 30)))
-                handle = engine.prefetch(q, int(rng.integers(0, total // 4)))
-                assert_same_as_faiss(engine, q, 10, int(rng.integers(1, 40)), prefetch=handle)
-                handle.release()
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(s,)) for s in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    search_at_once([(engine, seed) for seed in range(6)], (0, total // 4))
     engine.cache.check_invariants()
     stats = engine.cache.stats()
     assert stats.pinned_clusters == 0
@@ -147,25 +154,7 @@ def test_datastores_sharing_one_cache_buffer_search_exactly_at_once(tmp_path, de
     assert server.cache.resident_mask().any() and store.cache.resident_mask().any()  # both at once, in one buffer
     for handle in held:
         handle.release()
-    errors: list[BaseException] = []
-
-    def worker(engine: RetrievalEngine, seed: int) -> None:
-        try:
-            rng = np.random.default_rng(seed)
-            for _ in range(15):
-                q = random_queries(int(rng.integers(1, 4)), engine.datastore.dim, int(rng.integers(1 << 30)))
-                handle = engine.prefetch(q, int(rng.integers(total // 8, total // 3)))
-                assert_same_as_faiss(engine, q, 10, int(rng.integers(1, engine.nlist)), prefetch=handle)
-                handle.release()
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(engine, s)) for s, engine in enumerate([server, store] * 2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    search_at_once([(engine, seed) for seed, engine in enumerate([server, store] * 2)], (total // 8, total // 3))
     server.cache.check_invariants()
     assert server.cache.stats().pinned_clusters == 0
     store.close()  # its lists leave the buffer; the server's stay

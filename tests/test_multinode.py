@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ray_netns import NetnsCluster, unavailable
+from tests.ray_netns import cluster_for_test, driver_findings
 
 pytestmark = [pytest.mark.slow, pytest.mark.minutes(1)]  # 55-70 s here: the cluster up in 23 s, the tier 25-35 s, down 6 s
 
@@ -106,19 +106,9 @@ def drive(args: dict) -> dict:
         ray.shutdown()
 
 
-def driver_findings(done_stdout: str) -> dict:
-    lines = [line for line in done_stdout.splitlines() if line.startswith(MARK)]
-    assert lines, f"the driver printed no {MARK.strip()} line:\n{done_stdout[-4000:]}"
-    found: dict = json.loads(lines[-1].removeprefix(MARK))
-    return found
-
-
 @pytest.fixture
 def cluster(tmp_path):
-    reason = unavailable()
-    if reason:
-        pytest.skip(reason)
-    with NetnsCluster(workers=2, cpus=1, logs_to=tmp_path / "ray-logs") as running:
+    with cluster_for_test(tmp_path / "ray-logs", cpus=1) as running:
         yield running
 
 
@@ -129,7 +119,7 @@ def test_the_tier_spreads_its_shards_over_three_nodes_in_their_namespaces_and_eq
     args = {"address": cluster.address, "ip": cluster.head.ip, "datastore": str(tmp_path / "ds"), "searches": 20}
     with cluster.watching_memory() as memory:  # the peak while the driver runs
         done = cluster.python(["-m", "tests.test_multinode", json.dumps(args)], timeout_s=400)
-    found = driver_findings(done.stdout)
+    found = driver_findings(done.stdout, MARK)
     placed = sorted((replica["name"].split("#")[1], replica["ip"]) for replica in found["replicas"])
     print(json.dumps({"deploy_s": round(found["deploy_s"], 1), "replicas": placed, "peak_memory": memory}))
 

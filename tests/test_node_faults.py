@@ -27,7 +27,9 @@ from collections import Counter
 
 import pytest
 
-from tests.ray_netns import NetnsCluster, kill_all, pids_in, unavailable
+from telerag.server.settings import Settings
+from tests.document_stream import DocumentStream
+from tests.ray_netns import cluster_for_test, driver_findings, kill_all, pids_in
 
 pytestmark = [pytest.mark.slow, pytest.mark.minutes(4)]  # 1.5-3.5 min here
 
@@ -60,17 +62,14 @@ def placement(app_names: tuple[str, ...]) -> list[dict]:
     return found
 
 
-def drive(args: dict) -> dict:
-    """The driver's part, in the head's namespace (see the module's docstring)."""
-    import httpx
+def serve_applications(args: dict) -> tuple[Settings, str]:
+    """Connect to the cluster, start Serve's proxy on the head and deploy `serve --ray`'s
+    applications (the tier, then the ingress and replicas); the settings and the URL, once ready."""
     import ray
     from ray import serve
 
-    from telerag.retrieval.live import opened
-    from telerag.retrieval.tier import APP as TIER_APP
     from telerag.retrieval.tier import deploy_tier
-    from telerag.server.ray_serve.applications import APP, deploy_inference, tier_shape
-    from telerag.server.settings import Settings
+    from telerag.server.ray_serve.applications import deploy_inference, tier_shape
 
     settings = Settings.model_validate(args["settings"])
     ray.init(address=args["address"], _node_ip_address=args["ip"], log_to_driver=False, configure_logging=False)
@@ -79,6 +78,21 @@ def drive(args: dict) -> dict:
     deploy_tier(settings.retrieval.datastore, tier_shape(settings))
     deploy_inference(settings)
     wait_ready(url, 240)
+    return settings, url
+
+
+def drive(args: dict) -> dict:
+    """The driver's part, in the head's namespace (see the module's docstring)."""
+    import httpx
+    import ray
+    from ray import serve
+
+    from telerag.retrieval.live import opened
+    from telerag.retrieval.tier import APP as TIER_APP
+    from telerag.server.ray_serve.applications import APP
+    from tests.test_cluster import kill_replica
+
+    settings, url = serve_applications(args)
     with opened(settings.retrieval.datastore) as live:
         snapshot = live.snapshot()
         asked = [
@@ -86,7 +100,6 @@ def drive(args: dict) -> dict:
         ]
 
     answers: list[dict] = []
-    acknowledged: list[str] = []
     stop = threading.Event()
 
     def ask(worker: int) -> None:
@@ -115,27 +128,11 @@ def drive(args: dict) -> dict:
                 {"status": response.status_code, "want": doc_id, "first": first, "error": error, "at": at, "s": at - started}
             )
 
-    def write() -> None:
-        n = 0
-        while not stop.is_set():
-            doc_id = f"stream-{n}"
-            try:
-                response = httpx.post(
-                    f"{url}/v1/documents", json={"id": doc_id, "text": f"stream note {n} " * 8, "title": doc_id}, timeout=60
-                )
-            except httpx.HTTPError:
-                time.sleep(0.2)
-                continue
-            if response.status_code in (200, 201):
-                acknowledged.append(doc_id)
-                n += 1
-                time.sleep(0.1)  # a stream, not a flood
-            else:
-                time.sleep(0.2)
-
-    threads = [threading.Thread(target=ask, args=(w,)) for w in range(2)] + [threading.Thread(target=write)]
+    threads = [threading.Thread(target=ask, args=(w,)) for w in range(2)]
     for thread in threads:
         thread.start()
+    stream = DocumentStream(url, pause_s=0.1).start()  # a stream, not a flood
+    acknowledged = stream.acknowledged
     try:
         while len(acknowledged) < 5 or len(answers) < 6:
             time.sleep(0.1)
@@ -162,27 +159,17 @@ def drive(args: dict) -> dict:
             time.sleep(0.2)
         # then the writer (the ingress, wherever Serve placed it) killed under the writes: Serve starts it
         # again, it cuts a record cut short off its log, and the writes go on
-        ingress = next(a for a in ray.util.list_named_actors(all_namespaces=True) if f"{APP}#ingress#" in a["name"])
         writer_killed_at = len(acknowledged)
-        ray.kill(ray.get_actor(ingress["name"], namespace=ingress["namespace"]), no_restart=True)
-        while time.monotonic() - settle < 240 and len(acknowledged) < writer_killed_at + 5:
-            time.sleep(0.2)
+        kill_replica("ingress")
+        stream.wait_for(writer_killed_at + 5, 240 - (time.monotonic() - settle))
     finally:
         stop.set()
         for thread in threads:
             thread.join(120)
-    stuck = sum(thread.is_alive() for thread in threads)
-    missing = [d for d in acknowledged if httpx.get(f"{url}/v1/documents/{d}", timeout=30).status_code != 200]
-    last = acknowledged[-1]
-    found_last = []
-    for n in range(6):  # through both replicas (keys spread)
-        response = httpx.post(
-            f"{url}/v1/rag/query",
-            json={"query": f"stream note {last.split('-')[1]} " * 8, "pipeline": "naive", "max_tokens": 2},
-            headers={"X-Routing-Key": f"after-{n}"},
-            timeout=60,
-        )
-        found_last.append(response.status_code == 200 and last in [d["doc_id"] for d in response.json()["documents"]])
+        stream_ended = stream.stop()
+    stuck = sum(thread.is_alive() for thread in threads) + (not stream_ended)
+    missing = stream.missing()
+    found_last = stream.last_found([f"after-{n}" for n in range(6)])  # through both replicas (keys spread)
     serve.shutdown()
     ray.shutdown()
     return {
@@ -205,33 +192,13 @@ def after_restart(args: dict) -> dict:
     """The driver's part once the whole cluster was killed and started again: the applications
     deployed anew over the same volume; which acknowledged writes are missing, and whether a
     search through each replica finds the last one."""
-    import httpx
     import ray
     from ray import serve
 
-    from telerag.retrieval.tier import deploy_tier
-    from telerag.server.ray_serve.applications import deploy_inference, tier_shape
-    from telerag.server.settings import Settings
-
-    settings = Settings.model_validate(args["settings"])
-    ray.init(address=args["address"], _node_ip_address=args["ip"], log_to_driver=False, configure_logging=False)
-    url = f"http://{args['ip']}:{args['port']}"
-    serve.start(http_options={"host": args["ip"], "port": args["port"]}, proxy_location="HeadOnly")
-    deploy_tier(settings.retrieval.datastore, tier_shape(settings))
-    deploy_inference(settings)
-    wait_ready(url, 240)
-    acknowledged = args["acknowledged"]
-    missing = [d for d in acknowledged if httpx.get(f"{url}/v1/documents/{d}", timeout=30).status_code != 200]
-    last = acknowledged[-1]
-    found_last = []
-    for n in range(6):
-        response = httpx.post(
-            f"{url}/v1/rag/query",
-            json={"query": f"stream note {last.split('-')[1]} " * 8, "pipeline": "naive", "max_tokens": 2},
-            headers={"X-Routing-Key": f"restart-{n}"},
-            timeout=60,
-        )
-        found_last.append(response.status_code == 200 and last in [d["doc_id"] for d in response.json()["documents"]])
+    _, url = serve_applications(args)
+    stream = DocumentStream(url)
+    stream.acknowledged.extend(args["acknowledged"])
+    missing, found_last = stream.missing(), stream.last_found([f"restart-{n}" for n in range(6)])
     serve.shutdown()
     ray.shutdown()
     return {"missing": missing, "found_last": found_last}
@@ -254,32 +221,17 @@ def wait_ready(url: str, timeout_s: float) -> None:
 
 @pytest.fixture
 def cluster(tmp_path):
-    reason = unavailable()
-    if reason:
-        pytest.skip(reason)
-    with NetnsCluster(workers=2, cpus=2, logs_to=tmp_path / "ray-logs") as running:
+    with cluster_for_test(tmp_path / "ray-logs", cpus=2) as running:
         yield running
 
 
 def test_a_node_killed_under_queries_and_writes_then_the_whole_cluster_loses_no_acknowledged_write(cluster, tmp_path):
-    from telerag.server.settings import Settings
-    from tests.serving import save_tiny_lm
-    from tests.test_cluster import build_topic_datastore
-    from tests.tiny_models import tiny_embedder_dir
+    from tests.test_cluster import tiny_cluster_settings
 
-    embedder = tiny_embedder_dir(32, 0)
-    settings = Settings(
-        engine={"model_path": save_tiny_lm(tmp_path / "lm"), "device": "cpu", "prefix_cache_mb": 0},
-        retrieval={
-            "datastore": build_topic_datastore(tmp_path / "ds", embedder),
-            "embedder": embedder,
-            "device": "cpu",
-            "embedder_device": "cpu",
-            "build_if_missing": False,
-            "nprobe": 6,
-        },
-        scheduler={"max_concurrency": 2, "max_queue": 4, "admission_deadline_s": None, "request_timeout_s": 60},
-        server={"warm_up": False, "calibration_dir": None},
+    settings = tiny_cluster_settings(
+        tmp_path,
+        retrieval={"nprobe": 6},
+        scheduler={"max_concurrency": 2, "max_queue": 4},
         cluster={"replicas": 2, "shards": 2, "shard_replicas": 2, "replica_cpus": 0.5, "shard_cpus": 0.5, "attempts": 3},
     )
     args = {
@@ -290,10 +242,7 @@ def test_a_node_killed_under_queries_and_writes_then_the_whole_cluster_loses_no_
         "namespaces": {node.ip: node.namespace for node in cluster.nodes},
         "recover_s": 150,
     }
-    done = cluster.python(["-m", "tests.test_node_faults", json.dumps(args)], timeout_s=560)
-    lines = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
-    assert lines, f"the driver printed no {MARK.strip()} line:\n{done.stdout[-4000:]}"
-    found = json.loads(lines[-1].removeprefix(MARK))
+    found = driver_findings(cluster.python(["-m", "tests.test_node_faults", json.dumps(args)], timeout_s=560).stdout, MARK)
     answers = found["answers"]
     keys = ("victim", "killed_processes", "recovered_s", "acknowledged", "acknowledged_before_kill", "stuck_threads")
     summary = {key: found[key] for key in keys}
@@ -329,10 +278,7 @@ def test_a_node_killed_under_queries_and_writes_then_the_whole_cluster_loses_no_
     # comes back at its last acknowledged write
     cluster.restart_ray()
     again = {**args, "acknowledged": found["acknowledged_ids"]}
-    done = cluster.python(["-m", "tests.test_node_faults", json.dumps(again)], timeout_s=400)
-    lines = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
-    assert lines, f"the driver printed no {MARK.strip()} line after the restart:\n{done.stdout[-4000:]}"
-    restarted = json.loads(lines[-1].removeprefix(MARK))
+    restarted = driver_findings(cluster.python(["-m", "tests.test_node_faults", json.dumps(again)], timeout_s=400).stdout, MARK)
     assert restarted["missing"] == [] and all(restarted["found_last"]), restarted
 
 
