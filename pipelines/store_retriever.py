@@ -32,7 +32,7 @@ from telerag.pipelines.types import (
     TextEmbeddings,
     query_texts,
 )
-from telerag.pipelines.vector_store_index import StoreEncoder, StoreView
+from telerag.pipelines.vector_store_index import StoreResources, StoreView
 from telerag.retrieval.snapshot import Snapshot
 from telerag.retrieval.stats import PrefetchStats
 
@@ -44,8 +44,8 @@ class StoresRetriever:
     """The `Retriever` of one request over `views` (`VectorStores.views`); a passage scoring under
     `score_threshold` is left out of what a search returns."""
 
-    def __init__(self, views: Sequence[StoreView], encoder: StoreEncoder, score_threshold: float | None = None) -> None:
-        self.views, self.encoder, self.score_threshold = tuple(views), encoder, score_threshold
+    def __init__(self, views: Sequence[StoreView], resources: StoreResources, score_threshold: float | None = None) -> None:
+        self.views, self.resources, self.score_threshold = tuple(views), resources, score_threshold
         self.searched: list[str] = []  # every query the request's searches asked, in order
         self._prefetched: dict[int, dict[str, PrefetchHandle]] = {}  # id of a ticket -> each store's part of it
 
@@ -54,7 +54,7 @@ class StoresRetriever:
         server's budget for `overlap_ms` split evenly among the stores."""
         ticket = PrefetchTicket(list(queries))
         stores = [view for view in self.views if view.snapshot is not None]
-        budget = self.encoder.budget_bytes(overlap_ms) // max(len(stores), 1) if enabled else 0
+        budget = self.resources.budget_bytes(overlap_ms) // max(len(stores), 1) if enabled else 0
         if budget <= 0 or not queries or not stores:
             return ticket
         handles, embed_ms = await asyncio.to_thread(self._prefetch, list(queries), stores, budget)
@@ -88,9 +88,9 @@ class StoresRetriever:
 
     async def embed(self, texts: Sequence[str]) -> TextEmbeddings:
         def work() -> TextEmbeddings:
-            with self.encoder.priority.query():
-                vectors = np.asarray(self.encoder.embedder.encode(list(texts)), dtype=np.float32)
-            return TextEmbeddings(vectors, self.encoder.embedder.count_tokens(texts))
+            with self.resources.priority.query():
+                vectors = np.asarray(self.resources.embedder.encode(list(texts)), dtype=np.float32)
+            return TextEmbeddings(vectors, self.resources.embedder.count_tokens(texts))
 
         return await asyncio.to_thread(work)
 
@@ -103,16 +103,16 @@ class StoresRetriever:
 
     def _prefetch(self, queries: list[str], stores: list[StoreView], budget: int) -> tuple[dict[str, PrefetchHandle], float]:
         started = time.perf_counter()
-        with self.encoder.priority.query():
-            vectors = np.asarray(self.encoder.embedder.encode(queries), dtype=np.float32)
+        with self.resources.priority.query():
+            vectors = np.asarray(self.resources.embedder.encode(queries), dtype=np.float32)
         embed_ms = (time.perf_counter() - started) * 1e3
         handles = {view.store_id: handle for view in stores if (handle := view.prefetch(vectors, budget)) is not None}
         return handles, embed_ms
 
     def _search(self, queries: list[SearchQuery], k: int, prefetched: Mapping[str, PrefetchHandle]) -> SearchOutcome:
         started = time.perf_counter()
-        with self.encoder.priority.query():
-            vectors = [self.encoder.query(query_texts(query)) for query in queries]
+        with self.resources.priority.query():
+            vectors = [self.resources.query(query_texts(query)) for query in queries]
         embedded = time.perf_counter()
         documents = [self.merged(vector, k, prefetched) for vector in vectors]
         embed_ms, cpu_ms = (embedded - started) * 1e3, (time.perf_counter() - embedded) * 1e3

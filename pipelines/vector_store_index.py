@@ -11,7 +11,7 @@ Each store's engine is on the server's device, its cluster cache on the server's
 buffer: a cached list is a (store, list) pair, weighed against the server's datastore's lists and
 every other store's on one clock, and a request's lookahead over stores copies their lists as it
 does the server's (`StoresRetriever.prefetch`). Passages are embedded by the server's embedder
-below its queries' priority (`StoreEncoder`), and a store's query at the queries' priority.
+below its queries' priority (`StoreResources`), and a store's query at the queries' priority.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ COUNT_WORDS = 32  # words per piece when the embedder's tokens per word are coun
 
 
 @dataclass(frozen=True)
-class StoreEncoder:
-    """The server's embedder and device as the vector stores use them: `embed_passages` below its
+class StoreResources:
+    """What the server lends its vector stores: its embedder, `embed_passages` below its
     queries' priority (a server's: `DirectRetriever.embed_passages`), a store's query at it
     (`priority`), `shape` the server's passage rule (`auto` chunking); the stores' engines on
     `device` with their lists in `cache` (the server's cluster cache buffer), and what one
@@ -61,7 +61,7 @@ class StoreEncoder:
     budget_bytes: Callable[[float | None], int] = lambda overlap_ms: 0
 
     @classmethod
-    def of(cls, retriever: DirectRetriever) -> StoreEncoder:
+    def of(cls, retriever: DirectRetriever) -> StoreResources:
         engine = retriever.engine
         return cls(
             retriever.embedder,
@@ -113,8 +113,8 @@ class StoreIndex:
     writer, rebuilds and retriever over it. Writes and deletes are one at a time; searches read
     snapshots beside them, and `close` waits for those under way."""
 
-    def __init__(self, root: Path, encoder: StoreEncoder, *, trained_on: int, compact_share: float | None) -> None:
-        self.root, self.encoder, self.compact_share = root, encoder, compact_share
+    def __init__(self, root: Path, resources: StoreResources, *, trained_on: int, compact_share: float | None) -> None:
+        self.root, self.resources, self.compact_share = root, resources, compact_share
         self.trained_on = trained_on
         self._changing = threading.Lock()  # writes, deletes, close
         self._readers = threading.Condition()  # searches under way, and whether it is closed
@@ -128,12 +128,12 @@ class StoreIndex:
     def _open(self) -> None:
         from telerag.pipelines.datastores import open_retriever  # torch, by now loaded by the server
 
-        embedder = self.encoder.embedder
+        embedder = self.resources.embedder
         datastore = Datastore.load(self.root, embedder=embedder.name, dim=embedder.dim, progress=False)  # checked, no bar
-        encoder = self.encoder
-        retriever = open_retriever(datastore, embedder, device=encoder.device, cache_buffer=encoder.cache, writable=True)
+        resources = self.resources
+        retriever = open_retriever(datastore, embedder, device=resources.device, cache_buffer=resources.cache, writable=True)
         self._rebuilds = Rebuilds(retriever.live, compact_share=self.compact_share)
-        self._writer = DocumentWriter(retriever.live, self.encoder.embed_passages, on_written=self._rebuilds.after_writes)
+        self._writer = DocumentWriter(retriever.live, self.resources.embed_passages, on_written=self._rebuilds.after_writes)
         self._retriever = retriever
 
     def write(
@@ -145,10 +145,10 @@ class StoreIndex:
         with self._changing:
             if self._closed or not wanted():
                 return None
-            shape = self.encoder.passage_shape(chunking, text)
+            shape = self.resources.passage_shape(chunking, text)
             document = DocumentText(file_id, text, title, shape=shape)
             if self._writer is None:
-                self._build(document, shape or self.encoder.shape)
+                self._build(document, shape or self.resources.shape)
             else:
                 self._writer.write_now([document])
                 self._retrain_if_grown()
@@ -160,11 +160,11 @@ class StoreIndex:
         passages = list(shape.split([Article(document.doc_id, document.shown_title, document.text)]))
         build_datastore(
             passages,
-            self.encoder.embed_passages,
-            embedder=self.encoder.embedder.name,
+            self.resources.embed_passages,
+            embedder=self.resources.embedder.name,
             out_dir=self.root,
             nlist=default_nlist(len(passages)),
-            shape=self.encoder.shape,
+            shape=self.resources.shape,
             content_hashes={document.doc_id: document.content_hash},
             progress=False,
         )
@@ -180,7 +180,7 @@ class StoreIndex:
 
     def _usage(self, file_id: str) -> int:
         passages = self._passages(file_id)
-        return sum(len(p.text.encode("utf-8")) for p in passages) + len(passages) * self.encoder.embedder.dim * 4
+        return sum(len(p.text.encode("utf-8")) for p in passages) + len(passages) * self.resources.embedder.dim * 4
 
     def _passages(self, file_id: str) -> list[Passage]:
         if self._retriever is None:

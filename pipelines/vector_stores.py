@@ -41,7 +41,7 @@ from telerag.pipelines.errors import (
 )
 from telerag.pipelines.file_store import FileStore
 from telerag.pipelines.files import convert
-from telerag.pipelines.vector_store_index import StoreEncoder, StoreIndex, StoreView
+from telerag.pipelines.vector_store_index import StoreIndex, StoreResources, StoreView
 from telerag.pipelines.vector_store_records import (
     Attach,
     Attributes,
@@ -78,17 +78,17 @@ class VectorStores:
         self._stores: dict[str, StoreRecord] = {}
         self._indexes_lock = threading.Lock()  # opening a store's index
         self._indexes: dict[str, StoreIndex] = {}
-        self._encoder: StoreEncoder | None = None
+        self._resources: StoreResources | None = None
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._worker: threading.Thread | None = None
 
     # -- serving ----------------------------------------------------------------------------------
 
-    def serve(self, encoder: StoreEncoder | None) -> None:
-        """Serve the stores with `encoder` (None: this deployment embeds nothing in process, and
+    def serve(self, resources: StoreResources | None) -> None:
+        """Serve the stores with `resources` (None: this deployment embeds nothing in process, and
         every call is refused): read their descriptions, remove what a build or a deletion cut
         short left, and process again the files that were in progress."""
-        if encoder is None:
+        if resources is None:
             return
         self._stores = open_records(self.root)
         left = [
@@ -99,14 +99,14 @@ class VectorStores:
         ]
         for job in sorted(left, key=lambda job: job.attached_ns):
             self._jobs.put(job)
-        self._encoder = encoder
+        self._resources = resources
         self._worker = threading.Thread(target=self._work, name="telerag-vector-stores", daemon=True)
         self._worker.start()
 
-    def _served(self) -> StoreEncoder:
-        if self._encoder is None:
+    def _served(self) -> StoreResources:
+        if self._resources is None:
             raise VectorStoresUnavailable("this deployment serves no vector stores (a Ray cluster's inference replicas)")
-        return self._encoder
+        return self._resources
 
     def close(self) -> None:
         """Stop once the file being processed is done; let go of every store's datastore."""
@@ -252,7 +252,7 @@ class VectorStores:
     # -- search -----------------------------------------------------------------------------------
 
     @property
-    def encoder(self) -> StoreEncoder:
+    def resources(self) -> StoreResources:
         """The server's embedder, as the stores use it (501 where none is served)."""
         return self._served()
 
@@ -285,8 +285,8 @@ class VectorStores:
         default nprobe, over the files whose attributes `where` holds for (all: None); those under
         `score_threshold` left out. In a worker thread: it embeds."""
         (view,) = self.views([store_id], owner, where)
-        with self.encoder.priority.query():
-            hits = view.search(self.encoder.query(queries), k)
+        with self.resources.priority.query():
+            hits = view.search(self.resources.query(queries), k)
         return [
             StoreHit(hit.file_id, stored.filename, hit.score, stored.attributes, hit.text)
             for hit in hits
@@ -337,7 +337,7 @@ class VectorStores:
 
     def _index(self, store_id: str) -> StoreIndex:
         """The store's index, opened at its first use."""
-        encoder = self._served()
+        resources = self._served()
         with self._indexes_lock:
             index = self._indexes.get(store_id)
             if index is None:
@@ -345,7 +345,9 @@ class VectorStores:
                     record = self._stores.get(store_id)
                 if record is None:
                     raise VectorStoreNotFound(f"no vector store {store_id!r}")
-                index = StoreIndex(self.root / store_id, encoder, trained_on=record.trained_on, compact_share=self.compact_share)
+                index = StoreIndex(
+                    self.root / store_id, resources, trained_on=record.trained_on, compact_share=self.compact_share
+                )
                 self._indexes[store_id] = index
             return index
 

@@ -11,7 +11,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from telerag.pipelines.file_store import FileStore
 from telerag.pipelines.registry import PIPELINES
-from telerag.pipelines.vector_store_index import StoreEncoder
+from telerag.pipelines.vector_store_index import StoreResources
 from telerag.pipelines.vector_stores import VectorStores
 from telerag.retrieval.stats import CacheStats
 from telerag.server import errors
@@ -128,7 +128,7 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
 class EmbedsInProcess(Protocol):
     """A runtime whose embedder runs in this process (`runtime.Runtime`), which the vector stores use."""
 
-    store_encoder: StoreEncoder | None
+    store_resources: StoreResources | None
 
 
 def start_serving(app: FastAPI, runtime: ServedRuntime) -> Service:
@@ -140,7 +140,7 @@ def publish(app: FastAPI, service: Service) -> Service:
     """Serve `/v1/*` from `service` (made with `app.state.metrics`): `/ready` turns 200. The vector
     stores are served with its runtime's embedder, where it runs in this process."""
     runtime = service.runtime
-    app.state.vector_stores.serve(runtime.store_encoder if isinstance(runtime, EmbedsInProcess) else None)
+    app.state.vector_stores.serve(runtime.store_resources if isinstance(runtime, EmbedsInProcess) else None)
     app.state.service = service
     app.state.lifecycle.ready()
     return service

@@ -32,7 +32,7 @@ from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.retriever import DirectRetriever, TextEncoder
 from telerag.pipelines.search_budget import SearchBudget
 from telerag.pipelines.types import BatchRetriever, DatastoreInfo, Retriever, TextEmbeddings
-from telerag.pipelines.vector_store_index import StoreEncoder
+from telerag.pipelines.vector_store_index import StoreResources
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.errors import DeviceUnavailable
 from telerag.retrieval.ivf import ListSearch
@@ -59,7 +59,7 @@ class Runtime:
     documents: DocumentWriter | None = None  # what writes documents into the datastore (None: no live datastore)
     rebuilds: Rebuilds | None = None  # what compacts and retrains it
     ingestion: Ingestion | None = None  # the rest of its corpus, written while it serves (None: nothing left to write)
-    store_encoder: StoreEncoder | None = None  # the embedder as the vector stores use it (None: they are not served)
+    store_resources: StoreResources | None = None  # what the vector stores use of the server (None: they are not served)
 
     def pipelines(self, retriever: Retriever, names: Sequence[str] | None = None) -> dict[str, RagPipeline]:
         """The pipelines over this engine and `retriever`, each starting from its expected
@@ -306,7 +306,7 @@ async def load_runtime(
         documents=documents,
         rebuilds=rebuilds,
         ingestion=ingestion,
-        store_encoder=StoreEncoder.of(retriever),
+        store_resources=StoreResources.of(retriever),
     )
     rebuilds.on_done = lambda _: setattr(runtime, "datastore_info", retriever.datastore_info())  # a retrain's nlist
     return runtime

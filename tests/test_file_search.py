@@ -136,7 +136,7 @@ def test_a_search_over_several_stores_is_the_merge_of_each_stores_faiss_search(t
     faiss's top k of each store at its nprobe."""
     rng = random.Random(seed)
     vocabulary = [f"w{i}" for i in range(200)]
-    with served_stores(tmp_path, cache_rows=300) as (files, stores, store_encoder):
+    with served_stores(tmp_path, cache_rows=300) as (files, stores, store_resources):
         ids = []
         for n, sizes in enumerate([[800, 40], [30, 20], [60]]):
             store = stores.create(None, name=f"s{n}", metadata={})
@@ -146,16 +146,16 @@ def test_a_search_over_several_stores_is_the_merge_of_each_stores_faiss_search(t
                 stores.attach(store.id, None, Attach(files.add(text.encode(), f"f{n}{m}.txt", "assistants", None).id, {"m": m}))
         while any(stores.get(i, None).in_progress for i in ids):
             time.sleep(0.01)
-        references = [faiss_reference(tmp_path / "stores" / i, store_encoder.embedder) for i in ids]
+        references = [faiss_reference(tmp_path / "stores" / i, store_resources.embedder) for i in ids]
         assert references[0][0].nprobe < references[0][0].nlist
         for _ in range(8):
             k = rng.randint(1, 12)
             only_first = rng.random() < 0.5
             query = " ".join(rng.choice(vocabulary) for _ in range(rng.randint(1, 6)))
             where = Comparison("eq", "m", 0.0) if only_first else None
-            retriever = StoresRetriever(stores.views(ids, None, where), store_encoder)
-            with store_encoder.priority.query():
-                vector = store_encoder.query([query])
+            retriever = StoresRetriever(stores.views(ids, None, where), store_resources)
+            with store_resources.priority.query():
+                vector = store_resources.query([query])
             if rng.random() < 0.5:
                 q_in = " ".join(rng.choice(vocabulary) for _ in range(3))  # what a lookahead guessed, right or not
                 ticket = asyncio.run(retriever.prefetch([q_in]))
@@ -184,7 +184,7 @@ def test_a_search_over_several_stores_is_the_merge_of_each_stores_faiss_search(t
                 np.asarray([e[0] for e in expected], dtype=np.float32),
             ), (query, k, where)
             assert len(got) == len(expected)  # never short
-        cache = store_encoder.cache
+        cache = store_resources.cache
         assert cache is not None and cache.stats().copies > 0 and cache.stats().pinned_clusters == 0
         assert len(cache.caches) == 3  # each store's lists, in the one buffer
         cache.check_invariants()

@@ -19,7 +19,7 @@ import pytest
 from telerag.pipelines.datastores import open_retriever
 from telerag.pipelines.documents import DocumentWriter
 from telerag.pipelines.rebuilds import Rebuilds
-from telerag.pipelines.vector_store_index import StoreEncoder
+from telerag.pipelines.vector_store_index import StoreResources
 from telerag.server.app import create_app, start_serving
 from telerag.server.runtime import Runtime
 from telerag.server.settings import Settings
@@ -60,7 +60,7 @@ def served(tmp_path) -> Iterator[str]:
         closers=[documents.close, rebuilds.join, retriever.close],
         documents=documents,
         rebuilds=rebuilds,
-        store_encoder=StoreEncoder.of(retriever),
+        store_resources=StoreResources.of(retriever),
     )
     app = create_app(settings)
     start_serving(app, runtime)

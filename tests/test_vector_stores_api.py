@@ -24,7 +24,7 @@ import torch
 from telerag.pipelines.attribute_filters import Comparison
 from telerag.pipelines.file_store import FileStore
 from telerag.pipelines.retriever import EmbeddingPriority
-from telerag.pipelines.vector_store_index import StoreEncoder
+from telerag.pipelines.vector_store_index import StoreResources
 from telerag.pipelines.vector_store_records import Attach, FileStatus, StoreFile, StoreRecord
 from telerag.pipelines.vector_stores import VectorStores
 from telerag.retrieval.builder import default_nlist
@@ -47,10 +47,10 @@ PDF = make_pdf([[ORCHARD]], title="Orchard concerts")
 WORDS = 12  # the passage rule of these tests' server: 12 words a passage
 
 
-def encoder(words: int = WORDS) -> StoreEncoder:
+def encoder(words: int = WORDS) -> StoreResources:
     """The bag-of-words embedder as a server's: its tokens are words."""
     embedder = HashEmbedder()
-    return StoreEncoder(embedder, PassageShape(words), embedder.encode, EmbeddingPriority())
+    return StoreResources(embedder, PassageShape(words), embedder.encode, EmbeddingPriority())
 
 
 class Gate:
@@ -69,7 +69,7 @@ class Gate:
 
 @contextlib.contextmanager
 def stores_app(
-    tmp_path, store_encoder: StoreEncoder | None = None, scripted: ScriptedEngine | None = None, **sections
+    tmp_path, store_resources: StoreResources | None = None, scripted: ScriptedEngine | None = None, **sections
 ) -> Iterator[httpx.AsyncClient]:
     """The app on fakes (a scripted engine, `scripted` if given, and a recording retriever) with
     vector stores served by the bag-of-words embedder; its stores let go of when the client is
@@ -81,7 +81,7 @@ def stores_app(
         engine=scripted or ScriptedEngine(lambda prompt: Reply("an answer")),
         retriever=RecordingRetriever(),
         datastore_info=DATASTORE_INFO,
-        store_encoder=store_encoder or encoder(),
+        store_resources=store_resources or encoder(),
     )
     app = create_app(configured)
     start_serving(app, runtime)
@@ -238,7 +238,7 @@ async def test_a_file_without_text_fails_saying_why(tmp_path):
 async def test_a_file_detached_or_cancelled_while_it_is_written_leaves_no_passage(tmp_path):
     gate = Gate()
     texts = {name: f"{name} " * 5 + HARBOUR for name in ("alpha", "beta", "gamma", "delta")}
-    with stores_app(tmp_path, StoreEncoder(gate.embedder, PassageShape(WORDS), gate, EmbeddingPriority())) as http:
+    with stores_app(tmp_path, StoreResources(gate.embedder, PassageShape(WORDS), gate, EmbeddingPriority())) as http:
         client = keyed(http)
         store = await client.vector_stores.create(name="racing")
         uploaded = {
@@ -472,19 +472,19 @@ def test_a_file_in_progress_when_the_server_stopped_is_processed_at_the_next_sta
 
 
 @contextlib.contextmanager
-def served_stores(tmp_path, cache_rows: int = 0) -> Iterator[tuple[FileStore, VectorStores, StoreEncoder]]:
+def served_stores(tmp_path, cache_rows: int = 0) -> Iterator[tuple[FileStore, VectorStores, StoreResources]]:
     """A file store and vector stores under `tmp_path`, served by the bag-of-words embedder with
     passages of 6 words, their lists in a cluster cache buffer of `cache_rows` rows (in host
     memory: the same code as on a GPU) that any prefetch may fill; the stores let go of at the end."""
     files = FileStore(tmp_path / "files", max_bytes=1 << 24, max_bytes_per_owner=1 << 26)
     stores = VectorStores(tmp_path / "stores", files, max_stores=10, max_bytes=1 << 26)
-    store_encoder = encoder(words=6)
+    store_resources = encoder(words=6)
     if cache_rows:
-        cache = CacheBuffer(cache_rows, store_encoder.embedder.dim, torch.float32, torch.device("cpu"))
-        store_encoder = dataclasses.replace(store_encoder, cache=cache, budget_bytes=lambda overlap_ms: cache.capacity_bytes)
-    stores.serve(store_encoder)
+        cache = CacheBuffer(cache_rows, store_resources.embedder.dim, torch.float32, torch.device("cpu"))
+        store_resources = dataclasses.replace(store_resources, cache=cache, budget_bytes=lambda overlap_ms: cache.capacity_bytes)
+    stores.serve(store_resources)
     try:
-        yield files, stores, store_encoder
+        yield files, stores, store_resources
     finally:
         stores.close()
 
@@ -515,7 +515,7 @@ def test_a_search_equals_faiss_over_the_same_passages_at_the_same_nprobe(tmp_pat
     passages)."""
     rng = random.Random(seed)
     vocabulary = [f"w{i}" for i in range(300)]
-    with served_stores(tmp_path) as (files, stores, store_encoder):
+    with served_stores(tmp_path) as (files, stores, store_resources):
         store = stores.create(None, name="random", metadata={})
         sizes = [rng.randint(700, 900), *(rng.randint(20, 120) for _ in range(3))]
         ids = []
@@ -530,7 +530,7 @@ def test_a_search_equals_faiss_over_the_same_passages_at_the_same_nprobe(tmp_pat
             time.sleep(0.01)
         assert stores.get(store.id, None).counts.completed == len(sizes)
         stores.detach(store.id, None, ids[rng.randrange(1, len(ids))])
-        reference, passages = faiss_reference(tmp_path / "stores" / store.id, store_encoder.embedder)
+        reference, passages = faiss_reference(tmp_path / "stores" / store.id, store_resources.embedder)
         by_passage = {passage: i for i, passage in passages.items()}
         assert reference.nprobe < reference.nlist
         for _ in range(10):
@@ -541,7 +541,7 @@ def test_a_search_equals_faiss_over_the_same_passages_at_the_same_nprobe(tmp_pat
             selected = {i for i, (file_id, _) in passages.items() if where is None or ids.index(file_id) in kept}
             params = faiss.SearchParametersIVF(nprobe=reference.nprobe, sel=faiss.IDSelectorBatch(np.asarray(sorted(selected))))
             hits = stores.search(store.id, None, [query], 10, where=where)
-            scores, found = reference.search(store_encoder.embedder.encode([query]), 10, params=params)
+            scores, found = reference.search(store_resources.embedder.encode([query]), 10, params=params)
             got = np.asarray([by_passage.get((h.file_id, h.text), -2) for h in hits], dtype=np.int64)
             got_scores = np.asarray([h.score for h in hits], dtype=np.float32)
             assert same_results(got, got_scores, found[0][: len(hits)], scores[0][: len(hits)]), (query, where)
@@ -553,7 +553,7 @@ def test_a_stores_lists_follow_its_size(tmp_path):
     passages its lists were trained on; its searches equal faiss's throughout."""
     rng = random.Random(7)
     vocabulary = [f"w{i}" for i in range(300)]
-    with served_stores(tmp_path) as (files, stores, store_encoder):
+    with served_stores(tmp_path) as (files, stores, store_resources):
         store = stores.create(None, name="growing", metadata={})
         shapes = []
         for n, size in enumerate([10, 20, 10, 800]):  # 10 passages; 30 (< 40); 40 (4x 10: retrained); 840 (> 160: retrained)
@@ -561,12 +561,12 @@ def test_a_stores_lists_follow_its_size(tmp_path):
             stores.attach(store.id, None, Attach(files.add(text.encode(), f"f{n}.txt", "assistants", None).id, {}))
             while stores.get(store.id, None).in_progress:
                 time.sleep(0.01)
-            reference, passages = faiss_reference(tmp_path / "stores" / store.id, store_encoder.embedder)
+            reference, passages = faiss_reference(tmp_path / "stores" / store.id, store_resources.embedder)
             shapes.append((stores.get(store.id, None).trained_on, reference.nlist))
             by_passage = {passage: i for i, passage in passages.items()}
             query = " ".join(rng.choice(vocabulary) for _ in range(4))
             hits = stores.search(store.id, None, [query], 5)
-            scores, found = reference.search(store_encoder.embedder.encode([query]), 5)
+            scores, found = reference.search(store_resources.embedder.encode([query]), 5)
             got = np.asarray([by_passage[(h.file_id, h.text)] for h in hits], dtype=np.int64)
             assert same_results(got, np.asarray([h.score for h in hits], dtype=np.float32), found[0], scores[0])
         assert shapes == [(10, 1), (10, 1), (40, 1), (840, default_nlist(840))] and default_nlist(840) == 21

@@ -19,4 +19,4 @@ async def stores_retriever(request: Request, tool: FileSearchTool, client: str |
     where = None if tool.filters is None else tool.filters.to_filter()
     views = await asyncio.to_thread(stores.views, tool.vector_store_ids, client, where)
     threshold = tool.ranking_options.score_threshold if tool.ranking_options is not None else None
-    return StoresRetriever(views, stores.encoder, threshold)
+    return StoresRetriever(views, stores.resources, threshold)
