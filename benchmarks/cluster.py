@@ -91,6 +91,7 @@ class ClusterRow:
     router: str
     replicas: int
     shards: int
+    nodes: int  # the Ray nodes this run's replicas (inference and shards) ran on
     batch: int
     requests: int
     latency_ms_p50: float
@@ -130,6 +131,7 @@ class ClusterReport:
     cache_mb: float  # each replica's cluster cache (the one-process server's too)
     prefetch_budget_mb: float | None
     one_process_latency_ms_p50: float  # the same questions one at a time through the one-process server
+    nodes: int = 1  # the Ray cluster's, alive at the start
     rows: list[ClusterRow] = field(default_factory=list)
     writes: list[ClusterWriteRow] = field(default_factory=list)
 
@@ -280,6 +282,7 @@ def run_cluster_bench(
     if started_ray:
         start_ray(settings, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": settings.server.port})
+    report.nodes = sum(node["Alive"] for node in ray.nodes())
     base = f"http://127.0.0.1:{settings.server.port}"
     cluster = settings.cluster
     try:
@@ -299,6 +302,7 @@ def run_cluster_bench(
                         router=router,
                         replicas=cluster.replicas,
                         shards=cluster.shards,
+                        nodes=len({place.ip for place in replica_places()}),
                         batch=batch,
                         requests=len(answers),
                         latency_ms_p50=float(np.percentile(latencies, 50)),
@@ -332,6 +336,43 @@ def _on_a_copy(settings: Settings) -> tuple[Settings, Path]:
     copied = Path(tempfile.mkdtemp(prefix="telerag-bench-cluster-"))
     copy = copy_datastore(settings.retrieval.datastore.expanduser(), copied)
     return settings.model_copy(update={"retrieval": settings.retrieval.model_copy(update={"datastore": copy})}), copied
+
+
+@dataclass(frozen=True)
+class ReplicaPlace:
+    app: str
+    deployment: str
+    ip: str  # its node's address
+
+
+def replica_places(apps: Sequence[str] | None = None) -> list[ReplicaPlace]:
+    """Where each Serve replica of `apps` (default: the bench's two applications) runs, as the
+    replica itself answers (Serve's status counts replicas but does not place them); one that does
+    not answer within 30 s (on a node just lost) is left out."""
+    import ray
+
+    from telerag.retrieval.tier import APP as TIER_APP
+    from telerag.server.ray_serve.applications import APP
+
+    def address(_replica: object) -> str:
+        import ray  # in the replica's process
+
+        return str(ray.util.get_node_ip_address())
+
+    places: list[ReplicaPlace] = []
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        name = actor["name"]  # SERVE_REPLICA::<app>#<deployment>#<id>
+        if not name.startswith("SERVE_REPLICA::") or name.count("#") != 2:
+            continue
+        app, deployment, _ = name.removeprefix("SERVE_REPLICA::").split("#")
+        if app not in (apps or (APP, TIER_APP)):
+            continue
+        try:
+            replica = ray.get_actor(name, namespace=actor["namespace"])
+            places.append(ReplicaPlace(app, deployment, str(ray.get(replica.__ray_call__.remote(address), timeout=30))))
+        except Exception:  # noqa: BLE001 - gone, or on a node just lost
+            continue
+    return places
 
 
 def _delete_applications() -> None:
@@ -417,15 +458,15 @@ def format_table(report: ClusterReport) -> str:
         f"{report.datastore}, pipeline {report.pipeline}: {report.requests} requests ({report.questions} distinct questions); "
         f"each replica's cluster cache {report.cache_mb:g} MB, prefetch budget "
         f"{'B x t_LLM' if report.prefetch_budget_mb is None else f'{report.prefetch_budget_mb:g} MB'}; "
-        f"one-process server p50 {report.one_process_latency_ms_p50:.0f} ms one at a time",
-        f"{'router':<8}{'replicas':>9}{'shards':>7}{'batch':>6}{'requests':>9}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>7}"
+        f"one-process server p50 {report.one_process_latency_ms_p50:.0f} ms one at a time; Ray nodes {report.nodes}",
+        f"{'router':<8}{'replicas':>9}{'shards':>7}{'nodes':>6}{'batch':>6}{'requests':>9}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>7}"
         f"{'hit rate':>9}{'MB copied':>10}{'same docs':>10}{'remote_overhead':>16}{'429s':>6}",
     ]
     for row in report.rows:
         hit = "-" if row.cache_hit_rate is None else f"{row.cache_hit_rate:.3f}"
         overhead = "-" if row.remote_overhead is None else f"{row.remote_overhead:.2f}"
         lines.append(
-            f"{row.router:<8}{row.replicas:>9}{row.shards:>7}{row.batch:>6}{row.requests:>9}{row.latency_ms_p50:>9.0f}"
+            f"{row.router:<8}{row.replicas:>9}{row.shards:>7}{row.nodes:>6}{row.batch:>6}{row.requests:>9}{row.latency_ms_p50:>9.0f}"
             f"{row.latency_ms_p99:>9.0f}{row.throughput_rps:>7.2f}{hit:>9}{row.bytes_copied / 2**20:>10.3g}"
             f"{row.same_documents:>10.3f}{overhead:>16}{row.refused:>6}"
         )

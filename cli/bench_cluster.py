@@ -45,6 +45,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="documents a second written through the ingress beside each batch's stream run once more (on a copy of "
         "the datastore): acknowledgment and freshness; 0: none",
     )
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        help="run on a new Ray cluster of N nodes on this machine, each in a network namespace of its own (root: "
+        "ip netns); default: the cluster at RAY_ADDRESS, or a local one",
+    )
+    parser.add_argument(
+        "--node-cpus", type=int, help="each node's logical CPUs with --nodes (default: the least that holds every replica)"
+    )
     parser.add_argument("--port", type=int, help="Serve's HTTP proxy (server.port); a running Serve's if joining one")
     parser.add_argument("--json", action="store_true", help='print one JSON line last: {"rows": [...], ...}')
     parser.set_defaults(func=run)
@@ -53,8 +62,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     require_ray("bench cluster")
     from telerag.benchmarks.cluster import ClusterBenchConfig, StreamShape, format_table, run_cluster_bench
+    from telerag.benchmarks.cluster_on_nodes import node_cpus, run_on_nodes
+    from telerag.benchmarks.ray_netns import unavailable
     from telerag.retrieval.datastore import Datastore
 
+    if args.nodes is not None and (args.nodes < 1 or (reason := unavailable())):
+        raise SystemExit(f"bench cluster --nodes: {'at least 1' if args.nodes < 1 else reason}")
     settings = load_settings(args.config, overrides(args))
     datastore = built_datastore(settings.retrieval.datastore.expanduser())
     size_mb = Datastore.load(datastore, verify_checksums=False).vectors.nbytes / 2**20
@@ -78,9 +91,12 @@ def run(args: argparse.Namespace) -> int:
     )
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
-    report = run_cluster_bench(
-        settings, read_questions(args.questions), config, log=logging.getLogger("telerag.bench.cluster").info
-    )
+    log = logging.getLogger("telerag.bench.cluster").info
+    if args.nodes is None:
+        report = run_cluster_bench(settings, read_questions(args.questions), config, log=log)
+    else:
+        cpus = args.node_cpus or node_cpus(settings, args.nodes)
+        report = run_on_nodes(settings, args.questions.resolve(), config, args.nodes, cpus, log=log)
     print(format_table(report))
     if args.json:
         print(json.dumps(asdict(report)))

@@ -419,6 +419,12 @@ class ClusterSettings(Section):
         0.5, "how often each replica reports its resident clusters (and its metrics) to the router", gt=0
     )
     attempts: int = setting(3, "tries of a request whose replica failed before it sent anything (then 503)", ge=1)
+    shard_timeout_s: float = setting(
+        10.0,
+        "a retrieval shard's answer is waited for this long, then asked of another replica (3 tries, then 503): a "
+        "call to a node just lost may never answer",
+        gt=0,
+    )
 
     @model_validator(mode="after")
     def _bounds_hold_the_counts(self) -> ClusterSettings:

@@ -238,7 +238,8 @@ def test_bench_cluster_routes_by_clusters_and_serves_the_one_process_servers_doc
     assert writes["router"] == "cluster" and writes["requests"] == 72 and writes["writes"] > 0
     assert writes["never_found"] == 0 and writes["fresh_ms_p99"] == 0  # every write found by the first query after it
     assert writes["ack_ms_p99"] >= writes["ack_ms_p50"] > 0 and writes["latency_ms_p50_alone"] > 0
-    assert lines[1].split()[:4] == ["router", "replicas", "shards", "batch"] and len(lines) == 2 + 2 + 2 + 1
+    assert lines[1].split()[:5] == ["router", "replicas", "shards", "nodes", "batch"] and len(lines) == 2 + 2 + 2 + 1
+    assert report["nodes"] == 1 and {row["nodes"] for row in report["rows"]} == {1}  # a local Ray: one node
     assert lines[4].split()[:3] == ["router", "batch", "requests"]
 
 

@@ -1,7 +1,7 @@
 """A real `telerag serve` taking a stream of writes, killed with SIGKILL at random points, again and
 again: after each restart every acknowledged write is there, a write cut short is wholly there or
 wholly not, and the datastore opens (its log replayed) by itself. Tiny models and a small datastore,
-so that a restart takes seconds. Slow: 20 server starts."""
+so that a restart takes seconds. Slow: 11 server starts."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from tests.tiny_models import tiny_embedder_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.minutes(4)]
 
-KILLS = 20
+KILLS = 10
 DOCUMENTS = [f"crash/{i}" for i in range(8)]
 
 

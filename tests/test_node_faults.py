@@ -1,6 +1,6 @@
 """A whole node lost, here: `serve --ray`'s applications (the ingress, two inference replicas,
 two retrieval shards of two replicas each) on a Ray cluster of a head and two workers, each node
-in a network namespace of its own (`tests/ray_netns.py`), the datastore on the filesystem they all
+in a network namespace of its own (`telerag.benchmarks.ray_netns`), the datastore on the filesystem they all
 read (the shared volume). Under a load of queries and a stream of document writes, every process
 of a worker that holds a shard replica is killed at once (its raylet with them): no acknowledged
 write is lost, no answer is served from a partial top-k (each query is a passage's own text,
@@ -27,9 +27,10 @@ from collections import Counter
 
 import pytest
 
+from telerag.benchmarks.ray_netns import kill_all, pids_in
 from telerag.server.settings import Settings
 from tests.document_stream import DocumentStream
-from tests.ray_netns import cluster_for_test, driver_findings, kill_all, pids_in
+from tests.netns_cluster import cluster_for_test, driver_findings
 
 pytestmark = [pytest.mark.slow, pytest.mark.minutes(4)]  # 1.5-3.5 min here
 
@@ -39,27 +40,9 @@ QUERIES = 12  # passages whose own text is asked
 
 def placement(app_names: tuple[str, ...]) -> list[dict]:
     """Each Serve replica of the named applications: its deployment and its node's address."""
-    import ray
+    from telerag.benchmarks.cluster import replica_places
 
-    def where(_replica: object) -> str:
-        import ray
-
-        return ray.util.get_node_ip_address()
-
-    found = []
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        name = actor["name"]  # SERVE_REPLICA::<app>#<deployment>#<id>
-        if not name.startswith("SERVE_REPLICA::") or name.count("#") != 2:
-            continue
-        app, deployment, _ = name.removeprefix("SERVE_REPLICA::").split("#")
-        if app in app_names:
-            handle = ray.get_actor(name, namespace=actor["namespace"])
-            try:
-                ip = ray.get(handle.__ray_call__.remote(where), timeout=30)
-            except Exception:  # noqa: BLE001 - a replica on the node just lost
-                continue
-            found.append({"deployment": deployment, "ip": ip})
-    return found
+    return [{"deployment": place.deployment, "ip": place.ip} for place in replica_places(app_names)]
 
 
 def serve_applications(args: dict) -> tuple[Settings, str]:

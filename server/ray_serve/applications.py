@@ -245,6 +245,13 @@ def inference_deployments(settings: Settings) -> tuple[Any, Any]:
     return inference, ingress
 
 
+def cpus_wanted(settings: Settings) -> float:
+    """Ray's logical CPUs that every replica the settings may scale to asks for together."""
+    cluster = settings.cluster
+    most = max(cluster.replicas, cluster.max_replicas), max(cluster.shard_replicas, cluster.max_shard_replicas)
+    return most[0] * cluster.replica_cpus + cluster.shards * most[1] * cluster.shard_cpus
+
+
 def start_ray(settings: Settings, **options: Any) -> None:
     """Join the Ray cluster at RAY_ADDRESS, or start a local one whose logical CPUs fit every
     replica the settings ask for (on a small machine they share the cores anyway)."""
@@ -252,10 +259,7 @@ def start_ray(settings: Settings, **options: Any) -> None:
 
     address = os.environ.get("RAY_ADDRESS")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    cluster = settings.cluster
-    most = max(cluster.replicas, cluster.max_replicas), max(cluster.shard_replicas, cluster.max_shard_replicas)
-    wanted = most[0] * cluster.replica_cpus + cluster.shards * most[1] * cluster.shard_cpus + 1
-    cpus = None if address else max(os.cpu_count() or 1, math.ceil(wanted))
+    cpus = None if address else max(os.cpu_count() or 1, math.ceil(cpus_wanted(settings) + 1))
     ray.init(address=address, num_cpus=cpus, include_dashboard=False, configure_logging=False, **options)
 
 

@@ -149,7 +149,8 @@ class InferenceReplica:
             self.vectors = KnownVectors(embedder)
             return self.vectors
 
-        retrieval_tier = await asyncio.to_thread(RetrievalTier.connect) if tier else None  # it waits on the tier's answer
+        connect = functools.partial(RetrievalTier.connect, timeout_s=settings.cluster.shard_timeout_s)
+        retrieval_tier = await asyncio.to_thread(connect) if tier else None  # it waits on the tier's answer
         self.runtime = await load_runtime(settings, cpu_half=retrieval_tier.at if retrieval_tier else None, encoder=known)
         self.service = Service(self.runtime, Metrics(self.runtime.cache_stats, self.runtime.prefix_cache_bytes))
         if settings.server.warm_up:

@@ -20,8 +20,8 @@ is in (the process IDs are shared), another test's cluster included; the process
 node's namespace (`ip netns pids`) are sent SIGTERM, then SIGKILL, then the namespaces are
 deleted (their veths and the bridge go with them) and the temp dirs removed.
 
-`python -m tests.ray_netns [--workers N]` (or `scripts/ray_netns`) starts one and holds it for
-manual runs until Ctrl-C."""
+Used by the multi-node tests and by `telerag bench cluster --nodes N`; `scripts/ray_netns
+[--workers N]` starts one and holds it for manual runs until Ctrl-C."""
 
 from __future__ import annotations
 
@@ -41,7 +41,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "telerag-"
 PORT = 6379  # the head's GCS: each namespace has its own ports, no two runs can clash on it
 OBJECT_STORE_BYTES = 100 * 1024**2  # per node (Ray's least is 75 MiB); the default is 30% of the machine's memory
@@ -80,10 +79,12 @@ def unavailable() -> str | None:
     return None
 
 
-def run(argv: list[str], *, timeout_s: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run(
+    argv: list[str], *, timeout_s: float = 60, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     """`argv` run to its end; NetnsError with its output if it fails or runs past `timeout_s`."""
     try:
-        done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=ROOT)
+        done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=cwd)
     except subprocess.TimeoutExpired as exc:
         output = f"{tail(exc.stdout)}\n{tail(exc.stderr)}"
         raise NetnsError(f"{' '.join(argv)}: still running after {timeout_s:.0f} s\n{output}") from None
@@ -178,6 +179,7 @@ class NetnsCluster:
     object_store_bytes: int = OBJECT_STORE_BYTES
     logs_to: Path | None = None
     start_timeout_s: float = 120.0
+    cwd: Path = field(default_factory=Path.cwd)  # where every command runs, and first on its PYTHONPATH
     prefix: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}-{secrets.token_hex(2)}-")
     subnet: int = field(default_factory=lambda: secrets.randbelow(254) + 1)
     token: str = field(default_factory=lambda: secrets.token_hex(32))
@@ -243,17 +245,24 @@ class NetnsCluster:
         on by itself where ~/.ray/auth_token exists, and a worker then fails to join with
         "InvalidAuthToken: Authentication token is missing or incorrect")."""
         env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
-        paths = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        paths = os.pathsep.join(filter(None, [str(self.cwd), env.get("PYTHONPATH")]))
         return {**env, **RAY_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token, "PYTHONPATH": paths}
 
     def exec_in(self, namespace: str, argv: list[str], *, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
         """`argv` run inside `namespace` to its end (NetnsError if it fails)."""
-        return run(["ip", "netns", "exec", namespace, *argv], timeout_s=timeout_s, env=self.env())
+        return run(["ip", "netns", "exec", namespace, *argv], timeout_s=timeout_s, env=self.env(), cwd=self.cwd)
 
     def python(self, args: list[str], *, namespace: str | None = None, timeout_s: float = 300) -> subprocess.CompletedProcess:
-        """This interpreter run with `args` inside `namespace` (the head's by default), from the
-        repository's root."""
+        """This interpreter run with `args` inside `namespace` (the head's by default) to its end,
+        its output captured."""
         return self.exec_in(namespace or self.head.namespace, [sys.executable, *args], timeout_s=timeout_s)
+
+    def driver(self, args: list[str]) -> subprocess.CompletedProcess[str]:
+        """This interpreter run with `args` in the head's namespace as a driver of the cluster
+        (RAY_ADDRESS the head's), to its end: its standard output captured, its log passed through."""
+        argv = ["ip", "netns", "exec", self.head.namespace, sys.executable, *args]
+        env = {**self.env(), "RAY_ADDRESS": self.address}
+        return subprocess.run(argv, check=False, stdout=subprocess.PIPE, text=True, env=env, cwd=self.cwd)
 
     def start_ray(self, node: Node) -> None:
         ray = str(Path(sys.executable).with_name("ray"))
@@ -343,52 +352,6 @@ class NetnsCluster:
             raise NetnsError("the cluster was not taken down whole:\n" + "\n".join(errors))
 
 
-def driver_findings(stdout: str, mark: str) -> dict:
-    """What a driver run in a namespace found: the JSON of its last line starting with `mark`."""
-    lines = [line for line in stdout.splitlines() if line.startswith(mark)]
-    assert lines, f"the driver printed no {mark.strip()} line:\n{stdout[-4000:]}"
-    found: dict = json.loads(lines[-1].removeprefix(mark))
-    return found
-
-
-@contextlib.contextmanager
-def cluster_for_test(logs_to: Path, *, workers: int = 2, cpus: int = 1) -> Iterator[NetnsCluster]:
-    """A test's cluster (`NetnsCluster`), or the test skipped where this machine cannot run one
-    (`unavailable`); each node's Ray logs copied to `logs_to` if the test failed."""
-    import pytest
-
-    reason = unavailable()
-    if reason:
-        pytest.skip(reason)
-    with NetnsCluster(workers=workers, cpus=cpus, logs_to=logs_to) as running:
-        yield running
-
-
-def main(argv: list[str] | None = None) -> int:
-    """A cluster held until Ctrl-C, for manual runs: it prints how to reach each node."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m tests.ray_netns", description=main.__doc__)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--cpus", type=int, default=1, help="each node's (Ray's logical CPUs)")
-    args = parser.parse_args(argv)
-    reason = unavailable()
-    if reason:
-        print(reason, file=sys.stderr)
-        return 2
-    for signum in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a shell's background job starts with it ignored
-        signal.signal(signum, interrupted)
-    with NetnsCluster(workers=args.workers, cpus=args.cpus) as cluster:
-        print(describe(cluster))
-        print(json.dumps(cluster.processes()))
-        print("Ctrl-C takes it down.", flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
-            signal.pause()
-    if cluster.killed:
-        print(f"needed SIGKILL: {cluster.killed}")
-    return 0
-
-
 def describe(cluster: NetnsCluster) -> str:
     """How to reach each node of `cluster`, and a driver's command line."""
     lines = [f"Ray cluster at {cluster.address}, {len(cluster.nodes)} nodes:"]
@@ -401,11 +364,3 @@ def describe(cluster: NetnsCluster) -> str:
         f'    {sys.executable} -c "import ray; {init}; print(ray.nodes())"',
     ]
     return "\n".join(lines)
-
-
-def interrupted(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
-if __name__ == "__main__":
-    sys.exit(main())
