@@ -5,7 +5,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
-EXTRAS="${VENV_EXTRAS:-}"  # set by the sourcing script; never its own arguments
+EXTRAS="${VENV_EXTRAS:-}"  # set by the sourcing script or the caller (VENV_EXTRAS=ray ./scripts/serve); never its own arguments
 PYTHON="${PYTHON:-python3}"
 
 if [ ! -x "$VENV/bin/python" ]; then

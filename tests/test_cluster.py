@@ -221,7 +221,6 @@ def test_bench_cluster_routes_by_clusters_and_serves_the_one_process_servers_doc
     port = cluster.rsplit(":", 1)[1]
     argv = ["bench", "cluster", "--config", str(config), "--questions", str(questions), "--port", port, "--json"]
     argv += ["--routers", "default", "cluster", "--batch", "1", "--runs", "24", "--seed", "3", "--tier-searches", "5"]
-    argv += ["--write-rate", "2"]
     assert main([*argv, "--cache-mb", "0.012", "--prefetch-budget-mb", "0.003"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     report = json.loads(lines[-1])
@@ -234,13 +233,9 @@ def test_bench_cluster_routes_by_clusters_and_serves_the_one_process_servers_doc
     rates = {row["router"]: row["cache_hit_rate"] for row in report["rows"]}
     print(f"cache hit rate: cluster router {rates['cluster']:.3f}, default router {rates['default']:.3f}")
     assert rates["cluster"] > rates["default"], rates
-    (writes,) = report["writes"]  # the stream once more on new cluster-router replicas, beside writes at 2 a second
-    assert writes["router"] == "cluster" and writes["requests"] == 72 and writes["writes"] > 0
-    assert writes["never_found"] == 0 and writes["fresh_ms_p99"] == 0  # every write found by the first query after it
-    assert writes["ack_ms_p99"] >= writes["ack_ms_p50"] > 0 and writes["latency_ms_p50_alone"] > 0
-    assert lines[1].split()[:5] == ["router", "replicas", "shards", "nodes", "batch"] and len(lines) == 2 + 2 + 2 + 1
+    assert report["writes"] == []  # (the write rows: tests/test_multinode.py, on three nodes)
+    assert lines[1].split()[:5] == ["router", "replicas", "shards", "nodes", "batch"] and len(lines) == 2 + 2 + 1
     assert report["nodes"] == 1 and {row["nodes"] for row in report["rows"]} == {1}  # a local Ray: one node
-    assert lines[4].split()[:3] == ["router", "batch", "requests"]
 
 
 def test_served_documents_equal_the_one_process_servers_and_the_answer_streams(url, settings):
