@@ -52,7 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "ip netns); default: the cluster at RAY_ADDRESS, or a local one",
     )
     parser.add_argument(
-        "--node-cpus", type=int, help="each node's logical CPUs with --nodes (default: the least that holds every replica)"
+        "--node-cpus", type=int, help="each node's logical CPUs with --nodes (default: the least that holds every replica twice)"
     )
     parser.add_argument("--port", type=int, help="Serve's HTTP proxy (server.port); a running Serve's if joining one")
     parser.add_argument("--json", action="store_true", help='print one JSON line last: {"rows": [...], ...}')
@@ -66,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
     from telerag.benchmarks.ray_netns import unavailable
     from telerag.retrieval.datastore import Datastore
 
+    if args.node_cpus is not None and (args.nodes is None or args.node_cpus < 1):
+        raise SystemExit("bench cluster --node-cpus: at least 1, and only with --nodes")
     if args.nodes is not None and (args.nodes < 1 or (reason := unavailable())):
         raise SystemExit(f"bench cluster --nodes: {'at least 1' if args.nodes < 1 else reason}")
     settings = load_settings(args.config, overrides(args))

@@ -182,5 +182,21 @@ def test_bench_cluster_on_nodes_of_their_own_serves_the_one_process_servers_docu
     assert out[3].split()[:3] == ["router", "batch", "requests"]
 
 
+@pytest.mark.parametrize(
+    ("flags", "refusal"),
+    [
+        (["--nodes", "0"], "bench cluster --nodes: at least 1"),
+        (["--node-cpus", "2"], "bench cluster --node-cpus: at least 1, and only with --nodes"),
+        (["--nodes", "2", "--node-cpus", "0"], "bench cluster --node-cpus: at least 1, and only with --nodes"),
+    ],
+)
+def test_bench_cluster_refuses_a_node_count_or_node_cpus_it_cannot_honour(flags, refusal):
+    from telerag.cli.main import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(["bench", "cluster", *flags])
+    assert str(refused.value) == refusal
+
+
 if __name__ == "__main__":
     print(MARK + json.dumps(drive(json.loads(sys.argv[1]))), flush=True)
