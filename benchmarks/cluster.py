@@ -91,7 +91,7 @@ class ClusterRow:
     router: str
     replicas: int
     shards: int
-    nodes: int  # the Ray nodes this run's replicas (inference and shards) ran on
+    nodes: int  # the Ray nodes this run's replicas (every deployment of both applications) ran on
     batch: int
     requests: int
     latency_ms_p50: float

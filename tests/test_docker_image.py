@@ -3,8 +3,10 @@ Debian's docker.io, its own data root, socket and pidfile, no bridge), the base 
 where no registry can be reached, a stand-in made with debootstrap (Debian 12 with its Python
 3.11, tagged with the base's name; so this proves the Dockerfile and the project on that, not on
 the real python:3.12-slim image). Then, as compose runs it: the `cpu` target built with
-`--network host`; a container on a free port with a named volume for /data, ready once it has
-converted the Gemma GGUF (a minute); one question answered over HTTP; `docker stop` within
+`--network host` (with this machine's CPU build of torch where pip has one on disk: `local_wheels`,
+the Dockerfile's TORCH_FIND_LINKS; else PyPI's CUDA build, 6 GB); a container on a free port with
+a named volume for /data, ready once it has converted the Gemma GGUF (a minute); one question
+answered over HTTP; `docker stop` within
 compose's stop_grace_period with exit code 0; a new container from the same volume ready within
 seconds, the datastore and the converted model not rebuilt. The volume starts with a slice of the
 built-in Wikipedia datastore, built here as the server builds the whole one (the same embedder
@@ -24,6 +26,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -42,7 +45,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.minutes(8)]
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "docker_engine"
-BUILD_TIMEOUT_S = 1800  # measured here: 2.5 min with the base present, pip's downloads 3.2 GB
+BUILD_TIMEOUT_S = 1800  # measured here: 2.5 min with the base present and PyPI's torch, pip's downloads 3.2 GB
 FIRST_READY_TIMEOUT_S = 600  # the GGUF's conversion (about a minute) and the load
 # From the volume: load the model and the datastore, nothing built (the snapshots below prove that, not a clock:
 # with the other test worker busy on 2 cores the load alone has taken over 60 s).
@@ -136,6 +139,39 @@ def engine() -> Iterator[Engine]:
                 remove_state(state)
 
 
+@contextlib.contextmanager
+def local_wheels() -> Iterator[str | None]:
+    """The folder of wheels pip on this machine looks in (its find-links: here, the CPU build of
+    torch), served over loopback while the build runs, as the build's TORCH_FIND_LINKS: the image
+    then installs that torch where it fits the base's Python rather than PyPI's 2-GB CUDA build.
+    None where pip has no such folder (the build takes PyPI's)."""
+    listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, check=False)
+    links = [line.split("=", 1)[1].strip("'\"") for line in listed.stdout.splitlines() if ".find-links=" in line]
+    folders = [Path(link) for value in links for link in value.split() if Path(link).is_dir()]
+    folder = next((f for f in folders if any(f.glob("torch-*.whl"))), None)
+    if folder is None:
+        yield None
+        return
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "--directory", str(folder), str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/", timeout=2).status_code == 200:
+                    break
+            assert time.monotonic() < deadline and server.poll() is None, "the wheels' server did not start"
+            time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
 @dataclass
 class Image:
     tag: str
@@ -150,9 +186,10 @@ def cpu_image(engine: Engine, tmp_path_factory) -> Iterator[Image]:
     tag = f"telerag:cpu-test-{uuid.uuid4().hex[:8]}"
     log = tmp_path_factory.mktemp("docker") / "build.log"
     started = time.monotonic()
-    build = ["build", "--network", "host", "--progress", "plain", "-f", "docker/Dockerfile", "--target", "cpu", "-t", tag, "."]
-    with log.open("w") as out:
-        command = [str(SCRIPT), "docker", *build]
+    build = ["build", "--network", "host", "--progress", "plain", "-f", "docker/Dockerfile", "--target", "cpu", "-t", tag]
+    with log.open("w") as out, local_wheels() as wheels:
+        build += ["--build-arg", f"TORCH_FIND_LINKS={wheels}"] if wheels else []
+        command = [str(SCRIPT), "docker", *build, "."]
         done = subprocess.run(
             command, cwd=ROOT, env=engine.env(), stdout=out, stderr=subprocess.STDOUT, timeout=BUILD_TIMEOUT_S, check=False
         )
