@@ -29,6 +29,7 @@ routing and the correctness, not scaling. The module is long because the stream,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import shutil
 import statistics
@@ -37,6 +38,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -243,8 +245,12 @@ def replica_sum(metrics: str, name: str) -> float:
 
 
 def wait_ready(base: str, timeout_s: float = 900) -> None:
+    """Until `base/ready` answers 200 (a proxy not listening yet is not ready yet); TimeoutError past `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    while httpx.get(f"{base}/ready", timeout=30).status_code != 200:
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/ready", timeout=30).status_code == 200:
+                return
         if time.monotonic() > deadline:
             raise TimeoutError(f"{base}/ready not 200 after {timeout_s:.0f} s")
         time.sleep(0.5)
@@ -345,12 +351,31 @@ class ReplicaPlace:
     ip: str  # its node's address
 
 
-def replica_places(apps: Sequence[str] | None = None) -> list[ReplicaPlace]:
-    """Where each Serve replica of `apps` (default: the bench's two applications) runs, as the
-    replica itself answers (Serve's status counts replicas but does not place them); one that does
-    not answer within 30 s (on a node just lost) is left out."""
+def ask_replicas(apps: Sequence[str], question: Callable[[object], Any], timeout_s: float = 30) -> list[tuple[str, str, Any]]:
+    """Each Serve replica of `apps` asked `question` in its own process (`__ray_call__`): its
+    application, deployment and answer. One that does not answer within `timeout_s` (gone, or on a
+    node just lost) is left out."""
     import ray
 
+    answers: list[tuple[str, str, Any]] = []
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        name = actor["name"]  # SERVE_REPLICA::<app>#<deployment>#<id>
+        if not name.startswith("SERVE_REPLICA::") or name.count("#") != 2:
+            continue
+        app, deployment, _ = name.removeprefix("SERVE_REPLICA::").split("#")
+        if app not in apps:
+            continue
+        try:
+            replica = ray.get_actor(name, namespace=actor["namespace"])
+            answers.append((app, deployment, ray.get(replica.__ray_call__.remote(question), timeout=timeout_s)))
+        except Exception:  # noqa: BLE001 - gone, or on a node just lost
+            continue
+    return answers
+
+
+def replica_places(apps: Sequence[str] | None = None) -> list[ReplicaPlace]:
+    """Where each Serve replica of `apps` (default: the bench's two applications) runs, as the
+    replica itself answers (Serve's status counts replicas but does not place them)."""
     from telerag.retrieval.tier import APP as TIER_APP
     from telerag.server.ray_serve.applications import APP
 
@@ -359,20 +384,7 @@ def replica_places(apps: Sequence[str] | None = None) -> list[ReplicaPlace]:
 
         return str(ray.util.get_node_ip_address())
 
-    places: list[ReplicaPlace] = []
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        name = actor["name"]  # SERVE_REPLICA::<app>#<deployment>#<id>
-        if not name.startswith("SERVE_REPLICA::") or name.count("#") != 2:
-            continue
-        app, deployment, _ = name.removeprefix("SERVE_REPLICA::").split("#")
-        if app not in (apps or (APP, TIER_APP)):
-            continue
-        try:
-            replica = ray.get_actor(name, namespace=actor["namespace"])
-            places.append(ReplicaPlace(app, deployment, str(ray.get(replica.__ray_call__.remote(address), timeout=30))))
-        except Exception:  # noqa: BLE001 - gone, or on a node just lost
-            continue
-    return places
+    return [ReplicaPlace(app, deployment, ip) for app, deployment, ip in ask_replicas(apps or (APP, TIER_APP), address)]
 
 
 def _delete_applications() -> None:

@@ -66,11 +66,11 @@ class NetnsError(RuntimeError):
 
 
 def unavailable() -> str | None:
-    """Why a cluster cannot be started here (a reason for pytest.skip), or None."""
+    """Why a cluster cannot be started here (a test's reason to skip, a command's to refuse), or None."""
     if importlib.util.find_spec("ray") is None:
-        return "the multi-node tests need the `ray` extra (pip install 'telerag[ray]')"
+        return "a multi-node cluster needs the `ray` extra (pip install 'telerag[ray]')"
     if shutil.which("ip") is None:
-        return "no `ip` command (iproute2): the multi-node tests put each Ray node in a network namespace"
+        return "no `ip` command (iproute2): each Ray node of a multi-node cluster runs in a network namespace"
     probe = f"{PREFIX}{os.getpid()}-probe-{secrets.token_hex(2)}"
     made = subprocess.run(["ip", "netns", "add", probe], check=False, capture_output=True, text=True, timeout=30)
     if made.returncode != 0:

@@ -27,9 +27,9 @@ SHARDS, REPLICAS, CPUS_PER_REPLICA = 2, 2, 0.5  # 4 replicas of 0.5 CPU: more th
 
 
 def replica_placement(app: str) -> list[dict]:
-    """Each replica of the application's shards: its actor's name, and the node, address and
-    network namespace it runs in, as the replica itself sees them (asked through `__ray_call__`)."""
-    import ray
+    """Each replica of the application's shards: its deployment, and the node, address and
+    network namespace it runs in, as the replica itself sees them."""
+    from telerag.benchmarks.cluster import ask_replicas
 
     def where(_replica: object) -> dict:
         import os
@@ -43,12 +43,11 @@ def replica_placement(app: str) -> list[dict]:
             "pid": os.getpid(),
         }
 
-    found = []
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        if app in actor["name"] and "REPLICA" in actor["name"] and "shard-" in actor["name"]:
-            handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
-            found.append({"name": actor["name"], **ray.get(handle.__ray_call__.remote(where), timeout=60)})
-    return found
+    return [
+        {"deployment": deployment, **found}
+        for _, deployment, found in ask_replicas((app,), where, timeout_s=60)
+        if deployment.startswith("shard-")
+    ]
 
 
 def compare(tier: object, datastore: Path, searches: int) -> dict:
@@ -120,7 +119,7 @@ def test_the_tier_spreads_its_shards_over_three_nodes_in_their_namespaces_and_eq
     with cluster.watching_memory() as memory:  # the peak while the driver runs
         done = cluster.python(["-m", "tests.test_multinode", json.dumps(args)], timeout_s=400)
     found = driver_findings(done.stdout, MARK)
-    placed = sorted((replica["name"].split("#")[1], replica["ip"]) for replica in found["replicas"])
+    placed = sorted((replica["deployment"], replica["ip"]) for replica in found["replicas"])
     print(json.dumps({"deploy_s": round(found["deploy_s"], 1), "replicas": placed, "peak_memory": memory}))
 
     ips = {node.ip for node in cluster.nodes}

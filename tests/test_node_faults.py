@@ -51,6 +51,7 @@ def serve_applications(args: dict) -> tuple[Settings, str]:
     import ray
     from ray import serve
 
+    from telerag.benchmarks.cluster import wait_ready
     from telerag.retrieval.tier import deploy_tier
     from telerag.server.ray_serve.applications import deploy_inference, tier_shape
 
@@ -185,21 +186,6 @@ def after_restart(args: dict) -> dict:
     serve.shutdown()
     ray.shutdown()
     return {"missing": missing, "found_last": found_last}
-
-
-def wait_ready(url: str, timeout_s: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(f"{url}/ready", timeout=10).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} not ready after {timeout_s:.0f} s")
-        time.sleep(0.5)
 
 
 @pytest.fixture
