@@ -2,26 +2,14 @@
 `errors`'): `transformers.TransformersEngine` (any local causal LM on the CPU or a GPU; the
 embedded default) and `sglang.SGLangEngine` (production on a GPU). They know nothing of the
 pipelines above them. Import each from its module; they load heavy libraries. This module holds
-what both share: chat formatting, the prompt's token ids, stop-string handling, and `generate`
-as the collected `stream`."""
+what both share: chat formatting, the prompt's token ids and stop-string handling."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from jinja2 import TemplateError
-
-from telerag.engines.types import Generation, TokenChunk
-
-
-async def collect_generations(stream: AsyncIterator[TokenChunk | Generation], n_prompts: int) -> list[Generation]:
-    """The final Generation of each prompt of a stream, in prompt order (`Engine.generate`)."""
-    results: dict[int, Generation] = {}
-    async for item in stream:
-        if isinstance(item, Generation):
-            results[item.index] = item
-    return [results[i] for i in range(n_prompts)]
 
 
 def format_chat(tokenizer: Any, user_text: str, system: str = "") -> str:

@@ -11,27 +11,59 @@ from dataclasses import dataclass, field
 
 from telerag.engines import StopFilter
 from telerag.engines.document_kv import ChunkedIds
-from telerag.engines.types import Generation, SamplingParams, TokenChunk, deadline_passed
+from telerag.engines.types import Generation, OnChunk, SamplingParams, TokenChunk, deadline_passed
+
+Item = TokenChunk | Generation | BaseException  # what the worker hands a caller: its chunks, Generations, failure
 
 
 @dataclass(eq=False)
 class StreamCall:
-    """One caller's `stream` call: where its output goes and whether it still wants it."""
+    """One caller's call: where its output goes and whether it still wants it."""
 
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    deliver: Callable[[Item], None]  # called on `loop` with each item, in order
     submitted: float = field(default_factory=time.perf_counter)
-    abort: threading.Event = field(default_factory=threading.Event)
+    abort: threading.Event = field(default_factory=threading.Event)  # nobody listens: its rows are dropped
+    stop: threading.Event = field(default_factory=threading.Event)  # it needs no more: its rows end ("stop")
 
-    def emit(self, item: TokenChunk | Generation | BaseException) -> None:
+    def emit(self, item: Item) -> None:
         """Hand an item to the caller's event loop (from the worker thread)."""
         if self.abort.is_set():
             return
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.deliver, item)
         except RuntimeError:  # the caller's loop is closed: nobody is listening any more
             self.abort.set()
+
+
+class Collected:
+    """A `generate` call's side on the caller's loop: each chunk to its `on_chunk` straight from
+    the worker's hand-off, the Generations gathered into `done` (or the call's failure)."""
+
+    def __init__(self, n_prompts: int, on_chunk: OnChunk | None, loop: asyncio.AbstractEventLoop) -> None:
+        self.n_prompts = n_prompts
+        self.on_chunk = on_chunk
+        self.stop = threading.Event()  # the call's `StreamCall.stop`
+        self.done: asyncio.Future[list[Generation]] = loop.create_future()
+        self._generations: dict[int, Generation] = {}
+
+    def take(self, item: Item) -> None:
+        if self.done.done():
+            return
+        if isinstance(item, BaseException):
+            self.done.set_exception(item)
+        elif isinstance(item, Generation):
+            self._generations[item.index] = item
+            if len(self._generations) == self.n_prompts:
+                self.done.set_result([self._generations[i] for i in range(self.n_prompts)])
+        elif self.on_chunk is not None and not self.stop.is_set():
+            try:
+                if self.on_chunk(item):
+                    self.stop.set()
+            except Exception as exc:  # noqa: BLE001 - the caller's own failure ends its call
+                self.stop.set()
+                self.done.set_exception(exc)
 
 
 @dataclass(eq=False)
@@ -94,6 +126,8 @@ class DecodingRow:
     def advance(self, token: int, logprob: float, eos: set[int], now: float) -> str | None:
         """Take the row's next token; emits its chunk and returns the finish reason, if it finished."""
         call = self.row.call
+        if call.stop.is_set():  # its caller needs no more: this token is not taken
+            return self.finish("stop", now)
         if not self.ttft_ms:
             self.ttft_ms = (now - call.submitted) * 1e3
         if token in eos:

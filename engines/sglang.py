@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from telerag.engines import StopFilter, collect_generations, format_chat, prompt_token_ids
+from telerag.engines import StopFilter, format_chat, prompt_token_ids
 from telerag.engines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted
-from telerag.engines.types import FinishReason, Generation, SamplingParams, TokenChunk, deadline_passed
+from telerag.engines.types import FinishReason, Generation, OnChunk, SamplingParams, TokenChunk, deadline_passed
 
 OVERLOADED = (429, 503)  # the status codes SGLang gives an abort for lack of room or time
 HOST_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)  # whose handlers SGLang must not keep
@@ -64,6 +64,9 @@ def sampling_params(params: SamplingParams) -> dict[str, Any]:
     }
 
 
+Item = TokenChunk | Generation  # what a call streams
+
+
 @dataclass
 class _Progress:
     """What one prompt's stream has delivered so far."""
@@ -75,6 +78,13 @@ class _Progress:
     ttft_ms: float = 0.0
     done: bool = False
     prompt_tokens: int = 0  # as sent (SGLang's own count comes with the last dict)
+
+
+@dataclass
+class _Stop:
+    """Whether a call's caller asked for no more (`Engine.generate`'s `on_chunk`)."""
+
+    asked: bool = False
 
 
 class SGLangEngine:
@@ -125,24 +135,36 @@ class SGLangEngine:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
-    async def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
-        return await collect_generations(self.stream(prompts, params), len(prompts))
+    async def generate(self, prompts: Sequence[str], params: SamplingParams, on_chunk: OnChunk | None = None) -> list[Generation]:
+        stop = _Stop()
+        generations: dict[int, Generation] = {}
+        async with contextlib.aclosing(self._items(prompts, params, stop)) as items:
+            async for item in items:
+                if isinstance(item, Generation):
+                    generations[item.index] = item
+                elif on_chunk is not None and not stop.asked and on_chunk(item):
+                    stop.asked = True
+        return [generations[i] for i in range(len(prompts))]
 
     async def prefill(self, prompts: Sequence[str]) -> list[Generation]:
         """A request of no new tokens: SGLang prefills it into its radix cache and ends it
         (`Req.is_prefill_only`)."""
         return await self.generate(prompts, SamplingParams(max_tokens=0))
 
-    async def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncGenerator[TokenChunk | Generation, None]:
+    def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncGenerator[Item, None]:
+        return self._items(prompts, params, _Stop())
+
+    async def _items(self, prompts: Sequence[str], params: SamplingParams, stop: _Stop) -> AsyncGenerator[Item, None]:
+        """The call's chunks and Generations; once `stop` is asked, the unfinished prompts end
+        with what they have ("stop") and SGLang aborts the rest as the stream closes."""
         if not prompts:
             return
         started = time.perf_counter()
         input_ids = [prompt_token_ids(self.tokenizer, p) for p in prompts]
         progress = [_Progress(StopFilter(params.stop), prompt_tokens=len(ids)) for ids in input_ids]
         if deadline_passed(params.deadline):  # nothing to send it for
-            for index, state in enumerate(progress):
-                for item in _cut(state, index, params, started):
-                    yield item
+            for item in _cut(progress, params, started, "deadline"):
+                yield item
             return
         self._start_output_loop()
         try:
@@ -160,14 +182,17 @@ class SGLangEngine:
                 except StopAsyncIteration:
                     break
                 except TimeoutError:  # its deadline came: each unfinished prompt ends with what it has
-                    for index, state in enumerate(progress):
-                        for item in [] if state.done else _cut(state, index, params, started):
-                            yield item
+                    for item in _cut(progress, params, started, "deadline"):
+                        yield item
                     break
                 except Exception as exc:
                     raise _engine_error(exc) from exc
                 for item in _translate(out, progress, params, started):
                     yield item
+                if stop.asked:  # its caller wants no more: the same
+                    for item in _cut(progress, params, started, "stop"):
+                        yield item
+                    break
         finally:
             await outputs.aclose()  # SGLang aborts what is still running
         missing = [i for i, p in enumerate(progress) if not p.done]
@@ -212,9 +237,7 @@ def _process_state_kept(loop: asyncio.AbstractEventLoop | None = None) -> Iterat
             signal.signal(sig, handler)
 
 
-def _translate(
-    out: dict[str, Any], progress: list[_Progress], params: SamplingParams, started: float
-) -> list[TokenChunk | Generation]:
+def _translate(out: dict[str, Any], progress: list[_Progress], params: SamplingParams, started: float) -> list[Item]:
     """One SGLang output dict as our items: the new text and tokens as a TokenChunk and, on the
     last dict of a prompt, its Generation."""
     index = int(out.get("index", 0))
@@ -229,7 +252,7 @@ def _translate(
     state.seen_text, state.token_ids, state.logprobs = text, ids, state.logprobs + new_logprobs
     if new_ids and not state.ttft_ms:
         state.ttft_ms = (now - started) * 1e3
-    items: list[TokenChunk | Generation] = []
+    items: list[Item] = []
     if piece or new_ids:
         items.append(
             TokenChunk(index=index, text=piece, token_ids=tuple(new_ids), logprobs=tuple(new_logprobs) if params.logprobs else ())
@@ -249,10 +272,15 @@ def _translate(
     return items + _finished(state, index, ended, params, started, matched, cached, completion)
 
 
-def _cut(state: _Progress, index: int, params: SamplingParams, started: float) -> list[TokenChunk | Generation]:
-    """A prompt's end at its deadline, with what it has generated so far (SGLang aborts the rest
-    when the stream closes)."""
-    return _finished(state, index, "deadline", params, started, None, 0, len(state.token_ids))
+def _cut(progress: list[_Progress], params: SamplingParams, started: float, reason: FinishReason) -> list[Item]:
+    """The unfinished prompts' end before SGLang's (their deadline, or their caller wants no
+    more), each with what it has generated so far (SGLang aborts the rest when the stream closes)."""
+    return [
+        item
+        for index, state in enumerate(progress)
+        if not state.done
+        for item in _finished(state, index, reason, params, started, None, 0, len(state.token_ids))
+    ]
 
 
 def _finished(
@@ -264,7 +292,7 @@ def _finished(
     matched: str | None,
     cached: int,
     completion: int,
-) -> list[TokenChunk | Generation]:
+) -> list[Item]:
     """The held-back tail of a prompt's text, if any, and its Generation."""
     tail = state.text.finish(matched)
     state.done = True

@@ -6,9 +6,10 @@ merges their KV cache into the batch's (left padding keeps every row's next toke
 column), and finished rows leave at once. Concurrent requests thus share each forward pass,
 and on a CPU a decode step of a small model costs little more for 8 rows than for 1: it is
 bound by reading the weights. The loop is lean: last-position logits only, sampling on
-tensors, one host sync per step, incremental detokenisation. Tokens are streamed to each
-caller's asyncio queue as they are made, with log-probabilities when asked (FLARE needs them).
-A caller that stops iterating (or is cancelled) has its rows dropped at the next step.
+tensors, one host sync per step, incremental detokenisation. Tokens are handed to each
+caller's event loop as they are made (`decoding.StreamCall`), with log-probabilities when asked
+(FLARE needs them). A caller that is cancelled (or stops iterating a `stream`) has its rows
+dropped at the next step; one whose `on_chunk` asks no more has them end there.
 
 The model's files are read by `checkpoints`; each prompt's decoding state lives in `decoding`,
 the running batch and its KV cache in `batching`, the reusable KV in `prefix_cache` and
@@ -31,7 +32,7 @@ from typing import Any, cast
 
 import torch
 
-from telerag.engines import collect_generations, end_of_turn, format_chat, prompt_token_ids
+from telerag.engines import end_of_turn, format_chat, prompt_token_ids
 from telerag.engines.batching import (
     Batch,
     calls_in,
@@ -42,13 +43,13 @@ from telerag.engines.batching import (
     recording_cache,
 )
 from telerag.engines.checkpoints import converted_gguf, cpu_has_amx, torch_dtype
-from telerag.engines.decoding import DecodingRow, PromptRow, StreamCall
+from telerag.engines.decoding import Collected, DecodingRow, Item, PromptRow, StreamCall
 from telerag.engines.document_kv import ChunkedIds, DocumentKV, rope_frequencies
 from telerag.engines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, ModelNotFound
 from telerag.engines.greedy_screen import greedy_screen_for
 from telerag.engines.prefix_cache import LayerKV, PrefixCache, PrefixHit
 from telerag.engines.skinny_linear import use_skinny_matmuls
-from telerag.engines.types import DocumentSplitter, Generation, SamplingParams, TokenChunk, deadline_passed
+from telerag.engines.types import DocumentSplitter, Generation, OnChunk, SamplingParams, TokenChunk, deadline_passed
 from telerag.utils.device import resolve_device
 from telerag.utils.files import user_cache_dir
 
@@ -203,8 +204,17 @@ class TransformersEngine:
         with self._tokenizer_lock:
             return len(self.tokenizer.encode(text, add_special_tokens=False))
 
-    async def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
-        return await collect_generations(self.stream(prompts, params), len(prompts))
+    async def generate(self, prompts: Sequence[str], params: SamplingParams, on_chunk: OnChunk | None = None) -> list[Generation]:
+        if not prompts:
+            return []
+        loop = asyncio.get_running_loop()
+        collected = Collected(len(prompts), on_chunk, loop)
+        call = StreamCall(params, loop, collected.take, stop=collected.stop)
+        self._submit([self._prompt_row(call, i, p) for i, p in enumerate(prompts)])
+        try:
+            return await collected.done
+        finally:
+            call.abort.set()  # a no-op when done; otherwise the worker drops these rows
 
     async def prefill(self, prompts: Sequence[str]) -> list[Generation]:
         """A call of no new tokens: each prompt's KV computed into the prefix cache (none without
@@ -214,13 +224,14 @@ class TransformersEngine:
     async def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncGenerator[TokenChunk | Generation, None]:
         if not prompts:
             return
-        call = StreamCall(params, asyncio.get_running_loop(), asyncio.Queue())
+        queue: asyncio.Queue[Item] = asyncio.Queue()
+        call = StreamCall(params, asyncio.get_running_loop(), queue.put_nowait)
         rows = [self._prompt_row(call, i, p) for i, p in enumerate(prompts)]
         self._submit(rows)
         try:
             finished = 0
             while finished < len(rows):
-                item = await call.queue.get()
+                item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished += isinstance(item, Generation)

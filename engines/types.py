@@ -60,18 +60,28 @@ class Generation:
     cached_tokens: int = 0  # of prompt_tokens, those whose KV the engine reused instead of prefilling
 
 
+# What a caller of `Engine.generate` hears of each TokenChunk as it is made, on its own event loop:
+# True when the call needs no more (each of its prompts then ends there, as a stop string ends it).
+OnChunk = Callable[[TokenChunk], bool | None]
+
+
 @runtime_checkable
 class Engine(Protocol):
     """An LLM. Implementations: `engines.transformers.TransformersEngine`, `engines.sglang.SGLangEngine`."""
 
     name: str
 
-    async def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
-        """Generate for every prompt (batched by the engine); one Generation per prompt, in order."""
+    async def generate(self, prompts: Sequence[str], params: SamplingParams, on_chunk: OnChunk | None = None) -> list[Generation]:
+        """Generate for every prompt (batched by the engine); one Generation per prompt, in order.
+        `on_chunk` hears each TokenChunk as it is made, called on the caller's event loop by the
+        engine's own hand-off (no queue between: a streamed answer's tokens cross one queue on
+        their way to the client, its response's); when it returns True, the call ends there
+        ("stop"), its Generations holding what was generated until the engine saw it."""
         ...
 
     def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncGenerator[TokenChunk | Generation, None]:
-        """Yield TokenChunks as tokens are produced and one Generation per prompt when it finishes."""
+        """Yield TokenChunks as tokens are produced and one Generation per prompt when it
+        finishes; closing it aborts what is unfinished. The pull form of `generate`'s `on_chunk`."""
         ...
 
     async def prefill(self, prompts: Sequence[str]) -> list[Generation]:

@@ -16,14 +16,13 @@ say how often pipelining changed its documents.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from telerag.engines.types import Generation, TokenChunk
+from telerag.engines.types import TokenChunk
 from telerag.pipelines.types import Document, SearchQuery, query_texts
 
 TOKEN_SMOOTHING = 0.2  # weight of a stage's newest call in its expected completion tokens
@@ -78,33 +77,26 @@ class ExpectedTokens:
         return min(float(max_tokens), self.by_stage.get(stage, float(max_tokens)))
 
 
-async def watched_generations(
-    stream: AsyncGenerator[TokenChunk | Generation, None],
-    n_prompts: int,
-    expected_tokens: float,
-    watch: Callable[[PartialGeneration], None],
-    clock: Callable[[], float],
-) -> list[Generation]:
-    """A stream's final Generations, as `Engine.generate` gives them, each chunk of the first
-    prompt's shown to `watch` as the generation so far."""
-    results: dict[int, Generation] = {}
-    text, ids, logprobs = "", list[int](), list[float]()
-    first: tuple[float, int] | None = None  # when the first token came, and how many there were then
-    async with contextlib.aclosing(stream) as items:
-        async for item in items:
-            if isinstance(item, Generation):
-                results[item.index] = item
-                continue
-            if item.index:
-                continue
-            text, now = text + item.text, clock()
-            ids.extend(item.token_ids)
-            logprobs.extend(item.logprobs)
-            if first is None and ids:
-                first = (now, len(ids))
-            per_token_ms = None if first is None or len(ids) <= first[1] else (now - first[0]) * 1e3 / (len(ids) - first[1])
-            watch(PartialGeneration(text, tuple(ids), tuple(logprobs), expected_tokens, per_token_ms))
-    return [results[i] for i in range(n_prompts)]
+class CallWatch:
+    """An LLM call's `on_chunk` (`Engine.generate`): each chunk of its first prompt shown to
+    `watch` as the generation so far."""
+
+    def __init__(self, expected_tokens: float, watch: Callable[[PartialGeneration], None], clock: Callable[[], float]) -> None:
+        self.expected_tokens, self.watch, self.clock = expected_tokens, watch, clock
+        self.text, self.ids, self.logprobs = "", list[int](), list[float]()
+        self.first: tuple[float, int] | None = None  # when the first token came, and how many there were then
+
+    def __call__(self, chunk: TokenChunk) -> None:
+        if chunk.index:
+            return
+        self.text, now = self.text + chunk.text, self.clock()
+        self.ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
+        if self.first is None and self.ids:
+            self.first = (now, len(self.ids))
+        first = self.first
+        per_token_ms = None if first is None or len(self.ids) <= first[1] else (now - first[0]) * 1e3 / (len(self.ids) - first[1])
+        self.watch(PartialGeneration(self.text, tuple(self.ids), tuple(self.logprobs), self.expected_tokens, per_token_ms))
 
 
 @dataclass(frozen=True)

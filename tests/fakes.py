@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 import zlib
@@ -10,7 +11,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from telerag.engines.errors import EngineError
-from telerag.engines.types import Generation, SamplingParams, TokenChunk, deadline_passed
+from telerag.engines.types import Generation, OnChunk, SamplingParams, TokenChunk, deadline_passed
 from telerag.pipelines.stats import PrefetchStepStats, SearchStats
 from telerag.pipelines.types import (
     Document,
@@ -117,12 +118,26 @@ class ScriptedEngine:
         )
         return generation, self.token_delay if reply.token_delay is None else reply.token_delay
 
-    async def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
-        out = []
-        async for item in self.stream(prompts, params):
-            if isinstance(item, Generation):
-                out.append(item)
-        return out
+    async def generate(self, prompts: Sequence[str], params: SamplingParams, on_chunk: OnChunk | None = None) -> list[Generation]:
+        """The stream's Generations; a call whose `on_chunk` asks no more ends there, each
+        unfinished prompt with what it streamed ("stop")."""
+        out: dict[int, Generation] = {}
+        streamed: dict[int, list[TokenChunk]] = {i: [] for i in range(len(prompts))}
+        async with contextlib.aclosing(self.stream(prompts, params)) as items:
+            async for item in items:
+                if isinstance(item, Generation):
+                    out[item.index] = item
+                    continue
+                streamed[item.index].append(item)
+                if on_chunk is not None and on_chunk(item):
+                    break
+        return [out.get(i) or self._stopped(i, prompts[i], streamed[i]) for i in range(len(prompts))]
+
+    def _stopped(self, index: int, prompt: str, chunks: list[TokenChunk]) -> Generation:
+        ids = tuple(t for c in chunks for t in c.token_ids)
+        logprobs = tuple(lp for c in chunks for lp in c.logprobs)
+        text = "".join(c.text for c in chunks).strip()
+        return Generation(text, self.count_tokens(prompt), len(ids), "stop", 1.0, 2.0, ids, logprobs, index)
 
     async def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncIterator[TokenChunk | Generation]:
         self.params.append(params)

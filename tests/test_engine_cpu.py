@@ -107,6 +107,35 @@ async def test_streaming_yields_the_same_text_as_generate(engine: TransformersEn
         assert 0 < generation.ttft_ms <= generation.total_ms
 
 
+async def test_on_chunk_hears_each_chunk_and_asking_no_more_ends_the_call_there(engine: TransformersEngine):
+    heard: list[TokenChunk] = []
+    (whole,) = await engine.generate([PROMPTS[0]], SamplingParams(max_tokens=24), heard.append)
+    assert "".join(c.text for c in heard) == whole.text and whole.finish_reason == "length"
+    assert tuple(t for c in heard for t in c.token_ids) == whole.token_ids
+
+    def three(chunk: TokenChunk) -> bool:
+        heard.append(chunk)
+        return len(heard) == 3
+
+    heard.clear()
+    (ended,) = await engine.generate([PROMPTS[0]], SamplingParams(max_tokens=24), three)
+    assert len(heard) == 3 and ended.finish_reason == "stop"
+    # the engine saw it a step or two later at most: those tokens were generated, not handed over
+    assert 3 <= ended.completion_tokens < whole.completion_tokens
+    assert ended.token_ids == whole.token_ids[: ended.completion_tokens]
+    assert (await engine.generate([PROMPTS[0]], SamplingParams(max_tokens=24)))[0].token_ids == whole.token_ids
+
+
+async def test_a_failing_on_chunk_fails_its_call_only(engine: TransformersEngine):
+    def fail(chunk: TokenChunk) -> bool:
+        raise ValueError("the caller's own failure")
+
+    with pytest.raises(ValueError, match="caller's own"):
+        await engine.generate([PROMPTS[1]], SamplingParams(max_tokens=24), fail)
+    (after,) = await engine.generate([PROMPTS[1]], SamplingParams(max_tokens=4))
+    assert after.completion_tokens == 4
+
+
 async def test_greedy_is_deterministic_and_matches_transformers_generate(engine: TransformersEngine, reference: torch.nn.Module):
     first = await engine.generate(PROMPTS, GREEDY)
     second = await engine.generate(PROMPTS, GREEDY)

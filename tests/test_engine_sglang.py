@@ -248,6 +248,21 @@ async def test_closing_the_stream_closes_sglangs_stream(sglang: types.ModuleType
     assert FakeEngine.instances[0].closed_streams == 1
 
 
+async def test_on_chunk_hears_each_chunk_and_asking_no_more_ends_the_call_and_aborts_sglangs(sglang: types.ModuleType):
+    FakeEngine.scripts = {"q": Script(["a", " b", " c"] + [" x"] * 50)}
+    engine = SGLangEngine("m", module=sglang)
+    heard: list[str] = []
+    (whole,) = await engine.generate(["q"], SamplingParams(max_tokens=5), lambda chunk: heard.append(chunk.text))
+    assert "".join(heard) == whole.text == "a b c x x" and whole.finish_reason == "length"
+    heard.clear()
+    (ended,) = await engine.generate(
+        ["q"], SamplingParams(max_tokens=50), lambda chunk: bool(heard.append(chunk.text)) or len(heard) == 2
+    )
+    assert heard == ["a", " b"]
+    assert (ended.text, ended.completion_tokens, ended.finish_reason) == ("a b", 2, "stop")
+    assert FakeEngine.instances[0].closed_streams == 2  # the second one SGLang aborts
+
+
 async def test_a_prompt_ends_at_its_deadline_with_what_it_has_and_sglang_aborts_the_rest(sglang: types.ModuleType):
     FakeEngine.scripts = {"q": Script(["a", "b", "\n", "Q"] + ["x"] * 500), "r": Script(["Rome"])}
     FakeEngine.token_delay_s = 0.01

@@ -21,7 +21,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar, TypeVar, overload
 
-from telerag.engines.types import Engine, Generation, SamplingParams
+from telerag.engines.types import Engine, Generation, SamplingParams, TokenChunk
 from telerag.pipelines import prompts
 from telerag.pipelines.pipelining import ExpectedTokens, PipeliningConfig, StaleQuery
 from telerag.pipelines.prompts import Prompt
@@ -373,32 +373,28 @@ class RagPipeline:
         )
         formatted = self.engine.format_prompt(prompt.user, system=prompt.system)
         reply = ReplyStream(prompt.cue)
-        started = ctx.begin(stage)
-        final: Generation | None = None
         streamed = 0  # tokens accounted for as they came
-        async with contextlib.aclosing(self.engine.stream([formatted], params)) as stream:
-            async for item in stream:
-                if isinstance(item, Generation):
-                    final = item
-                    continue
-                ctx.generated(len(item.token_ids))
-                streamed += len(item.token_ids)
-                if piece := reply.push(item.text):
-                    ctx.emit(TokenEvent(piece))
-                if reply.complete:
-                    break  # closing the stream aborts the generation
+
+        def on_chunk(chunk: TokenChunk) -> bool:
+            """Each piece as the engine hands it over, on to the client: the reply's new text."""
+            nonlocal streamed
+            ctx.generated(len(chunk.token_ids))
+            streamed += len(chunk.token_ids)
+            if piece := reply.push(chunk.text):
+                ctx.emit(TokenEvent(piece))
+            return reply.complete  # the reply is over: the engine stops its generation
+
+        started = ctx.begin(stage)
+        final = (await self.engine.generate([formatted], params, on_chunk))[0]
         if piece := reply.finish():
             ctx.emit(TokenEvent(piece))
         start_ms, ms = ctx.end(stage, started)
-        if final is not None:
-            ctx.called(stage, formatted, final)
-            prompt_tokens, completion_tokens, cached = final.prompt_tokens, final.completion_tokens, final.cached_tokens
-            stats = GenerationStats(final.finish_reason, final.ttft_ms)
-        else:  # stopped here, when the reply was over (what the engine's cache held is not known)
-            prompt_tokens, completion_tokens, cached = self.engine.count_tokens(formatted), streamed, 0
-            stats = GenerationStats("stop")
-        ctx.generated(max(0, completion_tokens - streamed))  # chunks need not carry their token ids
-        ctx.steps.append(Step(stage, ctx.query[:200], prompt_tokens, completion_tokens, ms, stats, start_ms, cached))
+        ctx.called(stage, formatted, final)
+        ctx.generated(max(0, final.completion_tokens - streamed))  # chunks need not carry their token ids
+        stats = GenerationStats(final.finish_reason, final.ttft_ms)
+        ctx.steps.append(
+            Step(stage, ctx.query[:200], final.prompt_tokens, final.completion_tokens, ms, stats, start_ms, final.cached_tokens)
+        )
         return reply.text
 
     def _answer_past_deadline(self, ctx: RunContext, stage: Stage) -> str:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from telerag.engines.types import Engine, Generation, SamplingParams
 from telerag.pipelines.pipelining import (
+    CallWatch,
     ExpectedTokens,
     Launch,
     PartialGeneration,
@@ -23,7 +24,6 @@ from telerag.pipelines.pipelining import (
     cosines,
     launch_point,
     same_documents,
-    watched_generations,
 )
 from telerag.pipelines.rag.retrieval_step import (
     NextPrompt,
@@ -121,7 +121,7 @@ class PipelinedStep:
     def _generate(self, stage: Stage, prompts: list[str], params: SamplingParams) -> Awaitable[list[Generation]]:
         """The engine's generations, streamed so that each partial is shown to `_watch`."""
         expected = self.tools.expected.of(stage.name, params.max_tokens)
-        return watched_generations(self.tools.engine.stream(prompts, params), len(prompts), expected, self._watch, self.ctx.clock)
+        return self.tools.engine.generate(prompts, params, CallWatch(expected, self._watch, self.ctx.clock))
 
     def _watch(self, partial: PartialGeneration) -> None:
         if self.stale_search is None:
