@@ -98,9 +98,11 @@ CALIBRATION_PIPELINE = "naive"
 CALIBRATION_MAX_TOKENS = 64  # a client's usual limit; the answers it cuts count as running to a larger request's
 # limit (`workload`). At 256 (the default) a few of the burst's answers ran long, 4x the prior the burst was estimated
 # at, and that error made every default request look 53 s long alone
-CALIBRATION_BURST = 16  # requests at once after the first alone (at most max_concurrency): the rates and the error
-# measured up to 16 running (the default max_concurrency). At 8, a burst of 16 right after start-up met loads never
-# measured, whose estimates admission scales by half as much again: 5 of 16 were refused where all 16 finished in 12 s
+CALIBRATION_BURST = 16  # requests at once after the first alone (at most max_concurrency): one of every other pipeline,
+# naive's filling it up, so that the rates and the error are measured up to 16 running and every pipeline's work, in
+# one burst. Until 2026-11-29 naive's burst of 16 ran first and the other pipelines after it: 48-49 s on the embedded
+# default against 37 s, and no better for it (a burst of 8 right after start, naive and the mix: docs/benchmarks.md;
+# simulated, tests/test_admission_load.py: the mix's burst answered 22 of 32 then, 26 now)
 
 
 class Service:
@@ -142,29 +144,29 @@ class Service:
     async def warm_up(self, *, measured: bool = False) -> None:
         """Requests through the whole path and through admission before the server is ready: one
         alone, then (unless admission's measurements were kept from an earlier run: `measured`,
-        `restore_calibration`) a burst of `CALIBRATION_BURST` at once (at most `max_concurrency`),
-        then one request of every other pipeline, as many at once, questions of the packaged set. What the chat
-        template, the tokenizer, the embedder, the search and the engine set up on first use
-        holds the GIL for a while; done here, it does not stall the event loop under the first
-        clients (measured in a soak: stalls of 0.2-1.4 s in the first seconds of load without
-        it). And admission measures its service rate alone and at each number running as the
-        burst drains, and every pipeline's work: a burst right after start-up is judged at a
+        `restore_calibration`) a burst of `CALIBRATION_BURST` at once (at most `max_concurrency`):
+        one request of every other pipeline and naive ones for the rest, questions of the packaged
+        set. What the chat template, the tokenizer, the embedder, the search and the engine set up
+        on first use holds the GIL for a while; done here, it does not stall the event loop under
+        the first clients (measured in a soak: stalls of 0.2-1.4 s in the first seconds of load
+        without it). And admission measures its service rate alone and at each number running as
+        the burst drains, and every pipeline's work: a burst right after start-up is judged at a
         burst's rate and cost, not refused for want of them, and no pipeline is costed by the
         prior (`workload`), whose guess for the multi-call ones is several times their measured
         work: under load such a guess never fits beside the others, so the pipeline was refused
         and so never measured."""
         naive = self.pipelines[CALIBRATION_PIPELINE]
         others = [p for name, p in self.pipelines.items() if name != CALIBRATION_PIPELINE]
-        burst = min(CALIBRATION_BURST, self.admission.max_concurrency)
-        questions = [q.text for q in read_questions(packaged_config("questions_wiki_en.txt"), limit=1 + burst + len(others))]
+        size = min(CALIBRATION_BURST, self.admission.max_concurrency)
+        burst = [*others, *[naive] * (size - len(others))]
+        questions = [q.text for q in read_questions(packaged_config("questions_wiki_en.txt"), limit=1 + len(burst))]
         options = RunOptions(max_tokens=CALIBRATION_MAX_TOKENS, top_k=self.settings.retrieval.top_k)
         await self._calibrate(naive, questions[0], options)
         if measured:
             return
-        await asyncio.gather(*(self._calibrate(naive, question, options) for question in questions[1 : 1 + burst]))
-        measuring = list(zip(others, questions[1 + burst :], strict=True))
-        for start in range(0, len(measuring), burst):  # at once, as many as the burst (the queue may hold no more)
-            await asyncio.gather(*(self._calibrate(p, question, options) for p, question in measuring[start : start + burst]))
+        measuring = list(zip(burst, questions[1:], strict=True))
+        for start in range(0, len(measuring), size):  # at once, as many as the slots (the queue may hold no more)
+            await asyncio.gather(*(self._calibrate(p, question, options) for p, question in measuring[start : start + size]))
 
     async def _calibrate(self, pipeline: Pipeline, question: str, options: RunOptions) -> None:
         """One warm-up request, admitted and run as a client's is (no client to watch, no metrics)."""

@@ -342,8 +342,9 @@ class ServerSettings(Section):
     )
     warm_up: bool = setting(
         True,
-        "before /ready turns 200, a naive request alone, a burst of 16 (at most max_concurrency) and one request of "
-        "every other pipeline run through the whole path and admission (docs/configuration.md, Admission)",
+        "before /ready turns 200, a naive request alone, then a burst of 16 (at most max_concurrency): one request of "
+        "every other pipeline and naive ones for the rest, through the whole path and admission (docs/configuration.md, "
+        "Admission)",
     )
     switch_interval_ms: float = setting(
         0.5, "the server process's GIL switch interval; Python's default 5 ms makes the event loop wait behind the engine "
