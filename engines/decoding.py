@@ -4,6 +4,7 @@ each prompt's tokens, log-probabilities and text as it decodes (see `transformer
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +24,7 @@ class StreamCall:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     deliver: Callable[[Item], None]  # called on `loop` with each item, in order
+    context: contextvars.Context = field(default_factory=contextvars.copy_context)  # the caller's: `deliver` runs in it
     submitted: float = field(default_factory=time.perf_counter)
     abort: threading.Event = field(default_factory=threading.Event)  # nobody listens: its rows are dropped
     stop: threading.Event = field(default_factory=threading.Event)  # it needs no more: its rows end ("stop")
@@ -32,7 +34,7 @@ class StreamCall:
         if self.abort.is_set():
             return
         try:
-            self.loop.call_soon_threadsafe(self.deliver, item)
+            self.loop.call_soon_threadsafe(self.deliver, item, context=self.context)
         except RuntimeError:  # the caller's loop is closed: nobody is listening any more
             self.abort.set()
 

@@ -4,6 +4,7 @@ Gemma 3 270M GGUF (slow: converts it once into a temporary cache)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import copy
 import os
 import time
@@ -124,6 +125,16 @@ async def test_on_chunk_hears_each_chunk_and_asking_no_more_ends_the_call_there(
     assert 3 <= ended.completion_tokens < whole.completion_tokens
     assert ended.token_ids == whole.token_ids[: ended.completion_tokens]
     assert (await engine.generate([PROMPTS[0]], SamplingParams(max_tokens=24)))[0].token_ids == whole.token_ids
+
+
+async def test_on_chunk_runs_in_its_callers_context(engine: TransformersEngine):
+    """What the caller's context holds (a request's id, the question a search belongs to) is
+    what its `on_chunk` and the tasks it starts see, not the engine thread's."""
+    seen: list[str | None] = []
+    request = contextvars.ContextVar("request", default=None)
+    request.set("request 7")
+    await engine.generate([PROMPTS[0]], SamplingParams(max_tokens=4), lambda chunk: seen.append(request.get()))
+    assert seen and set(seen) == {"request 7"}
 
 
 async def test_a_failing_on_chunk_fails_its_call_only(engine: TransformersEngine):
