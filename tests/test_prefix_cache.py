@@ -241,16 +241,10 @@ class Recording:
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
 
-    async def generate(self, prompts, params):
-        generations = await self.engine.generate(prompts, params)
+    async def generate(self, prompts, params, on_chunk=None):
+        generations = await self.engine.generate(prompts, params, on_chunk)
         self.generations += generations
         return generations
-
-    async def stream(self, prompts, params):
-        async for item in self.engine.stream(prompts, params):
-            if isinstance(item, Generation):
-                self.generations.append(item)
-            yield item
 
 
 @pytest.mark.slow
