@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 from telerag.engines import StopFilter
 from telerag.engines.document_kv import ChunkedIds
-from telerag.engines.types import Generation, OnChunk, SamplingParams, TokenChunk, deadline_passed
+from telerag.engines.types import Generation, OnChunk, SamplingParams, Streamed, TokenChunk, deadline_passed
 
-Item = TokenChunk | Generation | BaseException  # what the worker hands a caller: its chunks, Generations, failure
+Item = Streamed | BaseException  # what the worker hands a caller: its chunks and Generations, or its failure
 
 
 @dataclass(eq=False)

@@ -45,7 +45,7 @@ from typing import Any
 
 from telerag.engines import StopFilter, format_chat, prompt_token_ids
 from telerag.engines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted
-from telerag.engines.types import FinishReason, Generation, OnChunk, SamplingParams, TokenChunk, deadline_passed
+from telerag.engines.types import FinishReason, Generation, OnChunk, SamplingParams, Streamed, TokenChunk, deadline_passed
 
 OVERLOADED = (429, 503)  # the status codes SGLang gives an abort for lack of room or time
 HOST_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)  # whose handlers SGLang must not keep
@@ -62,9 +62,6 @@ def sampling_params(params: SamplingParams) -> dict[str, Any]:
         "top_p": max(params.top_p, TOP_P_FLOOR),  # SGLang refuses 0; a nucleus this small is the top token, as 0 is
         "stop": list(params.stop) or None,
     }
-
-
-Item = TokenChunk | Generation  # what a call streams
 
 
 @dataclass
@@ -151,10 +148,10 @@ class SGLangEngine:
         (`Req.is_prefill_only`)."""
         return await self.generate(prompts, SamplingParams(max_tokens=0))
 
-    def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncGenerator[Item, None]:
+    def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncGenerator[Streamed, None]:
         return self._items(prompts, params, _Stop())
 
-    async def _items(self, prompts: Sequence[str], params: SamplingParams, stop: _Stop) -> AsyncGenerator[Item, None]:
+    async def _items(self, prompts: Sequence[str], params: SamplingParams, stop: _Stop) -> AsyncGenerator[Streamed, None]:
         """The call's chunks and Generations; once `stop` is asked, the unfinished prompts end
         with what they have ("stop") and SGLang aborts the rest as the stream closes."""
         if not prompts:
@@ -237,7 +234,7 @@ def _process_state_kept(loop: asyncio.AbstractEventLoop | None = None) -> Iterat
             signal.signal(sig, handler)
 
 
-def _translate(out: dict[str, Any], progress: list[_Progress], params: SamplingParams, started: float) -> list[Item]:
+def _translate(out: dict[str, Any], progress: list[_Progress], params: SamplingParams, started: float) -> list[Streamed]:
     """One SGLang output dict as our items: the new text and tokens as a TokenChunk and, on the
     last dict of a prompt, its Generation."""
     index = int(out.get("index", 0))
@@ -252,7 +249,7 @@ def _translate(out: dict[str, Any], progress: list[_Progress], params: SamplingP
     state.seen_text, state.token_ids, state.logprobs = text, ids, state.logprobs + new_logprobs
     if new_ids and not state.ttft_ms:
         state.ttft_ms = (now - started) * 1e3
-    items: list[Item] = []
+    items: list[Streamed] = []
     if piece or new_ids:
         items.append(
             TokenChunk(index=index, text=piece, token_ids=tuple(new_ids), logprobs=tuple(new_logprobs) if params.logprobs else ())
@@ -272,7 +269,7 @@ def _translate(out: dict[str, Any], progress: list[_Progress], params: SamplingP
     return items + _finished(state, index, ended, params, started, matched, cached, completion)
 
 
-def _cut(progress: list[_Progress], params: SamplingParams, started: float, reason: FinishReason) -> list[Item]:
+def _cut(progress: list[_Progress], params: SamplingParams, started: float, reason: FinishReason) -> list[Streamed]:
     """The unfinished prompts' end before SGLang's (their deadline, or their caller wants no
     more), each with what it has generated so far (SGLang aborts the rest when the stream closes)."""
     return [
@@ -292,7 +289,7 @@ def _finished(
     matched: str | None,
     cached: int,
     completion: int,
-) -> list[Item]:
+) -> list[Streamed]:
     """The held-back tail of a prompt's text, if any, and its Generation."""
     tail = state.text.finish(matched)
     state.done = True

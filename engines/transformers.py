@@ -49,7 +49,7 @@ from telerag.engines.errors import EngineError, EngineOverloaded, EngineUnavaila
 from telerag.engines.greedy_screen import greedy_screen_for
 from telerag.engines.prefix_cache import LayerKV, PrefixCache, PrefixHit
 from telerag.engines.skinny_linear import use_skinny_matmuls
-from telerag.engines.types import DocumentSplitter, Generation, OnChunk, SamplingParams, TokenChunk, deadline_passed
+from telerag.engines.types import DocumentSplitter, Generation, OnChunk, SamplingParams, Streamed, deadline_passed
 from telerag.utils.device import resolve_device
 from telerag.utils.files import user_cache_dir
 
@@ -221,7 +221,7 @@ class TransformersEngine:
         one: then nothing is computed) in the worker's turn, between two decode steps."""
         return await self.generate(prompts, SamplingParams(max_tokens=0))
 
-    async def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncGenerator[TokenChunk | Generation, None]:
+    async def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncGenerator[Streamed, None]:
         if not prompts:
             return
         queue: asyncio.Queue[Item] = asyncio.Queue()

@@ -60,6 +60,9 @@ class Generation:
     cached_tokens: int = 0  # of prompt_tokens, those whose KV the engine reused instead of prefilling
 
 
+Streamed = TokenChunk | Generation  # what a call streams: its chunks, and each prompt's Generation as it ends
+
+
 # What a caller of `Engine.generate` hears of each TokenChunk as it is made, on its own event loop:
 # True when the call needs no more (each of its prompts then ends there, as a stop string ends it).
 OnChunk = Callable[[TokenChunk], bool | None]
@@ -79,7 +82,7 @@ class Engine(Protocol):
         ("stop"), its Generations holding what was generated until the engine saw it."""
         ...
 
-    def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncGenerator[TokenChunk | Generation, None]:
+    def stream(self, prompts: Sequence[str], params: SamplingParams) -> AsyncGenerator[Streamed, None]:
         """Yield TokenChunks as tokens are produced and one Generation per prompt when it
         finishes; closing it aborts what is unfinished. The pull form of `generate`'s `on_chunk`."""
         ...
