@@ -9,6 +9,7 @@ import json
 import logging
 
 from telerag.cli.runtime_flags import add_runtime_flags, overrides
+from telerag.pipelines.ingestion import IngestionProgress, unfinished_ingestion
 from telerag.pipelines.registry import PIPELINES
 from telerag.pipelines.stats import SearchStats
 from telerag.pipelines.types import RagResult, RunEvent, RunOptions, TokenEvent, ignore_events
@@ -40,6 +41,13 @@ def print_result(result: RagResult) -> None:
     print(f"{'total':<18}{result.timings.total_ms:>8.1f}")
 
 
+def ingestion_line(ingesting: IngestionProgress) -> str:
+    return (
+        f"note: the datastore holds {ingesting.documents:,} of the {ingesting.total_documents:,} documents of "
+        f"{ingesting.source}: its ingestion has not ended (`telerag serve` writes the rest), so the answer may miss them"
+    )
+
+
 def print_token(event: RunEvent) -> None:
     if isinstance(event, TokenEvent):
         print(event.text, end="", flush=True)
@@ -51,8 +59,11 @@ def run(args: argparse.Namespace) -> int:
     settings = load_settings(args.config, overrides(args))
     logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")
 
-    async def main() -> RagResult:
+    async def main() -> tuple[RagResult, IngestionProgress | None]:
         async with open_runtime(settings) as runtime:
+            ingesting = None if runtime.documents is None else unfinished_ingestion(runtime.documents.live)
+            if ingesting is not None and not args.json:
+                print(ingestion_line(ingesting))
             pipeline = runtime.pipelines(runtime.retriever, [args.pipeline])[args.pipeline]
             options = RunOptions(
                 top_k=args.top_k or settings.retrieval.top_k,
@@ -62,11 +73,11 @@ def run(args: argparse.Namespace) -> int:
                 pipelining=settings.retrieval.pipelining,
                 speculative_prefill=settings.retrieval.speculative_prefill,
             )
-            return await pipeline.run(args.question, options, ignore_events if args.json else print_token)
+            return await pipeline.run(args.question, options, ignore_events if args.json else print_token), ingesting
 
-    result = asyncio.run(main())
+    result, ingesting = asyncio.run(main())
     if args.json:
-        response = QueryResponse.from_result(result, request_id="", with_documents=True)
+        response = QueryResponse.from_result(result, request_id="", with_documents=True, ingestion=ingesting)
         print(json.dumps(response.model_dump(exclude={"id"}), ensure_ascii=False))
     else:
         print_result(result)

@@ -1,10 +1,14 @@
 """`telerag documents add|rm|ls`: documents into and out of a datastore, through a running server
 (`--url`, `--api-key`) or straight into a datastore directory that no server holds.
 
-`add` takes files and folders (recursively, by extension: text, Markdown, HTML, PDF); a document's
-id is its path as given (`notes/a.md` for `add notes`). Adding a folder again rewrites only what
+`add` takes files and folders (recursively, by extension: text, Markdown, HTML, PDF). A document's
+id is where its file is in the folder given, under the folder's own name (`notes/a.md` for `add
+notes`, `add ./notes/`, `add /home/me/notes` or `add .` in `notes` alike), and a file given alone
+is its name: so the same file is the same document from any working directory. `--prefix P` puts
+`P` in place of the folder's name (ahead of a file's). Adding a folder again rewrites only what
 changed (the datastore compares content hashes), and with `--sync` deletes the documents under
-that folder whose files are gone.
+that folder whose files are gone. `rm` takes ids, and a folder's id (`rm notes`) removes every
+document under it.
 """
 
 from __future__ import annotations
@@ -51,7 +55,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add = actions.add_parser("add", help="write files and folders (recursively: .txt .md .html .pdf) as documents")
     add.add_argument("paths", nargs="+", type=Path)
     add.add_argument("--sync", action="store_true", help="also delete the documents under each folder whose files are gone")
-    rm = actions.add_parser("rm", help="delete documents by id")
+    add.add_argument(
+        "--prefix", help="ids under this prefix instead of the folder's name (a file's: ahead of its name); '' for none"
+    )
+    rm = actions.add_parser("rm", help="delete documents by id; a folder's id (e.g. notes) deletes every one under it")
     rm.add_argument("ids", nargs="+")
     ls = actions.add_parser("ls", help="list the documents: id, version, passages, title")
     for action, run in ((add, run_add), (rm, run_rm), (ls, run_ls)):
@@ -66,15 +73,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_add(args: argparse.Namespace) -> int:
-    files = list(_files(args.paths))
+    files = list(_files(args.paths, args.prefix))
     with _open(args) as documents:
         outcomes: dict[str, int] = {}
         for outcome in documents.add(files):
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
         if args.sync:
             kept = {doc_id for doc_id, _ in files}
-            folders = [_doc_id(path).rstrip("/") + "/" for path in args.paths if path.is_dir()]
-            gone = [d["id"] for d in documents.listing() if d["id"] not in kept and d["id"].startswith(tuple(folders))]
+            folders = tuple(_under(_folder_id(path, args.prefix)) for path in args.paths if path.is_dir())
+            gone = [d["id"] for d in documents.listing() if d["id"] not in kept and d["id"].startswith(folders)]
             for outcome in documents.remove(gone):
                 outcomes[outcome] = outcomes.get(outcome, 0) + 1
     print(", ".join(f"{count} {outcome}" for outcome, count in sorted(outcomes.items())) or "no files")
@@ -82,11 +89,19 @@ def run_add(args: argparse.Namespace) -> int:
 
 
 def run_rm(args: argparse.Namespace) -> int:
+    """Each id given is removed; one that names no document but a folder of them (`notes` for
+    `notes/a.md` and the rest) removes every document under it."""
+    asked = [doc_id.strip("/") or doc_id for doc_id in args.ids]
     with _open(args) as documents:
-        outcomes = documents.remove(list(args.ids))
-    for doc_id, outcome in zip(args.ids, outcomes, strict=True):
-        print(f"{doc_id}: {outcome}")
-    return 0 if all(outcome == "deleted" for outcome in outcomes) else 1
+        outcomes = documents.remove(asked)
+        folders = [doc_id for doc_id, outcome in zip(asked, outcomes, strict=True) if outcome != "deleted"]
+        held = [d["id"] for d in documents.listing()] if folders else []
+        under = {folder: [i for i in held if i.startswith(_under(folder))] for folder in folders}
+        if found := [i for ids in under.values() for i in ids]:
+            documents.remove(found)
+    for doc_id, outcome in zip(asked, outcomes, strict=True):
+        print(f"{doc_id}/: {len(under[doc_id])} deleted" if under.get(doc_id) else f"{doc_id}: {outcome}")
+    return 0 if all(outcome == "deleted" or under.get(doc_id) for doc_id, outcome in zip(asked, outcomes, strict=True)) else 1
 
 
 def run_ls(args: argparse.Namespace) -> int:
@@ -96,21 +111,31 @@ def run_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def _files(paths: list[Path]) -> Iterator[tuple[str, Path]]:
-    """(id, file) of every file to add: each file named, and each folder's files of a known type."""
+def _files(paths: list[Path], prefix: str | None) -> Iterator[tuple[str, Path]]:
+    """(id, file) of every file to add: each folder's files of a known type, under the folder's id
+    (`_folder_id`), and each file named, by its name (after `prefix`, where one is given)."""
     for path in paths:
         if path.is_dir():
-            for file in sorted(path.rglob("*")):
+            root = path.resolve()
+            folder = _folder_id(path, prefix)
+            for file in sorted(root.rglob("*")):
                 if file.is_file() and file.suffix.lower() in SUPPORTED_EXTENSIONS:
-                    yield _doc_id(file), file
+                    yield _under(folder) + file.relative_to(root).as_posix(), file
         elif path.is_file():
-            yield _doc_id(path), path
+            yield _under(prefix.strip("/") if prefix else "") + path.name, path
         else:
             raise SystemExit(f"telerag documents add: {path}: no such file or folder")
 
 
-def _doc_id(path: Path) -> str:
-    return Path(os.path.normpath(path)).as_posix()
+def _folder_id(folder: Path, prefix: str | None) -> str:
+    """What a folder's documents' ids start with: `prefix`, else the folder's own name (wherever
+    it is, and however it was named: `.`, `./notes/`, an absolute path)."""
+    return prefix.strip("/") if prefix is not None else folder.resolve().name
+
+
+def _under(folder: str) -> str:
+    """The start of the ids of the documents in `folder` ('' for none: the ids are the paths)."""
+    return folder + "/" if folder else ""
 
 
 def _open(args: argparse.Namespace) -> AbstractContextManager[Documents]:

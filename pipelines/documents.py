@@ -72,7 +72,8 @@ class DocumentText:
 def document_of_file(doc_id: str, path: Path) -> DocumentText:
     """A file on disk as a document: converted by its type (`files`), titled by its own title
     (HTML's, Markdown's first heading, a PDF's) or else its name, as an upload is."""
-    converted = convert(path.read_bytes(), file_format(path.name))
+    data = path.read_bytes()
+    converted = convert(data, file_format(path.name, None, data))
     return DocumentText(doc_id, converted.text, converted.title or path.name)
 
 

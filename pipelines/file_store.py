@@ -66,9 +66,9 @@ class FileStore:
         self._opened = True
 
     def add(self, data: bytes, filename: str, purpose: str, owner: str | None, content_type: str | None = None) -> StoredFile:
-        """Keep `data` as a new file (its format checked by name, else type: `UnsupportedFile`
+        """Keep `data` as a new file (its format told by name, else type, else content: `UnsupportedFile`
         names it), durable once this returns."""
-        fmt = file_format(filename, content_type)
+        fmt = file_format(filename, content_type, data)
         if len(data) > self.max_bytes:
             raise FilesTooLarge(f"the file is {len(data)} bytes, over files.max_bytes ({self.max_bytes})")
         with self._lock:

@@ -46,6 +46,9 @@ CONTENT_TYPES: dict[str, FileFormat] = {
 }
 
 
+FILE_FORMATS = "plain text, Markdown, HTML or PDF (told by its name's extension, else its type, else its content)"
+
+
 @dataclass(frozen=True)
 class ConvertedFile:
     """A file's text (paragraphs apart by a blank line, whitespace in a line folded) and its title, if it has one."""
@@ -54,22 +57,49 @@ class ConvertedFile:
     title: str | None
 
 
-def file_format(filename: str, content_type: str | None = None) -> FileFormat:
-    """The format by the file's extension, else by its content type: a browser labels a Markdown file
-    `application/octet-stream` as often as not, while the name the user gave it rarely lies."""
+def file_format(filename: str, content_type: str | None, data: bytes) -> FileFormat:
+    """The format by the file's extension, else by its content type, else by its content: a browser labels a
+    Markdown file `application/octet-stream` as often as not, while the name the user gave it rarely lies; and a
+    README, LICENSE, Makefile or `.rst`, sent with no type or a generic one, is text by what it holds. A type that
+    says the file is no text (an image, audio, video, a font) is believed. What none of the three shows to be text,
+    Markdown, HTML or PDF is refused, naming its extension and type."""
     name = filename.replace("\\", "/").rsplit("/", 1)[-1]
     extension = "." + name.rsplit(".", 1)[-1].lower() if "." in name else ""
     media_type = (content_type or "").split(";", 1)[0].strip().lower()
     found = SUPPORTED_EXTENSIONS.get(extension) or CONTENT_TYPES.get(media_type)
+    if found is None and media_type.startswith("text/"):
+        found = FileFormat.TEXT
+    sniffed = found is None and media_type.split("/", 1)[0] not in NOT_TEXT_TYPES
+    if sniffed:
+        found = _sniffed(data)
     if found is not None:
         return found
     described = [f"extension {extension!r}"] if extension else []
     if media_type:
         described.append(f"type {media_type!r}")
+    said = " and ".join(described) or "no extension and no content type"
     raise UnsupportedFile(
-        f"{filename!r}: unsupported file ({' and '.join(described) or 'no extension and no content type'}); "
-        f"supported: {', '.join(SUPPORTED_EXTENSIONS)} ({', '.join(CONTENT_TYPES)})"
+        f"{filename!r}: unsupported file ({said}{', and its content is not text' if sniffed else ''}); "
+        f"supported: text, {', '.join(SUPPORTED_EXTENSIONS)} ({', '.join(CONTENT_TYPES)})"
     )
+
+
+NOT_TEXT_TYPES = frozenset({"image", "audio", "video", "font", "model"})  # top-level media types that say "no text"
+SNIFFED_BYTES = 4096  # of a file's start, what its content is told by
+_HTML_START = re.compile(rb"\s*(?:<!--.*?-->\s*)*<(?:!doctype\s+html|html[\s>])", re.IGNORECASE | re.DOTALL)
+_BINARY = re.compile(rb"[\x00-\x08\x0e-\x1a\x1c-\x1f]")  # control bytes no text file holds (not tab, newline, form feed, ESC)
+
+
+def _sniffed(data: bytes) -> FileFormat | None:
+    """What a file's first bytes show it to be: a PDF by its signature, HTML by its opening tag, text when they hold
+    no control byte (its encoding is `convert`'s to check, and to name the byte it fails at); None for anything else
+    (an image, an archive, an office file)."""
+    head = data[:SNIFFED_BYTES]
+    if head.startswith(b"%PDF-"):
+        return FileFormat.PDF
+    if _BINARY.search(head):
+        return None
+    return FileFormat.HTML if _HTML_START.match(head.removeprefix(codecs.BOM_UTF8)) else FileFormat.TEXT
 
 
 def convert(data: bytes, fmt: FileFormat) -> ConvertedFile:

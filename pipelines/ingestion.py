@@ -25,6 +25,7 @@ from telerag.pipelines.documents import DocumentText, DocumentWriter, Embed
 from telerag.retrieval.builder import Encoder, build_datastore
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import WIKIPEDIA_SOURCE, Article, PassageShape, read_jsonl, read_wikipedia
+from telerag.retrieval.documents import WriteOutcome
 from telerag.retrieval.errors import DatastoreBusy, DatastoreCorruptError, DatastoreError
 from telerag.retrieval.generations import INGESTION
 from telerag.retrieval.live import LiveDatastore
@@ -78,7 +79,7 @@ class IngestionProgress:
 
     source: str
     state: IngestionState
-    documents: int  # of the corpus written
+    documents: int  # of the corpus, those the datastore holds
     total_documents: int
     error: str | None = None
 
@@ -189,11 +190,14 @@ class Ingestion:
         self._error: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # of the corpus, the documents held: those before the record's mark, and those after it held already (the
+        # seed's, drawn from all of it); one number, so that a reader in another thread sees the two as one
+        self._held = record.documents if record.done else record.written + _held_among(writer.live, documents[record.written :])
 
     @property
     def progress(self) -> IngestionProgress:
         record = self.record
-        return IngestionProgress(record.source, self._state, record.written, record.documents, self._error)
+        return IngestionProgress(record.source, self._state, self._held, record.documents, self._error)
 
     def start(self) -> None:
         """`run` in a thread of its own (a failure is logged and reported in `progress`)."""
@@ -244,9 +248,10 @@ class Ingestion:
                     document = self.documents[at + len(block)]
                     block.append(document)
                     passages += sum(1 for _ in shape.split([_article(document)]))
-                self.writer.write_now(block, if_absent=True)  # a document a client wrote meanwhile stays theirs
+                results = self.writer.write_now(block, if_absent=True)  # a document a client wrote meanwhile stays theirs
                 at += len(block)
                 self._advance(replace(self.record, written=at))
+                self._held += sum(result.outcome is WriteOutcome.CREATED for result in results)
                 bar.update(len(block))
 
     def _advance(self, record: IngestionRecord) -> None:
@@ -258,6 +263,16 @@ class Ingestion:
             self.run()
         except Exception:  # the server serves what was written; its next start goes on
             log.exception("%s: the ingestion of %s failed; what was written serves", self.root, self.record.source)
+
+
+def _held_among(live: LiveDatastore, documents: Sequence[DocumentText]) -> int:
+    """How many of `documents` the datastore holds (by id), read a page of its catalog at a time."""
+    wanted = {document.doc_id for document in documents}
+    held, after = 0, None
+    while page := live.documents(after=after, limit=1000):
+        held += sum(entry.doc_id in wanted for entry in page)
+        after = page[-1].doc_id
+    return held
 
 
 def ingest(
@@ -300,6 +315,18 @@ def ingestion_pending(path: Path) -> bool:
     """Whether the datastore at `path` has an ingestion that has not ended."""
     record = IngestionRecord.read(path)
     return record is not None and not record.done
+
+
+def unfinished_ingestion(live: LiveDatastore) -> IngestionProgress | None:
+    """How far the ingestion of `live`'s datastore is, while its corpus is not all written (None: it
+    is, or none was begun), for what searches it read-only as another process writes the rest, as
+    `telerag ask` may: the documents it holds (a client's among them, at most the corpus's) of the
+    corpus's."""
+    record = None if live.root is None else IngestionRecord.read(live.root)
+    if record is None or record.written >= record.documents:
+        return None
+    held = min(live.stats().documents, record.documents)
+    return IngestionProgress(record.source, IngestionState.INGESTING, held, record.documents)
 
 
 def finish_ingestion(path: Path, encode: Embed, *, progress: bool = True) -> None:

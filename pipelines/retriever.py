@@ -262,7 +262,9 @@ class DirectRetriever:
             ]
             provisional = self._provisional([requests[i] for i in members], snapshot)
             engine = self.engine_for(snapshot.datastore)
-            nprobe = asked_nprobe or engine.nprobe  # the default of the snapshot's generation (a retrain's nlist may differ)
+            # the default of the snapshot's generation (a retrain's nlist may differ); more lists than it has are all of
+            # them, as faiss's own IndexIVF.search takes them
+            nprobe = min(asked_nprobe or engine.nprobe, engine.nlist)
             handles = [_of_engine(handle, engine) for handle in handles]
             result = search_snapshot(
                 engine,

@@ -52,9 +52,7 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
     """The HTTP API, before anything is loaded: `/health` answers at once, `/ready` and `/v1/*`
     answer 503 until `start_serving` hands it a loaded runtime."""
     lifecycle = lifecycle or Lifecycle()
-    # the request models carry the configured limits and the pipelines; nprobe's bound (the
-    # datastore's nlist) is checked per request and added to the schema once the datastore is
-    # loaded, since it loads after the app exists
+    # the request models carry the configured limits and the pipelines
     query, chat = query_request_model(settings.limits, list(PIPELINES)), chat_request_model(settings.limits, list(PIPELINES))
     access = Access.from_settings(settings.server)
     # the documentation routes are ours (routes/ops.py), so that they can sit behind the API key

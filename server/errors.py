@@ -85,8 +85,6 @@ class Refusal(StrEnum):
     CALIBRATING = "calibrating"  # the rate or the estimates' error is not measured yet (one request in flight), or
     # fewer estimates have been checked than requests would be in flight
     PROMPT_TOKENS = "prompt_tokens"  # over limits.max_prompt_tokens (422, counted here too)
-    BEYOND_DEADLINE = "beyond_deadline"  # its own token limit makes it expected past the deadline even alone: no wait
-    # would let it in (422 naming that limit, counted here too)
 
 
 class ServerError(Exception):
@@ -155,6 +153,12 @@ class InvalidField(ServerError):
         self.field = field
 
 
+class IdMismatch(InvalidField):
+    """A body names an id other than its path's (`PUT /v1/documents/{id}`)."""
+
+    code = "id_mismatch"
+
+
 class UnsupportedField(InvalidField):
     """A request field (or a value of it) asks for what this server does not do: an OpenAI
     field it does not serve (`tools`, `n: 2`, an image part), or a field it does not know."""
@@ -187,6 +191,7 @@ class BodyTooLarge(ServerError):
 STATUS: list[tuple[type[Exception], int]] = [
     (InvalidJSON, 400),
     (UnsupportedField, 400),
+    (IdMismatch, 400),
     (UnsupportedFile, 400),
     (FileUnreadable, 422),
     (InvalidDocument, 422),
@@ -227,8 +232,8 @@ STATUS: list[tuple[type[Exception], int]] = [
 ]
 WHEN = {  # what each status means, for the OpenAPI schema
     400: "The body is not JSON (or not UTF-8, or nested too deep), or it asks for what this server does not do "
-    "(a field it does not know or serve, a value it does not serve, a file of a type it does not convert); "
-    "`error.field` names it.",
+    "(a field it does not know or serve, a value it does not serve, a file of a type it does not convert), or "
+    "its id differs from the path's; `error.field` names it.",
     401: "Missing or wrong API key (`Authorization: Bearer <key>`).",
     404: "No such document (or file, vector store or file batch, or none the API key may see).",
     409: "The datastore is read-only here (another process holds it for writing, or it holds no passages), or a "
@@ -311,7 +316,7 @@ def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     }
 
 
-def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     errors = cast(RequestValidationError, exc).errors()
     first: dict[str, Any] = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     if first.get("type") == "json_invalid":
@@ -324,6 +329,8 @@ def _validation_error(_: Request, exc: Exception) -> JSONResponse:
         return response_for(UnsupportedField(field, f"{field}: {why}"))
     field = _field_path(first.get("loc", ()))
     message = f"{field}: {first.get('msg')}" if field else str(first.get("msg"))
+    if first.get("type") == "missing" and request.headers.get("content-type", "").startswith("multipart/form-data"):
+        message += " (a form field sent empty is one not sent)"  # as FastAPI reads a form
     return response_for(InvalidField(field, message))
 
 

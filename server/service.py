@@ -195,6 +195,12 @@ class Service:
         ingestion = self.runtime.ingestion
         return None if ingestion is None else ingestion.progress
 
+    def ingesting(self) -> IngestionProgress | None:
+        """How far the datastore's corpus is written while it is not all (an answer searched a part
+        of it: the answer says so); None once it is, or where nothing is being written."""
+        progress = self.ingestion_progress()
+        return progress if progress is not None and progress.documents < progress.total_documents else None
+
     def live_report(self) -> LiveReport | None:
         """What the metrics read of the live datastore (None: no live datastore here)."""
         writer, rebuilds = self.runtime.documents, self.runtime.rebuilds
@@ -227,15 +233,10 @@ class Service:
         pipelining: bool | None = None,
         speculative_prefill: bool | None = None,
     ) -> RunOptions:
-        """A request's options, checked for what the request models cannot check: nprobe against
-        the datastore's nlist (the app's models are built before the datastore is loaded). What
-        the request leaves out (None) is the settings': top_k, nprobe "auto" when
-        `retrieval.nprobe` is (a configured number is the retriever's own default), pipelining,
-        speculative prefill."""
+        """A request's options. What the request leaves out (None) is the settings': top_k, nprobe
+        "auto" when `retrieval.nprobe` is (a configured number is the retriever's own default),
+        pipelining, speculative prefill."""
         retrieval = self.settings.retrieval
-        nlist = self.runtime.datastore_info.nlist
-        if isinstance(nprobe, int) and nprobe > nlist:
-            raise InvalidField("nprobe", f"nprobe must be at most nlist ({nlist})")
         if nprobe is None and retrieval.nprobe == "auto":
             nprobe = "auto"
         return RunOptions(
@@ -293,17 +294,14 @@ class Service:
         *,
         query_field: str = "query",
         top_k_field: str | None = "top_k",
-        limit_field: str | None = "max_tokens",
     ) -> AdmittedRun:
         """Admit the request at its expected cost (`workload`), or refuse it at once (422 over the
-        prompt limit or, with a token limit of its own, past the deadline even alone; 429 when
-        busy); its run starts waiting for a slot. The fields name what is blamed: the question and
-        top_k (`prompt_tokens`), the token limit (the request's own name for it; None: it set
-        none, and an answer too long for the deadline is cut there instead)."""
+        prompt limit, naming the question's and top_k's fields; 429 when busy); its run starts
+        waiting for a slot, and its LLM calls stop at the deadline."""
         prompt = self.prompt_tokens(query, options, query_field=query_field, top_k_field=top_k_field)
         calls = pipeline.llm_calls + (1 if options.history else 0)  # a follow-up's rewrite
         cost = self.workload.estimate(pipeline.name, calls, prompt, options.max_tokens, options.temperature)
-        ticket = self.admission.admit(cost, client, limit_field=limit_field)
+        ticket = self.admission.admit(cost, client)
         deadline = self.admission.deadline_s
         if deadline is not None:  # the promise kept even where the estimate was wrong: its LLM calls stop in time
             options = replace(options, deadline=ticket.admitted_at + deadline - DEADLINE_STOP_LEAD_S)
@@ -317,7 +315,7 @@ class Service:
         (`ClientDisconnected`) as any run."""
         if self.query_rewrite is None:
             raise VectorStoresUnavailable("this deployment serves no vector stores (a Ray cluster's inference replicas)")
-        run = self.admit(request, self.query_rewrite, query, REWRITE_OPTIONS, client, top_k_field=None, limit_field=None)
+        run = self.admit(request, self.query_rewrite, query, REWRITE_OPTIONS, client, top_k_field=None)
         return (await run.result()).answer
 
     def _learn(self, pipeline: str, prompt_tokens: int, temperature: float, served: ServedWork) -> None:

@@ -140,6 +140,36 @@ async def test_uploaded_files_are_converted_and_answered_from(tmp_path):
         assert bad.status_code == 422 and bad.json()["error"]["field"] == "metadata"
 
 
+async def test_a_file_posted_to_documents_is_taken_as_an_upload_is(tmp_path):
+    """NVIDIA's RAG blueprint takes files on its documents route: so does this one, as multipart,
+    with /v1/uploads's fields; a README with no extension and no type is text by its content."""
+    with documents_app(tmp_path) as client:
+        readme = f"Volcanoes\n\n{VOLCANO} " * 3
+        posted = await client.post("/v1/documents", files={"file": ("README", readme.encode())}, data={"id": "docs/README"})
+        assert posted.status_code == 201, posted.text
+        assert posted.json()["id"] == "docs/README" and posted.json()["outcome"] == "created"
+        assert "docs/README" in await found(client, VOLCANO)
+        named = await client.post("/v1/documents", files={"file": ("notes.md", b"# Notes\n\npiano sonata")})
+        assert named.status_code == 201 and named.json()["id"] == "notes.md"
+        image = await client.post("/v1/documents", files={"file": ("photo", b"\x89PNG\r\n\x1a\n\x00\x00", "image/png")})
+        assert image.status_code == 400 and image.json()["error"]["type"] == "unsupported_file"
+        assert (await client.post("/v1/documents", json={"id": "j", "text": "still JSON"})).status_code == 201
+        schema = (await client.get("/openapi.json")).json()
+    body = schema["paths"]["/v1/documents"]["post"]["requestBody"]["content"]
+    assert body.keys() == {"application/json", "multipart/form-data"}
+    assert body["multipart/form-data"] == schema["paths"]["/v1/uploads"]["post"]["requestBody"]["content"]["multipart/form-data"]
+
+
+async def test_a_put_may_name_its_own_id_in_the_body_but_no_other(tmp_path):
+    with documents_app(tmp_path) as client:
+        same = await client.put("/v1/documents/guides/a", json={"id": "guides/a", "text": "piano sonata"})
+        assert same.status_code == 201 and same.json()["id"] == "guides/a", same.text
+        other = await client.put("/v1/documents/guides/a", json={"id": "guides/b", "text": "piano sonata"})
+        assert other.status_code == 400 and other.json()["error"]["type"] == "id_mismatch"
+        assert other.json()["error"]["field"] == "id" and "differs" in other.json()["error"]["message"]
+        assert (await client.get("/v1/documents/guides/b")).status_code == 404
+
+
 @pytest.mark.parametrize(
     ("body", "status", "field"),
     [
@@ -224,13 +254,17 @@ async def test_a_compaction_and_a_retrain_through_the_api(tmp_path):
         assert await found(client, VOLCANO) == before
         assert (await client.get("/v1/documents/volcanoes")).json()["content_hash"].startswith("sha256:")
 
-        retrained = await client.post("/v1/datastore/retrain", json={"nlist": 2})
+        too_many = await client.post("/v1/datastore/retrain", json={"nlist": 42})  # a list per passage at most
+        assert too_many.status_code == 422 and too_many.json()["error"]["field"] == "nlist", too_many.text
+        retrained = await client.post("/v1/datastore/retrain", json={"nlist": 2.0})  # an integer, as JSON Schema counts
         assert retrained.status_code == 202 and retrained.json()["changes_results"]
         state = await rebuilt(client)
         assert state["rebuild"]["generation"] == 2 and (await client.get("/ready")).json()["datastore"]["nlist"] == 2
         assert (await found(client, VOLCANO, nprobe=2))[0] == "volcanoes"
-        refused = await client.post("/v1/rag/query", json={"query": "q", "nprobe": 3})
-        assert refused.status_code == 422 and refused.json()["error"]["field"] == "nprobe"  # nlist is 2 now
+        past = await client.post("/v1/rag/query", json={"query": VOLCANO, "nprobe": 4, "top_k": 3})  # nlist is 2 now
+        assert past.status_code == 200, past.text
+        searched = [step["stats"]["nprobe"] for step in past.json()["steps"] if step["kind"] == "retrieval"]
+        assert searched == [2] and [d["doc_id"] for d in past.json()["documents"]] == await found(client, VOLCANO, nprobe=2)
 
 
 async def test_a_compaction_begins_by_itself_once_enough_is_written(tmp_path, monkeypatch):

@@ -89,6 +89,9 @@ def test_a_folder_through_the_server_and_into_a_directory(tmp_path):
         assert top_document(server.base, "Basalt forms when lava cools quickly at the surface.") == "notes/b.txt"
 
         assert telerag("documents", "add", "notes", *url, cwd=work).stdout.strip() == "4 unchanged"
+        # the same files are the same documents from any working directory, however the folder is named
+        assert telerag("documents", "add", ".", *url, cwd=notes).stdout.strip() == "4 unchanged"
+        assert telerag("documents", "add", str(notes) + "/", *url, cwd=tmp_path).stdout.strip() == "4 unchanged"
         (notes / "a.md").write_text("# Alpacas\n\nAlpacas hum to one another.\n")
         (notes / "b.txt").unlink()
         synced = telerag("documents", "add", "notes", "--sync", *url, cwd=work)
@@ -122,3 +125,10 @@ def test_a_folder_through_the_server_and_into_a_directory(tmp_path):
     info = json.loads(telerag("datastore", "info", str(datastore), "--json", cwd=work).stdout)
     assert info["documents"] == 26 and info["generation"] == 2 and info["delta_rows"] == info["tombstones"] == 0
     assert "more/e.md" in telerag("documents", "ls", *directory, cwd=work).stdout
+
+    prefixed = telerag("documents", "add", "e.md", "--prefix", "kept", *directory, cwd=more)
+    assert prefixed.stdout.strip() == "1 created", prefixed.stderr
+    folder = telerag("documents", "rm", "more/", "nowhere", *directory, cwd=tmp_path)  # a folder's id takes its documents
+    assert folder.stdout.splitlines() == ["more/: 4 deleted", "nowhere: not_found"] and folder.returncode == 1
+    ids = {line.split("\t")[0] for line in telerag("documents", "ls", *directory, cwd=work).stdout.splitlines()}
+    assert "kept/e.md" in ids and "notes/c.html" in ids and not any(i.startswith("more/") for i in ids)

@@ -137,7 +137,6 @@ def test_real_server_refuses_a_missing_or_wrong_api_key(server, header):
     [
         ({"query": " "}, "query"),
         ({"query": "q", "top_k": 1000}, "top_k"),
-        ({"query": "q", "nprobe": 100_000}, "nprobe"),
         ({"query": "q", "max_tokens": 100_000}, "max_tokens"),
         ({"query": "q", "pipeline": "../../etc/passwd"}, "pipeline"),
         ({"query": ["not", "text"]}, "query"),

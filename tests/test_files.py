@@ -154,7 +154,28 @@ def test_pdfs_converted_on_many_threads_at_once_all_come_out_whole():
     ],
 )
 def test_the_format_is_told_by_extension_then_by_content_type(filename, content_type, expected):
-    assert file_format(filename, content_type) is expected
+    assert file_format(filename, content_type, b"\x00 binary, so its content would tell nothing") is expected
+
+
+ZIP = b"PK\x03\x04\x14\x00\x06\x00\x08\x00\x00\x00!\x00"
+
+
+@pytest.mark.parametrize(
+    ("filename", "content_type", "data", "expected"),
+    [
+        ("README", None, b"# telerag\n\nA RAG server.\n", FileFormat.TEXT),
+        ("LICENSE", "application/octet-stream", b"Apache License\nVersion 2.0, January 2004\n", FileFormat.TEXT),
+        ("Makefile", None, b"all:\n\tpython -m build\n", FileFormat.TEXT),
+        ("notes.rst", None, "Caf\u00e9 notes\n==========\n".encode(), FileFormat.TEXT),
+        ("NOTES", "text/x-rst", b"Notes\n=====\n", FileFormat.TEXT),  # any text/* type is text
+        ("latin1", None, b"caf\xe9", FileFormat.TEXT),  # text by its bytes; `convert` names the byte that is not UTF-8
+        ("index", "application/octet-stream", b"\xef\xbb\xbf  <!DOCTYPE html><html><p>hi</p></html>", FileFormat.HTML),
+        ("page", None, b"<!-- saved --><HTML lang=en><body>hi</body></HTML>", FileFormat.HTML),
+        ("scan", "application/octet-stream", b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n1 0 obj", FileFormat.PDF),
+    ],
+)
+def test_where_name_and_type_say_nothing_the_content_tells_text_html_and_pdf(filename, content_type, data, expected):
+    assert file_format(filename, content_type, data) is expected
 
 
 def test_every_supported_extension_is_lower_case_and_dotted():
@@ -162,17 +183,17 @@ def test_every_supported_extension_is_lower_case_and_dotted():
 
 
 @pytest.mark.parametrize(
-    ("filename", "content_type", "named"),
+    ("filename", "content_type", "data", "named"),
     [
-        ("sheet.xlsx", "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet", ["'.xlsx'", "spreadsheetml"]),
-        ("photo.jpeg", None, ["'.jpeg'"]),
-        ("upload", "image/png; q=1", ["'image/png'"]),
-        ("upload", None, ["no extension and no content type"]),
+        ("sheet.xlsx", "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet", ZIP, ["'.xlsx'", "spreadsheetml"]),
+        ("photo.jpeg", None, b"\xff\xd8\xff\xe0\x00\x10JFIF\x00", ["'.jpeg'", "not text"]),
+        ("upload", "image/png; q=1", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", ["'image/png'"]),
+        ("upload", None, ZIP, ["no extension and no content type", "not text"]),
     ],
 )
-def test_an_unsupported_file_is_refused_naming_its_type(filename, content_type, named):
+def test_an_unsupported_file_is_refused_naming_its_type(filename, content_type, data, named):
     with pytest.raises(UnsupportedFile) as refused:
-        file_format(filename, content_type)
+        file_format(filename, content_type, data)
     assert all(name in str(refused.value) for name in named)
     assert refused.value.code == "unsupported_file"
 

@@ -243,3 +243,64 @@ def test_a_server_answers_from_the_seed_and_writes_the_rest_while_it_serves(tmp_
     finally:
         live_store.close()
         live_store.datastore.close()
+
+
+async def test_every_answer_says_how_much_of_the_corpus_it_searched_while_the_rest_is_written(tmp_path):
+    """A first start answers from a sample while it writes the rest: each API's answer says so
+    (documents held of those expected), as JSON, as the stream's first event, through the openai
+    SDK; and says nothing once the corpus is all written. `telerag ask` reads the same from the
+    datastore's record."""
+    from telerag.pipelines.datastores import open_retriever
+    from telerag.pipelines.ingestion import unfinished_ingestion
+    from telerag.pipelines.rebuilds import Rebuilds
+    from telerag.server.app import create_app, start_serving
+    from telerag.server.runtime import Runtime
+    from tests.fake_app import sdk, settings
+    from tests.fakes import Reply, ScriptedEngine
+
+    embedder, documents = HashEmbedder(), corpus(60, seed=5)
+    path = seed(tmp_path / "ds", documents, embedder, sample_passages=20)
+    retriever = open_retriever(path, embedder, device="cpu", writable=True)
+    held = retriever.live.stats().documents  # the seed's, drawn from all of the corpus
+    assert 0 < held < 60 and IngestionRecord.read(path).written == 0 and unfinished_ingestion(retriever.live).documents == held
+    rebuilds = Rebuilds(retriever.live)
+    writer = DocumentWriter(retriever.live, retriever.embed_passages)
+    ingestion = Ingestion(writer, documents, IngestionRecord.read(path), retrain=lambda nlist: retriever.live.retrain(nlist=nlist))
+    runtime = Runtime(
+        settings=settings(),
+        engine=ScriptedEngine(lambda prompt: Reply("an answer")),
+        retriever=retriever,
+        datastore_info=retriever.datastore_info(),
+        documents=writer,
+        rebuilds=rebuilds,
+        ingestion=ingestion,
+    )
+    app = create_app(runtime.settings)
+    start_serving(app, runtime)
+    partly = {"source": "test", "state": "ingesting", "documents": held, "total_documents": 60, "error": None}
+    question = [{"role": "user", "content": "river star"}]
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=30) as client:
+            answer = await client.post("/v1/rag/query", json={"query": "river star", "max_tokens": 4})
+            assert answer.status_code == 200 and answer.json()["ingestion"] == partly, answer.text
+            streamed = await client.post("/v1/rag/query", json={"query": "river star", "stream": True})
+            first = streamed.text.split("\n\n")[0].splitlines()
+            assert first[0] == "event: ingestion" and json.loads(first[1].removeprefix("data: ")) == partly
+            assert f'"ingestion":{json.dumps(partly, separators=(",", ":"))}' in streamed.text.replace(" ", "")  # the result
+            chat = await sdk(client).chat.completions.create(model="naive", messages=question)
+            assert chat.model_extra["ingestion"] == partly
+            chunks = [c async for c in await sdk(client).chat.completions.create(model="naive", messages=question, stream=True)]
+            assert chunks[0].model_extra["ingestion"] == partly and "ingestion" not in chunks[-1].model_extra
+            response = await sdk(client).responses.create(model="naive", input="river star")
+            assert response.model_extra["ingestion"] == partly
+
+            ingestion.run()  # the rest written, and retrained
+            assert unfinished_ingestion(retriever.live) is None
+            done = await client.post("/v1/rag/query", json={"query": "river star", "max_tokens": 4})
+            assert done.status_code == 200 and done.json()["ingestion"] is None
+            assert "event: ingestion" not in (await client.post("/v1/rag/query", json={"query": "q", "stream": True})).text
+            assert (await sdk(client).chat.completions.create(model="naive", messages=question)).model_extra["ingestion"] is None
+    finally:
+        writer.close()
+        rebuilds.join()
+        retriever.close()

@@ -58,6 +58,16 @@ async def test_prefetch_search_release(retriever):
     assert retriever.cache_stats().pinned_clusters == 0
 
 
+async def test_an_nprobe_past_the_datastores_lists_searches_them_all_as_faiss_does(retriever):
+    """The lists a search may probe are the datastore's, which a retrain changes under a request:
+    more than it has are all of them (faiss's own `IndexIVF.search` clamps so), said in the stats."""
+    nlist = retriever.datastore_info().nlist
+    past = await retriever.search(["river water fish boat"], SearchOptions(top_k=5, nprobe=nlist + 7))
+    every = await retriever.search(["river water fish boat"], SearchOptions(top_k=5, nprobe=nlist))
+    assert past.stats.nprobe == every.stats.nprobe == nlist
+    assert [d.id for d in past.documents[0]] == [d.id for d in every.documents[0]]
+
+
 async def test_batched_requests_get_their_own_answers(retriever):
     requests = [
         SearchRequest(["piano concert"], SearchOptions(top_k=2, nprobe=1)),

@@ -182,7 +182,6 @@ async def test_disconnect_aborts_generation_and_releases_clusters():
         ({"query": "q", "pipeline": "nope"}, "pipeline"),
         ({"query": "q", "top_k": 0}, "top_k"),
         ({"query": "q", "top_k": 51}, "top_k"),
-        ({"query": "q", "nprobe": 65}, "nprobe"),
         ({"query": "q", "nprobe": 0}, "nprobe"),
         ({"query": "q", "max_tokens": 5000}, "max_tokens"),
         ({"query": "q", "temperature": -1}, "temperature"),

@@ -19,8 +19,7 @@ real finish is compared with. Every `Retry-After` comes from the same model: whe
 that blocks this one should be done. A burst that the model expects to finish in time is
 admitted whole; only before any request has finished (no rate measured: the server's warm-up
 measures it before it is ready, unless `server.warm_up` is off) is one admitted at a time. One
-expected past the deadline even alone is refused with a 422 naming `max_tokens`: no wait would
-let it in.
+expected past the deadline even alone is admitted on an idle server and cut at the deadline.
 
 The model is still a model: a request may generate more than its estimate, a prompt's prefill
 holds up the others' decoding, a busy event loop delays what the estimate does not count, and on
@@ -55,7 +54,7 @@ from typing import NoReturn
 
 from telerag.server.admission.model import EstimateError, Job, Measured, Rates, ServiceRate, plan_finishes
 from telerag.server.admission.workload import RequestCost
-from telerag.server.errors import InvalidField, Overloaded, Refusal
+from telerag.server.errors import Overloaded, Refusal
 from telerag.server.settings import DEADLINE_MARGIN
 
 logger = logging.getLogger(__name__)
@@ -174,15 +173,13 @@ class DeadlineAdmission(AdmittedTickets):
 
     # -- decisions ---------------------------------------------------------------------------
 
-    def admit(
-        self, cost: RequestCost, client: str | None = None, *, calibrating: bool = False, limit_field: str | None = "max_tokens"
-    ) -> Ticket:
+    def admit(self, cost: RequestCost, client: str | None = None, *, calibrating: bool = False) -> Ticket:
         """Admit the request (it then waits for a slot) or raise `Overloaded` with a Retry-After.
         `calibrating`: a request of the server's own warm-up, which measures what the deadline
-        needs: admitted whatever it. `limit_field`: the request's field that set its token limit
-        (what a request too long even alone is told to lower); None: the request left it unset,
-        so nothing of its own is too long: it is never refused as such, and its answer is cut at
-        the deadline (what the load decides stays a 429)."""
+        needs: admitted whatever it. A request expected past the deadline even alone (its token
+        limit, the server's or its own, longer than the server can decode in time) is admitted
+        when nothing else runs, and its answer is cut at the deadline: its limit is no reason to
+        refuse it, since no schema can say how many tokens a deadline holds on this machine."""
         self._advance()
         rates = self.rate.rates()
         if self.max_in_flight_per_key is not None and client is not None:
@@ -200,8 +197,6 @@ class DeadlineAdmission(AdmittedTickets):
                 self._soonest(rates, self._admitted),
             )
         ticket = Ticket(cost, client, admitted_at=self._last, calibrating=calibrating)
-        if self.deadline_s is not None and rates and not calibrating and not cost.provisional and limit_field is not None:
-            self._check_alone(rates, ticket, self.deadline_s, limit_field)
         tickets = [*self._admitted, ticket]
         jobs = _jobs(rates, tickets) if rates else ()
         finishes = dict(zip(tickets, plan_finishes(rates, jobs, self.max_concurrency), strict=True)) if rates else None
@@ -225,23 +220,6 @@ class DeadlineAdmission(AdmittedTickets):
     def _finishes(self, rates: Rates, tickets: list[Ticket]) -> dict[Ticket, float]:
         """Seconds from now until each of `tickets` (in admission order) finishes, nothing else admitted."""
         return dict(zip(tickets, plan_finishes(rates, _jobs(rates, tickets), self.max_concurrency), strict=True))
-
-    def _check_alone(self, rates: Rates, ticket: Ticket, deadline_s: float, limit_field: str) -> None:
-        """Refuse a request whose expected time alone on the server (its mean cost, unscaled:
-        not the high quantile and the error that keep the p99 of what is admitted) is past the
-        deadline: no wait would let it in, so it is the client's to change (422 naming
-        `limit_field`, the limit it sets), not a 429 to retry. Not on the prior's guess
-        (`RequestCost.provisional`): a pipeline not measured yet is run alone to be measured."""
-        expected = Ticket(RequestCost(ticket.cost.work, ticket.cost.prefill_work), ticket.client)
-        alone_s = self._finishes(rates, [expected])[expected]
-        if alone_s <= deadline_s * (1.0 - self.margin):
-            return
-        self.on_refuse(Refusal.BEYOND_DEADLINE)
-        raise InvalidField(
-            limit_field,
-            f"this request would take about {alone_s:.0f} s even alone on the server, past the deadline of "
-            f"{deadline_s:g} s: ask for fewer {limit_field} (or sample at a lower temperature)",
-        )
 
     def _check_deadlines(
         self, rates: Rates, tickets: list[Ticket], jobs: tuple[Job, ...], finishes: dict[Ticket, float], deadline_s: float

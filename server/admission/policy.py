@@ -38,11 +38,8 @@ class AdmissionPolicy(Protocol):
     @property
     def n_waiting(self) -> int: ...
 
-    def admit(
-        self, cost: RequestCost, client: str | None = None, *, calibrating: bool = False, limit_field: str | None = "max_tokens"
-    ) -> Ticket:
-        """The request's ticket (it then waits for a slot), or `Overloaded` (429) or
-        `InvalidField` (422) at once."""
+    def admit(self, cost: RequestCost, client: str | None = None, *, calibrating: bool = False) -> Ticket:
+        """The request's ticket (it then waits for a slot), or `Overloaded` (429) at once."""
         ...
 
     async def start(self, ticket: Ticket) -> None:
@@ -96,9 +93,7 @@ class FixedLimit(AdmittedTickets):
     def deadline_s(self) -> float | None:
         return None
 
-    def admit(
-        self, cost: RequestCost, client: str | None = None, *, calibrating: bool = False, limit_field: str | None = "max_tokens"
-    ) -> Ticket:
+    def admit(self, cost: RequestCost, client: str | None = None, *, calibrating: bool = False) -> Ticket:
         if self.max_in_flight_per_key is not None and client is not None:
             own = sum(t.client == client for t in self._admitted)
             if own >= self.max_in_flight_per_key:

@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     BeforeValidator,
     Field,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
     StringConstraints,
 )
-from pydantic_core import PydanticCustomError
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema, PydanticCustomError, core_schema
 
 from telerag.pipelines.types import Document
 from telerag.server.settings import LimitSettings
@@ -30,9 +34,12 @@ def _integral(value: Any) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def integer(low: int, high: int | None) -> Any:
-    """An integer in [low, high] (no upper bound with None); 2.0 counts, "2" and true do not."""
-    return Annotated[int, Field(ge=low, le=high), BeforeValidator(_integral)]
+INTEGRAL = BeforeValidator(_integral)  # after an int's Field(ge=, le=) in its Annotated, so that the schema keeps its bounds
+
+
+def integer(low: int | None, high: int | None) -> Any:
+    """An integer in [low, high] (no bound on a side that is None); 2.0 counts, "2" and true do not."""
+    return Annotated[int, Field(ge=low, le=high), INTEGRAL]
 
 
 class ErrorDetail(BaseModel):
@@ -60,6 +67,26 @@ UNSUPPORTED = "unsupported"  # a pydantic error type: the request asks for what 
 
 def refuse(message: str) -> PydanticCustomError:
     return PydanticCustomError(UNSUPPORTED, message)
+
+
+@dataclass(frozen=True)
+class NullOnly:
+    """The metadata of a field that takes null only (or is left out): one OpenAI's clients may send that is not
+    served, or one the request's other fields leave no room for. The schema says null; any other value is refused
+    with `why`, a 400 naming the field (`refuse`), before its type is looked at."""
+
+    why: str
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        def null_only(value: Any) -> Any:
+            if value is not None:
+                raise refuse(self.why)
+            return value
+
+        return core_schema.no_info_before_validator_function(null_only, handler(source))
+
+    def __get_pydantic_json_schema__(self, schema: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        return {"type": "null"}
 
 
 def pipeline_name(pipelines: Sequence[str]) -> Any:

@@ -53,7 +53,7 @@ class Conversation(BaseModel):
     return_documents: bool = Field(
         True, description="an extension: false leaves out `documents`, the passages the answer was written from"
     )
-    tools: Annotated[list[FileSearchTool], BeforeValidator(file_search_only)] | None = Field(
+    tools: Annotated[list[FileSearchTool], Field(max_length=1), BeforeValidator(file_search_only)] | None = Field(
         None, description="one file_search tool at most: the answer is written from those vector stores instead"
     )
 
@@ -66,8 +66,8 @@ class Conversation(BaseModel):
         raise NotImplementedError
 
     @property
-    def token_limit(self) -> tuple[str, int | None]:
-        """The field that sets the answer's token limit, and its value (None: the server's default)."""
+    def token_limit(self) -> int | None:
+        """The answer's token limit (None: the server's default)."""
         raise NotImplementedError
 
     @property

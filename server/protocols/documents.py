@@ -4,7 +4,6 @@ schema says what the server takes."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, create_model
@@ -13,6 +12,7 @@ from telerag.pipelines.documents import NON_BLANK, DocumentText, DocumentWriter
 from telerag.pipelines.ingestion import IngestionProgress
 from telerag.pipelines.rebuilds import Rebuild
 from telerag.retrieval.documents import DocumentEntry, WriteOutcome, WriteResult
+from telerag.server.protocols.common import INTEGRAL
 from telerag.server.protocols.ops import IngestionInfo, LiveInfo
 from telerag.server.settings import DocumentSettings
 
@@ -31,10 +31,12 @@ DocumentId = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS, pattern
 
 
 class DocumentFields(BaseModel):
-    """What a document is made of, but its id (`PUT /v1/documents/{id}` takes it from the path)."""
+    """What a document is made of; its id is optional (`PUT /v1/documents/{id}` takes it from the
+    path, and a body's id other than the path's is a 400)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
+    id: DocumentId | None = Field(None, description="the path's id, if given at all (another is a 400)")
     text: str = Field(
         min_length=1, pattern=NON_BLANK, description="the document's text (cut into passages by the datastore's rule)"
     )
@@ -174,14 +176,18 @@ def live_info(writer: DocumentWriter, ingestion: IngestionProgress | None) -> Li
         tombstones=stats.tombstones,
         wal_bytes=stats.wal_bytes,
         list_imbalance=round(stats.imbalance, 3),
-        ingestion=None if ingestion is None else IngestionInfo(**dataclasses.asdict(ingestion)),
+        ingestion=None if ingestion is None else IngestionInfo.of(ingestion),
     )
 
 
 class RetrainRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    nlist: int | None = Field(None, ge=1, description="lists of the new generation (default: about 4·sqrt(passages))")
+    nlist: Annotated[int, Field(ge=1), INTEGRAL] | None = Field(
+        None,
+        description="lists of the new generation (default: about 4·sqrt(passages)); at most the datastore's passages "
+        "(GET /v1/datastore: live.passages), 422 otherwise",
+    )
 
 
 class RebuildOut(BaseModel):

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from telerag.pipelines.types import TextEmbeddings
-from telerag.server.protocols.common import refuse
+from telerag.server.protocols.common import INTEGRAL, refuse
 from telerag.server.settings import LimitSettings
 
 
@@ -24,7 +24,9 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="base64: each vector's little-endian float32 bytes (the openai SDK asks for it)"
     )
-    dimensions: int | None = Field(None, description="only the embedder's own size (GET /ready: datastore.dim)")
+    dimensions: Annotated[int, Field(ge=1), INTEGRAL] | None = Field(
+        None, description="only the embedder's own size (GET /ready: datastore.dim)"
+    )
     user: str | None = Field(None, description="the end user's id, as OpenAI takes it; not used")
 
     @field_validator("input", mode="before")

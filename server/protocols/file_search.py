@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from telerag.pipelines.attribute_filters import Attributes
 from telerag.pipelines.types import Document, RagResult
-from telerag.server.protocols.common import refuse
+from telerag.server.protocols.common import INTEGRAL, refuse
 from telerag.server.protocols.vector_stores import Filter, RankingOptions
 
 MAX_TOOL_STORES = 16
@@ -28,7 +28,9 @@ class FileSearchTool(BaseModel):
     vector_store_ids: list[Annotated[str, StringConstraints(min_length=1, max_length=64)]] = Field(
         min_length=1, max_length=MAX_TOOL_STORES, description="the API key's own stores (another's is 404)"
     )
-    max_num_results: int | None = Field(None, ge=1, le=50, description="passages the answer is written from")
+    max_num_results: Annotated[int, Field(ge=1, le=50), INTEGRAL] | None = Field(
+        None, description="passages the answer is written from"
+    )
     filters: Filter | None = Field(None, description="on the files' attributes, as a vector store's search takes them")
     ranking_options: RankingOptions | None = None
 

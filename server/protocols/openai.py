@@ -24,8 +24,10 @@ from pydantic import (
     model_validator,
 )
 
+from telerag.pipelines.ingestion import IngestionProgress
 from telerag.pipelines.types import RagResult
 from telerag.server.protocols.common import (
+    INTEGRAL,
     DocumentOut,
     default_max_tokens,
     documents_out,
@@ -35,6 +37,7 @@ from telerag.server.protocols.common import (
     refuse,
 )
 from telerag.server.protocols.conversation import Conversation, Said, content_text
+from telerag.server.protocols.ops import ANSWERED_WHILE_INGESTING, IngestionInfo
 from telerag.server.settings import LimitSettings
 
 SERVED_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {  # OpenAI fields served at these values only (null: the same)
@@ -127,7 +130,7 @@ class ChatCompletionRequest(Conversation):
     stop: str | Annotated[list[str], Field(max_length=4)] | None = Field(
         None, description="up to 4 strings: the answer ends before the first of them"
     )
-    seed: int | None = Field(
+    seed: Annotated[int, INTEGRAL] | None = Field(
         None, description="accepted at temperature 0 (greedy decoding: nothing to seed); refused when sampling"
     )
     stream: bool = Field(False, description="true: chat.completion.chunk objects as server-sent events")
@@ -170,13 +173,9 @@ class ChatCompletionRequest(Conversation):
         return self.messages
 
     @property
-    def token_limit(self) -> tuple[str, int | None]:
+    def token_limit(self) -> int | None:
         """With both limits, the tighter, which honours both."""
-        given = [
-            (n, name) for name, n in (("max_completion_tokens", self.max_completion_tokens), ("max_tokens", self.max_tokens))
-        ]
-        n, name = min(((n, name) for n, name in given if n is not None), default=(None, "max_completion_tokens"))
-        return name, n
+        return min((n for n in (self.max_completion_tokens, self.max_tokens) if n is not None), default=None)
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -308,12 +307,22 @@ class ChatCompletion(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: Usage
     documents: list[DocumentOut] = Field(description=SOURCES)
+    ingestion: IngestionInfo | None = Field(None, description=f"an extension: {ANSWERED_WHILE_INGESTING}")
 
     @classmethod
-    def from_result(cls, result: RagResult, *, request_id: str, model: str, with_documents: bool) -> ChatCompletion:
+    def from_result(
+        cls, result: RagResult, *, request_id: str, model: str, with_documents: bool, ingestion: IngestionProgress | None
+    ) -> ChatCompletion:
         choice = ChatCompletionChoice(message=AssistantMessage(content=result.answer), finish_reason=finish_reason(result))
         documents = documents_out(result.documents) if with_documents else []
-        return cls(id=request_id, model=model, usage=Usage.of(result), choices=[choice], documents=documents)
+        return cls(
+            id=request_id,
+            model=model,
+            usage=Usage.of(result),
+            choices=[choice],
+            documents=documents,
+            ingestion=None if ingestion is None else IngestionInfo.of(ingestion),
+        )
 
 
 def answer_cut(result: RagResult) -> bool:
@@ -354,3 +363,6 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice] = Field(description="empty in the usage chunk")
     documents: list[DocumentOut] | None = Field(None, description=f"in the chunk with `finish_reason` only: {SOURCES}")
     usage: Usage | None = Field(None, description='last, with `stream_options: {"include_usage": true}` only')
+    ingestion: IngestionInfo | None = Field(
+        None, description=f"in the first chunk only, and only while it is so: an extension: {ANSWERED_WHILE_INGESTING}"
+    )

@@ -10,6 +10,7 @@ from pydantic import (
     Field,
 )
 
+from telerag.pipelines.ingestion import IngestionProgress
 from telerag.pipelines.types import DatastoreInfo, StageRole
 
 
@@ -66,6 +67,23 @@ class IngestionInfo(BaseModel):
     documents: int = Field(description="the corpus's documents written so far")
     total_documents: int
     error: str | None = Field(None, description="failed: why (the next start goes on from the last block written)")
+
+    @classmethod
+    def of(cls, progress: IngestionProgress) -> IngestionInfo:
+        return cls(
+            source=progress.source,
+            state=progress.state.value,
+            documents=progress.documents,
+            total_documents=progress.total_documents,
+            error=progress.error,
+        )
+
+
+ANSWERED_WHILE_INGESTING = (
+    "the datastore's corpus is still being written into it (a first start answers from a sample while it writes the "
+    "rest): its documents written so far (`documents`) of `total_documents`, when this answer was made; null when "
+    "it holds them all"
+)
 
 
 class LiveInfo(BaseModel):

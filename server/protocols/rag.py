@@ -18,8 +18,10 @@ from pydantic import (
     create_model,
 )
 
+from telerag.pipelines.ingestion import IngestionProgress
 from telerag.pipelines.types import RagResult, StageKind, StageRole
 from telerag.server.protocols.common import DocumentOut, default_max_tokens, documents_out, integer, pipeline_name, question_text
+from telerag.server.protocols.ops import ANSWERED_WHILE_INGESTING, IngestionInfo
 from telerag.server.protocols.result_stats import (
     PipeliningSummaryOut,
     PrefetchSummaryOut,
@@ -64,10 +66,9 @@ class QueryRequest(BaseModel):
 AUTO: Any = Literal["auto"]  # nprobe chosen per search (a value for pydantic, built at run time)
 
 
-def query_request_model(limits: LimitSettings, pipelines: Sequence[str], nlist: int | None = None) -> type[QueryRequest]:
-    """`QueryRequest` for one app: `limits`, the pipeline names and the datastore's `nlist` (None:
-    not known yet, so nprobe's upper bound is checked per request instead) become the fields'
-    constraints, and so appear in the OpenAPI schema."""
+def query_request_model(limits: LimitSettings, pipelines: Sequence[str]) -> type[QueryRequest]:
+    """`QueryRequest` for one app: `limits` and the pipeline names become the fields' constraints,
+    and so appear in the OpenAPI schema."""
     # The fields' types are made here, at run time, from the limits: values to pydantic, not types to mypy.
     max_tokens = default_max_tokens(limits)
     return create_model(
@@ -84,10 +85,12 @@ def query_request_model(limits: LimitSettings, pipelines: Sequence[str], nlist: 
         ),
         top_k=(integer(1, limits.max_top_k) | None, Field(None, description="documents to retrieve (default: the server's)")),
         nprobe=(
-            integer(1, nlist) | AUTO | None,
+            integer(1, None) | AUTO | None,
             Field(
                 None,
-                description="IVF lists to search (at most the datastore's nlist); \"auto\": a pipelined search's is the "
+                description="IVF lists to search; more than the datastore has (GET /ready: datastore.nlist, which a "
+                "retrain changes) searches them all, as faiss does, and each search step's `stats.nprobe` says how many "
+                'it searched; "auto": a pipelined search\'s is the '
                 "largest predicted to finish within the generation it overlaps (the others' the default); null: the "
                 "server's retrieval.nprobe",
             ),
@@ -131,9 +134,12 @@ class QueryResponse(BaseModel):
         description="the speculative prefills (request field `speculative_prefill`): how many, how many were prefilled "
         "again, the tokens they computed and those the calls after them reused"
     )
+    ingestion: IngestionInfo | None = Field(None, description=ANSWERED_WHILE_INGESTING)
 
     @classmethod
-    def from_result(cls, result: RagResult, *, request_id: str, with_documents: bool) -> QueryResponse:
+    def from_result(
+        cls, result: RagResult, *, request_id: str, with_documents: bool, ingestion: IngestionProgress | None = None
+    ) -> QueryResponse:
         return cls(
             id=request_id,
             answer=result.answer,
@@ -160,6 +166,7 @@ class QueryResponse(BaseModel):
             tokens_generated=result.tokens_generated,
             pipelining=PipeliningSummaryOut.model_validate(result.pipelining),
             speculation=SpeculationSummaryOut.model_validate(result.speculation),
+            ingestion=None if ingestion is None else IngestionInfo.of(ingestion),
         )
 
 

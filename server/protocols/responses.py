@@ -16,6 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, create_model, field_validator, model_validator
 
+from telerag.pipelines.ingestion import IngestionProgress
 from telerag.pipelines.store_retriever import StoresRetriever
 from telerag.pipelines.types import RagResult
 from telerag.server.protocols.common import (
@@ -30,6 +31,7 @@ from telerag.server.protocols.common import (
 from telerag.server.protocols.conversation import Conversation, Said, content_text
 from telerag.server.protocols.file_search import FileCitation, FileSearchCall, FileSearchTool, citations
 from telerag.server.protocols.openai import answer_cut, text_only
+from telerag.server.protocols.ops import ANSWERED_WHILE_INGESTING, IngestionInfo
 from telerag.server.settings import LimitSettings
 
 FILE_SEARCH_RESULTS = "file_search_call.results"
@@ -135,8 +137,8 @@ class ResponseRequest(Conversation):
         return [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
 
     @property
-    def token_limit(self) -> tuple[str, int | None]:
-        return "max_output_tokens", self.max_output_tokens
+    def token_limit(self) -> int | None:
+        return self.max_output_tokens
 
     @property
     def preamble(self) -> str:
@@ -266,9 +268,10 @@ class ResponseObject(BaseModel):
     documents: list[DocumentOut] | None = Field(
         None, description="an extension: the passages the answer was written from ([] with return_documents false)"
     )
+    ingestion: IngestionInfo | None = Field(None, description=f"an extension: {ANSWERED_WHILE_INGESTING}")
 
     @classmethod
-    def begun(cls, body: ResponseRequest, *, response_id: str) -> ResponseObject:
+    def begun(cls, body: ResponseRequest, *, response_id: str, ingestion: IngestionProgress | None) -> ResponseObject:
         """What the stream announces first: the request's settings, no output yet."""
         return cls(
             id=response_id,
@@ -282,6 +285,7 @@ class ResponseObject(BaseModel):
             metadata=body.metadata or {},
             tool_choice="auto" if body.tools else "none",
             tools=body.tools or [],
+            ingestion=None if ingestion is None else IngestionInfo.of(ingestion),
         )
 
     def finished(

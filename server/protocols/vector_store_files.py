@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, Discriminator, Field, Tag
 
 from telerag.pipelines.vector_store_records import Attach, FileBatch, FileCounts, FileStatus, StoreFile, StoreRecord
-from telerag.server.protocols.common import refuse
+from telerag.server.protocols.common import NullOnly
 from telerag.server.protocols.vector_stores import (
     MAX_BATCH_FILES,
     Attributes,
@@ -36,33 +36,43 @@ class FileUpdate(Request):
     attributes: Attributes | None
 
 
-class FileBatchCreate(Request):
-    """`file_ids` with the batch's `attributes` and `chunking_strategy`, or `files`, each with its own."""
+ONE_OF = "give file_ids or files, one of them"
+EACH_FILES_OWN = "with files, each file's own: give it in each of files"
 
-    file_ids: Annotated[list[FileId], Field(min_length=1, max_length=MAX_BATCH_FILES)] | None = None
-    files: Annotated[list[FileAttach], Field(min_length=1, max_length=MAX_BATCH_FILES)] | None = None
+
+class FileIdsBatch(Request):
+    """`file_ids`, each attached with the batch's `attributes` and `chunking_strategy`."""
+
+    file_ids: Annotated[list[FileId], Field(min_length=1, max_length=MAX_BATCH_FILES)]
     attributes: Attributes | None = None
     chunking_strategy: ChunkingIn | None = None
-
-    @model_validator(mode="after")
-    def _one_of(self) -> FileBatchCreate:
-        if (self.files is None) == (self.file_ids is None):
-            raise ValueError("give file_ids or files, one of them")
-        return self
-
-    @field_validator("attributes", "chunking_strategy")
-    @classmethod
-    def _batch_wide(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is not None and info.data.get("files") is not None:
-            raise refuse("with files, each file's own: give it in each of files")
-        return value
+    files: Annotated[None, NullOnly(ONE_OF)] = None
 
     @property
     def attach(self) -> list[Attach]:
-        if self.files is not None:
-            return [f.attach for f in self.files]
-        assert self.file_ids is not None
         return [Attach(i, self.attributes or {}, chunking_of(self.chunking_strategy)) for i in self.file_ids]
+
+
+class FilesBatch(Request):
+    """`files`, each with its own `attributes` and `chunking_strategy`."""
+
+    files: Annotated[list[FileAttach], Field(min_length=1, max_length=MAX_BATCH_FILES)]
+    file_ids: Annotated[None, NullOnly(ONE_OF)] = None
+    attributes: Annotated[None, NullOnly(EACH_FILES_OWN)] = None
+    chunking_strategy: Annotated[None, NullOnly(EACH_FILES_OWN)] = None
+
+    @property
+    def attach(self) -> list[Attach]:
+        return [f.attach for f in self.files]
+
+
+def _batch_kind(body: Any) -> str:
+    return "by files" if isinstance(body, dict) and body.get("files") is not None else "by file_ids"
+
+
+FileBatchCreate = Annotated[  # the tags are no field names, so that an error's field path leaves them out
+    Annotated[FileIdsBatch, Tag("by file_ids")] | Annotated[FilesBatch, Tag("by files")], Discriminator(_batch_kind)
+]
 
 
 # -- responses ----------------------------------------------------------------------------------

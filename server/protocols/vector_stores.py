@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from telerag.pipelines.attribute_filters import Comparison, Compound
 from telerag.pipelines.documents import NON_BLANK
 from telerag.pipelines.vector_store_records import Attach, FileCounts, StaticChunking, StoreHit, StoreRecord
-from telerag.server.protocols.common import refuse
+from telerag.server.protocols.common import INTEGRAL, NullOnly, refuse
 from telerag.server.settings import LimitSettings
 
 FileId = Annotated[str, StringConstraints(min_length=1, max_length=64)]
@@ -28,10 +28,11 @@ Attributes = Annotated[
 MAX_BATCH_FILES = 2000  # as OpenAI's
 
 
-def _not_served(value: Any, what: str) -> Any:
-    if value is not None:
-        raise refuse(f"not served yet: {what}")
-    return value
+NoExpiry = Annotated[
+    None,
+    NullOnly("not served yet: a vector store stays until it is deleted"),
+    Field(description="not served yet (null only): a vector store stays until it is deleted"),
+]
 
 
 # -- requests -----------------------------------------------------------------------------------
@@ -46,8 +47,12 @@ class AutoChunking(Request):
 
 
 class StaticSizes(Request):
-    max_chunk_size_tokens: int = Field(ge=100, le=4096, description="the embedder's tokens of a passage, at most")
-    chunk_overlap_tokens: int = Field(ge=0, description="tokens each passage repeats of the one before: at most half the size")
+    max_chunk_size_tokens: Annotated[int, Field(ge=100, le=4096), INTEGRAL] = Field(
+        description="the embedder's tokens of a passage, at most"
+    )
+    chunk_overlap_tokens: Annotated[int, Field(ge=0, le=2048), INTEGRAL] = Field(
+        description="tokens each passage repeats of the one before: at most half of max_chunk_size_tokens (422 otherwise)"
+    )
 
     @field_validator("chunk_overlap_tokens")
     @classmethod
@@ -84,12 +89,7 @@ class VectorStoreCreate(Request):
     chunking_strategy: ChunkingIn | None = None
     metadata: Metadata | None = None
     description: Annotated[str, StringConstraints(max_length=512)] | None = None
-    expires_after: Any = Field(None, description="not served yet: a vector store stays until it is deleted")
-
-    @field_validator("expires_after", mode="before")
-    @classmethod
-    def _no_expiry(cls, value: Any) -> Any:
-        return _not_served(value, "a vector store stays until it is deleted")
+    expires_after: NoExpiry = None
 
     @property
     def attach(self) -> list[Attach]:
@@ -99,16 +99,13 @@ class VectorStoreCreate(Request):
 class VectorStoreModify(Request):
     name: Annotated[str, StringConstraints(max_length=256)] | None = None
     metadata: Metadata | None = None
-    expires_after: Any = Field(None, description="not served yet: a vector store stays until it is deleted")
-
-    @field_validator("expires_after", mode="before")
-    @classmethod
-    def _no_expiry(cls, value: Any) -> Any:
-        return _not_served(value, "a vector store stays until it is deleted")
+    expires_after: NoExpiry = None
 
 
 class RankingOptions(Request):
-    ranker: str = Field("auto", description="none or auto (no re-ranker: the scores are the embeddings' inner products)")
+    ranker: Literal["none", "auto"] = Field(
+        "auto", description="none or auto (no re-ranker: the scores are the embeddings' inner products); another is a 400"
+    )
     score_threshold: float = Field(0.0, ge=0, le=1, description="results scoring below it are left out")
 
     @field_validator("ranker", mode="before")
@@ -120,29 +117,35 @@ class RankingOptions(Request):
 
 
 class ComparisonFilter(Request):
-    """OpenAI's comparison of a file's attribute with a value (`pipelines.attribute_filters`)."""
+    """OpenAI's comparison of a file's attribute with one value (`pipelines.attribute_filters`)."""
 
-    type: Literal["eq", "ne", "gt", "gte", "lt", "lte", "in", "nin"]
+    type: Literal["eq", "ne", "gt", "gte", "lt", "lte"]
     key: Annotated[str, StringConstraints(min_length=1, max_length=64)]
-    value: Attribute | Annotated[list[bool | float | Annotated[str, StringConstraints(max_length=512)]], Field(max_length=512)]
-
-    @field_validator("value")
-    @classmethod
-    def _list_for_in(cls, value: Any, info: ValidationInfo) -> Any:
-        listed = info.data.get("type") in ("in", "nin")
-        if listed != isinstance(value, list):
-            raise ValueError("a list for in and nin, a single string, number or boolean for the others")
-        return value
+    value: Attribute
 
     def to_filter(self) -> Comparison:
-        return Comparison(self.type, self.key, tuple(self.value) if isinstance(self.value, list) else self.value)
+        return Comparison(self.type, self.key, self.value)
+
+
+class MembershipFilter(Request):
+    """OpenAI's `in` / `nin`: whether a file's attribute is one of a list of values."""
+
+    type: Literal["in", "nin"]
+    key: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    value: Annotated[list[bool | float | Annotated[str, StringConstraints(max_length=512)]], Field(max_length=512)]
+
+    def to_filter(self) -> Comparison:
+        return Comparison(self.type, self.key, tuple(self.value))
+
+
+Compared = Annotated[ComparisonFilter | MembershipFilter, Field(discriminator="type")]
 
 
 class NestedCompoundFilter(Request):
     """An `and` / `or` of comparisons, inside another."""
 
     type: Literal["and", "or"]
-    filters: list[ComparisonFilter] = Field(min_length=1, max_length=64)
+    filters: list[Compared] = Field(min_length=1, max_length=64)
 
     def to_filter(self) -> Compound:
         return Compound(self.type, tuple(f.to_filter() for f in self.filters))
@@ -154,7 +157,7 @@ class CompoundFilter(Request):
     that it stays one a generator of requests can walk)."""
 
     type: Literal["and", "or"]
-    filters: list[Annotated[ComparisonFilter | NestedCompoundFilter, Field(discriminator="type")]] = Field(
+    filters: list[Annotated[ComparisonFilter | MembershipFilter | NestedCompoundFilter, Field(discriminator="type")]] = Field(
         min_length=1, max_length=64
     )
 
@@ -162,14 +165,14 @@ class CompoundFilter(Request):
         return Compound(self.type, tuple(f.to_filter() for f in self.filters))
 
 
-Filter = Annotated[ComparisonFilter | CompoundFilter, Field(discriminator="type")]
+Filter = Annotated[ComparisonFilter | MembershipFilter | CompoundFilter, Field(discriminator="type")]
 
 
 class SearchRequest(Request):
     """`POST /v1/vector_stores/{id}/search`; the query's bounds are set per app (`search_request_model`)."""
 
     query: str | list[str]
-    max_num_results: int = Field(10, ge=1, le=50)
+    max_num_results: Annotated[int, Field(ge=1, le=50), INTEGRAL] = 10
     ranking_options: RankingOptions | None = None
     filters: Filter | None = Field(
         None, description="on the files' attributes: the search is exact over the passages of the files it matches"

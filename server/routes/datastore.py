@@ -10,6 +10,7 @@ from fastapi import APIRouter, Depends
 from telerag.pipelines.rebuilds import RebuildKind, Rebuilds
 from telerag.server import errors
 from telerag.server.auth import Access
+from telerag.server.errors import InvalidField
 from telerag.server.protocols.documents import DatastoreState, RebuildOut, RetrainRequest, live_info
 from telerag.server.service import Service, serving
 
@@ -62,5 +63,10 @@ async def compact(rebuilds: Rebuilds = Depends(rebuilds)) -> RebuildOut:
     return RebuildOut.of(rebuilds.start(RebuildKind.COMPACT))
 
 
-async def retrain(body: RetrainRequest | None = None, rebuilds: Rebuilds = Depends(rebuilds)) -> RebuildOut:
-    return RebuildOut.of(rebuilds.start(RebuildKind.RETRAIN, nlist=None if body is None else body.nlist))
+async def retrain(
+    body: RetrainRequest | None = None, service: Service = Depends(serving), rebuilds: Rebuilds = Depends(rebuilds)
+) -> RebuildOut:
+    nlist = None if body is None else body.nlist
+    if nlist is not None and nlist > (passages := service.documents().stats().passages):
+        raise InvalidField("nlist", f"nlist: at most the datastore's passages ({passages}), one list each")
+    return RebuildOut.of(rebuilds.start(RebuildKind.RETRAIN, nlist=nlist))

@@ -1,8 +1,8 @@
 """Documents in and out of the live datastore while it serves: `POST /v1/documents` (one or a
-batch), `POST /v1/uploads` (a file: text, Markdown, HTML, PDF), `PUT`, `GET` and `DELETE
-/v1/documents/{id}`, `GET /v1/documents` (paged). A write answers once it is durable and every
-search that starts after the answer sees it. (The endpoints have no docstrings: FastAPI would
-publish them in the schema.)"""
+batch as JSON, or a file as multipart, as `POST /v1/uploads` takes it: text, Markdown, HTML,
+PDF), `PUT`, `GET` and `DELETE /v1/documents/{id}`, `GET /v1/documents` (paged). A write answers
+once it is durable and every search that starts after the answer sees it. (The endpoints have no
+docstrings: FastAPI would publish them in the schema.)"""
 
 from __future__ import annotations
 
@@ -13,14 +13,18 @@ import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, File, Form, Path, Query, Request, Response, UploadFile
+from fastapi.routing import APIRoute
 from pydantic import ValidationError
+from starlette.datastructures import Headers
+from starlette.routing import Match
+from starlette.types import Scope
 
 from telerag.pipelines.documents import NON_BLANK, DocumentText, DocumentWriter
-from telerag.pipelines.files import convert, file_format
+from telerag.pipelines.files import FILE_FORMATS, convert, file_format
 from telerag.retrieval.documents import WriteOutcome, WriteResult
 from telerag.server import errors
 from telerag.server.auth import Access
-from telerag.server.errors import DocumentNotFound, InvalidField
+from telerag.server.errors import DocumentNotFound, IdMismatch, InvalidField
 from telerag.server.metrics import Metrics
 from telerag.server.protocols.documents import (
     MAX_ID_CHARS,
@@ -47,6 +51,18 @@ DocumentPathId = Annotated[str, Path(max_length=MAX_ID_CHARS, pattern=NON_BLANK,
 WRITE_ERRORS = (400, 409, 413, 422, 429, 501, 503)  # 501: a deployment that writes none (Ray replicas)
 
 
+class MultipartOnly(APIRoute):
+    """A route that takes only a multipart/form-data body: the JSON route of the same path and
+    method, registered after it, takes every other (Starlette tries a path's routes in order).
+    Left out of the schema: the JSON route's operation names both bodies (`server.openapi`)."""
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        match, child = super().matches(scope)
+        if match is Match.FULL and not Headers(scope=scope).get("content-type", "").startswith("multipart/form-data"):
+            return Match.NONE, {}
+        return match, child
+
+
 def router(write: Any, fields: type[DocumentFields], access: Access, limits: DocumentSettings) -> APIRouter:
     """The routes, with this app's request models (`documents_protocol.documents_request_models`)."""
     routes = APIRouter(tags=["documents"], dependencies=access.api)
@@ -56,12 +72,22 @@ def router(write: Any, fields: type[DocumentFields], access: Access, limits: Doc
     }
     routes.add_api_route(
         DOCUMENTS,
+        upload_document,
+        methods=["POST"],
+        response_model=WrittenDocument,
+        status_code=201,
+        include_in_schema=False,
+        route_class_override=MultipartOnly,
+    )
+    routes.add_api_route(
+        DOCUMENTS,
         typed(write_documents, body=write),
         methods=["POST"],
         response_model=WrittenDocument | WrittenDocuments,
         status_code=201,
         responses={**written, **errors.responses(*access.api_errors, *WRITE_ERRORS)},
-        summary=f"Write one document, or a batch of at most {limits.max_documents} ({limits.max_passages} passages in all)",
+        summary=f"Write one document, or a batch of at most {limits.max_documents} ({limits.max_passages} passages in all); "
+        "or, as multipart, a file, as /v1/uploads takes it",
     )
     routes.add_api_route(
         UPLOADS,
@@ -131,6 +157,8 @@ async def put_document(
     response: Response,
     documents: DocumentWriter = Depends(writer),
 ) -> WrittenDocument:
+    if body.id is not None and body.id != doc_id:
+        raise IdMismatch("id", f"id: the body's id {body.id!r} differs from the path's {doc_id!r}")
     (result,) = await _write(request, documents, [body.document(doc_id)])
     _created_or_not(response, [result])
     return WrittenDocument.of(result)
@@ -139,7 +167,10 @@ async def put_document(
 async def upload_document(
     request: Request,
     response: Response,
-    file: Annotated[UploadFile, File(description="plain text, Markdown, HTML or PDF (by its name's extension, else its type)")],
+    file: Annotated[
+        UploadFile,
+        File(description=FILE_FORMATS),
+    ],
     id: Annotated[str | None, Form(max_length=MAX_ID_CHARS, pattern=NON_BLANK, description="default: the file's name")] = None,
     title: Annotated[
         str | None, Form(max_length=MAX_TITLE_CHARS, description="default: the file's own title, else its name")
@@ -151,9 +182,8 @@ async def upload_document(
     doc_id = id if id is not None else name
     if not re.search(NON_BLANK, doc_id):
         raise InvalidField("id", "id: a document's id needs a character that is not blank (default: the file's name)")
-    fmt = file_format(name, file.content_type)
     data = await file.read()
-    converted = await asyncio.to_thread(convert, data, fmt)
+    converted = await asyncio.to_thread(convert, data, file_format(name, file.content_type, data))
     document = _fields(converted.text, title or converted.title or name or None, metadata)
     (result,) = await _write(request, documents, [document.document(doc_id)])
     _created_or_not(response, [result])

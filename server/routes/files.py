@@ -12,6 +12,7 @@ from fastapi import APIRouter, File, Form, Path, Query, Request, UploadFile
 from fastapi.responses import Response
 
 from telerag.pipelines.file_store import PURPOSES, FileStore, page
+from telerag.pipelines.files import FILE_FORMATS
 from telerag.server import errors
 from telerag.server.auth import Access
 from telerag.server.errors import UnsupportedField
@@ -81,8 +82,17 @@ def _store(request: Request) -> FileStore:
 
 async def create_file(
     request: Request,
-    file: Annotated[UploadFile, File(description="plain text, Markdown, HTML or PDF (by its name's extension, else its type)")],
-    purpose: Annotated[str, Form(description=f"what the file is for: {' or '.join(PURPOSES)} (file search)")],
+    file: Annotated[
+        UploadFile,
+        File(description=FILE_FORMATS),
+    ],
+    purpose: Annotated[
+        str,
+        Form(
+            description=f"what the file is for: {' or '.join(PURPOSES)} (file search; another is a 400)",
+            json_schema_extra={"enum": list(PURPOSES)},
+        ),
+    ],
     client: str | None,
 ) -> FileObject:
     if purpose not in PURPOSES:

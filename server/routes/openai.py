@@ -11,6 +11,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from telerag.pipelines.ingestion import IngestionProgress
 from telerag.pipelines.store_retriever import StoresRetriever
 from telerag.pipelines.types import ResultEvent, RunEvent, TokenEvent
 from telerag.server import errors
@@ -29,6 +30,7 @@ from telerag.server.protocols.openai import (
     Usage,
     finish_reason,
 )
+from telerag.server.protocols.ops import IngestionInfo
 from telerag.server.routes.documented import TOOL_ERRORS, generation_errors, json_or_events
 from telerag.server.routes.file_search import stores_retriever
 from telerag.server.routes.signature import typed
@@ -76,7 +78,7 @@ def admit(
     """A chat completion's or a response's run, admitted (or refused at once, naming the
     request's own fields): its question, instructions, history, sampling and token limit; with
     a `file_search` tool, its pipeline retrieves from the tool's `stores`."""
-    limit_field, limit = body.token_limit
+    limit = body.token_limit
     tool = body.file_search
     options = service.options(
         top_k=None if tool is None else tool.max_num_results,
@@ -97,7 +99,6 @@ def admit(
         client,
         query_field=body.QUERY_FIELD,
         top_k_field=None if tool is None or tool.max_num_results is None else "tools.0.max_num_results",
-        limit_field=limit_field if limit is not None else None,
     )
 
 
@@ -107,26 +108,34 @@ async def chat_completions(
     stores = None if body.file_search is None else await stores_retriever(request, body.file_search, client)
     run = admit(service, request, body, client, stores)
     request_id = f"chatcmpl-{request.state.request_id}"
+    ingestion = service.ingesting() if stores is None else None  # a file_search tool's answer searched no datastore
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return await run.stream(chunks(request_id, body.model, with_documents=body.return_documents, with_usage=usage))
+        return await run.stream(
+            chunks(request_id, body.model, with_documents=body.return_documents, with_usage=usage, ingestion=ingestion)
+        )
     return await run.respond(
         lambda result: ChatCompletion.from_result(
-            result, request_id=request_id, model=body.model, with_documents=body.return_documents
+            result, request_id=request_id, model=body.model, with_documents=body.return_documents, ingestion=ingestion
         )
     )
 
 
-def chunks(request_id: str, model: str, *, with_documents: bool, with_usage: bool) -> EventStream:
-    """A run as OpenAI streams a completion: the role, the pieces of content, `finish_reason`
-    (with the documents, an extension), the usage when asked for (`stream_options`), `[DONE]`."""
+def chunks(
+    request_id: str, model: str, *, with_documents: bool, with_usage: bool, ingestion: IngestionProgress | None
+) -> EventStream:
+    """A run as OpenAI streams a completion: the role (with `ingestion`, an extension, while the
+    datastore is being written), the pieces of content, `finish_reason` (with the documents, an
+    extension), the usage when asked for (`stream_options`), `[DONE]`."""
+    extensions = ("documents", "usage", "ingestion")
 
     def chunk(choices: list[ChatChunkChoice], **extra: Any) -> bytes:
         data = ChatCompletionChunk(id=request_id, model=model, choices=choices, **extra)
-        return sse_data(data.model_dump(exclude={name for name in ("documents", "usage") if getattr(data, name) is None}))
+        return sse_data(data.model_dump(exclude={name for name in extensions if getattr(data, name) is None}))
 
     async def events(run: AsyncIterator[RunEvent]) -> AsyncGenerator[bytes, None]:
-        yield chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
+        first = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))
+        yield chunk([first], ingestion=None if ingestion is None else IngestionInfo.of(ingestion))
         result = None
         async for event in run:
             if isinstance(event, TokenEvent):

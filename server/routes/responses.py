@@ -92,7 +92,8 @@ async def create_response(
     tool = body.file_search
     stores = None if tool is None else await stores_retriever(request, tool, client)
     run = admit(service, request, body, client, stores)
-    begun = ResponseObject.begun(body, response_id=f"resp_{request.state.request_id}")
+    ingestion = service.ingesting() if stores is None else None  # a file_search tool's answer searched no datastore
+    begun = ResponseObject.begun(body, response_id=f"resp_{request.state.request_id}", ingestion=ingestion)
     message_id = f"msg_{request.state.request_id}"
     file_search = (
         None
