@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from telerag.retrieval.cache import CacheBuffer, ClusterCache
+from telerag.retrieval.cache import CacheBuffer, ClusterCache, TensorRows
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,9 @@ def run_cluster_cache(config: ClusterCacheConfig, progress: bool = True) -> Clus
     device = torch.device(config.device)
     host = torch.zeros((int(offsets[-1]), config.dim), dtype=torch.float32, pin_memory=device.type == "cuda")
     row_bytes = config.dim * 4
-    shared = CacheBuffer.for_vectors(host, int(offsets[-1] * config.cache_fraction) * row_bytes, device)
-    cache = ClusterCache(host, offsets, shared)
+    source = TensorRows(host)
+    shared = CacheBuffer.for_vectors(source, int(offsets[-1] * config.cache_fraction) * row_bytes, device)
+    cache = ClusterCache(source, offsets, shared)
     prefetch_ms: list[float] = []
     demand_ms: list[float] = []
     asked = resident = copied = copies = 0

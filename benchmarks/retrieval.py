@@ -22,6 +22,7 @@ from telerag.benchmarks.early_stop import EarlyStopTimes, early_stop_phase
 from telerag.benchmarks.report import key_value_table
 from telerag.benchmarks.scaled import DatastoreScale, scaled_datastore
 from telerag.retrieval.builder import write_clustered
+from telerag.retrieval.cache import CopyWindow
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.datastore_writer import add_list_stats
@@ -177,10 +178,10 @@ def _search_once(
     in ms, and the prefetch's (copy ms, bytes copied) when it copied on a CUDA stream."""
     handle = engine.prefetch(q_in, budget) if q_in is not None else None
     copied = None
-    if handle is not None and handle.lease is not None and handle.lease.copy_events is not None:
-        begin, end = handle.lease.copy_events
-        end.synchronize()
-        copied = (begin.elapsed_time(end), handle.lease.bytes_copied)
+    lease = None if handle is None else handle.lease
+    if lease is not None and isinstance(lease.arrival, CopyWindow):
+        lease.arrival.wait()
+        copied = (lease.arrival.elapsed_ms() or 0.0, lease.bytes_copied)
     _sync(engine.device)
     t0 = time.perf_counter()
     result = engine.search(q_out, config.topk, engine.nprobe, prefetch=handle)

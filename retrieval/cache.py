@@ -12,12 +12,14 @@ or a prefetch holds is pinned (reference-counted) and never evicted; eviction ta
 clusters in order of a decaying hotness score, so popular clusters stay across requests, and
 where a run would otherwise arrive in pieces over the holes they left, one of the coldest whose
 rows, with the free rows beside them, hold it whole.
-Copies run on a dedicated copy stream; each acquisition records one event after its copies and
-a search waits only on the events of the clusters it reads. The stream is one queue shared by
-every request: the cache tracks what is issued and has not landed, so a new prefetch's budget
-can subtract what queues ahead of it and a search can tell how long a copy may still take.
-Without CUDA the buffer is plain CPU memory and copies are synchronous (nothing is ever in
-flight), so the same code runs (and is tested) everywhere.
+Where a cache's rows come from is its `RowSource`: a host tensor (`TensorRows`: the datastore's
+memory map, or its pinned copy on CUDA) or, for a datastore larger than memory, its file on disk
+(`retrieval.disk.FileRows`). Each acquisition's copies are one `Arrival`, and a search waits only
+on the arrivals of the clusters it reads. On CUDA copies run on a dedicated copy stream; the
+stream is one queue shared by every request: the cache tracks what is issued and has not landed,
+so a new prefetch's budget can subtract what queues ahead of it and a search can tell how long a
+copy may still take. Without CUDA the buffer is plain CPU memory and a tensor's copies are
+synchronous (nothing is ever in flight), so the same code runs (and is tested) everywhere.
 
 The module is long because the buffer and the caches on it are one mechanism: one lock, one set
 of free extents and one eviction order over every datastore's lists.
@@ -30,6 +32,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -39,6 +42,103 @@ from telerag.retrieval.stats import CacheStats
 
 HALF_LIFE_ACCESSES = 4096.0  # a cluster's hotness halves after this many cluster accesses (of any datastore)
 OPEN_EXTENT_CANDIDATES = 32  # how many of the coldest clusters eviction looks at for room for a run in one piece
+
+
+Copy = tuple[int, int, int]  # (buffer row, source row, rows): rows of a source copied into a buffer
+
+
+class Arrival(Protocol):
+    """Copies issued together (one acquisition's), landing later: what a search reading them waits on."""
+
+    def landed(self) -> bool: ...
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Make `stream`'s later work wait for the copies (CUDA), or, with none, block until they landed."""
+        ...
+
+    def elapsed_ms(self) -> float | None:
+        """How long the copies took, once they landed (None before)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Landed:
+    """Copies done by the time they were issued (a tensor's into a CPU buffer), and how long they took."""
+
+    ms: float
+
+    def landed(self) -> bool:
+        return True
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        return None
+
+    def elapsed_ms(self) -> float | None:
+        return self.ms
+
+
+@dataclass(frozen=True)
+class CopyWindow:
+    """Copies queued on a CUDA stream between two timing events."""
+
+    begin: torch.cuda.Event
+    end: torch.cuda.Event
+
+    def landed(self) -> bool:
+        return bool(self.end.query())
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        if stream is None:
+            self.end.synchronize()
+        else:
+            stream.wait_event(self.end)
+
+    def elapsed_ms(self) -> float | None:
+        return self.begin.elapsed_time(self.end) if self.end.query() else None
+
+
+class RowSource(Protocol):
+    """Where a cache's lists come from: a datastore's rows, list after list, copied into a buffer."""
+
+    @property
+    def shape(self) -> tuple[int, int]: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def copy_into(self, buffer: torch.Tensor, copies: Sequence[Copy], stream: torch.cuda.Stream | None) -> Arrival:
+        """Issue `copies` into `buffer` (on `stream`, CUDA's copy stream, where there is one)."""
+        ...
+
+
+class TensorRows:
+    """The rows of a host tensor: the datastore's memory map, or its pinned copy on CUDA, whose copies
+    are true asynchronous DMA on the copy stream; into a CPU buffer they are synchronous."""
+
+    def __init__(self, host: torch.Tensor) -> None:
+        self.host = host
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.host.shape[0]), int(self.host.shape[1]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.host.dtype
+
+    def copy_into(self, buffer: torch.Tensor, copies: Sequence[Copy], stream: torch.cuda.Stream | None) -> Arrival:
+        if stream is None:
+            started = time.perf_counter()
+            for start, host, rows in copies:
+                buffer[start : start + rows].copy_(self.host[host : host + rows])
+            return Landed((time.perf_counter() - started) * 1e3)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            begin.record(stream)
+            for start, host, rows in copies:
+                buffer[start : start + rows].copy_(self.host[host : host + rows], non_blocking=True)
+            end.record(stream)
+        return CopyWindow(begin, end)
 
 
 @dataclass
@@ -53,7 +153,7 @@ class Segment:
 @dataclass
 class _Slot:
     segments: list[Segment]
-    event: torch.cuda.Event | None
+    arrival: Arrival | None
     pins: int = 0
 
 
@@ -63,14 +163,13 @@ class Lease:
 
     cache: ClusterCache
     resident: dict[int, list[Segment]]  # cluster -> where it is
-    events: list[torch.cuda.Event] = field(default_factory=list)  # the copies these clusters wait on
+    arrivals: list[Arrival] = field(default_factory=list)  # the copies these clusters wait on
     clusters_copied: int = 0
     clusters_already_resident: int = 0
     clusters_skipped: int = 0  # wanted but did not fit beside pinned clusters
     bytes_copied: int = 0
     copies: int = 0
-    copy_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # around this lease's copies (CUDA)
-    copy_ms: float | None = None  # how long this lease's copies took (without CUDA: measured as they ran)
+    arrival: Arrival | None = None  # this lease's own copies
     released: bool = False
 
     def release(self) -> None:
@@ -78,9 +177,7 @@ class Lease:
 
     def copy_elapsed_ms(self) -> float | None:
         """How long this lease's copies took, once they are done (None before, or if none)."""
-        if self.copy_events is not None and self.copy_events[1].query():
-            return self.copy_events[0].elapsed_time(self.copy_events[1])
-        return self.copy_ms
+        return None if self.arrival is None else self.arrival.elapsed_ms()
 
 
 class CacheBuffer:
@@ -103,23 +200,23 @@ class CacheBuffer:
         self.caches: list[ClusterCache] = []  # those on it, until closed with nothing pinned
         self.clock = 0.0
         self.hits = self.misses = self.evictions = self.bytes_copied = self.copies = 0
-        self.in_flight: deque[tuple[torch.cuda.Event, int]] = deque()  # (end of a copy window, its bytes), issue order
+        self.in_flight: deque[tuple[Arrival, int]] = deque()  # (copies not landed, their bytes), issue order
 
     @classmethod
-    def for_vectors(cls, host_vectors: torch.Tensor, capacity_bytes: int, device: torch.device) -> CacheBuffer:
-        """A buffer for rows like `host_vectors`'s, of `capacity_bytes` but never more rows than
-        they have (a larger one could hold nothing more of them)."""
-        row_bytes = host_vectors.shape[1] * host_vectors.element_size()
-        rows = min(int(capacity_bytes) // row_bytes, len(host_vectors))
-        return cls(rows, host_vectors.shape[1], host_vectors.dtype, device)
+    def for_vectors(cls, source: RowSource, capacity_bytes: int, device: torch.device) -> CacheBuffer:
+        """A buffer for rows like `source`'s, of `capacity_bytes` but never more rows than it has
+        (a larger one could hold nothing more of them)."""
+        rows, dim = source.shape
+        row_bytes = dim * torch.empty((), dtype=source.dtype).element_size()
+        return cls(min(int(capacity_bytes) // row_bytes, rows), dim, source.dtype, device)
 
     @property
     def capacity_bytes(self) -> int:
         return self.capacity_rows * self.row_bytes
 
-    def holds(self, host_vectors: torch.Tensor) -> bool:
-        """Whether rows of `host_vectors` fit its rows (the same width and type)."""
-        return host_vectors.dim() == 2 and host_vectors.shape[1] == self.dim and host_vectors.dtype == self.dtype
+    def holds(self, source: RowSource) -> bool:
+        """Whether rows of `source` fit its rows (the same width and type)."""
+        return source.shape[1] == self.dim and source.dtype == self.dtype
 
     def stats(self) -> CacheStats:
         with self.lock:
@@ -156,7 +253,7 @@ class CacheBuffer:
 
     def forget_landed(self) -> None:
         """Drop the copy windows that have landed (the stream runs them in issue order)."""
-        while self.in_flight and self.in_flight[0][0].query():
+        while self.in_flight and self.in_flight[0][0].landed():
             self.in_flight.popleft()
 
     def evictable(self, asking: ClusterCache, protected: set[int]) -> list[tuple[ClusterCache, int]]:
@@ -187,16 +284,15 @@ class CacheBuffer:
 
 
 class ClusterCache:
-    """One datastore's IVF lists (its host rows, split at `offsets`) in a `CacheBuffer`, keyed by
-    list id; the buffer's other caches are other datastores'."""
+    """One datastore's IVF lists (the rows of its `source`, split at `offsets`) in a `CacheBuffer`,
+    keyed by list id; the buffer's other caches are other datastores'."""
 
-    def __init__(self, host_vectors: torch.Tensor, offsets: np.ndarray, shared: CacheBuffer) -> None:
-        if not shared.holds(host_vectors):
+    def __init__(self, source: RowSource, offsets: np.ndarray, shared: CacheBuffer) -> None:
+        if not shared.holds(source):
             raise ValueError(
-                f"rows of {tuple(host_vectors.shape[1:])} {host_vectors.dtype} do not fit a cache buffer of "
-                f"({shared.dim},) {shared.dtype}"
+                f"rows of ({source.shape[1]},) {source.dtype} do not fit a cache buffer of ({shared.dim},) {shared.dtype}"
             )
-        self.host = host_vectors
+        self.source = source
         self.offsets = np.asarray(offsets, dtype=np.int64)
         self.sizes = np.diff(self.offsets)
         self.shared = shared
@@ -230,20 +326,19 @@ class ClusterCache:
 
     def measure_copy_rate(self, nbytes: int = 64 << 20) -> float | None:
         """Bytes per ms of the buffer's copy path (pinned DMA on CUDA), measured once per buffer
-        on the largest run of this datastore's host rows that fits in `nbytes` and the buffer.
+        on the largest run of this datastore's source rows that fits in `nbytes` and the buffer.
         Only while nothing is resident: it writes over the start of the buffer."""
         shared = self.shared
         if shared.copy_bytes_per_ms is not None:
             return shared.copy_bytes_per_ms
-        rows = min(self.capacity_rows, len(self.host), max(1, nbytes // self.row_bytes))
+        rows = min(self.capacity_rows, self.source.shape[0], max(1, nbytes // self.row_bytes))
         with shared.lock:
             if not rows or any(cache._slots for cache in shared.caches):
                 return None
             probe = Lease(cache=self, resident={})
             for _ in range(2):  # the first copy pays for warming up the path
-                probe.copy_events, probe.copy_ms = self._issue_copies([(0, 0, rows)])
-                if probe.copy_events is not None:
-                    probe.copy_events[1].synchronize()
+                probe.arrival = self._issue_copies([(0, 0, rows)])
+                probe.arrival.wait()
         elapsed = probe.copy_elapsed_ms()
         shared.copy_bytes_per_ms = rows * self.row_bytes / elapsed if elapsed else None
         return shared.copy_bytes_per_ms
@@ -277,13 +372,13 @@ class ClusterCache:
             self.shared.forget_landed()
             ahead: dict[int, int] = {}
             queued = 0
-            for event, nbytes in self.shared.in_flight:
+            for arrival, nbytes in self.shared.in_flight:
                 queued += nbytes
-                ahead[id(event)] = queued
+                ahead[id(arrival)] = queued
             return {
                 cluster: ahead[id(copy)]
                 for cluster in lease.resident
-                if (copy := self._slots[cluster].event) is not None and id(copy) in ahead
+                if (copy := self._slots[cluster].arrival) is not None and id(copy) in ahead
             }
 
     def acquire(self, clusters: Sequence[int] | np.ndarray, *, fetch: bool) -> Lease:
@@ -301,7 +396,7 @@ class ClusterCache:
         with self.shared.lock:
             self._touch(wanted)
             missing: list[int] = []
-            events: set[int] = set()
+            arrivals: set[int] = set()
             for cluster in wanted:
                 slot = self._slots.get(cluster)
                 if slot is None:
@@ -310,9 +405,9 @@ class ClusterCache:
                 slot.pins += 1
                 lease.resident[cluster] = slot.segments
                 lease.clusters_already_resident += 1
-                if slot.event is not None and id(slot.event) not in events:
-                    events.add(id(slot.event))
-                    lease.events.append(slot.event)
+                if slot.arrival is not None and id(slot.arrival) not in arrivals:
+                    arrivals.add(id(slot.arrival))
+                    lease.arrivals.append(slot.arrival)
             if not fetch:
                 self.shared.hits += len(lease.resident)
                 self.shared.misses += len(missing)
@@ -366,7 +461,7 @@ class ClusterCache:
 
     def _fetch(self, missing: list[int], protected: set[int], lease: Lease) -> None:
         shared = self.shared
-        copies: list[tuple[int, int, int]] = []  # (buffer start, host start, rows)
+        copies: list[Copy] = []
         placed: list[int] = []
         evictable: list[tuple[ClusterCache, int]] | None = None  # unpinned clusters, coldest first: made when due
         need = int(self.sizes[missing].sum())
@@ -385,14 +480,13 @@ class ClusterCache:
                 lease.clusters_skipped += len(run)
         if not copies:
             return
-        window, lease.copy_ms = self._issue_copies(copies)
+        arrival = lease.arrival = self._issue_copies(copies)
         rows_copied = sum(rows for _, _, rows in copies)
-        if window is not None:
-            lease.copy_events = window
-            for cluster in placed:
-                self._slots[cluster].event = window[1]
-            lease.events.append(window[1])
-            shared.in_flight.append((window[1], rows_copied * self.row_bytes))
+        for cluster in placed:
+            self._slots[cluster].arrival = arrival
+        lease.arrivals.append(arrival)
+        if not arrival.landed():
+            shared.in_flight.append((arrival, rows_copied * self.row_bytes))
         lease.bytes_copied += rows_copied * self.row_bytes
         lease.copies += len(copies)
         shared.bytes_copied += rows_copied * self.row_bytes
@@ -408,7 +502,7 @@ class ClusterCache:
                 runs.append([cluster])
         return runs
 
-    def _place(self, run: list[int], rows: int, copies: list[tuple[int, int, int]], lease: Lease) -> None:
+    def _place(self, run: list[int], rows: int, copies: list[Copy], lease: Lease) -> None:
         """Allocate rows for a run of host-adjacent clusters (one extent if one fits) and queue copies."""
         pieces = self.shared.free.allocate(rows)
         host = int(self.offsets[run[0]])
@@ -427,7 +521,7 @@ class ClusterCache:
                 left -= take
             host += length
         for cluster, segments in segments_by_cluster.items():
-            self._slots[cluster] = _Slot(segments=segments, event=None, pins=1)
+            self._slots[cluster] = _Slot(segments=segments, arrival=None, pins=1)
             lease.resident[cluster] = segments
             lease.clusters_copied += 1
 
@@ -450,22 +544,6 @@ class ClusterCache:
         while evictable and freed < rows:
             freed += self.shared.drop(*evictable.pop(0))
 
-    def _issue_copies(
-        self, copies: list[tuple[int, int, int]]
-    ) -> tuple[tuple[torch.cuda.Event, torch.cuda.Event] | None, float | None]:
-        """Copy host rows into the buffer: on CUDA asynchronously on the copy stream (DMA from
-        pinned memory) between two timing events, returned; on the CPU synchronously, returning
-        how many ms that took."""
-        buffer, stream = self.shared.rows, self.shared.copy_stream
-        if stream is None:
-            started = time.perf_counter()
-            for start, host, rows in copies:
-                buffer[start : start + rows].copy_(self.host[host : host + rows])
-            return None, (time.perf_counter() - started) * 1e3
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
-            begin.record(stream)
-            for start, host, rows in copies:
-                buffer[start : start + rows].copy_(self.host[host : host + rows], non_blocking=True)
-            end.record(stream)
-        return (begin, end), None
+    def _issue_copies(self, copies: Sequence[Copy]) -> Arrival:
+        """Copy source rows into the buffer, by the source's own means (see `RowSource`)."""
+        return self.source.copy_into(self.shared.rows, copies, self.shared.copy_stream)

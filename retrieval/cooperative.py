@@ -252,22 +252,28 @@ class CooperativeSearch:
         stream = self.resources.stream
         begin = end = None
         waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        waited_ms = 0.0  # without CUDA: how long the calling thread waited for copies (reads) in flight
         started = time.perf_counter()
         results = []
         for mask, lease in passes:
             probes = [lists[i][mask[i]].tolist() for i in range(len(q))]
+            in_flight = [arrival for arrival in lease.arrivals if not arrival.landed()]
             if stream is not None:
-                in_flight = [event for event in lease.events if not event.query()]
                 if in_flight:  # timed on the stream: from where it stops to where its copies landed
                     stop, landed = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     stop.record(stream)
-                    for event in in_flight:
-                        stream.wait_event(event)
+                    for arrival in in_flight:
+                        arrival.wait(stream)
                     landed.record(stream)
                     waits.append((stop, landed))
                 if begin is None:  # timed from the first pass's start, after its copies landed
                     begin = torch.cuda.Event(enable_timing=True)
                     begin.record(stream)
+            elif in_flight:
+                waiting = time.perf_counter()
+                for arrival in in_flight:
+                    arrival.wait()
+                waited_ms += (time.perf_counter() - waiting) * 1e3
             scores, rows = scan_resident(
                 self.cache.buffer,
                 q,
@@ -283,8 +289,9 @@ class CooperativeSearch:
             end = torch.cuda.Event(enable_timing=True)
             end.record(stream)
             end.synchronize()
-        ms = begin.elapsed_time(end) if begin is not None and end is not None else (time.perf_counter() - started) * 1e3
-        return results, ms, sum(stop.elapsed_time(landed) for stop, landed in waits)
+        if begin is not None and end is not None:
+            return results, begin.elapsed_time(end), sum(stop.elapsed_time(landed) for stop, landed in waits)
+        return results, (time.perf_counter() - started) * 1e3 - waited_ms, waited_ms
 
 
 def _held(lists: np.ndarray, lease: Lease) -> np.ndarray:

@@ -27,7 +27,7 @@ import faiss
 import numpy as np
 import torch
 
-from telerag.retrieval.cache import CacheBuffer, ClusterCache
+from telerag.retrieval.cache import CacheBuffer, ClusterCache, TensorRows
 from telerag.retrieval.cooperative import CooperativeSearch, QueryStats, SearchResources
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.demand import DemandCopyPolicy
@@ -141,17 +141,18 @@ class RetrievalEngine:
 
     def _cache_on(self, shared: CacheBuffer | None, cache_bytes: int) -> ClusterCache:
         """This datastore's cluster cache: on `shared`, or on a buffer of `cache_bytes` of its own."""
+        source = TensorRows(self.host_vectors)
         if shared is None:
-            shared = CacheBuffer.for_vectors(self.host_vectors, cache_bytes, self.device)
-            return ClusterCache(self.host_vectors, self.datastore.offsets, shared)
+            shared = CacheBuffer.for_vectors(source, cache_bytes, self.device)
+            return ClusterCache(source, self.datastore.offsets, shared)
         if cache_bytes:
             raise InvalidCall("a shared cluster cache buffer has its own size: cache_bytes must be 0")
-        if shared.device != self.device or not shared.holds(self.host_vectors):
+        if shared.device != self.device or not shared.holds(source):
             raise InvalidCall(
                 f"a cluster cache buffer of ({shared.dim},) {shared.dtype} rows on {shared.device} cannot hold "
                 f"{self.datastore.where}'s ({self.datastore.dim},) {self.host_vectors.dtype} rows on {self.device}"
             )
-        return ClusterCache(self.host_vectors, self.datastore.offsets, shared)
+        return ClusterCache(source, self.datastore.offsets, shared)
 
     def on_stream(self) -> contextlib.AbstractContextManager[Any]:
         """This engine's stream as the calling thread's current one (CUDA; nothing on the CPU):

@@ -322,22 +322,42 @@ def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     if first.get("type") == "json_invalid":
         reason = (first.get("ctx") or {}).get("error", "invalid JSON")
         return response_for(InvalidJSON(f"the body is not valid JSON: {reason}"))
+    body = cast(RequestValidationError, exc).body
     refused = next((e for e in errors if e.get("type") in (UNSUPPORTED, "extra_forbidden")), None)
     if refused is not None:
-        field = _field_path(refused.get("loc", ()))
+        field = _field_path(refused, body)
         why = "not supported by this server" if refused["type"] == "extra_forbidden" else refused.get("msg")
         return response_for(UnsupportedField(field, f"{field}: {why}"))
-    field = _field_path(first.get("loc", ()))
+    field = _field_path(first, body)
+    # of a union's errors (one a member), the one that reaches deepest into what was sent: a list
+    # of messages is blamed for its message, not for not being a string
+    same_field = [(path, e) for e in errors if (path := _field_path(e, body)).split(".")[0] == field.split(".")[0]]
+    field, first = max(same_field, key=lambda found: found[0].count(".") + bool(found[0]), default=(field, first))
     message = f"{field}: {first.get('msg')}" if field else str(first.get("msg"))
     if first.get("type") == "missing" and request.headers.get("content-type", "").startswith("multipart/form-data"):
         message += " (a form field sent empty is one not sent)"  # as FastAPI reads a form
     return response_for(InvalidField(field, message))
 
 
-def _field_path(loc: Sequence[str | int]) -> str:
-    """A validation error's location as the dotted path of the field a client sent, without
-    pydantic's names for the member of a union (`constrained-str`, `list[TextPart]`)."""
-    return ".".join(str(part) for part in loc if part != "body" and (isinstance(part, int) or part.isidentifier()))
+def _field_path(error: Mapping[str, Any], body: Any) -> str:
+    """A validation error's location as the dotted path of the field a client sent: of pydantic's
+    location, the keys and indexes found walking the request's `body`, without the names it gives
+    the member of a union (a tagged one's tag, `messages.0.user.content`'s `user`; a type's, `bool`,
+    `list[TextPart]`), but the missing field of a `missing` error; a parameter's location (`path.id`,
+    `query.limit`) as it is."""
+    loc: Sequence[str | int] = error.get("loc", ())
+    if not loc or loc[0] != "body":
+        return ".".join(str(part) for part in loc if isinstance(part, int) or part.isidentifier())
+    parts: list[str] = []
+    node: Any = body
+    for at, part in enumerate(loc[1:], start=1):
+        found = isinstance(node, Mapping) and part in node
+        if found or (isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)):
+            parts.append(str(part))
+            node = node[part]
+        elif at == len(loc) - 1 and error.get("type") == "missing":
+            parts.append(str(part))
+    return ".".join(parts)
 
 
 def _http_error(request: Request, error: Exception) -> JSONResponse:

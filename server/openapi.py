@@ -44,13 +44,16 @@ def _links() -> list[Link]:
         *(Link(("post", files.FILES), ("200",), t, {"file_id": file_id}) for t in (
             ("get", files_one), ("get", files_one + "/content"), ("delete", files_one))),
         Link(("post", files.FILES), ("200",), ("post", vector_stores.VECTOR_STORES), body={"file_ids": [file_id]}),
+        # a store's answer names no file: attaching one (alone or in a batch) takes its id from a listing of the store's
         *(Link(("post", vector_stores.VECTOR_STORES), ("200",), t, store) for t in (
             ("get", vector_stores.ONE), ("post", vector_stores.ONE), ("delete", vector_stores.ONE),
-            ("post", vector_stores.ONE + "/search"), ("get", store_files), ("post", store_files), ("post", batches))),
+            ("post", vector_stores.ONE + "/search"), ("get", store_files))),
         *(Link(source, ("200",), t, parameters) for source, parameters in (
             (("get", store_files), listed_file), (("post", store_files), store_file)) for t in (
             ("get", store_file_one), ("post", store_file_one), ("delete", store_file_one),
             ("get", store_file_one + "/content"))),
+        Link(("get", store_files), ("200",), ("post", store_files), {"vector_store_id": listed_file["vector_store_id"]},
+             body={"file_id": listed_file["file_id"]}),
         Link(("get", store_files), ("200",), ("post", batches), {"vector_store_id": listed_file["vector_store_id"]},
              body={"file_ids": [listed_file["file_id"]]}),
         *(Link(("post", batches), ("200",), t, batch) for t in (

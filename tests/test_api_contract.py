@@ -380,8 +380,9 @@ def test_a_result_is_sent_with_the_documented_field_names():
     body = json.loads(QueryResponse.from_result(result, request_id="rag-1", with_documents=True).model_dump_json())
     assert list(body) == [
         *("id", "answer", "finish_reason", "pipeline", "documents", "steps", "timings", "prefetch", "tokens_generated"),
-        *("pipelining", "speculation"),
+        *("pipelining", "speculation", "ingestion"),
     ]
+    assert body["ingestion"] is None  # the datastore holds its whole corpus
     assert body["finish_reason"] == "stop"  # the last answer-writing call's, not the first's "length"
     assert list(body["steps"][0]) == [
         *("stage", "role", "kind", "query", "tokens_in", "tokens_out", "ms", "stats", "start_ms", "tokens_cached")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from telerag.retrieval.cache import CacheBuffer, ClusterCache
+from telerag.retrieval.cache import CacheBuffer, ClusterCache, TensorRows
 from telerag.retrieval.prefetch import plan_prefetch
 from tests.retrieval_helpers import DEVICES
 
@@ -17,7 +17,13 @@ ROW_BYTES = DIM * 4
 def make_cache(sizes: list[int], capacity_rows: int, device: str = "cpu") -> ClusterCache:
     offsets = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
     host = torch.arange(int(offsets[-1]) * DIM, dtype=torch.float32).reshape(-1, DIM)
-    return ClusterCache(host, offsets, CacheBuffer.for_vectors(host, capacity_rows * ROW_BYTES, torch.device(device)))
+    source = TensorRows(host)
+    return ClusterCache(source, offsets, CacheBuffer.for_vectors(source, capacity_rows * ROW_BYTES, torch.device(device)))
+
+
+def host_of(cache: ClusterCache) -> torch.Tensor:
+    assert isinstance(cache.source, TensorRows)
+    return cache.source.host
 
 
 def rows_of(cache: ClusterCache, lease, cluster: int) -> torch.Tensor:
@@ -33,7 +39,7 @@ def test_copied_rows_are_the_clusters_rows(device):
     assert set(lease.resident) == {0, 1, 3, 4}  # the empty cluster is never cached
     for cluster in lease.resident:
         start, end = int(cache.offsets[cluster]), int(cache.offsets[cluster + 1])
-        torch.testing.assert_close(rows_of(cache, lease, cluster), cache.host[start:end].cpu())
+        torch.testing.assert_close(rows_of(cache, lease, cluster), host_of(cache)[start:end].cpu())
     lease.release()
     cache.check_invariants()
 
@@ -88,7 +94,7 @@ def test_fragmented_space_still_holds_whole_clusters():
     keep = cache.acquire([1, 3], fetch=False)  # pin two clusters in the middle
     lease = cache.acquire([5], fetch=True)  # 6 rows must come from 3 separate holes
     assert 5 in lease.resident and len(lease.resident[5]) >= 2
-    torch.testing.assert_close(rows_of(cache, lease, 5), cache.host[12:18])
+    torch.testing.assert_close(rows_of(cache, lease, 5), host_of(cache)[12:18])
     cache.check_invariants()
     keep.release()
     lease.release()
@@ -131,7 +137,7 @@ def cache_on(shared: CacheBuffer, sizes: list[int], first_value: float) -> Clust
     """Another datastore's cache on `shared`: its host rows count up from `first_value`."""
     offsets = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
     host = first_value + torch.arange(int(offsets[-1]) * DIM, dtype=torch.float32).reshape(-1, DIM)
-    return ClusterCache(host, offsets, shared)
+    return ClusterCache(TensorRows(host), offsets, shared)
 
 
 def test_datastores_on_one_buffer_hold_their_own_rows_and_share_eviction():
@@ -141,7 +147,7 @@ def test_datastores_on_one_buffer_hold_their_own_rows_and_share_eviction():
         server.acquire([0], fetch=True).release()  # the server's list 0 is popular
     a = store.acquire([0, 1], fetch=True)  # the same list ids, another datastore: copied, not hits
     assert a.clusters_copied == 2 and a.clusters_already_resident == 0
-    torch.testing.assert_close(rows_of(store, a, 1), store.host[4:8])
+    torch.testing.assert_close(rows_of(store, a, 1), host_of(store)[4:8])
     a.release()
     server.acquire([1], fetch=True).release()  # 16 rows: the buffer is full
     lease = store.acquire([2], fetch=True)  # evicts the coldest of either datastore, never the popular one
@@ -170,7 +176,7 @@ def test_a_closed_cache_leaves_the_buffer_once_its_pins_are_released():
 def test_a_buffer_refuses_rows_of_another_width():
     server = make_cache([4] * 3, capacity_rows=8)
     with pytest.raises(ValueError, match="do not fit"):
-        ClusterCache(torch.zeros((8, DIM + 1)), np.array([0, 8]), server.shared)
+        ClusterCache(TensorRows(torch.zeros((8, DIM + 1))), np.array([0, 8]), server.shared)
 
 
 def test_plan_interleaves_ranks_within_budget():

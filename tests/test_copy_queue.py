@@ -15,21 +15,24 @@ from tests.retrieval_helpers import assert_same_as_faiss, random_datastore, rand
 
 
 class QueuedCopy:
-    """The end of a copy window, standing in for a CUDA event: lands when told to."""
+    """Copies queued on a copy stream, standing in for CUDA's: they land when told to."""
 
     def __init__(self) -> None:
-        self.landed = False
+        self.arrived = False
 
-    def query(self) -> bool:
-        return self.landed
+    def landed(self) -> bool:
+        return self.arrived
 
-    def elapsed_time(self, other: QueuedCopy) -> float:
-        return 1.0
+    def wait(self, stream=None) -> None:
+        self.arrived = True  # its rows are there already: waited on, it lands
+
+    def elapsed_ms(self) -> float | None:
+        return 1.0 if self.arrived else None
 
 
 @pytest.fixture()
 def queued_copies(monkeypatch):
-    """Every cache copy window from now on stays "in flight" until the test lands it."""
+    """Every cache copy from now on stays "in flight" until the test lands it."""
     windows: list[QueuedCopy] = []
 
     def install(engine: RetrievalEngine) -> list[QueuedCopy]:
@@ -37,9 +40,8 @@ def queued_copies(monkeypatch):
 
         def queued(copies):
             issue(copies)  # the rows really arrive (synchronously, on the CPU)
-            end = QueuedCopy()
-            windows.append(end)
-            return (QueuedCopy(), end), None
+            windows.append(QueuedCopy())
+            return windows[-1]
 
         monkeypatch.setattr(engine.cache, "_issue_copies", queued)
         return windows
@@ -83,10 +85,10 @@ def test_cache_tracks_what_is_queued(tmp_path, queued_copies):
     # each cluster: the bytes queued up to and including its own copy
     assert engine.cache.pending(second) == {5: size(0, 1, 5)}
     assert engine.cache.pending(first) == {0: size(0, 1), 1: size(0, 1)}
-    windows[0].landed = True
+    windows[0].arrived = True
     assert engine.cache.queued_bytes() == size(5) and engine.cache.pending(first) == {}
     assert engine.cache.pending(second) == {5: size(5)}
-    windows[1].landed = True
+    windows[1].arrived = True
     assert engine.cache.queued_bytes() == 0
     first.release()
     second.release()

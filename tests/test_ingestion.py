@@ -265,7 +265,9 @@ async def test_every_answer_says_how_much_of_the_corpus_it_searched_while_the_re
     assert 0 < held < 60 and IngestionRecord.read(path).written == 0 and unfinished_ingestion(retriever.live).documents == held
     rebuilds = Rebuilds(retriever.live)
     writer = DocumentWriter(retriever.live, retriever.embed_passages)
-    ingestion = Ingestion(writer, documents, IngestionRecord.read(path), retrain=lambda nlist: retriever.live.retrain(nlist=nlist))
+    ingestion = Ingestion(
+        writer, documents, IngestionRecord.read(path), retrain=lambda nlist: retriever.live.retrain(nlist=nlist)
+    )
     runtime = Runtime(
         settings=settings(),
         engine=ScriptedEngine(lambda prompt: Reply("an answer")),

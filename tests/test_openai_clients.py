@@ -44,9 +44,9 @@ async def test_text_parts_are_a_question_as_a_string_is():
         ({"temperature": 0.7, "seed": 1}, "seed"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},
-            "messages.0.user.content.0",
+            "messages.0.content.0",
         ),
-        ({"messages": [{"role": "assistant", "content": None, "tool_calls": []}, *QUESTION]}, "messages.0.assistant.tool_calls"),
+        ({"messages": [{"role": "assistant", "content": None, "tool_calls": []}, *QUESTION]}, "messages.0.tool_calls"),
     ],
 )
 async def test_what_the_server_does_not_do_is_refused_naming_the_field(fields, param):
@@ -235,7 +235,7 @@ async def test_embeddings_are_the_datastores_own():
         ({"model": "text-embedding-3-small"}, openai.UnprocessableEntityError, "model"),
         ({"dimensions": 16}, openai.BadRequestError, "dimensions"),
         ({"input": [[101, 2054]]}, openai.BadRequestError, "input"),  # token ids (LangChain's default)
-        ({"input": ["a", ""]}, openai.UnprocessableEntityError, "input"),
+        ({"input": ["a", ""]}, openai.UnprocessableEntityError, "input.1"),
         ({"input": ["a"] * 257}, openai.UnprocessableEntityError, "input"),
     ],
 )

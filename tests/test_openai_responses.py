@@ -84,7 +84,7 @@ async def test_a_failure_after_the_stream_began_is_an_error_event():
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/a.png"}]}]},
-            "input.0.user.content.0",
+            "input.0.content.0",
         ),
     ],
 )

@@ -90,7 +90,7 @@ async def test_an_integral_number_is_an_integer_as_json_schema_says():
     ("messages", "field"),
     [
         ([{"role": "system", "content": "be brief"}], "messages"),
-        ([{"role": "user", "content": "   "}], "messages.0.user.content"),
+        ([{"role": "user", "content": "   "}], "messages.0.content"),
         ([{"role": "robot", "content": "hi"}], "messages.0"),
     ],
 )

@@ -2,20 +2,25 @@
 schema (valid ones and, per field, invalid ones) and sends them over a real socket to the app
 on the tiny random model and a small datastore, with every check on (no 5xx, statuses, content
 types, headers and bodies as documented, valid data accepted, invalid data refused, API key
-enforced). `TELERAG_FUZZ_EXAMPLES` sets the examples per operation, mode and phase (default 10:
-about 300 requests in all; 300 gives more than 1,000)."""
+enforced), the stateful phase following the schema's links, every id parameter drawn half the
+time from a file, a vector store, a batch and a document made first (`loadtest/fuzz_ids.py`), and
+every route that takes an id answering with a 2xx at least once. `TELERAG_FUZZ_EXAMPLES` sets the
+examples per operation, mode and phase (default 10: about 3,500 requests in all)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import urllib.parse
 from collections.abc import Iterator
-from pathlib import Path
 
+import httpx
 import pytest
 
+from loadtest import fuzz_ids
 from telerag.pipelines.datastores import open_retriever
 from telerag.pipelines.documents import DocumentWriter
 from telerag.pipelines.rebuilds import Rebuilds
@@ -32,7 +37,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.minutes(2.5)]  # a few hundred reque
 KEY = "fuzz-key"
 EXAMPLES = int(os.environ.get("TELERAG_FUZZ_EXAMPLES", "10"))
 SEED = os.environ.get("TELERAG_FUZZ_SEED", "1")  # fixed, so that CI runs the same requests each time
-CONFIG = Path(__file__).resolve().parents[1] / "loadtest" / "schemathesis.toml"  # the manual runs' too
 
 
 @pytest.fixture()
@@ -68,25 +72,39 @@ def served(tmp_path) -> Iterator[str]:
         yield base
 
 
+def statuses_by_operation(schema: dict, entries: list[dict]) -> dict[tuple[str, str], set[int]]:
+    """The statuses each operation of `schema` answered among the HAR's `entries` (a request to an
+    id that holds a slash, a document's, is its operation's too)."""
+    operations = {}
+    for path, item in schema["paths"].items():
+        parts = re.split(r"(\{[^/}]+\})", path)  # a document's id may hold slashes; the others may not
+        pattern = "".join(("(.+)" if p == "{doc_id}" else "([^/]+)") if p.startswith("{") else re.escape(p) for p in parts)
+        for method in item:
+            operations[(method.upper(), path)] = re.compile(pattern + "$")
+    answered: dict[tuple[str, str], set[int]] = {op: set() for op in operations}
+    for entry in entries:
+        method, url = entry["request"]["method"], urllib.parse.urlsplit(entry["request"]["url"]).path
+        matching = [op for op, pattern in operations.items() if op[0] == method and pattern.match(url)]
+        for op in sorted(matching, key=lambda op: "{" in op[1])[:1]:  # a fixed path before a templated one
+            answered[op].add(entry["response"]["status"])
+    return answered
+
+
 def test_generated_requests_pass_every_check(served, tmp_path):
     har = tmp_path / "requests.har"
+    config = tmp_path / "fuzz.toml"
+    config.write_text(fuzz_ids.config(fuzz_ids.made_ids(served, KEY)), encoding="utf-8")
     run = subprocess.run(
         [
             sys.executable,
             "-m",
             "schemathesis.cli",
             "--config-file",
-            str(CONFIG),
+            str(config),
             "run",
             f"{served}/openapi.json",
             "--checks",
             "all",
-            # The stateful phase reads neither the operations' checks nor its own (schemathesis 4.32):
-            # its check that a resource just made is found again takes any 404 of an operation below
-            # it for one, so a vector store's file id in the body that names no upload (a 404, as
-            # loadtest/schemathesis.toml says) fails it. So it is left out of this run altogether.
-            "--exclude-checks",
-            "ensure_resource_availability",
             "--max-examples",
             str(EXAMPLES),
             "--seed",
@@ -109,6 +127,11 @@ def test_generated_requests_pass_every_check(served, tmp_path):
     )
     summary = run.stdout[-6000:]
     assert run.returncode == 0, summary
-    requests = len(json.loads(har.read_text())["log"]["entries"])
-    print(f"\nschemathesis: {requests} requests, every check passed\n{run.stdout[-1500:]}")
-    assert requests >= 2 * EXAMPLES  # the two generating routes were exercised, not just reached
+    entries = json.loads(har.read_text())["log"]["entries"]
+    print(f"\nschemathesis: {len(entries)} requests, every check passed\n{run.stdout[-4000:]}")
+    assert len(entries) >= 2 * EXAMPLES  # the two generating routes were exercised, not just reached
+    schema = httpx.get(f"{served}/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).json()
+    answered = statuses_by_operation(schema, entries)
+    by_id = [op for op in answered if "{" in op[1]]
+    # every route that takes an id was reached with a real one (the stateful phase follows the schema's links)
+    assert not [op for op in by_id if not any(200 <= s < 300 for s in answered[op])], {op: answered[op] for op in by_id}

@@ -188,7 +188,7 @@ async def test_a_search_with_filters_on_attributes_finds_the_matching_files_alon
         assert await found({"type": "eq", "key": "kind", "value": "notes"}) == both  # the next search follows the change
         with pytest.raises(openai.UnprocessableEntityError) as refused:
             await found({"type": "in", "key": "kind", "value": "notes"})
-        assert refused.value.param == "filters.in.value"
+        assert refused.value.param == "filters.value"
 
 
 async def test_a_batch_and_a_store_made_with_files_are_processed_in_the_background(tmp_path):

@@ -17,6 +17,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    Tag,
     ValidationInfo,
     create_model,
     field_serializer,
@@ -30,6 +31,7 @@ from telerag.server.protocols.common import (
     INTEGRAL,
     DocumentOut,
     default_max_tokens,
+    discriminated_by,
     documents_out,
     integer,
     pipeline_name,
@@ -214,7 +216,10 @@ def chat_request_model(limits: LimitSettings, pipelines: Sequence[str]) -> type[
         role=(other_role, ...),
         content=(str | list[TextPart] | None, Field(None)),
     )
-    messages: Any = list[Annotated[user | other, Field(discriminator="role")]]
+    roles = {"user": ("user",), "other": ("system", "developer", "assistant", "tool")}
+    messages: Any = list[
+        Annotated[Annotated[user, Tag("user")] | Annotated[other, Tag("other")], discriminated_by("role", roles)]
+    ]
     return create_model(
         "ChatCompletionRequest",
         __base__=ChatCompletionRequest,

@@ -14,7 +14,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Tag,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from telerag.pipelines.ingestion import IngestionProgress
 from telerag.pipelines.store_retriever import StoresRetriever
@@ -22,6 +32,7 @@ from telerag.pipelines.types import RagResult
 from telerag.server.protocols.common import (
     DocumentOut,
     default_max_tokens,
+    discriminated_by,
     documents_out,
     integer,
     pipeline_name,
@@ -169,7 +180,12 @@ def response_request_model(limits: LimitSettings, pipelines: Sequence[str]) -> t
     )
     other: Any = create_model("OtherInput", __base__=InputMessage, __module__=__name__, role=(other_role, ...))
     messages: Any = Annotated[
-        list[Annotated[user | other, Field(discriminator="role")]],
+        list[
+            Annotated[
+                Annotated[user, Tag("user")] | Annotated[other, Tag("other")],
+                discriminated_by("role", {"user": ("user",), "other": ("system", "developer", "assistant")}),
+            ]
+        ],
         Field(min_length=1, json_schema_extra={"contains": {"properties": {"role": {"const": "user"}}, "required": ["role"]}}),
         BeforeValidator(messages_only),
         AfterValidator(has_question),

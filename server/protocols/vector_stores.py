@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Tag, ValidationInfo, create_model, field_validator
 
 from telerag.pipelines.attribute_filters import Comparison, Compound
 from telerag.pipelines.documents import NON_BLANK
 from telerag.pipelines.vector_store_records import Attach, FileCounts, StaticChunking, StoreHit, StoreRecord
-from telerag.server.protocols.common import INTEGRAL, NullOnly, refuse
+from telerag.server.protocols.common import INTEGRAL, NullOnly, discriminated_by, refuse
 from telerag.server.settings import LimitSettings
 
 FileId = Annotated[str, StringConstraints(min_length=1, max_length=64)]
@@ -116,6 +116,11 @@ class RankingOptions(Request):
         return value
 
 
+COMPARISONS = ("eq", "ne", "gt", "gte", "lt", "lte")
+MEMBERSHIPS = ("in", "nin")
+COMPOUNDS = ("and", "or")
+
+
 class ComparisonFilter(Request):
     """OpenAI's comparison of a file's attribute with one value (`pipelines.attribute_filters`)."""
 
@@ -138,7 +143,10 @@ class MembershipFilter(Request):
         return Comparison(self.type, self.key, tuple(self.value))
 
 
-Compared = Annotated[ComparisonFilter | MembershipFilter, Field(discriminator="type")]
+Compared = Annotated[
+    Annotated[ComparisonFilter, Tag("comparison")] | Annotated[MembershipFilter, Tag("membership")],
+    discriminated_by("type", {"comparison": COMPARISONS, "membership": MEMBERSHIPS}),
+]
 
 
 class NestedCompoundFilter(Request):
@@ -157,15 +165,25 @@ class CompoundFilter(Request):
     that it stays one a generator of requests can walk)."""
 
     type: Literal["and", "or"]
-    filters: list[Annotated[ComparisonFilter | MembershipFilter | NestedCompoundFilter, Field(discriminator="type")]] = Field(
-        min_length=1, max_length=64
-    )
+    filters: list[
+        Annotated[
+            Annotated[ComparisonFilter, Tag("comparison")]
+            | Annotated[MembershipFilter, Tag("membership")]
+            | Annotated[NestedCompoundFilter, Tag("compound")],
+            discriminated_by("type", {"comparison": COMPARISONS, "membership": MEMBERSHIPS, "compound": COMPOUNDS}),
+        ]
+    ] = Field(min_length=1, max_length=64)
 
     def to_filter(self) -> Compound:
         return Compound(self.type, tuple(f.to_filter() for f in self.filters))
 
 
-Filter = Annotated[ComparisonFilter | MembershipFilter | CompoundFilter, Field(discriminator="type")]
+Filter = Annotated[
+    Annotated[ComparisonFilter, Tag("comparison")]
+    | Annotated[MembershipFilter, Tag("membership")]
+    | Annotated[CompoundFilter, Tag("compound")],
+    discriminated_by("type", {"comparison": COMPARISONS, "membership": MEMBERSHIPS, "compound": COMPOUNDS}),
+]
 
 
 class SearchRequest(Request):
