@@ -27,10 +27,11 @@ import faiss
 import numpy as np
 import torch
 
-from telerag.retrieval.cache import CacheBuffer, ClusterCache, TensorRows
+from telerag.retrieval.cache import CacheBuffer, ClusterCache, RowSource, TensorRows
 from telerag.retrieval.cooperative import CooperativeSearch, QueryStats, SearchResources
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.demand import DemandCopyPolicy
+from telerag.retrieval.disk import DiskListSearch, FileRows
 from telerag.retrieval.early_stop import EarlyStopSearch, ListBounds
 from telerag.retrieval.errors import DeviceMemoryError, DeviceUnavailable, InvalidCall
 from telerag.retrieval.ivf import CPUIndex, ListSearch
@@ -93,6 +94,7 @@ class RetrievalEngine:
         demand_copy: bool | None = None,
         cpu_half: ListSearch | None = None,
         early_stop: bool = False,
+        on_disk: bool = False,
         progress: bool = False,
     ) -> None:
         """`cpu_threads`: faiss threads of the CPU half of a cooperative search (None: every
@@ -104,7 +106,12 @@ class RetrievalEngine:
         `early_stop`: faiss's half scans its lists with exact early stop (`retrieval.early_stop`;
         refused for a datastore without list statistics); a tier's shards are told when deployed.
         `cache_buffer`: the device buffer of another engine's cluster cache, to share (its lists and
-        this one's weighed on one clock; `cache_bytes` must then be 0); None: one of `cache_bytes`."""
+        this one's weighed on one clock; `cache_bytes` must then be 0); None: one of `cache_bytes`.
+        `on_disk`: the vectors are read from the datastore's file, never through its memory map
+        (`retrieval.disk`: a datastore larger than memory): the cluster cache, in host memory
+        (`cache_bytes`), is filled by reads, and the lists it does not hold are read and scanned per
+        search; a missed list is read into the cache or scanned where it is read, as the measured
+        rates balance the two (CPU only, for now)."""
         self.datastore = datastore
         self.device = resolve_device(device, error=DeviceUnavailable)
         self.nlist = datastore.nlist
@@ -117,8 +124,14 @@ class RetrievalEngine:
             self.stream = torch.cuda.Stream(self.device, priority=STREAM_PRIORITY)
         self.host_vectors = self._host_tensor(progress)
         self.index = CPUIndex(datastore, vectors=self.host_vectors.numpy())  # faiss reads the same memory
+        self.rows: RowSource = TensorRows(self.host_vectors)
         self.cpu_half: ListSearch = self.index if cpu_half is None else cpu_half
-        if early_stop and cpu_half is None:
+        if on_disk:
+            if self.device.type != "cpu" or early_stop or cpu_half is not None:
+                raise InvalidCall("a datastore read from disk is searched on the CPU, by its own reads, without early stop")
+            self.rows = FileRows(datastore)  # faiss's lists still view the memory map, which nothing scans now
+            self.cpu_half = DiskListSearch(datastore, self.rows)
+        elif early_stop and cpu_half is None:
             self.cpu_half = EarlyStopSearch(self.index, ListBounds.of(datastore))
         with self.on_stream():  # the device tensors searches read belong to the search stream
             self.cache = self._cache_on(cache_buffer, cache_bytes)
@@ -135,13 +148,13 @@ class RetrievalEngine:
             # OpenMP's thread count is per calling thread: this bounds only the CPU half
             initializer=functools.partial(faiss.omp_set_num_threads, cpu_threads) if cpu_threads else None,
         )
-        # B of TeleRAG §4.2: the copy rate prefetch budgets are computed from
+        # B of TeleRAG §4.2: the copy rate prefetch budgets are computed from (from disk: its read rate)
         self.copy_bytes_per_ms = self.cache.measure_copy_rate()
-        self.demand = self._demand_policy(demand_copy)
+        self.demand = self._demand_policy(True if on_disk else demand_copy)
 
     def _cache_on(self, shared: CacheBuffer | None, cache_bytes: int) -> ClusterCache:
         """This datastore's cluster cache: on `shared`, or on a buffer of `cache_bytes` of its own."""
-        source = TensorRows(self.host_vectors)
+        source = self.rows
         if shared is None:
             shared = CacheBuffer.for_vectors(source, cache_bytes, self.device)
             return ClusterCache(source, self.datastore.offsets, shared)
@@ -216,9 +229,11 @@ class RetrievalEngine:
         self.demand = self._demand_policy(demand_copy)
 
     def close(self) -> None:
-        """Its lists leave the cluster cache (each once unpinned) and its CPU workers end."""
+        """Its lists leave the cluster cache (each once unpinned) and its CPU workers (and readers) end."""
         self.cache.close()
         self._cpu_pool.shutdown(wait=True)
+        if isinstance(self.rows, FileRows):
+            self.rows.close()
 
     # -- prefetch -------------------------------------------------------------------------------
 

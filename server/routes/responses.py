@@ -16,22 +16,24 @@ from telerag.server.admitted_run import EventStream
 from telerag.server.auth import Access
 from telerag.server.protocols.common import ErrorDetail
 from telerag.server.protocols.file_search import FileSearchCall
-from telerag.server.protocols.responses import (
-    FILE_SEARCH_RESULTS,
+from telerag.server.protocols.response_events import (
     AnnotationAddedEvent,
     ContentPartEvent,
     ErrorEvent,
     FileSearchCallEvent,
-    FileSearchOutput,
     OutputItemEvent,
-    OutputMessage,
-    OutputText,
     ResponseEvent,
     ResponseLifecycleEvent,
-    ResponseObject,
-    ResponseRequest,
     TextDeltaEvent,
     TextDoneEvent,
+)
+from telerag.server.protocols.responses import (
+    FILE_SEARCH_RESULTS,
+    FileSearchOutput,
+    OutputMessage,
+    OutputText,
+    ResponseObject,
+    ResponseRequest,
 )
 from telerag.server.routes.documented import TOOL_ERRORS, generation_errors, json_or_events
 from telerag.server.routes.file_search import stores_retriever

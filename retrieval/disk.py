@@ -1,0 +1,249 @@
+"""A datastore's vectors read from disk by explicit reads, for a datastore larger than memory
+(AquaPipe's setting): the cluster cache's rows filled from the file (`FileRows`, a `RowSource`)
+and the lists no cache holds read and scanned per search (`DiskListSearch`, a `ListSearch`).
+
+Reads bypass the page cache (O_DIRECT, each read widened to the 4 KiB the kernel asks for and
+copied out of an aligned scratch; where the file system refuses O_DIRECT, plain reads whose pages
+are dropped after: POSIX_FADV_DONTNEED), so memory stays within the cache's budget, a cold search
+is cold, and nothing measured is the page cache's. Several reads are in flight at once, each of
+at most `READ_BYTES`, on a pool of reader threads (a read releases the GIL), and adjacent lists
+are read together: a run of lists is one range of the file.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from telerag.retrieval.cache import Arrival, Copy, Segment
+from telerag.retrieval.datastore import Datastore
+from telerag.retrieval.errors import DatastoreCorruptError
+from telerag.retrieval.ivf import FAISS_PAD_SCORE
+from telerag.retrieval.search import merge_topk, scan_resident
+
+ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and memory on the file systems it serves
+READ_BYTES = 4 << 20  # one read's most: large enough to stream at the disk's rate, small enough to spread over readers
+READERS = 8  # reads in flight at once (one thread each)
+SCAN_BYTES = 256 << 20  # a search's lists read and scanned at a time: what it holds at once beside the cache
+
+
+class FileArrival:
+    """Reads issued together, landing as the reader threads finish them."""
+
+    def __init__(self, reads: Sequence[Future[None]]) -> None:
+        self.reads = list(reads)
+        self.started = time.perf_counter()
+        self._done_at: float | None = None
+        self._lock = threading.Lock()
+        if not self.reads:
+            self._done_at = self.started
+        for read in self.reads:
+            read.add_done_callback(self._on_done)
+
+    def _on_done(self, _: Future[None]) -> None:
+        with self._lock:
+            if self._done_at is None and all(read.done() for read in self.reads):
+                self._done_at = time.perf_counter()
+
+    def landed(self) -> bool:
+        return all(read.done() for read in self.reads)
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Block until every read has landed (a failed read raises here, in the waiting search)."""
+        for read in self.reads:
+            read.result()
+
+    def elapsed_ms(self) -> float | None:
+        with self._lock:
+            return None if self._done_at is None else (self._done_at - self.started) * 1e3
+
+
+class FileRows:
+    """The rows of a datastore's `vectors.npy`, read from the file: a `RowSource` for a cluster
+    cache in host memory, and the reads of `DiskListSearch`."""
+
+    def __init__(self, datastore: Datastore, *, readers: int = READERS, direct: bool = True) -> None:
+        """`direct`: read with O_DIRECT where the file system serves it (else plain reads, their pages dropped)."""
+        if datastore.path is None:
+            raise DatastoreCorruptError(f"{datastore.where} is in memory: it has no file to read its lists from")
+        self.path = Path(datastore.path) / "vectors.npy"
+        self.numpy_dtype = datastore.vectors.dtype
+        self._shape = (int(datastore.n_vectors), int(datastore.dim))
+        self.row_bytes = datastore.dim * self.numpy_dtype.itemsize
+        self.offset = _data_offset(self.path)
+        self.direct = direct and hasattr(os, "O_DIRECT")
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
+        except OSError:  # a file system without O_DIRECT (tmpfs): plain reads, their pages dropped after
+            self.direct = False
+            self.fd = os.open(self.path, os.O_RDONLY)
+        self.pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="disk-read")
+        self._scratch = threading.local()  # each reader's aligned buffer (O_DIRECT)
+        self.bytes_read = 0  # every byte read for rows (not the alignment's slack)
+        self._count = threading.Lock()
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self._shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.from_numpy(np.empty(0, dtype=self.numpy_dtype)).dtype
+
+    def copy_into(self, buffer: torch.Tensor, copies: Sequence[Copy], stream: torch.cuda.Stream | None) -> Arrival:
+        """Read each copy's rows into `buffer` (host memory) in reads of at most `READ_BYTES`."""
+        if buffer.device.type != "cpu":
+            raise NotImplementedError("rows are read from disk into host memory only")  # a device cache copies from it
+        rows = buffer.numpy()
+        return FileArrival([self.pool.submit(self._read, rows, *part) for copy in copies for part in self._parts(copy)])
+
+    def read_rows(self, out: np.ndarray, runs: Sequence[tuple[int, int, int]]) -> FileArrival:
+        """Read `runs` (row of `out`, first row of the file, rows) into `out`, rows like the file's."""
+        return FileArrival([self.pool.submit(self._read, out, *part) for run in runs for part in self._parts(run)])
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        os.close(self.fd)
+
+    def _parts(self, copy: Copy) -> list[Copy]:
+        start, first, rows = copy
+        step = max(1, READ_BYTES // self.row_bytes)
+        return [(start + at, first + at, min(step, rows - at)) for at in range(0, rows, step)]
+
+    def _read(self, out: np.ndarray, start: int, first: int, rows: int) -> None:
+        dest = out[start : start + rows].reshape(-1).view(np.uint8)
+        begin = self.offset + first * self.row_bytes
+        length = rows * self.row_bytes
+        if self.direct:
+            lo = begin - begin % ALIGN
+            hi = -(-(begin + length) // ALIGN) * ALIGN
+            scratch = self._scratch_of(hi - lo)
+            got = _read_fully(self.fd, memoryview(scratch)[: hi - lo], lo)
+            if got < begin + length - lo:
+                raise DatastoreCorruptError(f"{self.path}: short read at byte {begin} (truncated?)")
+            dest[:] = np.frombuffer(scratch, dtype=np.uint8, count=length, offset=begin - lo)
+        else:
+            if _read_fully(self.fd, memoryview(dest.data), begin) < length:
+                raise DatastoreCorruptError(f"{self.path}: short read at byte {begin} (truncated?)")
+            os.posix_fadvise(self.fd, begin, length, os.POSIX_FADV_DONTNEED)
+        with self._count:
+            self.bytes_read += length
+
+    def _scratch_of(self, size: int) -> mmap.mmap:
+        """This reader's page-aligned scratch of at least `size` bytes (an anonymous map is page aligned)."""
+        scratch: mmap.mmap | None = getattr(self._scratch, "buffer", None)
+        if scratch is None or len(scratch) < size:
+            scratch = mmap.mmap(-1, max(size, READ_BYTES + 2 * ALIGN))
+            self._scratch.buffer = scratch
+        return scratch
+
+
+class DiskListSearch:
+    """The CPU half of a cooperative search over a datastore on disk: the given lists of each
+    query read from the file (`FileRows`) and scanned list-major, a list read once for every
+    query of the batch that probes it (`search.scan_resident`), `SCAN_BYTES` of lists at a time,
+    the next part read while one is scanned. Exact: the top-k of those lists, as faiss's
+    `search_preassigned` over them, answered as passage ids."""
+
+    def __init__(self, datastore: Datastore, rows: FileRows) -> None:
+        self.datastore, self.rows = datastore, rows
+        self.offsets = datastore.offsets
+        self.codec = datastore.codec
+        self.codec_params = None if datastore.codec_params is None else torch.from_numpy(datastore.codec_params)
+
+    def search_lists(
+        self, queries: np.ndarray, k: int, lists: np.ndarray, list_scores: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        n = len(queries)
+        wanted = np.unique(lists[lists >= 0])
+        wanted = wanted[self.offsets[wanted + 1] > self.offsets[wanted]]
+        q = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32))
+        parts = [_empty_part(n, k)]
+        for buffer, resident, arrival in self._read_ahead(self._batches(wanted)):
+            arrival.wait()
+            held = set(resident)
+            probes = [[c for c in row.tolist() if c in held] for row in lists]
+            scores, rows = scan_resident(buffer, q, resident, probes, k, codec=self.codec, codec_params=self.codec_params)
+            parts.append((scores, rows if self.datastore.ids is None else _ids_of(self.datastore.ids, rows)))
+        scores, ids = merge_topk(parts, k)
+        return scores.numpy(), ids.numpy()
+
+    def _batches(self, wanted: np.ndarray) -> list[list[int]]:
+        """`wanted` in file order, a part of at most `SCAN_BYTES` each (one list more, where one alone is larger)."""
+        batches: list[list[int]] = []
+        held = 0
+        for cluster in wanted.tolist():
+            size = int(self.offsets[cluster + 1] - self.offsets[cluster]) * self.rows.row_bytes
+            if not batches or (held + size > SCAN_BYTES and batches[-1]):
+                batches.append([])
+                held = 0
+            batches[-1].append(cluster)
+            held += size
+        return batches
+
+    def _read_ahead(self, batches: list[list[int]]) -> Iterator[tuple[torch.Tensor, dict[int, list[Segment]], FileArrival]]:
+        """Each part's read, handed over once the next part's is issued: it reads while this one is scanned."""
+        ahead = None
+        for batch in batches:
+            current, ahead = ahead, self._read(batch)
+            if current is not None:
+                yield current
+        if ahead is not None:
+            yield ahead
+
+    def _read(self, clusters: list[int]) -> tuple[torch.Tensor, dict[int, list[Segment]], FileArrival]:
+        """Read `clusters` into a buffer of their own, a run of adjacent lists in one range."""
+        sizes = [int(self.offsets[c + 1] - self.offsets[c]) for c in clusters]
+        buffer = torch.empty((sum(sizes), self.datastore.dim), dtype=self.rows.dtype)
+        resident: dict[int, list[Segment]] = {}
+        runs: list[tuple[int, int, int]] = []
+        at = 0
+        for cluster, size in zip(clusters, sizes, strict=True):
+            first = int(self.offsets[cluster])
+            resident[cluster] = [Segment(at, size, first)]
+            if runs and runs[-1][0] + runs[-1][2] == at and runs[-1][1] + runs[-1][2] == first:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + size)
+            else:
+                runs.append((at, first, size))
+            at += size
+        return buffer, resident, self.rows.read_rows(buffer.numpy(), runs)
+
+
+def _empty_part(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.full((n, k), float(FAISS_PAD_SCORE)), torch.full((n, k), -1, dtype=torch.int64)
+
+
+def _ids_of(ids: np.ndarray, rows: torch.Tensor) -> torch.Tensor:
+    """Passage ids of scanned rows (-1 stays -1)."""
+    found = torch.from_numpy(np.asarray(ids))[rows.clamp(min=0)]
+    return torch.where(rows >= 0, found, rows)
+
+
+def _read_fully(fd: int, into: memoryview, offset: int) -> int:
+    """`os.preadv` until `into` is full or the file ends; the bytes read."""
+    got = 0
+    while got < len(into):
+        n = os.preadv(fd, [into[got:]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def _data_offset(path: Path) -> int:
+    """Where a `.npy` file's array starts: after its header."""
+    with path.open("rb") as handle:
+        major, _ = np.lib.format.read_magic(handle)
+        if major == 1:  # the shape and type are the manifest's, checked at load
+            np.lib.format.read_array_header_1_0(handle)
+        else:
+            np.lib.format.read_array_header_2_0(handle)
+        return handle.tell()

@@ -1,0 +1,149 @@
+"""A datastore searched from disk (`retrieval.disk`): lists read by explicit reads into a host cache
+of any budget, the rest read and scanned per search; the answers are faiss's `IndexIVF` at the same
+nprobe at every budget, cold or warm, batched or not, every codec, after prefetches and with writes
+to a live datastore between searches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from telerag.pipelines.documents import DocumentText, DocumentWriter
+from telerag.retrieval import disk
+from telerag.retrieval.codecs import Codec
+from telerag.retrieval.disk import DiskListSearch, FileRows
+from telerag.retrieval.engine import RetrievalEngine
+from telerag.retrieval.errors import InvalidCall
+from telerag.retrieval.ivf import same_results
+from telerag.retrieval.live import opened
+from telerag.retrieval.snapshot import search_snapshot
+from tests.retrieval_helpers import assert_same_as_faiss, random_datastore, random_queries, topic_datastore
+
+NLIST = 24
+
+
+def disk_engine(ds, share: float) -> RetrievalEngine:
+    """An engine reading `ds` from disk, its host cache `share` of the datastore's bytes."""
+    return RetrievalEngine(ds, cache_bytes=int(ds.n_vectors * ds.dim * ds.vectors.itemsize * share), on_disk=True)
+
+
+@pytest.mark.parametrize("share", [0.0, 0.05, 0.3, 1.0])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_every_cache_budget_answers_as_faiss_cold_and_warm(tmp_path, share, batch):
+    ds = random_datastore(tmp_path / "ds", n=4000, nlist=NLIST, duplicates=3)
+    engine = disk_engine(ds, share)
+    try:
+        for round_ in range(3):  # cold, then warm: what the cache holds changes, the answers do not
+            queries = random_queries(batch, ds.dim, seed=round_ % 2)
+            for nprobe in (1, 6, NLIST):
+                assert_same_as_faiss(engine, queries, 10, nprobe)
+        assert engine.cache.stats().pinned_clusters == 0
+        if share:
+            assert engine.cache.stats().occupancy_bytes > 0  # the misses were read into it
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("codec", [Codec.FP16, Codec.SQ8])
+def test_the_codecs_read_from_disk_answer_as_faiss(tmp_path, codec):
+    ds = random_datastore(tmp_path / "ds", n=3000, nlist=NLIST, codec=codec)
+    engine = disk_engine(ds, 0.2)
+    try:
+        assert_same_as_faiss(engine, random_queries(4, ds.dim), 8, 6)
+    finally:
+        engine.close()
+
+
+def test_a_prefetch_reads_its_lists_and_the_search_reads_the_rest(tmp_path):
+    ds = random_datastore(tmp_path / "ds", n=4000, nlist=NLIST)
+    engine = disk_engine(ds, 0.5)
+    rows: FileRows = engine.rows  # type: ignore[assignment]
+    try:
+        q = random_queries(1, ds.dim, seed=3)
+        before = rows.bytes_read
+        handle = engine.prefetch(q, budget_bytes=engine.cache.capacity_bytes // 2)
+        assert handle.lease is not None and handle.stats.bytes_copied > 0
+        handle.lease.arrival.wait()  # the reads land while the pre-retrieval call would run
+        assert rows.bytes_read - before == handle.stats.bytes_copied
+        result = assert_same_as_faiss(engine, q, 10, 6, prefetch=handle)
+        assert result.per_query[0].overlap_rate == 1.0 and result.per_query[0].clusters_device > 0
+    finally:
+        engine.close()
+
+
+def ds_probe(ds, queries, nprobe):
+    """Each query's `nprobe` lists, as faiss picks them."""
+    engine = RetrievalEngine(ds)
+    try:
+        return engine.index.probe(queries, nprobe)
+    finally:
+        engine.close()
+
+
+def test_the_lists_no_cache_holds_are_read_once_for_the_whole_batch(tmp_path):
+    ds = random_datastore(tmp_path / "ds", n=3000, nlist=NLIST)
+    rows = FileRows(ds)
+    try:
+        search = DiskListSearch(ds, rows)
+        queries = random_queries(8, ds.dim)
+        list_scores, lists = ds_probe(ds, queries, 6)
+        scores, ids = search.search_lists(queries, 10, lists, list_scores)
+        union = np.unique(lists)
+        assert rows.bytes_read == int(np.diff(ds.offsets)[union].sum()) * rows.row_bytes
+        engine = RetrievalEngine(ds)  # faiss over the memory map: the reference
+        ref_scores, ref_ids = engine.index.search_lists(queries, 10, lists, list_scores)
+        engine.close()
+        for i in range(len(queries)):
+            assert same_results(ids[i], scores[i], ref_ids[i], ref_scores[i])
+    finally:
+        rows.close()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_reads_bypass_the_page_cache_or_drop_what_they_read(tmp_path, monkeypatch, direct):
+    monkeypatch.setattr(disk, "READ_BYTES", 5000)  # a run of rows in several reads, each at an unaligned offset
+    ds = random_datastore(tmp_path / "ds", n=2000, nlist=NLIST)
+    rows = FileRows(ds, direct=direct)
+    try:
+        out = np.empty((1200, ds.dim), dtype=np.float32)
+        arrival = rows.read_rows(out, [(0, 7, 50), (50, 700, 1150)])
+        arrival.wait()
+        assert len(arrival.reads) == 1 + -(-1150 * rows.row_bytes // 5000)
+        np.testing.assert_array_equal(out[:50], ds.vectors[7:57])
+        np.testing.assert_array_equal(out[50:], ds.vectors[700:1850])
+        assert rows.direct == direct  # ext4 and xfs serve O_DIRECT: nothing enters the page cache
+        assert rows.bytes_read == 1200 * rows.row_bytes
+    finally:
+        rows.close()
+
+
+def test_a_datastore_on_disk_is_searched_on_the_cpu_without_early_stop(tmp_path):
+    ds = random_datastore(tmp_path / "ds", n=1000, nlist=8)
+    with pytest.raises(InvalidCall, match="on the CPU"):
+        RetrievalEngine(ds, on_disk=True, early_stop=True)
+
+
+def test_a_live_datastore_on_disk_answers_as_faiss_after_writes(tmp_path):
+    """Writes between searches: the delta's rows and the tombstones are the live datastore's (in
+    memory), the generation's lists are read from disk; the answers are a faiss index's after the
+    same writes."""
+    embedder, path = topic_datastore(tmp_path, per_topic=30, nlist=6)
+    with opened(path, writable=True) as live:
+        writer = DocumentWriter(live, embedder.encode)
+        engine = disk_engine(live.datastore, 0.3)
+        memory = RetrievalEngine(live.datastore)  # the same generation, from its memory map
+        try:
+            queries = embedder.encode(["river water boat", "piano concert", "bread oven yeast"])
+            for step in range(4):
+                writer.write_now([DocumentText(f"new-{step}", f"river piano bread {step} " * 30, f"New {step}")])
+                writer.write_now([f"rivers-{step}"])
+                snapshot = live.snapshot()
+                for nprobe in (1, 3, 6):
+                    ours = search_snapshot(engine, snapshot, queries, 5, nprobe)
+                    ref = search_snapshot(memory, snapshot, queries, 5, nprobe, use_cache=False)
+                    for i in range(len(queries)):
+                        assert same_results(ours.ids[i], ours.scores[i], ref.ids[i], ref.scores[i])
+        finally:
+            engine.close()
+            memory.close()
+            writer.close()
