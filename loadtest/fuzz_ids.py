@@ -5,7 +5,7 @@ reached with a real one, and with a made-up one (a 404) the other half. The sche
 let the stateful phase carry ids from answer to route too; these reach every route in every phase.
 Several of each are made, since the routes that delete draw from them too (an operation's own value
 would override the stateful phase's linked ids, and schemathesis draws from the project's dictionaries
-only), and a batch's store is its file's, so that a route reached before a deletion answers 2xx.
+only), and every store holds every file, so that a route reached before a deletion answers 2xx.
 
     python loadtest/fuzz_ids.py http://127.0.0.1:8000 [--api-key KEY] > /tmp/fuzz.toml
     schemathesis --config-file /tmp/fuzz.toml run http://127.0.0.1:8000/openapi.json --checks all ...
@@ -37,8 +37,8 @@ DRAWN = {  # an id parameter, and the resources it is drawn from
 
 
 def made_ids(base: str, api_key: str | None = None, copies: int = COPIES) -> dict[str, list[str]]:
-    """`copies` of each resource through the API at `base`: files, a store holding each, a batch of
-    each in its store, documents; by the dictionary each is drawn from."""
+    """`copies` of each resource through the API at `base`: files, documents, stores holding every
+    file, a batch of them in each store; by the dictionary each is drawn from."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     ids: dict[str, list[str]] = {"files": [], "stores": [], "batches": [], "documents": []}
     with httpx.Client(base_url=base, headers=headers, timeout=120) as client:
@@ -50,12 +50,13 @@ def made_ids(base: str, api_key: str | None = None, copies: int = COPIES) -> dic
 
         for i in range(copies):
             upload = {"file": (f"policy-{i}.txt", TEXT.encode())}
-            file_id = made("POST", "/v1/files", files=upload, data={"purpose": "assistants"})["id"]
-            store_id = made("POST", "/v1/vector_stores", json={"name": f"fuzz-{i}", "file_ids": [file_id]})["id"]
-            ids["files"].append(file_id)
-            ids["stores"].append(store_id)
-            ids["batches"].append(made("POST", f"/v1/vector_stores/{store_id}/file_batches", json={"file_ids": [file_id]})["id"])
+            ids["files"].append(made("POST", "/v1/files", files=upload, data={"purpose": "assistants"})["id"])
             ids["documents"].append(made("PUT", f"/v1/documents/fuzz-{i}", json={"text": TEXT})["id"])
+        for i in range(copies):  # every store holds every file, so that any two drawn name a file of a store
+            store_id = made("POST", "/v1/vector_stores", json={"name": f"fuzz-{i}", "file_ids": ids["files"]})["id"]
+            ids["stores"].append(store_id)
+            batch = made("POST", f"/v1/vector_stores/{store_id}/file_batches", json={"file_ids": ids["files"]})
+            ids["batches"].append(batch["id"])
         for store_id in ids["stores"]:  # processed, so that each answers as it will
             while made("GET", f"/v1/vector_stores/{store_id}")["status"] == "in_progress":
                 time.sleep(0.1)

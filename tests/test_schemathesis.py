@@ -128,10 +128,12 @@ def test_generated_requests_pass_every_check(served, tmp_path):
     summary = run.stdout[-6000:]
     assert run.returncode == 0, summary
     entries = json.loads(har.read_text())["log"]["entries"]
-    print(f"\nschemathesis: {len(entries)} requests, every check passed\n{run.stdout[-4000:]}")
+    print(f"\nschemathesis: {len(entries)} requests, every check passed\n{run.stdout[-1500:]}")
     assert len(entries) >= 2 * EXAMPLES  # the two generating routes were exercised, not just reached
     schema = httpx.get(f"{served}/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).json()
     answered = statuses_by_operation(schema, entries)
     by_id = [op for op in answered if "{" in op[1]]
-    # every route that takes an id was reached with a real one (the stateful phase follows the schema's links)
-    assert not [op for op in by_id if not any(200 <= s < 300 for s in answered[op])], {op: answered[op] for op in by_id}
+    # every route that takes an id was reached with a real one: not left at 404 (nor at the key's 401, or a 422 that
+    # may be the path's), the stateful phase following the schema's links, the rest drawing from `fuzz_ids`'s
+    unreached = [op for op in by_id if answered[op] <= {401, 404, 422}]
+    assert not unreached, {op: answered[op] for op in unreached}
