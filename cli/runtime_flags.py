@@ -53,6 +53,11 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--nprobe", type=nullable(nprobe_value), help="IVF lists searched (null: 4*sqrt(nlist); auto: see retrieval.nprobe)"
     )
+    parser.add_argument(
+        "--host-cache-mb",
+        type=nullable(float),
+        help="read the datastore from disk into a host cache of this many MB (null: memory-mapped; retrieval.host_cache_mb)",
+    )
     parser.set_defaults(
         host=None,
         port=None,
@@ -100,6 +105,7 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
     put("retrieval", "embedder", args.embedder)
     put("retrieval", "device", args.device)
     put("retrieval", "cache_mb", args.cache_mb)
+    put("retrieval", "host_cache_mb", args.host_cache_mb)
     put("retrieval", "prefetch_budget_mb", args.prefetch_budget_mb)
     put("retrieval", "cpu_threads", args.cpu_threads)
     put("retrieval", "nprobe", args.nprobe)

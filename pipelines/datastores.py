@@ -76,6 +76,7 @@ def open_retriever(
     cpu_threads: int | None = None,
     cpu_half: Callable[[Datastore], ListSearch] | None = None,
     early_stop: bool = False,
+    on_disk: bool = False,
     build_if_missing: bool = False,
     verify_checksums: bool = True,
     writable: bool = False,
@@ -83,7 +84,8 @@ def open_retriever(
     """Start the retrieval engine over `datastore`, checked to match `embedder`: a loaded one, or
     the directory to load (`load_datastore`); `cpu_half(generation)` the `RetrievalEngine`'s of each
     generation of it (None: faiss here; the retrieval tier's view of that generation), `cache_buffer`
-    (another engine's cluster cache buffer to share, in place of one of `cache_bytes`) as its. With `writable`,
+    (another engine's cluster cache buffer to share, in place of one of `cache_bytes`) as its; `on_disk`: its
+    vectors read from its files, `cache_bytes` of them cached in host memory (`RetrievalEngine`). With `writable`,
     documents can be written to it through the retriever (`retrieval.opening.open_live`)."""
     if not isinstance(datastore, Datastore):
         datastore = load_datastore(
@@ -103,18 +105,20 @@ def open_retriever(
             cpu_threads=cpu_threads,
             cpu_half=None if cpu_half is None else cpu_half(datastore),
             early_stop=early_stop,
+            on_disk=on_disk,
             progress=True,
         )
 
     engine = new_engine(datastore, cache_buffer)
     log.info(
-        "datastore %s: %d passages, %d lists, dim %d, embedder %s; device %s, cluster cache %.1f MB, demand copies %s, "
-        "early stop %s",
+        "datastore %s: %d passages, %d lists, dim %d, embedder %s; vectors %s; device %s, cluster cache %.1f MB, "
+        "demand copies %s, early stop %s",
         datastore.where,
         datastore.n_vectors,
         datastore.nlist,
         datastore.dim,
         datastore.manifest.embedder,
+        "read from disk" if on_disk else "memory-mapped",
         engine.device,
         engine.cache.capacity_bytes / 2**20,
         "on" if engine.demand is not None and engine.demand.copy_missed else "off",

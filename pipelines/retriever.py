@@ -356,6 +356,7 @@ class DirectRetriever:
             cache_bytes=engine.cache.capacity_bytes,
             prefetch_budget_bytes=self.prefetch_budget_bytes,
             copy_gbps=engine.copy_bytes_per_ms / 1e6 if engine.copy_bytes_per_ms else None,
+            vectors="read from disk" if engine.on_disk else "memory-mapped",
         )
 
     def close(self) -> None:

@@ -221,7 +221,8 @@ class DatastoreInfo:
     device: str  # where the cluster cache and the device search run
     cache_bytes: int
     prefetch_budget_bytes: int | None  # None: B · each request's expected pre-retrieval time
-    copy_gbps: float | None  # B, measured at start-up (None without a cache)
+    copy_gbps: float | None  # B, measured at start-up (None without a cache): read from disk, its read rate
+    vectors: Literal["memory-mapped", "read from disk"] = "memory-mapped"  # disk: the cache is in host memory
 
 
 # ---------------------------------------------------------------------------------------------

@@ -125,6 +125,7 @@ class RetrievalEngine:
         self.host_vectors = self._host_tensor(progress)
         self.index = CPUIndex(datastore, vectors=self.host_vectors.numpy())  # faiss reads the same memory
         self.rows: RowSource = TensorRows(self.host_vectors)
+        self.on_disk = on_disk
         self.cpu_half: ListSearch = self.index if cpu_half is None else cpu_half
         if on_disk:
             if self.device.type != "cpu" or early_stop or cpu_half is not None:

@@ -176,7 +176,15 @@ def load_embedder(retrieval: RetrievalSettings) -> Embedder:
 
 def cluster_cache_bytes(retrieval: RetrievalSettings, device: str) -> int:
     """The configured cache size; by default none on CPU (faiss alone is fastest there) and on
-    CUDA the memory still free (call it after the LLM has taken its share) less the headroom."""
+    CUDA the memory still free (call it after the LLM has taken its share) less the headroom. A
+    datastore read from disk (`retrieval.host_cache_mb`) is cached in host memory instead."""
+    if retrieval.host_cache_mb is not None:
+        if torch.device(device).type != "cpu":
+            raise DeviceUnavailable(
+                "retrieval.host_cache_mb: a datastore read from disk is searched on the CPU for now; set retrieval.device "
+                "to cpu, or leave host_cache_mb null to memory-map it"
+            )
+        return int(retrieval.host_cache_mb * 2**20)
     if retrieval.cache_mb is not None:
         return int(retrieval.cache_mb * 2**20)
     target = torch.device(device)
@@ -239,6 +247,7 @@ def open_configured_retriever(
         demand_copy=retrieval.demand_copy,
         cpu_threads=retrieval.cpu_threads,
         early_stop=retrieval.early_stop,
+        on_disk=retrieval.host_cache_mb is not None,
         writable=writable,
     )
 

@@ -130,6 +130,14 @@ class RetrievalSettings(Section):
         "there), on CUDA what the LLM leaves free less cache_headroom_mb",
         ge=0,
     )
+    host_cache_mb: float | None = setting(
+        None,
+        "read the datastore's vectors from its file by explicit reads (--host-cache-mb), never through its memory map, "
+        "into a cache in host memory of this many MB (0: none, every probed list read per search): for a datastore "
+        "larger than memory (docs/configuration.md, Datastores larger than memory). CPU only for now; null: "
+        "memory-mapped",
+        ge=0,
+    )
     cache_headroom_mb: float = setting(
         4096,
         "GPU memory the default cluster cache leaves free (embedder, search, a transformers engine's KV cache, which grows "

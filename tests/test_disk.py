@@ -147,3 +147,57 @@ def test_a_live_datastore_on_disk_answers_as_faiss_after_writes(tmp_path):
             engine.close()
             memory.close()
             writer.close()
+
+
+async def test_a_server_answers_from_a_datastore_read_from_disk(tmp_path):
+    """`retrieval.host_cache_mb` through the settings a server starts from: `/ready` says where
+    the vectors come from, and a query's documents are the memory-mapped datastore's."""
+    import httpx
+
+    from telerag.server.app import create_app, start_serving
+    from telerag.server.runtime import Runtime, open_configured_retriever
+    from tests.fake_app import settings
+    from tests.fakes import Reply, ScriptedEngine
+
+    embedder, path = topic_datastore(tmp_path, per_topic=20, nlist=4)
+    answers = {}
+    for host_cache_mb in (None, 0.01):
+        configured = settings(retrieval={"datastore": str(path), "host_cache_mb": host_cache_mb, "device": "cpu"})
+        retriever = open_configured_retriever(load(path, embedder), embedder, configured.retrieval)
+        runtime = Runtime(
+            settings=configured,
+            engine=ScriptedEngine(lambda prompt: Reply("an answer")),
+            retriever=retriever,
+            datastore_info=retriever.datastore_info(),
+            closers=[retriever.close],
+        )
+        app = create_app(configured)
+        start_serving(app, runtime)
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+                ready = (await client.get("/ready")).json()["datastore"]
+                answer = await client.post("/v1/rag/query", json={"query": "river water boat fish", "top_k": 5})
+            assert answer.status_code == 200, answer.text
+            found = answer.json()["documents"]
+            answers[host_cache_mb] = (np.array([d["id"] for d in found]), np.array([d["score"] for d in found], np.float32))
+            assert ready["vectors"] == ("memory-mapped" if host_cache_mb is None else "read from disk")
+            if host_cache_mb:
+                assert 0 < ready["cache_bytes"] <= 0.01 * 2**20  # at most the budget (and the datastore)
+        finally:
+            retriever.close()
+    assert same_results(*answers[0.01], *answers[None])  # the same documents (of tied scores, any may be kept)
+
+
+def load(path, embedder):
+    from telerag.pipelines.datastores import load_datastore
+
+    return load_datastore(path, embedder)
+
+
+def test_a_host_cache_is_refused_on_cuda_for_now():
+    from telerag.retrieval.errors import DeviceUnavailable
+    from telerag.server.runtime import cluster_cache_bytes
+    from telerag.server.settings import RetrievalSettings
+
+    with pytest.raises(DeviceUnavailable, match="host_cache_mb"):
+        cluster_cache_bytes(RetrievalSettings(host_cache_mb=64), "cuda")
