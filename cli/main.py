@@ -11,6 +11,7 @@ from telerag.cli import (
     bench_admission,
     bench_cluster,
     bench_cluster_cache,
+    bench_disk,
     bench_e2e,
     bench_generate,
     bench_ingest,
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_group = commands.add_parser("bench", help="benchmarks (table, or one JSON line with --json)")
     bench_commands = bench_group.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     bench_retrieval.register(bench_commands)
+    bench_disk.register(bench_commands)
     bench_kernels.register(bench_commands)
     bench_cluster_cache.register(bench_commands)
     bench_generate.register(bench_commands)

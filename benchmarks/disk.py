@@ -1,0 +1,233 @@
+"""`telerag bench disk`: a datastore searched from disk (`retrieval.disk`), side by side in one run
+with faiss over the same lists on disk (`OnDiskInvertedLists`, its own file, read through the page
+cache) and with every probed list already in memory (the bound), on a synthetic clustered datastore
+(`benchmarks.retrieval.synthetic_datastore`) and q_in/q_out pairs (`query_pairs`).
+
+Per batch size, over the same queries: faiss on disk, cold (the page cache dropped first, as root)
+and warm; ours with a host cache of `host_cache_mb`, cold (a new engine, an empty cache) without
+lookahead (every list read when searched) and with it (q_in's lists read during a pre-retrieval
+call of `llm_ms`, planned within B·t_LLM, then q_out searched); ours with the whole datastore in its
+cache (the bound). Each row: search p50 ms, MB read per search, and, with lookahead, the share of
+the search's lists already read when it began (the disk time masked). Answers are checked against
+faiss in memory at the same nprobe."""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+from tqdm.auto import tqdm
+
+from telerag.benchmarks.report import key_value_table
+from telerag.benchmarks.retrieval import BenchConfig, query_pairs, synthetic_datastore
+from telerag.retrieval.datastore import Datastore
+from telerag.retrieval.disk import FileRows
+from telerag.retrieval.engine import RetrievalEngine
+from telerag.retrieval.ivf import CPUIndex, same_results
+
+ONDISK = "faiss-ondisk"  # faiss's own files, beside the datastore's
+
+
+@dataclass
+class DiskBenchConfig:
+    vectors: int = 1_000_000
+    dim: int = 384
+    nlist: int | None = None  # default: 4*sqrt(vectors)
+    nprobe: int | None = None  # default: 4*sqrt(nlist), the server's
+    topk: int = 10
+    batches: tuple[int, ...] = (1, 8)
+    queries: int = 32
+    host_cache_mb: float = 256.0
+    llm_ms: float = 1000.0  # the pre-retrieval call the lookahead reads during (HyDE's on two cores: about a second)
+    overlap_noise: float = 0.3
+    seed: int = 0
+    datastore_dir: Path = Path(".bench")
+
+
+@dataclass
+class Row:
+    """One way of searching at one batch size."""
+
+    name: str
+    batch: int
+    search_ms_p50: float
+    mb_read_per_search: float
+    masked: float | None  # of the search's lists' bytes, the share read before it began (lookahead)
+    identical: float  # share of queries whose answer is faiss's in memory
+
+
+def run(config: DiskBenchConfig, progress: bool = True) -> dict[str, Any]:
+    nlist = config.nlist or max(1, round(4 * np.sqrt(config.vectors)))
+    synthetic = BenchConfig(
+        vectors=config.vectors, dim=config.dim, nlist=nlist, seed=config.seed, datastore_dir=config.datastore_dir
+    )
+    path = synthetic_datastore(synthetic, progress=progress)
+    datastore = Datastore.load(path, verify_checksums=False)
+    q_in, q_out = query_pairs(
+        datastore, BenchConfig(queries=config.queries, overlap_noise=config.overlap_noise, seed=config.seed)
+    )
+    memory = RetrievalEngine(datastore, nprobe=config.nprobe)
+    nprobe = memory.nprobe
+    ondisk = _ondisk_index(datastore, path / ONDISK, progress)
+    rows: list[Row] = []
+    dropped = True
+    for batch in config.batches:
+        slices = [slice(s, s + batch) for s in range(0, config.queries, batch)]
+        references = [memory.index.search(q_out[s], config.topk, nprobe) for s in slices]
+        for name, cold in (("faiss on disk, cold", True), ("faiss on disk, warm", False)):
+            dropped &= not cold or drop_page_cache()
+            rows.append(_faiss_rows(name, batch, ondisk, q_out, slices, references, config.topk, nprobe, progress))
+        for name, lookahead in (("ours, cold, reads on demand", False), ("ours, cold, lookahead", True)):
+            drop_page_cache()
+            engine = RetrievalEngine(datastore, cache_bytes=int(config.host_cache_mb * 2**20), nprobe=nprobe, on_disk=True)
+            rows.append(_our_rows(name, batch, engine, q_in if lookahead else None, q_out, slices, references, config, progress))
+            engine.close()
+        engine = RetrievalEngine(datastore, cache_bytes=_datastore_bytes(datastore), nprobe=nprobe, on_disk=True)
+        everything = engine.cache.acquire(range(datastore.nlist), fetch=True)
+        if everything.arrival is not None:
+            everything.arrival.wait()
+        rows.append(_our_rows("ours, every list in memory", batch, engine, None, q_out, slices, references, config, progress))
+        everything.release()
+        engine.close()
+    memory.close()
+    return {
+        "datastore": datastore.where,
+        "n_vectors": datastore.n_vectors,
+        "dim": datastore.dim,
+        "nlist": datastore.nlist,
+        "nprobe": nprobe,
+        "topk": config.topk,
+        "queries": config.queries,
+        "datastore_bytes": _datastore_bytes(datastore),
+        "host_cache_bytes": int(config.host_cache_mb * 2**20),
+        "llm_ms": config.llm_ms,
+        "page_cache_dropped": dropped,
+        "faiss_threads": faiss.omp_get_max_threads(),
+        "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "rows": [asdict(row) for row in rows],
+    }
+
+
+def _faiss_rows(
+    name: str,
+    batch: int,
+    index: Any,
+    q_out: np.ndarray,
+    slices: list[slice],
+    references: list,
+    k: int,
+    nprobe: int,
+    progress: bool,
+) -> Row:
+    times, same = [], []
+    params: Any = faiss.SearchParametersIVF()
+    params.nprobe = nprobe
+    for i, s in enumerate(tqdm(slices, desc=name, disable=not progress)):
+        started = time.perf_counter()
+        scores, ids = index.search(q_out[s], k, params=params)
+        times.append((time.perf_counter() - started) * 1e3)
+        same += _same(ids, scores, references[i])
+    return Row(name, batch, float(np.median(times)), float("nan"), None, float(np.mean(same)))
+
+
+def _our_rows(
+    name: str,
+    batch: int,
+    engine: RetrievalEngine,
+    q_in: np.ndarray | None,
+    q_out: np.ndarray,
+    slices: list[slice],
+    references: list,
+    config: DiskBenchConfig,
+    progress: bool,
+) -> Row:
+    rows = engine.rows
+    assert isinstance(rows, FileRows)
+    times, same, read, masked = [], [], [], []
+    for i, s in enumerate(tqdm(slices, desc=name, disable=not progress)):
+        before = rows.bytes_read
+        handle = None
+        if q_in is not None:
+            budget = int((engine.copy_bytes_per_ms or 0.0) * config.llm_ms)  # B · t_LLM
+            handle = engine.prefetch(q_in[s], budget)
+            time.sleep(config.llm_ms / 1e3)  # the pre-retrieval call the reads run beside
+            probed = engine.index.probe(q_out[s], engine.nprobe)[1]
+            masked.append(_masked(engine, handle.plan.clusters, probed))
+        started = time.perf_counter()
+        result = engine.search(q_out[s], config.topk, engine.nprobe, prefetch=handle)
+        times.append((time.perf_counter() - started) * 1e3)
+        read.append((rows.bytes_read - before) / 2**20)
+        same += _same(result.ids, result.scores, references[i])
+    return Row(
+        name,
+        batch,
+        float(np.median(times)),
+        float(np.mean(read)),
+        float(np.mean(masked)) if masked else None,
+        float(np.mean(same)),
+    )
+
+
+def _masked(engine: RetrievalEngine, prefetched: list[int], probed: np.ndarray) -> float:
+    """Of the bytes of the lists a search probes (each once), the share its prefetch read."""
+    sizes = engine.cache.sizes
+    wanted = np.unique(probed[probed >= 0])
+    total = int(sizes[wanted].sum())
+    return float(sizes[np.intersect1d(wanted, prefetched)].sum()) / total if total else 1.0
+
+
+def _same(ids: np.ndarray, scores: np.ndarray, reference: tuple[np.ndarray, np.ndarray]) -> list[bool]:
+    ref_scores, ref_ids = reference
+    return [same_results(ids[j], scores[j], ref_ids[j], ref_scores[j]) for j in range(len(ids))]
+
+
+def _datastore_bytes(datastore: Datastore) -> int:
+    return datastore.n_vectors * datastore.dim * datastore.vectors.itemsize
+
+
+def _ondisk_index(datastore: Datastore, where: Path, progress: bool) -> Any:
+    """faiss's IVF over the datastore's lists with `OnDiskInvertedLists` in a file of its own (made
+    once, kept beside the datastore): what faiss offers for lists larger than memory."""
+    index_file, lists_file = where / "index.faissindex", where / "lists.ivfdata"
+    if not index_file.is_file():
+        where.mkdir(parents=True, exist_ok=True)
+        index, quantizer = datastore.codec.empty_faiss_index(datastore.centroids, datastore.codec_params)
+        invlists = faiss.OnDiskInvertedLists(datastore.nlist, index.code_size, str(lists_file))
+        source = CPUIndex(datastore)  # faiss's lists over the memory map, merged into its on-disk ones (faiss.contrib.ondisk)
+        merged = faiss.InvertedListsPtrVector()
+        merged.push_back(source.lists)
+        index.ntotal = invlists.merge_from_multiple(merged.data(), merged.size(), False)
+        index.replace_invlists(invlists, True)
+        invlists.this.disown()
+        faiss.write_index(index, str(index_file))  # the quantizer with it: alive till here (faiss does not own it)
+        del quantizer
+    return faiss.read_index(str(index_file), faiss.IO_FLAG_ONDISK_SAME_DIR)
+
+
+def drop_page_cache() -> bool:
+    """Empty the page cache (root only, Linux): a cold run reads from the disk. False where it cannot."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as control:
+            control.write("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def format_table(result: dict[str, Any]) -> str:
+    head = key_value_table({key: value for key, value in result.items() if key != "rows"}, float_format=".1f")
+    lines = [head, "", f"{'way of searching':<30} {'batch':>5} {'p50 ms':>9} {'MB read':>9} {'masked':>7} {'same':>5}"]
+    for row in result["rows"]:
+        masked = "" if row["masked"] is None else f"{row['masked']:.2f}"
+        mb = "" if row["mb_read_per_search"] != row["mb_read_per_search"] else f"{row['mb_read_per_search']:.1f}"
+        lines.append(
+            f"{row['name']:<30} {row['batch']:>5} {row['search_ms_p50']:>9.1f} {mb:>9} {masked:>7} {row['identical']:>5.2f}"
+        )
+    return "\n".join(lines)

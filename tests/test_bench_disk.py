@@ -1,0 +1,40 @@
+"""`telerag bench disk` on a small synthetic datastore: every way of searching it times answers as
+faiss in memory, the lookahead reads part of what a search needs before it begins, and `--json`
+ends with one JSON object."""
+
+from __future__ import annotations
+
+import json
+
+from telerag.benchmarks.disk import DiskBenchConfig, run
+from telerag.cli.main import main
+
+WAYS = [
+    "faiss on disk, cold",
+    "faiss on disk, warm",
+    "ours, cold, reads on demand",
+    "ours, cold, lookahead",
+    "ours, every list in memory",
+]
+
+
+def test_every_way_of_searching_is_exact_and_the_lookahead_reads_ahead(tmp_path):
+    config = DiskBenchConfig(
+        vectors=4000, dim=16, nlist=32, nprobe=8, queries=8, host_cache_mb=0.1, llm_ms=5, datastore_dir=tmp_path
+    )
+    result = run(config, progress=False)
+    rows = result["rows"]
+    assert [(row["name"], row["batch"]) for row in rows] == [(name, batch) for batch in (1, 8) for name in WAYS]
+    assert all(row["identical"] == 1.0 for row in rows)
+    lookahead = [row for row in rows if row["name"] == "ours, cold, lookahead"]
+    assert all(0.0 < row["masked"] <= 1.0 for row in lookahead)
+    assert all(row["mb_read_per_search"] == 0.0 for row in rows if row["name"] == "ours, every list in memory")
+    assert result["nprobe"] == 8 and result["host_cache_bytes"] == int(0.1 * 2**20)
+
+
+def test_cli_json_is_the_last_line(tmp_path, capsys):
+    args = ["bench", "disk", "--vectors", "3000", "--dim", "8", "--nlist", "16", "--nprobe", "4", "--queries", "4",
+            "--batches", "2", "--host-cache-mb", "0.05", "--llm-ms", "1", "--datastore-dir", str(tmp_path), "--json"]  # fmt: skip
+    assert main(args) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["config"]["batches"] == [2] and len(last["rows"]) == len(WAYS)
