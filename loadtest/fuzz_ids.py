@@ -24,7 +24,8 @@ import httpx
 
 CONFIG = Path(__file__).with_name("schemathesis.toml")
 SHARE = 0.5  # of generated ids, those drawn from the real ones
-COPIES = 4  # of each resource
+COPIES = 4  # of each resource, but stores
+STORES = 12  # the routes that delete a store, or a file of one, draw from them too: more of them outlast their draws
 TEXT = "Leave policy\n\nStaff get thirty days of leave a year, taken in blocks of at least a week.\n"
 DRAWN = {  # an id parameter, and the resources it is drawn from
     "path.file_id": "files",
@@ -36,9 +37,9 @@ DRAWN = {  # an id parameter, and the resources it is drawn from
 }
 
 
-def made_ids(base: str, api_key: str | None = None, copies: int = COPIES) -> dict[str, list[str]]:
-    """`copies` of each resource through the API at `base`: files, documents, stores holding every
-    file, a batch of them in each store; by the dictionary each is drawn from."""
+def made_ids(base: str, api_key: str | None = None, copies: int = COPIES, stores: int = STORES) -> dict[str, list[str]]:
+    """`copies` files and documents and `stores` stores, each holding every file, with a batch of
+    them, through the API at `base`; by the dictionary each is drawn from."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     ids: dict[str, list[str]] = {"files": [], "stores": [], "batches": [], "documents": []}
     with httpx.Client(base_url=base, headers=headers, timeout=120) as client:
@@ -52,7 +53,7 @@ def made_ids(base: str, api_key: str | None = None, copies: int = COPIES) -> dic
             upload = {"file": (f"policy-{i}.txt", TEXT.encode())}
             ids["files"].append(made("POST", "/v1/files", files=upload, data={"purpose": "assistants"})["id"])
             ids["documents"].append(made("PUT", f"/v1/documents/fuzz-{i}", json={"text": TEXT})["id"])
-        for i in range(copies):  # every store holds every file, so that any two drawn name a file of a store
+        for i in range(stores):  # every store holds every file, so that any two drawn name a file of a store
             store_id = made("POST", "/v1/vector_stores", json={"name": f"fuzz-{i}", "file_ids": ids["files"]})["id"]
             ids["stores"].append(store_id)
             batch = made("POST", f"/v1/vector_stores/{store_id}/file_batches", json={"file_ids": ids["files"]})
