@@ -103,8 +103,6 @@ def test_generated_requests_pass_every_check(served, tmp_path):
             str(config),
             "run",
             f"{served}/openapi.json",
-            "--checks",
-            "all",
             "--max-examples",
             str(EXAMPLES),
             "--seed",
