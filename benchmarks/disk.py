@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import faiss
+import faiss as typed_faiss
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -31,6 +31,7 @@ from telerag.retrieval.disk import FileRows
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.ivf import CPUIndex, same_results
 
+faiss: Any = typed_faiss  # its on-disk lists' merge and ownership live below its stubs (as in `retrieval.ivf`)
 ONDISK = "faiss-ondisk"  # faiss's own files, beside the datastore's
 
 
