@@ -58,7 +58,8 @@ class Row:
     name: str
     batch: int
     search_ms_p50: float
-    mb_read_per_search: float
+    search_ms_mean: float
+    mb_read_per_search: float  # ours: by the search and its prefetch
     masked: float | None  # of the search's lists' bytes, the share read before it began (lookahead)
     identical: float  # share of queries whose answer is faiss's in memory
 
@@ -77,23 +78,30 @@ def run(config: DiskBenchConfig, progress: bool = True) -> dict[str, Any]:
     nprobe = memory.nprobe
     ondisk = _ondisk_index(datastore, path / ONDISK, progress)
     rows: list[Row] = []
-    dropped = True
+    dropped = drop_page_cache()
+    cache_bytes = int(config.host_cache_mb * 2**20)
     for batch in config.batches:
         slices = [slice(s, s + batch) for s in range(0, config.queries, batch)]
         references = [memory.index.search(q_out[s], config.topk, nprobe) for s in slices]
         for name, cold in (("faiss on disk, cold", True), ("faiss on disk, warm", False)):
-            dropped &= not cold or drop_page_cache()
-            rows.append(_faiss_rows(name, batch, ondisk, q_out, slices, references, config.topk, nprobe, progress))
-        for name, lookahead in (("ours, cold, reads on demand", False), ("ours, cold, lookahead", True)):
             drop_page_cache()
-            engine = RetrievalEngine(datastore, cache_bytes=int(config.host_cache_mb * 2**20), nprobe=nprobe, on_disk=True)
-            rows.append(_our_rows(name, batch, engine, q_in if lookahead else None, q_out, slices, references, config, progress))
-            engine.close()
+            rows.append(_faiss_rows(name, batch, ondisk, q_out, slices, references, config, nprobe, cold, progress))
+        engine = RetrievalEngine(datastore, cache_bytes=cache_bytes, nprobe=nprobe, on_disk=True)
+        for name, lookahead, cold in (
+            ("ours, cold, reads on demand", False, True),
+            ("ours, cold, lookahead", True, True),
+            ("ours, warm, lookahead", True, False),
+        ):
+            engine.resize_cache(cache_bytes)  # empty
+            searches = Searches(q_in if lookahead else None, q_out, slices, references)
+            rows.append(_our_rows(name, batch, engine, searches, config, cold, progress))
+        engine.close()
         engine = RetrievalEngine(datastore, cache_bytes=_datastore_bytes(datastore), nprobe=nprobe, on_disk=True)
         everything = engine.cache.acquire(range(datastore.nlist), fetch=True)
         if everything.arrival is not None:
             everything.arrival.wait()
-        rows.append(_our_rows("ours, every list in memory", batch, engine, None, q_out, slices, references, config, progress))
+        searches = Searches(None, q_out, slices, references)
+        rows.append(_our_rows("ours, every list in memory", batch, engine, searches, config, False, progress))
         everything.release()
         engine.close()
     memory.close()
@@ -122,36 +130,47 @@ def _faiss_rows(
     q_out: np.ndarray,
     slices: list[slice],
     references: list,
-    k: int,
+    config: DiskBenchConfig,
     nprobe: int,
+    cold: bool,
     progress: bool,
 ) -> Row:
+    """faiss over its on-disk lists, read through the page cache: `cold`, dropped before each search."""
     times, same = [], []
     params: Any = faiss.SearchParametersIVF()
     params.nprobe = nprobe
     for i, s in enumerate(tqdm(slices, desc=name, disable=not progress)):
+        if cold:
+            drop_page_cache()
         started = time.perf_counter()
-        scores, ids = index.search(q_out[s], k, params=params)
+        scores, ids = index.search(q_out[s], config.topk, params=params)
         times.append((time.perf_counter() - started) * 1e3)
         same += _same(ids, scores, references[i])
-    return Row(name, batch, float(np.median(times)), float("nan"), None, float(np.mean(same)))
+    return Row(name, batch, float(np.median(times)), float(np.mean(times)), float("nan"), None, float(np.mean(same)))
+
+
+@dataclass(frozen=True)
+class Searches:
+    """One batch size's searches: each q_out batch (`slices`), its q_in (None: no lookahead) and faiss's answer."""
+
+    q_in: np.ndarray | None
+    q_out: np.ndarray
+    slices: list[slice]
+    references: list[tuple[np.ndarray, np.ndarray]]
 
 
 def _our_rows(
-    name: str,
-    batch: int,
-    engine: RetrievalEngine,
-    q_in: np.ndarray | None,
-    q_out: np.ndarray,
-    slices: list[slice],
-    references: list,
-    config: DiskBenchConfig,
-    progress: bool,
+    name: str, batch: int, engine: RetrievalEngine, searches: Searches, config: DiskBenchConfig, cold: bool, progress: bool
 ) -> Row:
+    """Ours from disk: `cold`, the host cache emptied before each search (and its prefetch); with
+    `q_in`, each search's prefetch issued a pre-retrieval call (`llm_ms`) before it."""
     rows = engine.rows
     assert isinstance(rows, FileRows)
+    q_in, q_out = searches.q_in, searches.q_out
     times, same, read, masked = [], [], [], []
-    for i, s in enumerate(tqdm(slices, desc=name, disable=not progress)):
+    for i, s in enumerate(tqdm(searches.slices, desc=name, disable=not progress)):
+        if cold:
+            engine.resize_cache(engine.cache.capacity_bytes)
         before = rows.bytes_read
         handle = None
         if q_in is not None:
@@ -164,14 +183,10 @@ def _our_rows(
         result = engine.search(q_out[s], config.topk, engine.nprobe, prefetch=handle)
         times.append((time.perf_counter() - started) * 1e3)
         read.append((rows.bytes_read - before) / 2**20)
-        same += _same(result.ids, result.scores, references[i])
+        same += _same(result.ids, result.scores, searches.references[i])
+    masked_share = float(np.mean(masked)) if masked else None
     return Row(
-        name,
-        batch,
-        float(np.median(times)),
-        float(np.mean(read)),
-        float(np.mean(masked)) if masked else None,
-        float(np.mean(same)),
+        name, batch, float(np.median(times)), float(np.mean(times)), float(np.mean(read)), masked_share, float(np.mean(same))
     )
 
 
@@ -224,7 +239,11 @@ def drop_page_cache() -> bool:
 
 def format_table(result: dict[str, Any]) -> str:
     head = key_value_table({key: value for key, value in result.items() if key != "rows"}, float_format=".1f")
-    lines = [head, "", f"{'way of searching':<30} {'batch':>5} {'p50 ms':>9} {'MB read':>9} {'masked':>7} {'same':>5}"]
+    lines = [
+        head,
+        "",
+        f"{'way of searching':<30} {'batch':>5} {'p50 ms':>9} {'mean ms':>9} {'MB read':>9} {'masked':>7} {'same':>5}",
+    ]
     for row in result["rows"]:
         masked = "" if row["masked"] is None else f"{row['masked']:.2f}"
         mb = "" if row["mb_read_per_search"] != row["mb_read_per_search"] else f"{row['mb_read_per_search']:.1f}"
