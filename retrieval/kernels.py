@@ -6,8 +6,8 @@ writes its scores for every query of the batch: the real inner product where the
 that cluster, -inf where it does not. Accumulation is plain fp32 (`input_precision="ieee"`),
 never TF32, so the scores are those faiss computes up to summation order.
 
-Used on CUDA when Triton is importable; `scan_resident`'s torch path is the fallback (and the
-CPU path). Tests run it on the CPU through Triton's interpreter (TRITON_INTERPRET=1).
+Used on CUDA when Triton is importable; `scan_resident`'s torch path is the fallback (the CPU
+scores with faiss's inner products). Tests run it on the CPU through Triton's interpreter (TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations

@@ -6,15 +6,14 @@ buffer), so together with faiss scanning the rest the answer is exactly IVF at t
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from telerag.retrieval import kernels
+from telerag.retrieval import ivf, kernels
 from telerag.retrieval.cache import Segment
 from telerag.retrieval.codecs import Codec
-from telerag.retrieval.ivf import FAISS_PAD_SCORE
 
 SCAN_CHUNK_BYTES = 256 << 20  # bound on the gathered rows held at once
 
@@ -73,6 +72,56 @@ def _topk_padded(scores: torch.Tensor, ids: torch.Tensor | _ColumnIds, k: int) -
     return scores, torch.where(torch.isinf(scores), torch.full_like(picked, -1), picked)
 
 
+def _top_segments_host(
+    codes: np.ndarray,
+    decode: Callable[[np.ndarray], np.ndarray],
+    queries: np.ndarray,
+    member: np.ndarray,
+    table: np.ndarray,
+    k: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each query's top-k (scores, columns) over the rows of the segments of `codes` whose
+    cluster it probes, scored by faiss's SIMD inner products (`fvec_inner_products_ny`, its IVF
+    scan's kind, so the scores are as faiss computes them). `table` is int64 (segments, 3): start in
+    `codes`, length, cluster position in `member` ((n, clusters), 0/1); a column numbers the
+    segments' rows in table order. `decode` turns codes that are not float32 into float32.
+    Scores descend, padded with -inf / -1. List-major: a segment is read from memory once and
+    stays in the CPU's cache for every query of the batch that probes it (faiss goes query by query).
+    """
+    n, dim = queries.shape
+    queries = np.ascontiguousarray(queries, dtype=np.float32)
+    positions, probing = np.nonzero(member.T)
+    probers = np.split(probing, np.searchsorted(positions, np.arange(1, member.shape[1])))
+    per_position = np.bincount(table[:, 2], weights=table[:, 1], minlength=member.shape[1])
+    scores = [np.empty(int(width), dtype=np.float32) for width in member.astype(np.int64) @ per_position.astype(np.int64)]
+    filled = [0] * n
+    placed: list[list[tuple[int, int]]] = [[] for _ in range(n)]  # per query: (where in its scores, column)
+    query_ptrs = [ivf.faiss.swig_ptr(query) for query in queries]
+    column = 0
+    for start, length, position in table.tolist():
+        if length and len(probers[position]):
+            segment = codes[start : start + length]
+            segment = np.ascontiguousarray(segment if segment.dtype == np.float32 else decode(segment))
+            rows = ivf.faiss.swig_ptr(segment)
+            for query in probers[position].tolist():
+                at = filled[query]
+                ivf.faiss.fvec_inner_products_ny(ivf.faiss.swig_ptr(scores[query][at:]), query_ptrs[query], rows, dim, length)
+                placed[query].append((at, column))
+                filled[query] = at + length
+        column += length
+    top_scores = np.full((n, k), -np.inf, dtype=np.float32)
+    top_columns = np.full((n, k), -1, dtype=np.int64)
+    for query, own in enumerate(scores):
+        if not len(own):
+            continue
+        picked = torch.topk(torch.from_numpy(own), min(k, len(own))).indices.numpy()  # descending
+        starts, columns = np.array(placed[query], dtype=np.int64).T
+        segment_of = np.searchsorted(starts, picked, side="right") - 1
+        top_scores[query, : len(picked)] = own[picked]
+        top_columns[query, : len(picked)] = columns[segment_of] + picked - starts[segment_of]
+    return top_scores, top_columns
+
+
 def scan_resident(
     buffer: torch.Tensor,
     queries: torch.Tensor,
@@ -88,9 +137,10 @@ def scan_resident(
     The buffer holds `codec`'s codes (decoded with `codec_params` where the codec has them).
 
     The union of the batch's probed clusters is read once, against all the queries; a score
-    counts only for the queries that probe that row's cluster. On CUDA a Triton kernel scores
-    the rows in place (unless `use_kernel` is false: `telerag bench kernels` compares the two);
-    elsewhere the rows are gathered in chunks and multiplied.
+    counts only for the queries that probe that row's cluster. The rows are scored in place: on
+    CUDA by a Triton kernel, on the CPU by faiss's inner products (`_top_segments_host`), unless
+    `use_kernel` is false (`telerag bench kernels` compares the two); otherwise they are gathered
+    in chunks and multiplied.
     """
     n, dim = queries.shape
     union = sorted({c for query_probes in probes for c in query_probes})
@@ -107,6 +157,18 @@ def scan_resident(
     if use_kernel and kernels.available(buffer.device):
         scores = kernels.score_segments(buffer, queries, member, table[:, [0, 1, 3]], sq8_params=codec_params)
         return _topk_padded(scores, _ColumnIds(table, buffer.device), k)
+    if use_kernel and buffer.device.type == "cpu":
+        top, columns = _top_segments_host(
+            buffer.numpy(),
+            lambda codes: codec.decode(torch.from_numpy(codes), codec_params).numpy(),
+            queries.numpy(),
+            membership,
+            table[:, [0, 1, 3]],
+            k,
+        )
+        found = torch.from_numpy(columns)
+        ids = _ColumnIds(table, buffer.device).gather(found.clamp(min=0))
+        return torch.from_numpy(top), torch.where(found >= 0, ids, found)
     rows, ids, owner = _expand(table, buffer.device)
     best_scores, best_ids = _topk_padded(
         torch.empty((n, 0), device=buffer.device), torch.empty((n, 0), dtype=torch.int64, device=buffer.device), k
@@ -134,7 +196,7 @@ def merge_topk(parts: Sequence[Part], k: int) -> Part:
     scores, ids = scores.gather(1, by_id), ids.gather(1, by_id)
     order = torch.argsort(scores, dim=1, descending=True, stable=True)[:, :k]
     scores, ids = scores.gather(1, order), ids.gather(1, order)
-    return torch.where(ids < 0, float(FAISS_PAD_SCORE), scores), ids
+    return torch.where(ids < 0, float(ivf.FAISS_PAD_SCORE), scores), ids
 
 
 def faiss_part(part: tuple[np.ndarray, np.ndarray], device: torch.device | str) -> Part:

@@ -8,11 +8,13 @@ import numpy as np
 import pytest
 import torch
 
+from telerag.retrieval.cache import Segment
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.errors import DeviceMemoryError, InvalidCall, SearchError
 from telerag.retrieval.ivf import same_results
+from telerag.retrieval.search import scan_resident
 from tests.retrieval_helpers import DEVICES, CopyEveryMiss, assert_same_as_faiss, random_datastore, random_queries
 
 
@@ -246,3 +248,31 @@ def test_vectors_pinned_already_are_copied_from_in_place(tmp_path):
     q = random_queries(4, ds.dim)
     assert_same_as_faiss(engine, q, k=5, nprobe=8, prefetch=engine.prefetch(q, engine.cache.capacity_bytes))
     engine.close()
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+def test_the_host_scan_in_place_equals_the_gathered_one(codec):
+    """On the CPU the resident rows are scored in place by faiss's inner products, list-major:
+    the same top-k as gathering them and multiplying, with clusters split into pieces, lists
+    probed by some queries of the batch and not others, an empty segment, and k past the rows."""
+    rng = np.random.default_rng(3)
+    dim, rows = 24, 900
+    vectors = rng.standard_normal((rows, dim)).astype(np.float32)
+    params = codec.train(vectors) if codec.has_params else None
+    buffer = torch.from_numpy(np.ascontiguousarray(codec.to_codes(vectors, params)))
+    resident = {
+        0: [Segment(0, 50, 500), Segment(700, 30, 550)],
+        1: [Segment(50, 200, 0)],
+        2: [Segment(250, 0, 580)],
+        3: [Segment(300, 300, 200)],
+        5: [Segment(600, 100, 600)],
+    }
+    queries = torch.from_numpy(rng.standard_normal((5, dim)).astype(np.float32))
+    probes = [[0, 1], [3], [0, 1, 2, 3, 5], [], [5, 2]]
+    sq8 = None if params is None else torch.from_numpy(params)
+    for k in (1, 7, 400):
+        host = scan_resident(buffer, queries, resident, probes, k, codec=codec, codec_params=sq8)
+        gathered = scan_resident(buffer, queries, resident, probes, k, codec=codec, codec_params=sq8, use_kernel=False)
+        for i in range(len(probes)):
+            assert same_results(host[1][i].numpy(), host[0][i].numpy(), gathered[1][i].numpy(), gathered[0][i].numpy(), 1e-5)
+        assert (host[1][3] == -1).all() and torch.isinf(host[0][3]).all(), "a query probing nothing resident finds nothing"
