@@ -331,7 +331,7 @@ class DirectRetriever:
     # -- introspection for the server -------------------------------------------------------------
 
     def cache_stats(self) -> CacheStats:
-        return self.engine.cache.stats()
+        return self.engine.cache_stats()
 
     def resident_clusters(self) -> list[int]:
         """The clusters the cache holds now (landed or in flight)."""

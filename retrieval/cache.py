@@ -155,6 +155,7 @@ class _Slot:
     segments: list[Segment]
     arrival: Arrival | None
     pins: int = 0
+    unread: bool = False  # copied ahead by a prefetch, and no search has read it yet
 
 
 @dataclass
@@ -200,6 +201,7 @@ class CacheBuffer:
         self.caches: list[ClusterCache] = []  # those on it, until closed with nothing pinned
         self.clock = 0.0
         self.hits = self.misses = self.evictions = self.bytes_copied = self.copies = 0
+        self.bytes_copied_ahead = self.bytes_evicted_unread = 0
         self.in_flight: deque[tuple[Arrival, int]] = deque()  # (copies not landed, their bytes), issue order
 
     @classmethod
@@ -231,6 +233,8 @@ class CacheBuffer:
                 evictions=self.evictions,
                 bytes_copied=self.bytes_copied,
                 copies=self.copies,
+                bytes_copied_ahead=self.bytes_copied_ahead,
+                bytes_evicted_unread=self.bytes_evicted_unread,
             )
 
     def check_invariants(self) -> None:
@@ -278,6 +282,8 @@ class CacheBuffer:
         for segment in slot.segments:
             self.free.give_back(segment.start, segment.length)
         self.evictions += 1
+        if slot.unread:
+            self.bytes_evicted_unread += int(cache.sizes[cluster]) * self.row_bytes
         if cache.closed and not cache._slots:
             self.caches.remove(cache)
         return sum(segment.length for segment in slot.segments)
@@ -381,8 +387,10 @@ class ClusterCache:
                 if (copy := self._slots[cluster].arrival) is not None and id(copy) in ahead
             }
 
-    def acquire(self, clusters: Sequence[int] | np.ndarray, *, fetch: bool) -> Lease:
+    def acquire(self, clusters: Sequence[int] | np.ndarray, *, fetch: bool, ahead: bool = False) -> Lease:
         """Pin the resident clusters among `clusters`; with `fetch`, copy in the missing ones too.
+        `ahead`: a prefetch's, for a search still to come (else a search's own, which reads what
+        it pins: the counters tell the bytes copied ahead and those evicted before any search read them).
 
         Empty clusters are skipped (there is nothing to search). Clusters that cannot be placed
         because everything else is pinned are counted as skipped and simply stay on the CPU; so
@@ -403,6 +411,7 @@ class ClusterCache:
                     missing.append(cluster)
                     continue
                 slot.pins += 1
+                slot.unread = slot.unread and ahead
                 lease.resident[cluster] = slot.segments
                 lease.clusters_already_resident += 1
                 if slot.arrival is not None and id(slot.arrival) not in arrivals:
@@ -414,7 +423,7 @@ class ClusterCache:
             elif self.closed:
                 lease.clusters_skipped += len(missing)
             elif missing:
-                self._fetch(sorted(missing), set(wanted), lease)
+                self._fetch(sorted(missing), set(wanted), lease, ahead)
         return lease
 
     def release(self, lease: Lease) -> None:
@@ -459,7 +468,7 @@ class ClusterCache:
     def _current_hotness(self, clusters: np.ndarray) -> np.ndarray:
         return self._hotness[clusters] * 0.5 ** ((self.shared.clock - self._last_touch[clusters]) / HALF_LIFE_ACCESSES)
 
-    def _fetch(self, missing: list[int], protected: set[int], lease: Lease) -> None:
+    def _fetch(self, missing: list[int], protected: set[int], lease: Lease, ahead: bool) -> None:
         shared = self.shared
         copies: list[Copy] = []
         placed: list[int] = []
@@ -474,7 +483,7 @@ class ClusterCache:
                 evictable = shared.evictable(self, protected) if evictable is None else evictable
                 self._open_extent(rows, evictable)
             if rows <= shared.free.total:
-                self._place(run, rows, copies, lease)
+                self._place(run, rows, copies, lease, ahead)
                 placed.extend(run)
             else:
                 lease.clusters_skipped += len(run)
@@ -490,6 +499,7 @@ class ClusterCache:
         lease.bytes_copied += rows_copied * self.row_bytes
         lease.copies += len(copies)
         shared.bytes_copied += rows_copied * self.row_bytes
+        shared.bytes_copied_ahead += rows_copied * self.row_bytes if ahead else 0
         shared.copies += len(copies)
 
     def _runs(self, clusters: list[int]) -> list[list[int]]:
@@ -502,7 +512,7 @@ class ClusterCache:
                 runs.append([cluster])
         return runs
 
-    def _place(self, run: list[int], rows: int, copies: list[Copy], lease: Lease) -> None:
+    def _place(self, run: list[int], rows: int, copies: list[Copy], lease: Lease, ahead: bool) -> None:
         """Allocate rows for a run of host-adjacent clusters (one extent if one fits) and queue copies."""
         pieces = self.shared.free.allocate(rows)
         host = int(self.offsets[run[0]])
@@ -521,7 +531,7 @@ class ClusterCache:
                 left -= take
             host += length
         for cluster, segments in segments_by_cluster.items():
-            self._slots[cluster] = _Slot(segments=segments, arrival=None, pins=1)
+            self._slots[cluster] = _Slot(segments=segments, arrival=None, pins=1, unread=ahead)
             lease.resident[cluster] = segments
             lease.clusters_copied += 1
 

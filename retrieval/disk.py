@@ -88,6 +88,7 @@ class FileRows:
         self.pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="disk-read")
         self._scratch = threading.local()  # each reader's aligned buffer (O_DIRECT)
         self.bytes_read = 0  # every byte read for rows (not the alignment's slack)
+        self.bytes_read_for_scans = 0  # of those, read by `read_rows` (a search's, not the cache's)
         self._count = threading.Lock()
 
     @property
@@ -107,7 +108,7 @@ class FileRows:
 
     def read_rows(self, out: np.ndarray, runs: Sequence[tuple[int, int, int]]) -> FileArrival:
         """Read `runs` (row of `out`, first row of the file, rows) into `out`, rows like the file's."""
-        return FileArrival([self.pool.submit(self._read, out, *part) for run in runs for part in self._parts(run)])
+        return FileArrival([self.pool.submit(self._read, out, *part, scan=True) for run in runs for part in self._parts(run)])
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -118,7 +119,7 @@ class FileRows:
         step = max(1, READ_BYTES // self.row_bytes)
         return [(start + at, first + at, min(step, rows - at)) for at in range(0, rows, step)]
 
-    def _read(self, out: np.ndarray, start: int, first: int, rows: int) -> None:
+    def _read(self, out: np.ndarray, start: int, first: int, rows: int, *, scan: bool = False) -> None:
         dest = out[start : start + rows].reshape(-1).view(np.uint8)
         begin = self.offset + first * self.row_bytes
         length = rows * self.row_bytes
@@ -136,6 +137,7 @@ class FileRows:
             os.posix_fadvise(self.fd, begin, length, os.POSIX_FADV_DONTNEED)
         with self._count:
             self.bytes_read += length
+            self.bytes_read_for_scans += length if scan else 0
 
     def _scratch_of(self, size: int) -> mmap.mmap:
         """This reader's page-aligned scratch of at least `size` bytes (an anonymous map is page aligned)."""

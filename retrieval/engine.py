@@ -14,6 +14,7 @@ index, the host copy, the cache, the streams): prefetch, search and their resour
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import time
@@ -38,7 +39,7 @@ from telerag.retrieval.ivf import CPUIndex, ListSearch
 from telerag.retrieval.prefetch import PrefetchHandle, PrefetchPlan, plan_prefetch
 from telerag.retrieval.provisional import ProvisionalReport, watch_halves
 from telerag.retrieval.search import faiss_part, merge_to_host
-from telerag.retrieval.stats import PrefetchStats
+from telerag.retrieval.stats import CacheStats, PrefetchStats
 from telerag.utils.device import resolve_device
 from telerag.utils.progress import ProgressBar
 
@@ -229,6 +230,13 @@ class RetrievalEngine:
         self.copy_bytes_per_ms = self.cache.measure_copy_rate() or self.copy_bytes_per_ms
         self.demand = self._demand_policy(demand_copy)
 
+    def cache_stats(self) -> CacheStats:
+        """The cluster cache's counters, with what searches read from disk beside it (on disk)."""
+        stats = self.cache.stats()
+        if isinstance(self.rows, FileRows):
+            stats = dataclasses.replace(stats, bytes_read_for_scans=self.rows.bytes_read_for_scans)
+        return stats
+
     def close(self) -> None:
         """Its lists leave the cluster cache (each once unpinned) and its CPU workers (and readers) end."""
         self.cache.close()
@@ -280,7 +288,7 @@ class RetrievalEngine:
             offset += sizes[g]
             mine = frozenset().union(*per_query)
             clusters = [c for c in plan.clusters if c in mine]
-            lease = self.cache.acquire(clusters, fetch=True) if clusters else None
+            lease = self.cache.acquire(clusters, fetch=True, ahead=True) if clusters else None
             to_copy = int(cluster_bytes[[c for c in clusters if not resident[c]]].sum())
             handles[g] = PrefetchHandle(
                 plan=PrefetchPlan(clusters, per_query, to_copy),

@@ -18,8 +18,11 @@ class CacheStats:
     hits: int = 0  # searched clusters found resident
     misses: int = 0
     evictions: int = 0
-    bytes_copied: int = 0
+    bytes_copied: int = 0  # into the cache: by prefetches (read ahead) and on demand
     copies: int = 0
+    bytes_copied_ahead: int = 0  # of `bytes_copied`, a prefetch's: copied before the search that reads them
+    bytes_evicted_unread: int = 0  # copied ahead, then evicted before any search read them: the lookahead's waste
+    bytes_read_for_scans: int = 0  # a datastore on disk: read by searches and scanned where read, not cached
 
 
 @dataclass(frozen=True)

@@ -35,11 +35,18 @@ class _CacheCollector(Collector):
             ("hits", "searched clusters found resident"),
             ("misses", "searched clusters not resident"),
             ("evictions", "clusters evicted"),
-            ("bytes_copied", "bytes copied into the cache"),
+            ("bytes_copied", "bytes copied into the cache (from disk: read into it)"),
+            ("bytes_copied_ahead", "of those, copied by a prefetch before the search that reads them"),
+            ("bytes_evicted_unread", "bytes copied ahead and evicted before any search read them"),
         ):
             family = CounterMetricFamily(f"telerag_cache_{name}", doc)
             family.add_metric([], float(getattr(s, name)))
             yield family
+        family = CounterMetricFamily(
+            "telerag_disk_bytes_read_for_scans", "a datastore on disk: bytes searches read and scanned without caching them"
+        )
+        family.add_metric([], float(s.bytes_read_for_scans))
+        yield family
         for name, doc in (
             ("occupancy_bytes", "bytes of the cache holding clusters"),
             ("capacity_bytes", "cache size"),

@@ -133,6 +133,24 @@ def test_search_lease_counts_hits_and_misses():
     assert cache.stats().pinned_clusters == 0
 
 
+def test_bytes_copied_ahead_and_evicted_before_any_search_read_them_are_counted():
+    """The lookahead's reads and its waste: a prefetch's copies count as ahead; those evicted
+    before a search pinned them count as unread, those a search read (or copied itself) do not."""
+    cache = make_cache([4] * 10, capacity_rows=16)
+    cache.acquire([0, 1, 2], fetch=True, ahead=True).release()  # a prefetch
+    cache.acquire([0], fetch=False).release()  # its search reads 0 only
+    cache.acquire([3], fetch=True).release()  # a search's demand copy: not ahead
+    stats = cache.stats()
+    assert stats.bytes_copied_ahead == 3 * 4 * ROW_BYTES and stats.bytes_copied == 4 * 4 * ROW_BYTES
+    cache.acquire([0, 1], fetch=True, ahead=True).release()  # resident: nothing copied, and 0 stays read
+    for cluster in range(4, 10):  # each hotter than those above: every one of them evicted in turn
+        for _ in range(3):
+            cache.acquire([cluster], fetch=True).release()
+    assert not cache.resident_mask()[:4].any()
+    assert cache.stats().bytes_evicted_unread == 2 * 4 * ROW_BYTES  # 1 and 2: copied ahead, never searched
+    cache.check_invariants()
+
+
 def cache_on(shared: CacheBuffer, sizes: list[int], first_value: float) -> ClusterCache:
     """Another datastore's cache on `shared`: its host rows count up from `first_value`."""
     offsets = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)

@@ -67,6 +67,12 @@ def test_a_prefetch_reads_its_lists_and_the_search_reads_the_rest(tmp_path):
         assert rows.bytes_read - before == handle.stats.bytes_copied
         result = assert_same_as_faiss(engine, q, 10, 6, prefetch=handle)
         assert result.per_query[0].overlap_rate == 1.0 and result.per_query[0].clusters_device > 0
+        stats = engine.cache_stats()  # read ahead, read on demand: what the metrics and /ready show
+        assert stats.bytes_copied_ahead == handle.stats.bytes_copied == stats.bytes_copied == rows.bytes_read - before
+        assert_same_as_faiss(engine, q, 10, NLIST)  # every list: half fit the cache, the rest are read and scanned
+        stats = engine.cache_stats()
+        assert stats.bytes_copied + stats.bytes_read_for_scans == rows.bytes_read - before
+        assert stats.bytes_read_for_scans > 0 and stats.bytes_copied_ahead == handle.stats.bytes_copied
     finally:
         engine.close()
 
@@ -169,6 +175,7 @@ async def test_a_server_answers_from_a_datastore_read_from_disk(tmp_path):
             engine=ScriptedEngine(lambda prompt: Reply("an answer")),
             retriever=retriever,
             datastore_info=retriever.datastore_info(),
+            cache_stats=retriever.cache_stats,
             closers=[retriever.close],
         )
         app = create_app(configured)
@@ -177,12 +184,19 @@ async def test_a_server_answers_from_a_datastore_read_from_disk(tmp_path):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
                 ready = (await client.get("/ready")).json()["datastore"]
                 answer = await client.post("/v1/rag/query", json={"query": "river water boat fish", "top_k": 5})
+                cache = (await client.get("/ready")).json()["cache"]
+                metrics = (await client.get("/metrics")).text
             assert answer.status_code == 200, answer.text
+            read_for_scans = f"telerag_disk_bytes_read_for_scans_total {float(cache['bytes_read_for_scans'])}"
+            assert read_for_scans in metrics.splitlines(), "the metrics and /ready count the same reads"
             found = answer.json()["documents"]
             answers[host_cache_mb] = (np.array([d["id"] for d in found]), np.array([d["score"] for d in found], np.float32))
             assert ready["vectors"] == ("memory-mapped" if host_cache_mb is None else "read from disk")
             if host_cache_mb:
                 assert 0 < ready["cache_bytes"] <= 0.01 * 2**20  # at most the budget (and the datastore)
+                assert cache["bytes_copied"] + cache["bytes_read_for_scans"] > 0, "the lists searched were read from disk"
+            else:
+                assert cache["bytes_read_for_scans"] == 0, "a memory-mapped datastore reads nothing from disk itself"
         finally:
             retriever.close()
     assert same_results(*answers[0.01], *answers[None])  # the same documents (of tied scores, any may be kept)

@@ -12,6 +12,7 @@ from pydantic import (
 
 from telerag.pipelines.ingestion import IngestionProgress
 from telerag.pipelines.types import DatastoreInfo, StageRole
+from telerag.retrieval.stats import CacheStats
 
 
 class StageInfo(BaseModel):
@@ -118,5 +119,10 @@ class Ready(BaseModel):
     )
     engine: str | None = None
     datastore: DatastoreInfo | None = None
+    cache: CacheStats | None = Field(
+        None,
+        description="the cluster cache now and its counters since start: what prefetches copied (read ahead, from disk for a "
+        "datastore on disk), what was evicted before a search read it, and what searches read from disk beside it",
+    )
     live: LiveInfo | None = Field(None, description="the datastore's writes (null: a deployment that writes none)")
     tiers: list[TierState] | None = Field(None, description="on a Ray cluster: each deployment of both tiers")

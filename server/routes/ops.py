@@ -88,6 +88,7 @@ async def ready(request: Request) -> Response:
         step_s=round(now - lifecycle.step_started, 1) if loading else None,
         engine=None if service is None else service.runtime.engine_name,
         datastore=None if service is None else _datastore(service),
+        cache=None if service is None else service.runtime.cache_stats(),
         live=None if service is None else _live(service),
         tiers=tiers,
     )
