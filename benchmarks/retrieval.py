@@ -21,11 +21,11 @@ from tqdm.auto import tqdm
 from telerag.benchmarks.early_stop import EarlyStopTimes, early_stop_phase
 from telerag.benchmarks.report import key_value_table
 from telerag.benchmarks.scaled import DatastoreScale, scaled_datastore
-from telerag.retrieval.builder import write_clustered
+from telerag.retrieval.builder import order_centroids
 from telerag.retrieval.cache import CopyWindow
 from telerag.retrieval.codecs import Codec
-from telerag.retrieval.datastore import Datastore
-from telerag.retrieval.datastore_writer import add_list_stats
+from telerag.retrieval.datastore import Datastore, Manifest
+from telerag.retrieval.datastore_writer import add_list_stats, write_datastore
 from telerag.retrieval.engine import RetrievalEngine, SearchResult
 from telerag.retrieval.errors import DatastoreError, DeviceUnavailable
 from telerag.retrieval.ivf import same_results
@@ -67,12 +67,47 @@ def _normalise(x: torch.Tensor) -> torch.Tensor:
     return x / x.norm(dim=1, keepdim=True)
 
 
+SYNTHETIC_BLOCK = 1 << 16  # rows made at once; a block's noise has its own seed, so any slice is the same every time
+
+
+class SyntheticRows:
+    """A synthetic datastore's vectors in list order, made a block at a time as they are written,
+    so that a datastore larger than memory is never held: row p of list c is
+    normalise(centre_c + 1.2 · normalise(g)), g standard normal from its block's own generator."""
+
+    def __init__(self, centres: np.ndarray, offsets: np.ndarray, codec: Codec, seed: int, device: torch.device) -> None:
+        self.centres = torch.from_numpy(centres).to(device)
+        self.offsets, self.codec, self.seed, self.device = offsets, codec, seed, device
+        self.shape = (int(offsets[-1]), centres.shape[1])
+        self.dtype = np.dtype(codec.numpy_dtype)
+        blocks = -(-self.shape[0] // SYNTHETIC_BLOCK)
+        spread = np.unique(np.linspace(0, blocks - 1, min(blocks, 8)).round().astype(int))  # the sq8 ranges' sample
+        self.params = codec.train(np.concatenate([self._floats(int(b)) for b in spread])) if codec.has_params else None
+
+    def _floats(self, block: int) -> np.ndarray:
+        start, stop = block * SYNTHETIC_BLOCK, min(self.shape[0], (block + 1) * SYNTHETIC_BLOCK)
+        owner = torch.from_numpy(np.searchsorted(self.offsets, np.arange(start, stop), side="right") - 1).to(self.device)
+        seed = int(np.random.SeedSequence([self.seed, block]).generate_state(1)[0])
+        generator = torch.Generator(self.device).manual_seed(seed)
+        noise = torch.randn(stop - start, self.shape[1], generator=generator, device=self.device)
+        return _normalise(self.centres[owner] + 1.2 * _normalise(noise)).cpu().numpy()
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        start, stop, _ = rows.indices(self.shape[0])
+        first, last = start // SYNTHETIC_BLOCK, -(-stop // SYNTHETIC_BLOCK)
+        floats = np.concatenate([self._floats(b) for b in range(first, last)]) if stop > start else np.empty((0, self.shape[1]))
+        at = start - first * SYNTHETIC_BLOCK
+        return self.codec.to_codes(floats[at : at + stop - start], self.params)
+
+
 def synthetic_datastore(config: BenchConfig, progress: bool = True) -> Path:
     """Build (or reuse) a datastore of clustered unit vectors: cluster sizes vary log-normally,
-    as real IVF lists do; each vector is its centre plus noise and lives in its centre's list.
-    One kept from before list statistics were stored gets them (`add_list_stats`)."""
+    as real IVF lists do; each vector is its centre plus noise and lives in its centre's list;
+    near lists are adjacent in the file, as a built datastore's are (`order_centroids`). Written
+    a block at a time (`SyntheticRows`): its size is bounded by the disk, not by memory. One kept
+    from before list statistics were stored gets them (`add_list_stats`)."""
     nlist = config.nlist or SYNTHETIC_NLIST
-    name = f"synthetic-n{config.vectors}-d{config.dim}-l{nlist}-{config.codec}-s{config.seed}"
+    name = f"synthetic-v2-n{config.vectors}-d{config.dim}-l{nlist}-{config.codec}-s{config.seed}"
     path = Path(config.datastore_dir) / name
     if (path / "manifest.json").is_file():
         add_list_stats(path, verify_checksums=False, progress=progress)
@@ -80,24 +115,20 @@ def synthetic_datastore(config: BenchConfig, progress: bool = True) -> Path:
     device = resolve_device(config.device, error=DeviceUnavailable)
     gen = torch.Generator(device=device).manual_seed(config.seed)
     rng = np.random.default_rng(config.seed)
-    centres = _normalise(torch.randn(nlist, config.dim, generator=gen, device=device))
+    centres = _normalise(torch.randn(nlist, config.dim, generator=gen, device=device)).cpu().numpy()
+    centres = np.ascontiguousarray(centres[order_centroids(centres)])
     weights = rng.lognormal(0.0, 0.6, nlist)
-    lists = rng.choice(nlist, size=config.vectors, p=weights / weights.sum())
-    vectors = np.empty((config.vectors, config.dim), dtype=np.float32)
-    step = 1 << 18
-    lists_t = torch.from_numpy(lists).to(device)
-    for start in tqdm(range(0, config.vectors, step), desc="generate vectors", disable=not progress):
-        owner = lists_t[start : start + step]
-        noise = torch.randn(len(owner), config.dim, generator=gen, device=device)
-        vectors[start : start + step] = _normalise(centres[owner] + 1.2 * _normalise(noise)).cpu().numpy()
-    return write_clustered(
+    offsets = np.concatenate(([0], np.cumsum(rng.multinomial(config.vectors, weights / weights.sum())))).astype(np.int64)
+    rows = SyntheticRows(centres, offsets, Codec(config.codec), config.seed, device)
+    manifest = Manifest("synthetic", config.dim, nlist, config.vectors, codec=config.codec, source="synthetic")
+    return write_datastore(
         path,
-        vectors=vectors,
-        lists=lists,
-        centroids=centres.cpu().numpy(),
-        codec=Codec(config.codec),
-        embedder="synthetic",
-        source="synthetic",
+        manifest=manifest,
+        centroids=centres,
+        offsets=offsets,
+        vectors=rows,
+        passages=None,
+        codec_params=rows.params,
         progress=progress,
     )
 

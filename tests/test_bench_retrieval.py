@@ -109,3 +109,26 @@ def test_the_configured_datastore_as_it_is_or_scaled_up(configured_datastore, mo
     assert result["identical_fraction"] == result["early_stop_identical_fraction"] == 1.0
     assert 0.0 < result["lists_scanned_fraction"] <= 1.0
     assert not list(tmp_path.iterdir())  # no synthetic datastore was made
+
+
+@pytest.mark.parametrize("codec", ["fp32", "sq8"])
+def test_a_synthetic_datastore_is_made_a_block_at_a_time_and_any_slice_is_the_same(tmp_path, codec, monkeypatch):
+    """The synthetic datastore is written as it is made (a datastore larger than memory is never
+    held): a block's rows are the same whichever slice asks for them, and each row lies in its
+    centre's list, near that centre."""
+    import numpy as np
+
+    from telerag.benchmarks import retrieval as bench
+
+    monkeypatch.setattr(bench, "SYNTHETIC_BLOCK", 64)  # many blocks in a small datastore
+    path = bench.synthetic_datastore(BenchConfig(vectors=1000, dim=16, nlist=12, codec=codec, datastore_dir=tmp_path), False)
+    ds = Datastore.load(path)
+    rows = bench.SyntheticRows(ds.centroids, ds.offsets, ds.codec, 0, bench.torch.device("cpu"))
+    whole = rows[0:1000]
+    np.testing.assert_array_equal(whole, np.asarray(ds.vectors))
+    np.testing.assert_array_equal(np.concatenate([rows[a : a + 37] for a in range(0, 1000, 37)]), whole)
+    floats = np.concatenate([rows._floats(b) for b in range(-(-1000 // 64))])
+    owner = np.searchsorted(ds.offsets, np.arange(1000), side="right") - 1
+    closest = np.argmax(floats @ ds.centroids.T, axis=1)
+    assert np.mean(closest == owner) > 0.9 and np.allclose(np.linalg.norm(floats, axis=1), 1, atol=1e-5)
+    ds.close()
