@@ -1,4 +1,4 @@
-"""`telerag bench cluster` (issue 27): the same question stream through the one-process server
+"""`telerag bench cluster`: the same question stream through the one-process server
 and through the tiers on Ray Serve (`server.ray_serve.applications`: N inference replicas, S retrieval shards),
 once per request router and batch, each run on new replicas (cold cluster caches of the same
 size for both routers).

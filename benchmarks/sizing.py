@@ -1,4 +1,4 @@
-"""`telerag bench sizing` (issue 27): Chameleon's model of a disaggregated deployment (§6.3),
+"""`telerag bench sizing`: Chameleon's model of a disaggregated deployment (§6.3),
 from per-batch latencies measured here for a datastore and a pipeline: how many inference
 replicas and retrieval shard replicas a budget of replicas is best split into.
 

@@ -1,4 +1,4 @@
-"""Speculative prefill (issue 28, item 4; AquaPipe): while a search runs, the prompt of the LLM
+"""Speculative prefill (AquaPipe): while a search runs, the prompt of the LLM
 call its documents go to is prefilled from the search's provisional top-k, into the engine's
 prefix cache (SGLang's radix cache), so that the call, built as always from the final top-k,
 finds its prompt's KV computed: all of it when the top-k held, up to the first document that

@@ -1,4 +1,4 @@
-"""Exact early stop of an IVF scan (issue 28; AquaPipe's early stop, made exact).
+"""Exact early stop of an IVF scan (AquaPipe's early stop, made exact).
 
 Every vector x of list l lies within the list's radius r_l of its centroid c_l (stored in the
 datastore with two more statistics, computed from the decoded vectors: `ListStats`), so for

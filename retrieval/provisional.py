@@ -1,4 +1,4 @@
-"""A search's provisional top-k before it ends (issue 28, item 4: AquaPipe's early return of
+"""A search's provisional top-k before it ends (AquaPipe's early return of
 partial results, for speculative prefill).
 
 faiss's half scans each query's lists in centroid order a chunk at a time (`ProvisionalSearch`,

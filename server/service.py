@@ -100,9 +100,8 @@ CALIBRATION_MAX_TOKENS = 64  # a client's usual limit; the answers it cuts count
 # at, and that error made every default request look 53 s long alone
 CALIBRATION_BURST = 16  # requests at once after the first alone (at most max_concurrency): one of every other pipeline,
 # naive's filling it up, so that the rates and the error are measured up to 16 running and every pipeline's work, in
-# one burst. Until 2026-11-29 naive's burst of 16 ran first and the other pipelines after it: 48-49 s on the embedded
-# default against 37 s, and no better for it (a burst of 8 right after start, naive and the mix: docs/benchmarks.md;
-# simulated, tests/test_admission_load.py: the mix's burst answered 22 of 32 then, 26 now)
+# one burst: shorter than naive's burst first and the others after it, and no worse (docs/benchmarks.md, "A burst
+# right after start"; tests/test_admission_load.py)
 
 
 class Service:

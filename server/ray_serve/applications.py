@@ -1,4 +1,4 @@
-"""`telerag serve --ray`: the HTTP API on a Ray cluster (issue 27, Chameleon's disaggregation on
+"""`telerag serve --ray`: the HTTP API on a Ray cluster (Chameleon's disaggregation on
 Ray Serve). One Serve application, `telerag`: the ingress (the same FastAPI app, `app.create_app`,
 behind Serve's HTTP proxy) and the inference replicas (`replicas.InferenceReplica`, routed by
 `routing.ClusterRouter`); with `cluster.shards` > 0 the retrieval tier (`retrieval.tier`) is a

@@ -1,4 +1,4 @@
-"""The server's runtime as inference replicas on Ray Serve (issue 27, Chameleon's inference
+"""The server's runtime as inference replicas on Ray Serve (Chameleon's inference
 nodes), and the ingress's side of them.
 
 Each `InferenceReplica` is what `telerag serve` runs in one process (the engine, the pipelines

@@ -1,4 +1,4 @@
-"""Which inference replica answers a question (issue 27): the one whose cluster cache best holds
+"""Which inference replica answers a question: the one whose cluster cache best holds
 the IVF clusters the question lands in, unless load is uneven.
 
 The ingress embeds q_in once and ranks the centroids (`replicas.QuestionPlacer`); the request

@@ -1,5 +1,5 @@
-"""The Serve config file of a cluster deployment (issue 27: each tier's replica counts and
-autoscaling bounds in one YAML that `serve run` takes and KubeRay's `RayService` embeds as its
+"""The Serve config file of a cluster deployment (each tier's replica counts and autoscaling
+bounds in one YAML that `serve run` takes and KubeRay's `RayService` embeds as its
 `serveConfigV2`), generated from the settings by `telerag config serve`.
 
 Its applications are those `telerag serve --ray` deploys, built by the same functions
