@@ -67,7 +67,8 @@ def _normalise(x: torch.Tensor) -> torch.Tensor:
     return x / x.norm(dim=1, keepdim=True)
 
 
-SYNTHETIC_BLOCK = 1 << 16  # rows made at once; a block's noise has its own seed, so any slice is the same every time
+SYNTHETIC_BLOCK = 1 << 12  # rows made at once; a block's noise has its own seed, so any slice is the same every time
+# (a slice makes whole blocks: few rows each, so that its ends cost little)
 
 
 class SyntheticRows:

@@ -1,7 +1,8 @@
 """The retrieval tier's cost over faiss in process (`telerag bench tier`): the same queries' same
 lists searched by the CPU half here (`CPUIndex`, faiss with every core) and through the tier on
 a Ray cluster (`retrieval.tier`: S shards of one replica each), in turn, search by search, per
-number of shards and batch size. `remote_overhead` is the tier's median time over faiss's, `same_documents` the share of queries whose top-k equals faiss's.
+number of shards and batch size. `remote_overhead` is the tier's median time over faiss's,
+`same_documents` the share of queries whose top-k equals faiss's.
 
 On one box the tier's replicas share the cores with the caller, and every call crosses process
 boundaries: this measures what the tier costs, not what it scales to."""
