@@ -31,22 +31,18 @@ class _CacheCollector(Collector):
 
     def collect(self):
         s = self.stats()
-        for name, doc in (
-            ("hits", "searched clusters found resident"),
-            ("misses", "searched clusters not resident"),
-            ("evictions", "clusters evicted"),
-            ("bytes_copied", "bytes copied into the cache (from disk: read into it)"),
-            ("bytes_copied_ahead", "of those, copied by a prefetch before the search that reads them"),
-            ("bytes_evicted_unread", "bytes copied ahead and evicted before any search read them"),
+        for metric, name, doc in (
+            ("telerag_cache_hits", "hits", "searched clusters found resident"),
+            ("telerag_cache_misses", "misses", "searched clusters not resident"),
+            ("telerag_cache_evictions", "evictions", "clusters evicted"),
+            ("telerag_cache_bytes_copied", "bytes_copied", "bytes copied into the cache (from disk: read into it)"),
+            ("telerag_cache_bytes_copied_ahead", "bytes_copied_ahead", "of those, a prefetch's, before the search reading them"),
+            ("telerag_cache_bytes_evicted_unread", "bytes_evicted_unread", "copied ahead, evicted before a search read them"),
+            ("telerag_disk_bytes_read_for_scans", "bytes_read_for_scans", "on disk: bytes searches read and scanned uncached"),
         ):
-            family = CounterMetricFamily(f"telerag_cache_{name}", doc)
+            family = CounterMetricFamily(metric, doc)
             family.add_metric([], float(getattr(s, name)))
             yield family
-        family = CounterMetricFamily(
-            "telerag_disk_bytes_read_for_scans", "a datastore on disk: bytes searches read and scanned without caching them"
-        )
-        family.add_metric([], float(s.bytes_read_for_scans))
-        yield family
         for name, doc in (
             ("occupancy_bytes", "bytes of the cache holding clusters"),
             ("capacity_bytes", "cache size"),

@@ -251,6 +251,7 @@ async def test_loading_answers_health_and_refuses_v1_with_retry_after():
             "loading": "checking datastore",
             "engine": None,
             "datastore": None,
+            "cache": None,
             "live": None,
             "progress": {"task": "verify checksums", "done": 25, "total": 100, "unit": "B", "fraction": 0.25},
         }
