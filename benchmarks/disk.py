@@ -66,7 +66,7 @@ class Row:
     search_ms_p50: float
     search_ms_mean: float
     mb_read_per_search: float  # ours: by the search and its prefetch
-    masked: float | None  # of the search's lists' bytes, the share read before it began (lookahead)
+    masked: float | None  # of the search's lists' bytes, the share read and landed before it began (lookahead)
     identical: float  # share of queries whose answer is faiss's in memory
 
 
@@ -186,7 +186,7 @@ def _our_rows(
             handle = engine.prefetch(q_in[s], budget)
             time.sleep(config.llm_ms / 1e3)  # the pre-retrieval call the reads run beside
             probed = engine.index.probe(q_out[s], engine.nprobe)[1]
-            masked.append(_masked(engine, handle.plan.clusters, probed))
+            masked.append(_masked(engine, probed))
         started = time.perf_counter()
         result = engine.search(q_out[s], config.topk, engine.nprobe, prefetch=handle)
         times.append((time.perf_counter() - started) * 1e3)
@@ -228,12 +228,13 @@ def _bound_row(
     )
 
 
-def _masked(engine: RetrievalEngine, prefetched: list[int], probed: np.ndarray) -> float:
-    """Of the bytes of the lists a search probes (each once), the share its prefetch read."""
+def _masked(engine: RetrievalEngine, probed: np.ndarray) -> float:
+    """Of the bytes of the lists a search probes (each once), the share already read into the
+    cache, landed, when it begins: what it need not wait for."""
     sizes = engine.cache.sizes
     wanted = np.unique(probed[probed >= 0])
     total = int(sizes[wanted].sum())
-    return float(sizes[np.intersect1d(wanted, prefetched)].sum()) / total if total else 1.0
+    return float(sizes[wanted[engine.cache.landed_mask()[wanted]]].sum()) / total if total else 1.0
 
 
 def _same(ids: np.ndarray, scores: np.ndarray, reference: tuple[np.ndarray, np.ndarray]) -> list[bool]:

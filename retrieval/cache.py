@@ -97,6 +97,15 @@ class CopyWindow:
         return self.begin.elapsed_time(self.end) if self.end.query() else None
 
 
+@dataclass(frozen=True)
+class Issued:
+    """Copies issued together: all of them (`whole`), and each one (`each`, in issue order), so
+    that a search waits only for the copies of the lists it reads."""
+
+    whole: Arrival
+    each: list[Arrival]
+
+
 class RowSource(Protocol):
     """Where a cache's lists come from: a datastore's rows, list after list, copied into a buffer."""
 
@@ -106,8 +115,8 @@ class RowSource(Protocol):
     @property
     def dtype(self) -> torch.dtype: ...
 
-    def copy_into(self, buffer: torch.Tensor, copies: Sequence[Copy], stream: torch.cuda.Stream | None) -> Arrival:
-        """Issue `copies` into `buffer` (on `stream`, CUDA's copy stream, where there is one)."""
+    def copy_into(self, buffer: torch.Tensor, copies: Sequence[Copy], stream: torch.cuda.Stream | None) -> Issued:
+        """Issue `copies` into `buffer` in their order (on `stream`, CUDA's copy stream, where there is one)."""
         ...
 
 
@@ -126,19 +135,22 @@ class TensorRows:
     def dtype(self) -> torch.dtype:
         return self.host.dtype
 
-    def copy_into(self, buffer: torch.Tensor, copies: Sequence[Copy], stream: torch.cuda.Stream | None) -> Arrival:
+    def copy_into(self, buffer: torch.Tensor, copies: Sequence[Copy], stream: torch.cuda.Stream | None) -> Issued:
         if stream is None:
             started = time.perf_counter()
             for start, host, rows in copies:
                 buffer[start : start + rows].copy_(self.host[host : host + rows])
-            return Landed((time.perf_counter() - started) * 1e3)
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            landed = Landed((time.perf_counter() - started) * 1e3)
+            return Issued(landed, [landed] * len(copies))
+        begin = torch.cuda.Event(enable_timing=True)
+        ends = [torch.cuda.Event(enable_timing=True) for _ in copies]
         with torch.cuda.stream(stream):
             begin.record(stream)
-            for start, host, rows in copies:
+            for (start, host, rows), end in zip(copies, ends, strict=True):
                 buffer[start : start + rows].copy_(self.host[host : host + rows], non_blocking=True)
-            end.record(stream)
-        return CopyWindow(begin, end)
+                end.record(stream)
+        windows: list[Arrival] = [CopyWindow(begin, end) for end in ends]  # the stream runs them in order
+        return Issued(windows[-1] if windows else Landed(0.0), windows)
 
 
 @dataclass
@@ -343,7 +355,7 @@ class ClusterCache:
                 return None
             probe = Lease(cache=self, resident={})
             for _ in range(2):  # the first copy pays for warming up the path
-                probe.arrival = self._issue_copies([(0, 0, rows)])
+                probe.arrival = self._issue_copies([(0, 0, rows)]).whole
                 probe.arrival.wait()
         elapsed = probe.copy_elapsed_ms()
         shared.copy_bytes_per_ms = rows * self.row_bytes / elapsed if elapsed else None
@@ -358,6 +370,13 @@ class ClusterCache:
         mask = np.zeros(len(self.sizes), dtype=bool)
         with self.shared.lock:
             mask[list(self._slots)] = True
+        return mask
+
+    def landed_mask(self) -> np.ndarray:
+        """Which clusters are resident with their copies landed now: a search reads them at once."""
+        mask = np.zeros(len(self.sizes), dtype=bool)
+        with self.shared.lock:
+            mask[[c for c, slot in self._slots.items() if slot.arrival is None or slot.arrival.landed()]] = True
         return mask
 
     def pinned_clusters(self) -> int:
@@ -423,7 +442,7 @@ class ClusterCache:
             elif self.closed:
                 lease.clusters_skipped += len(missing)
             elif missing:
-                self._fetch(sorted(missing), set(wanted), lease, ahead)
+                self._fetch(missing, set(wanted), lease, ahead)
         return lease
 
     def release(self, lease: Lease) -> None:
@@ -469,6 +488,9 @@ class ClusterCache:
         return self._hotness[clusters] * 0.5 ** ((self.shared.clock - self._last_touch[clusters]) / HALF_LIFE_ACCESSES)
 
     def _fetch(self, missing: list[int], protected: set[int], lease: Lease, ahead: bool) -> None:
+        """Place and copy `missing` (in the order asked: a prefetch's plan puts the clusters its
+        queries want most first), adjacent ones in one copy, the copies issued in the order of
+        their first cluster asked, so that a slow source (a disk) lands the wanted ones first."""
         shared = self.shared
         copies: list[Copy] = []
         placed: list[int] = []
@@ -477,25 +499,30 @@ class ClusterCache:
         if shared.free.total < need:
             evictable = shared.evictable(self, protected)
             self._evict(need - shared.free.total, evictable)
-        for run in self._runs(missing):
+        asked = {cluster: i for i, cluster in enumerate(missing)}
+        copied_by: dict[int, list[int]] = {}  # cluster -> the copies that hold its rows
+        for run in sorted(self._runs(sorted(missing)), key=lambda run: min(asked[c] for c in run)):
             rows = int(self.sizes[run].sum())
             if not shared.free.fits(rows):
                 evictable = shared.evictable(self, protected) if evictable is None else evictable
                 self._open_extent(rows, evictable)
             if rows <= shared.free.total:
-                self._place(run, rows, copies, lease, ahead)
+                copied_by.update(self._place(run, rows, copies, lease, ahead))
                 placed.extend(run)
             else:
                 lease.clusters_skipped += len(run)
         if not copies:
             return
-        arrival = lease.arrival = self._issue_copies(copies)
+        issued = self._issue_copies(copies)
+        lease.arrival = issued.whole
+        for cluster in placed:  # what a search reading it waits for: its own copy (the whole, if it is in pieces)
+            held_by = copied_by[cluster]
+            self._slots[cluster].arrival = issued.each[held_by[0]] if len(held_by) == 1 else issued.whole
+        lease.arrivals.append(issued.whole)
+        for copy, (_, _, rows) in zip(issued.each, copies, strict=True):
+            if not copy.landed():
+                shared.in_flight.append((copy, rows * self.row_bytes))
         rows_copied = sum(rows for _, _, rows in copies)
-        for cluster in placed:
-            self._slots[cluster].arrival = arrival
-        lease.arrivals.append(arrival)
-        if not arrival.landed():
-            shared.in_flight.append((arrival, rows_copied * self.row_bytes))
         lease.bytes_copied += rows_copied * self.row_bytes
         lease.copies += len(copies)
         shared.bytes_copied += rows_copied * self.row_bytes
@@ -512,11 +539,13 @@ class ClusterCache:
                 runs.append([cluster])
         return runs
 
-    def _place(self, run: list[int], rows: int, copies: list[Copy], lease: Lease, ahead: bool) -> None:
-        """Allocate rows for a run of host-adjacent clusters (one extent if one fits) and queue copies."""
+    def _place(self, run: list[int], rows: int, copies: list[Copy], lease: Lease, ahead: bool) -> dict[int, list[int]]:
+        """Allocate rows for a run of host-adjacent clusters (one extent if one fits) and queue
+        copies; returns which copies (their place in `copies`) hold each cluster's rows."""
         pieces = self.shared.free.allocate(rows)
         host = int(self.offsets[run[0]])
         segments_by_cluster: dict[int, list[Segment]] = {c: [] for c in run}
+        copied_by: dict[int, list[int]] = {c: [] for c in run}
         bounds = self.offsets[run[0] : run[-1] + 2]
         for start, length in pieces:
             copies.append((start, host, length))
@@ -526,6 +555,7 @@ class ClusterCache:
                 cluster = run[int(np.searchsorted(bounds, cursor_host, side="right")) - 1]
                 take = min(left, int(self.offsets[cluster + 1]) - cursor_host)
                 segments_by_cluster[cluster].append(Segment(cursor_buf, take, cursor_host))
+                copied_by[cluster].append(len(copies) - 1)
                 cursor_host += take
                 cursor_buf += take
                 left -= take
@@ -534,6 +564,7 @@ class ClusterCache:
             self._slots[cluster] = _Slot(segments=segments, arrival=None, pins=1, unread=ahead)
             lease.resident[cluster] = segments
             lease.clusters_copied += 1
+        return copied_by
 
     def _open_extent(self, rows: int, evictable: list[tuple[ClusterCache, int]]) -> bool:
         """Evict one of the coldest `OPEN_EXTENT_CANDIDATES` clusters whose rows, with the free
@@ -554,6 +585,6 @@ class ClusterCache:
         while evictable and freed < rows:
             freed += self.shared.drop(*evictable.pop(0))
 
-    def _issue_copies(self, copies: Sequence[Copy]) -> Arrival:
+    def _issue_copies(self, copies: Sequence[Copy]) -> Issued:
         """Copy source rows into the buffer, by the source's own means (see `RowSource`)."""
         return self.source.copy_into(self.shared.rows, copies, self.shared.copy_stream)

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from telerag.retrieval.cache import Arrival, Copy, Segment
+from telerag.retrieval.cache import Copy, Issued, Segment
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.errors import DatastoreCorruptError
 from telerag.retrieval.ivf import FAISS_PAD_SCORE
@@ -99,12 +99,14 @@ class FileRows:
     def dtype(self) -> torch.dtype:
         return torch.from_numpy(np.empty(0, dtype=self.numpy_dtype)).dtype
 
-    def copy_into(self, buffer: torch.Tensor, copies: Sequence[Copy], stream: torch.cuda.Stream | None) -> Arrival:
-        """Read each copy's rows into `buffer` (host memory) in reads of at most `READ_BYTES`."""
+    def copy_into(self, buffer: torch.Tensor, copies: Sequence[Copy], stream: torch.cuda.Stream | None) -> Issued:
+        """Read each copy's rows into `buffer` (host memory) in reads of at most `READ_BYTES`,
+        issued in the copies' order (the readers take them first come, first served)."""
         if buffer.device.type != "cpu":
             raise NotImplementedError("rows are read from disk into host memory only")  # a device cache copies from it
         rows = buffer.numpy()
-        return FileArrival([self.pool.submit(self._read, rows, *part) for copy in copies for part in self._parts(copy)])
+        each = [FileArrival([self.pool.submit(self._read, rows, *part) for part in self._parts(copy)]) for copy in copies]
+        return Issued(FileArrival([read for copy in each for read in copy.reads]), list(each))
 
     def read_rows(self, out: np.ndarray, runs: Sequence[tuple[int, int, int]]) -> FileArrival:
         """Read `runs` (row of `out`, first row of the file, rows) into `out`, rows like the file's."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
 
-from telerag.retrieval.cache import CacheBuffer, ClusterCache, TensorRows
+from telerag.retrieval.cache import CacheBuffer, ClusterCache, Issued, TensorRows
 from telerag.retrieval.prefetch import plan_prefetch
 from tests.retrieval_helpers import DEVICES
 
@@ -149,6 +151,70 @@ def test_bytes_copied_ahead_and_evicted_before_any_search_read_them_are_counted(
     assert not cache.resident_mask()[:4].any()
     assert cache.stats().bytes_evicted_unread == 2 * 4 * ROW_BYTES  # 1 and 2: copied ahead, never searched
     cache.check_invariants()
+
+
+class HeldRows:
+    """A `RowSource` whose copies land only when the test lets each one (a slow disk, by hand)."""
+
+    def __init__(self, host: torch.Tensor) -> None:
+        self.host, self.issued = host, []
+
+    shape = property(lambda self: (int(self.host.shape[0]), int(self.host.shape[1])))
+    dtype = property(lambda self: self.host.dtype)
+
+    def copy_into(self, buffer, copies, stream):
+        each = []
+        for start, first, rows in copies:
+            gate = threading.Event()
+            self.issued.append((first, gate))
+            each.append(
+                Gated(
+                    gate,
+                    lambda start=start, first=first, rows=rows: buffer[start : start + rows].copy_(
+                        self.host[first : first + rows]
+                    ),
+                )
+            )
+        return Issued(Gated(None, lambda: None, each), each)
+
+
+class Gated:
+    def __init__(self, gate, land, parts=()):
+        self.gate, self.land, self.parts, self.done = gate, land, list(parts), False
+
+    def landed(self) -> bool:
+        return all(p.landed() for p in self.parts) if self.parts else self.gate.is_set()
+
+    def wait(self, stream=None) -> None:
+        for part in self.parts:
+            part.wait()
+        if self.gate is not None:
+            assert self.gate.wait(5), "waited for a copy the search does not read"
+            if not self.done:
+                self.land()
+                self.done = True
+
+    def elapsed_ms(self):
+        return 0.0 if self.landed() else None
+
+
+def test_a_prefetch_issues_its_copies_in_the_order_asked_and_a_search_waits_for_its_own():
+    """A slow source lands the clusters a prefetch wants most first (its plan's order, not the
+    file's), and a search waits only for the copies of the clusters it reads."""
+    offsets = np.arange(0, 41, 4, dtype=np.int64)  # 10 clusters of 4 rows
+    host = torch.arange(40 * DIM, dtype=torch.float32).reshape(-1, DIM)
+    source = HeldRows(host)
+    cache = ClusterCache(source, offsets, CacheBuffer.for_vectors(source, 40 * ROW_BYTES, torch.device("cpu")))
+    prefetch = cache.acquire([7, 2, 3, 0], fetch=True, ahead=True)
+    assert [first // 4 for first, _ in source.issued] == [7, 2, 0], "7 first, then 2 and 3 in one copy, then 0"
+    source.issued[1][1].set()  # only the copy of 2 and 3 has landed
+    search = cache.acquire([3], fetch=False)
+    assert [a.landed() for a in search.arrivals] == [True]
+    for arrival in search.arrivals:
+        arrival.wait()  # returns: it does not wait for 7 or 0
+    assert torch.equal(rows_of(cache, search, 3), host[12:16])
+    search.release()
+    prefetch.release()
 
 
 def cache_on(shared: CacheBuffer, sizes: list[int], first_value: float) -> ClusterCache:
