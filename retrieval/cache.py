@@ -115,8 +115,11 @@ class RowSource(Protocol):
     @property
     def dtype(self) -> torch.dtype: ...
 
-    def copy_into(self, buffer: torch.Tensor, copies: Sequence[Copy], stream: torch.cuda.Stream | None) -> Issued:
-        """Issue `copies` into `buffer` in their order (on `stream`, CUDA's copy stream, where there is one)."""
+    def copy_into(
+        self, buffer: torch.Tensor, copies: Sequence[Copy], stream: torch.cuda.Stream | None, *, ahead: bool = False
+    ) -> Issued:
+        """Issue `copies` into `buffer` in their order (on `stream`, CUDA's copy stream, where there
+        is one). `ahead`: a prefetch's, which a source may serve after a search's."""
         ...
 
 
@@ -135,7 +138,9 @@ class TensorRows:
     def dtype(self) -> torch.dtype:
         return self.host.dtype
 
-    def copy_into(self, buffer: torch.Tensor, copies: Sequence[Copy], stream: torch.cuda.Stream | None) -> Issued:
+    def copy_into(
+        self, buffer: torch.Tensor, copies: Sequence[Copy], stream: torch.cuda.Stream | None, *, ahead: bool = False
+    ) -> Issued:
         if stream is None:
             started = time.perf_counter()
             for start, host, rows in copies:
@@ -513,7 +518,7 @@ class ClusterCache:
                 lease.clusters_skipped += len(run)
         if not copies:
             return
-        issued = self._issue_copies(copies)
+        issued = self._issue_copies(copies, ahead=ahead)
         lease.arrival = issued.whole
         for cluster in placed:  # what a search reading it waits for: its own copy (the whole, if it is in pieces)
             held_by = copied_by[cluster]
@@ -585,6 +590,6 @@ class ClusterCache:
         while evictable and freed < rows:
             freed += self.shared.drop(*evictable.pop(0))
 
-    def _issue_copies(self, copies: Sequence[Copy]) -> Issued:
+    def _issue_copies(self, copies: Sequence[Copy], *, ahead: bool = False) -> Issued:
         """Copy source rows into the buffer, by the source's own means (see `RowSource`)."""
-        return self.source.copy_into(self.shared.rows, copies, self.shared.copy_stream)
+        return self.source.copy_into(self.shared.rows, copies, self.shared.copy_stream, ahead=ahead)

@@ -12,12 +12,15 @@ are read together: a run of lists is one range of the file.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import mmap
 import os
+import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +36,45 @@ ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and memory on the file 
 READ_BYTES = 4 << 20  # one read's most: large enough to stream at the disk's rate, small enough to spread over readers
 READERS = 8  # reads in flight at once (one thread each)
 SCAN_BYTES = 256 << 20  # a search's lists read and scanned at a time: what it holds at once beside the cache
+
+
+class ReadPool:
+    """Reader threads that take a search's reads before a prefetch's (a prefetch reads ahead for
+    a search still to come; one waiting now must not queue behind it), first come, first served
+    within each."""
+
+    SEARCH, AHEAD = 0, 1
+
+    def __init__(self, readers: int) -> None:
+        self._queue: queue.PriorityQueue[tuple[int, int, Future[None] | None, Callable[[], None] | None]] = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._threads = [threading.Thread(target=self._serve, name=f"disk-read-{i}", daemon=True) for i in range(readers)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, priority: int, read: Callable[[], None]) -> Future[None]:
+        done: Future[None] = Future()
+        self._queue.put((priority, next(self._order), done, read))
+        return done
+
+    def shutdown(self) -> None:
+        """Let the reads queued finish, then end the readers."""
+        for _ in self._threads:
+            self._queue.put((self.AHEAD + 1, next(self._order), None, None))
+        for thread in self._threads:
+            thread.join()
+
+    def _serve(self) -> None:
+        while True:
+            _, _, done, read = self._queue.get()
+            if done is None or read is None:
+                return
+            if done.set_running_or_notify_cancel():
+                try:
+                    read()
+                    done.set_result(None)
+                except Exception as exc:  # noqa: BLE001 - handed to whoever waits on the read
+                    done.set_exception(exc)
 
 
 class FileArrival:
@@ -85,7 +127,7 @@ class FileRows:
         except OSError:  # a file system without O_DIRECT (tmpfs): plain reads, their pages dropped after
             self.direct = False
             self.fd = os.open(self.path, os.O_RDONLY)
-        self.pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="disk-read")
+        self.pool = ReadPool(readers)
         self._scratch = threading.local()  # each reader's aligned buffer (O_DIRECT)
         self.bytes_read = 0  # every byte read for rows (not the alignment's slack)
         self.bytes_read_for_scans = 0  # of those, read by `read_rows` (a search's, not the cache's)
@@ -99,22 +141,28 @@ class FileRows:
     def dtype(self) -> torch.dtype:
         return torch.from_numpy(np.empty(0, dtype=self.numpy_dtype)).dtype
 
-    def copy_into(self, buffer: torch.Tensor, copies: Sequence[Copy], stream: torch.cuda.Stream | None) -> Issued:
+    def copy_into(
+        self, buffer: torch.Tensor, copies: Sequence[Copy], stream: torch.cuda.Stream | None, *, ahead: bool = False
+    ) -> Issued:
         """Read each copy's rows into `buffer` (host memory) in reads of at most `READ_BYTES`,
-        issued in the copies' order (the readers take them first come, first served)."""
+        issued in the copies' order; a prefetch's (`ahead`) after any search's still queued."""
         if buffer.device.type != "cpu":
             raise NotImplementedError("rows are read from disk into host memory only")  # a device cache copies from it
         rows = buffer.numpy()
-        each = [FileArrival([self.pool.submit(self._read, rows, *part) for part in self._parts(copy)]) for copy in copies]
+        priority = ReadPool.AHEAD if ahead else ReadPool.SEARCH
+        each = [FileArrival([self._submit(priority, rows, part) for part in self._parts(copy)]) for copy in copies]
         return Issued(FileArrival([read for copy in each for read in copy.reads]), list(each))
 
     def read_rows(self, out: np.ndarray, runs: Sequence[tuple[int, int, int]]) -> FileArrival:
         """Read `runs` (row of `out`, first row of the file, rows) into `out`, rows like the file's."""
-        return FileArrival([self.pool.submit(self._read, out, *part, scan=True) for run in runs for part in self._parts(run)])
+        return FileArrival([self._submit(ReadPool.SEARCH, out, part, scan=True) for run in runs for part in self._parts(run)])
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        self.pool.shutdown()
         os.close(self.fd)
+
+    def _submit(self, priority: int, out: np.ndarray, part: Copy, *, scan: bool = False) -> Future[None]:
+        return self.pool.submit(priority, functools.partial(self._read, out, *part, scan=scan))
 
     def _parts(self, copy: Copy) -> list[Copy]:
         start, first, rows = copy

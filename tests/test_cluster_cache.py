@@ -162,7 +162,7 @@ class HeldRows:
     shape = property(lambda self: (int(self.host.shape[0]), int(self.host.shape[1])))
     dtype = property(lambda self: self.host.dtype)
 
-    def copy_into(self, buffer, copies, stream):
+    def copy_into(self, buffer, copies, stream, *, ahead=False):
         each = []
         for start, first, rows in copies:
             gate = threading.Event()

@@ -215,3 +215,23 @@ def test_a_host_cache_is_refused_on_cuda_for_now():
 
     with pytest.raises(DeviceUnavailable, match="host_cache_mb"):
         cluster_cache_bytes(RetrievalSettings(host_cache_mb=64), "cuda")
+
+
+def test_a_searchs_reads_go_before_the_prefetch_reads_still_queued():
+    """One reader busy, a prefetch's reads queued: a search's read, queued after them, runs first."""
+    import threading
+
+    from telerag.retrieval.disk import ReadPool
+
+    pool, order, busy = ReadPool(1), [], threading.Event()
+    first = pool.submit(ReadPool.AHEAD, lambda: busy.wait(5))
+    ahead = [pool.submit(ReadPool.AHEAD, lambda i=i: order.append(f"ahead {i}")) for i in range(2)]
+    search = pool.submit(ReadPool.SEARCH, lambda: order.append("search"))
+    failing = pool.submit(ReadPool.SEARCH, lambda: 1 / 0)
+    busy.set()
+    for read in (first, *ahead, search):
+        read.result(5)
+    with pytest.raises(ZeroDivisionError):
+        failing.result(5)  # a read's error reaches whoever waits on it
+    pool.shutdown()
+    assert order == ["search", "ahead 0", "ahead 1"]
