@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from telerag.retrieval.cache import Issued
 from telerag.retrieval.demand import DemandCopyPolicy
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.prefetch import plan_prefetch
@@ -38,10 +39,10 @@ def queued_copies(monkeypatch):
     def install(engine: RetrievalEngine) -> list[QueuedCopy]:
         issue = engine.cache._issue_copies
 
-        def queued(copies):
-            issue(copies)  # the rows really arrive (synchronously, on the CPU)
+        def queued(copies, *, ahead=False):
+            issue(copies, ahead=ahead)  # the rows really arrive (synchronously, on the CPU)
             windows.append(QueuedCopy())
-            return windows[-1]
+            return Issued(windows[-1], [windows[-1]] * len(copies))  # one window: they land together
 
         monkeypatch.setattr(engine.cache, "_issue_copies", queued)
         return windows
