@@ -44,6 +44,7 @@ from telerag.pipelines.types import (
     SearchOptions,
     overlap_rates,
 )
+from telerag.retrieval.ranking import DENSE, Ranking, SearchMode
 from telerag.server.runtime import open_retrieval, open_runtime
 from telerag.server.settings import Settings
 
@@ -219,22 +220,24 @@ async def retrieval_study(
     k: int,
     nprobe: int,
     nlist: int,
+    ranking: Ranking = DENSE,
     on_question: Callable[[], None] = lambda: None,
 ) -> QualityRow:
-    """Naive's retrieval alone, no LLM: each question's own top-k at `nprobe` and exactly
-    (what the passage shape and the embedder decide, in seconds rather than hours)."""
+    """Naive's retrieval alone, no LLM: each question's own top-k at `nprobe` and exactly (every
+    list probed: the dense half's), ranked by `ranking` (what the passage shape, the embedder
+    and the search mode decide, in seconds rather than hours)."""
     tally = _Tally()
     for question in questions:
         started = time.perf_counter()
-        outcome = await retriever.search([question.text], SearchOptions(top_k=k, nprobe=nprobe, prefetch=False))
+        outcome = await retriever.search([question.text], SearchOptions(k, nprobe, False, ranking=ranking))
         ms = (time.perf_counter() - started) * 1e3
-        exact = await retriever.search([question.text], SearchOptions(top_k=k, nprobe=nlist, prefetch=False))
+        exact = await retriever.search([question.text], SearchOptions(k, nlist, False, ranking=ranking))
         if question.title is not None:
             tally.found.append(article_found(outcome.documents[0], question.title, k))
             tally.found_exact.append(article_found(exact.documents[0], question.title, k))
         tally.add_timings(Timings(search_ms=ms, total_ms=ms))
         on_question()
-    return tally.row("retrieval", len(questions), k, nprobe, nlist)
+    return tally.row(f"retrieval {ranking.mode}", len(questions), k, nprobe, nlist)
 
 
 FOLLOW_UP_FORMS: dict[str, Callable[[Question], Question]] = {
@@ -273,15 +276,23 @@ async def configured_quality_study(
         return rows
 
 
-async def configured_retrieval_study(settings: Settings, questions: Sequence[Question], k: int) -> list[QualityRow]:
-    """`retrieval_study` of the configured datastore (no LLM loaded), with a progress bar."""
+async def configured_retrieval_study(
+    settings: Settings, questions: Sequence[Question], k: int, modes: Sequence[str]
+) -> list[QualityRow]:
+    """`retrieval_study` of the configured datastore (no LLM loaded) in each search mode, with a progress bar."""
     retriever = open_retrieval(settings)
     try:
         info = retriever.datastore_info()
-        with tqdm(total=len(questions), desc="questions", unit="q") as bar:
-            return [
-                await retrieval_study(retriever, questions, k=k, nprobe=info.nprobe, nlist=info.nlist, on_question=bar.update)
-            ]
+        rows = []
+        with tqdm(total=len(modes) * len(questions), desc="questions", unit="q") as bar:
+            for mode in modes:
+                ranking = settings.retrieval.ranking(SearchMode(mode))
+                rows.append(
+                    await retrieval_study(
+                        retriever, questions, k=k, nprobe=info.nprobe, nlist=info.nlist, ranking=ranking, on_question=bar.update
+                    )
+                )
+        return rows
     finally:
         retriever.close()
 

@@ -37,11 +37,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--retrieval-only",
         action="store_true",
-        help="no LLM: each question's own top-k (naive's retrieval), to compare datastores",
+        help="no LLM: each question's own top-k (naive's retrieval), to compare datastores and search modes",
+    )
+    parser.add_argument(
+        "--search-modes",
+        type=_modes,
+        default=None,
+        help="with --retrieval-only: comma-separated search modes, a row each (dense, keyword, hybrid; default: "
+        "retrieval.search_mode)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON line last")
     add_runtime_flags(parser)
     parser.set_defaults(func=run)
+
+
+def _modes(text: str) -> list[str]:
+    modes = [mode.strip() for mode in text.split(",") if mode.strip()]
+    unknown = [mode for mode in modes if mode not in ("dense", "keyword", "hybrid")]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(f"search modes are dense, keyword and hybrid, not {', '.join(unknown) or text!r}")
+    return modes
 
 
 def _at_least_one(text: str) -> int:
@@ -66,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     questions = read_questions(args.questions, args.limit)
     k = args.k or settings.retrieval.top_k
     if args.retrieval_only:
-        rows = asyncio.run(configured_retrieval_study(settings, questions, k))
+        modes = args.search_modes or [settings.retrieval.search_mode]
+        rows = asyncio.run(configured_retrieval_study(settings, questions, k, modes))
     else:
         rows = asyncio.run(configured_quality_study(settings, names, questions, k, args.max_tokens, args.concurrency))
     print(format_table(rows, settings.retrieval.datastore))

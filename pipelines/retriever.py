@@ -15,12 +15,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from telerag.pipelines.speculation import StableTopK
-from telerag.pipelines.stats import PrefetchStepStats, SearchStats
+from telerag.pipelines.stats import PrefetchStepStats, mean_overlap, search_step_stats
 from telerag.pipelines.types import (
     DatastoreInfo,
     Document,
@@ -38,11 +39,12 @@ from telerag.pipelines.types import (
 )
 from telerag.retrieval.cache import CacheBuffer
 from telerag.retrieval.datastore import Datastore
-from telerag.retrieval.engine import RetrievalEngine
+from telerag.retrieval.engine import RetrievalEngine, SearchResult
 from telerag.retrieval.errors import InvalidCall
 from telerag.retrieval.live import LiveDatastore
 from telerag.retrieval.prefetch import PrefetchHandle
 from telerag.retrieval.provisional import Provisional, ProvisionalReport
+from telerag.retrieval.ranking import Ranking
 from telerag.retrieval.snapshot import Snapshot, search_snapshot
 from telerag.retrieval.stats import CacheStats
 
@@ -245,15 +247,18 @@ class DirectRetriever:
         queries = [query for request in requests for query in request.queries]
         if not queries:
             return [SearchOutcome(documents=[]) for _ in requests]
-        vectors, embed_ms = self._embed_queries(queries)
+        if any(request.options.ranking.uses_vectors for request in requests):
+            vectors, embed_ms = self._embed_queries(queries)
+        else:  # by words alone: nothing to embed
+            vectors, embed_ms = np.zeros((len(queries), self.embedder.dim), np.float32), 0.0
         starts = np.concatenate(([0], np.cumsum([len(r.queries) for r in requests])))
         outcomes: list[SearchOutcome | None] = [None] * len(requests)
         latest = self.live.snapshot()  # for the callers that name none: every write acknowledged before this batch
-        by_setting: dict[tuple[int, int | None, bool, Snapshot], list[int]] = {}
+        by_setting: dict[tuple[int, int | None, bool, Snapshot, Ranking], list[int]] = {}
         for index, request in enumerate(requests):
-            options = request.options
-            by_setting.setdefault((options.top_k, options.nprobe, options.prefetch, options.snapshot or latest), []).append(index)
-        for (top_k, asked_nprobe, use_cache, snapshot), members in by_setting.items():
+            o = request.options
+            by_setting.setdefault((o.top_k, o.nprobe, o.prefetch, o.snapshot or latest, o.ranking), []).append(index)
+        for (top_k, asked_nprobe, use_cache, snapshot, ranking), members in by_setting.items():
             rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in members])
             handles = [
                 ticket.handle if (ticket := requests[i].ticket) is not None else None
@@ -266,38 +271,18 @@ class DirectRetriever:
             # them, as faiss's own IndexIVF.search takes them
             nprobe = min(asked_nprobe or engine.nprobe, engine.nlist)
             handles = [_of_engine(handle, engine) for handle in handles]
-            result = search_snapshot(
-                engine,
-                snapshot,
-                vectors[rows],
-                top_k,
-                nprobe,
-                prefetch=handles,
-                use_cache=use_cache,
-                provisional=provisional,
-            )
+            dense = _GroupSearch(engine, snapshot, vectors[rows], nprobe, handles, use_cache, provisional)
+            started = time.perf_counter()
+            texts = [" ".join(query_texts(queries[row])) for row in rows]
+            scores, ids = ranking.rank(snapshot, texts, top_k, dense)
+            ranked_ms = (time.perf_counter() - started) * 1e3
+            stats = search_step_stats(dense.found, ranked_ms, embed_ms, nprobe, len(rows))
             offset = 0
             for i in members:
                 count = len(requests[i].queries)
-                per_query = result.per_query[offset : offset + count]
-                overlaps = [s.overlap_rate for s in per_query if s.overlap_rate is not None]
                 outcomes[i] = SearchOutcome(
-                    documents=[self._documents(snapshot, result.ids[j], result.scores[j]) for j in range(offset, offset + count)],
-                    stats=SearchStats(
-                        embed_ms=embed_ms,
-                        probe_ms=result.probe_ms,
-                        device_ms=result.device_ms,
-                        cpu_ms=result.cpu_ms,
-                        total_ms=result.total_ms,
-                        overlap_rate=float(np.mean(overlaps)) if overlaps else None,
-                        clusters_device=sum(s.clusters_device for s in per_query),
-                        clusters_cpu=sum(s.clusters_cpu for s in per_query),
-                        clusters_copied_on_demand=sum(s.clusters_copied_on_demand for s in per_query),
-                        clusters_late=sum(s.clusters_late for s in per_query),
-                        copy_wait_ms=result.copy_wait_ms,
-                        nprobe=nprobe,
-                        batch=len(rows),
-                    ),
+                    documents=[self._documents(snapshot, ids[j], scores[j]) for j in range(offset, offset + count)],
+                    stats=dataclasses.replace(stats, overlap_rate=mean_overlap(dense.found, offset, count)),
                 )
                 offset += count
         return [outcome for outcome in outcomes if outcome is not None]
@@ -364,6 +349,34 @@ class DirectRetriever:
             engine.close()
         self.live.close()
         self.datastore.close()
+
+
+@dataclass
+class _GroupSearch:
+    """The dense search of one group of a batch's searches, as its ranking calls it (`DenseSearch`);
+    what it found is kept for the step's stats."""
+
+    engine: RetrievalEngine
+    snapshot: Snapshot
+    vectors: np.ndarray
+    nprobe: int
+    handles: list[PrefetchHandle | None]
+    use_cache: bool
+    provisional: ProvisionalReport | None
+    found: SearchResult | None = None
+
+    def __call__(self, depth: int, final: bool) -> tuple[np.ndarray, np.ndarray]:
+        self.found = search_snapshot(
+            self.engine,
+            self.snapshot,
+            self.vectors,
+            depth,
+            self.nprobe,
+            prefetch=self.handles,
+            use_cache=self.use_cache,
+            provisional=self.provisional if final else None,
+        )
+        return self.found.scores, self.found.ids
 
 
 def _of_engine(handle: PrefetchHandle | None, engine: RetrievalEngine) -> PrefetchHandle | None:

@@ -7,9 +7,15 @@ server turns them into the JSON it documents (`server.protocol`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from telerag.engines.types import FinishReason
 from telerag.retrieval.stats import PrefetchStats
+
+if TYPE_CHECKING:
+    from telerag.retrieval.engine import SearchResult
 
 
 @dataclass(frozen=True)
@@ -129,3 +135,32 @@ class SpeculationSummary:
     reprefilled: int = 0  # of them, those whose final top-k differed
     prefilled_tokens: int = 0  # computed by the speculative prefills
     reused_tokens: int = 0  # of those, the ones the calls after the searches found cached
+
+
+def search_step_stats(result: SearchResult | None, ranked_ms: float, embed_ms: float, nprobe: int, batch: int) -> SearchStats:
+    """A search step's stats: the dense search's (none by words alone), its total the whole ranking's."""
+    if result is None:
+        return SearchStats(embed_ms=embed_ms, total_ms=ranked_ms, batch=batch)
+    per_query = result.per_query
+    return SearchStats(
+        embed_ms=embed_ms,
+        probe_ms=result.probe_ms,
+        device_ms=result.device_ms,
+        cpu_ms=result.cpu_ms,
+        total_ms=max(result.total_ms, ranked_ms),
+        clusters_device=sum(s.clusters_device for s in per_query),
+        clusters_cpu=sum(s.clusters_cpu for s in per_query),
+        clusters_copied_on_demand=sum(s.clusters_copied_on_demand for s in per_query),
+        clusters_late=sum(s.clusters_late for s in per_query),
+        copy_wait_ms=result.copy_wait_ms,
+        nprobe=nprobe,
+        batch=batch,
+    )
+
+
+def mean_overlap(result: SearchResult | None, offset: int, count: int) -> float | None:
+    """The mean overlap rate of one request's queries (rows `offset`...) in the dense search."""
+    if result is None:
+        return None
+    overlaps = [s.overlap_rate for s in result.per_query[offset : offset + count] if s.overlap_rate is not None]
+    return float(np.mean(overlaps)) if overlaps else None

@@ -33,6 +33,7 @@ from telerag.pipelines.types import (
     query_texts,
 )
 from telerag.pipelines.vector_store_index import StoreResources, StoreView
+from telerag.retrieval.ranking import DENSE, Ranking
 from telerag.retrieval.snapshot import Snapshot
 from telerag.retrieval.stats import PrefetchStats
 
@@ -42,10 +43,17 @@ if TYPE_CHECKING:
 
 class StoresRetriever:
     """The `Retriever` of one request over `views` (`VectorStores.views`); a passage scoring under
-    `score_threshold` is left out of what a search returns."""
+    `score_threshold` is left out of what a search returns; `ranking`, the tool's, ranks every
+    search (None: each search's own options say)."""
 
-    def __init__(self, views: Sequence[StoreView], resources: StoreResources, score_threshold: float | None = None) -> None:
-        self.views, self.resources, self.score_threshold = tuple(views), resources, score_threshold
+    def __init__(
+        self,
+        views: Sequence[StoreView],
+        resources: StoreResources,
+        score_threshold: float | None = None,
+        ranking: Ranking | None = None,
+    ) -> None:
+        self.views, self.resources, self.score_threshold, self.ranking = tuple(views), resources, score_threshold, ranking
         self.searched: list[str] = []  # every query the request's searches asked, in order
         self._prefetched: dict[int, dict[str, PrefetchHandle]] = {}  # id of a ticket -> each store's part of it
 
@@ -76,7 +84,8 @@ class StoresRetriever:
         self.searched += [str(query) for query in queries]
         prefetched = self._prefetched.pop(id(ticket), {}) if ticket is not None else {}
         try:
-            return await asyncio.to_thread(self._search, list(queries), options.top_k, prefetched)
+            ranking = self.ranking or options.ranking
+            return await asyncio.to_thread(self._search, list(queries), options.top_k, ranking, prefetched)
         finally:
             _release(prefetched)
 
@@ -109,25 +118,37 @@ class StoresRetriever:
         handles = {view.store_id: handle for view in stores if (handle := view.prefetch(vectors, budget)) is not None}
         return handles, embed_ms
 
-    def _search(self, queries: list[SearchQuery], k: int, prefetched: Mapping[str, PrefetchHandle]) -> SearchOutcome:
+    def _search(
+        self, queries: list[SearchQuery], k: int, ranking: Ranking, prefetched: Mapping[str, PrefetchHandle]
+    ) -> SearchOutcome:
         started = time.perf_counter()
         with self.resources.priority.query():
-            vectors = [self.resources.query(query_texts(query)) for query in queries]
+            vectors = [self.resources.query(query_texts(query)) for query in queries] if ranking.uses_vectors else []
         embedded = time.perf_counter()
-        documents = [self.merged(vector, k, prefetched) for vector in vectors]
+        texts = [" ".join(query_texts(query)) for query in queries]
+        blank = np.zeros((1, self.resources.embedder.dim), np.float32)
+        documents = [self.merged(vectors[i] if vectors else blank, text, k, ranking, prefetched) for i, text in enumerate(texts)]
         embed_ms, cpu_ms = (embedded - started) * 1e3, (time.perf_counter() - embedded) * 1e3
         return SearchOutcome(
             documents, SearchStats(embed_ms=embed_ms, cpu_ms=cpu_ms, total_ms=embed_ms + cpu_ms, batch=len(queries))
         )
 
-    def merged(self, query: np.ndarray, k: int, prefetched: Mapping[str, PrefetchHandle] | None = None) -> list[Document]:
-        """The top k for `query` (1, dim) over every store: each store's exact top k, merged by
-        score, then store id and passage id (`prefetched`: each store's lookahead, by store id)."""
+    def merged(
+        self,
+        query: np.ndarray | None,
+        text: str,
+        k: int,
+        ranking: Ranking = DENSE,
+        prefetched: Mapping[str, PrefetchHandle] | None = None,
+    ) -> list[Document]:
+        """The top k for `query` (1, dim) and its `text` over every store: each store's exact top k
+        by `ranking`, merged by score, then store id and passage id (`prefetched`: each store's
+        lookahead, by store id)."""
         prefetched = prefetched or {}
         found = [
             Document(hit.id, hit.file_id, view.files[hit.file_id].filename, hit.text, hit.score, source=view.store_id)
             for view in self.views
-            for hit in view.search(query, k, prefetched.get(view.store_id))
+            for hit in view.search(query, text, k, ranking, prefetched.get(view.store_id))
             if hit.file_id in view.files
         ]
         found.sort(key=lambda d: (-d.score, d.source, d.id))

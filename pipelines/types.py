@@ -28,6 +28,7 @@ from telerag.pipelines.stats import (
     Timings,
 )
 from telerag.retrieval.prefetch import PrefetchHandle
+from telerag.retrieval.ranking import DENSE, Ranking
 
 if TYPE_CHECKING:
     from telerag.retrieval.snapshot import Snapshot
@@ -92,6 +93,7 @@ class SearchOptions:
     nprobe: int | None = None  # None: the datastore's configured default
     prefetch: bool = True  # False: every cluster is searched on the CPU (the baseline)
     snapshot: Snapshot | None = None  # the datastore as the search reads it (`Retriever.snapshot`); None: as of now
+    ranking: Ranking = DENSE  # by meaning, by words or both (`retrieval.ranking`)
 
 
 @dataclass
@@ -311,6 +313,7 @@ class RunOptions:
     instructions: str = ""  # the client's own (a chat's system messages), in every prompt that writes the answer
     history: tuple[Turn, ...] = ()  # the conversation before the question: with any, it is first rewritten to stand alone
     prefetch: bool = True
+    ranking: Ranking = DENSE  # how its searches rank passages: by meaning, by words or both
     pipelining: bool = False  # iterative pipelines search from a stale query while the step generates (PipeRAG)
     speculative_prefill: bool = False  # the call after a search prefilled from its provisional top-k (AquaPipe)
     deadline: float | None = None  # a time.monotonic() instant: every LLM call stops there (the server's admission deadline)

@@ -34,6 +34,7 @@ from telerag.retrieval.builder import build_datastore, default_nlist
 from telerag.retrieval.corpus import Article, Passage, PassageShape
 from telerag.retrieval.datastore import MANIFEST, Datastore
 from telerag.retrieval.prefetch import PrefetchHandle
+from telerag.retrieval.ranking import DENSE, Ranking
 from telerag.retrieval.snapshot import Snapshot, search_snapshot
 
 if TYPE_CHECKING:  # the retriever brings torch: the server's app is made, and listens, before it loads
@@ -232,17 +233,32 @@ class StoreIndex:
                 return None
             return retriever.engine_for(view.datastore).prefetch(queries, budget_bytes)
 
-    def search(self, query: np.ndarray, k: int, view: Snapshot | None, prefetch: PrefetchHandle | None = None) -> list[Hit]:
-        """The top k of `view`'s passages for `query` (1, dim), exactly as faiss's IndexIVF over
-        them would answer at the engine's default nprobe for the store's lists (with a filter's
-        view, as faiss's with an ID selector of the files' passages would); `prefetch`, this
-        store's part of the request's lookahead, is ended by it."""
+    def search(
+        self,
+        query: np.ndarray | None,
+        text: str,
+        k: int,
+        view: Snapshot | None,
+        ranking: Ranking = DENSE,
+        prefetch: PrefetchHandle | None = None,
+    ) -> list[Hit]:
+        """The top k of `view`'s passages for `query` (1, dim; None for a ranking that reads no
+        embedding) and its `text`, ranked by `ranking`:
+        its dense half exactly as faiss's IndexIVF over them would answer at the engine's default
+        nprobe for the store's lists (with a filter's view, as faiss's with an ID selector of the
+        files' passages would); `prefetch`, this store's part of the request's lookahead, is ended by it."""
         with self._read() as retriever:
             if retriever is None or view is None:
                 return []
             engine = retriever.engine_for(view.datastore)
-            result = search_snapshot(engine, view, query, k, engine.nprobe, prefetch=prefetch)
-            found = [(int(i), float(s)) for i, s in zip(result.ids[0], result.scores[0], strict=True) if i >= 0]
+
+            def dense(depth: int, final: bool) -> tuple[np.ndarray, np.ndarray]:
+                assert query is not None, "a ranking that reads the embeddings was given none"
+                result = search_snapshot(engine, view, query, depth, engine.nprobe, prefetch=prefetch)
+                return result.scores, result.ids
+
+            scores, ids = ranking.rank(view, [text], k, dense)
+            found = [(int(i), float(s)) for i, s in zip(ids[0], scores[0], strict=True) if i >= 0]
             passages = view.passages_of([i for i, _ in found])
             return [Hit(i, p.doc_id, p.text, s) for (i, s), p in zip(found, passages, strict=True)]
 
@@ -271,6 +287,8 @@ class StoreView:
         """The lookahead of the snapshot's lists for `queries` (q_in, (n, dim))."""
         return self.index.prefetch(queries, budget_bytes, self.snapshot)
 
-    def search(self, query: np.ndarray, k: int, prefetch: PrefetchHandle | None = None) -> list[Hit]:
-        """The exact top k of the snapshot's passages for `query` (1, dim)."""
-        return self.index.search(query, k, self.snapshot, prefetch)
+    def search(
+        self, query: np.ndarray | None, text: str, k: int, ranking: Ranking = DENSE, prefetch: PrefetchHandle | None = None
+    ) -> list[Hit]:
+        """The exact top k of the snapshot's passages for `query` (1, dim) and its `text`, by `ranking`."""
+        return self.index.search(query, text, k, self.snapshot, ranking, prefetch)

@@ -54,6 +54,7 @@ from telerag.pipelines.vector_store_records import (
     StoreRecord,
     open_records,
 )
+from telerag.retrieval.ranking import DENSE, Ranking
 from telerag.utils.files import fsync_path
 
 log = logging.getLogger(__name__)
@@ -280,13 +281,15 @@ class VectorStores:
         k: int,
         score_threshold: float | None = None,
         where: AttributeFilter | None = None,
+        ranking: Ranking = DENSE,
     ) -> list[StoreHit]:
-        """The store's top k passages for the queries' mean embedding, exact at the store's
-        default nprobe, over the files whose attributes `where` holds for (all: None); those under
-        `score_threshold` left out. In a worker thread: it embeds."""
+        """The store's top k passages for the queries (by `ranking`: their mean embedding, their
+        words, or both), exact at the store's default nprobe, over the files whose attributes
+        `where` holds for (all: None); those under `score_threshold` left out. In a worker thread: it embeds."""
         (view,) = self.views([store_id], owner, where)
         with self.resources.priority.query():
-            hits = view.search(self.resources.query(queries), k)
+            vector = self.resources.query(queries) if ranking.uses_vectors else None  # by words alone: none
+            hits = view.search(vector, " ".join(queries), k, ranking)
         return [
             StoreHit(hit.file_id, stored.filename, hit.score, stored.attributes, hit.text)
             for hit in hits

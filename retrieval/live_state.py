@@ -30,6 +30,7 @@ from telerag.retrieval.documents import (
     WriteResult,
 )
 from telerag.retrieval.errors import DatastoreCorruptError, DatastoreError
+from telerag.retrieval.keywords import DeltaKeywords, GenerationKeywords, KeywordIndex
 from telerag.retrieval.snapshot import DeltaRows, Snapshot
 
 BASE_LIST_BLOCK = 4096  # rows of the generation's passages read at once when its documents are first listed
@@ -68,6 +69,7 @@ class GenerationState:
         self._delta_codes = Growing(datastore.codec.numpy_dtype, datastore.dim)
         self._tomb_ids, self._tomb_lists = Growing(np.int64), Growing(np.int64)
         self._passages: dict[int, Passage] = {}
+        self._keywords, self._delta_keywords = GenerationKeywords(datastore), DeltaKeywords()
         self._overlay: dict[str, DocumentEntry | None] = {}  # documents written since the generation (None: deleted)
         self._base: dict[str, DocumentEntry] | None = None  # the generation's documents, read when first needed
         self._base_ids: list[str] | None = None  # their ids, sorted, when first paged
@@ -111,15 +113,17 @@ class GenerationState:
         return {doc_id: entry for doc_id, entry in merged.items() if entry is not None}
 
     def snapshot(self, generation: int) -> Snapshot:
+        delta_ids = self._delta_ids.view()
         return Snapshot(
             lsn=self.lsn,
             generation=generation,
             datastore=self.datastore,
-            delta=DeltaRows(self._delta_ids.view(), self._delta_lists.view(), self._delta_codes.view()),
+            delta=DeltaRows(delta_ids, self._delta_lists.view(), self._delta_codes.view()),
             deleted=np.sort(self._tomb_ids.view()),
             deleted_per_list=np.bincount(self._tomb_lists.view(), minlength=self.datastore.nlist).astype(np.int64),
             delta_passages=self._passages,
             documents=self.documents,
+            keywords=KeywordIndex(self._keywords, self._delta_keywords, int(delta_ids[-1]) if len(delta_ids) else -1),
         )
 
     # -- writing ----------------------------------------------------------------------------------
@@ -188,7 +192,9 @@ class GenerationState:
             self._delta_lists.append(self._quantizer.search(record.vectors, 1)[1][:, 0].astype(np.int64))
             self._delta_codes.append(self.datastore.codec.to_codes(record.vectors, self.datastore.codec_params))
             for passage_id, text in zip(entry.passage_ids, record.texts, strict=True):
-                self._passages[passage_id] = Passage(doc_id=entry.doc_id, title=entry.title, text=text)
+                passage = Passage(doc_id=entry.doc_id, title=entry.title, text=text)
+                self._passages[passage_id] = passage
+                self._delta_keywords.add(passage_id, passage)
             self.next_id = max(self.next_id, int(ids[-1]) + 1)
             entry = replace(entry, lsn=lsn)
         existed = self.entry(record.doc_id) is not None

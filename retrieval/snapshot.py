@@ -28,6 +28,7 @@ from telerag.retrieval.corpus import Passage
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.errors import PassageNotFound
 from telerag.retrieval.ivf import FAISS_PAD_SCORE
+from telerag.retrieval.keywords import KeywordIndex
 from telerag.retrieval.provisional import Provisional, ProvisionalReport
 from telerag.retrieval.shards import merge_shard_results
 
@@ -62,6 +63,7 @@ class Snapshot:
     deleted_per_list: np.ndarray  # int64 (nlist,): how many of `deleted` lie in each list
     delta_passages: Mapping[int, Passage]  # the delta's passages by id (holds later ids too; never fewer)
     documents: int  # living documents
+    keywords: KeywordIndex  # the keyword half's postings as of `lsn` (`retrieval.keywords`)
 
     @property
     def passages(self) -> int:

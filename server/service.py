@@ -31,6 +31,7 @@ from telerag.pipelines.types import (
     UsageEvent,
 )
 from telerag.retrieval.live import LiveStats
+from telerag.retrieval.ranking import SearchMode
 from telerag.retrieval.stats import CacheStats
 from telerag.server.admission.calibration import Calibration, load_calibration
 from telerag.server.admission.policy import admission_policy
@@ -231,10 +232,11 @@ class Service:
         prefetch: bool = True,
         pipelining: bool | None = None,
         speculative_prefill: bool | None = None,
+        search_mode: SearchMode | None = None,
     ) -> RunOptions:
         """A request's options. What the request leaves out (None) is the settings': top_k, nprobe
         "auto" when `retrieval.nprobe` is (a configured number is the retriever's own default),
-        pipelining, speculative prefill."""
+        pipelining, speculative prefill, the search mode."""
         retrieval = self.settings.retrieval
         if nprobe is None and retrieval.nprobe == "auto":
             nprobe = "auto"
@@ -248,6 +250,7 @@ class Service:
             instructions=instructions,
             history=history,
             prefetch=prefetch,
+            ranking=retrieval.ranking(search_mode),
             pipelining=retrieval.pipelining if pipelining is None else pipelining,
             speculative_prefill=retrieval.speculative_prefill if speculative_prefill is None else speculative_prefill,
         )

@@ -18,6 +18,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from telerag.retrieval.ranking import Fusion, HybridRanking, Ranking, SearchMode, ranking_of
 from telerag.utils.files import user_cache_dir
 
 _config_file: ContextVar[Path | None] = ContextVar("telerag_config_file", default=None)  # --config, while loading
@@ -204,9 +205,26 @@ class RetrievalSettings(Section):
         "skips none and costs time (docs/benchmarks.md)",
     )
     top_k: int = setting(3, "documents a request gets when it does not say", ge=1)
+    search_mode: Literal["dense", "keyword", "hybrid"] = setting(
+        "dense",
+        "how a search ranks passages when the request does not say (its search_mode): dense (the embeddings' inner "
+        "product, IVF at nprobe), keyword (BM25 over the passages' words) or hybrid (both, fused: docs/api.md, Search "
+        "modes)",
+    )
+    hybrid_fusion: Literal["rrf", "weighted"] = setting(
+        "rrf", "how a hybrid search fuses its halves: rrf (reciprocal rank, k 60) or weighted (scores scaled to [0, 1])"
+    )
+    hybrid_candidates: int = setting(20, "each half's depth in a hybrid search (at least the request's top_k)", ge=1)
     verify_checksums: bool = setting(
         True, "read every byte of the datastore at start-up against its manifest's checksums (minutes for tens of GB)"
     )
+
+    def ranking(self, mode: SearchMode | None = None, weights: tuple[float, float] | None = None) -> Ranking:
+        """The ranking of a search in `mode` (None: `search_mode`); `weights`: a hybrid's (embedding,
+        text), which make any search hybrid."""
+        if weights is not None:
+            return HybridRanking(*weights, fusion=Fusion(self.hybrid_fusion), candidates=self.hybrid_candidates)
+        return ranking_of(mode or self.search_mode, fusion=self.hybrid_fusion, candidates=self.hybrid_candidates)
 
     @property
     def fixed_nprobe(self) -> int | None:

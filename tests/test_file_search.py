@@ -162,7 +162,7 @@ def test_a_search_over_several_stores_is_the_merge_of_each_stores_faiss_search(t
                 assert ticket.stats.enabled and ticket.stats.plan.clusters_requested > 0
                 got = asyncio.run(retriever.search([query], SearchOptions(top_k=k), ticket)).documents[0]
             else:
-                got = retriever.merged(vector, k)
+                got = retriever.merged(vector, query, k)
             expected = []
             for at, (reference, passages) in enumerate(references):
                 selected = [

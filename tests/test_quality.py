@@ -198,11 +198,15 @@ def test_questions_at_a_time_change_no_retrieval_number(capsys, wiki_slice):
 @pytest.mark.slow  # builds tiny models and a datastore: ~1 min on two busy cores
 def test_retrieval_only_is_naives_retrieval(capsys, wiki_slice):
     naive = _run(capsys, wiki_slice, "--pipelines", "naive", "--nprobe", "1")[0]
-    alone = _run(capsys, wiki_slice, "--retrieval-only", "--nprobe", "1")[0]
-    assert alone["pipeline"] == "retrieval" and alone["exact_match"] is None and alone["f1"] is None
+    alone, by_words, both = _run(
+        capsys, wiki_slice, "--retrieval-only", "--nprobe", "1", "--search-modes", "dense,keyword,hybrid"
+    )
+    assert alone["pipeline"] == "retrieval dense" and alone["exact_match"] is None and alone["f1"] is None
     assert alone["cue_answers"] is None
     assert (alone["recall"], alone["recall_exact"]) == (naive["recall"], naive["recall_exact"])
     assert alone["recall_exact"] > 0.0  # 10 of ~55 passages: not every question misses
+    assert (by_words["pipeline"], both["pipeline"]) == ("retrieval keyword", "retrieval hybrid")
+    assert by_words["recall"] == by_words["recall_exact"] > 0.0  # the words' search probes no list
     assert alone["latency_ms"]["generate"] == 0.0 and alone["latency_ms"]["search"] > 0.0
 
 

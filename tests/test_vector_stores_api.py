@@ -276,10 +276,6 @@ async def test_a_file_detached_or_cancelled_while_it_is_written_leaves_no_passag
 @pytest.mark.parametrize(
     ("call", "field"),
     [
-        (
-            lambda c, s: c.vector_stores.search(s, query="q", ranking_options={"ranker": "default-2024-11-15"}),
-            "ranking_options.ranker",
-        ),
         (lambda c, s: c.vector_stores.create(name="x", expires_after={"anchor": "last_active_at", "days": 1}), "expires_after"),
         (lambda c, s: c.vector_stores.update(s, expires_after={"anchor": "last_active_at", "days": 1}), "expires_after"),
         (lambda c, s: c.vector_stores.search(s, query="q", extra_body={"mystery": 1}), "mystery"),

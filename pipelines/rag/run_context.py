@@ -52,8 +52,9 @@ class RunContext:
     snapshot: Snapshot | None = None  # the datastore every retrieval of the run reads, taken when it began
 
     def search_options(self, nprobe: int | None) -> SearchOptions:
-        """A search of this run: the request's top_k and prefetch, over the run's snapshot."""
-        return SearchOptions(top_k=self.options.top_k, nprobe=nprobe, prefetch=self.options.prefetch, snapshot=self.snapshot)
+        """A search of this run: the request's top_k, prefetch and ranking, over the run's snapshot."""
+        options = self.options
+        return SearchOptions(options.top_k, nprobe, options.prefetch, self.snapshot, options.ranking)
 
     @property
     def fixed_nprobe(self) -> int | None:

@@ -20,6 +20,7 @@ from pydantic import (
 
 from telerag.pipelines.ingestion import IngestionProgress
 from telerag.pipelines.types import RagResult, StageKind, StageRole
+from telerag.retrieval.ranking import SearchMode
 from telerag.server.protocols.common import DocumentOut, default_max_tokens, documents_out, integer, pipeline_name, question_text
 from telerag.server.protocols.ops import ANSWERED_WHILE_INGESTING, IngestionInfo
 from telerag.server.protocols.result_stats import (
@@ -54,6 +55,12 @@ class QueryRequest(BaseModel):
         description="iter_retgen, flare and iterative: true: each search starts from the text generated so far while "
         "the step goes on (PipeRAG; the documents may differ, reported in `pipelining`); false: after it; null: the "
         "server's retrieval.pipelining",
+    )
+    search_mode: SearchMode | None = Field(
+        None,
+        strict=False,  # its value, as JSON sends it
+        description="how its searches rank passages: dense (by meaning: the embeddings, IVF at nprobe), keyword (by "
+        "words: BM25) or hybrid (both, fused by reciprocal rank); null: the server's retrieval.search_mode",
     )
     speculative_prefill: bool | None = Field(
         None,

@@ -1,7 +1,7 @@
 """The models of OpenAI's Vector Stores API (`routes/vector_stores.py`, `routes/vector_store_files.py`),
 in OpenAI's shape, so that the openai SDK's `client.vector_stores` (its `create_and_poll` and
-`upload_and_poll` too) reads them unchanged. A field the server does not serve yet (`expires_after`,
-a ranker) is refused with a 400 naming it."""
+`upload_and_poll` too) reads them unchanged. A field the server does not serve yet (`expires_after`)
+is refused with a 400 naming it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Tag, Valid
 from telerag.pipelines.attribute_filters import Comparison, Compound
 from telerag.pipelines.documents import NON_BLANK
 from telerag.pipelines.vector_store_records import Attach, FileCounts, StaticChunking, StoreHit, StoreRecord
-from telerag.server.protocols.common import INTEGRAL, NullOnly, discriminated_by, refuse
+from telerag.server.protocols.common import INTEGRAL, NullOnly, discriminated_by
 from telerag.server.settings import LimitSettings
 
 FileId = Annotated[str, StringConstraints(min_length=1, max_length=64)]
@@ -102,18 +102,53 @@ class VectorStoreModify(Request):
     expires_after: NoExpiry = None
 
 
-class RankingOptions(Request):
-    ranker: Literal["none", "auto"] = Field(
-        "auto", description="none or auto (no re-ranker: the scores are the embeddings' inner products); another is a 400"
-    )
-    score_threshold: float = Field(0.0, ge=0, le=1, description="results scoring below it are left out")
+class HybridSearch(Request):
+    """OpenAI's weights of reciprocal rank fusion between the search by meaning and by words."""
 
-    @field_validator("ranker", mode="before")
+    model_config = ConfigDict(
+        json_schema_extra={  # not both 0, in the schema as in the validator
+            "not": {
+                "required": ["embedding_weight", "text_weight"],
+                "properties": {"embedding_weight": {"const": 0}, "text_weight": {"const": 0}},
+            }
+        }
+    )
+
+    embedding_weight: float = Field(
+        ge=0, allow_inf_nan=False, description="the weight of the embeddings' ranks (dense, IVF at nprobe)"
+    )
+    text_weight: float = Field(ge=0, allow_inf_nan=False, description="the weight of the words' ranks (BM25)")
+
+    @field_validator("text_weight")
     @classmethod
-    def _no_reranker(cls, value: Any) -> Any:
-        if isinstance(value, str) and value not in ("none", "auto"):
-            raise refuse(f"not served yet: the {value!r} re-ranker (none and auto, which is none here, are)")
+    def _one_weighs(cls, value: float, info: ValidationInfo) -> float:
+        if value == 0 and info.data.get("embedding_weight") == 0:
+            raise ValueError("embedding_weight and text_weight are both 0: one must weigh something")
         return value
+
+    @property
+    def weights(self) -> tuple[float, float]:
+        return self.embedding_weight, self.text_weight
+
+
+class RankingOptions(Request):
+    ranker: Literal["none", "auto", "default-2024-11-15"] = Field(
+        "auto",
+        description="the re-ranker: none; auto and default-2024-11-15 are none too (no re-ranker is configured here), "
+        "so the scores are the search's own",
+    )
+    score_threshold: float = Field(
+        0.0, ge=0, le=1, description="results scoring below it are left out (a hybrid search's scores lie in [0, 1])"
+    )
+    hybrid_search: HybridSearch | None = Field(
+        None,
+        description="search by meaning and by words together, their ranks fused with these weights (reciprocal rank "
+        "fusion, k 60; the score is the fused one over its most, in [0, 1]); null: the server's retrieval.search_mode",
+    )
+
+    @property
+    def weights(self) -> tuple[float, float] | None:
+        return None if self.hybrid_search is None else self.hybrid_search.weights
 
 
 COMPARISONS = ("eq", "ne", "gt", "gte", "lt", "lte")

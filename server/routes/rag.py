@@ -84,6 +84,7 @@ async def rag_query(body: QueryRequest, request: Request, client: str | None, se
         prefetch=body.prefetch,
         pipelining=body.pipelining,
         speculative_prefill=body.speculative_prefill,
+        search_mode=body.search_mode,
     )
     run = service.admit(request, service.pipelines[body.pipeline], body.query, options, client)
     request_id = f"rag-{request.state.request_id}"

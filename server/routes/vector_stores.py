@@ -158,7 +158,11 @@ async def search_store(
             queries = [await service.rewrite_query(request, " ".join(queries), client)]
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-    threshold = body.ranking_options.score_threshold if body.ranking_options is not None else None
+    ranking_options = body.ranking_options
+    threshold = ranking_options.score_threshold if ranking_options is not None else None
+    ranking = service.settings.retrieval.ranking(weights=ranking_options.weights if ranking_options is not None else None)
     where = None if body.filters is None else body.filters.to_filter()
-    hits = await asyncio.to_thread(stores.search, vector_store_id, client, queries, body.max_num_results, threshold, where)
+    hits = await asyncio.to_thread(
+        stores.search, vector_store_id, client, queries, body.max_num_results, threshold, where, ranking
+    )
     return SearchResultsPage(search_query=queries, data=[SearchResult.of(hit) for hit in hits])
