@@ -80,13 +80,16 @@ def open_retriever(
     build_if_missing: bool = False,
     verify_checksums: bool = True,
     writable: bool = False,
+    recall_budget: float = 0.0,
+    target_recall: float = 0.99,
 ) -> DirectRetriever:
     """Start the retrieval engine over `datastore`, checked to match `embedder`: a loaded one, or
     the directory to load (`load_datastore`); `cpu_half(generation)` the `RetrievalEngine`'s of each
     generation of it (None: faiss here; the retrieval tier's view of that generation), `cache_buffer`
     (another engine's cluster cache buffer to share, in place of one of `cache_bytes`) as its; `on_disk`: its
     vectors read from its files, `cache_bytes` of them cached in host memory (`RetrievalEngine`). With `writable`,
-    documents can be written to it through the retriever (`retrieval.opening.open_live`)."""
+    documents can be written to it through the retriever (`retrieval.opening.open_live`). `recall_budget`
+    and `target_recall`: `DirectRetriever`'s."""
     if not isinstance(datastore, Datastore):
         datastore = load_datastore(
             datastore, embedder, build_if_missing=build_if_missing, verify_checksums=verify_checksums, early_stop=early_stop
@@ -135,4 +138,12 @@ def open_retriever(
     except BaseException:
         engine.close()
         raise
-    return DirectRetriever(engine, embedder, live=live, new_engine=new_engine, prefetch_budget_bytes=prefetch_budget_bytes)
+    return DirectRetriever(
+        engine,
+        embedder,
+        live=live,
+        new_engine=new_engine,
+        prefetch_budget_bytes=prefetch_budget_bytes,
+        recall_budget=recall_budget,
+        target_recall=target_recall,
+    )

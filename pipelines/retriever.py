@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -45,6 +46,7 @@ from telerag.retrieval.live import LiveDatastore
 from telerag.retrieval.prefetch import PrefetchHandle
 from telerag.retrieval.provisional import Provisional, ProvisionalReport
 from telerag.retrieval.ranking import Ranking
+from telerag.retrieval.recall import RecallEstimate, RecallSampler
 from telerag.retrieval.snapshot import Snapshot, search_snapshot
 from telerag.retrieval.stats import CacheStats
 
@@ -107,12 +109,16 @@ class DirectRetriever:
         live: LiveDatastore | None = None,
         new_engine: Callable[[Datastore, CacheBuffer], RetrievalEngine] | None = None,
         prefetch_budget_bytes: int | None = None,
+        recall_budget: float = 0.0,
+        target_recall: float = 0.99,
     ) -> None:
         """`live`: the engine's datastore with its writes (default: opened read-only here).
         `new_engine(datastore, buffer)`: an engine like `engine` over a new generation of
         it (a compaction's or a retrain's; None: a new generation is refused). `prefetch_budget_bytes`:
         the same budget for every prefetch; None: b_p = B · t (TeleRAG §4.2) for each prefetch's
-        own `overlap_ms` t, B being the cache's measured copy rate."""
+        own `overlap_ms` t, B being the cache's measured copy rate. `recall_budget`: the share of
+        the search time spent repeating sampled searches exhaustively to estimate their recall
+        (`retrieval.recall`; 0: none), logged below `target_recall`."""
         self.engine = engine
         self.embedder = embedder
         self.live = live if live is not None else LiveDatastore(engine.datastore)
@@ -121,6 +127,13 @@ class DirectRetriever:
         self._new_engine = new_engine
         self._engines = {engine.datastore.generation.number: engine}  # the current one, and the one before it
         self._engines_lock = threading.Lock()
+        self.recall = RecallSampler(
+            Path(self.live.where).name or self.live.where,
+            budget=recall_budget,
+            target=target_recall,
+            idle=self.priority.write_turn,
+            current=lambda snapshot: snapshot.generation == self.live.generation,
+        )
 
     @property
     def datastore(self) -> Datastore:
@@ -271,7 +284,7 @@ class DirectRetriever:
             # them, as faiss's own IndexIVF.search takes them
             nprobe = min(asked_nprobe or engine.nprobe, engine.nlist)
             handles = [_of_engine(handle, engine) for handle in handles]
-            dense = _GroupSearch(engine, snapshot, vectors[rows], nprobe, handles, use_cache, provisional)
+            dense = _GroupSearch(engine, snapshot, vectors[rows], nprobe, handles, use_cache, provisional, self.recall)
             started = time.perf_counter()
             texts = [" ".join(query_texts(queries[row])) for row in rows]
             scores, ids = ranking.rank(snapshot, texts, top_k, dense)
@@ -318,6 +331,9 @@ class DirectRetriever:
     def cache_stats(self) -> CacheStats:
         return self.engine.cache_stats()
 
+    def search_recall(self) -> RecallEstimate:
+        return self.recall.estimate()
+
     def resident_clusters(self) -> list[int]:
         """The clusters the cache holds now (landed or in flight)."""
         return np.flatnonzero(self.engine.cache.resident_mask()).tolist()
@@ -345,6 +361,7 @@ class DirectRetriever:
         )
 
     def close(self) -> None:
+        self.recall.close()
         for engine in self._engines.values():
             engine.close()
         self.live.close()
@@ -363,9 +380,11 @@ class _GroupSearch:
     handles: list[PrefetchHandle | None]
     use_cache: bool
     provisional: ProvisionalReport | None
+    recall: RecallSampler
     found: SearchResult | None = None
 
     def __call__(self, depth: int, final: bool) -> tuple[np.ndarray, np.ndarray]:
+        started = time.perf_counter()
         self.found = search_snapshot(
             self.engine,
             self.snapshot,
@@ -376,7 +395,9 @@ class _GroupSearch:
             use_cache=self.use_cache,
             provisional=self.provisional if final else None,
         )
-        return self.found.scores, self.found.ids
+        found = self.found
+        self.recall.offer(self.engine, self.snapshot, self.vectors, depth, found.ids, found.scores, time.perf_counter() - started)
+        return found.scores, found.ids
 
 
 def _of_engine(handle: PrefetchHandle | None, engine: RetrievalEngine) -> PrefetchHandle | None:

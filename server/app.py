@@ -73,6 +73,7 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
         lambda: app.state.service.runtime.cache_stats() if app.state.service else CacheStats(),
         lambda: app.state.service.runtime.prefix_cache_bytes() if app.state.service else None,
         lambda: app.state.service.live_report() if app.state.service else None,
+        lambda: app.state.service.runtime.search_recall() if app.state.service else None,
     )
     app.state.started = int(time.time())  # when /v1/models says its models were created
     app.state.default_max_tokens = default_max_tokens(settings.limits)  # a chat completion's, as a query's

@@ -15,6 +15,7 @@ from telerag.pipelines.stats import SearchStats
 from telerag.pipelines.types import RagResult
 from telerag.retrieval.documents import WriteOutcome, WriteResult
 from telerag.retrieval.live import LiveStats
+from telerag.retrieval.recall import RecallEstimate
 from telerag.retrieval.stats import CacheStats
 from telerag.server.errors import Refusal
 
@@ -52,6 +53,29 @@ class _CacheCollector(Collector):
             family = GaugeMetricFamily(f"telerag_cache_{name}", doc)
             family.add_metric([], float(getattr(s, name)))
             yield family
+
+
+class _RecallCollector(Collector):
+    """Reads the dense search's estimated recall at scrape time (`retrieval.recall`)."""
+
+    def __init__(self, estimate: Callable[[], RecallEstimate | None]) -> None:
+        self.estimate = estimate
+
+    def collect(self):
+        found = self.estimate()
+        if found is None:
+            return
+        if found.recall is not None:
+            recall = GaugeMetricFamily(
+                "telerag_search_recall",
+                "the dense search's recall against an exhaustive search, over the latest sampled queries",
+                labels=["datastore"],
+            )
+            recall.add_metric([found.datastore], found.recall)
+            yield recall
+        samples = CounterMetricFamily("telerag_search_recall_samples", "queries whose recall was measured", labels=["datastore"])
+        samples.add_metric([found.datastore], float(found.samples))
+        yield samples
 
 
 class _PrefixCacheCollector(Collector):
@@ -298,6 +322,7 @@ class Metrics:
         cache_stats: Callable[[], CacheStats],
         prefix_cache_bytes: Callable[[], int | None] = lambda: None,
         live: Callable[[], LiveReport | None] = lambda: None,
+        search_recall: Callable[[], RecallEstimate | None] = lambda: None,
     ) -> None:
         self.registry = r = CollectorRegistry()
         self.request_latency = Histogram(
@@ -369,6 +394,7 @@ class Metrics:
         self.documents = DocumentMetrics(r, live)
         r.register(_CacheCollector(cache_stats))
         r.register(_PrefixCacheCollector(prefix_cache_bytes))
+        r.register(_RecallCollector(search_recall))
         ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds (Linux)
         # on a Ray cluster's ingress: each inference replica's Prometheus text, by replica id
         self.replica_series: Callable[[], Mapping[str, bytes]] = dict

@@ -37,6 +37,7 @@ from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.errors import DeviceUnavailable
 from telerag.retrieval.ivf import ListSearch
 from telerag.retrieval.live import LiveDatastore
+from telerag.retrieval.recall import RecallEstimate
 from telerag.retrieval.stats import CacheStats
 from telerag.server.retrieval_batching import BatchingRetriever
 from telerag.server.settings import RetrievalSettings, Settings, pre_retrieval_profile
@@ -54,6 +55,7 @@ class Runtime:
     retriever: BatchRetriever
     datastore_info: DatastoreInfo
     cache_stats: Callable[[], CacheStats] = CacheStats  # without a cache: all zero
+    search_recall: Callable[[], RecallEstimate | None] = lambda: None  # None: not estimated here
     resident_clusters: Callable[[], list[int]] = list  # what the cluster cache holds now (none without one)
     closers: list[Callable[[], Any]] = field(default_factory=list)
     documents: DocumentWriter | None = None  # what writes documents into the datastore (None: no live datastore)
@@ -249,6 +251,10 @@ def open_configured_retriever(
         early_stop=retrieval.early_stop,
         on_disk=retrieval.host_cache_mb is not None,
         writable=writable,
+        recall_budget=0.0
+        if retrieval.host_cache_mb is not None
+        else retrieval.recall_budget,  # on disk: an exhaustive read is the datastore
+        target_recall=retrieval.target_recall,
     )
 
 
@@ -310,6 +316,7 @@ async def load_runtime(
         retriever=retriever,
         datastore_info=retriever.datastore_info(),
         cache_stats=retriever.cache_stats,
+        search_recall=retriever.search_recall,
         resident_clusters=retriever.resident_clusters,
         closers=[*([ingestion.stop] if ingestion else []), documents.close, rebuilds.join, retriever.close],
         documents=documents,

@@ -32,6 +32,7 @@ from telerag.pipelines.types import (
 )
 from telerag.retrieval.live import LiveStats
 from telerag.retrieval.ranking import SearchMode
+from telerag.retrieval.recall import RecallEstimate
 from telerag.retrieval.stats import CacheStats
 from telerag.server.admission.calibration import Calibration, load_calibration
 from telerag.server.admission.policy import admission_policy
@@ -72,6 +73,10 @@ class ServedRuntime(Protocol):
     async def embed(self, texts: Sequence[str]) -> TextEmbeddings: ...
 
     def cache_stats(self) -> CacheStats: ...
+
+    def search_recall(self) -> RecallEstimate | None:
+        """The dense search's recall estimated on the traffic (None: not estimated here)."""
+        ...
 
     def prefix_cache_bytes(self) -> int | None: ...
 

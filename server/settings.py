@@ -214,6 +214,14 @@ class RetrievalSettings(Section):
     hybrid_fusion: Literal["rrf", "weighted"] = setting(
         "rrf", "how a hybrid search fuses its halves: rrf (reciprocal rank, k 60) or weighted (scores scaled to [0, 1])"
     )
+    recall_budget: float = setting(
+        0.02,
+        "the share of search time spent repeating sampled searches exhaustively in idle time, to estimate the dense "
+        "search's recall (telerag_search_recall, GET /ready); 0: none. Not with host_cache_mb (an exhaustive search "
+        "would read the whole datastore)",
+        ge=0,
+    )
+    target_recall: float = setting(0.99, "below this estimated recall a warning is logged, once until it recovers", ge=0, le=1)
     hybrid_candidates: int = setting(20, "each half's depth in a hybrid search (at least the request's top_k)", ge=1)
     verify_checksums: bool = setting(
         True, "read every byte of the datastore at start-up against its manifest's checksums (minutes for tens of GB)"

@@ -33,6 +33,7 @@ import yaml
 from packaging.requirements import Requirement
 
 from telerag.retrieval.live import LiveStats
+from telerag.retrieval.recall import RecallEstimate
 from telerag.retrieval.stats import CacheStats
 from telerag.server.metrics import LiveReport, Metrics
 from telerag.server.settings import Settings
@@ -389,7 +390,10 @@ def exported_metrics() -> set[str]:
         published=0,
         publish_seconds=0.0,
     )
-    metrics = Metrics(cache_stats=CacheStats, live=lambda: LiveReport(live, {}, None))  # a server over a live datastore
+    recall = RecallEstimate("ds", 0.98, 40, 40, 0.99)
+    metrics = Metrics(  # a server over a live datastore, its recall estimated
+        cache_stats=CacheStats, live=lambda: LiveReport(live, {}, None), search_recall=lambda: recall
+    )
     return {family.name + suffix for family in metrics.registry.collect() for suffix in suffixes[family.type]}
 
 

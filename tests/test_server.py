@@ -253,6 +253,7 @@ async def test_loading_answers_health_and_refuses_v1_with_retry_after():
             "datastore": None,
             "cache": None,
             "live": None,
+            "recall": None,
             "progress": {"task": "verify checksums", "done": 25, "total": 100, "unit": "B", "fraction": 0.25},
         }
         for method, path, kind in (

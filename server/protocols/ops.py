@@ -12,6 +12,7 @@ from pydantic import (
 
 from telerag.pipelines.ingestion import IngestionProgress
 from telerag.pipelines.types import DatastoreInfo, StageRole
+from telerag.retrieval.recall import RecallEstimate
 from telerag.retrieval.stats import CacheStats
 
 
@@ -125,4 +126,10 @@ class Ready(BaseModel):
         "datastore on disk), what was evicted before a search read it, and what searches read from disk beside it",
     )
     live: LiveInfo | None = Field(None, description="the datastore's writes (null: a deployment that writes none)")
+    recall: RecallEstimate | None = Field(
+        None,
+        description="the dense search's recall against an exhaustive search, estimated on sampled searches of the "
+        "traffic repeated in idle time (retrieval.recall_budget): `recall` over the latest `window` sampled queries "
+        "(null before the first), `samples` since start, `target` (retrieval.target_recall); null where not estimated",
+    )
     tiers: list[TierState] | None = Field(None, description="on a Ray cluster: each deployment of both tiers")

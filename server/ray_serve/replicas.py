@@ -152,7 +152,9 @@ class InferenceReplica:
         connect = functools.partial(RetrievalTier.connect, timeout_s=settings.cluster.shard_timeout_s)
         retrieval_tier = await asyncio.to_thread(connect) if tier else None  # it waits on the tier's answer
         self.runtime = await load_runtime(settings, cpu_half=retrieval_tier.at if retrieval_tier else None, encoder=known)
-        self.service = Service(self.runtime, Metrics(self.runtime.cache_stats, self.runtime.prefix_cache_bytes))
+        runtime = self.runtime
+        metrics = Metrics(runtime.cache_stats, runtime.prefix_cache_bytes, search_recall=runtime.search_recall)
+        self.service = Service(runtime, metrics)
         if settings.server.warm_up:
             await self.service.warm_up()
         log.info("inference replica %s ready (%s)", self.id, "retrieval tier" if tier else "faiss here")
@@ -377,6 +379,9 @@ class ReplicaRuntime:
 
     def prefix_cache_bytes(self) -> int | None:
         return None  # each replica's engine has its own: in its labelled series
+
+    def search_recall(self) -> None:
+        return None  # not estimated on a Ray cluster yet
 
     @property
     def documents(self) -> DocumentWriter | None:

@@ -89,6 +89,7 @@ async def ready(request: Request) -> Response:
         engine=None if service is None else service.runtime.engine_name,
         datastore=None if service is None else _datastore(service),
         cache=None if service is None else service.runtime.cache_stats(),
+        recall=None if service is None else service.runtime.search_recall(),
         live=None if service is None else _live(service),
         tiers=tiers,
     )
