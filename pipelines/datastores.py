@@ -113,6 +113,26 @@ def open_retriever(
         )
 
     engine = new_engine(datastore, cache_buffer)
+    _log_opened(engine, on_disk=on_disk, early_stop=early_stop, prefetch_budget_bytes=prefetch_budget_bytes)
+    try:
+        live = open_live(datastore, writable=writable)
+    except BaseException:
+        engine.close()
+        raise
+    return DirectRetriever(
+        engine,
+        embedder,
+        live=live,
+        new_engine=new_engine,
+        prefetch_budget_bytes=prefetch_budget_bytes,
+        recall_budget=recall_budget,
+        target_recall=target_recall,
+    )
+
+
+def _log_opened(engine: RetrievalEngine, *, on_disk: bool, early_stop: bool, prefetch_budget_bytes: int | None) -> None:
+    """What the retrieval engine opened: the datastore, where its vectors and cache are, the prefetch budget."""
+    datastore = engine.datastore
     log.info(
         "datastore %s: %d passages, %d lists, dim %d, embedder %s; vectors %s; device %s, cluster cache %.1f MB, "
         "demand copies %s, early stop %s",
@@ -133,17 +153,3 @@ def open_retriever(
         log.info("prefetch budget %.1f MB per request (fixed)", min(prefetch_budget_bytes, engine.cache.capacity_bytes) / 2**20)
     else:
         log.info("prefetch budget B·t_LLM per pipeline, B = %.1f GB/s measured now", (engine.copy_bytes_per_ms or 0) / 1e6)
-    try:
-        live = open_live(datastore, writable=writable)
-    except BaseException:
-        engine.close()
-        raise
-    return DirectRetriever(
-        engine,
-        embedder,
-        live=live,
-        new_engine=new_engine,
-        prefetch_budget_bytes=prefetch_budget_bytes,
-        recall_budget=recall_budget,
-        target_recall=target_recall,
-    )

@@ -9,18 +9,18 @@ callers; the CLI and the tests call it directly.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
+from telerag.pipelines.embedding_priority import EmbeddingPriority
 from telerag.pipelines.speculation import StableTopK
 from telerag.pipelines.stats import PrefetchStepStats, mean_overlap, search_step_stats
 from telerag.pipelines.types import (
@@ -54,34 +54,6 @@ log = logging.getLogger(__name__)
 
 WRITE_EMBED_CHUNK = 1  # passages a write embeds at a time: a query that comes meanwhile waits for one layer of one
 # passage's embedding at most. 1 ingested as fast as 16 (bench ingest, 12.7 passages/s each)
-WRITE_MAX_WAIT_S = 0.5  # how long a write's embedding waits for the queries to pause, at most, each time
-
-
-class EmbeddingPriority:
-    """Queries before writes' embeddings: a write's embedding goes on, before each layer of the
-    model, only once no query is embedded or searched (or after `WRITE_MAX_WAIT_S`, so that a
-    stream of queries slows writes, never stops them). The embedder runs one call at a time and
-    lets go of itself while a write waits, so a query waits for at most one layer of a write's chunk."""
-
-    def __init__(self) -> None:
-        self._idle = threading.Condition()
-        self._queries = 0
-
-    @contextlib.contextmanager
-    def query(self) -> Iterator[None]:
-        with self._idle:
-            self._queries += 1
-        try:
-            yield
-        finally:
-            with self._idle:
-                self._queries -= 1
-                self._idle.notify_all()
-
-    def write_turn(self) -> None:
-        """Wait until no query is embedded or searched (at most `WRITE_MAX_WAIT_S`)."""
-        with self._idle:
-            self._idle.wait_for(lambda: self._queries == 0, timeout=WRITE_MAX_WAIT_S)
 
 
 class TextEncoder(Protocol):

@@ -38,7 +38,8 @@ from telerag.retrieval.ranking import DENSE, Ranking
 from telerag.retrieval.snapshot import Snapshot, search_snapshot
 
 if TYPE_CHECKING:  # the retriever brings torch: the server's app is made, and listens, before it loads
-    from telerag.pipelines.retriever import DirectRetriever, EmbeddingPriority, TextEncoder
+    from telerag.pipelines.embedding_priority import EmbeddingPriority
+    from telerag.pipelines.retriever import DirectRetriever, TextEncoder
     from telerag.retrieval.cache import CacheBuffer
 
 GROWTH_TO_RETRAIN = 4  # a store is retrained once it holds this many times the passages its lists were trained on

@@ -3,153 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
+from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.registry import Collector
 
-from telerag.pipelines.ingestion import IngestionProgress
 from telerag.pipelines.stats import SearchStats
 from telerag.pipelines.types import RagResult
 from telerag.retrieval.documents import WriteOutcome, WriteResult
-from telerag.retrieval.live import LiveStats
 from telerag.retrieval.recall import RecallEstimate
 from telerag.retrieval.stats import CacheStats
 from telerag.server.errors import Refusal
+from telerag.server.scraped_metrics import CacheCollector, LiveCollector, LiveReport, PrefixCacheCollector, RecallCollector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 NPROBE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
-
-
-class _CacheCollector(Collector):
-    """Reads the cluster cache's counters at scrape time."""
-
-    def __init__(self, stats: Callable[[], CacheStats]) -> None:
-        self.stats = stats
-
-    def collect(self):
-        s = self.stats()
-        for metric, name, doc in (
-            ("telerag_cache_hits", "hits", "searched clusters found resident"),
-            ("telerag_cache_misses", "misses", "searched clusters not resident"),
-            ("telerag_cache_evictions", "evictions", "clusters evicted"),
-            ("telerag_cache_bytes_copied", "bytes_copied", "bytes copied into the cache (from disk: read into it)"),
-            ("telerag_cache_bytes_copied_ahead", "bytes_copied_ahead", "of those, a prefetch's, before the search reading them"),
-            ("telerag_cache_bytes_evicted_unread", "bytes_evicted_unread", "copied ahead, evicted before a search read them"),
-            ("telerag_disk_bytes_read_for_scans", "bytes_read_for_scans", "on disk: bytes searches read and scanned uncached"),
-        ):
-            family = CounterMetricFamily(metric, doc)
-            family.add_metric([], float(getattr(s, name)))
-            yield family
-        for name, doc in (
-            ("occupancy_bytes", "bytes of the cache holding clusters"),
-            ("capacity_bytes", "cache size"),
-            ("resident_clusters", "clusters resident"),
-            ("pinned_clusters", "clusters pinned now"),
-        ):
-            family = GaugeMetricFamily(f"telerag_cache_{name}", doc)
-            family.add_metric([], float(getattr(s, name)))
-            yield family
-
-
-class _RecallCollector(Collector):
-    """Reads the dense search's estimated recall at scrape time (`retrieval.recall`)."""
-
-    def __init__(self, estimate: Callable[[], RecallEstimate | None]) -> None:
-        self.estimate = estimate
-
-    def collect(self):
-        found = self.estimate()
-        if found is None:
-            return
-        if found.recall is not None:
-            recall = GaugeMetricFamily(
-                "telerag_search_recall",
-                "the dense search's recall against an exhaustive search, over the latest sampled queries",
-                labels=["datastore"],
-            )
-            recall.add_metric([found.datastore], found.recall)
-            yield recall
-        samples = CounterMetricFamily("telerag_search_recall_samples", "queries whose recall was measured", labels=["datastore"])
-        samples.add_metric([found.datastore], float(found.samples))
-        yield samples
-
-
-class _PrefixCacheCollector(Collector):
-    """Reads the engine's prefix cache size at scrape time; nothing for an engine that has none."""
-
-    def __init__(self, held_bytes: Callable[[], int | None]) -> None:
-        self.held_bytes = held_bytes
-
-    def collect(self):
-        held = self.held_bytes()
-        if held is not None:
-            family = GaugeMetricFamily("telerag_prefix_cache_bytes", "bytes of prompts' KV the engine's prefix cache holds")
-            family.add_metric([], float(held))
-            yield family
-
-
-@dataclass(frozen=True)
-class LiveReport:
-    """What the metrics read of a live datastore at scrape time."""
-
-    stats: LiveStats
-    rebuilds_ended: Mapping[tuple[str, str], int]  # compactions and retrains that ended, by (kind, state)
-    ingestion: IngestionProgress | None  # the corpus being written into it (None: none since the server started)
-
-
-class _LiveCollector(Collector):
-    """Reads the live datastore's state, its rebuilds' count and its ingestion's progress at scrape
-    time; nothing for a runtime without one."""
-
-    def __init__(self, live: Callable[[], LiveReport | None]) -> None:
-        self.live = live
-
-    def collect(self):
-        report = self.live()
-        if report is None:
-            return
-        s = report.stats
-        ended = CounterMetricFamily(
-            "telerag_datastore_rebuilds", "compactions and retrains that ended, by kind and state", labels=["kind", "state"]
-        )
-        for kind in ("compact", "retrain"):
-            for state in ("done", "failed"):
-                ended.add_metric([kind, state], float(report.rebuilds_ended.get((kind, state), 0)))
-        yield ended
-        yield SummaryMetricFamily(
-            "telerag_datastore_publish_seconds",
-            "write batches' time from durable (log synced) to searchable (snapshot published), part of each "
-            "acknowledgment: a write is searchable before it is acknowledged (freshness after it: 0)",
-            count_value=s.published,
-            sum_value=s.publish_seconds,
-        )
-        ingestion = report.ingestion
-        for name, value, doc in (
-            ("documents", s.documents, "documents in the datastore"),
-            ("passages", s.passages, "passages (rows) in the datastore"),
-            ("datastore_lsn", s.lsn, "the last acknowledged write's position in the datastore's log"),
-            (
-                "datastore_generation",
-                s.generation,
-                "the generation of the datastore's files: one more each compaction or retrain",
-            ),
-            ("datastore_wal_bytes", s.wal_bytes, "bytes of the write-ahead log since the datastore's files were written"),
-            ("datastore_delta_rows", s.delta_rows, "rows added since the datastore's files were written"),
-            ("datastore_tombstones", s.tombstones, "deleted rows still in the datastore's files or delta (filtered in the scan)"),
-            ("datastore_list_imbalance", s.imbalance, "the largest IVF list over the mean list (appends keep the centroids)"),
-            (
-                "ingestion_documents_remaining",
-                0 if ingestion is None else ingestion.total_documents - ingestion.documents,
-                "documents of a corpus being ingested into the datastore not written yet (0: none)",
-            ),
-        ):
-            family = GaugeMetricFamily(f"telerag_{name}", doc)
-            family.add_metric([], float(value))
-            yield family
 
 
 class DocumentMetrics:
@@ -169,7 +38,7 @@ class DocumentMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
-        registry.register(_LiveCollector(live))
+        registry.register(LiveCollector(live))
 
     def observe(self, results: list[WriteResult], seconds: float) -> None:
         for result in results:
@@ -392,9 +261,8 @@ class Metrics:
         )
         self.connections = ConnectionMetrics(r)
         self.documents = DocumentMetrics(r, live)
-        r.register(_CacheCollector(cache_stats))
-        r.register(_PrefixCacheCollector(prefix_cache_bytes))
-        r.register(_RecallCollector(search_recall))
+        for collector in (CacheCollector(cache_stats), PrefixCacheCollector(prefix_cache_bytes), RecallCollector(search_recall)):
+            r.register(collector)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds (Linux)
         # on a Ray cluster's ingress: each inference replica's Prometheus text, by replica id
         self.replica_series: Callable[[], Mapping[str, bytes]] = dict

@@ -39,7 +39,8 @@ from telerag.server.admission.policy import admission_policy
 from telerag.server.admission.workload import DEFAULT_PASSAGE_WORDS, TOKENS_PER_WORD, ServedWork, Workload
 from telerag.server.admitted_run import AdmittedRun
 from telerag.server.errors import DocumentsUnavailable, InvalidField, Refusal, RequestTimeout, UnsupportedField
-from telerag.server.metrics import LiveReport, Metrics
+from telerag.server.metrics import Metrics
+from telerag.server.scraped_metrics import LiveReport
 from telerag.server.settings import DEADLINE_STOP_LEAD_S, Settings, packaged_config
 
 if TYPE_CHECKING:

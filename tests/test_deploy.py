@@ -35,7 +35,8 @@ from packaging.requirements import Requirement
 from telerag.retrieval.live import LiveStats
 from telerag.retrieval.recall import RecallEstimate
 from telerag.retrieval.stats import CacheStats
-from telerag.server.metrics import LiveReport, Metrics
+from telerag.server.metrics import Metrics
+from telerag.server.scraped_metrics import LiveReport
 from telerag.server.settings import Settings
 from telerag.utils.processes import free_port, stop
 

@@ -9,11 +9,12 @@ import time
 
 import pytest
 
-from telerag.pipelines import retriever as retriever_module
+from telerag.pipelines import embedding_priority
 from telerag.pipelines.datastores import open_retriever
 from telerag.pipelines.documents import DocumentText, DocumentWriter
+from telerag.pipelines.embedding_priority import EmbeddingPriority
 from telerag.pipelines.errors import InvalidDocument, WritesBusy
-from telerag.pipelines.retriever import DirectRetriever, EmbeddingPriority
+from telerag.pipelines.retriever import DirectRetriever
 from telerag.pipelines.types import SearchOptions
 from telerag.retrieval.documents import WriteOutcome
 from tests.retrieval_helpers import HashEmbedder, topic_datastore
@@ -141,7 +142,7 @@ def test_documents_without_id_or_text_are_refused():
 
 
 def test_a_write_waits_while_a_query_embeds(monkeypatch):
-    monkeypatch.setattr(retriever_module, "WRITE_MAX_WAIT_S", 60.0)
+    monkeypatch.setattr(embedding_priority, "WRITE_MAX_WAIT_S", 60.0)
     priority = EmbeddingPriority()
     order: list[str] = []
     with priority.query():

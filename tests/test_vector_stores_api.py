@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from telerag.pipelines.attribute_filters import Comparison
+from telerag.pipelines.embedding_priority import EmbeddingPriority
 from telerag.pipelines.file_store import FileStore
-from telerag.pipelines.retriever import EmbeddingPriority
 from telerag.pipelines.vector_store_index import StoreResources
 from telerag.pipelines.vector_store_records import Attach, FileStatus, StoreFile, StoreRecord
 from telerag.pipelines.vector_stores import VectorStores
