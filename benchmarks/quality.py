@@ -125,6 +125,7 @@ class QualityRow:
     form: str = "as written"  # follow-ups: "rewritten" (with their conversation), "as asked" or "standalone"
     pipelining: bool = False  # the requests' `pipelining`
     pipelined: PipeliningSummary = field(default_factory=PipeliningSummary)  # summed over the questions
+    search_p50_ms: float | None = None  # retrieval alone: the median search (its embedding included)
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -227,17 +228,20 @@ async def retrieval_study(
     list probed: the dense half's), ranked by `ranking` (what the passage shape, the embedder
     and the search mode decide, in seconds rather than hours)."""
     tally = _Tally()
+    searches_ms = []
     for question in questions:
         started = time.perf_counter()
         outcome = await retriever.search([question.text], SearchOptions(k, nprobe, False, ranking=ranking))
         ms = (time.perf_counter() - started) * 1e3
+        searches_ms.append(ms)
         exact = await retriever.search([question.text], SearchOptions(k, nlist, False, ranking=ranking))
         if question.title is not None:
             tally.found.append(article_found(outcome.documents[0], question.title, k))
             tally.found_exact.append(article_found(exact.documents[0], question.title, k))
         tally.add_timings(Timings(search_ms=ms, total_ms=ms))
         on_question()
-    return tally.row(f"retrieval {ranking.mode}", len(questions), k, nprobe, nlist)
+    row = tally.row(f"retrieval {ranking.mode}", len(questions), k, nprobe, nlist)
+    return replace(row, search_p50_ms=statistics.median(searches_ms) if searches_ms else None)
 
 
 FOLLOW_UP_FORMS: dict[str, Callable[[Question], Question]] = {
@@ -311,7 +315,7 @@ def format_table(rows: list[QualityRow], datastore: Path) -> str:
         f"{first.questions} questions, datastore {datastore}, k {first.k}, nprobe {first.nprobe} of {first.nlist} lists",
         f"{'pipeline':<{width}}{'recall@k':>9}{'exact':>7}{'EM':>7}{'F1':>7}{'cue':>5}{'overlap':>9}"
         f"{'prefetch':>10}{'pre-retr.':>11}{'search':>9}{'other LLM':>10}{'generate':>10}{'total ms':>10}"
-        f"{'pipelined (again/checked/differed)':>36}",
+        f"{'pipelined (again/checked/differed)':>36}{'search p50':>12}",
     ]
     for row in rows:
         ms, p = row.latency_ms, row.pipelined
@@ -320,5 +324,6 @@ def format_table(rows: list[QualityRow], datastore: Path) -> str:
             f"{'-' if row.cue_answers is None else row.cue_answers:>5}{num(row.overlap_rate):>9}"
             f"{ms.prefetch:>10.1f}{ms.pre_retrieval:>11.1f}{ms.search:>9.1f}{ms.llm:>10.1f}{ms.generate:>10.1f}{ms.total:>10.1f}"
             + (f"{f'{p.retrievals} ({p.searched_again}/{p.checked}/{p.differed})':>36}" if row.pipelining else f"{'-':>36}")
+            + f"{num(row.search_p50_ms, 1):>12}"
         )
     return "\n".join(lines)

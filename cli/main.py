@@ -20,6 +20,7 @@ from telerag.cli import (
     bench_pipelining,
     bench_prefix_cache,
     bench_quality,
+    bench_readmes,
     bench_retrieval,
     bench_server,
     bench_sizing,
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_overlap.register(bench_commands)
     bench_prefix_cache.register(bench_commands)
     bench_quality.register(bench_commands)
+    bench_readmes.register(bench_commands)
     bench_server.register(bench_commands)
     bench_e2e.register(bench_commands)
     bench_soak.register(bench_commands)
