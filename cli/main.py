@@ -16,6 +16,7 @@ from telerag.cli import (
     bench_generate,
     bench_ingest,
     bench_kernels,
+    bench_keyword,
     bench_overlap,
     bench_pipelining,
     bench_prefix_cache,
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_prefix_cache.register(bench_commands)
     bench_quality.register(bench_commands)
     bench_readmes.register(bench_commands)
+    bench_keyword.register(bench_commands)
     bench_server.register(bench_commands)
     bench_e2e.register(bench_commands)
     bench_soak.register(bench_commands)
