@@ -45,7 +45,7 @@ from telerag.retrieval.errors import InvalidCall
 from telerag.retrieval.live import LiveDatastore
 from telerag.retrieval.prefetch import PrefetchHandle
 from telerag.retrieval.provisional import Provisional, ProvisionalReport
-from telerag.retrieval.ranking import Ranking
+from telerag.retrieval.ranking import Ranking, RankTrace
 from telerag.retrieval.recall import RecallEstimate, RecallSampler
 from telerag.retrieval.snapshot import Snapshot, search_snapshot
 from telerag.retrieval.stats import CacheStats
@@ -259,9 +259,10 @@ class DirectRetriever:
             dense = _GroupSearch(engine, snapshot, vectors[rows], nprobe, handles, use_cache, provisional, self.recall)
             started = time.perf_counter()
             texts = [" ".join(query_texts(queries[row])) for row in rows]
-            scores, ids = ranking.rank(snapshot, texts, top_k, dense)
+            trace = RankTrace()
+            scores, ids = ranking.rank(snapshot, texts, top_k, dense, trace)
             ranked_ms = (time.perf_counter() - started) * 1e3
-            stats = search_step_stats(dense.found, ranked_ms, embed_ms, nprobe, len(rows))
+            stats = search_step_stats(dense.found, ranked_ms, embed_ms, nprobe, len(rows), trace.rerank_ms)
             offset = 0
             for i in members:
                 count = len(requests[i].queries)

@@ -57,6 +57,7 @@ class SearchStats:
     batch: int = 0  # queries searched together, other callers' included
     pipelined: PipelinedSearch | None = None  # a search launched from a stale query while its step generated
     speculative: SpeculativePrefill | None = None  # the next call's prompt prefilled from a provisional top-k
+    rerank_ms: float = 0.0  # the re-ranker's call (`retrieval.reranker`), its batch's
 
 
 @dataclass(frozen=True)
@@ -137,10 +138,12 @@ class SpeculationSummary:
     reused_tokens: int = 0  # of those, the ones the calls after the searches found cached
 
 
-def search_step_stats(result: SearchResult | None, ranked_ms: float, embed_ms: float, nprobe: int, batch: int) -> SearchStats:
+def search_step_stats(
+    result: SearchResult | None, ranked_ms: float, embed_ms: float, nprobe: int, batch: int, rerank_ms: float = 0.0
+) -> SearchStats:
     """A search step's stats: the dense search's (none by words alone), its total the whole ranking's."""
     if result is None:
-        return SearchStats(embed_ms=embed_ms, total_ms=ranked_ms, batch=batch)
+        return SearchStats(embed_ms=embed_ms, total_ms=ranked_ms, rerank_ms=rerank_ms, batch=batch)
     per_query = result.per_query
     return SearchStats(
         embed_ms=embed_ms,
@@ -153,6 +156,7 @@ def search_step_stats(result: SearchResult | None, ranked_ms: float, embed_ms: f
         clusters_copied_on_demand=sum(s.clusters_copied_on_demand for s in per_query),
         clusters_late=sum(s.clusters_late for s in per_query),
         copy_wait_ms=result.copy_wait_ms,
+        rerank_ms=rerank_ms,
         nprobe=nprobe,
         batch=batch,
     )

@@ -34,6 +34,13 @@ Ranked = tuple[np.ndarray, np.ndarray]  # (scores float32, ids int64), each (que
 DenseSearch = Callable[[int, bool], Ranked]  # the dense search's top `depth`; `final`: its order is the answer's
 
 
+@dataclass
+class RankTrace:
+    """What a ranking's steps took beside the dense search (a search step's stats show it)."""
+
+    rerank_ms: float = 0.0
+
+
 class SearchMode(StrEnum):
     DENSE = "dense"
     KEYWORD = "keyword"
@@ -54,8 +61,11 @@ class Ranking(Protocol):
         """Whether it reads the queries' embeddings (the keyword half alone does not)."""
         ...
 
-    def rank(self, snapshot: Snapshot, texts: Sequence[str], k: int, dense: DenseSearch) -> Ranked:
-        """Each query's top k of `snapshot` (`texts`: each query's words; `dense`: its dense search)."""
+    def rank(
+        self, snapshot: Snapshot, texts: Sequence[str], k: int, dense: DenseSearch, trace: RankTrace | None = None
+    ) -> Ranked:
+        """Each query's top k of `snapshot` (`texts`: each query's words; `dense`: its dense search;
+        `trace`: where its other steps' times go)."""
         ...
 
 
@@ -67,7 +77,9 @@ class DenseRanking:
     def uses_vectors(self) -> bool:
         return True
 
-    def rank(self, snapshot: Snapshot, texts: Sequence[str], k: int, dense: DenseSearch) -> Ranked:
+    def rank(
+        self, snapshot: Snapshot, texts: Sequence[str], k: int, dense: DenseSearch, trace: RankTrace | None = None
+    ) -> Ranked:
         return dense(k, True)
 
 
@@ -79,7 +91,9 @@ class KeywordRanking:
     def uses_vectors(self) -> bool:
         return False
 
-    def rank(self, snapshot: Snapshot, texts: Sequence[str], k: int, dense: DenseSearch) -> Ranked:
+    def rank(
+        self, snapshot: Snapshot, texts: Sequence[str], k: int, dense: DenseSearch, trace: RankTrace | None = None
+    ) -> Ranked:
         return keyword_search(snapshot, texts, k)
 
 
@@ -102,7 +116,9 @@ class HybridRanking:
     def uses_vectors(self) -> bool:
         return True
 
-    def rank(self, snapshot: Snapshot, texts: Sequence[str], k: int, dense: DenseSearch) -> Ranked:
+    def rank(
+        self, snapshot: Snapshot, texts: Sequence[str], k: int, dense: DenseSearch, trace: RankTrace | None = None
+    ) -> Ranked:
         depth = max(k, self.candidates)
         halves = (dense(depth, False), keyword_search(snapshot, texts, depth))
         largest = max(self.embedding_weight, self.text_weight)  # scaled to at most 1: the fused order and score are the same

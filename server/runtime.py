@@ -38,6 +38,7 @@ from telerag.retrieval.errors import DeviceUnavailable
 from telerag.retrieval.ivf import ListSearch
 from telerag.retrieval.live import LiveDatastore
 from telerag.retrieval.recall import RecallEstimate
+from telerag.retrieval.rerank import CrossEncoderReranker, Reranker
 from telerag.retrieval.stats import CacheStats
 from telerag.server.retrieval_batching import BatchingRetriever
 from telerag.server.settings import RetrievalSettings, Settings, pre_retrieval_profile
@@ -56,6 +57,7 @@ class Runtime:
     datastore_info: DatastoreInfo
     cache_stats: Callable[[], CacheStats] = CacheStats  # without a cache: all zero
     search_recall: Callable[[], RecallEstimate | None] = lambda: None  # None: not estimated here
+    reranker: Reranker | None = None  # what reorders a search's candidates (None: none configured)
     resident_clusters: Callable[[], list[int]] = list  # what the cluster cache holds now (none without one)
     closers: list[Callable[[], Any]] = field(default_factory=list)
     documents: DocumentWriter | None = None  # what writes documents into the datastore (None: no live datastore)
@@ -176,6 +178,16 @@ def load_embedder(retrieval: RetrievalSettings) -> Embedder:
     return embedder
 
 
+def load_reranker(retrieval: RetrievalSettings) -> Reranker | None:
+    """The configured cross-encoder (`retrieval.reranker`), on the embedder's device; None without one."""
+    if retrieval.reranker is None:
+        return None
+    device = str(resolve_device(retrieval.embedder_device, error=EmbedderError))
+    reranker = CrossEncoderReranker(retrieval.reranker, device=device)
+    log.info("re-ranker %s on %s", retrieval.reranker, device)
+    return reranker
+
+
 def cluster_cache_bytes(retrieval: RetrievalSettings, device: str) -> int:
     """The configured cache size; by default none on CPU (faiss alone is fastest there) and on
     CUDA the memory still free (call it after the LLM has taken its share) less the headroom. A
@@ -286,6 +298,7 @@ async def load_runtime(
     with observe_progress(observer.report):
         observer.loading("loading embedder")
         embedder = await _in_thread(load_embedder, retrieval)
+        reranker = await _in_thread(load_reranker, retrieval)
         datastore = await _in_thread(
             functools.partial(load_configured_datastore, ingest_now=not writable), retrieval, embedder, observer.loading
         )
@@ -317,6 +330,7 @@ async def load_runtime(
         datastore_info=retriever.datastore_info(),
         cache_stats=retriever.cache_stats,
         search_recall=retriever.search_recall,
+        reranker=reranker,
         resident_clusters=retriever.resident_clusters,
         closers=[*([ingestion.stop] if ingestion else []), documents.close, rebuilds.join, retriever.close],
         documents=documents,

@@ -31,8 +31,9 @@ from telerag.pipelines.types import (
     UsageEvent,
 )
 from telerag.retrieval.live import LiveStats
-from telerag.retrieval.ranking import SearchMode
+from telerag.retrieval.ranking import Ranking, SearchMode
 from telerag.retrieval.recall import RecallEstimate
+from telerag.retrieval.rerank import Reranker
 from telerag.retrieval.stats import CacheStats
 from telerag.server.admission.calibration import Calibration, load_calibration
 from telerag.server.admission.policy import admission_policy
@@ -58,6 +59,11 @@ class ServedRuntime(Protocol):
 
     @property
     def datastore_info(self) -> DatastoreInfo: ...
+
+    @property
+    def reranker(self) -> Reranker | None:
+        """What reorders a search's candidates (`retrieval.reranker`; None: none)."""
+        ...
 
     @property
     def engine_name(self) -> str | None: ...
@@ -224,6 +230,12 @@ class Service:
         self.metrics.admission.queue_depth.set(waiting)
         self.metrics.admission.in_flight.set(running)
 
+    def ranking(self, mode: SearchMode | None = None, weights: tuple[float, float] | None = None, rerank: bool = True) -> Ranking:
+        """How a search ranks: `mode` (None: `retrieval.search_mode`) or hybrid with `weights`, re-ranked
+        by the configured re-ranker if there is one and `rerank` (OpenAI's ranker `none`: not)."""
+        reranker = self.runtime.reranker if rerank else None
+        return self.settings.retrieval.ranking(mode, weights, reranker)
+
     def options(
         self,
         *,
@@ -256,7 +268,7 @@ class Service:
             instructions=instructions,
             history=history,
             prefetch=prefetch,
-            ranking=retrieval.ranking(search_mode),
+            ranking=self.ranking(search_mode),
             pipelining=retrieval.pipelining if pipelining is None else pipelining,
             speculative_prefill=retrieval.speculative_prefill if speculative_prefill is None else speculative_prefill,
         )

@@ -19,6 +19,7 @@ from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from telerag.retrieval.ranking import Fusion, HybridRanking, Ranking, SearchMode, ranking_of
+from telerag.retrieval.rerank import RerankedRanking, Reranker
 from telerag.utils.files import user_cache_dir
 
 _config_file: ContextVar[Path | None] = ContextVar("telerag_config_file", default=None)  # --config, while loading
@@ -222,17 +223,28 @@ class RetrievalSettings(Section):
         ge=0,
     )
     target_recall: float = setting(0.99, "below this estimated recall a warning is logged, once until it recovers", ge=0, le=1)
+    reranker: Path | None = setting(
+        None,
+        "a sentence-transformers cross-encoder directory: it reorders each search's top rerank_candidates (fused or "
+        "not) before the top_k is cut, and OpenAI's ranker auto and default-2024-11-15 name it (none: not); null: no "
+        "re-ranker (none ships with a package)",
+    )
+    rerank_candidates: int = setting(20, "the candidates the re-ranker reorders (at least the request's top_k)", ge=1)
     hybrid_candidates: int = setting(20, "each half's depth in a hybrid search (at least the request's top_k)", ge=1)
     verify_checksums: bool = setting(
         True, "read every byte of the datastore at start-up against its manifest's checksums (minutes for tens of GB)"
     )
 
-    def ranking(self, mode: SearchMode | None = None, weights: tuple[float, float] | None = None) -> Ranking:
+    def ranking(
+        self, mode: SearchMode | None = None, weights: tuple[float, float] | None = None, reranker: Reranker | None = None
+    ) -> Ranking:
         """The ranking of a search in `mode` (None: `search_mode`); `weights`: a hybrid's (embedding,
-        text), which make any search hybrid."""
+        text), which make any search hybrid; `reranker`: its candidates reordered by it."""
         if weights is not None:
-            return HybridRanking(*weights, fusion=Fusion(self.hybrid_fusion), candidates=self.hybrid_candidates)
-        return ranking_of(mode or self.search_mode, fusion=self.hybrid_fusion, candidates=self.hybrid_candidates)
+            ranking: Ranking = HybridRanking(*weights, fusion=Fusion(self.hybrid_fusion), candidates=self.hybrid_candidates)
+        else:
+            ranking = ranking_of(mode or self.search_mode, fusion=self.hybrid_fusion, candidates=self.hybrid_candidates)
+        return ranking if reranker is None else RerankedRanking(ranking, reranker, self.rerank_candidates)
 
     @property
     def fixed_nprobe(self) -> int | None:

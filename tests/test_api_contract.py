@@ -364,7 +364,7 @@ def test_a_result_is_sent_with_the_documented_field_names():
     `ttft_ms` and a prefetch that did not run leave out what they do not have."""
     pipelined = PipelinedSearch(13, 14.0, None, 0.5, True, False)
     speculative = SpeculativePrefill(0.25, True, 15, None)
-    search = SearchStats(1.0, 2.0, 3.0, 4.0, 5.0, 0.5, 6, 7, 8, 9, 10.0, 11, 12, pipelined, speculative)
+    search = SearchStats(1.0, 2.0, 3.0, 4.0, 5.0, 0.5, 6, 7, 8, 9, 10.0, 11, 12, pipelined, speculative, rerank_ms=16.0)
     steps = [
         Step(PREFETCH, "q", stats=PrefetchStepStats(True, 0.25, 2, PrefetchStats(1, 2, 3, 4, 5, 6, 7, 8, 9.0))),
         Step(PREFETCH, "q", stats=PrefetchStepStats()),
@@ -422,6 +422,7 @@ def test_a_result_is_sent_with_the_documented_field_names():
             ("clusters_copied_on_demand", 8),
             ("clusters_late", 9),
             ("copy_wait_ms", 10.0),
+            ("rerank_ms", 16.0),
             ("nprobe", 11),
             ("batch", 12),
             (

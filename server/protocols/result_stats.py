@@ -105,6 +105,7 @@ class SearchStatsOut(BaseModel):
     clusters_copied_on_demand: int
     clusters_late: int = Field(description="resident, but scanned by faiss: their copies would have landed after it finished")
     copy_wait_ms: float = Field(description="how long the device scan waited for copies in flight")
+    rerank_ms: float = Field(0.0, description="the re-ranker's call, its batch's (retrieval.reranker; 0 without one)")
     nprobe: int = Field(description='the lists searched (with nprobe "auto", the one chosen)')
     batch: int = Field(description="queries searched together, other requests' included")
     pipelined: PipelinedSearchOut | None = Field(

@@ -1,20 +1,17 @@
-"""The server's runtime as inference replicas on Ray Serve (Chameleon's inference
-nodes), and the ingress's side of them.
+"""The server's runtime as inference replicas on Ray Serve (Chameleon's inference nodes), and the ingress's side of them.
 
-Each `InferenceReplica` is what `telerag serve` runs in one process (the engine, the pipelines
-over the batching retriever, the cluster cache, lookahead), loaded by `runtime.load_runtime`;
-with a retrieval tier (`cluster.shards` > 0) the CPU half of its cooperative searches goes to the
-tier's shards, and lookahead's clusters still come from the replica's host copy of the vectors
-(the datastore's memory map), the only copy the cache is filled from. The ingress (the same
-FastAPI app, `server.ray_serve.applications`) runs its service over a `ReplicaRuntime`: admission, the
-requests' metrics and the HTTP API are the ingress's, each pipeline run is a streamed call to one
-replica (`ReplicaPipeline`), routed by `routing.ClusterRouter` on q_in's nearest clusters, which
-the ingress computes once (`QuestionPlacer`) and the replica reuses (`KnownVectors`).
+Each `InferenceReplica` is what `telerag serve` runs in one process (the engine, the pipelines over the batching
+retriever, the cluster cache, lookahead), loaded by `runtime.load_runtime`; with a retrieval tier (`cluster.shards` >
+0) the CPU half of its cooperative searches goes to the tier's shards, and lookahead's clusters still come from the
+replica's memory map of the vectors, the only copy the cache is filled from. The ingress (the same FastAPI app,
+`server.ray_serve.applications`) runs its service over a `ReplicaRuntime`: admission, the requests' metrics and the
+HTTP API are the ingress's, each pipeline run is a streamed call to one replica (`ReplicaPipeline`), routed by
+`routing.ClusterRouter` on q_in's nearest clusters, computed once by the ingress (`QuestionPlacer`), reused (`KnownVectors`).
 
-A replica that fails before its run sent anything (it died, or was restarting) is asked again,
-and Serve routes the retry to a live replica; one that fails after is a 503
-(`ReplicasUnavailable`) in the one error body, or the stream's error event: an accepted request
-is never lost silently. Ray is imported only here and in `server.ray_serve.applications` and `server.ray_serve.routing`.
+A replica that fails before its run sent anything (it died, or was restarting) is asked again, and Serve routes the
+retry to a live replica; one that fails after is a 503 (`ReplicasUnavailable`) in the one error body, or the stream's
+error event: an accepted request is never lost silently. Ray is imported only here and in
+`server.ray_serve.applications` and `server.ray_serve.routing`.
 """
 
 from __future__ import annotations
@@ -151,8 +148,8 @@ class InferenceReplica:
 
         connect = functools.partial(RetrievalTier.connect, timeout_s=settings.cluster.shard_timeout_s)
         retrieval_tier = await asyncio.to_thread(connect) if tier else None  # it waits on the tier's answer
-        self.runtime = await load_runtime(settings, cpu_half=retrieval_tier.at if retrieval_tier else None, encoder=known)
-        runtime = self.runtime
+        tier_half = retrieval_tier.at if retrieval_tier else None
+        self.runtime = runtime = await load_runtime(settings, cpu_half=tier_half, encoder=known)
         metrics = Metrics(runtime.cache_stats, runtime.prefix_cache_bytes, search_recall=runtime.search_recall)
         self.service = Service(runtime, metrics)
         if settings.server.warm_up:
@@ -335,6 +332,8 @@ class ReplicaPipeline:
 class ReplicaRuntime:
     """What the ingress's service runs on (`service.ServedRuntime`): the inference replicas."""
 
+    reranker = None  # not on a Ray cluster yet: the requests' rankings are made here, re-ranked by none
+
     def __init__(
         self,
         settings: Settings,
@@ -380,8 +379,8 @@ class ReplicaRuntime:
     def prefix_cache_bytes(self) -> int | None:
         return None  # each replica's engine has its own: in its labelled series
 
-    def search_recall(self) -> None:
-        return None  # not estimated on a Ray cluster yet
+    def search_recall(self) -> None:  # not estimated on a Ray cluster yet
+        return None
 
     @property
     def documents(self) -> DocumentWriter | None:

@@ -105,11 +105,7 @@ def admit(
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, client: str | None, service: Service = Depends(serving)
 ) -> Response:
-    stores = (
-        None
-        if body.file_search is None
-        else await stores_retriever(request, body.file_search, client, service.settings.retrieval)
-    )
+    stores = None if body.file_search is None else await stores_retriever(request, body.file_search, client, service.ranking)
     run = admit(service, request, body, client, stores)
     request_id = f"chatcmpl-{request.state.request_id}"
     ingestion = service.ingesting() if stores is None else None  # a file_search tool's answer searched no datastore

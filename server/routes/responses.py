@@ -92,7 +92,7 @@ async def create_response(
     body: ResponseRequest, request: Request, client: str | None, service: Service = Depends(serving)
 ) -> Response:
     tool = body.file_search
-    stores = None if tool is None else await stores_retriever(request, tool, client, service.settings.retrieval)
+    stores = None if tool is None else await stores_retriever(request, tool, client, service.ranking)
     run = admit(service, request, body, client, stores)
     ingestion = service.ingesting() if stores is None else None  # a file_search tool's answer searched no datastore
     begun = ResponseObject.begun(body, response_id=f"resp_{request.state.request_id}", ingestion=ingestion)

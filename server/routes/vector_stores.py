@@ -160,7 +160,11 @@ async def search_store(
             return Response(status_code=CLIENT_CLOSED_REQUEST)
     ranking_options = body.ranking_options
     threshold = ranking_options.score_threshold if ranking_options is not None else None
-    ranking = service.settings.retrieval.ranking(weights=ranking_options.weights if ranking_options is not None else None)
+    ranking = (
+        service.ranking()
+        if ranking_options is None
+        else service.ranking(weights=ranking_options.weights, rerank=ranking_options.ranker != "none")
+    )
     where = None if body.filters is None else body.filters.to_filter()
     hits = await asyncio.to_thread(
         stores.search, vector_store_id, client, queries, body.max_num_results, threshold, where, ranking
