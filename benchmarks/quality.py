@@ -45,7 +45,7 @@ from telerag.pipelines.types import (
     overlap_rates,
 )
 from telerag.retrieval.ranking import DENSE, Ranking, SearchMode
-from telerag.server.runtime import open_retrieval, open_runtime
+from telerag.server.runtime import load_reranker, open_retrieval, open_runtime
 from telerag.server.settings import Settings
 
 # -------------------------------------------------------------------------------------------------
@@ -222,6 +222,7 @@ async def retrieval_study(
     nprobe: int,
     nlist: int,
     ranking: Ranking = DENSE,
+    label: str | None = None,
     on_question: Callable[[], None] = lambda: None,
 ) -> QualityRow:
     """Naive's retrieval alone, no LLM: each question's own top-k at `nprobe` and exactly (every
@@ -240,7 +241,7 @@ async def retrieval_study(
             tally.found_exact.append(article_found(exact.documents[0], question.title, k))
         tally.add_timings(Timings(search_ms=ms, total_ms=ms))
         on_question()
-    row = tally.row(f"retrieval {ranking.mode}", len(questions), k, nprobe, nlist)
+    row = tally.row(label or f"retrieval {ranking.mode}", len(questions), k, nprobe, nlist)
     return replace(row, search_p50_ms=statistics.median(searches_ms) if searches_ms else None)
 
 
@@ -283,19 +284,31 @@ async def configured_quality_study(
 async def configured_retrieval_study(
     settings: Settings, questions: Sequence[Question], k: int, modes: Sequence[str]
 ) -> list[QualityRow]:
-    """`retrieval_study` of the configured datastore (no LLM loaded) in each search mode, with a progress bar."""
+    """`retrieval_study` of the configured datastore (no LLM loaded) in each search mode, and each
+    again re-ranked where `retrieval.reranker` names a model, with a progress bar."""
     retriever = open_retrieval(settings)
+    reranker = load_reranker(settings.retrieval)
+    rankings = [(f"retrieval {mode}", settings.retrieval.ranking(SearchMode(mode))) for mode in modes]
+    if reranker is not None:
+        rankings += [
+            (f"retrieval {mode} reranked", settings.retrieval.ranking(SearchMode(mode), reranker=reranker)) for mode in modes
+        ]
     try:
         info = retriever.datastore_info()
         rows = []
-        with tqdm(total=len(modes) * len(questions), desc="questions", unit="q") as bar:
-            for mode in modes:
-                ranking = settings.retrieval.ranking(SearchMode(mode))
-                rows.append(
-                    await retrieval_study(
-                        retriever, questions, k=k, nprobe=info.nprobe, nlist=info.nlist, ranking=ranking, on_question=bar.update
-                    )
+        with tqdm(total=len(rankings) * len(questions), desc="questions", unit="q") as bar:
+            for label, ranking in rankings:
+                study = retrieval_study(
+                    retriever,
+                    questions,
+                    k=k,
+                    nprobe=info.nprobe,
+                    nlist=info.nlist,
+                    ranking=ranking,
+                    label=label,
+                    on_question=bar.update,
                 )
+                rows.append(await study)
         return rows
     finally:
         retriever.close()

@@ -147,3 +147,21 @@ def topic_datastore(root: Path, *, per_topic: int, nlist: int) -> tuple[HashEmbe
         progress=False,
     )
     return embedder, root / "ds"
+
+
+def tiny_cross_encoder(folder: Path, words: set[str]) -> Path:
+    """A sentence-transformers cross-encoder in `folder`: a one-layer BERT with one output and
+    random weights (a real architecture; its scores mean nothing), its vocabulary `words`."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    (folder / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *sorted(words)]) + "\n")
+    tokenizer = BertTokenizerFast(vocab_file=str(folder / "vocab.txt"))
+    config = BertConfig(
+        vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=512, num_labels=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    BertForSequenceClassification(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -25,6 +25,7 @@ from telerag.pipelines.types import Document, SearchOptions
 from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import read_wikipedia, split_passages
 from telerag.server.settings import packaged_config
+from tests.retrieval_helpers import tiny_cross_encoder
 from tests.tiny_models import tiny_embedder_dir
 
 QUESTIONS = packaged_config("questions_wiki_en.txt")
@@ -208,6 +209,21 @@ def test_retrieval_only_is_naives_retrieval(capsys, wiki_slice):
     assert (by_words["pipeline"], both["pipeline"]) == ("retrieval keyword", "retrieval hybrid")
     assert by_words["recall"] == by_words["recall_exact"] > 0.0  # the words' search probes no list
     assert alone["latency_ms"]["generate"] == 0.0 and alone["latency_ms"]["search"] > 0.0
+
+
+@pytest.mark.slow  # builds tiny models and a datastore: ~1 min on two busy cores
+def test_retrieval_only_adds_reranked_rows_where_a_reranker_is_configured(capsys, wiki_slice, tmp_path):
+    (tmp_path / "ce").mkdir()
+    model = tiny_cross_encoder(tmp_path / "ce", {"who", "what", "wrote", "prince", "planet", "largest"})
+    config = tmp_path / "c.yaml"
+    config.write_text(f"retrieval:\n  reranker: {model}\n")
+    rows = _run(
+        capsys, wiki_slice, "--retrieval-only", "--nprobe", "1", "--search-modes", "dense,hybrid", "--config", str(config)
+    )
+    assert [r["pipeline"] for r in rows] == [
+        *("retrieval dense", "retrieval hybrid", "retrieval dense reranked", "retrieval hybrid reranked")
+    ]
+    assert all(0.0 <= r["recall"] <= 1.0 and r["search_p50_ms"] > 0 for r in rows)
 
 
 @pytest.mark.slow  # builds tiny models and a datastore: ~1 min on two busy cores

@@ -13,29 +13,15 @@ import pytest
 from telerag.retrieval.ranking import HybridRanking, KeywordRanking
 from telerag.retrieval.rerank import CrossEncoderReranker, RerankedRanking
 from telerag.retrieval.snapshot import search_snapshot
-from tests.retrieval_helpers import TOPICS
+from tests.retrieval_helpers import TOPICS, tiny_cross_encoder
 from tests.test_documents_api import documents_app
 from tests.test_vector_stores_api import MARKDOWN, PDF, keyed, stores_app
 
 
 @pytest.fixture(scope="module")
 def cross_encoder(tmp_path_factory) -> Path:
-    """A one-layer BERT with one output, random weights, and a word-level vocabulary of the tests' words."""
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
-
-    folder = tmp_path_factory.mktemp("cross-encoder")
-    words = sorted({w for text in TOPICS.values() for w in text.split()} | {"item", "notes", "harbour", "pumpkins", "blue"})
-    (folder / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
-    tokenizer = BertTokenizerFast(vocab_file=str(folder / "vocab.txt"))
-    config = BertConfig(
-        vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
-        max_position_embeddings=256, num_labels=1,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    BertForSequenceClassification(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    words = {w for text in TOPICS.values() for w in text.split()} | {"item", "notes", "harbour", "pumpkins", "blue"}
+    return tiny_cross_encoder(tmp_path_factory.mktemp("cross-encoder"), words)
 
 
 def test_the_reranked_order_is_the_cross_encoders(cross_encoder, tmp_path):
