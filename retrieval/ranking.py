@@ -3,8 +3,8 @@
 its `rank` with the dense search it would run anyway, so the dense path is unchanged by the others.
 
 Hybrid fusion is exact given its two halves: each half's top `candidates` (the dense one exactly
-IVF at the search's nprobe, the keyword one exactly BM25), fused by reciprocal rank (OpenAI's and
-most vector databases' default: a passage at rank r of a half earns weight / (60 + r)) or by a
+IVF at the search's nprobe, the keyword one exactly BM25), fused by reciprocal rank (what OpenAI's
+`hybrid_search` weights: a passage at rank r of a half earns weight / (60 + r)) or by a
 weighted sum of each half's scores scaled to [0, 1] over its candidates (min to max). Either fused
 score is divided by the most it can be, so it lies in [0, 1] (a `score_threshold`'s scale); ties
 go to the smaller id.
@@ -27,7 +27,7 @@ from telerag.retrieval.keywords import keyword_search
 if TYPE_CHECKING:
     from telerag.retrieval.snapshot import Snapshot
 
-RRF_K = 60  # reciprocal rank fusion's constant (Cormack et al. 2009; OpenAI, Elasticsearch, Qdrant and Weaviate use it)
+RRF_K = 60  # reciprocal rank fusion's constant (Cormack et al. 2009; Elasticsearch's default too)
 HYBRID_CANDIDATES = 20  # each half's depth in a hybrid search, at least the top_k
 
 Ranked = tuple[np.ndarray, np.ndarray]  # (scores float32, ids int64), each (queries, k), padded as faiss pads
