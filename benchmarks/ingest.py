@@ -28,7 +28,8 @@ import numpy as np
 
 from telerag.pipelines.datastores import open_retriever
 from telerag.pipelines.documents import DocumentText, DocumentWriter
-from telerag.pipelines.retriever import DirectRetriever, TextEncoder
+from telerag.pipelines.retriever import DirectRetriever
+from telerag.pipelines.text_encoder import TextEncoder
 from telerag.pipelines.types import SearchOptions
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.documents import WriteOutcome, WriteResult

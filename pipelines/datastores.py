@@ -10,7 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from telerag.pipelines.ingestion import corpus_documents, finish_ingestion, ingestion_pending, write_seed
-from telerag.pipelines.retriever import DirectRetriever, TextEncoder
+from telerag.pipelines.retriever import DirectRetriever
+from telerag.pipelines.text_encoder import TextEncoder
 from telerag.retrieval.cache import CacheBuffer
 from telerag.retrieval.corpus import WIKIPEDIA_SOURCE, read_wikipedia
 from telerag.retrieval.datastore import MANIFEST, Datastore

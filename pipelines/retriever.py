@@ -16,13 +16,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 
 from telerag.pipelines.embedding_priority import EmbeddingPriority
 from telerag.pipelines.speculation import StableTopK
 from telerag.pipelines.stats import PrefetchStepStats, mean_overlap, search_step_stats
+from telerag.pipelines.text_encoder import TextEncoder, embedded
 from telerag.pipelines.types import (
     DatastoreInfo,
     Document,
@@ -54,20 +54,6 @@ log = logging.getLogger(__name__)
 
 WRITE_EMBED_CHUNK = 1  # passages a write embeds at a time: a query that comes meanwhile waits for one layer of one
 # passage's embedding at most. 1 ingested as fast as 16 (bench ingest, 12.7 passages/s each)
-
-
-class TextEncoder(Protocol):
-    """What the retriever needs of an embedder (`pipelines.embedder.Embedder` is one)."""
-
-    name: str
-    dim: int
-
-    def encode(self, texts: Sequence[str], *, pause: Callable[[], None] | None = None) -> np.ndarray:
-        """`pause`: called before the model's layers with the encoder free meanwhile: how a
-        write's embedding lets queries in."""
-        ...
-
-    def count_tokens(self, texts: Sequence[str]) -> int: ...
 
 
 class DirectRetriever:
@@ -186,7 +172,7 @@ class DirectRetriever:
         search or prefetch, and must not queue behind generation kernels either."""
         started = time.perf_counter()
         with self.priority.query(), self.engine.on_stream():
-            vectors = np.asarray(self.embedder.encode(texts), dtype=np.float32).reshape(len(texts), -1)
+            vectors = embedded(self.embedder, texts)
         return vectors, (time.perf_counter() - started) * 1e3
 
     def embed_passages(self, texts: Sequence[str]) -> np.ndarray:
@@ -197,7 +183,7 @@ class DirectRetriever:
         for start in range(0, len(texts), WRITE_EMBED_CHUNK):
             chunk = list(texts[start : start + WRITE_EMBED_CHUNK])
             with self.engine.on_stream():
-                chunks.append(np.asarray(self.embedder.encode(chunk, pause=self.priority.write_turn), dtype=np.float32))
+                chunks.append(embedded(self.embedder, chunk, pause=self.priority.write_turn))
         return np.concatenate(chunks).reshape(len(texts), -1) if chunks else np.zeros((0, self.embedder.dim), np.float32)
 
     def _prefetch_batch(self, requests: list[PrefetchRequest]) -> list[PrefetchTicket]:

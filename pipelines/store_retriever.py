@@ -22,6 +22,7 @@ import numpy as np
 
 from telerag.pipelines.attribute_filters import Attributes
 from telerag.pipelines.stats import PrefetchStepStats, SearchStats
+from telerag.pipelines.text_encoder import embedded
 from telerag.pipelines.types import (
     Document,
     OnProvisional,
@@ -98,7 +99,7 @@ class StoresRetriever:
     async def embed(self, texts: Sequence[str]) -> TextEmbeddings:
         def work() -> TextEmbeddings:
             with self.resources.priority.query():
-                vectors = np.asarray(self.resources.embedder.encode(list(texts)), dtype=np.float32)
+                vectors = embedded(self.resources.embedder, texts)
             return TextEmbeddings(vectors, self.resources.embedder.count_tokens(texts))
 
         return await asyncio.to_thread(work)
@@ -113,7 +114,7 @@ class StoresRetriever:
     def _prefetch(self, queries: list[str], stores: list[StoreView], budget: int) -> tuple[dict[str, PrefetchHandle], float]:
         started = time.perf_counter()
         with self.resources.priority.query():
-            vectors = np.asarray(self.resources.embedder.encode(queries), dtype=np.float32)
+            vectors = embedded(self.resources.embedder, queries)
         embed_ms = (time.perf_counter() - started) * 1e3
         handles = {view.store_id: handle for view in stores if (handle := view.prefetch(vectors, budget)) is not None}
         return handles, embed_ms

@@ -28,6 +28,7 @@ import numpy as np
 from telerag.pipelines.documents import DocumentText, DocumentWriter
 from telerag.pipelines.errors import VectorStoreNotFound
 from telerag.pipelines.rebuilds import RebuildKind, Rebuilds
+from telerag.pipelines.text_encoder import TextEncoder, embedded
 from telerag.pipelines.types import MeanQuery, query_vectors
 from telerag.pipelines.vector_store_records import StaticChunking, StoreFile
 from telerag.retrieval.builder import build_datastore, default_nlist
@@ -39,7 +40,7 @@ from telerag.retrieval.snapshot import Snapshot, search_snapshot
 
 if TYPE_CHECKING:  # the retriever brings torch: the server's app is made, and listens, before it loads
     from telerag.pipelines.embedding_priority import EmbeddingPriority
-    from telerag.pipelines.retriever import DirectRetriever, TextEncoder
+    from telerag.pipelines.retriever import DirectRetriever
     from telerag.retrieval.cache import CacheBuffer
 
 GROWTH_TO_RETRAIN = 4  # a store is retrained once it holds this many times the passages its lists were trained on
@@ -78,7 +79,7 @@ class StoreResources:
     def query(self, texts: Sequence[str]) -> np.ndarray:
         """One float32 row (1, dim): the mean of the texts' embeddings (a list of queries searches
         their mean, as `MeanQuery` does). The caller holds `priority.query()`."""
-        vectors = np.asarray(self.embedder.encode(list(texts)), dtype=np.float32)
+        vectors = embedded(self.embedder, texts)
         return query_vectors([MeanQuery(tuple(texts)) if len(texts) > 1 else texts[0]], vectors)
 
     def passage_shape(self, chunking: StaticChunking | None, text: str) -> PassageShape | None:

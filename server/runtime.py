@@ -29,8 +29,9 @@ from telerag.pipelines.rag.base import RagPipeline
 from telerag.pipelines.rag.query_rewrite import QueryRewrite
 from telerag.pipelines.rebuilds import RebuildKind, Rebuilds
 from telerag.pipelines.registry import build_pipelines
-from telerag.pipelines.retriever import DirectRetriever, TextEncoder
+from telerag.pipelines.retriever import DirectRetriever
 from telerag.pipelines.search_budget import SearchBudget
+from telerag.pipelines.text_encoder import TextEncoder
 from telerag.pipelines.types import BatchRetriever, DatastoreInfo, Retriever, TextEmbeddings
 from telerag.pipelines.vector_store_index import StoreResources
 from telerag.retrieval.datastore import Datastore

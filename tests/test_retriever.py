@@ -180,7 +180,7 @@ async def test_queries_are_embedded_on_retrievals_stream(retriever):
 
     encode = retriever.embedder.encode
     retriever.engine.on_stream = recording
-    retriever.embedder.encode = lambda texts: (inside.append(bool(entered)), encode(texts))[1]
+    retriever.embedder.encode = lambda texts, pause=None: (inside.append(bool(entered)), encode(texts))[1]
     await retriever.prefetch(["river fish"])
     await retriever.search(["river water"], SearchOptions(top_k=3, nprobe=2))
     assert inside == [True, True]

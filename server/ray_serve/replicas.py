@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from telerag.pipelines.errors import VectorStoresUnavailable
+from telerag.pipelines.text_encoder import embedded
 from telerag.pipelines.types import (
     DatastoreInfo,
     EventSink,
@@ -97,7 +98,7 @@ class KnownVectors:
         if len(known) == len(texts):
             return np.stack([known[i] for i in range(len(texts))]).astype(np.float32, copy=False)
         rest = [i for i in range(len(texts)) if i not in known]
-        encoded = np.asarray(self.embedder.encode([texts[i] for i in rest], pause=pause), dtype=np.float32).reshape(len(rest), -1)
+        encoded = embedded(self.embedder, [texts[i] for i in rest], pause=pause)
         out = np.empty((len(texts), encoded.shape[1]), dtype=np.float32)
         out[rest] = encoded
         for i, vector in known.items():
@@ -219,7 +220,7 @@ class QuestionPlacer:
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         with self._lock:
-            return np.asarray(self.embedder.encode(list(texts)), dtype=np.float32).reshape(len(texts), -1)
+            return embedded(self.embedder, texts)
 
     def follow(self, datastore: Any) -> None:
         """Place questions on `datastore`'s lists from now on (a retrain's new centroids; a
