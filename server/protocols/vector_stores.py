@@ -134,8 +134,8 @@ class HybridSearch(Request):
 class RankingOptions(Request):
     ranker: Literal["none", "auto", "default-2024-11-15"] = Field(
         "auto",
-        description="the re-ranker: none; auto and default-2024-11-15 are none too (no re-ranker is configured here), "
-        "so the scores are the search's own",
+        description="auto and default-2024-11-15: the candidates reordered by the server's re-ranker "
+        "(retrieval.reranker), the scores its own; none, or no re-ranker configured: the search's own order and scores",
     )
     score_threshold: float = Field(
         0.0, ge=0, le=1, description="results scoring below it are left out (a hybrid search's scores lie in [0, 1])"
