@@ -12,7 +12,9 @@ and the block's number, so a block is the same every time it is made. Two passes
 assigns every replica to its nearest centroid (spherical k-means on the device over a sample of
 whole blocks), the second makes each block again and puts its rows into their clusters' places,
 so the whole set is never held twice. `open_scaled_retriever` opens the configured retriever over
-the configured datastore so scaled (`telerag bench e2e`).
+the configured datastore so scaled (`telerag bench e2e`). Where the scaled set is larger than
+memory, `write_scaled_datastore` writes it to disk as a datastore of its own (`telerag datastore
+scale`), a window of rows at a time, each replica's passage a copy of its source's.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,6 +34,7 @@ from telerag.retrieval.builder import check_nlist, default_nlist, lay_out_cluste
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Passage
 from telerag.retrieval.datastore import Datastore
+from telerag.retrieval.datastore_writer import check_target, write_datastore
 from telerag.retrieval.early_stop import ListStats
 from telerag.retrieval.errors import DatastoreError, DeviceUnavailable
 from telerag.server.runtime import load_configured_datastore, load_embedder, open_configured_retriever
@@ -121,6 +125,49 @@ class ReplicaPassages:
         self.base.close()
 
 
+@dataclass(frozen=True)
+class ScaledLayout:
+    """Where every scaled row goes: the lists' centroids and offsets, and each row's place in
+    list order (`positions`; `perm` is its inverse: the scaled row at each place)."""
+
+    centroids: np.ndarray
+    offsets: np.ndarray
+    perm: np.ndarray
+    positions: torch.Tensor
+
+
+def _checked_scale(base: Datastore, scale: DatastoreScale) -> int:
+    """The lists of `base` scaled as `scale` says (refused in one line where it cannot be)."""
+    nlist = scale.nlist or default_nlist(scale.vectors)
+    if base.codec is not Codec.FP32:
+        raise DatastoreError(f"{base.where}: scaling needs an fp32 base datastore, not {base.codec.value}")
+    if not base.has_passages:
+        raise DatastoreError(f"{base.where}: scaling needs a datastore with passages")
+    if scale.vectors < base.n_vectors:
+        raise DatastoreError(f"cannot scale {base.n_vectors} vectors down to {scale.vectors}")
+    check_nlist(nlist, scale.vectors)
+    return nlist
+
+
+def _lay_out(replicas: Replicas, nlist: int, seed: int, progress: bool) -> ScaledLayout:
+    """Train `nlist` lists on a sample of whole blocks, spread evenly over the rows, then assign
+    every replica to its nearest centroid (the first pass over the blocks)."""
+    n = replicas.n_vectors
+    wanted = min(n, nlist * TRAIN_POINTS_PER_LIST)
+    blocks = np.unique(np.linspace(0, replicas.n_blocks - 1, -(-wanted // REPLICA_BLOCK)).round().astype(int))
+    sample = torch.cat([replicas.block(int(b)) for b in blocks])
+    centroids = spherical_kmeans(sample, nlist, seed=seed, progress=progress)
+    del sample
+    lists = np.empty(n, dtype=np.int64)
+    for block in ProgressBar(range(replicas.n_blocks), desc="assign lists", unit="block", disable=not progress):
+        lists[replicas.rows(block)] = nearest_centroid(replicas.block(block), centroids).cpu().numpy()
+    layout = lay_out_clusters(centroids.cpu().numpy(), lists)
+    del lists
+    positions = torch.empty(n, dtype=torch.int64)
+    positions[torch.from_numpy(layout.perm)] = torch.arange(n)
+    return ScaledLayout(layout.centroids, layout.offsets, layout.perm, positions)
+
+
 def scaled_datastore(
     base: Datastore, scale: DatastoreScale, *, device: str | torch.device = "cpu", progress: bool = True
 ) -> Datastore:
@@ -128,14 +175,8 @@ def scaled_datastore(
     CUDA), with an IVF of `scale.nlist` lists trained on the scaled vectors. It owns `base`
     from here on (its passages are the base's): closing it closes the base."""
     device = resolve_device(device, error=DeviceUnavailable)
-    n, nlist = scale.vectors, scale.nlist or default_nlist(scale.vectors)
-    if base.codec is not Codec.FP32:
-        raise DatastoreError(f"{base.where}: scaling needs an fp32 base datastore, not {base.codec.value}")
-    if not base.has_passages:
-        raise DatastoreError(f"{base.where}: scaling needs a datastore with passages")
-    if n < base.n_vectors:
-        raise DatastoreError(f"cannot scale {base.n_vectors} vectors down to {n}")
-    check_nlist(nlist, n)
+    nlist = _checked_scale(base, scale)
+    n = scale.vectors
     started = time.perf_counter()
     log.info(
         "scaling %s from %d to %d vectors in %d lists on %s (noise %g): %.1f GiB in memory",
@@ -148,26 +189,10 @@ def scaled_datastore(
         n * base.dim * 4 / 2**30,
     )
     replicas = Replicas(base.vectors, n, scale.noise, scale.seed, device)
-
-    # the k-means sample: whole blocks, spread evenly over the rows
-    wanted = min(n, nlist * TRAIN_POINTS_PER_LIST)
-    blocks = np.unique(np.linspace(0, replicas.n_blocks - 1, -(-wanted // REPLICA_BLOCK)).round().astype(int))
-    sample = torch.cat([replicas.block(int(b)) for b in blocks])
-    centroids = spherical_kmeans(sample, nlist, seed=scale.seed, progress=progress)
-    del sample
-
-    lists = np.empty(n, dtype=np.int64)
-    for block in ProgressBar(range(replicas.n_blocks), desc="assign lists", unit="block", disable=not progress):
-        lists[replicas.rows(block)] = nearest_centroid(replicas.block(block), centroids).cpu().numpy()
-    layout = lay_out_clusters(centroids.cpu().numpy(), lists)
-    del lists
-    positions = torch.empty(n, dtype=torch.int64)
-    positions[torch.from_numpy(layout.perm)] = torch.arange(n)
-
+    layout = _lay_out(replicas, nlist, scale.seed, progress)
     vectors = torch.empty((n, base.dim), dtype=torch.float32, pin_memory=device.type == "cuda")
     for block in ProgressBar(range(replicas.n_blocks), desc="lay out vectors", unit="block", disable=not progress):
-        vectors.index_copy_(0, positions[replicas.rows(block)], replicas.block(block).cpu())
-    del positions
+        vectors.index_copy_(0, layout.positions[replicas.rows(block)], replicas.block(block).cpu())
     with ProgressBar[None](total=n, desc="list statistics", unit="row", disable=not progress) as bar:
         list_stats = ListStats.of(layout.centroids, layout.offsets, vectors.numpy(), Codec.FP32, None, on_block=bar.update)
     source = f"{base.manifest.source or base.where}, scaled to {n} vectors (noise {scale.noise:g}) in memory"
@@ -182,6 +207,97 @@ def scaled_datastore(
         passages=ReplicaPassages(base, layout.perm % base.n_vectors),
         where=f"{base.where} scaled to {n} vectors in memory",
     )
+
+
+class ScaledRows:
+    """The scaled vectors in list order, as `write_datastore` reads them (a block of rows at a
+    time, first to last), made a window of rows at a time: each window by making every block of
+    replicas again and keeping the rows whose places fall in it, so that memory holds one window,
+    never the whole set, and the file is written in one sequential pass."""
+
+    def __init__(self, replicas: Replicas, positions: torch.Tensor, codec: Codec, params: np.ndarray | None, window_rows: int):
+        self.replicas, self.positions, self.codec, self.params = replicas, positions, codec, params
+        self.shape = (replicas.n_vectors, replicas.dim)
+        self.dtype = np.dtype(codec.numpy_dtype)
+        self.window_rows = max(1, window_rows)
+        self._window: tuple[int, int] = (0, 0)
+        self._codes = np.empty((0, replicas.dim), dtype=self.dtype)
+        self.windows_made = 0
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        start, stop, _ = rows.indices(self.shape[0])
+        parts = []
+        while start < stop:
+            first, end = self._window
+            if not first <= start < end:
+                self._make_window(start)
+                first, end = self._window
+            take = min(stop, end)
+            parts.append(self._codes[start - first : take - first])
+            start = take
+        return np.concatenate(parts) if len(parts) != 1 else parts[0]
+
+    def _make_window(self, first: int) -> None:
+        end = min(self.shape[0], first + self.window_rows)
+        self._codes = np.empty(0, dtype=self.dtype)  # the last window's memory freed before the next is made
+        floats = torch.empty((end - first, self.shape[1]), dtype=torch.float32)
+        for block in range(self.replicas.n_blocks):
+            places = self.positions[self.replicas.rows(block)]
+            inside = (places >= first) & (places < end)
+            if inside.any():
+                floats[places[inside] - first] = self.replicas.block(block).cpu()[inside]
+        self._codes = self.codec.to_codes(floats.numpy(), self.params)
+        self._window = (first, end)
+        self.windows_made += 1
+
+
+def write_scaled_datastore(
+    base: Datastore,
+    scale: DatastoreScale,
+    out_dir: Path,
+    *,
+    codec: Codec = Codec.FP32,
+    window_bytes: int = 4 << 30,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
+    """The base scaled to `scale.vectors` written to `out_dir` as a datastore of its own, larger
+    than memory if need be (TeleRAG's 21M × 384 fp32: 32 GB): the lists trained and every replica
+    assigned in a first pass over the blocks, the file then written a window of `window_bytes` of
+    float32 rows at a time (`ScaledRows`), each replica's passage the base's passage it copies."""
+    nlist = _checked_scale(base, scale)
+    check_target(out_dir, overwrite=overwrite)  # before the passes, not after them
+    n = scale.vectors
+    started = time.perf_counter()
+    device = torch.device("cpu")
+    replicas = Replicas(base.vectors, n, scale.noise, scale.seed, device)
+    layout = _lay_out(replicas, nlist, scale.seed, progress)
+    params = codec.train(replicas.block(0).numpy()) if codec.has_params else None
+    rows = ScaledRows(replicas, layout.positions, codec, params, window_bytes // (base.dim * 4))
+    sources = base.ids_of(layout.perm % base.n_vectors)
+    source = f"{base.manifest.source or base.where}, scaled to {n} vectors (noise {scale.noise:g}, seed {scale.seed})"
+    manifest = dataclasses.replace(
+        base.manifest, nlist=nlist, n_vectors=n, codec=codec.value, source=source, created_at=time.time(), files={}
+    )
+    path = write_datastore(
+        out_dir,
+        manifest=manifest,
+        centroids=layout.centroids,
+        offsets=layout.offsets,
+        vectors=rows,
+        passages=_passages_of(base, sources),
+        codec_params=params,
+        overwrite=overwrite,
+        progress=progress,
+    )
+    log.info("scaled datastore written to %s in %.1f s (%d windows)", path, time.perf_counter() - started, rows.windows_made)
+    return path
+
+
+def _passages_of(base: Datastore, ids: np.ndarray) -> Iterator[Passage]:
+    """The base's passages of `ids`, in their order, read a block at a time."""
+    for start in range(0, len(ids), REPLICA_BLOCK):
+        yield from base.passages(ids[start : start + REPLICA_BLOCK])
 
 
 def open_scaled_retriever(retrieval: RetrievalSettings, scale: DatastoreScale | None) -> DirectRetriever:

@@ -1,5 +1,6 @@
 """`telerag datastore build`: a datastore ingested from a JSONL corpus or the built-in Wikipedia
 (`pipelines.ingestion`: a sample, then the rest written as documents, then retrained);
+`telerag datastore scale`: a datastore and noisy replicas of it, a larger one (`benchmarks.scaled`);
 `telerag datastore upgrade`: what a datastore written by an older telerag lacks, added beside its files;
 `telerag datastore info`: a datastore as its writes have left it (documents, log, list imbalance);
 `telerag datastore compact|retrain`: a new generation of its files (in a directory, or a server's)."""
@@ -76,6 +77,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     info.add_argument("path", type=Path, help="the datastore directory")
     info.add_argument("--json", action="store_true", help="one JSON object")
     info.set_defaults(func=run_info)
+
+    scale = subparsers.add_parser(
+        "scale",
+        help="a datastore's vectors and noisy replicas of them, a larger datastore of its own (for larger-than-memory runs)",
+        description="Writes SOURCE scaled to --vectors vectors: its own and noisy replicas of them, each replica's "
+        "passage a copy of its source's, in --nlist lists trained on them. Made a window of rows at a time and written "
+        "in one pass, so the datastore may be larger than memory (serve it with --host-cache-mb).",
+    )
+    scale.add_argument("source", type=Path, help="the datastore to scale (fp32, with passages)")
+    scale.add_argument("--out", type=Path, required=True, help="datastore directory to write")
+    scale.add_argument("--vectors", type=int, required=True, help="vectors of the scaled datastore")
+    scale.add_argument("--nlist", type=int, default=None, help="IVF lists (default: about 4*sqrt(vectors))")
+    scale.add_argument("--noise", type=float, default=0.5, help="a replica is normalise(v + noise*g/sqrt(dim))")
+    scale.add_argument("--seed", type=int, default=0)
+    scale.add_argument("--codec", choices=[c.value for c in Codec], default=Codec.FP32.value)
+    scale.add_argument("--window-mb", type=int, default=4096, help="float32 rows made and held at once while writing")
+    scale.add_argument("--overwrite", action="store_true")
+    scale.set_defaults(func=run_scale)
 
     for name, what in (
         ("compact", "fold the documents written since into new files (the same results; writes go on meanwhile)"),
@@ -154,6 +173,25 @@ def run_info(args: argparse.Namespace) -> int:
     else:
         for key, value in facts.items():
             print(f"{key:<16}{value}")
+    return 0
+
+
+def run_scale(args: argparse.Namespace) -> int:
+    from telerag.benchmarks.scaled import DatastoreScale, write_scaled_datastore
+    from telerag.retrieval.datastore import Datastore
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.window_mb < 1:
+        raise SystemExit("telerag datastore scale: --window-mb must be at least 1")
+    base = Datastore.load(args.source)
+    try:
+        scale = DatastoreScale(args.vectors, args.nlist, args.noise, args.seed)
+        path = write_scaled_datastore(
+            base, scale, args.out, codec=Codec(args.codec), window_bytes=args.window_mb << 20, overwrite=args.overwrite
+        )
+    finally:
+        base.close()
+    print(f"datastore written to {path}")
     return 0
 
 

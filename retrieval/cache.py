@@ -52,6 +52,11 @@ class Arrival(Protocol):
 
     def landed(self) -> bool: ...
 
+    def hasten(self) -> None:
+        """A search waits on these copies now: let them go before copies only a prefetch wants
+        (a disk's reads; a stream's copies run in the order issued, and this does nothing)."""
+        ...
+
     def wait(self, stream: torch.cuda.Stream | None = None) -> None:
         """Make `stream`'s later work wait for the copies (CUDA), or, with none, block until they landed."""
         ...
@@ -70,6 +75,9 @@ class Landed:
     def landed(self) -> bool:
         return True
 
+    def hasten(self) -> None:
+        return None
+
     def wait(self, stream: torch.cuda.Stream | None = None) -> None:
         return None
 
@@ -86,6 +94,9 @@ class CopyWindow:
 
     def landed(self) -> bool:
         return bool(self.end.query())
+
+    def hasten(self) -> None:
+        return None
 
     def wait(self, stream: torch.cuda.Stream | None = None) -> None:
         if stream is None:
@@ -182,6 +193,7 @@ class Lease:
     cache: ClusterCache
     resident: dict[int, list[Segment]]  # cluster -> where it is
     arrivals: list[Arrival] = field(default_factory=list)  # the copies these clusters wait on
+    arrival_of: dict[int, Arrival] = field(default_factory=dict)  # cluster -> the copy it waits on (if any)
     clusters_copied: int = 0
     clusters_already_resident: int = 0
     clusters_skipped: int = 0  # wanted but did not fit beside pinned clusters
@@ -438,9 +450,13 @@ class ClusterCache:
                 slot.unread = slot.unread and ahead
                 lease.resident[cluster] = slot.segments
                 lease.clusters_already_resident += 1
+                if slot.arrival is not None:
+                    lease.arrival_of[cluster] = slot.arrival
                 if slot.arrival is not None and id(slot.arrival) not in arrivals:
                     arrivals.add(id(slot.arrival))
                     lease.arrivals.append(slot.arrival)
+                    if not ahead:
+                        slot.arrival.hasten()  # a search reads it next
             if not fetch:
                 self.shared.hits += len(lease.resident)
                 self.shared.misses += len(missing)
@@ -522,7 +538,8 @@ class ClusterCache:
         lease.arrival = issued.whole
         for cluster in placed:  # what a search reading it waits for: its own copy (the whole, if it is in pieces)
             held_by = copied_by[cluster]
-            self._slots[cluster].arrival = issued.each[held_by[0]] if len(held_by) == 1 else issued.whole
+            arrival = issued.each[held_by[0]] if len(held_by) == 1 else issued.whole
+            self._slots[cluster].arrival = lease.arrival_of[cluster] = arrival
         lease.arrivals.append(issued.whole)
         for copy, (_, _, rows) in zip(issued.each, copies, strict=True):
             if not copy.landed():

@@ -250,48 +250,67 @@ class CooperativeSearch:
         while the host already prepares the next. Returns the results, the scan time and how
         long the stream waited for copies (both ms)."""
         stream = self.resources.stream
+        if stream is None:
+            return self._host_search(q, k, lists, passes)
         begin = end = None
         waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        waited_ms = 0.0  # without CUDA: how long the calling thread waited for copies (reads) in flight
-        started = time.perf_counter()
         results = []
         for mask, lease in passes:
             probes = [lists[i][mask[i]].tolist() for i in range(len(q))]
             in_flight = [arrival for arrival in lease.arrivals if not arrival.landed()]
-            if stream is not None:
-                if in_flight:  # timed on the stream: from where it stops to where its copies landed
-                    stop, landed = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    stop.record(stream)
-                    for arrival in in_flight:
-                        arrival.wait(stream)
-                    landed.record(stream)
-                    waits.append((stop, landed))
-                if begin is None:  # timed from the first pass's start, after its copies landed
-                    begin = torch.cuda.Event(enable_timing=True)
-                    begin.record(stream)
-            elif in_flight:
-                waiting = time.perf_counter()
+            if in_flight:  # timed on the stream: from where it stops to where its copies landed
+                stop, landed = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                stop.record(stream)
                 for arrival in in_flight:
-                    arrival.wait()
+                    arrival.wait(stream)
+                landed.record(stream)
+                waits.append((stop, landed))
+            if begin is None:  # timed from the first pass's start, after its copies landed
+                begin = torch.cuda.Event(enable_timing=True)
+                begin.record(stream)
+            results.append(self._scan_held(q, k, lease, probes))
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(stream)
+        end.synchronize()
+        assert begin is not None  # at least one pass
+        return results, begin.elapsed_time(end), sum(stop.elapsed_time(landed) for stop, landed in waits)
+
+    def _host_search(
+        self, q: torch.Tensor, k: int, lists: np.ndarray, passes: Sequence[tuple[np.ndarray, Lease]]
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], float, float]:
+        """`_device_search` where the "device" is host memory: each pass's clusters scanned as
+        their copies land, those landed first, so that the scan of what is in memory runs while
+        the reads still in flight (from disk) finish. Returns the results, the scan time and how
+        long the calling thread waited for copies (both ms)."""
+        started = time.perf_counter()
+        waited_ms = 0.0
+        results = []
+        for mask, lease in passes:
+            probes = [lists[i][mask[i]].tolist() for i in range(len(q))]
+            wanted = {c for row in probes for c in row}
+            pending = {c: arrival for c, arrival in lease.arrival_of.items() if c in wanted and not arrival.landed()}
+            while True:
+                ready = [[c for c in row if c not in pending] for row in probes]
+                if any(ready):
+                    results.append(self._scan_held(q, k, lease, ready))
+                if not pending:
+                    break
+                probes = [[c for c in row if c in pending] for row in probes]
+                waiting = time.perf_counter()
+                next(iter(pending.values())).wait()  # the first issued; whatever else landed meanwhile comes with it
                 waited_ms += (time.perf_counter() - waiting) * 1e3
-            scores, rows = scan_resident(
-                self.cache.buffer,
-                q,
-                lease.resident,
-                probes,
-                k,
-                codec=self.resources.codec,
-                codec_params=self.resources.codec_params,
-            )
-            row_ids = self.resources.row_ids
-            results.append((scores, rows if row_ids is None else torch.where(rows >= 0, row_ids[rows.clamp(min=0)], rows)))
-        if stream is not None:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record(stream)
-            end.synchronize()
-        if begin is not None and end is not None:
-            return results, begin.elapsed_time(end), sum(stop.elapsed_time(landed) for stop, landed in waits)
+                pending = {c: arrival for c, arrival in pending.items() if not arrival.landed()}
         return results, (time.perf_counter() - started) * 1e3 - waited_ms, waited_ms
+
+    def _scan_held(
+        self, q: torch.Tensor, k: int, lease: Lease, probes: Sequence[Sequence[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-k of each query over its `probes`, clusters `lease` holds in the cache, as passage ids."""
+        scores, rows = scan_resident(
+            self.cache.buffer, q, lease.resident, probes, k, codec=self.resources.codec, codec_params=self.resources.codec_params
+        )
+        row_ids = self.resources.row_ids
+        return scores, rows if row_ids is None else torch.where(rows >= 0, row_ids[rows.clamp(min=0)], rows)
 
 
 def _held(lists: np.ndarray, lease: Lease) -> np.ndarray:

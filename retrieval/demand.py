@@ -24,11 +24,14 @@ class DemandCopyPolicy:
     takes over the rest (only with `copy_missed`), and the queued copies not worth waiting for.
     Until both rates have been measured it chooses nothing."""
 
-    def __init__(self, copy_bytes_per_ms: float | None = None, *, copy_missed: bool = True) -> None:
+    def __init__(self, copy_bytes_per_ms: float | None = None, *, copy_missed: bool = True, hand_late: bool = True) -> None:
+        """`hand_late`: queued copies may go to faiss, which has their rows at hand (not where
+        the CPU half would read them again from the same disk the copy is reading)."""
         self._lock = threading.Lock()
         self.copy_bytes_per_ms = copy_bytes_per_ms
         self.cpu_bytes_per_ms: float | None = None
         self.copy_missed = copy_missed
+        self.hand_late = hand_late
 
     def observe_copy(self, nbytes: int, ms: float) -> None:
         with self._lock:
@@ -68,7 +71,7 @@ class DemandCopyPolicy:
         the wait for the copies kept, or faiss over its lists and those handed to it."""
         with self._lock:
             copy_rate, cpu_rate = self.copy_bytes_per_ms, self.cpu_bytes_per_ms
-        if not waiting or not copy_rate or not cpu_rate:
+        if not self.hand_late or not waiting or not copy_rate or not cpu_rate:
             return []
         landing = sorted(waiting, key=lambda item: (item[1], item[0]))
         best_kept, best_ms = len(landing), max(landing[-1][1] / copy_rate, cpu_bytes / cpu_rate)

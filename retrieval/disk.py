@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -38,50 +39,74 @@ READERS = 8  # reads in flight at once (one thread each)
 SCAN_BYTES = 256 << 20  # a search's lists read and scanned at a time: what it holds at once beside the cache
 
 
+@dataclass(eq=False)
+class _Read:
+    """One queued read; `claimed` once a reader took it (a hastened read is queued twice, run once)."""
+
+    read: Callable[[], None]
+    done: Future[None] = field(default_factory=Future)
+    claimed: bool = False
+
+
 class ReadPool:
     """Reader threads that take a search's reads before a prefetch's (a prefetch reads ahead for
     a search still to come; one waiting now must not queue behind it), first come, first served
-    within each."""
+    within each. A prefetch's read that a search comes to wait on is hastened: queued again as a
+    search's, and run by whichever reader takes it first."""
 
     SEARCH, AHEAD = 0, 1
 
     def __init__(self, readers: int) -> None:
-        self._queue: queue.PriorityQueue[tuple[int, int, Future[None] | None, Callable[[], None] | None]] = queue.PriorityQueue()
+        self._queue: queue.PriorityQueue[tuple[int, int, _Read | None]] = queue.PriorityQueue()
         self._order = itertools.count()
+        self._claim = threading.Lock()
         self._threads = [threading.Thread(target=self._serve, name=f"disk-read-{i}", daemon=True) for i in range(readers)]
         for thread in self._threads:
             thread.start()
 
-    def submit(self, priority: int, read: Callable[[], None]) -> Future[None]:
-        done: Future[None] = Future()
-        self._queue.put((priority, next(self._order), done, read))
-        return done
+    def submit(self, priority: int, read: Callable[[], None]) -> _Read:
+        task = _Read(read)
+        self._queue.put((priority, next(self._order), task))
+        return task
+
+    def hasten(self, tasks: Sequence[_Read]) -> None:
+        """Queue `tasks` not yet taken again, as a search's (behind the search reads queued now)."""
+        with self._claim:
+            waiting = [task for task in tasks if not task.claimed]
+        for task in waiting:
+            self._queue.put((self.SEARCH, next(self._order), task))
 
     def shutdown(self) -> None:
         """Let the reads queued finish, then end the readers."""
         for _ in self._threads:
-            self._queue.put((self.AHEAD + 1, next(self._order), None, None))
+            self._queue.put((self.AHEAD + 1, next(self._order), None))
         for thread in self._threads:
             thread.join()
 
     def _serve(self) -> None:
         while True:
-            _, _, done, read = self._queue.get()
-            if done is None or read is None:
+            _, _, task = self._queue.get()
+            if task is None:
                 return
-            if done.set_running_or_notify_cancel():
+            with self._claim:
+                if task.claimed:
+                    continue  # hastened: a reader ran its other entry
+                task.claimed = True
+            if task.done.set_running_or_notify_cancel():
                 try:
-                    read()
-                    done.set_result(None)
+                    task.read()
+                    task.done.set_result(None)
                 except Exception as exc:  # noqa: BLE001 - handed to whoever waits on the read
-                    done.set_exception(exc)
+                    task.done.set_exception(exc)
 
 
 class FileArrival:
     """Reads issued together, landing as the reader threads finish them."""
 
-    def __init__(self, reads: Sequence[Future[None]]) -> None:
-        self.reads = list(reads)
+    def __init__(self, pool: ReadPool, reads: Sequence[_Read]) -> None:
+        self.pool = pool
+        self.tasks = list(reads)
+        self.reads = [task.done for task in self.tasks]
         self.started = time.perf_counter()
         self._done_at: float | None = None
         self._lock = threading.Lock()
@@ -97,6 +122,11 @@ class FileArrival:
 
     def landed(self) -> bool:
         return all(read.done() for read in self.reads)
+
+    def hasten(self) -> None:
+        """A search waits on these reads now: they go before the reads only a prefetch wants."""
+        if not self.landed():
+            self.pool.hasten(self.tasks)
 
     def wait(self, stream: torch.cuda.Stream | None = None) -> None:
         """Block until every read has landed (a failed read raises here, in the waiting search)."""
@@ -150,18 +180,19 @@ class FileRows:
             raise NotImplementedError("rows are read from disk into host memory only")  # a device cache copies from it
         rows = buffer.numpy()
         priority = ReadPool.AHEAD if ahead else ReadPool.SEARCH
-        each = [FileArrival([self._submit(priority, rows, part) for part in self._parts(copy)]) for copy in copies]
-        return Issued(FileArrival([read for copy in each for read in copy.reads]), list(each))
+        each = [FileArrival(self.pool, [self._submit(priority, rows, part) for part in self._parts(copy)]) for copy in copies]
+        return Issued(FileArrival(self.pool, [task for copy in each for task in copy.tasks]), list(each))
 
     def read_rows(self, out: np.ndarray, runs: Sequence[tuple[int, int, int]]) -> FileArrival:
         """Read `runs` (row of `out`, first row of the file, rows) into `out`, rows like the file's."""
-        return FileArrival([self._submit(ReadPool.SEARCH, out, part, scan=True) for run in runs for part in self._parts(run)])
+        reads = [self._submit(ReadPool.SEARCH, out, part, scan=True) for run in runs for part in self._parts(run)]
+        return FileArrival(self.pool, reads)
 
     def close(self) -> None:
         self.pool.shutdown()
         os.close(self.fd)
 
-    def _submit(self, priority: int, out: np.ndarray, part: Copy, *, scan: bool = False) -> Future[None]:
+    def _submit(self, priority: int, out: np.ndarray, part: Copy, *, scan: bool = False) -> _Read:
         return self.pool.submit(priority, functools.partial(self._read, out, *part, scan=scan))
 
     def _parts(self, copy: Copy) -> list[Copy]:

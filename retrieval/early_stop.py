@@ -181,8 +181,11 @@ class EarlyStopSearch:
     the lists (`FIRST_CHUNK_SHARE`), and lists no round could rule out go at once
     (`_next_chunk`), so a search takes two or three calls where faiss takes one."""
 
-    def __init__(self, inner: ListSearch, bounds: ListBounds) -> None:
-        self.inner, self.bounds = inner, bounds
+    def __init__(self, inner: ListSearch, bounds: ListBounds, *, list_major: bool = False) -> None:
+        """`list_major`: the inner search reads each list once for the whole batch (from disk), so
+        a list one query's round takes is scanned in that round for every query that has it left:
+        no list is read in two rounds."""
+        self.inner, self.bounds, self.list_major = inner, bounds, list_major
         self.counts = ScanCounts()
         self._lock = threading.Lock()
 
@@ -201,6 +204,8 @@ class EarlyStopSearch:
             live = pending & (bound > kth[:, None])  # valid, not empty, not ruled out
             take = self._next_chunk(live, bound, scores[:, 0], ids[:, 0] >= 0, chunk)
             chunk *= CHUNK_GROWTH
+            if self.list_major:
+                take |= live & np.isin(lists, lists[take])
             return take
 
         found, scanned = scan_in_chunks(self.inner, queries, k, lists, list_scores, next_chunk)

@@ -105,7 +105,8 @@ class RetrievalEngine:
         `cpu_half`: who scans the lists the device does not (default: faiss here, over the host
         copy; the retrieval tier, `retrieval.tier`, where the datastore's shards are remote).
         `early_stop`: faiss's half scans its lists with exact early stop (`retrieval.early_stop`;
-        refused for a datastore without list statistics); a tier's shards are told when deployed.
+        refused for a datastore without list statistics; from disk, a list it rules out is not
+        read); a tier's shards are told when deployed.
         `cache_buffer`: the device buffer of another engine's cluster cache, to share (its lists and
         this one's weighed on one clock; `cache_bytes` must then be 0); None: one of `cache_bytes`.
         `on_disk`: the vectors are read from the datastore's file, never through its memory map
@@ -129,12 +130,12 @@ class RetrievalEngine:
         self.on_disk = on_disk
         self.cpu_half: ListSearch = self.index if cpu_half is None else cpu_half
         if on_disk:
-            if self.device.type != "cpu" or early_stop or cpu_half is not None:
-                raise InvalidCall("a datastore read from disk is searched on the CPU, by its own reads, without early stop")
+            if self.device.type != "cpu" or cpu_half is not None:
+                raise InvalidCall("a datastore read from disk is searched on the CPU, by its own reads")
             self.rows = FileRows(datastore)  # faiss's lists still view the memory map, which nothing scans now
             self.cpu_half = DiskListSearch(datastore, self.rows)
-        elif early_stop and cpu_half is None:
-            self.cpu_half = EarlyStopSearch(self.index, ListBounds.of(datastore))
+        if early_stop and cpu_half is None:  # from disk, the lists it rules out are never read
+            self.cpu_half = EarlyStopSearch(self.cpu_half, ListBounds.of(datastore), list_major=on_disk)
         with self.on_stream():  # the device tensors searches read belong to the search stream
             self.cache = self._cache_on(cache_buffer, cache_bytes)
             self.centroids = torch.from_numpy(np.ascontiguousarray(datastore.centroids)).to(self.device)
@@ -191,11 +192,12 @@ class RetrievalEngine:
 
     def _demand_policy(self, demand_copy: bool | None) -> DemandCopyPolicy | None:
         """With a cache, the policy that measures the rates and decides copy or scan (missed
-        clusters: only with `demand_copy`, by default on CUDA) and wait or scan (queued copies)."""
+        clusters: only with `demand_copy`, by default on CUDA) and wait or scan (queued copies; from disk a
+        search waits: its reads go first, and faiss would read the same lists again)."""
         if not self.cache.capacity_rows:
             return None
         copy_missed = self.device.type == "cuda" if demand_copy is None else demand_copy
-        return DemandCopyPolicy(self.copy_bytes_per_ms, copy_missed=copy_missed)
+        return DemandCopyPolicy(self.copy_bytes_per_ms, copy_missed=copy_missed, hand_late=not self.on_disk)
 
     def check_cache_fits(self, cache_bytes: int, *, headroom_bytes: int = 0) -> None:
         """Refuse (`DeviceMemoryError`) a cluster cache of `cache_bytes` in place of this one that

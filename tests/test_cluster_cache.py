@@ -185,6 +185,9 @@ class Gated:
     def landed(self) -> bool:
         return all(p.landed() for p in self.parts) if self.parts else self.gate.is_set()
 
+    def hasten(self) -> None:
+        return None
+
     def wait(self, stream=None) -> None:
         for part in self.parts:
             part.wait()

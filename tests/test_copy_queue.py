@@ -24,6 +24,9 @@ class QueuedCopy:
     def landed(self) -> bool:
         return self.arrived
 
+    def hasten(self) -> None:
+        return None
+
     def wait(self, stream=None) -> None:
         self.arrived = True  # its rows are there already: waited on, it lands
 

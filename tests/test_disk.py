@@ -88,6 +88,38 @@ def ds_probe(ds, queries, nprobe):
         engine.close()
 
 
+@pytest.mark.parametrize("batch", [1, 8])
+def test_a_search_begun_while_its_prefetch_still_reads_answers_as_faiss_and_reads_each_list_once(tmp_path, monkeypatch, batch):
+    """The pre-retrieval call ended before the prefetch's reads did: the search scans its lists as
+    they land (hastened past the reads only the prefetch wants), never reading one again."""
+    import threading
+
+    ds = random_datastore(tmp_path / "ds", n=4000, nlist=NLIST)
+    engine = disk_engine(ds, 1.0)
+    rows: FileRows = engine.rows  # type: ignore[assignment]
+    gate, read = threading.Event(), FileRows._read
+
+    def slow_read(self, *args, **kwargs):
+        gate.wait(5)
+        read(self, *args, **kwargs)
+
+    monkeypatch.setattr(FileRows, "_read", slow_read)
+    try:
+        q = random_queries(batch, ds.dim, seed=5)
+        before = rows.bytes_read
+        handle = engine.prefetch(q, budget_bytes=engine.cache.capacity_bytes)
+        assert handle.lease is not None and not handle.lease.arrival.landed()
+        threading.Timer(0.1, gate.set).start()
+        result = assert_same_as_faiss(engine, q, 10, 6, prefetch=handle)
+        assert all(query.clusters_late == 0 for query in result.per_query)
+        handle.lease.arrival.wait()
+        stats = engine.cache_stats()
+        assert stats.bytes_copied + stats.bytes_read_for_scans == rows.bytes_read - before  # nothing read twice
+        engine.cache.check_invariants()
+    finally:
+        engine.close()
+
+
 def test_the_lists_no_cache_holds_are_read_once_for_the_whole_batch(tmp_path):
     ds = random_datastore(tmp_path / "ds", n=3000, nlist=NLIST)
     rows = FileRows(ds)
@@ -125,10 +157,33 @@ def test_reads_bypass_the_page_cache_or_drop_what_they_read(tmp_path, monkeypatc
         rows.close()
 
 
-def test_a_datastore_on_disk_is_searched_on_the_cpu_without_early_stop(tmp_path):
+def test_a_datastore_on_disk_is_searched_on_the_cpu_by_its_own_reads(tmp_path):
     ds = random_datastore(tmp_path / "ds", n=1000, nlist=8)
     with pytest.raises(InvalidCall, match="on the CPU"):
-        RetrievalEngine(ds, on_disk=True, early_stop=True)
+        RetrievalEngine(ds, on_disk=True, cpu_half=DiskListSearch(ds, FileRows(ds)))
+
+
+@pytest.mark.parametrize("share", [0.0, 0.3])
+def test_early_stop_from_disk_answers_as_faiss_and_never_reads_the_lists_it_rules_out(tmp_path, share):
+    """Few dimensions, queries at stored vectors: the bound rules lists out, and those are not read."""
+    from telerag.retrieval.early_stop import EarlyStopSearch
+
+    ds = random_datastore(tmp_path / "ds", n=20000, dim=4, nlist=NLIST)
+    queries = np.array(ds.vectors[:: ds.n_vectors // 6][:6])  # a high k-th score early
+    read = {}
+    for early_stop in (False, True):
+        engine = RetrievalEngine(ds, cache_bytes=int(ds.n_vectors * ds.dim * 4 * share), on_disk=True, early_stop=early_stop)
+        rows: FileRows = engine.rows  # type: ignore[assignment]
+        try:
+            for nprobe in (6, NLIST):
+                assert_same_as_faiss(engine, queries, 5, nprobe)
+            read[early_stop] = rows.bytes_read
+            if early_stop:
+                stopping: EarlyStopSearch = engine.cpu_half  # type: ignore[assignment]
+                assert stopping.counts.scanned < stopping.counts.probed
+        finally:
+            engine.close()
+    assert read[True] < read[False]  # with a cache, the lists read into it are read either way
 
 
 def test_a_live_datastore_on_disk_answers_as_faiss_after_writes(tmp_path):
@@ -232,8 +287,30 @@ def test_a_searchs_reads_go_before_the_prefetch_reads_still_queued():
     failing = pool.submit(ReadPool.SEARCH, lambda: 1 / 0)
     busy.set()
     for read in (first, *ahead, search):
-        read.result(5)
+        read.done.result(5)
     with pytest.raises(ZeroDivisionError):
-        failing.result(5)  # a read's error reaches whoever waits on it
+        failing.done.result(5)  # a read's error reaches whoever waits on it
     pool.shutdown()
     assert order == ["search", "ahead 0", "ahead 1"]
+
+
+def test_a_prefetch_read_a_search_waits_on_goes_before_the_rest_and_runs_once():
+    """A prefetch's reads queued behind a busy reader; a search comes to wait on the last of them:
+    it is hastened past the others, after the search's own reads already queued, and read once."""
+    import threading
+
+    from telerag.retrieval.disk import FileArrival, ReadPool
+
+    pool, order, busy = ReadPool(1), [], threading.Event()
+    first = pool.submit(ReadPool.AHEAD, lambda: busy.wait(5))
+    ahead = [pool.submit(ReadPool.AHEAD, lambda i=i: order.append(f"ahead {i}")) for i in range(3)]
+    search = pool.submit(ReadPool.SEARCH, lambda: order.append("search"))
+    waited = FileArrival(pool, [ahead[2]])
+    waited.hasten()
+    busy.set()
+    waited.wait()
+    for read in (first, *ahead, search):
+        read.done.result(5)
+    pool.shutdown()
+    assert order == ["search", "ahead 2", "ahead 0", "ahead 1"]
+    waited.hasten()  # landed: nothing queued again

@@ -309,3 +309,33 @@ def test_the_serve_path_upgrades_the_embedded_default_and_refuses_a_users_datast
     with pytest.raises(DatastoreMismatchError, match="telerag datastore upgrade"):
         load_datastore(wiki.path.parent / "mine", Encoder(), build_if_missing=False, early_stop=True)
     assert not (mine.path / LIST_STATS).exists()
+
+
+def test_list_major_early_stop_asks_for_each_list_in_one_round_only(tmp_path):
+    """From disk a round reads each of its lists once for the batch: with `list_major`, a list
+    one query's round takes is scanned for every query that has it left, so no list is asked for
+    (read) in two rounds, where plain early stop asks for some again; both answer as the full scan."""
+    ds = random_datastore(tmp_path / "ds", n=20000, dim=8, nlist=64)
+    index = CPUIndex(ds)
+    q = stored_vectors(ds, [0, 7000, 14000])
+    list_scores, lists = index.probe(q, ds.nlist)
+    repeated = {}
+    for list_major in (False, True):
+        asked: list[set[int]] = []
+
+        early = EarlyStopSearch(Recording(index, asked), ListBounds.of(ds), list_major=list_major)
+        assert_same(early.search_lists(q, 50, lists, list_scores), index.search(q, 50, ds.nlist))
+        assert len(asked) > 1 and early.counts.scanned < early.counts.probed
+        repeated[list_major] = sum(len(round_) for round_ in asked) - len(set().union(*asked))
+    assert repeated[False] > 0 and repeated[True] == 0
+
+
+class Recording:
+    """faiss over the lists asked for, each call's lists noted in `asked`."""
+
+    def __init__(self, index: CPUIndex, asked: list[set[int]]) -> None:
+        self.index, self.asked = index, asked
+
+    def search_lists(self, queries, k, lists, list_scores):
+        self.asked.append(set(lists[lists >= 0].tolist()))
+        return self.index.search_lists(queries, k, lists, list_scores)

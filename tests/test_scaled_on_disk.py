@@ -1,0 +1,56 @@
+"""`telerag datastore scale`: a datastore scaled up and written to disk a window of rows at a time
+is the datastore `bench e2e` scales in memory, row for row and passage for passage, loads with its
+checksums, and is searched from disk exactly as faiss searches it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from telerag.benchmarks.scaled import DatastoreScale, scaled_datastore, write_scaled_datastore
+from telerag.cli.main import main
+from telerag.retrieval.codecs import Codec
+from telerag.retrieval.datastore import Datastore
+from telerag.retrieval.engine import RetrievalEngine
+from tests.retrieval_helpers import assert_same_as_faiss
+
+
+def test_written_a_window_at_a_time_it_is_the_one_made_in_memory(base_datastore, tmp_path):
+    base = Datastore.load(base_datastore)
+    scale = DatastoreScale(vectors=3 * base.n_vectors + 5, nlist=16, noise=0.5)
+    window_rows = base.n_vectors // 2  # several windows, one ending inside a block write_datastore reads
+    path = write_scaled_datastore(base, scale, tmp_path / "scaled", window_bytes=window_rows * base.dim * 4, progress=False)
+    on_disk = Datastore.load(path)  # its checksums verified
+    in_memory = scaled_datastore(base, scale, progress=False)
+    try:
+        assert (on_disk.n_vectors, on_disk.nlist, on_disk.manifest.embedder) == (scale.vectors, 16, base.manifest.embedder)
+        assert np.array_equal(np.asarray(on_disk.vectors), np.asarray(in_memory.vectors))
+        assert np.array_equal(on_disk.offsets, in_memory.offsets) and np.array_equal(on_disk.centroids, in_memory.centroids)
+        np.testing.assert_array_equal(on_disk.list_stats, in_memory.list_stats)
+        rows = list(range(0, scale.vectors, 7))
+        assert on_disk.passages(rows) == in_memory.passages(rows)  # each replica's passage its source's
+    finally:
+        on_disk.close()
+        in_memory.close()
+
+
+def test_the_cli_writes_a_datastore_searched_from_disk_as_faiss(base_datastore, tmp_path, capsys):
+    out = tmp_path / "scaled"
+    base = Datastore.load(base_datastore)
+    n = 4 * base.n_vectors
+    base.close()
+    args = ["datastore", "scale", str(base_datastore), "--out", str(out), "--vectors", str(n), "--nlist", "24",
+            "--codec", "fp16", "--window-mb", "1"]  # fmt: skip
+    assert main(args) == 0
+    assert f"datastore written to {out}" in capsys.readouterr().out
+    scaled = Datastore.load(out)
+    engine = RetrievalEngine(scaled, cache_bytes=scaled.n_vectors * scaled.dim // 2, on_disk=True)
+    try:
+        assert scaled.codec is Codec.FP16 and scaled.n_vectors == n
+        queries = np.asarray(scaled.vectors[:: n // 6], dtype=np.float32) + 0.01
+        queries /= np.linalg.norm(queries, axis=1, keepdims=True)
+        assert_same_as_faiss(engine, queries, 5, 6)
+    finally:
+        engine.close()
+        scaled.close()
+    assert main(args) == 1  # refused before any work: the datastore written stays
+    assert "already holds a datastore" in capsys.readouterr().err and Datastore.load(out).n_vectors == n
