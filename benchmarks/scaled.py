@@ -233,7 +233,8 @@ class ScaledRows:
                 self._make_window(start)
                 first, end = self._window
             take = min(stop, end)
-            parts.append(self._codes[start - first : take - first])
+            part = self._codes[start - first : take - first]
+            parts.append(part if take == stop else part.copy())  # a copy: this window's memory is freed for the next
             start = take
         return np.concatenate(parts) if len(parts) != 1 else parts[0]
 

@@ -41,11 +41,11 @@ SCAN_BYTES = 256 << 20  # a search's lists read and scanned at a time: what it h
 
 @dataclass(eq=False)
 class _Read:
-    """One queued read; `claimed` once a reader took it (a hastened read is queued twice, run once)."""
+    """One queued read (a hastened one is queued twice, run once): `read` until a reader takes
+    it, then None, so that what the read writes into is not kept alive by whoever waited on it."""
 
-    read: Callable[[], None]
+    read: Callable[[], None] | None
     done: Future[None] = field(default_factory=Future)
-    claimed: bool = False
 
 
 class ReadPool:
@@ -72,7 +72,7 @@ class ReadPool:
     def hasten(self, tasks: Sequence[_Read]) -> None:
         """Queue `tasks` not yet taken again, as a search's (behind the search reads queued now)."""
         with self._claim:
-            waiting = [task for task in tasks if not task.claimed]
+            waiting = [task for task in tasks if task.read is not None]
         for task in waiting:
             self._queue.put((self.SEARCH, next(self._order), task))
 
@@ -88,16 +88,21 @@ class ReadPool:
             _, _, task = self._queue.get()
             if task is None:
                 return
-            with self._claim:
-                if task.claimed:
-                    continue  # hastened: a reader ran its other entry
-                task.claimed = True
-            if task.done.set_running_or_notify_cancel():
-                try:
-                    task.read()
-                    task.done.set_result(None)
-                except Exception as exc:  # noqa: BLE001 - handed to whoever waits on the read
-                    task.done.set_exception(exc)
+            self._run(task)
+
+    def _run(self, task: _Read) -> None:
+        """Run `task` unless a reader took it already; nothing of it is held after (an idle
+        reader keeps no buffer alive)."""
+        with self._claim:
+            read, task.read = task.read, None
+        if read is None:
+            return  # hastened: a reader took its other entry
+        if task.done.set_running_or_notify_cancel():
+            try:
+                read()
+                task.done.set_result(None)
+            except Exception as exc:  # noqa: BLE001 - handed to whoever waits on the read
+                task.done.set_exception(exc)
 
 
 class FileArrival:

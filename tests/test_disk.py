@@ -294,6 +294,28 @@ def test_a_searchs_reads_go_before_the_prefetch_reads_still_queued():
     assert order == ["search", "ahead 0", "ahead 1"]
 
 
+def test_a_landed_read_does_not_keep_what_it_read_into_alive(tmp_path):
+    """A search's part of lists is freed once scanned, not when the garbage collector next runs:
+    the reads that landed hold no reference to their buffer (a datastore larger than memory
+    reads many such parts a search)."""
+    import gc
+    import weakref
+
+    ds = random_datastore(tmp_path / "ds", n=1000, nlist=8)
+    rows = FileRows(ds)
+    gc.disable()
+    try:
+        out = np.empty((100, ds.dim), dtype=np.float32)
+        arrival = rows.read_rows(out, [(0, 0, 100)])
+        arrival.wait()
+        alive = weakref.ref(out)
+        del out
+        assert alive() is None and arrival.landed()
+    finally:
+        gc.enable()
+        rows.close()
+
+
 def test_a_prefetch_read_a_search_waits_on_goes_before_the_rest_and_runs_once():
     """A prefetch's reads queued behind a busy reader; a search comes to wait on the last of them:
     it is hastened past the others, after the search's own reads already queued, and read once."""
