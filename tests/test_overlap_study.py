@@ -28,7 +28,7 @@ async def test_study_reports_means_per_pipeline():
 
 
 async def test_study_counts_answers_that_are_empty_or_loop_on_the_cue():
-    """The model of issue 17 that only repeats the cue gives empty answers, never a looping one."""
+    """A model that only repeats the cue gives empty answers, never a looping one."""
     engine = ScriptedEngine(lambda prompt: Reply("Answer: Answer: Answer:" if "Nile" in prompt else "Answer: Paris"))
     pipelines = build_pipelines(engine, RecordingRetriever(), names=["naive"])
     questions = [Question("How long is the Nile?", None), Question("Capital of France?", None)]

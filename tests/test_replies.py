@@ -8,7 +8,7 @@ import pytest
 from telerag.pipelines.replies import ReplyStream, clean_reply
 
 CASES = [
-    ("Answer:\nAnswer:\nAnswer:\nAnswer:", ""),  # the loop issue 17 saw on the embedded default
+    ("Answer:\nAnswer:\nAnswer:\nAnswer:", ""),  # the loop the embedded default once fell into
     (" Answer: Leonardo da Vinci\nAnswer: Leonardo", "Leonardo da Vinci"),
     ("Answer: Paris Answer: Paris Answer:", "Paris"),
     (" Jupiter is the largest planet. ", "Jupiter is the largest planet."),

@@ -88,7 +88,7 @@ async def test_openai_client():
 
 async def test_openai_clients_limit_by_max_completion_tokens_and_learn_when_the_limit_cut_the_answer():
     """The SDK's current name for the limit is honoured as `max_tokens` is, and an answer the
-    limit cut says `length`, in the JSON and in the stream's last chunk (issue 31's first rows)."""
+    limit cut says `length`, in the JSON and in the stream's last chunk."""
     h = Harness()
     question = [{"role": "user", "content": "Capital of France?"}]
     async with h.client() as http:

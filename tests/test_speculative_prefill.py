@@ -1,4 +1,4 @@
-"""Speculative prefill (issue 28, item 4): the search's provisional top-k (faiss's half scanned
+"""Speculative prefill: the search's provisional top-k (faiss's half scanned
 chunk by chunk, the answer unchanged, over random datastores with and without a device half),
 the stability rule, and the pipelines prefilling the next call's prompt from it on the scripted
 engine: the same calls and answers as without it, the prompt the call sends prefilled, a changed
