@@ -20,6 +20,7 @@ scale`), a window of rows at a time, each replica's passage a copy of its source
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -33,8 +34,9 @@ from telerag.pipelines.retriever import DirectRetriever
 from telerag.retrieval.builder import check_nlist, default_nlist, lay_out_clusters
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Passage
-from telerag.retrieval.datastore import Datastore
+from telerag.retrieval.datastore import DOCUMENTS, Datastore
 from telerag.retrieval.datastore_writer import check_target, write_datastore
+from telerag.retrieval.documents import DocumentEntry
 from telerag.retrieval.early_stop import ListStats
 from telerag.retrieval.errors import DatastoreError, DeviceUnavailable
 from telerag.server.runtime import load_configured_datastore, load_embedder, open_configured_retriever
@@ -288,11 +290,33 @@ def write_scaled_datastore(
         vectors=rows,
         passages=_passages_of(base, sources),
         codec_params=params,
+        documents=_documents_of(base, layout.perm % base.n_vectors),
         overwrite=overwrite,
         progress=progress,
     )
     log.info("scaled datastore written to %s in %.1f s (%d windows)", path, time.perf_counter() - started, rows.windows_made)
     return path
+
+
+def _documents_of(base: Datastore, sources: np.ndarray) -> Iterator[DocumentEntry]:
+    """The base's documents, each holding the scaled rows whose passages copy one of its own (a
+    row's passage id is its row; `sources`: each row's base row), written with the datastore so
+    that a live one learns its documents from one file, not from every passage it holds."""
+    passages = base.passages(base.ids_of(np.arange(base.n_vectors)))
+    entries: dict[str, DocumentEntry] = {}
+    if base.path is not None and DOCUMENTS in base.manifest.files:
+        with (base.path / DOCUMENTS).open(encoding="utf-8") as handle:
+            entries = {entry.doc_id: entry for entry in map(DocumentEntry.from_json, map(json.loads, handle))}
+    names = list(dict.fromkeys(passage.doc_id for passage in passages))
+    number = {doc_id: i for i, doc_id in enumerate(names)}
+    document_of_row = np.array([number[passage.doc_id] for passage in passages], dtype=np.int64)[sources]
+    rows = np.argsort(document_of_row, kind="stable")
+    ends = np.cumsum(np.bincount(document_of_row, minlength=len(names)))
+    titles = {passage.doc_id: passage.title for passage in passages}
+    for i, doc_id in enumerate(names):
+        held = tuple(rows[ends[i - 1] if i else 0 : ends[i]].tolist())
+        built = DocumentEntry(doc_id, titles[doc_id], 1, held, None, {}, 0, None)
+        yield dataclasses.replace(entries[doc_id], passage_ids=held) if doc_id in entries else built
 
 
 def _passages_of(base: Datastore, ids: np.ndarray) -> Iterator[Passage]:

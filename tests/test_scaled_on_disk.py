@@ -4,12 +4,15 @@ checksums, and is searched from disk exactly as faiss searches it."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from telerag.benchmarks.scaled import DatastoreScale, scaled_datastore, write_scaled_datastore
 from telerag.cli.main import main
 from telerag.retrieval.codecs import Codec
-from telerag.retrieval.datastore import Datastore
+from telerag.retrieval.datastore import DOCUMENTS, Datastore
+from telerag.retrieval.documents import DocumentEntry
 from telerag.retrieval.engine import RetrievalEngine
 from tests.retrieval_helpers import assert_same_as_faiss
 
@@ -28,6 +31,13 @@ def test_written_a_window_at_a_time_it_is_the_one_made_in_memory(base_datastore,
         np.testing.assert_array_equal(on_disk.list_stats, in_memory.list_stats)
         rows = list(range(0, scale.vectors, 7))
         assert on_disk.passages(rows) == in_memory.passages(rows)  # each replica's passage its source's
+        # its documents written beside it (a live datastore need not read every passage to list them)
+        documents = [DocumentEntry.from_json(json.loads(line)) for line in (path / DOCUMENTS).open()]
+        held = np.concatenate([entry.passage_ids for entry in documents])
+        assert np.array_equal(np.sort(held), np.arange(scale.vectors))  # every row in one document
+        for entry in documents[:: max(1, len(documents) // 20)]:
+            assert {p.doc_id for p in on_disk.passages(list(entry.passage_ids))} == {entry.doc_id}
+        assert len(documents) == len({p.doc_id for p in base.passages(range(base.n_vectors))})
     finally:
         on_disk.close()
         in_memory.close()
