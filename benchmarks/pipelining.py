@@ -138,7 +138,8 @@ class ModeSetup:
                 BatchingRetriever(retriever, window_ms=settings.scheduler.batch_window_ms, max_batch=settings.scheduler.max_batch)
             ),
         )
-        self.early_stop = EarlyStopSearch(retriever.engine.index, ListBounds.of(retriever.datastore))
+        search = retriever.engine  # its CPU half as it scans: faiss in memory, or the lists read from disk
+        self.early_stop = EarlyStopSearch(search.cpu_half, ListBounds.of(retriever.datastore), list_major=search.on_disk)
         unchecked = dataclasses.replace(pipelining_config(settings.retrieval), check=False)
         floor, nlist = settings.retrieval.nprobe_floor, retriever.datastore.nlist
         self.pipelines: dict[Mode, dict[str, RagPipeline]] = {
@@ -261,7 +262,9 @@ def run_configured_pipelining_bench(
     engine = build_llm(settings, llm)
     retrieval = settings.retrieval.model_copy(update={"early_stop": True})  # the datastore's list statistics, loaded
     retriever = open_scaled_retriever(retrieval, scale)
-    retriever.engine.cpu_half = retriever.engine.index  # faiss's own, but where a mode says otherwise
+    stopping = retriever.engine.cpu_half
+    assert isinstance(stopping, EarlyStopSearch)
+    retriever.engine.cpu_half = stopping.inner  # faiss's own (or the disk's reads), but where a mode says otherwise
 
     async def main() -> list[PipeliningRow]:
         try:

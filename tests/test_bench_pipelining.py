@@ -71,3 +71,26 @@ def test_the_sequential_mode_cannot_be_left_out():
     config = PipeliningBenchConfig(pipelines=("flare",), questions=("q",), modes=(Mode.BUDGETED, Mode.SEQUENTIAL))
     assert config.modes == (Mode.SEQUENTIAL, Mode.BUDGETED)
     assert tuple(m.value for m in MODES) == MODE_NAMES  # the flag's choices, spelled without importing torch
+
+
+def test_bench_pipelining_over_a_datastore_read_from_disk(base_datastore, capsys, monkeypatch):
+    """Every mode searches the datastore as the server would serve it from disk (its lists read,
+    never scanned through its memory map), early stop and speculative prefill with the same
+    documents and answers as the sequential mode."""
+    from telerag.retrieval.disk import DiskListSearch
+
+    read, search_lists = [], DiskListSearch.search_lists
+    monkeypatch.setattr(DiskListSearch, "search_lists", lambda self, *args: read.append(1) or search_lists(self, *args))
+    code = main(
+        [
+            *("bench", "pipelining", "--tiny", "--embedder", str(tiny_embedder_dir(32, 0)), "--datastore", str(base_datastore)),
+            *("--device", "cpu", "--host-cache-mb", "0.05", "--pipelines", "iter_retgen"),
+            *("--modes", "sequential", "early_stop", "speculative", "--requests", "2", "--warmup", "1", "--max-tokens", "6"),
+            "--json",
+        ]
+    )
+    assert code == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["datastore"]["vectors"] == "read from disk" and read  # the misses read from the file
+    for row in report["rows"]:
+        assert row["same_documents"] == 1.0 and row["same_answers"] == 1.0
