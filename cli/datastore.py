@@ -78,23 +78,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     info.add_argument("--json", action="store_true", help="one JSON object")
     info.set_defaults(func=run_info)
 
-    scale = subparsers.add_parser(
-        "scale",
-        help="a datastore's vectors and noisy replicas of them, a larger datastore of its own (for larger-than-memory runs)",
-        description="Writes SOURCE scaled to --vectors vectors: its own and noisy replicas of them, each replica's "
-        "passage a copy of its source's, in --nlist lists trained on them. Made a window of rows at a time and written "
-        "in one pass, so the datastore may be larger than memory (serve it with --host-cache-mb).",
-    )
-    scale.add_argument("source", type=Path, help="the datastore to scale (fp32, with passages)")
-    scale.add_argument("--out", type=Path, required=True, help="datastore directory to write")
-    scale.add_argument("--vectors", type=int, required=True, help="vectors of the scaled datastore")
-    scale.add_argument("--nlist", type=int, default=None, help="IVF lists (default: about 4*sqrt(vectors))")
-    scale.add_argument("--noise", type=float, default=0.5, help="a replica is normalise(v + noise*g/sqrt(dim))")
-    scale.add_argument("--seed", type=int, default=0)
-    scale.add_argument("--codec", choices=[c.value for c in Codec], default=Codec.FP32.value)
-    scale.add_argument("--window-mb", type=int, default=4096, help="float32 rows made and held at once while writing")
-    scale.add_argument("--overwrite", action="store_true")
-    scale.set_defaults(func=run_scale)
+    _register_scale(subparsers)
 
     for name, what in (
         ("compact", "fold the documents written since into new files (the same results; writes go on meanwhile)"),
@@ -174,6 +158,26 @@ def run_info(args: argparse.Namespace) -> int:
         for key, value in facts.items():
             print(f"{key:<16}{value}")
     return 0
+
+
+def _register_scale(subparsers: argparse._SubParsersAction) -> None:
+    scale = subparsers.add_parser(
+        "scale",
+        help="a datastore's vectors and noisy replicas of them, a larger datastore of its own (for larger-than-memory runs)",
+        description="Writes SOURCE scaled to --vectors vectors: its own and noisy replicas of them, each replica's "
+        "passage a copy of its source's, in --nlist lists trained on them. Made a window of rows at a time and written "
+        "in one pass, so the datastore may be larger than memory (serve it with --host-cache-mb).",
+    )
+    scale.add_argument("source", type=Path, help="the datastore to scale (fp32, with passages)")
+    scale.add_argument("--out", type=Path, required=True, help="datastore directory to write")
+    scale.add_argument("--vectors", type=int, required=True, help="vectors of the scaled datastore")
+    scale.add_argument("--nlist", type=int, default=None, help="IVF lists (default: about 4*sqrt(vectors))")
+    scale.add_argument("--noise", type=float, default=0.5, help="a replica is normalise(v + noise*g/sqrt(dim))")
+    scale.add_argument("--seed", type=int, default=0)
+    scale.add_argument("--codec", choices=[c.value for c in Codec], default=Codec.FP32.value)
+    scale.add_argument("--window-mb", type=int, default=4096, help="float32 rows made and held at once while writing")
+    scale.add_argument("--overwrite", action="store_true")
+    scale.set_defaults(func=run_scale)
 
 
 def run_scale(args: argparse.Namespace) -> int:
