@@ -17,7 +17,9 @@ prompts another just sent. A pipelined search's final query is
 not checked beside the run (`pipelining.check` off): `same_documents` compares each request's
 documents with the sequential mode's instead. After each request, untimed, the searches its
 documents came from are replayed with every list probed (`search_recorder.SearchRecorder`): its
-`recall_at_k` against exhaustive search.
+`recall_at_k` against exhaustive search. With `cold`, the cluster cache is emptied before each
+request: over a datastore on disk every list a request probes is read anew, as the first request
+after the lists left the cache finds them.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class PipeliningBenchConfig:
     max_tokens: int = 32
     top_k: int = 3
     modes: tuple[Mode, ...] = MODES
+    cold: bool = False  # the cluster cache emptied before each request: every list read anew (from disk, a cold search)
 
     def __post_init__(self) -> None:
         if Mode.SEQUENTIAL not in self.modes:
@@ -179,6 +182,9 @@ class ModeSetup:
         """One request of `mode`, timed; then, untimed, its documents against exhaustive search."""
         if self.prefix_cache_mb:  # a new, empty one
             self.engine.use_prefix_cache(self.prefix_cache_mb)  # type: ignore[attr-defined]
+        if self.config.cold:
+            search = self.retriever.engine
+            search.resize_cache(search.cache.capacity_bytes)  # empty
         counts = self.early_stop.counts
         probed, scanned = counts.probed, counts.scanned
         with self.cpu_half(mode), self.recorder.question():

@@ -36,6 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--top-k", type=int, default=None, help="documents per search (default: the config's)")
     parser.add_argument("--questions", type=Path, default=packaged_config("questions_wiki_en.txt"))
+    parser.add_argument(
+        "--cold", action="store_true", help="empty the cluster cache before each request (from disk: every list read anew)"
+    )
     add_scaled_flags(parser)
     parser.add_argument("--json", action="store_true", help='print one JSON line last: {"rows": [...], ...}')
     add_runtime_flags(parser)
@@ -62,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         top_k=args.top_k or settings.retrieval.top_k,
         modes=tuple(Mode(m) for m in {"sequential", *args.modes}),
+        cold=args.cold,
     )
     log = logging.getLogger("telerag.bench.pipelining").info
     report = run_configured_pipelining_bench(settings, config, llm=llm, scale=scale, log=log)
@@ -75,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
                     "requests": config.requests,
                     "max_tokens": config.max_tokens,
                     "top_k": config.top_k,
+                    "cold": config.cold,
                     "rows": [asdict(r) for r in report.rows],
                 }
             )

@@ -84,13 +84,13 @@ def test_bench_pipelining_over_a_datastore_read_from_disk(base_datastore, capsys
     code = main(
         [
             *("bench", "pipelining", "--tiny", "--embedder", str(tiny_embedder_dir(32, 0)), "--datastore", str(base_datastore)),
-            *("--device", "cpu", "--host-cache-mb", "0.05", "--pipelines", "iter_retgen"),
+            *("--device", "cpu", "--host-cache-mb", "0.05", "--cold", "--pipelines", "iter_retgen"),
             *("--modes", "sequential", "early_stop", "speculative", "--requests", "2", "--warmup", "1", "--max-tokens", "6"),
             "--json",
         ]
     )
     assert code == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert report["datastore"]["vectors"] == "read from disk" and read  # the misses read from the file
+    assert report["datastore"]["vectors"] == "read from disk" and read and report["cold"]  # the misses read from the file
     for row in report["rows"]:
         assert row["same_documents"] == 1.0 and row["same_answers"] == 1.0
