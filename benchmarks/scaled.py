@@ -20,7 +20,6 @@ scale`), a window of rows at a time, each replica's passage a copy of its source
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -36,7 +35,7 @@ from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Passage
 from telerag.retrieval.datastore import DOCUMENTS, Datastore
 from telerag.retrieval.datastore_writer import check_target, write_datastore
-from telerag.retrieval.documents import DocumentEntry
+from telerag.retrieval.documents import DocumentEntry, read_documents
 from telerag.retrieval.early_stop import ListStats
 from telerag.retrieval.errors import DatastoreError, DeviceUnavailable
 from telerag.server.runtime import load_configured_datastore, load_embedder, open_configured_retriever
@@ -303,10 +302,8 @@ def _documents_of(base: Datastore, sources: np.ndarray) -> Iterator[DocumentEntr
     row's passage id is its row; `sources`: each row's base row), written with the datastore so
     that a live one learns its documents from one file, not from every passage it holds."""
     passages = base.passages(base.ids_of(np.arange(base.n_vectors)))
-    entries: dict[str, DocumentEntry] = {}
-    if base.path is not None and DOCUMENTS in base.manifest.files:
-        with (base.path / DOCUMENTS).open(encoding="utf-8") as handle:
-            entries = {entry.doc_id: entry for entry in map(DocumentEntry.from_json, map(json.loads, handle))}
+    has_file = base.path is not None and DOCUMENTS in base.manifest.files
+    entries = read_documents(base.path / DOCUMENTS) if base.path is not None and has_file else {}
     names = list(dict.fromkeys(passage.doc_id for passage in passages))
     number = {doc_id: i for i, doc_id in enumerate(names)}
     document_of_row = np.array([number[passage.doc_id] for passage in passages], dtype=np.int64)[sources]

@@ -10,6 +10,7 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -76,6 +77,13 @@ class DocumentEntry:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> DocumentEntry:
         return cls(**{**data, "passage_ids": tuple(data["passage_ids"])})
+
+
+def read_documents(path: Path) -> dict[str, DocumentEntry]:
+    """A generation's `documents.jsonl` (one `DocumentEntry` a line), by document id."""
+    with path.open(encoding="utf-8") as handle:
+        entries = [DocumentEntry.from_json(json.loads(line)) for line in handle]
+    return {entry.doc_id: entry for entry in entries}
 
 
 @dataclass(frozen=True)

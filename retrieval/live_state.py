@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -28,6 +27,7 @@ from telerag.retrieval.documents import (
     WriteOutcome,
     WriteRecord,
     WriteResult,
+    read_documents,
 )
 from telerag.retrieval.errors import DatastoreCorruptError, DatastoreError
 from telerag.retrieval.keywords import DeltaKeywords, GenerationKeywords, KeywordIndex
@@ -222,9 +222,7 @@ class GenerationState:
         if self._base is None:
             datastore = self.datastore
             if datastore.path is not None and DOCUMENTS in datastore.manifest.files:
-                with (datastore.path / DOCUMENTS).open(encoding="utf-8") as handle:
-                    entries = [DocumentEntry.from_json(json.loads(line)) for line in handle]
-                self._base = {entry.doc_id: entry for entry in entries}
+                self._base = read_documents(datastore.path / DOCUMENTS)
                 return self._base
             ids: dict[str, list[int]] = {}
             titles: dict[str, str] = {}
