@@ -43,8 +43,8 @@ from typing import Any
 import httpx
 import numpy as np
 
+from telerag.config.settings import Settings
 from telerag.pipelines.questions import Question
-from telerag.server.settings import Settings
 
 ROUTERS = ("cluster", "default")
 FRESHNESS_POLL_S = 5.0  # how long a write not found at once is asked for again, before it counts as never
@@ -225,7 +225,7 @@ async def one_process(
     """The one-process server (its app in process, the same settings without shards): each
     distinct question's documents, and the median latency one at a time."""
     from telerag.server.app import create_app, start_serving
-    from telerag.server.runtime import open_runtime
+    from telerag.server.process.runtime import open_runtime
 
     local = settings.model_copy(update={"cluster": settings.cluster.model_copy(update={"shards": 0})})
     async with open_runtime(local) as runtime:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from telerag.benchmarks.cluster import ClusterBenchConfig, ClusterReport, ClusterRow, ClusterWriteRow, StreamShape
-from telerag.server.settings import Settings
+from telerag.config.settings import Settings
 
 MARK = "BENCH_CLUSTER_REPORT "
 

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from telerag.benchmarks.scaled import DatastoreScale, open_scaled_retriever
+from telerag.config.settings import Settings, pre_retrieval_profile
 from telerag.engines.errors import EngineUnavailable, ModelNotFound
 from telerag.engines.types import Engine
 from telerag.pipelines.questions import run_one
@@ -44,9 +45,8 @@ from telerag.pipelines.retriever import DirectRetriever
 from telerag.pipelines.types import DatastoreInfo, RagResult, RunOptions
 from telerag.retrieval.errors import DeviceMemoryError
 from telerag.server.process.event_loop import run_event_loop
-from telerag.server.retrieval_batching import BatchingRetriever
-from telerag.server.runtime import build_engine
-from telerag.server.settings import Settings, pre_retrieval_profile
+from telerag.server.process.runtime import build_engine
+from telerag.server.scheduling.retrieval_batching import BatchingRetriever
 from telerag.utils.device import resolve_device
 
 
@@ -312,7 +312,7 @@ def build_llm(settings: Settings, llm: LLMChoice) -> Engine:
     if llm is LLMChoice.CONFIGURED:
         return build_engine(settings)
     from telerag.benchmarks.random_llm import random_weight_engine, tiny_random_lm
-    from telerag.engines.transformers import TransformersEngine
+    from telerag.engines.transformers.engine import TransformersEngine
 
     device = str(resolve_device(settings.engine.device, error=EngineUnavailable))
     if llm is LLMChoice.TINY:

@@ -35,9 +35,9 @@ import torch
 from transformers.generation.utils import GenerationMixin
 
 from telerag.benchmarks.random_llm import tiny_random_lm
-from telerag.engines.batching import left_pad
-from telerag.engines.checkpoints import converted_gguf, torch_dtype
-from telerag.engines.transformers import EMBEDDED_NAME, TransformersEngine
+from telerag.engines.transformers.batching import left_pad
+from telerag.engines.transformers.checkpoints import converted_gguf, torch_dtype
+from telerag.engines.transformers.engine import EMBEDDED_NAME, TransformersEngine
 from telerag.engines.types import SamplingParams
 
 QUESTIONS = [

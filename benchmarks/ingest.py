@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from telerag.documents.writer import DocumentText, DocumentWriter
 from telerag.pipelines.datastores import open_retriever
-from telerag.pipelines.documents import DocumentText, DocumentWriter
 from telerag.pipelines.retriever import DirectRetriever
 from telerag.pipelines.text_encoder import TextEncoder
 from telerag.pipelines.types import SearchOptions

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
+from telerag.config.settings import Settings
 from telerag.pipelines.prompts import holds_answer_cue
 from telerag.pipelines.questions import Question, run_questions
 from telerag.pipelines.retriever import DirectRetriever
 from telerag.pipelines.types import Pipeline, RunOptions, overlap_rates
-from telerag.server.runtime import open_runtime
-from telerag.server.settings import Settings
+from telerag.server.process.runtime import open_runtime
 
 
 @dataclass

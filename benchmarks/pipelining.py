@@ -37,6 +37,7 @@ import numpy as np
 from telerag.benchmarks.e2e import LLMChoice, build_llm
 from telerag.benchmarks.scaled import DatastoreScale, open_scaled_retriever
 from telerag.benchmarks.search_recorder import SearchRecorder
+from telerag.config.settings import Settings, pre_retrieval_profile
 from telerag.engines.types import Engine
 from telerag.pipelines.questions import run_one
 from telerag.pipelines.rag.base import RagPipeline
@@ -47,9 +48,8 @@ from telerag.pipelines.stats import SearchStats
 from telerag.pipelines.types import DatastoreInfo, RagResult, RunOptions
 from telerag.retrieval.early_stop import EarlyStopSearch, ListBounds
 from telerag.server.process.event_loop import run_event_loop
-from telerag.server.retrieval_batching import BatchingRetriever
-from telerag.server.runtime import pipelining_config
-from telerag.server.settings import Settings, pre_retrieval_profile
+from telerag.server.process.runtime import pipelining_config
+from telerag.server.scheduling.retrieval_batching import BatchingRetriever
 
 
 class Mode(StrEnum):

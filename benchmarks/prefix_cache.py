@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
+from telerag.config.settings import Settings
 from telerag.engines.errors import EngineUnavailable
 from telerag.pipelines.questions import Question, question_options
 from telerag.pipelines.types import Pipeline, RagResult, RunEvent, RunOptions, TokenEvent
-from telerag.server.settings import Settings
 
 if TYPE_CHECKING:  # torch comes with them: imported when the study runs (the CLI reads CACHE_MODES)
-    from telerag.engines.transformers import TransformersEngine
+    from telerag.engines.transformers.engine import TransformersEngine
 
 REPEAT_GAP = 2  # a repeated question comes back after this many others
 CACHE_MODES = ("off", "prefix", "per_document")  # per_document: the prefix cache, and documents' KV reused anywhere
@@ -138,8 +138,8 @@ async def prefix_cache_study(
 
 async def configured_prefix_cache_study(settings: Settings, config: PrefixCacheConfig) -> list[PrefixCacheRow]:
     """`prefix_cache_study` with the configured transformers engine and datastore."""
-    from telerag.engines.transformers import TransformersEngine
-    from telerag.server.runtime import open_runtime
+    from telerag.engines.transformers.engine import TransformersEngine
+    from telerag.server.process.runtime import open_runtime
 
     async with open_runtime(settings) as runtime:
         engine = runtime.engine

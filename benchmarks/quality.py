@@ -32,6 +32,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from telerag.benchmarks.search_recorder import SearchRecorder
+from telerag.config.settings import Settings
 from telerag.pipelines.prompts import holds_answer_cue
 from telerag.pipelines.questions import Question, question_options, run_one
 from telerag.pipelines.stats import PipeliningSummary, Timings
@@ -45,8 +46,7 @@ from telerag.pipelines.types import (
     overlap_rates,
 )
 from telerag.retrieval.ranking import DENSE, Ranking, SearchMode
-from telerag.server.runtime import load_reranker, open_retrieval, open_runtime
-from telerag.server.settings import Settings
+from telerag.server.process.runtime import load_reranker, open_retrieval, open_runtime
 
 # -------------------------------------------------------------------------------------------------
 # Answer metrics (SQuAD v1.1's evaluation script, rewritten)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from telerag.engines.errors import ModelNotFound
-from telerag.engines.transformers import TransformersEngine
+from telerag.engines.transformers.engine import TransformersEngine
 
 
 def tiny_random_lm(seed: int = 0) -> tuple[torch.nn.Module, Any]:

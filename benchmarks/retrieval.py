@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from telerag.benchmarks.early_stop import EarlyStopTimes, early_stop_phase
 from telerag.benchmarks.report import key_value_table
 from telerag.benchmarks.scaled import DatastoreScale, scaled_datastore
+from telerag.config.settings import load_settings
 from telerag.retrieval.builder import order_centroids
 from telerag.retrieval.cache import CopyWindow
 from telerag.retrieval.codecs import Codec
@@ -29,8 +30,7 @@ from telerag.retrieval.datastore_writer import add_list_stats, write_datastore
 from telerag.retrieval.engine import RetrievalEngine, SearchResult
 from telerag.retrieval.errors import DatastoreError, DeviceUnavailable
 from telerag.retrieval.ivf import same_results
-from telerag.server.runtime import load_configured_datastore, load_embedder
-from telerag.server.settings import load_settings
+from telerag.server.process.runtime import load_configured_datastore, load_embedder
 from telerag.utils.device import resolve_device
 
 

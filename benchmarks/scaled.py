@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from telerag.config.settings import RetrievalSettings
 from telerag.pipelines.retriever import DirectRetriever
 from telerag.retrieval.builder import check_nlist, default_nlist, lay_out_clusters
 from telerag.retrieval.codecs import Codec
@@ -38,8 +39,7 @@ from telerag.retrieval.datastore_writer import check_target, write_datastore
 from telerag.retrieval.documents import DocumentEntry, read_documents
 from telerag.retrieval.early_stop import ListStats
 from telerag.retrieval.errors import DatastoreError, DeviceUnavailable
-from telerag.server.runtime import load_configured_datastore, load_embedder, open_configured_retriever
-from telerag.server.settings import RetrievalSettings
+from telerag.server.process.runtime import load_configured_datastore, load_embedder, open_configured_retriever
 from telerag.utils.device import resolve_device
 from telerag.utils.progress import ProgressBar
 

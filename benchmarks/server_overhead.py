@@ -23,7 +23,8 @@ import numpy as np
 import uvicorn
 
 from telerag.benchmarks.random_llm import tiny_random_lm
-from telerag.engines.transformers import TransformersEngine
+from telerag.config.settings import Settings, load_settings, packaged_config
+from telerag.engines.transformers.engine import TransformersEngine
 from telerag.pipelines.datastores import open_retriever
 from telerag.pipelines.embedder import Embedder
 from telerag.pipelines.questions import read_questions, run_one
@@ -32,8 +33,7 @@ from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import read_wikipedia, split_passages
 from telerag.server.app import create_app, start_serving
 from telerag.server.process.event_loop import run_event_loop
-from telerag.server.runtime import Runtime
-from telerag.server.settings import Settings, load_settings, packaged_config
+from telerag.server.process.runtime import Runtime
 
 WARMUP = 3  # first requests left out of the figures
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from telerag.benchmarks.e2e import E2EConfig, LLMChoice, run_configured_e2e
 from telerag.benchmarks.tier import TierBenchConfig, run_tier_bench
-from telerag.server.settings import Settings
+from telerag.config.settings import Settings
 
 
 @dataclass(frozen=True)

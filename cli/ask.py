@@ -9,12 +9,12 @@ import json
 import logging
 
 from telerag.cli.runtime_flags import add_runtime_flags, overrides
-from telerag.pipelines.ingestion import IngestionProgress, unfinished_ingestion
+from telerag.config.settings import load_settings
+from telerag.documents.ingestion import IngestionProgress, unfinished_ingestion
 from telerag.pipelines.registry import PIPELINES
 from telerag.pipelines.stats import SearchStats
 from telerag.pipelines.types import RagResult, RunEvent, RunOptions, TokenEvent, ignore_events
 from telerag.server.protocols.rag import QueryResponse
-from telerag.server.settings import load_settings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -54,7 +54,7 @@ def print_token(event: RunEvent) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from telerag.server.runtime import open_runtime
+    from telerag.server.process.runtime import open_runtime
 
     settings = load_settings(args.config, overrides(args))
     logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")

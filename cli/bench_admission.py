@@ -56,8 +56,8 @@ def _positive(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from telerag.benchmarks.admission import AdmissionConfig, format_table, policies, run_admission_study
+    from telerag.config.settings import packaged_config
     from telerag.pipelines.questions import read_questions
-    from telerag.server.settings import packaged_config
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request

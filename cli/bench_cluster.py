@@ -12,8 +12,8 @@ from pathlib import Path
 
 from telerag.cli.preconditions import built_datastore, require_ray
 from telerag.cli.runtime_flags import add_cluster_flags, add_runtime_flags, overrides
+from telerag.config.settings import load_settings, packaged_config
 from telerag.pipelines.questions import read_questions
-from telerag.server.settings import load_settings, packaged_config
 
 ROUTERS = ("cluster", "default")  # benchmarks.cluster.ROUTERS, without importing it to parse flags
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from telerag.cli.runtime_flags import add_runtime_flags, nullable, overrides
 from telerag.cli.scaled_flags import add_scaled_flags, datastore_scale, llm_choice
+from telerag.config.settings import ENGINE_KIND_ALIASES, load_settings, packaged_config
 from telerag.pipelines.questions import read_questions
 from telerag.pipelines.registry import pipeline_names
-from telerag.server.settings import ENGINE_KIND_ALIASES, load_settings, packaged_config
 
 MODE_NAMES = ("cpu", "lookahead", "resident")  # benchmarks.e2e.Mode's, without importing torch to parse flags
 

@@ -9,7 +9,7 @@ import logging
 import sys
 from typing import get_args
 
-from telerag.server.settings import EngineDtype
+from telerag.config.settings import EngineDtype
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

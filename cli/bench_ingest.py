@@ -30,9 +30,9 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from telerag.benchmarks.ingest import IngestConfig, format_table, run_ingest
+    from telerag.config.settings import load_settings, packaged_config
     from telerag.pipelines.questions import read_questions
-    from telerag.server.runtime import load_configured_datastore, load_embedder
-    from telerag.server.settings import load_settings, packaged_config
+    from telerag.server.process.runtime import load_configured_datastore, load_embedder
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     given = {key: value for key in ("writes", "delete_share", "clients") if (value := getattr(args, key)) is not None}

@@ -8,8 +8,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from telerag.config.settings import load_settings, packaged_config
 from telerag.pipelines.questions import read_questions
-from telerag.server.settings import load_settings, packaged_config
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -11,9 +11,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from telerag.cli.runtime_flags import add_runtime_flags, overrides
+from telerag.config.settings import load_settings, packaged_config
 from telerag.pipelines.questions import read_questions
 from telerag.pipelines.registry import pipeline_names
-from telerag.server.settings import load_settings, packaged_config
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

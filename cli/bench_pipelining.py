@@ -12,9 +12,9 @@ from pathlib import Path
 
 from telerag.cli.runtime_flags import add_runtime_flags, overrides
 from telerag.cli.scaled_flags import add_scaled_flags, datastore_scale, llm_choice
+from telerag.config.settings import load_settings, packaged_config
 from telerag.pipelines.questions import read_questions
 from telerag.pipelines.registry import pipeline_names
-from telerag.server.settings import load_settings, packaged_config
 
 MODE_NAMES = ("sequential", "pipelined", "early_stop", "budgeted", "speculative")  # benchmarks.pipelining.Mode's, no torch
 

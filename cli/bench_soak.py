@@ -29,9 +29,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from telerag.benchmarks.soak import SoakConfig, format_table, soak
+    from telerag.config.settings import packaged_config
     from telerag.pipelines.questions import read_questions
     from telerag.pipelines.registry import pipeline_names
-    from telerag.server.settings import packaged_config
 
     questions = [q.text for q in read_questions(args.questions or packaged_config("questions_wiki_en.txt"))]
     config = SoakConfig(

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from telerag.cli.preconditions import built_datastore, require_ray
-from telerag.server.settings import load_settings
+from telerag.config.settings import load_settings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -11,7 +11,7 @@ import yaml
 
 from telerag.cli.preconditions import require_ray
 from telerag.cli.runtime_flags import add_cluster_flags, add_runtime_flags, overrides
-from telerag.server.settings import defaults_yaml, load_settings, settings_table
+from telerag.config.settings import defaults_yaml, load_settings, settings_table
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

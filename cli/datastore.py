@@ -1,5 +1,5 @@
 """`telerag datastore build`: a datastore ingested from a JSONL corpus or the built-in Wikipedia
-(`pipelines.ingestion`: a sample, then the rest written as documents, then retrained);
+(`documents.ingestion`: a sample, then the rest written as documents, then retrained);
 `telerag datastore scale`: a datastore and noisy replicas of it, a larger one (`benchmarks.scaled`);
 `telerag datastore upgrade`: what a datastore written by an older telerag lacks, added beside its files;
 `telerag datastore info`: a datastore as its writes have left it (documents, log, list imbalance);
@@ -49,7 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--sample-passages",
         type=int,
-        help="passages of the documents drawn at random to train the first lists on (default: 512, pipelines.ingestion)",
+        help="passages of the documents drawn at random to train the first lists on (default: 512, documents.ingestion)",
     )
     parser.add_argument("--overwrite", action="store_true")
     parser.set_defaults(func=run)
@@ -128,7 +128,7 @@ def _rebuild_on_server(url: str, api_key: str | None, kind: str, nlist: int | No
 
 
 def run_info(args: argparse.Namespace) -> int:
-    from telerag.pipelines.ingestion import IngestionRecord
+    from telerag.documents.ingestion import IngestionRecord
     from telerag.retrieval.live import opened
 
     record = IngestionRecord.read(args.path)
@@ -210,8 +210,8 @@ def run_upgrade(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from telerag.documents.ingestion import SAMPLE_PASSAGES, IngestionRecord, corpus_documents, ingest, write_seed
     from telerag.pipelines.embedder import Embedder
-    from telerag.pipelines.ingestion import SAMPLE_PASSAGES, IngestionRecord, corpus_documents, ingest, write_seed
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     shape = PassageShape(words=args.passage_words, overlap=args.passage_overlap, title=args.title)  # checked before loading

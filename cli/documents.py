@@ -26,10 +26,10 @@ from urllib.parse import quote
 import httpx
 
 from telerag.cli.runtime_flags import NULL, nullable
-from telerag.pipelines.documents import DocumentWriter, document_of_file
-from telerag.pipelines.files import SUPPORTED_EXTENSIONS
+from telerag.config.settings import RetrievalSettings, load_settings
+from telerag.documents.conversion import SUPPORTED_EXTENSIONS
+from telerag.documents.writer import DocumentWriter, document_of_file
 from telerag.retrieval.live import LiveDatastore
-from telerag.server.settings import RetrievalSettings, load_settings
 from telerag.utils.progress import ProgressBar
 
 BATCH_FILES = 32  # files written to a datastore directory at once (one sync)
@@ -206,7 +206,7 @@ class DirectoryDocuments:
     holds it), its documents embedded by the configured embedder, `BATCH_FILES` files per sync."""
 
     def __init__(self, retrieval: RetrievalSettings) -> None:
-        from telerag.server.runtime import load_embedder
+        from telerag.server.process.runtime import load_embedder
 
         embedder = load_embedder(retrieval)
         self.live = LiveDatastore.open(retrieval.datastore, embedder=embedder.name, dim=embedder.dim, writable=True)

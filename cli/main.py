@@ -32,10 +32,10 @@ from telerag.cli import (
     documents,
     serve,
 )
+from telerag.config.settings import SettingsError
 from telerag.engines.errors import EngineError
 from telerag.pipelines.errors import PipelineError
 from telerag.retrieval.errors import RetrievalError
-from telerag.server.settings import SettingsError
 
 
 def build_parser() -> argparse.ArgumentParser:

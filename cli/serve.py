@@ -8,9 +8,9 @@ import logging
 
 from telerag.cli.preconditions import require_ray
 from telerag.cli.runtime_flags import add_cluster_flags, add_runtime_flags, nullable, overrides
+from telerag.config.settings import ENGINE_KIND_ALIASES, load_settings
 from telerag.server.process.event_loop import run_event_loop
 from telerag.server.process.serve import serve
-from telerag.server.settings import ENGINE_KIND_ALIASES, load_settings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -1,2 +1,2 @@
 """The packaged defaults (`telerag.config`): settings, prefetch profiles, the question set.
-Read with `telerag.server.settings.packaged_config`; copy `default.yaml` to change it."""
+Read with `telerag.config.settings.packaged_config`; copy `default.yaml` to change it."""

@@ -70,7 +70,7 @@ OnChunk = Callable[[TokenChunk], bool | None]
 
 @runtime_checkable
 class Engine(Protocol):
-    """An LLM. Implementations: `engines.transformers.TransformersEngine`, `engines.sglang.SGLangEngine`."""
+    """An LLM. Implementations: `engines.transformers.engine.TransformersEngine`, `engines.sglang.SGLangEngine`."""
 
     name: str
 

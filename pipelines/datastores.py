@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from telerag.pipelines.ingestion import corpus_documents, finish_ingestion, ingestion_pending, write_seed
+from telerag.documents.ingestion import corpus_documents, finish_ingestion, ingestion_pending, write_seed
 from telerag.pipelines.retriever import DirectRetriever
 from telerag.pipelines.text_encoder import TextEncoder
 from telerag.retrieval.cache import CacheBuffer

@@ -133,7 +133,7 @@ def write_clustered(
     progress: bool = False,
 ) -> Path:
     """Reorder centroids for locality, sort vectors (and passages) by list, and write the datastore.
-    `content_hashes`: each document's (`pipelines.documents.DocumentText.content_hash`), kept
+    `content_hashes`: each document's (`documents.writer.DocumentText.content_hash`), kept
     with its passages' ids in `documents.jsonl`, so that writing the same document again later
     changes nothing (a passage's id is then its place in `passages`, so that a document's ids run
     in the order of its passages, as a written document's do); None: the documents are read from

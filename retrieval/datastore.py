@@ -47,8 +47,8 @@ from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Passage, PassageShape
 from telerag.retrieval.errors import DatastoreCorruptError, DatastoreError, DatastoreMismatchError, PassageNotFound
 from telerag.retrieval.generations import Generation, generation_dir, is_generation_file, read_generation
-from telerag.utils.files import file_sha256
 from telerag.utils.progress import ProgressBar
+from telerag.utils.storage import file_sha256
 
 log = logging.getLogger(__name__)
 

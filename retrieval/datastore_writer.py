@@ -41,8 +41,8 @@ from telerag.retrieval.datastore import (
 from telerag.retrieval.documents import DocumentEntry
 from telerag.retrieval.early_stop import ListStats
 from telerag.retrieval.errors import DatastoreError
-from telerag.utils.files import file_sha256, fsync_path, write_by_rename
 from telerag.utils.progress import ProgressBar
+from telerag.utils.storage import file_sha256, fsync_path, write_by_rename
 
 log = logging.getLogger(__name__)
 

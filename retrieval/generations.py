@@ -18,11 +18,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from telerag.retrieval.errors import DatastoreCorruptError
-from telerag.utils.files import write_by_rename
+from telerag.utils.storage import write_by_rename
 
 POINTER = "live.json"
 LOCK = "live.lock"  # held (flock) by the process that writes the datastore
-INGESTION = "ingestion.json"  # how far a corpus's ingestion into the datastore is (`pipelines.ingestion`)
+INGESTION = "ingestion.json"  # how far a corpus's ingestion into the datastore is (`documents.ingestion`)
 _GENERATION_DIR = re.compile(r"gen-(\d{6})")
 _WAL = re.compile(r"wal-(\d{6})\.log")
 

@@ -60,7 +60,7 @@ from telerag.retrieval.generations import (
 from telerag.retrieval.live_state import GenerationState
 from telerag.retrieval.snapshot import Snapshot
 from telerag.retrieval.wal import LogRecord, WriteAheadLog, read_log
-from telerag.utils.files import fsync_path
+from telerag.utils.storage import fsync_path
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Opening a datastore to search: loaded and checked against the embedder that will search it
 (`open_datastore`), and live, every write since it was written replayed, writable by the one
 process that holds it (`open_live`). Building one, and taking an ingestion that has not ended to
-its end, is the pipelines' (`pipelines.datastores`, `pipelines.ingestion`): they embed."""
+its end, is the pipelines' (`pipelines.datastores`, `documents.ingestion`): they embed."""
 
 from __future__ import annotations
 

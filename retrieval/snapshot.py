@@ -99,7 +99,7 @@ class Snapshot:
     def excluding(self, ids: Sequence[int] | np.ndarray) -> Snapshot:
         """This snapshot with the living ones of `ids` left out as the deleted are: a search of it
         is exact over the rest, as faiss's with an ID selector that leaves them out (a search's
-        filter, `pipelines.attribute_filters`)."""
+        filter, `file_search.attribute_filters`)."""
         ids = np.unique(np.asarray(ids, dtype=np.int64))
         ids, lists = self._lists_of(ids[~self.is_deleted(ids)])
         if not len(ids):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from telerag.retrieval.errors import DatastoreCorruptError, DatastoreError
-from telerag.utils.files import fsync_path
+from telerag.utils.storage import fsync_path
 
 log = logging.getLogger(__name__)
 

@@ -9,15 +9,16 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from telerag.pipelines.file_store import FileStore
+from telerag.config.settings import Settings
+from telerag.file_search.file_store import FileStore
+from telerag.file_search.vector_store_index import StoreResources
+from telerag.file_search.vector_stores import VectorStores
 from telerag.pipelines.registry import PIPELINES
-from telerag.pipelines.vector_store_index import StoreResources
-from telerag.pipelines.vector_stores import VectorStores
 from telerag.retrieval.stats import CacheStats
 from telerag.server import errors
 from telerag.server.auth import Access
-from telerag.server.metrics import Metrics
 from telerag.server.middleware import BodyLimit, ErrorDialect, RequestId, ServingGate
+from telerag.server.observability.metrics import Metrics
 from telerag.server.openapi import extend_schema
 from telerag.server.process.lifecycle import Lifecycle
 from telerag.server.protocols.common import default_max_tokens
@@ -40,7 +41,6 @@ from telerag.server.routes import (
     vector_stores,
 )
 from telerag.server.service import Service
-from telerag.server.settings import Settings
 
 if TYPE_CHECKING:
     from telerag.server.service import ServedRuntime

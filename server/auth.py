@@ -13,8 +13,8 @@ from fastapi import Depends
 from fastapi.params import Depends as Dependency
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from telerag.config.settings import ServerSettings
 from telerag.server.errors import Unauthorized
-from telerag.server.settings import ServerSettings
 
 BEARER = HTTPBearer(auto_error=False, description="one of the server's API keys (`server.api_key`, `server.api_keys`)")
 

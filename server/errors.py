@@ -25,25 +25,27 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from telerag.engines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted
-from telerag.pipelines.errors import (
+from telerag.documents.errors import (
+    DocumentError,
     DocumentsTooLarge,
-    EmbedderError,
-    FileBatchNotFound,
-    FileNotFound,
-    FilesTooLarge,
     FileUnreadable,
     InvalidDocument,
-    PipelineError,
     RebuildRunning,
-    UnknownPipeline,
     UnsupportedFile,
+    WritesBusy,
+)
+from telerag.engines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted
+from telerag.file_search.errors import (
+    FileBatchNotFound,
+    FileNotFound,
+    FileSearchError,
+    FilesTooLarge,
     VectorStoreFileNotFound,
     VectorStoreNotFound,
     VectorStoresTooLarge,
     VectorStoresUnavailable,
-    WritesBusy,
 )
+from telerag.pipelines.errors import EmbedderError, PipelineError, UnknownPipeline
 from telerag.retrieval.errors import (
     DatastoreError,
     DatastoreReadOnly,
@@ -60,9 +62,8 @@ log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # a 429 or 503 whose cause has no better estimate of when to come back
 NOT_READY_RETRY_AFTER_S = 5  # loading or draining: a load takes seconds to minutes, a drain up to its grace
 
-request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "telerag_request_id", default=None
-)  # set by middleware.RequestId
+# set by middleware.RequestId
+request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("telerag_request_id", default=None)
 openai_route: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "telerag_openai_route", default=False
 )  # set by middleware.ErrorDialect: this request's errors name OpenAI's class of error in `type`
@@ -395,5 +396,5 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unhandled)
-    for cls in (ServerError, PipelineError, EngineError, RetrievalError):
+    for cls in (ServerError, PipelineError, DocumentError, FileSearchError, EngineError, RetrievalError):
         app.add_exception_handler(cls, lambda _request, exc: response_for(exc))

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 from fastapi import Request
 
-from telerag.pipelines.errors import VectorStoresUnavailable
+from telerag.config.settings import DEADLINE_STOP_LEAD_S, Settings, packaged_config
+from telerag.file_search.errors import VectorStoresUnavailable
 from telerag.pipelines.questions import read_questions
 from telerag.pipelines.rag.query_rewrite import REWRITE_OPTIONS
 from telerag.pipelines.types import (
@@ -35,19 +36,18 @@ from telerag.retrieval.ranking import Ranking, SearchMode
 from telerag.retrieval.recall import RecallEstimate
 from telerag.retrieval.rerank import Reranker
 from telerag.retrieval.stats import CacheStats
+from telerag.server.admission.admitted_run import AdmittedRun
 from telerag.server.admission.calibration import Calibration, load_calibration
 from telerag.server.admission.policy import admission_policy
 from telerag.server.admission.workload import DEFAULT_PASSAGE_WORDS, TOKENS_PER_WORD, ServedWork, Workload
-from telerag.server.admitted_run import AdmittedRun
 from telerag.server.errors import DocumentsUnavailable, InvalidField, Refusal, RequestTimeout, UnsupportedField
-from telerag.server.metrics import Metrics
-from telerag.server.scraped_metrics import LiveReport
-from telerag.server.settings import DEADLINE_STOP_LEAD_S, Settings, packaged_config
+from telerag.server.observability.metrics import Metrics
+from telerag.server.observability.scraped_metrics import LiveReport
 
 if TYPE_CHECKING:
-    from telerag.pipelines.documents import DocumentWriter
-    from telerag.pipelines.ingestion import Ingestion, IngestionProgress
-from telerag.pipelines.rebuilds import Rebuilds
+    from telerag.documents.ingestion import Ingestion, IngestionProgress
+    from telerag.documents.writer import DocumentWriter
+from telerag.documents.rebuilds import Rebuilds
 
 
 class ServedRuntime(Protocol):

@@ -10,12 +10,12 @@ from collections.abc import Iterator
 import httpx
 import openai
 
+from telerag.config.settings import Settings
 from telerag.pipelines.types import DatastoreInfo
 from telerag.retrieval.stats import CacheStats
 from telerag.server.app import create_app, start_serving
 from telerag.server.process.connections import ConnectionLimits, guarded_protocol
-from telerag.server.runtime import Runtime
-from telerag.server.settings import Settings
+from telerag.server.process.runtime import Runtime
 from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
 from tests.serving import serving
 

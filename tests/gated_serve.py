@@ -3,7 +3,7 @@ in the middle of its load or of a request:
 
     python -m tests.gated_serve [--import-gate FILE] [--checksum-gate FILE] [--search-gate FILE] serve ARGS...
 
-`--import-gate`: the import of `telerag.server.runtime` (what brings torch) holds until FILE
+`--import-gate`: the import of `telerag.server.process.runtime` (what brings torch) holds until FILE
 exists. `--checksum-gate`: the load's checksum pass holds before `vectors.npy` (the other files are
 already counted in its progress) until FILE exists. `--search-gate`: every search holds until
 FILE exists (a request is then in flight for as long as the test wants). Only this test
@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
     while argv and argv[0].startswith("--"):
         option, gate = argv.pop(0), Path(argv.pop(0))
         if option == "--import-gate":
-            sys.meta_path.insert(0, ImportGate("telerag.server.runtime", gate))
+            sys.meta_path.insert(0, ImportGate("telerag.server.process.runtime", gate))
         elif option == "--checksum-gate":
             sha256 = datastore.file_sha256
 

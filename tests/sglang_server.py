@@ -10,13 +10,13 @@ import json
 import sys
 import types
 
+from telerag.config.settings import Settings
 from telerag.engines.sglang import SGLangEngine
-from telerag.server import runtime as runtime_module
+from telerag.server.process import runtime as runtime_module
 from telerag.server.process.event_loop import run_event_loop
 from telerag.server.process.lifecycle import Lifecycle
+from telerag.server.process.runtime import Runtime
 from telerag.server.process.serve import serve
-from telerag.server.runtime import Runtime
-from telerag.server.settings import Settings
 from tests.fake_app import DATASTORE_INFO
 from tests.fake_sglang import FakeEngine, Script
 from tests.fakes import RecordingRetriever

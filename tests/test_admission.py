@@ -12,14 +12,14 @@ from collections import deque
 import httpx
 import pytest
 
+from telerag.config.settings import Settings
 from telerag.pipelines.registry import PIPELINES
 from telerag.server.admission.deadline import MAX_HELD, DeadlineAdmission, Ticket
 from telerag.server.admission.model import ERROR_WINDOW, EstimateError, Rates, ServiceRate
 from telerag.server.admission.workload import PROFILE_MIN_SAMPLES, RequestCost
 from telerag.server.app import create_app, start_serving
 from telerag.server.errors import Overloaded, Refusal
-from telerag.server.runtime import Runtime
-from telerag.server.settings import Settings
+from telerag.server.process.runtime import Runtime
 from tests.fake_app import DATASTORE_INFO
 from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
 from tests.scripted_pipelines import UNSURE, make, run

@@ -5,7 +5,7 @@ within the deadline 99 times in 100; admission's goodput (answers within the dea
 second) is at least that of the better of the two simple policies, admitting everything (vLLM,
 SGLang) and a fixed number in flight (TGI); and a burst that fits is admitted whole.
 
-The engine is continuous batching as `engines/transformers.py` does it: between two
+The engine is continuous batching as `engines/transformers/engine.py` does it: between two
 decode steps the prompts that arrived are prefilled, holding up every row; then one step decodes
 a token for every row, and a row leaves when its answer is done. A step takes
 `STEP_S + ROW_S * rows + PREFILL_S * prompt tokens`, so a batch serves more per second than one

@@ -14,6 +14,7 @@ import openai
 import pytest
 from pydantic import ValidationError
 
+from telerag.config.settings import Settings
 from telerag.engines.types import Generation, SamplingParams, TokenChunk
 from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH
 from telerag.pipelines.stats import (
@@ -32,7 +33,6 @@ from telerag.retrieval.stats import PrefetchStats
 from telerag.server.app import create_app, start_serving
 from telerag.server.protocols.rag import QueryResponse
 from telerag.server.routes import openai as openai_routes
-from telerag.server.settings import Settings
 from tests.fake_app import Harness
 from tests.fakes import Reply, ScriptedEngine
 from tests.serving import serving

@@ -101,7 +101,7 @@ def test_rounds_are_one_or_more(capsys):
 
 
 def test_an_admission_margin_out_of_range_is_refused_in_one_line(monkeypatch):
-    from telerag.server.settings import SettingsError, load_settings
+    from telerag.config.settings import SettingsError, load_settings
 
     monkeypatch.setenv("TELERAG_SCHEDULER__ADMISSION_MARGIN", "1.5")
     with pytest.raises(SettingsError, match="admission_margin"):

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from telerag.cli.main import main
-from telerag.engines.greedy_screen import GreedyScreen
+from telerag.engines.transformers.greedy_screen import GreedyScreen
 
 
 def test_the_command_prints_every_method_and_one_json_line(capsys):
@@ -55,7 +55,7 @@ def test_an_engine_with_a_greedy_screen_is_also_measured_without_it(capsys, monk
     whatever the CPU), a fifth method serves the same requests concurrently with the screen off:
     the same tokens, and the screen's gain in the JSON."""
     monkeypatch.setattr(
-        "telerag.engines.transformers.greedy_screen_for",
+        "telerag.engines.transformers.engine.greedy_screen_for",
         lambda model, device: GreedyScreen(model.get_output_embeddings().weight.detach()),
     )
     assert main(["bench", "generate", "--tiny", "--prompts", "3", "--max-tokens", "4", "--json"]) == 0

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
+from telerag.config.settings import Settings
 from telerag.server.admission.calibration import Calibration, calibration_path, load_calibration, save_calibration
 from telerag.server.admission.model import EstimateError, Measured, ServiceRate
 from telerag.server.admission.workload import CallOutput, ServedWork, Workload
-from telerag.server.settings import Settings
 from tests.fakes import Reply, ScriptedEngine
 from tests.test_admission import app_client
 

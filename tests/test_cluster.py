@@ -22,10 +22,10 @@ import httpx
 import pytest
 import yaml
 
+from telerag.config.settings import Settings
 from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import Article, split_passages
 from telerag.server.app import create_app, start_serving
-from telerag.server.settings import Settings
 from telerag.utils.processes import free_port
 from tests.document_stream import DocumentStream
 from tests.serving import save_tiny_lm
@@ -190,7 +190,7 @@ def wait_ready(base: str) -> None:
 
 async def one_process_documents(settings: Settings, questions: list[str]) -> list[list[int]]:
     """What the one-process server serves for `questions` (its app in process, the same settings)."""
-    from telerag.server.runtime import open_runtime
+    from telerag.server.process.runtime import open_runtime
 
     local = settings.model_copy(update={"cluster": settings.cluster.model_copy(update={"shards": 0})})
     async with open_runtime(local) as runtime:

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 import uvicorn
 
+from telerag.config.settings import ServerSettings
 from telerag.server.process.connections import OVER_BOUND_GRACE_S, ConnectionLimits, uvicorn_options
-from telerag.server.settings import ServerSettings
 from tests.fake_app import HEADER_TIMEOUT_S, KEEP_ALIVE_S, MAX_CONNECTIONS, serving_on_fakes
 
 SLACK_S = 3.0  # how much later than its deadline a close may come on a busy machine (never asserted as a timing)

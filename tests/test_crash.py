@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from telerag.pipelines.documents import DocumentText
+from telerag.documents.writer import DocumentText
 from tests.serving import ServerProcess, build_small_datastore, save_tiny_lm, start_server
 from tests.tiny_models import tiny_embedder_dir
 

@@ -32,12 +32,12 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
+from telerag.config.settings import Settings
 from telerag.retrieval.live import LiveStats
 from telerag.retrieval.recall import RecallEstimate
 from telerag.retrieval.stats import CacheStats
-from telerag.server.metrics import Metrics
-from telerag.server.scraped_metrics import LiveReport
-from telerag.server.settings import Settings
+from telerag.server.observability.metrics import Metrics
+from telerag.server.observability.scraped_metrics import LiveReport
 from telerag.utils.processes import free_port, stop
 
 pytestmark = pytest.mark.minutes(2)  # pip resolving both images' requirements, a Prometheus scraping a server
@@ -424,7 +424,7 @@ def test_the_dashboard_queries_only_metrics_the_server_exports():
     for title, expr in dashboard_queries():
         names = metric_names(expr)
         assert names, f"{title}: no metric in {expr}"
-        assert names <= exported, f"{title}: {sorted(names - exported)} are not exported by server/metrics.py"
+        assert names <= exported, f"{title}: {sorted(names - exported)} are not exported by server/observability/metrics.py"
 
 
 # --- slow: the requirement sets resolve -------------------------------------------------------
@@ -531,7 +531,7 @@ def serving(settings) -> Iterator[str]:
     import uvicorn
 
     from telerag.server.app import create_app, start_serving
-    from telerag.server.runtime import open_runtime
+    from telerag.server.process.runtime import open_runtime
 
     state: dict = {}
 
@@ -620,10 +620,10 @@ def small_deployment(tmp_path_factory):
     import numpy as np
 
     from telerag.benchmarks.random_llm import tiny_random_lm
+    from telerag.config.settings import Settings
     from telerag.pipelines.embedder import Embedder
     from telerag.retrieval.builder import build_datastore
     from telerag.retrieval.corpus import Article, split_passages
-    from telerag.server.settings import Settings
     from tests.tiny_models import tiny_embedder_dir
 
     tmp = tmp_path_factory.mktemp("deployment")

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from telerag.server.app import create_app, start_serving
-from telerag.server.runtime import Runtime
+from telerag.server.process.runtime import Runtime
 from telerag.server.service import Service
 from tests.fake_app import DATASTORE_INFO, settings
 from tests.fakes import RecordingRetriever, Reply, ScriptedEngine

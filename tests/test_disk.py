@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from telerag.pipelines.documents import DocumentText, DocumentWriter
+from telerag.documents.writer import DocumentText, DocumentWriter
 from telerag.retrieval import disk
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.disk import DiskListSearch, FileRows
@@ -243,7 +243,7 @@ async def test_a_server_answers_from_a_datastore_read_from_disk(tmp_path):
     import httpx
 
     from telerag.server.app import create_app, start_serving
-    from telerag.server.runtime import Runtime, open_configured_retriever
+    from telerag.server.process.runtime import Runtime, open_configured_retriever
     from tests.fake_app import settings
     from tests.fakes import Reply, ScriptedEngine
 
@@ -291,9 +291,9 @@ def load(path, embedder):
 
 
 def test_a_host_cache_is_refused_on_cuda_for_now():
+    from telerag.config.settings import RetrievalSettings
     from telerag.retrieval.errors import DeviceUnavailable
-    from telerag.server.runtime import cluster_cache_bytes
-    from telerag.server.settings import RetrievalSettings
+    from telerag.server.process.runtime import cluster_cache_bytes
 
     with pytest.raises(DeviceUnavailable, match="host_cache_mb"):
         cluster_cache_bytes(RetrievalSettings(host_cache_mb=64), "cuda")

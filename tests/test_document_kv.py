@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache
 
-from telerag.engines.document_kv import ChunkedIds, DocumentKV, rope_frequencies
-from telerag.engines.prefix_cache import PrefixHit
+from telerag.engines.transformers.document_kv import ChunkedIds, DocumentKV, rope_frequencies
+from telerag.engines.transformers.prefix_cache import PrefixHit
 from telerag.engines.types import SamplingParams
 from telerag.pipelines import prompts
 from telerag.pipelines.types import Document

@@ -9,11 +9,11 @@ import time
 
 import pytest
 
+from telerag.documents.errors import InvalidDocument, WritesBusy
+from telerag.documents.writer import DocumentText, DocumentWriter
 from telerag.pipelines import embedding_priority
 from telerag.pipelines.datastores import open_retriever
-from telerag.pipelines.documents import DocumentText, DocumentWriter
 from telerag.pipelines.embedding_priority import EmbeddingPriority
-from telerag.pipelines.errors import InvalidDocument, WritesBusy
 from telerag.pipelines.retriever import DirectRetriever
 from telerag.pipelines.types import SearchOptions
 from telerag.retrieval.documents import WriteOutcome

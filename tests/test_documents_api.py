@@ -13,12 +13,12 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from telerag.pipelines import rebuilds as rebuilds_module
+from telerag.documents import rebuilds as rebuilds_module
+from telerag.documents.rebuilds import Rebuilds
+from telerag.documents.writer import DocumentWriter
 from telerag.pipelines.datastores import open_retriever
-from telerag.pipelines.documents import DocumentWriter
-from telerag.pipelines.rebuilds import Rebuilds
 from telerag.server.app import create_app, start_serving
-from telerag.server.runtime import Runtime
+from telerag.server.process.runtime import Runtime
 from tests.fake_app import settings
 from tests.fakes import Reply, ScriptedEngine
 from tests.retrieval_helpers import HashEmbedder, topic_datastore

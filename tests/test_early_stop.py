@@ -27,7 +27,7 @@ from telerag.retrieval.errors import DatastoreError, DatastoreMismatchError
 from telerag.retrieval.ivf import CPUIndex, same_results
 from telerag.retrieval.shards import ShardRows, merge_shard_results
 from telerag.retrieval.tier import ShardReplica
-from telerag.utils.files import file_sha256
+from telerag.utils.storage import file_sha256
 from tests.retrieval_helpers import DEVICES, random_datastore, random_queries, stored_vectors
 
 

@@ -16,10 +16,10 @@ import torch
 
 from telerag.benchmarks.random_llm import tiny_random_lm
 from telerag.engines import StopFilter, format_chat
-from telerag.engines.checkpoints import converted_gguf
-from telerag.engines.decoding import Detokenizer
 from telerag.engines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, ModelNotFound
-from telerag.engines.transformers import TransformersEngine
+from telerag.engines.transformers.checkpoints import converted_gguf
+from telerag.engines.transformers.decoding import Detokenizer
+from telerag.engines.transformers.engine import TransformersEngine
 from telerag.engines.types import Engine, Generation, SamplingParams, TokenChunk
 from tests.tiny_models import tiny_engine
 

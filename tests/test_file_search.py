@@ -14,10 +14,10 @@ import openai
 import pytest
 from langchain_openai import ChatOpenAI
 
-from telerag.pipelines.attribute_filters import Comparison
-from telerag.pipelines.store_retriever import StoresRetriever
+from telerag.file_search.attribute_filters import Comparison
+from telerag.file_search.store_retriever import StoresRetriever
+from telerag.file_search.vector_store_records import Attach
 from telerag.pipelines.types import SearchOptions
-from telerag.pipelines.vector_store_records import Attach
 from telerag.retrieval.ivf import same_results
 from tests.test_vector_stores_api import MARKDOWN, PDF, faiss_reference, keyed, served_stores, stores_app
 

@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from telerag.pipelines.errors import FileUnreadable, UnsupportedFile
-from telerag.pipelines.files import SUPPORTED_EXTENSIONS, ConvertedFile, FileFormat, convert, file_format
+from telerag.documents.conversion import SUPPORTED_EXTENSIONS, ConvertedFile, FileFormat, convert, file_format
+from telerag.documents.errors import FileUnreadable, UnsupportedFile
 
 
 def _literal(text: str) -> bytes:
@@ -245,5 +245,5 @@ def test_malformed_markup_is_read_as_a_browser_reads_it():
 
 
 def test_importing_the_module_does_not_load_the_pdf_library():
-    code = "import sys, telerag.pipelines.files; print('pypdfium2' in sys.modules)"
+    code = "import sys, telerag.documents.conversion; print('pypdfium2' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from telerag.pipelines.errors import FilesTooLarge
-from telerag.pipelines.file_store import FileStore
+from telerag.file_search.errors import FilesTooLarge
+from telerag.file_search.file_store import FileStore
 from tests.fake_app import Harness, sdk
 
 MARKDOWN = b"# Harbour notes\n\nThe harbour has towers of blue pumpkins.\n"

@@ -9,11 +9,11 @@ import asyncio
 
 import pytest
 
+from telerag.config.settings import SchedulerSettings
 from telerag.server.admission.deadline import DeadlineAdmission
 from telerag.server.admission.policy import FixedLimit, admission_policy
 from telerag.server.admission.workload import RequestCost
 from telerag.server.errors import Overloaded, Refusal, status_of
-from telerag.server.settings import SchedulerSettings
 from tests.fakes import Reply, ScriptedEngine
 from tests.test_admission import app_client, refusals
 

@@ -1,4 +1,4 @@
-"""The greedy screen of the output layer (`engines.greedy_screen`): greedy rows keep
+"""The greedy screen of the output layer (`engines.transformers.greedy_screen`): greedy rows keep
 their argmax, every other row its whole float32 logits, and the engine answers as without it."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-from telerag.engines import greedy_screen as screen_module
-from telerag.engines.greedy_screen import GreedyScreen, greedy_screen_for
+from telerag.engines.transformers import greedy_screen as screen_module
+from telerag.engines.transformers.greedy_screen import GreedyScreen, greedy_screen_for
 from telerag.engines.types import SamplingParams
 from tests.tiny_models import tiny_engine
 
@@ -76,12 +76,12 @@ def test_the_screen_is_used_only_where_it_pays_and_is_sound(monkeypatch):
     """A CPU with AMX, a float32 layer of a large vocabulary, and logits that are the last state
     times that layer: Gemma 3 gets one; a small vocabulary, a CPU without AMX, or a model that
     changes its logits after the layer (Gemma 2's soft-capping) gets none."""
-    monkeypatch.setattr("telerag.engines.checkpoints.cpu_has_amx", lambda: True)
+    monkeypatch.setattr("telerag.engines.transformers.checkpoints.cpu_has_amx", lambda: True)
     cpu = torch.device("cpu")
     assert isinstance(greedy_screen_for(_model(screen_module.SCREENED_VOCAB, None), cpu), GreedyScreen)
     assert greedy_screen_for(_model(1000, None), cpu) is None
     assert greedy_screen_for(_model(screen_module.SCREENED_VOCAB, 5.0), cpu) is None
-    monkeypatch.setattr("telerag.engines.checkpoints.cpu_has_amx", lambda: False)
+    monkeypatch.setattr("telerag.engines.transformers.checkpoints.cpu_has_amx", lambda: False)
     assert greedy_screen_for(_model(screen_module.SCREENED_VOCAB, None), cpu) is None
 
 

@@ -1,4 +1,4 @@
-"""A corpus ingested into a new datastore (`pipelines.ingestion`): a seed of whole documents drawn at
+"""A corpus ingested into a new datastore (`documents.ingestion`): a seed of whole documents drawn at
 random, then the rest written a block at a time, then retrained; every document there once, with
 its content hash; an ingestion stopped part-way goes on from its last block (a document deleted
 meanwhile stays deleted); what `telerag ask` and the benchmarks open is ingested whole first; a
@@ -14,10 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from telerag.pipelines.datastores import load_datastore
-from telerag.pipelines.documents import DocumentText, DocumentWriter
-from telerag.pipelines.embedder import Embedder
-from telerag.pipelines.ingestion import (
+from telerag.documents.ingestion import (
     Ingestion,
     IngestionRecord,
     corpus_documents,
@@ -25,6 +22,9 @@ from telerag.pipelines.ingestion import (
     ingestion_pending,
     write_seed,
 )
+from telerag.documents.writer import DocumentText, DocumentWriter
+from telerag.pipelines.datastores import load_datastore
+from telerag.pipelines.embedder import Embedder
 from telerag.retrieval.builder import default_nlist
 from telerag.retrieval.corpus import Article, PassageShape, read_jsonl
 from telerag.retrieval.datastore_writer import check_target
@@ -250,11 +250,11 @@ async def test_every_answer_says_how_much_of_the_corpus_it_searched_while_the_re
     (documents held of those expected), as JSON, as the stream's first event, through the openai
     SDK; and says nothing once the corpus is all written. `telerag ask` reads the same from the
     datastore's record."""
+    from telerag.documents.ingestion import unfinished_ingestion
+    from telerag.documents.rebuilds import Rebuilds
     from telerag.pipelines.datastores import open_retriever
-    from telerag.pipelines.ingestion import unfinished_ingestion
-    from telerag.pipelines.rebuilds import Rebuilds
     from telerag.server.app import create_app, start_serving
-    from telerag.server.runtime import Runtime
+    from telerag.server.process.runtime import Runtime
     from tests.fake_app import sdk, settings
     from tests.fakes import Reply, ScriptedEngine
 

@@ -74,7 +74,7 @@ def test_installed_wheel_serves_from_another_directory(wheel, tmp_path):
     }
     env.pop("TELERAG_CONFIG", None)
     where = subprocess.run(
-        [*python, "-c", "import telerag, telerag.server.settings as s; print(*telerag.__path__, s.__file__, s.DEFAULT_CONFIG)"],
+        [*python, "-c", "import telerag, telerag.config.settings as s; print(*telerag.__path__, s.__file__, s.DEFAULT_CONFIG)"],
         cwd=elsewhere,
         env=env,
         check=True,

@@ -1,10 +1,12 @@
 """The import rules the package depends on: everything under the `telerag` namespace (an
 installed wheel has no top-level `server` or `retrieval`), and one-way layering
-cli -> benchmarks -> server -> pipelines -> engines -> retrieval -> utils: the command line on
-top, calling into the server and the benchmarks; the pipelines over the two services they drive,
-the LLM engines (which know nothing of RAG: their contract and errors are their own) and
-retrieval; shared utilities at the bottom, knowing nothing above them. No layer reaches up, not
-even with an import inside a function."""
+cli -> benchmarks -> server -> file_search -> pipelines -> documents -> engines -> config ->
+retrieval -> utils: the command line on top, calling into the server and the benchmarks; OpenAI's
+file search over the pipelines' retriever contract; the pipelines over the two services they
+drive, the LLM engines (which know nothing of RAG: their contract and errors are their own) and
+retrieval, and over the documents written into a datastore; the settings of every layer above
+the retrieval types they name; shared utilities at the bottom, knowing nothing above them. No
+layer reaches up, not even with an import inside a function."""
 
 from __future__ import annotations
 
@@ -17,7 +19,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ["utils", "retrieval", "engines", "pipelines", "server", "benchmarks", "cli"]  # each may import only those before it
+LAYERS = [
+    "utils",
+    "retrieval",
+    "config",
+    "engines",
+    "documents",
+    "pipelines",
+    "file_search",
+    "server",
+    "benchmarks",
+    "cli",
+]  # each may import only those before it
 SOURCES = [path for layer in LAYERS for path in sorted((ROOT / layer).rglob("*.py"))]
 BENCH_COMMANDS = sorted((ROOT / "cli").glob("bench_*.py"))
 
@@ -34,7 +47,7 @@ def imported_modules(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("path", SOURCES + sorted((ROOT / "tests").glob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
 def test_imports_use_the_telerag_namespace(path):
-    bare = [name for name in imported_modules(path) if name.split(".")[0] in [*LAYERS, "config"]]
+    bare = [name for name in imported_modules(path) if name.split(".")[0] in LAYERS]
     assert not bare, f"import these as telerag.<name>: {bare}"
 
 
@@ -50,7 +63,7 @@ def test_the_layers_are_the_installed_packages():
     """Every top-level package the wheel installs (pyproject's package-dir) has its place in the
     order, so a new package cannot slip past these rules."""
     package_dirs = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["package-dir"]
-    assert set(package_dirs.values()) - {"config"} == set(LAYERS)
+    assert set(package_dirs.values()) == set(LAYERS)
 
 
 def test_every_bench_command_calls_into_benchmarks():

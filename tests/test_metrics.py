@@ -8,7 +8,7 @@ from telerag.pipelines.rag.base import SEARCH
 from telerag.pipelines.stats import PrefetchSummary, SearchStats, Timings
 from telerag.pipelines.types import RagResult, Step
 from telerag.retrieval.stats import CacheStats
-from telerag.server.metrics import Metrics
+from telerag.server.observability.metrics import Metrics
 
 
 def test_metrics_count_late_clusters_and_copy_waits():

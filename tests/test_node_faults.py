@@ -28,7 +28,7 @@ from collections import Counter
 import pytest
 
 from telerag.benchmarks.ray_netns import kill_all, pids_in
-from telerag.server.settings import Settings
+from telerag.config.settings import Settings
 from tests.document_stream import DocumentStream
 from tests.netns_cluster import cluster_for_test, driver_findings
 

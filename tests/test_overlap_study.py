@@ -7,10 +7,10 @@ import json
 
 from telerag.benchmarks.overlap import OverlapReport, OverlapRow, format_table, overlap_study
 from telerag.cli.main import main
+from telerag.config.settings import packaged_config
 from telerag.pipelines.questions import Question, read_questions
 from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.types import RunOptions
-from telerag.server.settings import packaged_config
 from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
 from tests.serving import build_small_datastore, save_tiny_lm
 from tests.tiny_models import tiny_embedder_dir

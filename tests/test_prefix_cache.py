@@ -15,14 +15,14 @@ import pytest
 import torch
 from langchain_openai import ChatOpenAI
 
-from telerag.engines.prefix_cache import LayerKV, PrefixCache
-from telerag.engines.transformers import TransformersEngine
+from telerag.engines.transformers.engine import TransformersEngine
+from telerag.engines.transformers.prefix_cache import LayerKV, PrefixCache
 from telerag.engines.types import Generation, SamplingParams
 from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.types import Document, RunOptions, ignore_events
 from telerag.retrieval.stats import CacheStats
 from telerag.server.app import create_app, start_serving
-from telerag.server.runtime import Runtime
+from telerag.server.process.runtime import Runtime
 from tests.fake_app import DATASTORE_INFO, sdk, settings
 from tests.fakes import RecordingRetriever
 from tests.tiny_models import tiny_engine

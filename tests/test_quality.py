@@ -17,6 +17,7 @@ from telerag.benchmarks.quality import (
 from telerag.benchmarks.random_llm import tiny_random_lm
 from telerag.benchmarks.search_recorder import SearchRecorder
 from telerag.cli import main as cli
+from telerag.config.settings import packaged_config
 from telerag.pipelines.datastores import open_retriever
 from telerag.pipelines.embedder import Embedder
 from telerag.pipelines.prompts import holds_answer_cue
@@ -24,7 +25,6 @@ from telerag.pipelines.questions import read_questions
 from telerag.pipelines.types import Document, SearchOptions
 from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import read_wikipedia, split_passages
-from telerag.server.settings import packaged_config
 from tests.retrieval_helpers import tiny_cross_encoder
 from tests.tiny_models import tiny_embedder_dir
 

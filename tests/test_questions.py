@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from telerag.benchmarks.quality import normalize_answer
+from telerag.config.settings import packaged_config
 from telerag.pipelines.questions import Question, parse_question, read_questions
 from telerag.pipelines.types import Turn
 from telerag.retrieval.corpus import read_wikipedia
-from telerag.server.settings import packaged_config
 
 QUESTIONS = packaged_config("questions_wiki_en.txt")
 FOLLOW_UPS = packaged_config("followups_wiki_en.txt")

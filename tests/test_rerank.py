@@ -88,8 +88,8 @@ async def test_a_vector_store_search_reranks_unless_the_ranker_is_none(cross_enc
 
 
 def test_the_runtime_loads_the_configured_reranker_and_none_without(cross_encoder):
-    from telerag.server.runtime import load_reranker
-    from telerag.server.settings import RetrievalSettings
+    from telerag.config.settings import RetrievalSettings
+    from telerag.server.process.runtime import load_reranker
 
     assert load_reranker(RetrievalSettings()) is None
     loaded = load_reranker(RetrievalSettings(reranker=cross_encoder, embedder_device="cpu"))

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import pytest
 
 from telerag.pipelines.types import PrefetchRequest, PrefetchTicket, SearchOptions, SearchOutcome, SearchRequest
-from telerag.server.retrieval_batching import BatchingRetriever
+from telerag.server.scheduling.retrieval_batching import BatchingRetriever
 from tests.fakes import RecordingRetriever
 
 

@@ -149,7 +149,7 @@ async def test_a_mean_query_scores_each_document_by_its_mean_score_over_the_text
 async def test_the_batching_scheduler_carries_mean_queries(retriever):
     """A mean query and a plain one batched into one call get what each gets alone (exactly tied
     documents in either order: the hashed corpus has them)."""
-    from telerag.server.retrieval_batching import BatchingRetriever
+    from telerag.server.scheduling.retrieval_batching import BatchingRetriever
 
     batching = BatchingRetriever(retriever, window_ms=50, max_batch=8)
     options = SearchOptions(top_k=5, nprobe=2)

@@ -12,18 +12,18 @@ from pydantic import ValidationError
 from telerag.benchmarks.random_llm import tiny_random_lm
 from telerag.cli import runtime_flags
 from telerag.cli.main import build_parser
-from telerag.engines.checkpoints import torch_dtype
+from telerag.config.settings import Settings, SettingsError, load_settings
 from telerag.engines.errors import EngineUnavailable
-from telerag.engines.transformers import TransformersEngine
+from telerag.engines.transformers.checkpoints import torch_dtype
+from telerag.engines.transformers.engine import TransformersEngine
 from telerag.engines.types import SamplingParams
 from telerag.pipelines.errors import EmbedderError
 from telerag.pipelines.registry import PIPELINES
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.errors import DatastoreCorruptError, DatastoreMismatchError, DeviceUnavailable
-from telerag.server import runtime
 from telerag.server.errors import status_of
+from telerag.server.process import runtime
 from telerag.server.process.serve import startup_failure
-from telerag.server.settings import Settings, SettingsError, load_settings
 from telerag.utils.device import resolve_device
 from telerag.utils.progress import StepProgress
 from tests.fake_sglang import FakeEngine
@@ -156,7 +156,7 @@ def test_cluster_cache_takes_what_the_llm_leaves(monkeypatch):
 
 
 def test_pre_retrieval_profile(tmp_path: Path):
-    from telerag.server.settings import pre_retrieval_profile
+    from telerag.config.settings import pre_retrieval_profile
 
     profile = pre_retrieval_profile()
     assert set(PIPELINES) <= profile.keys() and profile["naive"] == 0 and profile["hyde"] > 0
@@ -170,7 +170,7 @@ def test_pre_retrieval_profile(tmp_path: Path):
 
 
 def test_settings_precedence(tmp_path: Path, monkeypatch):
-    from telerag.server.settings import load_settings
+    from telerag.config.settings import load_settings
 
     config = tmp_path / "c.yaml"
     config.write_text("server:\n  port: 7000\n  host: 0.0.0.0\nscheduler:\n  max_batch: 5\n")

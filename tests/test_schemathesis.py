@@ -21,13 +21,13 @@ import httpx
 import pytest
 
 from loadtest import fuzz_ids
+from telerag.config.settings import Settings
+from telerag.documents.rebuilds import Rebuilds
+from telerag.documents.writer import DocumentWriter
+from telerag.file_search.vector_store_index import StoreResources
 from telerag.pipelines.datastores import open_retriever
-from telerag.pipelines.documents import DocumentWriter
-from telerag.pipelines.rebuilds import Rebuilds
-from telerag.pipelines.vector_store_index import StoreResources
 from telerag.server.app import create_app, start_serving
-from telerag.server.runtime import Runtime
-from telerag.server.settings import Settings
+from telerag.server.process.runtime import Runtime
 from tests.retrieval_helpers import topic_datastore
 from tests.serving import serving
 from tests.tiny_models import tiny_engine

@@ -17,7 +17,7 @@ from telerag.pipelines.types import SearchOptions
 from telerag.retrieval.documents import DocumentUpsert
 from telerag.retrieval.recall import query_recall
 from telerag.server.app import create_app, start_serving
-from telerag.server.runtime import Runtime
+from telerag.server.process.runtime import Runtime
 from tests.fake_app import settings
 from tests.fakes import Reply, ScriptedEngine
 from tests.retrieval_helpers import HashEmbedder, topic_datastore

@@ -13,7 +13,7 @@ import yaml
 from packaging.requirements import Requirement
 
 from telerag.cli.main import main
-from telerag.server.settings import SettingsError, load_settings
+from telerag.config.settings import SettingsError, load_settings
 
 pytest.importorskip("ray", reason="the Serve config needs the `ray` extra")
 

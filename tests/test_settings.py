@@ -1,5 +1,5 @@
 """The settings' one source: `config/default.yaml` and the manual's table of every setting
-(docs/configuration.md) are generated from the models in `server/settings.py`; a value a setting
+(docs/configuration.md) are generated from the models in `config/settings.py`; a value a setting
 cannot take is refused in one line naming it, from the file, the environment or a flag, and
 `null` means None in all three."""
 
@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from telerag.cli.main import main
-from telerag.server.settings import (
+from telerag.config.settings import (
     DEFAULT_CONFIG,
     MACHINE_DEFAULT,
     LimitSettings,
@@ -34,7 +34,7 @@ def every_setting() -> list[str]:
 
 def test_the_default_file_is_generated_from_the_settings():
     assert DEFAULT_CONFIG.read_text(encoding="utf-8") == defaults_yaml(), (
-        "config/default.yaml differs from server/settings.py: regenerate it with `telerag config defaults > config/default.yaml`"
+        "config/default.yaml differs from config/settings.py: regenerate it with `telerag config defaults > config/default.yaml`"
     )
 
 
@@ -61,7 +61,7 @@ def test_the_manual_table_is_generated_from_the_settings(capsys):
     assert manual.count(TABLE_START) == 1 and manual.count(TABLE_END) == 1, "docs/configuration.md lost its table's markers"
     table = manual.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0]
     assert table == settings_table(), (
-        "docs/configuration.md's settings table differs from server/settings.py: replace the lines between its "
+        "docs/configuration.md's settings table differs from config/settings.py: replace the lines between its "
         "markers with the output of `telerag config reference`"
     )
     assert main(["config", "reference"]) == 0

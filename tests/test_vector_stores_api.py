@@ -21,12 +21,12 @@ import openai
 import pytest
 import torch
 
-from telerag.pipelines.attribute_filters import Comparison
+from telerag.file_search.attribute_filters import Comparison
+from telerag.file_search.file_store import FileStore
+from telerag.file_search.vector_store_index import StoreResources
+from telerag.file_search.vector_store_records import Attach, FileStatus, StoreFile, StoreRecord
+from telerag.file_search.vector_stores import VectorStores
 from telerag.pipelines.embedding_priority import EmbeddingPriority
-from telerag.pipelines.file_store import FileStore
-from telerag.pipelines.vector_store_index import StoreResources
-from telerag.pipelines.vector_store_records import Attach, FileStatus, StoreFile, StoreRecord
-from telerag.pipelines.vector_stores import VectorStores
 from telerag.retrieval.builder import default_nlist
 from telerag.retrieval.cache import CacheBuffer
 from telerag.retrieval.corpus import PassageShape
@@ -34,7 +34,7 @@ from telerag.retrieval.engine import default_nprobe
 from telerag.retrieval.ivf import same_results
 from telerag.retrieval.live import opened
 from telerag.server.app import create_app, start_serving
-from telerag.server.runtime import Runtime
+from telerag.server.process.runtime import Runtime
 from tests.fake_app import DATASTORE_INFO, settings
 from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
 from tests.retrieval_helpers import HashEmbedder

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from telerag.benchmarks.random_llm import tiny_random_lm
-from telerag.engines.transformers import TransformersEngine
+from telerag.engines.transformers.engine import TransformersEngine
 from telerag.pipelines import prompts
 from telerag.pipelines.embedder import Embedder
 

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from telerag.config.settings import Settings
 from telerag.server.admission.model import Measured
 from telerag.server.admission.workload import CallOutput, ServedWork, Workload
-from telerag.server.settings import Settings
-from telerag.utils.files import write_by_rename
+from telerag.utils.storage import write_by_rename
 
 log = logging.getLogger(__name__)
 

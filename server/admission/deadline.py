@@ -52,10 +52,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import NoReturn
 
+from telerag.config.settings import DEADLINE_MARGIN
 from telerag.server.admission.model import EstimateError, Job, Measured, Rates, ServiceRate, plan_finishes
 from telerag.server.admission.workload import RequestCost
 from telerag.server.errors import Overloaded, Refusal
-from telerag.server.settings import DEADLINE_MARGIN
 
 logger = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn, Protocol
 
+from telerag.config.settings import SchedulerSettings
 from telerag.server.admission.deadline import AdmittedTickets, DeadlineAdmission, Ticket
 from telerag.server.admission.model import Measured
 from telerag.server.admission.workload import RequestCost
 from telerag.server.errors import Overloaded, Refusal
-from telerag.server.settings import SchedulerSettings
 
 
 class AdmissionPolicy(Protocol):

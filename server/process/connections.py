@@ -27,8 +27,8 @@ from typing import Any, Literal, Protocol
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from telerag.config.settings import ServerSettings
 from telerag.server.errors import TooManyConnections, response_for
-from telerag.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 

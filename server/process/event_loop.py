@@ -8,7 +8,7 @@ import sys
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from telerag.server.settings import Settings
+from telerag.config.settings import Settings
 
 T = TypeVar("T")
 

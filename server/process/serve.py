@@ -17,17 +17,17 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import uvicorn
 from fastapi import FastAPI
 
+from telerag.config.settings import Settings
 from telerag.engines.errors import EngineError
 from telerag.pipelines.errors import PipelineError
 from telerag.retrieval.corpus import WIKIPEDIA_SOURCE
 from telerag.retrieval.datastore import MANIFEST, Manifest
 from telerag.retrieval.errors import DatastoreError, RetrievalError
 from telerag.server.admission.calibration import calibration_path, save_calibration
-from telerag.server.metrics import Metrics
+from telerag.server.observability.metrics import Metrics
 from telerag.server.process.connections import uvicorn_options
 from telerag.server.process.lifecycle import Lifecycle
 from telerag.server.service import Service
-from telerag.server.settings import Settings
 
 if TYPE_CHECKING:
     pass  # imported when serving: it brings torch
@@ -142,7 +142,7 @@ async def _load(settings: Settings, lifecycle: Lifecycle, metrics: Metrics) -> S
     # imported here, in a thread: it brings torch (seconds), and `/health` answers meanwhile.
     # The module's attribute is looked up, not imported by name: a test launcher may replace it.
     lifecycle.loading("loading libraries")
-    runtime_module = await asyncio.to_thread(importlib.import_module, "telerag.server.runtime")
+    runtime_module = await asyncio.to_thread(importlib.import_module, "telerag.server.process.runtime")
     runtime = await runtime_module.load_runtime(settings, lifecycle, writable=settings.documents.writable)
     service = Service(runtime, metrics)
     kept = _calibration_file(service)

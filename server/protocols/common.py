@@ -21,8 +21,8 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, PydanticCustomError, core_schema
 
+from telerag.config.settings import LimitSettings
 from telerag.pipelines.types import Document
-from telerag.server.settings import LimitSettings
 
 # A query needs one character that is not white space. Spelled out rather than `\S`, whose
 # meaning differs between regex engines (U+0085 and U+FEFF): so pydantic, JSON Schema (ECMA-262)

@@ -8,13 +8,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, create_model
 
-from telerag.pipelines.documents import NON_BLANK, DocumentText, DocumentWriter
-from telerag.pipelines.ingestion import IngestionProgress
-from telerag.pipelines.rebuilds import Rebuild
+from telerag.config.settings import DocumentSettings
+from telerag.documents.ingestion import IngestionProgress
+from telerag.documents.rebuilds import Rebuild
+from telerag.documents.writer import NON_BLANK, DocumentText, DocumentWriter
 from telerag.retrieval.documents import DocumentEntry, WriteOutcome, WriteResult
 from telerag.server.protocols.common import INTEGRAL
 from telerag.server.protocols.ops import IngestionInfo, LiveInfo
-from telerag.server.settings import DocumentSettings
 
 MAX_ID_CHARS = 512
 MAX_TITLE_CHARS = 1024

@@ -7,9 +7,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
+from telerag.config.settings import LimitSettings
 from telerag.pipelines.types import TextEmbeddings
 from telerag.server.protocols.common import INTEGRAL, refuse
-from telerag.server.settings import LimitSettings
 
 
 class EmbeddingRequest(BaseModel):

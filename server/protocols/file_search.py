@@ -1,6 +1,6 @@
 """OpenAI's `file_search` tool, as both OpenAI APIs take it (`protocols.conversation`): the
 request's pipeline runs over the named vector stores instead of the server's datastore
-(`pipelines.store_retriever`); a response says so with its `file_search_call` item and cites the
+(`file_search.store_retriever`); a response says so with its `file_search_call` item and cites the
 files its answer was written from (`file_citation` annotations)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from telerag.pipelines.attribute_filters import Attributes
+from telerag.file_search.attribute_filters import Attributes
 from telerag.pipelines.types import Document, RagResult
 from telerag.server.protocols.common import INTEGRAL, refuse
 from telerag.server.protocols.vector_stores import Filter, RankingOptions

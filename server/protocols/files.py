@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from telerag.pipelines.file_store import StoredFile
+from telerag.file_search.file_store import StoredFile
 
 
 class FileObject(BaseModel):

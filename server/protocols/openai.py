@@ -25,7 +25,8 @@ from pydantic import (
     model_validator,
 )
 
-from telerag.pipelines.ingestion import IngestionProgress
+from telerag.config.settings import LimitSettings
+from telerag.documents.ingestion import IngestionProgress
 from telerag.pipelines.types import RagResult
 from telerag.server.protocols.common import (
     INTEGRAL,
@@ -40,7 +41,6 @@ from telerag.server.protocols.common import (
 )
 from telerag.server.protocols.conversation import Conversation, Said, content_text
 from telerag.server.protocols.ops import ANSWERED_WHILE_INGESTING, IngestionInfo
-from telerag.server.settings import LimitSettings
 
 SERVED_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {  # OpenAI fields served at these values only (null: the same)
     "n": ((1,), "only 1: one choice per request"),

@@ -10,7 +10,7 @@ from pydantic import (
     Field,
 )
 
-from telerag.pipelines.ingestion import IngestionProgress
+from telerag.documents.ingestion import IngestionProgress
 from telerag.pipelines.types import DatastoreInfo, StageRole
 from telerag.retrieval.recall import RecallEstimate
 from telerag.retrieval.stats import CacheStats

@@ -18,7 +18,8 @@ from pydantic import (
     create_model,
 )
 
-from telerag.pipelines.ingestion import IngestionProgress
+from telerag.config.settings import LimitSettings
+from telerag.documents.ingestion import IngestionProgress
 from telerag.pipelines.types import RagResult, StageKind, StageRole
 from telerag.retrieval.ranking import SearchMode
 from telerag.server.protocols.common import DocumentOut, default_max_tokens, documents_out, integer, pipeline_name, question_text
@@ -31,7 +32,6 @@ from telerag.server.protocols.result_stats import (
     TimingsOut,
     step_stats,
 )
-from telerag.server.settings import LimitSettings
 
 # -- requests, built per app from its limits ---------------------------------------------------
 

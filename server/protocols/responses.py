@@ -26,8 +26,9 @@ from pydantic import (
     model_validator,
 )
 
-from telerag.pipelines.ingestion import IngestionProgress
-from telerag.pipelines.store_retriever import StoresRetriever
+from telerag.config.settings import LimitSettings
+from telerag.documents.ingestion import IngestionProgress
+from telerag.file_search.store_retriever import StoresRetriever
 from telerag.pipelines.types import RagResult
 from telerag.server.protocols.common import (
     DocumentOut,
@@ -43,7 +44,6 @@ from telerag.server.protocols.conversation import Conversation, Said, content_te
 from telerag.server.protocols.file_search import FileCitation, FileSearchCall, FileSearchTool, citations
 from telerag.server.protocols.openai import answer_cut, text_only
 from telerag.server.protocols.ops import ANSWERED_WHILE_INGESTING, IngestionInfo
-from telerag.server.settings import LimitSettings
 
 FILE_SEARCH_RESULTS = "file_search_call.results"
 

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag
 
-from telerag.pipelines.vector_store_records import Attach, FileBatch, FileCounts, FileStatus, StoreFile, StoreRecord
+from telerag.file_search.vector_store_records import Attach, FileBatch, FileCounts, FileStatus, StoreFile, StoreRecord
 from telerag.server.protocols.common import NullOnly
 from telerag.server.protocols.vector_stores import (
     MAX_BATCH_FILES,

@@ -9,11 +9,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Tag, ValidationInfo, create_model, field_validator
 
-from telerag.pipelines.attribute_filters import Comparison, Compound
-from telerag.pipelines.documents import NON_BLANK
-from telerag.pipelines.vector_store_records import Attach, FileCounts, StaticChunking, StoreHit, StoreRecord
+from telerag.config.settings import LimitSettings
+from telerag.documents.writer import NON_BLANK
+from telerag.file_search.attribute_filters import Comparison, Compound
+from telerag.file_search.vector_store_records import Attach, FileCounts, StaticChunking, StoreHit, StoreRecord
 from telerag.server.protocols.common import INTEGRAL, NullOnly, discriminated_by
-from telerag.server.settings import LimitSettings
 
 FileId = Annotated[str, StringConstraints(min_length=1, max_length=64)]
 Metadata = Annotated[
@@ -157,7 +157,7 @@ COMPOUNDS = ("and", "or")
 
 
 class ComparisonFilter(Request):
-    """OpenAI's comparison of a file's attribute with one value (`pipelines.attribute_filters`)."""
+    """OpenAI's comparison of a file's attribute with one value (`file_search.attribute_filters`)."""
 
     type: Literal["eq", "ne", "gt", "gte", "lt", "lte"]
     key: Annotated[str, StringConstraints(min_length=1, max_length=64)]

@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from telerag.config.settings import Settings
 from telerag.retrieval.tier import TierShape, replica_scaling, tier_application
 from telerag.server.protocols.ops import TierState
 from telerag.server.ray_serve.replicas import REPLICAS, InferenceReplica, QuestionPlacer, ReplicaRuntime, Replicas
@@ -36,7 +37,6 @@ from telerag.server.ray_serve.router import ClusterRouter, RouterOptions
 from telerag.server.ray_serve.routing import DECISIONS
 from telerag.server.ray_serve.writes import IngressWrites
 from telerag.server.service import Service
-from telerag.server.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -271,7 +271,7 @@ def serve_on_ray(settings: Settings) -> int:
     from ray import serve
 
     from telerag.retrieval.tier import APP as TIER_APP
-    from telerag.server.runtime import load_configured_datastore, load_embedder
+    from telerag.server.process.runtime import load_configured_datastore, load_embedder
 
     if settings.retrieval.build_if_missing:  # built once here, not by every replica at once
         load_configured_datastore(settings.retrieval, load_embedder(settings.retrieval)).close()

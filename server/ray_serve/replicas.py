@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from telerag.pipelines.errors import VectorStoresUnavailable
+from telerag.config.settings import Settings
+from telerag.file_search.errors import VectorStoresUnavailable
 from telerag.pipelines.text_encoder import embedded
 from telerag.pipelines.types import (
     DatastoreInfo,
@@ -46,14 +47,13 @@ from telerag.pipelines.types import (
 )
 from telerag.retrieval.stats import CacheStats
 from telerag.server.errors import ReplicasUnavailable
-from telerag.server.metrics import Metrics
+from telerag.server.observability.metrics import Metrics
 from telerag.server.ray_serve.routing import REPLICA_STATS, ROUTE_KWARG, RouteHint
 from telerag.server.service import Service
-from telerag.server.settings import Settings
 
 if TYPE_CHECKING:
-    from telerag.pipelines.documents import DocumentWriter
-    from telerag.pipelines.rebuilds import Rebuilds
+    from telerag.documents.rebuilds import Rebuilds
+    from telerag.documents.writer import DocumentWriter
     from telerag.server.ray_serve.writes import IngressWrites
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ class InferenceReplica:
         from ray import serve
 
         from telerag.retrieval.tier import RetrievalTier
-        from telerag.server.runtime import load_runtime
+        from telerag.server.process.runtime import load_runtime
 
         self.id = serve.get_replica_context().replica_id.unique_id
         self.vectors: KnownVectors | None = None
@@ -212,7 +212,7 @@ class QuestionPlacer:
     def load(cls, settings: Settings) -> QuestionPlacer:
         """The configured embedder and the datastore's centroids (nothing else of it is read)."""
         from telerag.retrieval.datastore import Datastore
-        from telerag.server.runtime import load_embedder
+        from telerag.server.process.runtime import load_embedder
 
         embedder = load_embedder(settings.retrieval)
         datastore = Datastore.load(settings.retrieval.datastore.expanduser(), embedder=embedder.name, verify_checksums=False)

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from telerag.server.settings import Settings, load_settings
+from telerag.config.settings import Settings, load_settings
 
 SECRETS = {"server": ("api_key", "api_keys")}  # never written to the file
 

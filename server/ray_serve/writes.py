@@ -22,14 +22,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from telerag.pipelines.documents import DocumentWriter
-from telerag.pipelines.rebuilds import Rebuilds
+from telerag.config.settings import Settings
+from telerag.documents.rebuilds import Rebuilds
+from telerag.documents.writer import DocumentWriter
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.live import LiveDatastore
 from telerag.retrieval.opening import open_live
+from telerag.server.process.runtime import datastore_writes
 from telerag.server.ray_serve.replicas import QuestionPlacer
-from telerag.server.runtime import datastore_writes
-from telerag.server.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from telerag.pipelines.rebuilds import RebuildKind, Rebuilds
+from telerag.documents.rebuilds import RebuildKind, Rebuilds
 from telerag.server import errors
 from telerag.server.auth import Access
 from telerag.server.errors import InvalidField

@@ -19,13 +19,14 @@ from starlette.datastructures import Headers
 from starlette.routing import Match
 from starlette.types import Scope
 
-from telerag.pipelines.documents import NON_BLANK, DocumentText, DocumentWriter
-from telerag.pipelines.files import FILE_FORMATS, convert, file_format
+from telerag.config.settings import DocumentSettings
+from telerag.documents.conversion import FILE_FORMATS, convert, file_format
+from telerag.documents.writer import NON_BLANK, DocumentText, DocumentWriter
 from telerag.retrieval.documents import WriteOutcome, WriteResult
 from telerag.server import errors
 from telerag.server.auth import Access
 from telerag.server.errors import DocumentNotFound, IdMismatch, InvalidField
-from telerag.server.metrics import Metrics
+from telerag.server.observability.metrics import Metrics
 from telerag.server.protocols.documents import (
     MAX_ID_CHARS,
     MAX_TITLE_CHARS,
@@ -42,7 +43,6 @@ from telerag.server.protocols.documents import (
 )
 from telerag.server.routes.signature import typed
 from telerag.server.service import Service, serving
-from telerag.server.settings import DocumentSettings
 
 DOCUMENTS = "/v1/documents"
 ONE = DOCUMENTS + "/{doc_id:path}"

@@ -1,5 +1,5 @@
 """A request's `file_search` tool, made into what its pipeline retrieves from: the API key's
-vector stores it names, as they are when the request begins (`pipelines.store_retriever`)."""
+vector stores it names, as they are when the request begins (`file_search.store_retriever`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Protocol
 
 from fastapi import Request
 
-from telerag.pipelines.store_retriever import StoresRetriever
-from telerag.pipelines.vector_stores import VectorStores
+from telerag.file_search.store_retriever import StoresRetriever
+from telerag.file_search.vector_stores import VectorStores
 from telerag.retrieval.ranking import Ranking
 from telerag.server.protocols.file_search import FileSearchTool
 

@@ -1,6 +1,6 @@
 """OpenAI's Files API: `POST /v1/files` (multipart: `file`, `purpose`), `GET /v1/files`,
 `GET /v1/files/{id}`, `GET /v1/files/{id}/content`, `DELETE /v1/files/{id}`; the files kept by
-`pipelines.file_store`, each seen only by the API key that uploaded it. (The endpoints have no
+`file_search.file_store`, each seen only by the API key that uploaded it. (The endpoints have no
 docstrings: FastAPI would publish them in the schema.)"""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, File, Form, Path, Query, Request, UploadFile
 from fastapi.responses import Response
 
-from telerag.pipelines.file_store import PURPOSES, FileStore, page
-from telerag.pipelines.files import FILE_FORMATS
+from telerag.config.settings import FileSettings
+from telerag.documents.conversion import FILE_FORMATS
+from telerag.file_search.file_store import PURPOSES, FileStore, page
 from telerag.server import errors
 from telerag.server.auth import Access
 from telerag.server.errors import UnsupportedField
 from telerag.server.protocols.files import FileDeleted, FileList, FileObject
 from telerag.server.routes.signature import typed
-from telerag.server.settings import FileSettings
 
 FILES = "/v1/files"
 PATHS = frozenset({FILES})  # and every path under it: their errors speak OpenAI's dialect (middleware.ErrorDialect)

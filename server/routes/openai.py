@@ -11,11 +11,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from telerag.pipelines.ingestion import IngestionProgress
-from telerag.pipelines.store_retriever import StoresRetriever
+from telerag.documents.ingestion import IngestionProgress
+from telerag.file_search.store_retriever import StoresRetriever
 from telerag.pipelines.types import ResultEvent, RunEvent, TokenEvent
 from telerag.server import errors
-from telerag.server.admitted_run import AdmittedRun, EventStream
+from telerag.server.admission.admitted_run import AdmittedRun, EventStream
 from telerag.server.auth import Access
 from telerag.server.protocols.common import ErrorResponse, documents_out
 from telerag.server.protocols.conversation import Conversation

@@ -10,10 +10,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from telerag.pipelines.ingestion import IngestionProgress
+from telerag.documents.ingestion import IngestionProgress
 from telerag.pipelines.types import RagResult, ResultEvent, RunEvent, StageEvent, TokenEvent
 from telerag.server import errors
-from telerag.server.admitted_run import EventStream
+from telerag.server.admission.admitted_run import EventStream
 from telerag.server.auth import Access
 from telerag.server.protocols.common import ErrorDetail
 from telerag.server.protocols.ops import IngestionInfo, PipelineInfo, PipelineList, StageInfo

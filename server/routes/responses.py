@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from telerag.pipelines.types import ResultEvent, RunEvent, TokenEvent
-from telerag.server.admitted_run import EventStream
+from telerag.server.admission.admitted_run import EventStream
 from telerag.server.auth import Access
 from telerag.server.protocols.common import ErrorDetail
 from telerag.server.protocols.file_search import FileSearchCall

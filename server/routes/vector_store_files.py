@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Path, Query, Request, Response
 
-from telerag.pipelines.vector_store_records import FileStatus, StoreFile, page
+from telerag.file_search.vector_store_records import FileStatus, StoreFile, page
 from telerag.server import errors
 from telerag.server.auth import Access
 from telerag.server.protocols.vector_store_files import (

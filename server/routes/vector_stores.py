@@ -1,6 +1,6 @@
 """OpenAI's Vector Stores API: `POST /v1/vector_stores` (create, with `file_ids`), `GET
 /v1/vector_stores`, `GET`, `POST` (modify) and `DELETE /v1/vector_stores/{id}`, `POST
-/v1/vector_stores/{id}/search`; the stores kept by `pipelines.vector_stores`, each seen only by the
+/v1/vector_stores/{id}/search`; the stores kept by `file_search.vector_stores`, each seen only by the
 API key that made it. Its files and file batches: `routes/vector_store_files.py`. (The endpoints
 have no docstrings: FastAPI would publish them in the schema.)"""
 
@@ -12,10 +12,10 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import Response
 
-from telerag.pipelines.vector_store_records import page
-from telerag.pipelines.vector_stores import VectorStores
+from telerag.file_search.vector_store_records import page
+from telerag.file_search.vector_stores import VectorStores
 from telerag.server import errors
-from telerag.server.admitted_run import CLIENT_CLOSED_REQUEST, ClientDisconnected
+from telerag.server.admission.admitted_run import CLIENT_CLOSED_REQUEST, ClientDisconnected
 from telerag.server.auth import Access
 from telerag.server.protocols.vector_stores import (
     SearchRequest,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from telerag.pipelines.documents import DocumentText, DocumentWriter, Embed
+from telerag.documents.writer import DocumentText, DocumentWriter, Embed
 from telerag.retrieval.builder import Encoder, build_datastore
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import WIKIPEDIA_SOURCE, Article, PassageShape, read_jsonl, read_wikipedia
@@ -29,8 +29,8 @@ from telerag.retrieval.documents import WriteOutcome
 from telerag.retrieval.errors import DatastoreBusy, DatastoreCorruptError, DatastoreError
 from telerag.retrieval.generations import INGESTION
 from telerag.retrieval.live import LiveDatastore
-from telerag.utils.files import write_by_rename
 from telerag.utils.progress import ProgressBar
+from telerag.utils.storage import write_by_rename
 
 log = logging.getLogger(__name__)
 

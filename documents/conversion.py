@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from html.parser import HTMLParser
 
-from telerag.pipelines.errors import FileUnreadable, UnsupportedFile
+from telerag.documents.errors import FileUnreadable, UnsupportedFile
 
 
 class FileFormat(StrEnum):

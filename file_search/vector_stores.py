@@ -28,21 +28,20 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from telerag.pipelines.attribute_filters import AttributeFilter
-from telerag.pipelines.errors import (
+from telerag.documents.conversion import convert
+from telerag.documents.errors import FileUnreadable, UnsupportedFile
+from telerag.file_search.attribute_filters import AttributeFilter
+from telerag.file_search.errors import (
     FileBatchNotFound,
     FileNotFound,
-    FileUnreadable,
-    UnsupportedFile,
     VectorStoreFileNotFound,
     VectorStoreNotFound,
     VectorStoresTooLarge,
     VectorStoresUnavailable,
 )
-from telerag.pipelines.file_store import FileStore
-from telerag.pipelines.files import convert
-from telerag.pipelines.vector_store_index import StoreIndex, StoreResources, StoreView
-from telerag.pipelines.vector_store_records import (
+from telerag.file_search.file_store import FileStore
+from telerag.file_search.vector_store_index import StoreIndex, StoreResources, StoreView
+from telerag.file_search.vector_store_records import (
     Attach,
     Attributes,
     ErrorCode,
@@ -55,7 +54,7 @@ from telerag.pipelines.vector_store_records import (
     open_records,
 )
 from telerag.retrieval.ranking import DENSE, Ranking
-from telerag.utils.files import fsync_path
+from telerag.utils.storage import fsync_path
 
 log = logging.getLogger(__name__)
 

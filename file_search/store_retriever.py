@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from telerag.pipelines.attribute_filters import Attributes
+from telerag.file_search.attribute_filters import Attributes
+from telerag.file_search.vector_store_index import StoreResources, StoreView
 from telerag.pipelines.stats import PrefetchStepStats, SearchStats
 from telerag.pipelines.text_encoder import embedded
 from telerag.pipelines.types import (
@@ -33,7 +34,6 @@ from telerag.pipelines.types import (
     TextEmbeddings,
     query_texts,
 )
-from telerag.pipelines.vector_store_index import StoreResources, StoreView
 from telerag.retrieval.ranking import DENSE, Ranking
 from telerag.retrieval.snapshot import Snapshot
 from telerag.retrieval.stats import PrefetchStats

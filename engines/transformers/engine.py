@@ -33,7 +33,8 @@ from typing import Any, cast
 import torch
 
 from telerag.engines import end_of_turn, format_chat, prompt_token_ids
-from telerag.engines.batching import (
+from telerag.engines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, ModelNotFound
+from telerag.engines.transformers.batching import (
     Batch,
     calls_in,
     end_recording,
@@ -42,16 +43,15 @@ from telerag.engines.batching import (
     recorded_kv,
     recording_cache,
 )
-from telerag.engines.checkpoints import converted_gguf, cpu_has_amx, torch_dtype
-from telerag.engines.decoding import Collected, DecodingRow, Item, PromptRow, StreamCall
-from telerag.engines.document_kv import ChunkedIds, DocumentKV, rope_frequencies
-from telerag.engines.errors import EngineError, EngineOverloaded, EngineUnavailable, GenerationAborted, ModelNotFound
-from telerag.engines.greedy_screen import greedy_screen_for
-from telerag.engines.prefix_cache import LayerKV, PrefixCache, PrefixHit
-from telerag.engines.skinny_linear import use_skinny_matmuls
+from telerag.engines.transformers.checkpoints import converted_gguf, cpu_has_amx, torch_dtype
+from telerag.engines.transformers.decoding import Collected, DecodingRow, Item, PromptRow, StreamCall
+from telerag.engines.transformers.document_kv import ChunkedIds, DocumentKV, rope_frequencies
+from telerag.engines.transformers.greedy_screen import greedy_screen_for
+from telerag.engines.transformers.prefix_cache import LayerKV, PrefixCache, PrefixHit
+from telerag.engines.transformers.skinny_linear import use_skinny_matmuls
 from telerag.engines.types import DocumentSplitter, Generation, OnChunk, SamplingParams, Streamed, deadline_passed
 from telerag.utils.device import resolve_device
-from telerag.utils.files import user_cache_dir
+from telerag.utils.storage import user_cache_dir
 
 log = logging.getLogger(__name__)
 

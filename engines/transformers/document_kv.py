@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from telerag.engines.prefix_cache import LayerKV, PrefixHit
+from telerag.engines.transformers.prefix_cache import LayerKV, PrefixHit
 
 # RoPE variants whose rotations compose (a key at position p moved by d is the key at p + d):
 # fixed frequencies, scaled or not. Dynamic ones change the frequencies with the length.

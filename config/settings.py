@@ -20,7 +20,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from telerag.retrieval.ranking import Fusion, HybridRanking, Ranking, SearchMode, ranking_of
 from telerag.retrieval.rerank import RerankedRanking, Reranker
-from telerag.utils.files import user_cache_dir
+from telerag.utils.storage import user_cache_dir
 
 _config_file: ContextVar[Path | None] = ContextVar("telerag_config_file", default=None)  # --config, while loading
 
@@ -534,7 +534,7 @@ class Settings(BaseSettings):
 
 
 DEFAULTS_HEADER = (
-    "# Default settings, generated from server/settings.py (`telerag config defaults`; a test keeps them equal).\n"
+    "# Default settings, generated from config/settings.py (`telerag config defaults`; a test keeps them equal).\n"
     "# Environment variables (TELERAG_SECTION__KEY) and command-line flags override these.\n"
 )
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from telerag.engines import StopFilter
-from telerag.engines.document_kv import ChunkedIds
+from telerag.engines.transformers.document_kv import ChunkedIds
 from telerag.engines.types import Generation, OnChunk, SamplingParams, Streamed, TokenChunk, deadline_passed
 
 Item = Streamed | BaseException  # what the worker hands a caller: its chunks and Generations, or its failure

@@ -16,8 +16,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from telerag.pipelines.attribute_filters import Attributes
-from telerag.utils.files import write_by_rename
+from telerag.file_search.attribute_filters import Attributes
+from telerag.utils.storage import write_by_rename
 
 
 class FileStatus(StrEnum):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from telerag.pipelines.ingestion import IngestionProgress
+from telerag.documents.ingestion import IngestionProgress
 from telerag.retrieval.live import LiveStats
 from telerag.retrieval.recall import RecallEstimate
 from telerag.retrieval.stats import CacheStats

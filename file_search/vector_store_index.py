@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from telerag.pipelines.documents import DocumentText, DocumentWriter
-from telerag.pipelines.errors import VectorStoreNotFound
-from telerag.pipelines.rebuilds import RebuildKind, Rebuilds
+from telerag.documents.rebuilds import RebuildKind, Rebuilds
+from telerag.documents.writer import DocumentText, DocumentWriter
+from telerag.file_search.errors import VectorStoreNotFound
+from telerag.file_search.vector_store_records import StaticChunking, StoreFile
 from telerag.pipelines.text_encoder import TextEncoder, embedded
 from telerag.pipelines.types import MeanQuery, query_vectors
-from telerag.pipelines.vector_store_records import StaticChunking, StoreFile
 from telerag.retrieval.builder import build_datastore, default_nlist
 from telerag.retrieval.corpus import Article, Passage, PassageShape
 from telerag.retrieval.datastore import MANIFEST, Datastore

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from telerag.engines.errors import EngineUnavailable, ModelNotFound
-from telerag.utils.files import file_sha256, user_cache_dir
+from telerag.utils.storage import file_sha256, user_cache_dir
 
 log = logging.getLogger(__name__)
 

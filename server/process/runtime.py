@@ -16,24 +16,25 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import torch
 
+from telerag.config.settings import RetrievalSettings, Settings, pre_retrieval_profile
+from telerag.documents.ingestion import Ingestion, resumed_ingestion
+from telerag.documents.rebuilds import RebuildKind, Rebuilds
+from telerag.documents.writer import DocumentWriter
 from telerag.engines.errors import EngineUnavailable
 from telerag.engines.types import Engine
+from telerag.file_search.vector_store_index import StoreResources
 from telerag.pipelines import prompts
 from telerag.pipelines.datastores import load_datastore, open_retriever
-from telerag.pipelines.documents import DocumentWriter
 from telerag.pipelines.embedder import Embedder
 from telerag.pipelines.errors import EmbedderError
-from telerag.pipelines.ingestion import Ingestion, resumed_ingestion
 from telerag.pipelines.pipelining import PipeliningConfig
 from telerag.pipelines.rag.base import RagPipeline
 from telerag.pipelines.rag.query_rewrite import QueryRewrite
-from telerag.pipelines.rebuilds import RebuildKind, Rebuilds
 from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.retriever import DirectRetriever
 from telerag.pipelines.search_budget import SearchBudget
 from telerag.pipelines.text_encoder import TextEncoder
 from telerag.pipelines.types import BatchRetriever, DatastoreInfo, Retriever, TextEmbeddings
-from telerag.pipelines.vector_store_index import StoreResources
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.errors import DeviceUnavailable
 from telerag.retrieval.ivf import ListSearch
@@ -41,8 +42,7 @@ from telerag.retrieval.live import LiveDatastore
 from telerag.retrieval.recall import RecallEstimate
 from telerag.retrieval.rerank import CrossEncoderReranker, Reranker
 from telerag.retrieval.stats import CacheStats
-from telerag.server.retrieval_batching import BatchingRetriever
-from telerag.server.settings import RetrievalSettings, Settings, pre_retrieval_profile
+from telerag.server.scheduling.retrieval_batching import BatchingRetriever
 from telerag.utils.device import resolve_device
 from telerag.utils.progress import StepProgress, observe_progress
 
@@ -158,7 +158,7 @@ def build_engine(settings: Settings) -> Engine:
             tp_size=engine.tp_size,
             log_level=settings.server.log_level,
         )
-    from telerag.engines.transformers import TransformersEngine
+    from telerag.engines.transformers.engine import TransformersEngine
 
     device = str(resolve_device(engine.device, error=EngineUnavailable))
     options: dict[str, Any] = {

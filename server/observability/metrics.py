@@ -14,7 +14,13 @@ from telerag.retrieval.documents import WriteOutcome, WriteResult
 from telerag.retrieval.recall import RecallEstimate
 from telerag.retrieval.stats import CacheStats
 from telerag.server.errors import Refusal
-from telerag.server.scraped_metrics import CacheCollector, LiveCollector, LiveReport, PrefixCacheCollector, RecallCollector
+from telerag.server.observability.scraped_metrics import (
+    CacheCollector,
+    LiveCollector,
+    LiveReport,
+    PrefixCacheCollector,
+    RecallCollector,
+)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 NPROBE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from telerag.engines.decoding import DecodingRow, StreamCall
-from telerag.engines.prefix_cache import LayerKV, PrefixHit
+from telerag.engines.transformers.decoding import DecodingRow, StreamCall
+from telerag.engines.transformers.prefix_cache import LayerKV, PrefixHit
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

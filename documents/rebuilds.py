@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from telerag.pipelines.errors import RebuildRunning
+from telerag.documents.errors import RebuildRunning
 from telerag.retrieval.errors import DatastoreError
 from telerag.retrieval.live import LiveDatastore, Rebuilt
 

@@ -61,7 +61,7 @@ def greedy_screen_for(model: torch.nn.Module, device: torch.device) -> GreedyScr
     bfloat16), a float32 layer of a large vocabulary, and a model whose logits are its decoder's
     last hidden state times that layer with nothing after it (checked on a probe at load, so a
     model that soft-caps its logits, as Gemma 2 does, gets none); else None."""
-    from telerag.engines.checkpoints import cpu_has_amx
+    from telerag.engines.transformers.checkpoints import cpu_has_amx
 
     hf: Any = model  # a transformers model: its output layer and decoder
     head = hf.get_output_embeddings()

@@ -17,9 +17,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from telerag.pipelines.errors import FileNotFound, FilesTooLarge
-from telerag.pipelines.files import FileFormat, file_format
-from telerag.utils.files import fsync_path, write_by_rename
+from telerag.documents.conversion import FileFormat, file_format
+from telerag.file_search.errors import FileNotFound, FilesTooLarge
+from telerag.utils.storage import fsync_path, write_by_rename
 
 PURPOSES = ("assistants", "user_data")  # OpenAI's purposes of files for file search; the rest are not served
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from telerag.pipelines.errors import DocumentsTooLarge, InvalidDocument, WritesBusy
-from telerag.pipelines.files import convert, file_format
+from telerag.documents.conversion import convert, file_format
+from telerag.documents.errors import DocumentsTooLarge, InvalidDocument, WritesBusy
 from telerag.retrieval.corpus import Article, Passage, PassageShape
 from telerag.retrieval.documents import DocumentDelete, DocumentEntry, DocumentUpsert, Write, WriteResult
 from telerag.retrieval.live import LiveDatastore, LiveStats
