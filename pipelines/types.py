@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class Document:
+class RetrievedPassage:
     """A retrieved passage. `id` is the passage's id in its datastore; `doc_id` its document's
     (an article's corpus id, a vector store's file id); `source` the vector store it came from
     ("": the server's datastore)."""
@@ -109,7 +109,7 @@ class PrefetchTicket:
 class SearchOutcome:
     """Documents per query and the search stats."""
 
-    documents: list[list[Document]]
+    documents: list[list[RetrievedPassage]]
     stats: SearchStats = field(default_factory=SearchStats)
 
 
@@ -158,7 +158,7 @@ class ProvisionalDocuments:
     """A search's documents before it ended: its top-k found stable but not proven
     (`pipelines.speculation`), after `lists_share` of its probed lists were scanned."""
 
-    documents: list[list[Document]]
+    documents: list[list[RetrievedPassage]]
     lists_share: float
 
 
@@ -323,7 +323,7 @@ class RunOptions:
 class RagResult:
     answer: str
     pipeline: str
-    documents: list[Document]
+    documents: list[RetrievedPassage]
     steps: list[Step]
     timings: Timings
     prefetch: PrefetchSummary

@@ -14,11 +14,11 @@ from telerag.engines.errors import EngineError
 from telerag.engines.types import Generation, OnChunk, SamplingParams, TokenChunk, deadline_passed
 from telerag.pipelines.stats import PrefetchStepStats, SearchStats
 from telerag.pipelines.types import (
-    Document,
     OnProvisional,
     PrefetchRequest,
     PrefetchTicket,
     ProvisionalDocuments,
+    RetrievedPassage,
     SearchOptions,
     SearchOutcome,
     SearchQuery,
@@ -211,7 +211,7 @@ class RecordingRetriever:
         self.log.append(("search", " | ".join(map(str, queries))))
         documents = [
             [
-                Document(
+                RetrievedPassage(
                     id=zlib.crc32(f"{q}|{j}".encode()) % 10_000,
                     doc_id=f"doc-{str(q)[:10]}-{j}",
                     title=f"T{j}",
@@ -228,7 +228,7 @@ class RecordingRetriever:
         stats = SearchStats(overlap_rate=0.75, clusters_device=3, clusters_cpu=1, device_ms=1.0, cpu_ms=2.0, embed_ms=0.5)
         return SearchOutcome(documents, replace(stats, nprobe=options.nprobe or self.default_nprobe))
 
-    def provisional_documents(self, documents: list[list[Document]]) -> list[list[Document]]:
+    def provisional_documents(self, documents: list[list[RetrievedPassage]]) -> list[list[RetrievedPassage]]:
         """What a search asked for its provisional top-k reports as stable: its final documents."""
         return documents
 

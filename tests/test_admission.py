@@ -14,7 +14,7 @@ import pytest
 
 from telerag.config.settings import Settings
 from telerag.pipelines.registry import PIPELINES
-from telerag.server.admission.deadline import MAX_HELD, DeadlineAdmission, Ticket
+from telerag.server.admission.deadline import MAX_HELD, AdmissionTicket, DeadlineAdmission
 from telerag.server.admission.model import ERROR_WINDOW, EstimateError, Rates, ServiceRate
 from telerag.server.admission.workload import PROFILE_MIN_SAMPLES, RequestCost
 from telerag.server.app import create_app, start_serving
@@ -266,7 +266,7 @@ async def test_a_running_request_whose_prompt_is_not_prefilled_yet_holds_up_the_
     assert first.estimated_s == pytest.approx(4.5 + 1.5 + 6) and last.estimated_s == pytest.approx(4.5 + 1.5 + 6)
 
 
-async def big_one_running(clock: Clock, age: float, left: float) -> tuple[DeadlineAdmission, list[Refusal], Ticket]:
+async def big_one_running(clock: Clock, age: float, left: float) -> tuple[DeadlineAdmission, list[Refusal], AdmissionTicket]:
     """A DeadlineAdmission at 10/s with one request of 250 units that has run for `age` seconds and has
     `left` of them left."""
     a, refused = await measured(clock, rate=10.0)
@@ -697,8 +697,8 @@ async def test_the_warm_up_measures_the_rate_and_every_pipeline_so_that_none_is_
     assert set(measured) == set(PIPELINES)
     for name, cost in measured.items():
         assert cost != unmeasured[name] and cost.work < unmeasured[name].work, name  # its own measure, not the guess
-    assert not measured["naive"].provisional  # the burst measured naive enough; the others once each
-    assert all(measured[name].provisional for name in PIPELINES if name != "naive")
+    assert not measured["naive"].tentative  # the burst measured naive enough; the others once each
+    assert all(measured[name].tentative for name in PIPELINES if name != "naive")
     assert set(service.admission.rate.rates().measured) >= {1, 8}
     assert service.admission.n_running + service.admission.n_waiting == 0
 
@@ -732,7 +732,7 @@ async def test_a_cost_that_was_short_is_its_pipelines_error_and_a_slow_server_th
         for ticket, served in tickets:
             a.finish(ticket, completed=True, served_work=served)
 
-    await run((RequestCost(work=200.0, provisional=True), 800.0), seconds=80.0)  # 4x the work, 4x the time
+    await run((RequestCost(work=200.0, tentative=True), 800.0), seconds=80.0)  # 4x the work, 4x the time
     assert a.error.ratios[1][-1] == pytest.approx(1.0)
     await run((RequestCost(work=100.0), 300.0), (RequestCost(work=100.0), 300.0), seconds=60.0)  # both 3x: 3x as long
     assert list(a.error.ratios[2])[-2:] == pytest.approx([1.0, 1.0])
@@ -774,11 +774,11 @@ async def test_a_request_expected_past_the_deadline_even_alone_is_admitted_on_an
 
 
 async def test_the_priors_guess_never_refuses_a_request_that_would_run_alone():
-    """A pipeline not measured yet is costed by the prior (`RequestCost.provisional`): alone on
+    """A pipeline not measured yet is costed by the prior (`RequestCost.tentative`): alone on
     the server it is admitted however long the guess, or it would never be measured."""
     clock = Clock()
     a, refused = await measured(clock, rate=10.0)
-    guess = a.admit(RequestCost(work=500.0, provisional=True))  # 50 s by the guess
+    guess = a.admit(RequestCost(work=500.0, tentative=True))  # 50 s by the guess
     assert guess.estimated_s == pytest.approx(50.0) and refused == []
     with pytest.raises(Overloaded):
         a.admit(RequestCost(work=10.0))  # but nothing joins it that would make it later still

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from telerag.server.admission.deadline import DeadlineAdmission, Ticket
+from telerag.server.admission.deadline import AdmissionTicket, DeadlineAdmission
 from telerag.server.admission.workload import CallOutput, ServedWork, Workload
 from telerag.server.errors import Overloaded
 from telerag.server.service import CALIBRATION_BURST
@@ -79,7 +79,7 @@ MIX = {
 
 @dataclass(eq=False)
 class Request:
-    ticket: Ticket
+    ticket: AdmissionTicket
     client: int
     pipeline: str
     sent_at: float

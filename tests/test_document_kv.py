@@ -12,14 +12,14 @@ from telerag.engines.transformers.document_kv import ChunkedIds, DocumentKV, rop
 from telerag.engines.transformers.prefix_cache import PrefixHit
 from telerag.engines.types import SamplingParams
 from telerag.pipelines import prompts
-from telerag.pipelines.types import Document
+from telerag.pipelines.types import RetrievedPassage
 from tests.tiny_models import tiny_engine
 
 GREEDY = SamplingParams(max_tokens=10)
 DOCS = [
-    Document(id=3, doc_id="nile", title="Nile", text="the nile flows north through egypt.", score=0.9),
-    Document(id=8, doc_id="amazon", title="Amazon", text="the amazon carries the most water.", score=0.8),
-    Document(id=5, doc_id="danube", title="Danube", text="the danube crosses ten countries.", score=0.7),
+    RetrievedPassage(id=3, doc_id="nile", title="Nile", text="the nile flows north through egypt.", score=0.9),
+    RetrievedPassage(id=8, doc_id="amazon", title="Amazon", text="the amazon carries the most water.", score=0.8),
+    RetrievedPassage(id=5, doc_id="danube", title="Danube", text="the danube crosses ten countries.", score=0.7),
 ]
 
 

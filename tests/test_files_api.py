@@ -1,4 +1,4 @@
-"""Issue 53, the Files API: files uploaded, listed, read back and deleted through the official
+"""The Files API: files uploaded, listed, read back and deleted through the official
 `openai` SDK, kept durably (a new store over the same directory has them; an upload cut short
 leaves nothing), each seen only by the API key that uploaded it, limits and types refused."""
 

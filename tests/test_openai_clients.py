@@ -1,4 +1,4 @@
-"""Issue 31: the server as OpenAI clients use it, driven through the official `openai` SDK and
+"""The server as OpenAI clients use it, driven through the official `openai` SDK and
 `langchain-openai` in process. Every field a client sends is honoured or refused with a 400
 naming it; the documents behind an answer come with it."""
 

@@ -1,4 +1,4 @@
-"""Issue 31: OpenAI's Responses API (`POST /v1/responses`, the SDK's primary API) through the
+"""OpenAI's Responses API (`POST /v1/responses`, the SDK's primary API) through the
 official `openai` SDK and LangChain's `use_responses_api`, in process."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from telerag.engines.transformers.engine import TransformersEngine
 from telerag.engines.transformers.prefix_cache import LayerKV, PrefixCache
 from telerag.engines.types import Generation, SamplingParams
 from telerag.pipelines.registry import build_pipelines
-from telerag.pipelines.types import Document, RunOptions, ignore_events
+from telerag.pipelines.types import RetrievedPassage, RunOptions, ignore_events
 from telerag.retrieval.stats import CacheStats
 from telerag.server.app import create_app, start_serving
 from telerag.server.process.runtime import Runtime
@@ -226,7 +226,10 @@ class WikipediaRetriever(RecordingRetriever):
         outcome = await super().search(queries, options, ticket)
         ranked = [sorted(self.articles, key=lambda title, q=q: zlib.crc32(f"{q}|{title}".encode())) for q in queries]
         outcome.documents[:] = [
-            [Document(id=j, doc_id=t, title=t, text=self.articles[t], score=1 - j / 10) for j, t in enumerate(r[: options.top_k])]
+            [
+                RetrievedPassage(id=j, doc_id=t, title=t, text=self.articles[t], score=1 - j / 10)
+                for j, t in enumerate(r[: options.top_k])
+            ]
             for r in ranked
         ]
         return outcome

@@ -22,7 +22,7 @@ from telerag.pipelines.datastores import open_retriever
 from telerag.pipelines.embedder import Embedder
 from telerag.pipelines.prompts import holds_answer_cue
 from telerag.pipelines.questions import read_questions
-from telerag.pipelines.types import Document, SearchOptions
+from telerag.pipelines.types import RetrievedPassage, SearchOptions
 from telerag.retrieval.builder import build_datastore
 from telerag.retrieval.corpus import read_wikipedia, split_passages
 from tests.retrieval_helpers import tiny_cross_encoder
@@ -59,8 +59,8 @@ def test_token_f1_on_known_inputs():
     assert token_f1("", ["Jimmy Page"]) == 0.0
 
 
-def _doc(i: int, title: str, score: float = 1.0) -> Document:
-    return Document(id=i, doc_id=title, title=title, text="", score=score)
+def _doc(i: int, title: str, score: float = 1.0) -> RetrievedPassage:
+    return RetrievedPassage(id=i, doc_id=title, title=title, text="", score=score)
 
 
 def test_an_answer_still_holding_the_cue_is_counted():

@@ -14,7 +14,7 @@ import pytest
 from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.speculation import StableTopK
 from telerag.pipelines.stats import SearchStats, SpeculationSummary
-from telerag.pipelines.types import Document
+from telerag.pipelines.types import RetrievedPassage
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.provisional import Provisional, chunk_bounds
@@ -76,8 +76,8 @@ def test_a_top_k_is_stable_once_a_report_repeats_the_one_before_complete():
 class ShiftingRetriever(RecordingRetriever):
     """Reports a provisional top-k whose last document is not the final one."""
 
-    def provisional_documents(self, documents: list[list[Document]]) -> list[list[Document]]:
-        return [[*group[:-1], Document(9_999, "other", "Other", "about something else", 0.1)] for group in documents]
+    def provisional_documents(self, documents: list[list[RetrievedPassage]]) -> list[list[RetrievedPassage]]:
+        return [[*group[:-1], RetrievedPassage(9_999, "other", "Other", "about something else", 0.1)] for group in documents]
 
 
 def speculating(name: str, retriever: RecordingRetriever | None = None, **script_args):

@@ -1,4 +1,4 @@
-"""Issue 53, the Vector Stores API: stores made, filled, searched, changed and deleted through the
+"""The Vector Stores API: stores made, filled, searched, changed and deleted through the
 official `openai` SDK (its polling helpers unchanged), each seen only by the API key that made it;
 a search equal to faiss's IndexIVF over the same passages at the same nprobe; a store durable
 across a restart, a file in progress processed again; `rewrite_query` the engine's rewrite searched,

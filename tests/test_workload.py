@@ -65,15 +65,15 @@ async def test_a_real_run_is_measured_with_every_call_it_made():
 
 
 def test_before_any_is_measured_the_prior_stands_in_and_until_enough_are_the_few_with_a_wide_spread():
-    """Both provisional: no reason to refuse a request alone."""
+    """Both tentative: no reason to refuse a request alone."""
     workload = Workload()
     prior = workload.estimate("hyde", llm_calls=2, prompt_tokens=500, max_tokens=1024)
-    assert prior == RequestCost(work=2 * (W * 500 + PRIOR_CALL_TOKENS), prefill_work=W * 500, provisional=True)
+    assert prior == RequestCost(work=2 * (W * 500 + PRIOR_CALL_TOKENS), prefill_work=W * 500, tentative=True)
     assert workload.estimate("hyde", 2, 500, max_tokens=16).work == pytest.approx(2 * (W * 500 + 16))  # never past max_tokens
     workload.observe("hyde", 500, served(600, (40, False), (20, True)))  # one, as the warm-up measures
     few = workload.estimate("hyde", 2, 500, 1024)
     assert few == RequestCost(
-        work=W * 600 + 60, prefill_work=W * 500, spread=FEW_SAMPLES_SPREAD * (W * 600 + 60), provisional=True
+        work=W * 600 + 60, prefill_work=W * 500, spread=FEW_SAMPLES_SPREAD * (W * 600 + 60), tentative=True
     )
     for _ in range(PROFILE_MIN_SAMPLES - 2):
         workload.observe("hyde", 500, served(600, (40, False), (20, True)))
@@ -150,7 +150,7 @@ def test_requests_sampled_hot_are_measured_apart_and_costed_at_their_limit_until
         workload.observe("naive", 400, served(400, (30, True)))
     assert workload.estimate("naive", 1, 400, 1024, temperature=0.7).work == pytest.approx(W * 400 + 30)
     hot = workload.estimate("naive", 1, 400, 1024, temperature=2.0)
-    assert hot.work == pytest.approx(W * 400 + 1024) and not hot.provisional  # a bound they reach, not a guess
+    assert hot.work == pytest.approx(W * 400 + 1024) and not hot.tentative  # a bound they reach, not a guess
     for _ in range(4):
         workload.observe("naive", 400, served(400, (200, True)), temperature=1.5)
     assert workload.estimate("naive", 1, 400, 1024, temperature=2.0) == hot  # until enough are measured

@@ -34,10 +34,10 @@ from telerag.pipelines.replies import ReplyStream, clean_reply
 from telerag.pipelines.search_budget import SearchBudget
 from telerag.pipelines.stats import GenerationStats
 from telerag.pipelines.types import (
-    Document,
     EventSink,
     PrefetchTicket,
     RagResult,
+    RetrievedPassage,
     Retriever,
     RunOptions,
     SearchQuery,
@@ -240,7 +240,7 @@ class RagPipeline:
         q_out: Callable[[T], Sequence[SearchQuery] | None],
         stale: StaleQuery | None = None,
         next_prompt: NextPrompt | None = None,
-    ) -> tuple[T, list[list[Document]]]: ...
+    ) -> tuple[T, list[list[RetrievedPassage]]]: ...
 
     @overload
     async def lookahead(
@@ -251,7 +251,7 @@ class RagPipeline:
         q_out: Callable[[None], Sequence[SearchQuery] | None],
         stale: None = None,
         next_prompt: NextPrompt | None = None,
-    ) -> tuple[None, list[list[Document]]]: ...
+    ) -> tuple[None, list[list[RetrievedPassage]]]: ...
 
     async def lookahead(
         self,
@@ -261,7 +261,7 @@ class RagPipeline:
         q_out: Callable[[Any], Sequence[SearchQuery] | None],
         stale: StaleQuery | None = None,
         next_prompt: NextPrompt | None = None,
-    ) -> tuple[T | None, list[list[Document]]]:
+    ) -> tuple[T | None, list[list[RetrievedPassage]]]:
         """Start the pre-retrieval call at once and prefetch q_in's clusters beside it (embedding
         q_in, ranking centroids, issuing copies), then search q_out once both are done (no search
         when `q_out` returns None: the copies were speculative). The LLM never waits for the
@@ -355,7 +355,7 @@ class RagPipeline:
         )
 
     async def answer(
-        self, ctx: RunContext, documents: Sequence[Document], *, prompt: Prompt | None = None, stage: Stage = GENERATE
+        self, ctx: RunContext, documents: Sequence[RetrievedPassage], *, prompt: Prompt | None = None, stage: Stage = GENERATE
     ) -> str:
         """The final answer, streamed to the client as it is generated: the text streamed is
         exactly the answer returned (see `replies.ReplyStream`), and generation ends as soon as
@@ -407,7 +407,9 @@ class RagPipeline:
         ctx.steps.append(Step(stage, ctx.query[:200], ms=ms, stats=GenerationStats("deadline"), start_ms=start_ms))
         return ctx.draft
 
-    async def generate_quietly(self, ctx: RunContext, stage: Stage, documents: Sequence[Document], draft: str = "") -> str:
+    async def generate_quietly(
+        self, ctx: RunContext, stage: Stage, documents: Sequence[RetrievedPassage], draft: str = ""
+    ) -> str:
         """An answer that is not streamed to the client (a round of Iter-RetGen, a draft of Iter
         or Self-RAG): the reply of an answer prompt, kept as the run's latest draft."""
         reply = await self.reply(
@@ -437,9 +439,9 @@ class RagPipeline:
         )
 
 
-def merge_documents(groups: Sequence[Sequence[Document]], limit: int) -> list[Document]:
+def merge_documents(groups: Sequence[Sequence[RetrievedPassage]], limit: int) -> list[RetrievedPassage]:
     """Unique documents across several result lists, best score first."""
-    best: dict[tuple[str, int], Document] = {}
+    best: dict[tuple[str, int], RetrievedPassage] = {}
     for group in groups:
         for doc in group:
             key = (doc.source, doc.id)

@@ -9,7 +9,7 @@ from telerag.pipelines import prompts
 from telerag.pipelines.prompts import Prompt
 from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, STANDALONE_QUESTION, RagPipeline, RunContext, merge_documents
 from telerag.pipelines.replies import clean_reply
-from telerag.pipelines.types import Document, MeanQuery, SearchQuery, Stage, StageRole
+from telerag.pipelines.types import MeanQuery, RetrievedPassage, SearchQuery, Stage, StageRole
 
 MAX_ITERATIONS = 3
 
@@ -27,7 +27,7 @@ class Iterative(RagPipeline):
     async def body(self, ctx: RunContext) -> str:
         notes = ""
         q_in = ctx.query
-        gathered: list[list[Document]] = []
+        gathered: list[list[RetrievedPassage]] = []
         for iteration in range(MAX_ITERATIONS):
 
             async def narrow(notes=notes) -> str:
@@ -38,7 +38,7 @@ class Iterative(RagPipeline):
             def query(narrower: str) -> list[SearchQuery]:
                 return [MeanQuery((ctx.query, narrower)) if narrower else ctx.query]
 
-            def answer_prompt(documents: list[list[Document]], gathered=tuple(gathered)) -> Prompt:
+            def answer_prompt(documents: list[list[RetrievedPassage]], gathered=tuple(gathered)) -> Prompt:
                 merged = merge_documents([*gathered, documents[0]], ctx.options.top_k)
                 return prompts.answer(ctx.query, merged, instructions=ctx.options.instructions)
 

@@ -37,9 +37,9 @@ from telerag.pipelines.rag.retrieval_step import (
 from telerag.pipelines.search_budget import SearchBudget
 from telerag.pipelines.stats import PipelinedSearch
 from telerag.pipelines.types import (
-    Document,
     OnProvisional,
     PrefetchTicket,
+    RetrievedPassage,
     SearchOptions,
     SearchOutcome,
     SearchQuery,
@@ -146,7 +146,7 @@ class PipelinedStep:
         nprobe = self.tools.budget.choose(left_ms)
         return (None, fixed) if nprobe is None else (left_ms, nprobe)
 
-    async def documents(self, queries: list[SearchQuery], ticket: PrefetchTicket) -> list[list[Document]]:
+    async def documents(self, queries: list[SearchQuery], ticket: PrefetchTicket) -> list[list[RetrievedPassage]]:
         """The step's documents, given its final query: the stale search's when the two are
         alike enough (cosine of their embeddings at least `pipelining.min_cosine`; then, with
         `pipelining.check`, the final query is searched beside the rest of the run to see whether

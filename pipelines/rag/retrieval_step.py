@@ -20,9 +20,9 @@ from telerag.pipelines.pipelining import StaleQuery
 from telerag.pipelines.prompts import Prompt
 from telerag.pipelines.stats import SearchStats
 from telerag.pipelines.types import (
-    Document,
     OnProvisional,
     PrefetchTicket,
+    RetrievedPassage,
     SearchOptions,
     SearchOutcome,
     SearchQuery,
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 SEARCH = Stage("search", StageRole.SEARCH)
-NextPrompt = Callable[[list[list[Document]]], Prompt]  # the prompt of the LLM call a search's documents go to
+NextPrompt = Callable[[list[list[RetrievedPassage]]], Prompt]  # the prompt of the LLM call a search's documents go to
 SearchCall = Callable[
     [Sequence[SearchQuery], SearchOptions, PrefetchTicket | None, OnProvisional | None], Awaitable[SearchOutcome]
 ]
@@ -50,7 +50,7 @@ class RetrievalStep(Protocol):
         """The step's pre-retrieval call as the step runs it, beside q_in's `prefetch`."""
         ...
 
-    async def documents(self, queries: list[SearchQuery], ticket: PrefetchTicket) -> list[list[Document]]:
+    async def documents(self, queries: list[SearchQuery], ticket: PrefetchTicket) -> list[list[RetrievedPassage]]:
         """The documents of the step's final queries, with q_in's prefetch `ticket`."""
         ...
 
@@ -127,7 +127,7 @@ class SequentialStep:
     def around_call(self, call: Callable[[], Awaitable[T]], prefetch: PrefetchTask) -> Callable[[], Awaitable[T]]:
         return call
 
-    async def documents(self, queries: list[SearchQuery], ticket: PrefetchTicket) -> list[list[Document]]:
+    async def documents(self, queries: list[SearchQuery], ticket: PrefetchTicket) -> list[list[RetrievedPassage]]:
         outcome, trace = await traced_search(self.ctx, self.search, queries, ticket, self.ctx.fixed_nprobe)
         self.ctx.steps.append(trace.step(outcome.stats))
         return outcome.documents

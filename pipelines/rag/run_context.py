@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, TypeVar
 from telerag.engines.types import Generation, SamplingParams, deadline_passed
 from telerag.pipelines.errors import UndeclaredStage
 from telerag.pipelines.types import (
-    Document,
     EventSink,
     PrefetchTicket,
+    RetrievedPassage,
     RunOptions,
     SearchOptions,
     Stage,
@@ -45,7 +45,7 @@ class RunContext:
     started: float  # the clock's time when the run began
     emit: EventSink  # where its stage, token and usage events go as they happen
     steps: list[Step] = field(default_factory=list)
-    documents: list[Document] = field(default_factory=list)
+    documents: list[RetrievedPassage] = field(default_factory=list)
     tokens_generated: int = 0
     carried: PrefetchTicket | None = None  # the standalone question's prefetch, for the first lookahead to use
     draft: str = ""  # the latest quiet answer with any text: the answer, should the deadline come before the last

@@ -23,7 +23,7 @@ from telerag.pipelines.rag.retrieval_step import (
 )
 from telerag.pipelines.speculation import Speculation
 from telerag.pipelines.stats import SearchStats
-from telerag.pipelines.types import Document, PrefetchTicket, SearchQuery, Stage
+from telerag.pipelines.types import PrefetchTicket, RetrievedPassage, SearchQuery, Stage
 
 if TYPE_CHECKING:
     from telerag.pipelines.rag.run_context import RunContext
@@ -41,7 +41,7 @@ class SpeculativeStep:
     def around_call(self, call: Callable[[], Awaitable[T]], prefetch: PrefetchTask) -> Callable[[], Awaitable[T]]:
         return call
 
-    async def documents(self, queries: list[SearchQuery], ticket: PrefetchTicket) -> list[list[Document]]:
+    async def documents(self, queries: list[SearchQuery], ticket: PrefetchTicket) -> list[list[RetrievedPassage]]:
         outcome, trace = await traced_search(
             self.ctx, self.search, queries, ticket, self.ctx.fixed_nprobe, self.speculation.start
         )
@@ -72,7 +72,7 @@ class Speculative:
         if next_prompt is None:
             return SequentialStep(ctx, self.search)
 
-        def formatted(documents: list[list[Document]]) -> str:
+        def formatted(documents: list[list[RetrievedPassage]]) -> str:
             prompt = next_prompt(documents)
             return self.engine.format_prompt(prompt.user, system=prompt.system)
 

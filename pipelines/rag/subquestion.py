@@ -7,7 +7,7 @@ from __future__ import annotations
 from telerag.pipelines import prompts
 from telerag.pipelines.prompts import Prompt
 from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, STANDALONE_QUESTION, RagPipeline, RunContext, merge_documents
-from telerag.pipelines.types import Document, Stage, StageRole
+from telerag.pipelines.types import RetrievedPassage, Stage, StageRole
 
 MAX_SUB_QUESTIONS = 4
 
@@ -42,7 +42,7 @@ class SubQuestion(RagPipeline):
             prompt = prompts.sub_questions(ctx.query, MAX_SUB_QUESTIONS)
             return await self.reply(ctx, DECOMPOSE, prompt, max_tokens=96)
 
-        def answer_prompt(documents: list[list[Document]]) -> Prompt:
+        def answer_prompt(documents: list[list[RetrievedPassage]]) -> Prompt:
             merged = merge_documents(documents, ctx.options.top_k)
             return prompts.answer(ctx.query, merged, instructions=ctx.options.instructions)
 

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from telerag.pipelines.types import RagResult, ResultEvent, RunBody, RunEvent
 from telerag.server import errors
-from telerag.server.admission.deadline import Ticket
+from telerag.server.admission.deadline import AdmissionTicket
 from telerag.server.admission.policy import AdmissionPolicy
 from telerag.server.admission.workload import ServedWork
 from telerag.server.protocols.common import ErrorDetail
@@ -59,7 +59,7 @@ class AdmittedRun:
         self,
         request: Request | None,
         admission: AdmissionPolicy,
-        ticket: Ticket,
+        ticket: AdmissionTicket,
         run: RunBody,
         served: Callable[[ServedWork], None] = lambda work: None,
     ) -> None:

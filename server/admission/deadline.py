@@ -33,7 +33,7 @@ next costs count (`workload`), not the model's: compared as it was, one Iter-Ret
 ran 2-4x the work of the one request its cost came from set the error of every load to 1.4-2.7
 in a mix of all seven pipelines, and each refused what fitted. Each request's own finish is
 judged with its own work at its cost's quantile, the others' at their share of their sum's
-(`_own_tails`); but an admitted request whose cost is provisional (`RequestCost.provisional`, a
+(`_own_tails`); but an admitted request whose cost is tentative (`RequestCost.tentative`, a
 guess from its pipeline's first requests) only at its share: guarded at the guess's tail, one
 such request held every other out (a traced HyDE: 19 s at its tail, 10 s taken, alone). The
 margin (`scheduler.admission_margin`) is for what the error's window has not seen yet.
@@ -71,7 +71,7 @@ MAX_HELD = 4  # at most this many admitted held (`DeadlineAdmission._held`) at o
 
 
 @dataclass(eq=False)
-class Ticket:
+class AdmissionTicket:
     """An admitted request."""
 
     cost: RequestCost
@@ -85,7 +85,7 @@ class Ticket:
     calibrating: bool = False  # a request of the warm-up, estimated before the rates it ran at were measured
     running: bool = False
     finished: bool = False
-    held_by: tuple[Ticket, ...] = ()  # admitted requests it starts after (`DeadlineAdmission._held`), until it starts
+    held_by: tuple[AdmissionTicket, ...] = ()  # admitted requests it starts after (`DeadlineAdmission._held`), until it starts
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # set when it finished, however
     attention: dict[int, float] = field(default_factory=dict)  # seconds of the whole server it has had (an equal
     # share of the time it ran), by the number of requests running then
@@ -107,7 +107,7 @@ class Plan:
 
     at: float
     rates: Rates
-    tickets: tuple[Ticket, ...]
+    tickets: tuple[AdmissionTicket, ...]
     jobs: tuple[Job, ...]
     index: int
 
@@ -121,7 +121,7 @@ class AdmittedTickets:
 
     def _track(self) -> None:
         self._slots = asyncio.Semaphore(self.max_concurrency)
-        self._admitted: list[Ticket] = []  # in admission order
+        self._admitted: list[AdmissionTicket] = []  # in admission order
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -173,7 +173,7 @@ class DeadlineAdmission(AdmittedTickets):
 
     # -- decisions ---------------------------------------------------------------------------
 
-    def admit(self, cost: RequestCost, client: str | None = None, *, calibrating: bool = False) -> Ticket:
+    def admit(self, cost: RequestCost, client: str | None = None, *, calibrating: bool = False) -> AdmissionTicket:
         """Admit the request (it then waits for a slot) or raise `Overloaded` with a Retry-After.
         `calibrating`: a request of the server's own warm-up, which measures what the deadline
         needs: admitted whatever it. A request expected past the deadline even alone (its token
@@ -196,7 +196,7 @@ class DeadlineAdmission(AdmittedTickets):
                 f"server busy: {self.n_running} running and {self.n_waiting} waiting",
                 self._soonest(rates, self._admitted),
             )
-        ticket = Ticket(cost, client, admitted_at=self._last, calibrating=calibrating)
+        ticket = AdmissionTicket(cost, client, admitted_at=self._last, calibrating=calibrating)
         tickets = [*self._admitted, ticket]
         jobs = _jobs(rates, tickets) if rates else ()
         finishes = dict(zip(tickets, plan_finishes(rates, jobs, self.max_concurrency), strict=True)) if rates else None
@@ -217,13 +217,18 @@ class DeadlineAdmission(AdmittedTickets):
         self._changed()
         return ticket
 
-    def _finishes(self, rates: Rates, tickets: list[Ticket]) -> dict[Ticket, float]:
+    def _finishes(self, rates: Rates, tickets: list[AdmissionTicket]) -> dict[AdmissionTicket, float]:
         """Seconds from now until each of `tickets` (in admission order) finishes, nothing else admitted."""
         return dict(zip(tickets, plan_finishes(rates, _jobs(rates, tickets), self.max_concurrency), strict=True))
 
     def _check_deadlines(
-        self, rates: Rates, tickets: list[Ticket], jobs: tuple[Job, ...], finishes: dict[Ticket, float], deadline_s: float
-    ) -> tuple[tuple[Job, ...], dict[Ticket, float]]:
+        self,
+        rates: Rates,
+        tickets: list[AdmissionTicket],
+        jobs: tuple[Job, ...],
+        finishes: dict[AdmissionTicket, float],
+        deadline_s: float,
+    ) -> tuple[tuple[Job, ...], dict[AdmissionTicket, float]]:
         """The plan with the last of `tickets` (the new one) admitted, or refuse it: if, with it,
         it or an admitted request would finish past the deadline of its own admission, each at its
         own cost's quantile (`_own_tails`), the estimates scaled by their measured error, it is
@@ -235,7 +240,9 @@ class DeadlineAdmission(AdmittedTickets):
         factor = self.error.factor(len(finishes))
         deadline = deadline_s * (1.0 - self.margin)
 
-        def lateness(tickets: list[Ticket], jobs: tuple[Job, ...], finishes: dict[Ticket, float]) -> dict[Ticket, float]:
+        def lateness(
+            tickets: list[AdmissionTicket], jobs: tuple[Job, ...], finishes: dict[AdmissionTicket, float]
+        ) -> dict[AdmissionTicket, float]:
             tails = self._own_tails(rates, tickets, jobs, finishes, deadline / factor)
             return {t: (self._last - t.admitted_at + in_s) * factor - deadline for t, in_s in tails.items()}
 
@@ -269,12 +276,12 @@ class DeadlineAdmission(AdmittedTickets):
     def _held(
         self,
         rates: Rates,
-        tickets: list[Ticket],
-        late: list[Ticket],
-        lateness: Callable[[list[Ticket], tuple[Job, ...], dict[Ticket, float]], dict[Ticket, float]],
+        tickets: list[AdmissionTicket],
+        late: list[AdmissionTicket],
+        lateness: Callable[[list[AdmissionTicket], tuple[Job, ...], dict[AdmissionTicket, float]], dict[AdmissionTicket, float]],
         factor: float,
         deadline_s: float,
-    ) -> tuple[tuple[Job, ...], dict[Ticket, float]] | None:
+    ) -> tuple[tuple[Job, ...], dict[AdmissionTicket, float]] | None:
         """The plan with the new one (the last of `tickets`) held until the `late` ones end (running
         requests that would finish past their deadline with or without it, most often near its end),
         so that it cannot make them later; None where it would then finish past its own, or make
@@ -304,15 +311,15 @@ class DeadlineAdmission(AdmittedTickets):
     def _own_tails(
         self,
         rates: Rates,
-        tickets: list[Ticket],
+        tickets: list[AdmissionTicket],
         jobs: tuple[Job, ...],
-        finishes: dict[Ticket, float],
+        finishes: dict[AdmissionTicket, float],
         within_s: float,
-    ) -> dict[Ticket, float]:
+    ) -> dict[AdmissionTicket, float]:
         """Seconds until each of `tickets` finishes with its own work at its cost's quantile, and
         that of those it is held for (it waits for them whole), the others' as `jobs` count them
         (their quantile's share, `RequestCost.work_among`): a request waits on its own length whole
-        but on the others' only as their sum (an admitted one's provisional cost is not: see the
+        but on the others' only as their sum (an admitted one's tentative cost is not: see the
         module's docstring). The plan is made again only for those that the extra work could make
         finish later than `within_s` of their admission (at the slowest rate a request gets among as
         many), not for the many it cannot."""
@@ -321,8 +328,8 @@ class DeadlineAdmission(AdmittedTickets):
         index = {t: i for i, t in enumerate(tickets)}
         tails = dict(finishes)
         for i, t in enumerate(tickets):
-            whole = {i: t} if not t.cost.provisional or t is tickets[-1] else {}
-            whole |= {index[b]: b for b in t.held_by if b in index and not b.cost.provisional}
+            whole = {i: t} if not t.cost.tentative or t is tickets[-1] else {}
+            whole |= {index[b]: b for b in t.held_by if b in index and not b.cost.tentative}
             at_tails = {k: w.job(rates, w.cost.work_among(1), jobs[k].after) for k, w in whole.items()}
             extra = sum(job.left - jobs[k].left for k, job in at_tails.items())
             if extra > 0 and self._last - t.admitted_at + finishes[t] + extra / slowest > within_s:
@@ -352,7 +359,7 @@ class DeadlineAdmission(AdmittedTickets):
         """What estimates at the load admitted now are scaled by (`EstimateError.factor`)."""
         return self.error.factor(len(self._admitted))
 
-    def _soonest(self, rates: Rates, tickets: list[Ticket]) -> float | None:
+    def _soonest(self, rates: Rates, tickets: list[AdmissionTicket]) -> float | None:
         """Expected seconds until the first of `tickets` (admitted ones) finishes, with nothing
         more admitted (None without rates)."""
         if not rates or not tickets:
@@ -368,7 +375,7 @@ class DeadlineAdmission(AdmittedTickets):
 
     # -- the life of an admitted request -------------------------------------------------------
 
-    async def start(self, ticket: Ticket) -> None:
+    async def start(self, ticket: AdmissionTicket) -> None:
         """Wait until the requests it is held for have ended, then for a running slot (first come,
         first served)."""
         try:
@@ -384,7 +391,7 @@ class DeadlineAdmission(AdmittedTickets):
         self.on_start(self._last - ticket.admitted_at)
         self._changed()
 
-    def finish(self, ticket: Ticket, *, completed: bool, served_work: float | None = None) -> None:
+    def finish(self, ticket: AdmissionTicket, *, completed: bool, served_work: float | None = None) -> None:
         """The request ended (idempotent). One that completed counts the work it was served
         (`workload.ServedWork`; its estimate where that is not known); the service one that failed
         or was cancelled took is lost (busy time with no work)."""
@@ -423,13 +430,13 @@ class DeadlineAdmission(AdmittedTickets):
         already count the work each had (`workload`)."""
         n = len(plan.jobs)
 
-        def left(ticket: Ticket, job: Job, work: float) -> float:
+        def left(ticket: AdmissionTicket, job: Job, work: float) -> float:
             return max(work - (ticket.cost.work_among(n) - job.left), 0.0)
 
         estimated = plan.tickets[plan.index]
         own = left(estimated, plan.jobs[plan.index], served)
 
-        def replanned(ticket: Ticket, job: Job) -> Job:
+        def replanned(ticket: AdmissionTicket, job: Job) -> Job:
             if ticket is estimated:
                 had = own
             elif ticket.served is not None:
@@ -443,7 +450,7 @@ class DeadlineAdmission(AdmittedTickets):
         jobs = [replanned(t, job) for t, job in zip(plan.tickets, plan.jobs, strict=True)]
         return plan.at - estimated.admitted_at + plan_finishes(rates, jobs, self.max_concurrency)[plan.index]
 
-    def _forget(self, ticket: Ticket) -> None:
+    def _forget(self, ticket: AdmissionTicket) -> None:
         ticket.finished = True
         ticket.plan = None  # the others it holds are not needed any more
         ticket.held_by = ()
@@ -461,7 +468,7 @@ class DeadlineAdmission(AdmittedTickets):
         self.rate.advance(dt)
 
 
-def _jobs(rates: Rates, tickets: list[Ticket]) -> tuple[Job, ...]:
+def _jobs(rates: Rates, tickets: list[AdmissionTicket]) -> tuple[Job, ...]:
     """The `tickets` as the model plans them, each at its share among them (`RequestCost.work_among`),
     a held one after those of them it is held for."""
     index = {t: i for i, t in enumerate(tickets)}

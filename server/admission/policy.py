@@ -4,7 +4,7 @@ refused at once when it would miss `scheduler.admission_deadline_s`; the default
 (`FixedLimit`: at most `max_concurrency` running and `max_queue` waiting, what vLLM, SGLang and
 TGI do, with no estimate, no deadline and no warm-up measurement to need).
 
-Both hand out the same `Ticket`s, and an admitted request's run (`admitted_run.AdmittedRun`)
+Both hand out the same `AdmissionTicket`s, and an admitted request's run (`admitted_run.AdmittedRun`)
 starts and finishes its ticket through this interface alone.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import NoReturn, Protocol
 
 from telerag.config.settings import SchedulerSettings
-from telerag.server.admission.deadline import AdmittedTickets, DeadlineAdmission, Ticket
+from telerag.server.admission.deadline import AdmissionTicket, AdmittedTickets, DeadlineAdmission
 from telerag.server.admission.model import Measured
 from telerag.server.admission.workload import RequestCost
 from telerag.server.errors import Overloaded, Refusal
@@ -38,15 +38,15 @@ class AdmissionPolicy(Protocol):
     @property
     def n_waiting(self) -> int: ...
 
-    def admit(self, cost: RequestCost, client: str | None = None, *, calibrating: bool = False) -> Ticket:
+    def admit(self, cost: RequestCost, client: str | None = None, *, calibrating: bool = False) -> AdmissionTicket:
         """The request's ticket (it then waits for a slot), or `Overloaded` (429) at once."""
         ...
 
-    async def start(self, ticket: Ticket) -> None:
+    async def start(self, ticket: AdmissionTicket) -> None:
         """Wait for the ticket's slot."""
         ...
 
-    def finish(self, ticket: Ticket, *, completed: bool, served_work: float | None = None) -> None:
+    def finish(self, ticket: AdmissionTicket, *, completed: bool, served_work: float | None = None) -> None:
         """The request ended, however (idempotent)."""
         ...
 
@@ -93,7 +93,7 @@ class FixedLimit(AdmittedTickets):
     def deadline_s(self) -> float | None:
         return None
 
-    def admit(self, cost: RequestCost, client: str | None = None, *, calibrating: bool = False) -> Ticket:
+    def admit(self, cost: RequestCost, client: str | None = None, *, calibrating: bool = False) -> AdmissionTicket:
         if self.max_in_flight_per_key is not None and client is not None:
             own = sum(t.client == client for t in self._admitted)
             if own >= self.max_in_flight_per_key:
@@ -102,12 +102,12 @@ class FixedLimit(AdmittedTickets):
                 )
         if len(self._admitted) >= self.max_concurrency + self.max_queue:
             self._refuse(Refusal.QUEUE_FULL, f"server busy: {self.n_running} running and {self.n_waiting} waiting")
-        ticket = Ticket(cost, client, admitted_at=self.clock(), calibrating=calibrating)
+        ticket = AdmissionTicket(cost, client, admitted_at=self.clock(), calibrating=calibrating)
         self._admitted.append(ticket)
         self._changed()
         return ticket
 
-    async def start(self, ticket: Ticket) -> None:
+    async def start(self, ticket: AdmissionTicket) -> None:
         try:
             await self._slots.acquire()
         except BaseException:
@@ -117,7 +117,7 @@ class FixedLimit(AdmittedTickets):
         self.on_start(self.clock() - ticket.admitted_at)
         self._changed()
 
-    def finish(self, ticket: Ticket, *, completed: bool, served_work: float | None = None) -> None:
+    def finish(self, ticket: AdmissionTicket, *, completed: bool, served_work: float | None = None) -> None:
         if ticket.finished:
             return
         if ticket.running:
@@ -141,7 +141,7 @@ class FixedLimit(AdmittedTickets):
         self.on_refuse(reason)
         raise Overloaded(reason, message)
 
-    def _forget(self, ticket: Ticket) -> None:
+    def _forget(self, ticket: AdmissionTicket) -> None:
         ticket.finished = True
         ticket.ended.set()
         self._admitted.remove(ticket)

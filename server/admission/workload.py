@@ -18,7 +18,7 @@ is (its query and `top_k` passages), and the output of each call that writes ans
 `PROFILE_MIN_SAMPLES`, the few it has stand in with a spread of at least `FEW_SAMPLES_SPREAD`
 (the server's warm-up measures one of every pipeline), and before any, a stated prior: every
 call the pipeline may make, each with the prompt estimate and an output of `PRIOR_CALL_TOKENS`
-(`max_tokens` at most). Either is provisional: not enough to refuse a request that would run
+(`max_tokens` at most). Either is tentative: not enough to refuse a request that would run
 alone (`admission`), which is how its pipeline gets measured. An answer that its
 limit or the server's deadline cut short says only that it would have run at least that long:
 for a request with a larger limit it counts as running to that limit. Requests that sample above `HOT_TEMPERATURE` are
@@ -44,7 +44,7 @@ PREFILL_WEIGHT = 0.03  # cost of a prompt token relative to a generated one. Mea
 # simulated engine of tests/test_admission_load.py: 0.02). At 0.1 the rate, measured mostly on short answers, made
 # long ones look cheap: a 256-token answer was admitted at an estimate of 14.5 s and took 35 s
 PROFILE_WINDOW = 50  # completed requests of a pipeline its estimates are made from
-PROFILE_MIN_SAMPLES = 5  # below this many, the estimate is provisional
+PROFILE_MIN_SAMPLES = 5  # below this many, the estimate is tentative
 FEW_SAMPLES_SPREAD = 1.0  # below PROFILE_MIN_SAMPLES, the quantile is taken as at least (1 + this) x the mean: one
 # request says little of how the next varies (naive's answers on the embedded default: 4-80 tokens)
 COST_QUANTILE = 0.9  # of the recent requests' work: one in ten runs longer, which the error model then sees
@@ -63,7 +63,7 @@ class RequestCost:
     work: float
     prefill_work: float = 0.0
     spread: float = 0.0
-    provisional: bool = False  # the prior's guess or a few requests' measure: never a reason to refuse a request that
+    tentative: bool = False  # the prior's guess or a few requests' measure: never a reason to refuse a request that
     # would run alone (how else would its pipeline be measured?)
 
     def work_among(self, sharing: int) -> float:
@@ -145,13 +145,13 @@ class Workload:
             return RequestCost(work=llm_calls * (prefill + max_tokens), prefill_work=prefill)
         if not recent:
             output = min(max_tokens, PRIOR_CALL_TOKENS)
-            return RequestCost(work=llm_calls * (prefill + output), prefill_work=prefill, provisional=True)
+            return RequestCost(work=llm_calls * (prefill + output), prefill_work=prefill, tentative=True)
         works = [r.served.work_for(prompt_tokens / max(r.prompt_estimate, 1), max_tokens) for r in recent]
         mean = sum(works) / len(works)
         # interpolated between the two nearest (numpy's default): of few values, not simply their largest
         spread = max(0.0, float(np.quantile(works, self.quantile)) - mean)
         if len(recent) < self.min_samples:
-            return RequestCost(work=mean, prefill_work=prefill, spread=max(spread, FEW_SAMPLES_SPREAD * mean), provisional=True)
+            return RequestCost(work=mean, prefill_work=prefill, spread=max(spread, FEW_SAMPLES_SPREAD * mean), tentative=True)
         return RequestCost(work=mean, prefill_work=prefill, spread=spread)
 
     def recent(self) -> dict[tuple[str, bool], list[tuple[int, ServedWork]]]:

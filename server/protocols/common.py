@@ -22,7 +22,7 @@ from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, PydanticCustomError, core_schema
 
 from telerag.config.settings import LimitSettings
-from telerag.pipelines.types import Document
+from telerag.pipelines.types import RetrievedPassage
 
 # A query needs one character that is not white space. Spelled out rather than `\S`, whose
 # meaning differs between regex engines (U+0085 and U+FEFF): so pydantic, JSON Schema (ECMA-262)
@@ -124,7 +124,7 @@ def default_max_tokens(limits: LimitSettings) -> int:
 # -- responses ----------------------------------------------------------------------------------
 
 
-class DocumentOut(BaseModel):
+class RetrievedPassageOut(BaseModel):
     id: int
     doc_id: str
     title: str
@@ -133,8 +133,8 @@ class DocumentOut(BaseModel):
     source: str = Field("", description="the vector store it came from (a file_search tool's); empty: the server's datastore")
 
 
-def documents_out(documents: Sequence[Document]) -> list[DocumentOut]:
-    return [DocumentOut(**vars(d)) for d in documents]
+def passages_out(documents: Sequence[RetrievedPassage]) -> list[RetrievedPassageOut]:
+    return [RetrievedPassageOut(**vars(d)) for d in documents]
 
 
 def new_request_id() -> str:

@@ -6,12 +6,15 @@ files its answer was written from (`file_citation` annotations)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from telerag.file_search.attribute_filters import Attributes
-from telerag.pipelines.types import Document, RagResult
+from telerag.file_search.store_retriever import StoresRetriever
+from telerag.file_search.vector_stores import VectorStores
+from telerag.pipelines.types import RagResult, RetrievedPassage
+from telerag.retrieval.ranking import Ranking
 from telerag.server.protocols.common import INTEGRAL, refuse
 from telerag.server.protocols.vector_stores import Filter, RankingOptions
 
@@ -33,6 +36,25 @@ class FileSearchTool(BaseModel):
     )
     filters: Filter | None = Field(None, description="on the files' attributes, as a vector store's search takes them")
     ranking_options: RankingOptions | None = None
+
+    def retriever(self, stores: VectorStores, client: str | None, rankings: Rankings) -> StoresRetriever:
+        """What the request's pipeline retrieves from: the key's stores it names, as they are now
+        (404 for one that is not the key's; 501 where no stores are served); `ranking_options` rank
+        every search of it (`hybrid_search` weights make them hybrid; `ranker` none leaves out the
+        re-ranker). It reads the stores' records: call it in a worker thread."""
+        where = None if self.filters is None else self.filters.to_filter()
+        views = stores.views(self.vector_store_ids, client, where)
+        options = self.ranking_options
+        if options is None:
+            return StoresRetriever(views, stores.resources)
+        ranking = rankings(weights=options.weights, rerank=options.ranker != "none")
+        return StoresRetriever(views, stores.resources, options.score_threshold, ranking)
+
+
+class Rankings(Protocol):
+    """The service's rankings (`Service.ranking`): hybrid with `weights`, re-ranked unless not `rerank`."""
+
+    def __call__(self, *, weights: tuple[float, float] | None, rerank: bool) -> Ranking: ...
 
 
 def file_search_only(tools: Any) -> Any:
@@ -71,7 +93,7 @@ class FileSearchCall(BaseModel):
         call_id: str,
         result: RagResult,
         queries: Sequence[str],
-        attributes: Callable[[Document], Attributes],
+        attributes: Callable[[RetrievedPassage], Attributes],
         *,
         with_results: bool,
     ) -> FileSearchCall:
@@ -89,7 +111,7 @@ class FileCitation(BaseModel):
     index: int
 
 
-def citations(documents: Sequence[Document], answer: str) -> list[FileCitation]:
+def citations(documents: Sequence[RetrievedPassage], answer: str) -> list[FileCitation]:
     """Each file the answer was written from, once, best first, cited at the answer's end."""
     files = dict.fromkeys((d.doc_id, d.title) for d in sorted(documents, key=lambda d: -d.score))
     return [FileCitation(file_id=file_id, filename=filename, index=len(answer)) for file_id, filename in files]

@@ -30,11 +30,11 @@ from telerag.documents.ingestion import IngestionProgress
 from telerag.pipelines.types import RagResult
 from telerag.server.protocols.common import (
     INTEGRAL,
-    DocumentOut,
+    RetrievedPassageOut,
     default_max_tokens,
     discriminated_by,
-    documents_out,
     integer,
+    passages_out,
     pipeline_name,
     question_text,
     refuse,
@@ -311,7 +311,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: Usage
-    documents: list[DocumentOut] = Field(description=SOURCES)
+    documents: list[RetrievedPassageOut] = Field(description=SOURCES)
     ingestion: IngestionInfo | None = Field(None, description=f"an extension: {ANSWERED_WHILE_INGESTING}")
 
     @classmethod
@@ -319,7 +319,7 @@ class ChatCompletion(BaseModel):
         cls, result: RagResult, *, request_id: str, model: str, with_documents: bool, ingestion: IngestionProgress | None
     ) -> ChatCompletion:
         choice = ChatCompletionChoice(message=AssistantMessage(content=result.answer), finish_reason=finish_reason(result))
-        documents = documents_out(result.documents) if with_documents else []
+        documents = passages_out(result.documents) if with_documents else []
         return cls(
             id=request_id,
             model=model,
@@ -366,7 +366,7 @@ class ChatCompletionChunk(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChunkChoice] = Field(description="empty in the usage chunk")
-    documents: list[DocumentOut] | None = Field(None, description=f"in the chunk with `finish_reason` only: {SOURCES}")
+    documents: list[RetrievedPassageOut] | None = Field(None, description=f"in the chunk with `finish_reason` only: {SOURCES}")
     usage: Usage | None = Field(None, description='last, with `stream_options: {"include_usage": true}` only')
     ingestion: IngestionInfo | None = Field(
         None, description=f"in the first chunk only, and only while it is so: an extension: {ANSWERED_WHILE_INGESTING}"

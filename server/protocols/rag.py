@@ -22,7 +22,14 @@ from telerag.config.settings import LimitSettings
 from telerag.documents.ingestion import IngestionProgress
 from telerag.pipelines.types import RagResult, StageKind, StageRole
 from telerag.retrieval.ranking import SearchMode
-from telerag.server.protocols.common import DocumentOut, default_max_tokens, documents_out, integer, pipeline_name, question_text
+from telerag.server.protocols.common import (
+    RetrievedPassageOut,
+    default_max_tokens,
+    integer,
+    passages_out,
+    pipeline_name,
+    question_text,
+)
 from telerag.server.protocols.ops import ANSWERED_WHILE_INGESTING, IngestionInfo
 from telerag.server.protocols.result_stats import (
     PipeliningSummaryOut,
@@ -128,7 +135,7 @@ class QueryResponse(BaseModel):
         "by then, its latest draft for a pipeline that writes one"
     )
     pipeline: str
-    documents: list[DocumentOut]
+    documents: list[RetrievedPassageOut]
     steps: list[StepOut]
     timings: TimingsOut
     prefetch: PrefetchSummaryOut
@@ -152,7 +159,7 @@ class QueryResponse(BaseModel):
             answer=result.answer,
             finish_reason=result.finish_reason,
             pipeline=result.pipeline,
-            documents=documents_out(result.documents) if with_documents else [],
+            documents=passages_out(result.documents) if with_documents else [],
             steps=[
                 StepOut(
                     stage=s.stage.name,

@@ -31,11 +31,11 @@ from telerag.documents.ingestion import IngestionProgress
 from telerag.file_search.store_retriever import StoresRetriever
 from telerag.pipelines.types import RagResult
 from telerag.server.protocols.common import (
-    DocumentOut,
+    RetrievedPassageOut,
     default_max_tokens,
     discriminated_by,
-    documents_out,
     integer,
+    passages_out,
     pipeline_name,
     question_text,
     refuse,
@@ -281,7 +281,7 @@ class ResponseObject(BaseModel):
     text: TextConfig = Field(default_factory=lambda: TextConfig(format=TextFormat(type="text")))
     store: bool = False
     truncation: Literal["disabled"] = "disabled"
-    documents: list[DocumentOut] | None = Field(
+    documents: list[RetrievedPassageOut] | None = Field(
         None, description="an extension: the passages the answer was written from ([] with return_documents false)"
     )
     ingestion: IngestionInfo | None = Field(None, description=f"an extension: {ANSWERED_WHILE_INGESTING}")
@@ -325,6 +325,6 @@ class ResponseObject(BaseModel):
                     output_tokens=result.tokens_generated,
                     total_tokens=prompt + result.tokens_generated,
                 ),
-                "documents": documents_out(result.documents) if with_documents else [],
+                "documents": passages_out(result.documents) if with_documents else [],
             }
         )

@@ -4,6 +4,7 @@ endpoints have no docstrings: FastAPI would publish them in the schema.)"""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
@@ -17,7 +18,7 @@ from telerag.pipelines.types import ResultEvent, RunEvent, TokenEvent
 from telerag.server import errors
 from telerag.server.admission.admitted_run import AdmittedRun, EventStream
 from telerag.server.auth import Access
-from telerag.server.protocols.common import ErrorResponse, documents_out
+from telerag.server.protocols.common import ErrorResponse, passages_out
 from telerag.server.protocols.conversation import Conversation
 from telerag.server.protocols.openai import (
     ChatChunkChoice,
@@ -32,7 +33,6 @@ from telerag.server.protocols.openai import (
 )
 from telerag.server.protocols.ops import IngestionInfo
 from telerag.server.routes.documented import TOOL_ERRORS, generation_errors, json_or_events
-from telerag.server.routes.file_search import stores_retriever
 from telerag.server.routes.signature import typed
 from telerag.server.service import Service, serving
 from telerag.server.streaming import event_schema, json_data, sse_data
@@ -105,7 +105,12 @@ def admit(
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, client: str | None, service: Service = Depends(serving)
 ) -> Response:
-    stores = None if body.file_search is None else await stores_retriever(request, body.file_search, client, service.ranking)
+    tool = body.file_search
+    stores = (
+        None
+        if tool is None
+        else await asyncio.to_thread(tool.retriever, request.app.state.vector_stores, client, service.ranking)
+    )
     run = admit(service, request, body, client, stores)
     request_id = f"chatcmpl-{request.state.request_id}"
     ingestion = service.ingesting() if stores is None else None  # a file_search tool's answer searched no datastore
@@ -143,7 +148,7 @@ def chunks(
             elif isinstance(event, ResultEvent):
                 result = event.result
         reason = "stop" if result is None else finish_reason(result)
-        documents = documents_out(result.documents) if result is not None and with_documents else None
+        documents = passages_out(result.documents) if result is not None and with_documents else None
         yield chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=reason)], documents=documents)
         if with_usage and result is not None:
             yield chunk([], usage=Usage.of(result))

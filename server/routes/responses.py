@@ -4,6 +4,7 @@ docstring: FastAPI would publish it in the schema.)"""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import AsyncGenerator, AsyncIterator
 
@@ -36,7 +37,6 @@ from telerag.server.protocols.responses import (
     ResponseRequest,
 )
 from telerag.server.routes.documented import TOOL_ERRORS, generation_errors, json_or_events
-from telerag.server.routes.file_search import stores_retriever
 from telerag.server.routes.openai import admit
 from telerag.server.routes.signature import typed
 from telerag.server.service import Service, serving
@@ -92,7 +92,11 @@ async def create_response(
     body: ResponseRequest, request: Request, client: str | None, service: Service = Depends(serving)
 ) -> Response:
     tool = body.file_search
-    stores = None if tool is None else await stores_retriever(request, tool, client, service.ranking)
+    stores = (
+        None
+        if tool is None
+        else await asyncio.to_thread(tool.retriever, request.app.state.vector_stores, client, service.ranking)
+    )
     run = admit(service, request, body, client, stores)
     ingestion = service.ingesting() if stores is None else None  # a file_search tool's answer searched no datastore
     begun = ResponseObject.begun(body, response_id=f"resp_{request.state.request_id}", ingestion=ingestion)
