@@ -1,12 +1,10 @@
 """A `Retriever` over vector stores: what a request's `file_search` tool runs its pipeline on
 instead of the server's datastore (`Pipeline.over`).
 
-Each search is exact: every store named is searched for its own top k (exactly as faiss's
-IndexIVF over its passages, those of the files the tool's filter matches, at its nprobe), and the
-stores' results are merged by score, then store id and passage id, so the merged top k is the
-top k of all their passages. The stores are read as they were when the request began (each
-one's snapshot is taken then), so every search of one request sees the same files. The
-lookahead is the server's: a prefetch copies each store's lists nearest q_in into the one
+Its searches go through the stores' one batcher (`file_search.store_searcher`: batched across
+requests, embedded once per batch, exact). The stores are read as they were when the request
+began (each one's snapshot is taken then), so every search of one request sees the same files.
+The lookahead is the server's: a prefetch copies each store's lists nearest q_in into the one
 cluster cache (the server's budget for the overlap, split evenly among the stores), and each
 store's search reads them, as the server's datastore's search does.
 """
@@ -18,11 +16,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from telerag.file_search.attribute_filters import Attributes
-from telerag.file_search.vector_store_index import StoreResources, StoreView
-from telerag.pipelines.stats import PrefetchStepStats, SearchStats
+from telerag.file_search.store_searcher import StoresSearch, StoresSearcher
+from telerag.file_search.vector_store_index import StoreView
+from telerag.pipelines.stats import PrefetchStepStats
 from telerag.pipelines.text_encoder import embedded
 from telerag.pipelines.types import (
     OnProvisional,
@@ -32,9 +29,8 @@ from telerag.pipelines.types import (
     SearchOutcome,
     SearchQuery,
     TextEmbeddings,
-    query_texts,
 )
-from telerag.retrieval.ranking import DENSE, Ranking
+from telerag.retrieval.ranking import Ranking
 from telerag.retrieval.snapshot import Snapshot
 from telerag.retrieval.stats import PrefetchStats
 
@@ -50,11 +46,12 @@ class StoresRetriever:
     def __init__(
         self,
         views: Sequence[StoreView],
-        resources: StoreResources,
+        searcher: StoresSearcher,
         score_threshold: float | None = None,
         ranking: Ranking | None = None,
     ) -> None:
-        self.views, self.resources, self.score_threshold, self.ranking = tuple(views), resources, score_threshold, ranking
+        self.views, self.searcher, self.score_threshold, self.ranking = tuple(views), searcher, score_threshold, ranking
+        self.resources = searcher.resources
         self.searched: list[str] = []  # every query the request's searches asked, in order
         self._prefetched: dict[int, dict[str, PrefetchHandle]] = {}  # id of a ticket -> each store's part of it
 
@@ -80,13 +77,15 @@ class StoresRetriever:
         *,
         provisional: OnProvisional | None = None,
     ) -> SearchOutcome:
-        """Each query's top `options.top_k` over the stores (no provisional top-k: a store's search
-        is one faiss call, with nothing to report before it ends)."""
+        """Each query's top `options.top_k` over the stores, batched with other requests' searches
+        (no provisional top-k is reported)."""
         self.searched += [str(query) for query in queries]
         prefetched = self._prefetched.pop(id(ticket), {}) if ticket is not None else {}
         try:
             ranking = self.ranking or options.ranking
-            return await asyncio.to_thread(self._search, list(queries), options.top_k, ranking, prefetched)
+            return await self.searcher.search(
+                StoresSearch(self.views, list(queries), options.top_k, ranking, self.score_threshold, prefetched)
+            )
         finally:
             _release(prefetched)
 
@@ -98,7 +97,7 @@ class StoresRetriever:
 
     async def embed(self, texts: Sequence[str]) -> TextEmbeddings:
         def work() -> TextEmbeddings:
-            with self.resources.priority.query():
+            with self.resources.priority.query(), self.resources.on_stream():
                 vectors = embedded(self.resources.embedder, texts)
             return TextEmbeddings(vectors, self.resources.embedder.count_tokens(texts))
 
@@ -113,47 +112,11 @@ class StoresRetriever:
 
     def _prefetch(self, queries: list[str], stores: list[StoreView], budget: int) -> tuple[dict[str, PrefetchHandle], float]:
         started = time.perf_counter()
-        with self.resources.priority.query():
+        with self.resources.priority.query(), self.resources.on_stream():
             vectors = embedded(self.resources.embedder, queries)
         embed_ms = (time.perf_counter() - started) * 1e3
         handles = {view.store_id: handle for view in stores if (handle := view.prefetch(vectors, budget)) is not None}
         return handles, embed_ms
-
-    def _search(
-        self, queries: list[SearchQuery], k: int, ranking: Ranking, prefetched: Mapping[str, PrefetchHandle]
-    ) -> SearchOutcome:
-        started = time.perf_counter()
-        with self.resources.priority.query():
-            vectors = [self.resources.query(query_texts(query)) for query in queries] if ranking.uses_vectors else []
-        embedded = time.perf_counter()
-        texts = [" ".join(query_texts(query)) for query in queries]
-        blank = np.zeros((1, self.resources.embedder.dim), np.float32)
-        documents = [self.merged(vectors[i] if vectors else blank, text, k, ranking, prefetched) for i, text in enumerate(texts)]
-        embed_ms, cpu_ms = (embedded - started) * 1e3, (time.perf_counter() - embedded) * 1e3
-        return SearchOutcome(
-            documents, SearchStats(embed_ms=embed_ms, cpu_ms=cpu_ms, total_ms=embed_ms + cpu_ms, batch=len(queries))
-        )
-
-    def merged(
-        self,
-        query: np.ndarray | None,
-        text: str,
-        k: int,
-        ranking: Ranking = DENSE,
-        prefetched: Mapping[str, PrefetchHandle] | None = None,
-    ) -> list[RetrievedPassage]:
-        """The top k for `query` (1, dim) and its `text` over every store: each store's exact top k
-        by `ranking`, merged by score, then store id and passage id (`prefetched`: each store's
-        lookahead, by store id)."""
-        prefetched = prefetched or {}
-        found = [
-            RetrievedPassage(hit.id, hit.file_id, view.files[hit.file_id].filename, hit.text, hit.score, source=view.store_id)
-            for view in self.views
-            for hit in view.search(query, text, k, ranking, prefetched.get(view.store_id))
-            if hit.file_id in view.files
-        ]
-        found.sort(key=lambda d: (-d.score, d.source, d.id))
-        return [d for d in found[:k] if self.score_threshold is None or d.score >= self.score_threshold]
 
 
 def _release(handles: Mapping[str, PrefetchHandle]) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,14 +30,13 @@ from telerag.documents.rebuilds import RebuildKind, Rebuilds
 from telerag.documents.writer import DocumentText, DocumentWriter
 from telerag.file_search.errors import VectorStoreNotFound
 from telerag.file_search.vector_store_records import StaticChunking, StoreFile
-from telerag.pipelines.text_encoder import TextEncoder, embedded
-from telerag.pipelines.types import MeanQuery, query_vectors
+from telerag.pipelines.text_encoder import TextEncoder
+from telerag.pipelines.types import SearchOutcome, SearchRequest
 from telerag.retrieval.builder import build_datastore, default_nlist
 from telerag.retrieval.corpus import Article, Passage, PassageShape
 from telerag.retrieval.datastore import MANIFEST, Datastore
 from telerag.retrieval.prefetch import PrefetchHandle
-from telerag.retrieval.ranking import DENSE, Ranking
-from telerag.retrieval.snapshot import Snapshot, search_snapshot
+from telerag.retrieval.snapshot import Snapshot
 
 if TYPE_CHECKING:  # the retriever brings torch: the server's app is made, and listens, before it loads
     from telerag.pipelines.embedding_priority import EmbeddingPriority
@@ -62,6 +62,7 @@ class StoreResources:
     device: str = "cpu"
     cache: CacheBuffer | None = None  # None: the stores' engines have no cluster cache
     budget_bytes: Callable[[float | None], int] = lambda overlap_ms: 0
+    on_stream: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext  # the retrieval stream (CUDA)
 
     @classmethod
     def of(cls, retriever: DirectRetriever) -> StoreResources:
@@ -74,13 +75,8 @@ class StoreResources:
             str(engine.device),
             engine.cache.shared,
             retriever.budget_bytes,
+            engine.on_stream,
         )
-
-    def query(self, texts: Sequence[str]) -> np.ndarray:
-        """One float32 row (1, dim): the mean of the texts' embeddings (a list of queries searches
-        their mean, as `MeanQuery` does). The caller holds `priority.query()`."""
-        vectors = embedded(self.embedder, texts)
-        return query_vectors([MeanQuery(tuple(texts)) if len(texts) > 1 else texts[0]], vectors)
 
     def passage_shape(self, chunking: StaticChunking | None, text: str) -> PassageShape | None:
         """How `text` is cut: None for `auto` (the server's rule, the store's own); `static`'s
@@ -101,14 +97,6 @@ def tokens_per_word(embedder: TextEncoder, words: list[str]) -> float:
     special = embedder.count_tokens([""])
     tokens = embedder.count_tokens(pieces) - special * len(pieces)
     return max(tokens, 1) / max(len(words), 1)
-
-
-@dataclass(frozen=True)
-class Hit:
-    id: int  # the passage's id in its store
-    file_id: str
-    text: str
-    score: float
 
 
 class StoreIndex:
@@ -235,34 +223,16 @@ class StoreIndex:
                 return None
             return retriever.engine_for(view.datastore).prefetch(queries, budget_bytes)
 
-    def search(
-        self,
-        query: np.ndarray | None,
-        text: str,
-        k: int,
-        view: Snapshot | None,
-        ranking: Ranking = DENSE,
-        prefetch: PrefetchHandle | None = None,
-    ) -> list[Hit]:
-        """The top k of `view`'s passages for `query` (1, dim; None for a ranking that reads no
-        embedding) and its `text`, ranked by `ranking`:
-        its dense half exactly as faiss's IndexIVF over them would answer at the engine's default
-        nprobe for the store's lists (with a filter's view, as faiss's with an ID selector of the
-        files' passages would); `prefetch`, this store's part of the request's lookahead, is ended by it."""
+    def search_embedded(self, requests: list[SearchRequest], vectors: np.ndarray, embed_ms: float) -> list[SearchOutcome]:
+        """The searches of `requests` (each over its view, the snapshot its options name) given
+        their queries' vectors: the store's retriever's batched search (`DirectRetriever.search_embedded`),
+        each view's dense half exactly as faiss's IndexIVF over its passages would answer at the
+        engine's default nprobe (a filter's view as faiss's with an ID selector of the files'
+        passages); a request's ticket holds this store's part of its lookahead."""
         with self._read() as retriever:
-            if retriever is None or view is None:
-                return []
-            engine = retriever.engine_for(view.datastore)
-
-            def dense(depth: int, final: bool) -> tuple[np.ndarray, np.ndarray]:
-                assert query is not None, "a ranking that reads the embeddings was given none"
-                result = search_snapshot(engine, view, query, depth, engine.nprobe, prefetch=prefetch)
-                return result.scores, result.ids
-
-            scores, ids = ranking.rank(view, [text], k, dense)
-            found = [(int(i), float(s)) for i, s in zip(ids[0], scores[0], strict=True) if i >= 0]
-            passages = view.passages_of([i for i, _ in found])
-            return [Hit(i, p.doc_id, p.text, s) for (i, s), p in zip(found, passages, strict=True)]
+            if retriever is None:
+                return [SearchOutcome([[] for _ in request.queries]) for request in requests]
+            return retriever.search_embedded(requests, vectors, embed_ms)
 
     def close(self) -> None:
         """Once the change and the searches under way end: the datastore's files and lock let go."""
@@ -288,9 +258,3 @@ class StoreView:
     def prefetch(self, queries: np.ndarray, budget_bytes: int) -> PrefetchHandle | None:
         """The lookahead of the snapshot's lists for `queries` (q_in, (n, dim))."""
         return self.index.prefetch(queries, budget_bytes, self.snapshot)
-
-    def search(
-        self, query: np.ndarray | None, text: str, k: int, ranking: Ranking = DENSE, prefetch: PrefetchHandle | None = None
-    ) -> list[Hit]:
-        """The exact top k of the snapshot's passages for `query` (1, dim) and its `text`, by `ranking`."""
-        return self.index.search(query, text, k, self.snapshot, ranking, prefetch)

@@ -40,6 +40,7 @@ from telerag.file_search.errors import (
     VectorStoresUnavailable,
 )
 from telerag.file_search.file_store import FileStore
+from telerag.file_search.store_searcher import Batching, StoresSearch, StoresSearcher
 from telerag.file_search.vector_store_index import StoreIndex, StoreResources, StoreView
 from telerag.file_search.vector_store_records import (
     Attach,
@@ -53,6 +54,7 @@ from telerag.file_search.vector_store_records import (
     StoreRecord,
     open_records,
 )
+from telerag.pipelines.types import MeanQuery
 from telerag.retrieval.ranking import DENSE, Ranking
 from telerag.utils.storage import fsync_path
 
@@ -70,15 +72,27 @@ class VectorStores:
     """The stores under `root`, served once `serve` hands them the server's embedder."""
 
     def __init__(
-        self, root: Path, files: FileStore, *, max_stores: int, max_bytes: int, compact_share: float | None = None
+        self,
+        root: Path,
+        files: FileStore,
+        *,
+        max_stores: int,
+        max_bytes: int,
+        compact_share: float | None = None,
+        batching: Batching | None = None,
     ) -> None:
         self.root, self.files = Path(root), files
-        self.max_stores, self.max_bytes, self.compact_share = max_stores, max_bytes, compact_share
+        self.max_stores, self.max_bytes, self.compact_share, self.batching = (
+            max_stores,
+            max_bytes,
+            compact_share,
+            batching or Batching(),
+        )
         self._lock = threading.Lock()  # the records, and writing them
         self._stores: dict[str, StoreRecord] = {}
         self._indexes_lock = threading.Lock()  # opening a store's index
         self._indexes: dict[str, StoreIndex] = {}
-        self._resources: StoreResources | None = None
+        self._searcher: StoresSearcher | None = None
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._worker: threading.Thread | None = None
 
@@ -99,14 +113,12 @@ class VectorStores:
         ]
         for job in sorted(left, key=lambda job: job.attached_ns):
             self._jobs.put(job)
-        self._resources = resources
+        self._searcher = StoresSearcher(resources, self.batching)
         self._worker = threading.Thread(target=self._work, name="telerag-vector-stores", daemon=True)
         self._worker.start()
 
     def _served(self) -> StoreResources:
-        if self._resources is None:
-            raise VectorStoresUnavailable("this deployment serves no vector stores (a Ray cluster's inference replicas)")
-        return self._resources
+        return self.searcher.resources
 
     def close(self) -> None:
         """Stop once the file being processed is done; let go of every store's datastore."""
@@ -252,9 +264,12 @@ class VectorStores:
     # -- search -----------------------------------------------------------------------------------
 
     @property
-    def resources(self) -> StoreResources:
-        """The server's embedder, as the stores use it (501 where none is served)."""
-        return self._served()
+    def searcher(self) -> StoresSearcher:
+        """Every request's searches of the stores, batched, with the server's embedder (501 where
+        none is served)."""
+        if self._searcher is None:
+            raise VectorStoresUnavailable("this deployment serves no vector stores (a Ray cluster's inference replicas)")
+        return self._searcher
 
     def views(self, store_ids: Sequence[str], owner: str | None, where: AttributeFilter | None = None) -> list[StoreView]:
         """The owner's stores as a request reads them from now on: each one's snapshot (of the
@@ -286,14 +301,9 @@ class VectorStores:
         words, or both), exact at the store's default nprobe, over the files whose attributes
         `where` holds for (all: None); those under `score_threshold` left out. In a worker thread: it embeds."""
         (view,) = self.views([store_id], owner, where)
-        with self.resources.priority.query():
-            vector = self.resources.query(queries) if ranking.uses_vectors else None  # by words alone: none
-            hits = view.search(vector, " ".join(queries), k, ranking)
-        return [
-            StoreHit(hit.file_id, stored.filename, hit.score, stored.attributes, hit.text)
-            for hit in hits
-            if (stored := view.files.get(hit.file_id)) is not None and (score_threshold is None or hit.score >= score_threshold)
-        ]
+        query = MeanQuery(tuple(queries)) if len(queries) > 1 else queries[0]
+        (outcome,) = self.searcher.search_now([StoresSearch([view], [query], k, ranking, score_threshold)])
+        return [StoreHit(d.doc_id, d.title, d.score, view.files[d.doc_id].attributes, d.text) for d in outcome.documents[0]]
 
     # -- records ----------------------------------------------------------------------------------
 

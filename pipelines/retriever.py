@@ -222,6 +222,14 @@ class DirectRetriever:
             vectors, embed_ms = self._embed_queries(queries)
         else:  # by words alone: nothing to embed
             vectors, embed_ms = np.zeros((len(queries), self.embedder.dim), np.float32), 0.0
+        return self.search_embedded(requests, vectors, embed_ms)
+
+    def search_embedded(self, requests: list[SearchRequest], vectors: np.ndarray, embed_ms: float) -> list[SearchOutcome]:
+        """The searches of `requests` given their queries' vectors (one row per query, in order;
+        zeros for a ranking by words alone), one engine search per setting and snapshot. The caller
+        holds the queries' priority (a vector store's searches, `file_search.store_searcher`, embed
+        their whole batch once, for every store)."""
+        queries = [query for request in requests for query in request.queries]
         starts = np.concatenate(([0], np.cumsum([len(r.queries) for r in requests])))
         outcomes: list[SearchOutcome | None] = [None] * len(requests)
         latest = self.live.snapshot()  # for the callers that name none: every write acknowledged before this batch

@@ -11,6 +11,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from telerag.config.settings import Settings
 from telerag.file_search.file_store import FileStore
+from telerag.file_search.store_searcher import Batching
 from telerag.file_search.vector_store_index import StoreResources
 from telerag.file_search.vector_stores import VectorStores
 from telerag.pipelines.registry import PIPELINES
@@ -86,6 +87,11 @@ def create_app(settings: Settings, lifecycle: Lifecycle | None = None) -> FastAP
         max_stores=settings.vector_stores.max_stores_per_key,
         max_bytes=settings.vector_stores.max_bytes_per_key,
         compact_share=settings.documents.compact_share,
+        batching=Batching(
+            settings.scheduler.batch_window_ms,
+            settings.scheduler.max_batch,
+            lambda size: app.state.metrics.batch_size.labels("file_search").observe(size),
+        ),
     )
     extend_schema(app, rag.STREAMED + openai.STREAMED + responses.STREAMED)
     errors.install(app)

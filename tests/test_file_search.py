@@ -5,6 +5,7 @@ deleted is cited no more; a search over several stores is the exact merge of eac
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 
@@ -16,9 +17,12 @@ from langchain_openai import ChatOpenAI
 
 from telerag.file_search.attribute_filters import Comparison
 from telerag.file_search.store_retriever import StoresRetriever
+from telerag.file_search.store_searcher import Batching, StoresSearch, StoresSearcher
 from telerag.file_search.vector_store_records import Attach
+from telerag.pipelines.text_encoder import embedded
 from telerag.pipelines.types import SearchOptions
 from telerag.retrieval.ivf import same_results
+from telerag.retrieval.ranking import DENSE
 from tests.test_vector_stores_api import MARKDOWN, PDF, faiss_reference, keyed, served_stores, stores_app
 
 QUESTION = "Where are the blue pumpkins kept?"
@@ -153,16 +157,15 @@ def test_a_search_over_several_stores_is_the_merge_of_each_stores_faiss_search(t
             only_first = rng.random() < 0.5
             query = " ".join(rng.choice(vocabulary) for _ in range(rng.randint(1, 6)))
             where = Comparison("eq", "m", 0.0) if only_first else None
-            retriever = StoresRetriever(stores.views(ids, None, where), store_resources)
-            with store_resources.priority.query():
-                vector = store_resources.query([query])
+            retriever = StoresRetriever(stores.views(ids, None, where), stores.searcher)
+            vector = embedded(store_resources.embedder, [query])
             if rng.random() < 0.5:
                 q_in = " ".join(rng.choice(vocabulary) for _ in range(3))  # what a lookahead guessed, right or not
                 ticket = asyncio.run(retriever.prefetch([q_in]))
                 assert ticket.stats.enabled and ticket.stats.plan.clusters_requested > 0
                 got = asyncio.run(retriever.search([query], SearchOptions(top_k=k), ticket)).documents[0]
             else:
-                got = retriever.merged(vector, query, k)
+                got = asyncio.run(retriever.search([query], SearchOptions(top_k=k))).documents[0]
             expected = []
             for at, (reference, passages) in enumerate(references):
                 selected = [
@@ -188,6 +191,56 @@ def test_a_search_over_several_stores_is_the_merge_of_each_stores_faiss_search(t
         assert cache is not None and cache.stats().copies > 0 and cache.stats().pinned_clusters == 0
         assert len(cache.caches) == 3  # each store's lists, in the one buffer
         cache.check_invariants()
+
+
+class CountingEncoder:
+    """An encoder that records the size of each call."""
+
+    def __init__(self, inner, calls: list[int]) -> None:
+        self.inner, self.calls, self.name, self.dim = inner, calls, inner.name, inner.dim
+
+    def encode(self, texts, *, pause=None):
+        self.calls.append(len(texts))
+        return self.inner.encode(texts, pause=pause)
+
+    def count_tokens(self, texts) -> int:
+        return self.inner.count_tokens(texts)
+
+
+def test_searches_of_several_requests_are_one_batch_and_each_gets_what_it_gets_alone(tmp_path):
+    """Three requests' file_search searches arriving together are one batch of the stores'
+    searcher: their queries embedded in one call, each store searched once for all that name it,
+    and each request's top k the one it gets searched alone."""
+    rng = random.Random(3)
+    vocabulary = [f"w{i}" for i in range(100)]
+    with served_stores(tmp_path) as (files, stores, store_resources):
+        ids = []
+        for n in range(2):
+            store = stores.create(None, name=f"s{n}", metadata={})
+            ids.append(store.id)
+            text = " ".join(rng.choice(vocabulary) for _ in range(600))
+            stores.attach(store.id, None, Attach(files.add(text.encode(), f"f{n}.txt", "assistants", None).id, {}))
+        while any(stores.get(i, None).in_progress for i in ids):
+            time.sleep(0.01)
+        calls: list[int] = []
+        sizes: list[int] = []
+        counting = dataclasses.replace(store_resources, embedder=CountingEncoder(store_resources.embedder, calls))
+        searcher = StoresSearcher(counting, Batching(window_ms=500, on_batch=sizes.append))
+        asks = [(ids[:1], "w1 w2"), (ids, "w3"), (ids[1:], "w4 w5 w6")]
+
+        async def together():
+            retrievers = [StoresRetriever(stores.views(store_ids, None), searcher) for store_ids, _ in asks]
+            searches = (r.search([query], SearchOptions(top_k=5)) for r, (_, query) in zip(retrievers, asks, strict=True))
+            return await asyncio.gather(*searches)
+
+        outcomes = asyncio.run(together())
+        assert sizes == [3] and calls == [3]
+        for (store_ids, query), outcome in zip(asks, outcomes, strict=True):
+            (alone,) = searcher.search_now([StoresSearch(stores.views(store_ids, None), [query], 5, DENSE)])
+            assert outcome.documents[0] and {d.source for d in outcome.documents[0]} <= set(store_ids)
+            assert [(d.source, d.id, d.score) for d in outcome.documents[0]] == [
+                (d.source, d.id, d.score) for d in alone.documents[0]
+            ]
 
 
 async def test_the_tools_searches_run_beside_other_requests(tmp_path):

@@ -72,9 +72,7 @@ def test_before_any_is_measured_the_prior_stands_in_and_until_enough_are_the_few
     assert workload.estimate("hyde", 2, 500, max_tokens=16).work == pytest.approx(2 * (W * 500 + 16))  # never past max_tokens
     workload.observe("hyde", 500, served(600, (40, False), (20, True)))  # one, as the warm-up measures
     few = workload.estimate("hyde", 2, 500, 1024)
-    assert few == RequestCost(
-        work=W * 600 + 60, prefill_work=W * 500, spread=FEW_SAMPLES_SPREAD * (W * 600 + 60), tentative=True
-    )
+    assert few == RequestCost(work=W * 600 + 60, prefill_work=W * 500, spread=FEW_SAMPLES_SPREAD * (W * 600 + 60), tentative=True)
     for _ in range(PROFILE_MIN_SAMPLES - 2):
         workload.observe("hyde", 500, served(600, (40, False), (20, True)))
     assert workload.estimate("hyde", 2, 500, 1024) == few

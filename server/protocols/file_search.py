@@ -46,9 +46,9 @@ class FileSearchTool(BaseModel):
         views = stores.views(self.vector_store_ids, client, where)
         options = self.ranking_options
         if options is None:
-            return StoresRetriever(views, stores.resources)
+            return StoresRetriever(views, stores.searcher)
         ranking = rankings(weights=options.weights, rerank=options.ranker != "none")
-        return StoresRetriever(views, stores.resources, options.score_threshold, ranking)
+        return StoresRetriever(views, stores.searcher, options.score_threshold, ranking)
 
 
 class Rankings(Protocol):
