@@ -9,7 +9,7 @@ search run once untimed first); ours with
 a host cache of `host_cache_mb`, cold (the host cache emptied before each search) without
 lookahead (every list read when searched) and with it (q_in's lists read during a pre-retrieval
 call of `llm_ms`, planned within B·t_LLM, then q_out searched); ours cold with exact early stop
-(`retrieval.early_stop`: the lists the bound rules out are never read); ours with the whole datastore in its
+(`experiments.early_stop`: the lists the bound rules out are never read); ours with the whole datastore in its
 cache (the bound). Each row: search p50 ms, MB read per search, and, with lookahead, the share of
 the search's lists already read when it began (the disk time masked). Answers are checked against
 faiss in memory at the same nprobe."""

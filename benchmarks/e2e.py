@@ -279,7 +279,7 @@ def run_configured_e2e(
     over the configured datastore or, with `scale`, that datastore scaled up. The engine loads
     first, so that the default cluster cache gets what the LLM leaves of the GPU (as `serve`)."""
     engine = build_llm(settings, llm)
-    retriever = open_scaled_retriever(settings.retrieval, scale)
+    retriever = open_scaled_retriever(settings.retrieval, scale, early_stop=settings.experiments.early_stop)
     if Mode.RESIDENT in config.modes:  # before minutes of measuring, not after them
         try:
             retriever.engine.check_cache_fits(

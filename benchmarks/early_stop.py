@@ -1,5 +1,5 @@
 """`telerag bench retrieval`'s early-stop phase: faiss at the configured nprobe and the engine's
-search with exact early stop (`retrieval.early_stop`), timed by turns on each batch, its answers
+search with exact early stop (`experiments.early_stop`), timed by turns on each batch, its answers
 checked against faiss's, and the share of the probed lists it scanned."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ datastore scaled so that retrieval is a real share of a request's time (`benchma
 
   sequential  every search after its step (what the pipelines do without `pipelining`)
   pipelined   each search launched from the step's text so far while it generates (PipeRAG)
-  early_stop  sequential, faiss's lists scanned with exact early stop (`retrieval.early_stop`)
+  early_stop  sequential, faiss's lists scanned with exact early stop (`experiments.early_stop`)
   budgeted    pipelined, with nprobe "auto" (the largest predicted to fit the generation left)
   speculative sequential, each search's next call prefilled from its provisional top-k (AquaPipe)
 
@@ -143,7 +143,7 @@ class ModeSetup:
         )
         search = retriever.engine  # its CPU half as it scans: faiss in memory, or the lists read from disk
         self.early_stop = EarlyStopSearch(search.cpu_half, ListBounds.of(retriever.datastore), list_major=search.on_disk)
-        unchecked = dataclasses.replace(pipelining_config(settings.retrieval), check=False)
+        unchecked = dataclasses.replace(pipelining_config(settings.experiments), check=False)
         floor, nlist = settings.retrieval.nprobe_floor, retriever.datastore.nlist
         self.pipelines: dict[Mode, dict[str, RagPipeline]] = {
             mode: build_pipelines(
@@ -266,8 +266,7 @@ def run_configured_pipelining_bench(
     configured retriever, over the configured datastore or, with `scale`, that datastore scaled
     up (early stop needs its list statistics: the embedded default's are added as serve adds them)."""
     engine = build_llm(settings, llm)
-    retrieval = settings.retrieval.model_copy(update={"early_stop": True})  # the datastore's list statistics, loaded
-    retriever = open_scaled_retriever(retrieval, scale)
+    retriever = open_scaled_retriever(settings.retrieval, scale, early_stop=True)  # the datastore's list statistics, loaded
     stopping = retriever.engine.cpu_half
     assert isinstance(stopping, EarlyStopSearch)
     retriever.engine.cpu_half = stopping.inner  # faiss's own (or the disk's reads), but where a mode says otherwise

@@ -262,7 +262,7 @@ async def configured_quality_study(
         info = runtime.datastore_info
         recorder = SearchRecorder(runtime.retriever)
         pipelines = runtime.pipelines(recorder, names)
-        options = RunOptions(top_k=k, nprobe=info.nprobe, max_tokens=max_tokens, pipelining=settings.retrieval.pipelining)
+        options = RunOptions(top_k=k, nprobe=info.nprobe, max_tokens=max_tokens, pipelining=settings.experiments.pipelining)
         forms = FOLLOW_UP_FORMS if any(q.history for q in questions) else {"as written": lambda q: q}
         rows: list[QualityRow] = []
         with tqdm(total=len(forms) * len(pipelines) * len(questions), desc="questions", unit="q") as bar:

@@ -1,6 +1,6 @@
 """`telerag bench retrieval`: faiss CPU vs. our prefetch + cooperative search (without and with
 demand copies) vs. everything resident, and faiss vs. its scan with exact early stop
-(`retrieval.early_stop`), side by side in one run, on a synthetic clustered datastore with
+(`experiments.early_stop`), side by side in one run, on a synthetic clustered datastore with
 controllable overlap, or on the configured datastore (the embedded default's), as it is or
 scaled up in memory as `bench e2e` scales it (`benchmarks.scaled`). The module is long because
 its phases share one engine, one set of queries and faiss's answers to them, the reference every
@@ -376,8 +376,8 @@ def open_datastore(config: BenchConfig, progress: bool) -> Datastore:
         if datastore.manifest.embedder != "synthetic":
             raise DatastoreError(f"{path} is not a synthetic benchmark datastore")
         return datastore
-    retrieval = load_settings().retrieval.model_copy(update={"early_stop": True})
-    datastore = load_configured_datastore(retrieval, load_embedder(retrieval))
+    retrieval = load_settings().retrieval
+    datastore = load_configured_datastore(retrieval, load_embedder(retrieval), early_stop=True)
     if config.scale_vectors:
         scale = DatastoreScale(vectors=config.scale_vectors, nlist=config.nlist, noise=config.replica_noise, seed=config.seed)
         datastore = scaled_datastore(datastore, scale, device=config.device, progress=progress)

@@ -322,15 +322,17 @@ def _passages_of(base: Datastore, ids: np.ndarray) -> Iterator[Passage]:
         yield from base.passages(ids[start : start + REPLICA_BLOCK])
 
 
-def open_scaled_retriever(retrieval: RetrievalSettings, scale: DatastoreScale | None) -> DirectRetriever:
+def open_scaled_retriever(
+    retrieval: RetrievalSettings, scale: DatastoreScale | None, *, early_stop: bool = False
+) -> DirectRetriever:
     """The configured retriever over the configured datastore, or over it scaled up in memory on
-    the retrieval device."""
+    the retrieval device; `early_stop`: its faiss half with exact early stop (`experiments.early_stop`)."""
     embedder = load_embedder(retrieval)
-    datastore = load_configured_datastore(retrieval, embedder)
+    datastore = load_configured_datastore(retrieval, embedder, early_stop=early_stop)
     if scale is not None:
         try:
             datastore = scaled_datastore(datastore, scale, device=retrieval.device)
         except BaseException:
             datastore.close()
             raise
-    return open_configured_retriever(datastore, embedder, retrieval)
+    return open_configured_retriever(datastore, embedder, retrieval, early_stop=early_stop)

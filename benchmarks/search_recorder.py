@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 from telerag.pipelines.rag.base import merge_documents
 from telerag.pipelines.types import (
-    OnProvisional,
     PrefetchTicket,
     RetrievedPassage,
     Retriever,
@@ -65,10 +64,8 @@ class SearchRecorder:
         queries: Sequence[SearchQuery],
         options: SearchOptions,
         ticket: PrefetchTicket | None = None,
-        *,
-        provisional: OnProvisional | None = None,
     ) -> SearchOutcome:
-        outcome = await self.inner.search(queries, options, ticket, provisional=provisional)
+        outcome = await self.inner.search(queries, options, ticket)
         self.searches.append(RecordedSearch(list(queries), options, outcome))
         return outcome
 

@@ -70,8 +70,8 @@ def run(args: argparse.Namespace) -> int:
                 nprobe=settings.retrieval.nprobe,  # --nprobe sets it
                 max_tokens=args.max_tokens,
                 prefetch=not args.no_prefetch,
-                pipelining=settings.retrieval.pipelining,
-                speculative_prefill=settings.retrieval.speculative_prefill,
+                pipelining=settings.experiments.pipelining,
+                speculative_prefill=settings.experiments.speculative_prefill,
             )
             return await pipeline.run(args.question, options, ignore_events if args.json else print_token), ingesting
 

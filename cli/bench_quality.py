@@ -32,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--pipelining",
         choices=["on", "off"],
-        help="the requests' pipelining (iter_retgen, flare, iterative; default: retrieval.pipelining)",
+        help="the requests' pipelining (iter_retgen, flare, iterative; default: experiments.pipelining)",
     )
     parser.add_argument(
         "--retrieval-only",
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     names = list(pipeline_names(args.pipelines))
     given = overrides(args)
     if args.pipelining is not None:
-        given.setdefault("retrieval", {})["pipelining"] = args.pipelining == "on"
+        given.setdefault("experiments", {})["pipelining"] = args.pipelining == "on"
     settings = load_settings(args.config, given)
     logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")
     questions = read_questions(args.questions, args.limit)

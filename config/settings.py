@@ -104,6 +104,51 @@ def _nprobe(value: Any) -> Any:
     return value
 
 
+class ExperimentSettings(Section):
+    """The seed systems' mechanisms that are off by default, each measured in docs/benchmarks.md
+    and chosen once per request (`pipelines.rag.retrieval_step`) or per search: the default path
+    carries none of them."""
+
+    pipelining: bool = setting(
+        False,
+        "the default of a request's pipelining (the OpenAI routes run with it): iter_retgen, flare and iterative search "
+        "from the text generated so far while the step goes on (PipeRAG). Off: it changes which documents an answer "
+        "may use (docs/api.md, Pipelined retrieval)",
+    )
+    pipelining_launch_share: float = setting(
+        0.5,
+        "a pipelined step's stale query is searched once the step has generated this share of the tokens its stage's "
+        "calls lately generated (FLARE: at the first unsure token past it)",
+        ge=0,
+        le=1,
+    )
+    pipelining_min_cosine: float = setting(
+        0.9, "when the step ends, its final query at least this alike (embedding cosine) to the stale one: the stale "
+        "documents are used; else it is searched again", ge=-1, le=1,
+    )  # fmt: skip
+    pipelining_check: bool = setting(
+        True,
+        "search a kept stale query's final query beside the rest of the run (the answer does not wait for it), so that "
+        "the response says whether the documents differed",
+    )
+    speculative_prefill: bool = setting(
+        False,
+        "the default of a request's speculative_prefill (the OpenAI routes run with it): while a search runs, prefill "
+        "the next LLM call's prompt from its provisional top-k (AquaPipe); the call reuses what still matches, same "
+        "answers. The transformers engine needs its prefix cache for it; off: not yet measured on a scaled datastore "
+        "(docs/api.md, Speculative prefill)",
+    )
+    early_stop: bool = setting(
+        False,
+        "exact early stop of faiss's half: skip the lists whose score bound proves they cannot change the top-k (same "
+        "answers); needs the datastore's list statistics (telerag datastore upgrade). Off: on 384-d embeddings it "
+        "skips none and costs time (docs/benchmarks.md)",
+    )
+
+
+EXPERIMENT_KEYS = frozenset(ExperimentSettings.model_fields)
+
+
 class RetrievalSettings(Section):
     datastore: Path = Field(
         default_factory=lambda: user_cache_dir() / "datastores" / "wiki-en",
@@ -170,41 +215,6 @@ class RetrievalSettings(Section):
         "own, which every search of it uses",
     )
     nprobe_floor: int = setting(8, 'the least nprobe "auto" chooses (at most nlist)', ge=1)
-    pipelining: bool = setting(
-        False,
-        "the default of a request's pipelining (the OpenAI routes run with it): iter_retgen, flare and iterative search "
-        "from the text generated so far while the step goes on (PipeRAG). Off: it changes which documents an answer "
-        "may use (docs/api.md, Pipelined retrieval)",
-    )
-    pipelining_launch_share: float = setting(
-        0.5,
-        "a pipelined step's stale query is searched once the step has generated this share of the tokens its stage's "
-        "calls lately generated (FLARE: at the first unsure token past it)",
-        ge=0,
-        le=1,
-    )
-    pipelining_min_cosine: float = setting(
-        0.9, "when the step ends, its final query at least this alike (embedding cosine) to the stale one: the stale "
-        "documents are used; else it is searched again", ge=-1, le=1,
-    )  # fmt: skip
-    pipelining_check: bool = setting(
-        True,
-        "search a kept stale query's final query beside the rest of the run (the answer does not wait for it), so that "
-        "the response says whether the documents differed",
-    )
-    speculative_prefill: bool = setting(
-        False,
-        "the default of a request's speculative_prefill (the OpenAI routes run with it): while a search runs, prefill "
-        "the next LLM call's prompt from its provisional top-k (AquaPipe); the call reuses what still matches, same "
-        "answers. The transformers engine needs its prefix cache for it; off: not yet measured on a scaled datastore "
-        "(docs/api.md, Speculative prefill)",
-    )
-    early_stop: bool = setting(
-        False,
-        "exact early stop of faiss's half: skip the lists whose score bound proves they cannot change the top-k (same "
-        "answers); needs the datastore's list statistics (telerag datastore upgrade). Off: on 384-d embeddings it "
-        "skips none and costs time (docs/benchmarks.md)",
-    )
     top_k: int = setting(3, "documents a request gets when it does not say", ge=1)
     search_mode: Literal["dense", "keyword", "hybrid"] = setting(
         "dense",
@@ -245,6 +255,14 @@ class RetrievalSettings(Section):
         else:
             ranking = ranking_of(mode or self.search_mode, fusion=self.hybrid_fusion, candidates=self.hybrid_candidates)
         return ranking if reranker is None else RerankedRanking(ranking, reranker, self.rerank_candidates)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _experiments_moved(cls, data: Any) -> Any:
+        """A key the experiments section took: named where it went, not refused as unknown."""
+        if isinstance(data, dict) and (moved := sorted(set(data) & EXPERIMENT_KEYS)):
+            raise ValueError(f"retrieval.{moved[0]} is experiments.{moved[0]} (the experiments' settings are one section)")
+        return data
 
     @property
     def fixed_nprobe(self) -> int | None:
@@ -512,6 +530,7 @@ class Settings(BaseSettings):
 
     engine: EngineSettings = Field(default_factory=EngineSettings)
     retrieval: RetrievalSettings = Field(default_factory=RetrievalSettings)
+    experiments: ExperimentSettings = Field(default_factory=ExperimentSettings)
     scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
     documents: DocumentSettings = Field(default_factory=DocumentSettings)
@@ -629,6 +648,8 @@ def _check_environment() -> None:
         if known is None:
             raise SettingsError(f"{name}: no such settings section (known: {', '.join(Settings.model_fields)})")
         fields = cast(type[BaseModel], known.annotation).model_fields
+        if section == "retrieval" and key in EXPERIMENT_KEYS:
+            raise SettingsError(f"{name} is TELERAG_EXPERIMENTS__{key.upper()} (the experiments' settings are one section)")
         if key.split("__")[0] not in fields:
             raise SettingsError(f"{name}: no such setting in {section} (known: {', '.join(fields)})")
 

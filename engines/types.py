@@ -87,12 +87,6 @@ class Engine(Protocol):
         finishes; closing it aborts what is unfinished. The pull form of `generate`'s `on_chunk`."""
         ...
 
-    async def prefill(self, prompts: Sequence[str]) -> list[Generation]:
-        """Prefill each prompt and keep its KV for a later prompt that begins the same way (the
-        prefix cache; SGLang's radix cache), generating nothing: one Generation of no tokens per
-        prompt, whose `cached_tokens` the engine held already. Speculative prefill's call."""
-        ...
-
     def count_tokens(self, text: str) -> int: ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
@@ -103,6 +97,18 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class Prefiller(Engine, Protocol):
+    """An engine that can also prefill a prompt alone, an optional capability (both engines here
+    have it): what speculative prefill needs, checked once when a pipeline is built."""
+
+    async def prefill(self, prompts: Sequence[str]) -> list[Generation]:
+        """Prefill each prompt and keep its KV for a later prompt that begins the same way (the
+        prefix cache; SGLang's radix cache), generating nothing: one Generation of no tokens per
+        prompt, whose `cached_tokens` the engine held already."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ from telerag.file_search.vector_store_index import StoreView
 from telerag.pipelines.stats import PrefetchStepStats
 from telerag.pipelines.text_encoder import embedded
 from telerag.pipelines.types import (
-    OnProvisional,
     PrefetchTicket,
     RetrievedPassage,
     SearchOptions,
@@ -74,11 +73,9 @@ class StoresRetriever:
         queries: Sequence[SearchQuery],
         options: SearchOptions,
         ticket: PrefetchTicket | None = None,
-        *,
-        provisional: OnProvisional | None = None,
     ) -> SearchOutcome:
         """Each query's top `options.top_k` over the stores, batched with other requests' searches
-        (no provisional top-k is reported)."""
+        (an observer hears nothing: no provisional top-k is reported)."""
         self.searched += [str(query) for query in queries]
         prefetched = self._prefetched.pop(id(ticket), {}) if ticket is not None else {}
         try:

@@ -30,6 +30,13 @@ class UnknownPipeline(PipelineError):
     code = "unknown_pipeline"
 
 
+class EngineLacksCapability(PipelineError):
+    """A request asks for what the engine cannot do (speculative prefill on an engine that cannot
+    prefill a prompt alone): refused rather than run without it."""
+
+    code = "unsupported_by_engine"
+
+
 class UndeclaredStage(PipelineError):
     """A pipeline traced a stage it does not declare in its `stages`: a bug in the pipeline, not
     the caller's mistake."""

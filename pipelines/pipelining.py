@@ -30,7 +30,7 @@ TOKEN_SMOOTHING = 0.2  # weight of a stage's newest call in its expected complet
 
 @dataclass(frozen=True)
 class PipeliningConfig:
-    """How the pipelines pipeline their retrievals (`retrieval.pipelining_*` in the settings)."""
+    """How the pipelines pipeline their retrievals (`experiments.pipelining_*` in the settings)."""
 
     launch_share: float = 0.5  # of the step's expected tokens generated before the stale query is searched
     min_cosine: float = 0.9  # stale and final query at least this alike: the stale documents are used

@@ -25,11 +25,11 @@ from telerag.pipelines.stats import PrefetchStepStats, mean_overlap, search_step
 from telerag.pipelines.text_encoder import TextEncoder, embedded
 from telerag.pipelines.types import (
     DatastoreInfo,
-    OnProvisional,
     PrefetchRequest,
     PrefetchTicket,
     ProvisionalDocuments,
     RetrievedPassage,
+    SearchObserver,
     SearchOptions,
     SearchOutcome,
     SearchQuery,
@@ -137,10 +137,8 @@ class DirectRetriever:
         queries: Sequence[SearchQuery],
         options: SearchOptions,
         ticket: PrefetchTicket | None = None,
-        *,
-        provisional: OnProvisional | None = None,
     ) -> SearchOutcome:
-        return (await self.search_batch([SearchRequest(list(queries), options, ticket, provisional)]))[0]
+        return (await self.search_batch([SearchRequest(list(queries), options, ticket)]))[0]
 
     def release(self, ticket: PrefetchTicket) -> None:
         if ticket.handle is not None:
@@ -269,20 +267,20 @@ class DirectRetriever:
 
     def _provisional(self, requests: list[SearchRequest], snapshot: Snapshot) -> ProvisionalReport | None:
         """The report of one engine search's provisional top-k, split into its requests' rows: each
-        request that asked hears its first stable top-k (`speculation.StableTopK`) as documents."""
-        wanting = [(i, r.provisional) for i, r in enumerate(requests) if r.provisional is not None]
-        if not wanting:
+        request with an observer hears its first stable top-k (`speculation.StableTopK`) as documents."""
+        watching = [(i, o) for i, r in enumerate(requests) if (o := r.options.observer) is not None]
+        if not watching:
             return None
         starts = np.concatenate(([0], np.cumsum([len(r.queries) for r in requests])))
-        rules = {i: StableTopK() for i, _ in wanting}
+        rules = {i: StableTopK() for i, _ in watching}
 
         def report(found: Provisional) -> None:
-            for i, hear in wanting:
+            for i, observer in watching:
                 rows = slice(starts[i], starts[i + 1])
                 if rules[i].offer(found.ids[rows]):
                     pairs = zip(found.ids[rows], found.scores[rows], strict=True)
                     documents = [self._documents(snapshot, ids, scores) for ids, scores in pairs]
-                    hear(ProvisionalDocuments(documents, found.lists_share))
+                    observer.provisional(ProvisionalDocuments(documents, found.lists_share))
 
         return report
 
@@ -377,13 +375,20 @@ def _of_engine(handle: PrefetchHandle | None, engine: RetrievalEngine) -> Prefet
     return None
 
 
+@dataclass(frozen=True)
+class _ObservedOnLoop:
+    """An observer heard on its caller's event loop (the search runs in a worker thread)."""
+
+    observer: SearchObserver
+    loop: asyncio.AbstractEventLoop
+
+    def provisional(self, found: ProvisionalDocuments) -> None:
+        self.loop.call_soon_threadsafe(self.observer.provisional, found)
+
+
 def _on_loop(request: SearchRequest, loop: asyncio.AbstractEventLoop) -> SearchRequest:
-    """`request` with its provisional callback run on `loop` (the search runs in a worker thread)."""
-    hear = request.provisional
-    if hear is None:
+    """`request` with its observer heard on `loop`."""
+    observer = request.options.observer
+    if observer is None:
         return request
-
-    def on_loop(found: ProvisionalDocuments) -> None:
-        loop.call_soon_threadsafe(hear, found)
-
-    return dataclasses.replace(request, provisional=on_loop)
+    return dataclasses.replace(request, options=dataclasses.replace(request.options, observer=_ObservedOnLoop(observer, loop)))

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from telerag.engines.types import Engine, Generation
+from telerag.engines.types import Generation, Prefiller
 from telerag.pipelines.stats import SpeculativePrefill
 from telerag.pipelines.types import ProvisionalDocuments, RetrievedPassage
 
@@ -45,11 +45,11 @@ class StableTopK:
 
 
 class Speculation:
-    """One search's speculative prefill: started from its stable top-k (`start`, the search's
-    `provisional` callback), judged when the search ends (`settle`), and matched with the LLM call
+    """One search's speculative prefill: started from its stable top-k (as the search's observer:
+    `provisional`), judged when the search ends (`settle`), and matched with the LLM call
     whose prompt it was for (`observe_call`); `report` says what became of it."""
 
-    def __init__(self, engine: Engine, prompt_of: Callable[[list[list[RetrievedPassage]]], str]) -> None:
+    def __init__(self, engine: Prefiller, prompt_of: Callable[[list[list[RetrievedPassage]]], str]) -> None:
         """`prompt_of`: the formatted prompt of the call a search's documents go to."""
         self.engine, self.prompt_of = engine, prompt_of
         self.task: asyncio.Future[list[Generation]] | None = None
@@ -60,11 +60,11 @@ class Speculation:
         self.cached_before: int | None = None  # of the speculated prompt, what the engine held already
         self.call_cached: int | None = None  # of the call's prompt, what the engine held
 
-    def start(self, provisional: ProvisionalDocuments) -> None:
+    def provisional(self, found: ProvisionalDocuments) -> None:
         """Prefill the call's prompt as the provisional documents would make it."""
         if self.task is not None:
             return
-        self.prompt, self.lists_share = self.prompt_of(provisional.documents), provisional.lists_share
+        self.prompt, self.lists_share = self.prompt_of(found.documents), found.lists_share
         self.task = asyncio.ensure_future(self.engine.prefill([self.prompt]))
         self.task.add_done_callback(self._prefilled)
 

@@ -88,12 +88,32 @@ def query_vectors(queries: Sequence[SearchQuery], text_vectors: np.ndarray) -> n
 
 
 @dataclass(frozen=True)
+class ProvisionalDocuments:
+    """A search's documents before it ended: its top-k found stable but not proven
+    (`pipelines.speculation`), after `lists_share` of its probed lists were scanned."""
+
+    documents: list[list[RetrievedPassage]]
+    lists_share: float
+
+
+class SearchObserver(Protocol):
+    """Who hears how a search goes before it returns (speculative prefill's `Speculation`). A
+    search without one is watched by nobody and scans as it always does."""
+
+    def provisional(self, found: ProvisionalDocuments) -> None:
+        """The search's first top-k found stable, at most once, on the caller's event loop, before
+        the search returns; the outcome is the same either way."""
+        ...
+
+
+@dataclass(frozen=True)
 class SearchOptions:
     top_k: int = 3
     nprobe: int | None = None  # None: the datastore's configured default
     prefetch: bool = True  # False: every cluster is searched on the CPU (the baseline)
     snapshot: Snapshot | None = None  # the datastore as the search reads it (`Retriever.snapshot`); None: as of now
     ranking: Ranking = DENSE  # by meaning, by words or both (`retrieval.ranking`)
+    observer: SearchObserver | None = None  # hears the search's provisional top-k
 
 
 @dataclass
@@ -128,13 +148,9 @@ class Retriever(Protocol):
         queries: Sequence[SearchQuery],
         options: SearchOptions,
         ticket: PrefetchTicket | None = None,
-        *,
-        provisional: OnProvisional | None = None,
     ) -> SearchOutcome:
-        """Embed `queries` (q_out) and run the cooperative search, waiting only on `ticket`'s copies.
-        With `provisional`, it is called at most once, before the search returns, with the first
-        top-k found stable while the search runs (`pipelines.speculation`); the outcome is the
-        same either way."""
+        """Embed `queries` (q_out) and run the cooperative search, waiting only on `ticket`'s
+        copies; `options.observer` hears its provisional top-k."""
         ...
 
     def release(self, ticket: PrefetchTicket) -> None:
@@ -154,18 +170,6 @@ class Retriever(Protocol):
 
 
 @dataclass(frozen=True)
-class ProvisionalDocuments:
-    """A search's documents before it ended: its top-k found stable but not proven
-    (`pipelines.speculation`), after `lists_share` of its probed lists were scanned."""
-
-    documents: list[list[RetrievedPassage]]
-    lists_share: float
-
-
-OnProvisional = Callable[[ProvisionalDocuments], None]  # called on the caller's event loop, before the search returns
-
-
-@dataclass(frozen=True)
 class PrefetchRequest:
     """One caller's prefetch inside a batch (see `Retriever.prefetch`)."""
 
@@ -181,7 +185,6 @@ class SearchRequest:
     queries: list[SearchQuery]
     options: SearchOptions
     ticket: PrefetchTicket | None = None
-    provisional: OnProvisional | None = None  # see `Retriever.search`
 
 
 @runtime_checkable

@@ -1,5 +1,5 @@
 """A scan of each query's lists a chunk at a time, best centroid score first, through another
-`ListSearch`: the loop shared by exact early stop (chunks chosen by a bound, `retrieval.early_stop`)
+`ListSearch`: the loop shared by exact early stop (chunks chosen by a bound, `experiments.early_stop`)
 and the provisional top-k (chunks at fixed shares, `retrieval.provisional`).
 
 The chunks of one query are disjoint, so merging their top-ks (`merge_shard_results`) gives the

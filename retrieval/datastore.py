@@ -14,7 +14,7 @@ Layout of a datastore directory (`FORMAT_VERSION` 1):
     codec.npy          sq8 only: float32 (2, dim), the quantizer's vmin and vdiff
     list_stats.npy     float32 (nlist, 3): each list's radius about its centroid, largest vector norm
                        and least projection on its centroid's direction, the bounds of exact early stop
-                       (`retrieval.early_stop`; a datastore written before them gets them from
+                       (`experiments.early_stop`; a datastore written before them gets them from
                        `telerag datastore upgrade`)
     passages.jsonl     optional: one {"doc_id","title","text"} per row, in row order
     passages.idx.npy   optional: int64 (n + 1) byte offsets of those lines

@@ -14,7 +14,7 @@ computed scores, not only for exact ones: the answer is always the full scan's.
 How much it skips depends on how tight the lists are against the scores queries reach. In high
 dimensions both are loose: on the embedded datastore (MiniLM, 384-d, unit vectors, 273 lists)
 a list's radius is about 1.1 while a query's 3rd-best score is about 0.5, so no list is ever
-skipped (see docs/benchmarks.md, "Exact early stop"); `retrieval.early_stop` is off by
+skipped (see docs/benchmarks.md, "Exact early stop"); `experiments.early_stop` is off by
 default for that reason.
 """
 
@@ -45,9 +45,9 @@ def require_list_stats(datastore: Datastore) -> np.ndarray:
     them, for a datastore written before they were stored."""
     if datastore.list_stats is None:
         raise DatastoreMismatchError(
-            f"{datastore.where} has no list statistics, which retrieval.early_stop needs: add them with "
+            f"{datastore.where} has no list statistics, which experiments.early_stop needs: add them with "
             f"`telerag datastore upgrade {datastore.where}` (writes one new file beside the others), "
-            "or set retrieval.early_stop to false"
+            "or set experiments.early_stop to false"
         )
     return datastore.list_stats
 

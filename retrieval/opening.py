@@ -44,7 +44,7 @@ def open_datastore(
             on_step("adding list statistics to the datastore (upgrade)")
             log.info(
                 "upgrading the Wikipedia datastore at %s, built by an older telerag: adding the list statistics that "
-                "retrieval.early_stop needs (list_stats.npy; as `telerag datastore upgrade %s` does)",
+                "experiments.early_stop needs (list_stats.npy; as `telerag datastore upgrade %s` does)",
                 path,
                 path,
             )

@@ -127,7 +127,7 @@ class TierShape:
     max_replicas: int = 0  # autoscaling: between `replicas` and this many per shard; 0: `replicas` always
     max_ongoing_requests: int = 8  # per replica; past it requests queue in the caller's router
     max_queued_requests: int = 64  # per caller; past it a call is refused at once (TierBusy)
-    early_stop: bool = False  # each shard scans with exact early stop (`retrieval.early_stop`)
+    early_stop: bool = False  # each shard scans with exact early stop (`experiments.early_stop`)
     # what the autoscaler keeps each replica at: a replica searches one request at a time, so
     # more than one in flight is a queue
     target_ongoing_requests: float = 1.0

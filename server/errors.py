@@ -6,7 +6,8 @@ clients read it; on the OpenAI routes `type` is OpenAI's class of error), and on
 A client's mistake is a 4xx naming what was wrong; a refusal of a busy or unready server is a
 429 or 503 with `Retry-After`; a fault of the server is a 5xx, logged with the request's id
 (`X-Request-ID`, which every response carries). A 500 is a bug: its body says only that, and
-the request's id, so the log can be found; nothing of the exception leaves the server.
+the request's id, so the log can be found; nothing of the exception leaves the server. It is
+long because every layer's error types are mapped here, and only here.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from telerag.file_search.errors import (
     VectorStoresTooLarge,
     VectorStoresUnavailable,
 )
-from telerag.pipelines.errors import EmbedderError, PipelineError, UnknownPipeline
+from telerag.pipelines.errors import EmbedderError, EngineLacksCapability, PipelineError, UnknownPipeline
 from telerag.retrieval.errors import (
     DatastoreError,
     DatastoreReadOnly,
@@ -211,6 +212,7 @@ STATUS: list[tuple[type[Exception], int]] = [
     (WritesBusy, 429),
     (DocumentsUnavailable, 501),
     (UnknownPipeline, 422),
+    (EngineLacksCapability, 400),
     (SearchError, 422),
     (Unauthorized, 401),
     (BodyTooLarge, 413),

@@ -255,7 +255,7 @@ class Service:
         """A request's options. What the request leaves out (None) is the settings': top_k, nprobe
         "auto" when `retrieval.nprobe` is (a configured number is the retriever's own default),
         pipelining, speculative prefill, the search mode."""
-        retrieval = self.settings.retrieval
+        retrieval, experiments = self.settings.retrieval, self.settings.experiments
         if nprobe is None and retrieval.nprobe == "auto":
             nprobe = "auto"
         return RunOptions(
@@ -269,8 +269,8 @@ class Service:
             history=history,
             prefetch=prefetch,
             ranking=self.ranking(search_mode),
-            pipelining=retrieval.pipelining if pipelining is None else pipelining,
-            speculative_prefill=retrieval.speculative_prefill if speculative_prefill is None else speculative_prefill,
+            pipelining=experiments.pipelining if pipelining is None else pipelining,
+            speculative_prefill=experiments.speculative_prefill if speculative_prefill is None else speculative_prefill,
         )
 
     async def embed(self, model: str, texts: list[str], dimensions: int | None) -> TextEmbeddings:

@@ -70,9 +70,10 @@ class Harness:
     """The app over a scripted engine and a batch-recording retriever, with `sections` of
     settings; `client()` talks to it in process."""
 
-    def __init__(self, delay: float = 0.0, **sections) -> None:
+    def __init__(self, delay: float = 0.0, engine=None, **sections) -> None:
+        """`engine`: another than the scripted one, which answers every question the same."""
         self.retriever = BatchRecorder()
-        self.engine = ScriptedEngine(lambda prompt: Reply("Paris is the capital of France"), delay=delay)
+        self.engine = engine or ScriptedEngine(lambda prompt: Reply("Paris is the capital of France"), delay=delay)
         self.runtime = Runtime(
             settings=settings(**sections),
             engine=self.engine,

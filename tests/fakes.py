@@ -14,7 +14,6 @@ from telerag.engines.errors import EngineError
 from telerag.engines.types import Generation, OnChunk, SamplingParams, TokenChunk, deadline_passed
 from telerag.pipelines.stats import PrefetchStepStats, SearchStats
 from telerag.pipelines.types import (
-    OnProvisional,
     PrefetchRequest,
     PrefetchTicket,
     ProvisionalDocuments,
@@ -204,8 +203,6 @@ class RecordingRetriever:
         queries: Sequence[SearchQuery],
         options: SearchOptions,
         ticket: PrefetchTicket | None = None,
-        *,
-        provisional: OnProvisional | None = None,
     ) -> SearchOutcome:
         self.searches.append(list(queries))
         self.log.append(("search", " | ".join(map(str, queries))))
@@ -222,8 +219,8 @@ class RecordingRetriever:
             ]
             for q in queries
         ]
-        if provisional is not None:
-            provisional(ProvisionalDocuments(self.provisional_documents(documents), 0.25))
+        if options.observer is not None:
+            options.observer.provisional(ProvisionalDocuments(self.provisional_documents(documents), 0.25))
             await asyncio.sleep(0)  # the rest of the search: what was started from the provisional documents begins
         stats = SearchStats(overlap_rate=0.75, clusters_device=3, clusters_cpu=1, device_ms=1.0, cpu_ms=2.0, embed_ms=0.5)
         return SearchOutcome(documents, replace(stats, nprobe=options.nprobe or self.default_nprobe))
@@ -236,7 +233,7 @@ class RecordingRetriever:
         return [await self.prefetch(r.queries, enabled=r.enabled, overlap_ms=r.overlap_ms) for r in requests]
 
     async def search_batch(self, requests: Sequence[SearchRequest]) -> list[SearchOutcome]:
-        return [await self.search(r.queries, r.options, r.ticket, provisional=r.provisional) for r in requests]
+        return [await self.search(r.queries, r.options, r.ticket) for r in requests]
 
     async def embed(self, texts: Sequence[str]) -> TextEmbeddings:
         embedder = HashEmbedder()

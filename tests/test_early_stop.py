@@ -1,4 +1,4 @@
-"""Exact early stop (`retrieval.early_stop`): the list statistics are true bounds of every score
+"""Exact early stop (`experiments.early_stop`): the list statistics are true bounds of every score
 faiss computes, and a search that skips the lists they rule out returns exactly what the full
 scan returns, over random datastores of every codec, queries, k and nprobe, with and without a
 device half; the statistics are written with every datastore, and an older datastore gets them
@@ -222,7 +222,7 @@ def test_a_datastore_without_statistics_is_refused_for_early_stop_in_one_line(tm
     with pytest.raises(DatastoreMismatchError) as refused:
         RetrievalEngine(old, early_stop=True)
     message = str(refused.value)
-    assert "\n" not in message and f"telerag datastore upgrade {ds.path}" in message and "retrieval.early_stop" in message
+    assert "\n" not in message and f"telerag datastore upgrade {ds.path}" in message and "experiments.early_stop" in message
 
 
 def test_the_upgrade_command_adds_the_statistics_and_changes_nothing_else(tmp_path, capsys):

@@ -304,9 +304,9 @@ def timed_fakes(clock: VirtualClock, **script_args):
             clock.now += 0.003
             return await super().prefetch(queries, enabled=enabled, overlap_ms=overlap_ms)
 
-        async def search(self, queries, options, ticket=None, *, provisional=None):
+        async def search(self, queries, options, ticket=None):
             clock.now += 0.007
-            return await super().search(queries, options, ticket, provisional=provisional)
+            return await super().search(queries, options, ticket)
 
     return Engine(script(**script_args)), Retriever()
 

@@ -39,10 +39,10 @@ class OptionsRecorder(RecordingRetriever):
         self.options: list = []
         self.tickets: list = []
 
-    async def search(self, queries, options, ticket=None, *, provisional=None):
+    async def search(self, queries, options, ticket=None):
         self.options.append(options)
         self.tickets.append(ticket)
-        return await super().search(queries, options, ticket, provisional=provisional)
+        return await super().search(queries, options, ticket)
 
 
 def pipelined(name: str, config: PipeliningConfig | None = None, budget: SearchBudget | None = None, **script_args):
@@ -325,7 +325,7 @@ async def test_a_bad_pipelining_or_nprobe_is_422_naming_it(fields, field):
 
 
 async def test_the_settings_give_a_request_its_default_pipelining_and_nprobe():
-    h = Harness(retrieval={"pipelining": True, "nprobe": "auto"})
+    h = Harness(retrieval={"nprobe": "auto"}, experiments={"pipelining": True})
     body = {"query": "Capital of France?", "pipeline": "iter_retgen", "max_tokens": 6}
     async with h.client() as client:
         default = (await client.post("/v1/rag/query", json=body)).json()
@@ -335,7 +335,7 @@ async def test_the_settings_give_a_request_its_default_pipelining_and_nprobe():
 
 
 async def test_the_openai_routes_refuse_pipelining_by_name_and_run_with_the_settings():
-    h = Harness(retrieval={"pipelining": True})
+    h = Harness(experiments={"pipelining": True})
     async with h.client() as http:
         with pytest.raises(openai.BadRequestError) as refused:
             await sdk(http).chat.completions.create(

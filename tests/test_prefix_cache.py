@@ -222,7 +222,7 @@ class WikipediaRetriever(RecordingRetriever):
         titles = ("Nile", "Mona Lisa", "Louis Armstrong", "Amazon River", "Paris")
         self.articles = {a.title: a.text[:600] for a in read_wikipedia() if a.title in titles}
 
-    async def search(self, queries, options, ticket=None, *, provisional=None):
+    async def search(self, queries, options, ticket=None):
         outcome = await super().search(queries, options, ticket)
         ranked = [sorted(self.articles, key=lambda title, q=q: zlib.crc32(f"{q}|{title}".encode())) for q in queries]
         outcome.documents[:] = [

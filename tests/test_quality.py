@@ -115,7 +115,7 @@ async def test_replay_is_the_exact_search_of_the_queries_the_answer_came_from(wi
 
 async def test_questions_answered_together_keep_their_searches_apart():
     class Echo:
-        async def search(self, queries, options, ticket=None, *, provisional=None):
+        async def search(self, queries, options, ticket=None):
             await asyncio.sleep(0)
             return queries
 

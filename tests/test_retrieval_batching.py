@@ -90,10 +90,10 @@ async def test_a_failed_call_fails_each_of_its_callers_and_the_next_batch_still_
 
     original = inner.search
 
-    async def failing(queries, options, ticket=None, *, provisional=None):
+    async def failing(queries, options, ticket=None):
         if queries[0] == "boom":
             raise RuntimeError("device lost")
-        return await original(queries, options, ticket, provisional=provisional)
+        return await original(queries, options, ticket)
 
     inner.search = failing
     inner.gate.set()

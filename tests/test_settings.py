@@ -123,6 +123,8 @@ def test_a_null_flag_is_read_as_none_and_an_absent_one_as_not_given(tmp_path, ca
         ({"file": "engine:\n  knd: sglang\n"}, [], "engine.knd: no such setting (known: kind, model_path"),
         ({"file": "engine: [1, 2\n"}, [], "is not valid YAML"),
         ({"file": "server:\n  protect_docs: true\n"}, [], "server.protect_docs needs an API key"),
+        ({"file": "retrieval:\n  pipelining: true\n"}, [], "retrieval.pipelining is experiments.pipelining"),
+        ({"TELERAG_RETRIEVAL__EARLY_STOP": "true"}, [], "TELERAG_RETRIEVAL__EARLY_STOP is TELERAG_EXPERIMENTS__EARLY_STOP"),
     ],
 )
 def test_an_invalid_setting_is_one_line_naming_it(setup, argv, message, tmp_path, monkeypatch, capsys):

@@ -2,7 +2,8 @@
 chunk by chunk, the answer unchanged, over random datastores with and without a device half),
 the stability rule, and the pipelines prefilling the next call's prompt from it on the scripted
 engine: the same calls and answers as without it, the prompt the call sends prefilled, a changed
-top-k counted as a re-prefill, the request's counts in the HTTP response and /metrics."""
+top-k counted as a re-prefill, the request's counts in the HTTP response and /metrics; refused on
+an engine that cannot prefill."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from telerag.retrieval.codecs import Codec
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.provisional import Provisional, chunk_bounds
 from tests.fake_app import Harness
-from tests.fakes import RecordingRetriever, ScriptedEngine
+from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
 from tests.retrieval_helpers import DEVICES, assert_same_as_faiss, random_datastore, random_queries
 from tests.scripted_pipelines import SURE, UNSURE, run, script
 
@@ -161,3 +162,25 @@ async def test_the_response_and_metrics_report_the_speculative_prefills():
     assert off["speculation"]["prefills"] == 0 and off["answer"] == body["answer"]
     assert 'telerag_speculative_prefills_total{outcome="confirmed",pipeline="naive"} 1.0' in metrics
     assert 'telerag_speculative_prefill_tokens_total{kind="reused",pipeline="naive"}' in metrics
+
+
+class EngineWithoutPrefill:
+    """A scripted engine without the capability to prefill a prompt alone."""
+
+    name = "no-prefill"
+
+    def __init__(self) -> None:
+        self.inner = ScriptedEngine(lambda prompt: Reply("Paris is the capital of France"))
+        self.generate, self.stream, self.close = self.inner.generate, self.inner.stream, self.inner.close
+        self.count_tokens, self.decode, self.format_prompt = self.inner.count_tokens, self.inner.decode, self.inner.format_prompt
+
+
+async def test_speculative_prefill_on_an_engine_that_cannot_prefill_is_refused_and_the_rest_is_served():
+    harness = Harness(engine=EngineWithoutPrefill())
+    async with harness.client() as client:
+        refused = await client.post("/v1/rag/query", json={"query": QUESTION, "speculative_prefill": True})
+        served = await client.post("/v1/rag/query", json={"query": QUESTION})
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["type"] == "unsupported_by_engine"
+    assert "speculative_prefill" in refused.json()["error"]["message"]
+    assert served.status_code == 200 and served.json()["answer"]

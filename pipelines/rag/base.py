@@ -21,12 +21,13 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar, TypeVar, overload
 
-from telerag.engines.types import Engine, Generation, SamplingParams, TokenChunk
+from telerag.engines.types import Engine, Generation, Prefiller, SamplingParams, TokenChunk
 from telerag.pipelines import prompts
+from telerag.pipelines.errors import EngineLacksCapability
 from telerag.pipelines.pipelining import ExpectedTokens, PipeliningConfig, StaleQuery
 from telerag.pipelines.prompts import Prompt
 from telerag.pipelines.rag.pipelined import Pipelined, PipelinedTools, budget_observed
-from telerag.pipelines.rag.retrieval_step import SEARCH, NextPrompt, RetrievalStrategy, Sequential, plain_search
+from telerag.pipelines.rag.retrieval_step import SEARCH, NextPrompt, RetrievalStrategy, SearchCall, Sequential
 from telerag.pipelines.rag.run_context import RunContext, Traced
 from telerag.pipelines.rag.speculative import Speculative
 from telerag.pipelines.rag.summary import summarize
@@ -91,6 +92,7 @@ class RagPipeline:
         nprobe "auto", shared by the pipelines over one retriever. `clock`: seconds, for every
         time the run traces."""
         self.engine = engine
+        self.prefiller = engine if isinstance(engine, Prefiller) else None  # speculative prefill's, if the engine can
         self.retriever = retriever
         self.pre_retrieval_ms = pre_retrieval_ms
         self.pipelining = pipelining or PipeliningConfig()
@@ -143,11 +145,16 @@ class RagPipeline:
     def retrieval_strategy(self, options: RunOptions) -> RetrievalStrategy:
         """How this request's lookaheads retrieve, chosen once (`rag.retrieval_step`): as the
         default does, or with speculative prefill, and pipelined over either. The search-time
-        model learns from a request's searches only where it reads it (pipelined, nprobe "auto")."""
-        search = plain_search(self.retriever.search)
+        model learns from a request's searches only where it reads it (pipelined, nprobe "auto").
+        Speculative prefill on an engine that cannot prefill is refused (`EngineLacksCapability`)."""
+        search: SearchCall = self.retriever.search
         if options.pipelining and options.nprobe == "auto":
             search = budget_observed(search, self.search_budget, self.clock)
-        strategy: RetrievalStrategy = Speculative(search, self.engine) if options.speculative_prefill else Sequential(search)
+        strategy: RetrievalStrategy = Sequential(search)
+        if options.speculative_prefill:
+            if self.prefiller is None:
+                raise EngineLacksCapability(f"speculative_prefill: the engine {self.engine.name} cannot prefill a prompt alone")
+            strategy = Speculative(search, self.prefiller)
         if options.pipelining:
             tools = PipelinedTools(self.engine, self.retriever.embed, self.pipelining, self.search_budget, self.expected_tokens)
             strategy = Pipelined(search, tools, strategy)

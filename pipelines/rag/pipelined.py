@@ -37,7 +37,6 @@ from telerag.pipelines.rag.retrieval_step import (
 from telerag.pipelines.search_budget import SearchBudget
 from telerag.pipelines.stats import PipelinedSearch
 from telerag.pipelines.types import (
-    OnProvisional,
     PrefetchTicket,
     RetrievedPassage,
     SearchOptions,
@@ -75,12 +74,10 @@ def budget_observed(search: SearchCall, budget: SearchBudget, clock: Callable[[]
     """`search` with each search's time, nprobe and the searches in flight beside it taught to
     `budget` (nprobe "auto" reads it)."""
 
-    async def observed(
-        queries: Sequence[SearchQuery], options: SearchOptions, ticket: PrefetchTicket | None, provisional: OnProvisional | None
-    ) -> SearchOutcome:
+    async def observed(queries: Sequence[SearchQuery], options: SearchOptions, ticket: PrefetchTicket | None) -> SearchOutcome:
         with budget.searching() as depth:
             started = clock()
-            outcome = await search(queries, options, ticket, provisional)
+            outcome = await search(queries, options, ticket)
             budget.observe(outcome.stats.nprobe, depth, (clock() - started) * 1e3)
         return outcome
 
@@ -133,7 +130,7 @@ class PipelinedStep:
         assert self.prefetch is not None
         ticket = (await asyncio.shield(self.prefetch))[0]
         budget_ms, nprobe = self.budgeted_nprobe(launch.left_ms)
-        outcome, trace = await traced_search(self.ctx, self.search, launch.queries, ticket, nprobe)
+        outcome, trace = await traced_search(self.ctx, self.search, launch.queries, ticket, self.ctx.search_options(nprobe))
         return outcome, trace, budget_ms
 
     def budgeted_nprobe(self, left_ms: float | None) -> tuple[float | None, int | None]:
@@ -165,7 +162,8 @@ class PipelinedStep:
         again = cosine < config.min_cosine
         documents, same = stale.documents, None
         if again:
-            fresh, fresh_trace = await traced_search(self.ctx, self.search, queries, ticket, self.ctx.fixed_nprobe)
+            options = self.ctx.search_options(self.ctx.fixed_nprobe)
+            fresh, fresh_trace = await traced_search(self.ctx, self.search, queries, ticket, options)
             self.ctx.steps.append(fresh_trace.step(fresh.stats))
             documents = fresh.documents
             same = same_documents(stale.documents, documents)
@@ -182,7 +180,7 @@ class PipelinedStep:
         and leaves it unknown."""
         same = None
         try:
-            fresh = await self.search(queries, self.ctx.search_options(self.ctx.fixed_nprobe), None, None)
+            fresh = await self.search(queries, self.ctx.search_options(self.ctx.fixed_nprobe), None)
             same = same_documents(stale.documents, fresh.documents)
         except Exception:  # the answer stands; only the report lacks this check
             log.warning("a pipelined search's check failed", exc_info=True)

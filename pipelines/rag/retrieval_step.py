@@ -5,7 +5,7 @@ The default is `Sequential`: the step's final query is searched after the call, 
 SEARCH stage. The experiments are other implementations of the same two interfaces, off unless a
 request asks for them: pipelined retrieval (`rag.pipelined`: the search starts from the call's
 text so far) and speculative prefill (`rag.speculative`: the next call's prompt is prefilled from
-the search's provisional top-k). The lookahead itself has no branch for either.
+the search's provisional top-k, which an observer in its options hears). The lookahead itself has no branch for either.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from telerag.pipelines.pipelining import StaleQuery
 from telerag.pipelines.prompts import Prompt
 from telerag.pipelines.stats import SearchStats
 from telerag.pipelines.types import (
-    OnProvisional,
     PrefetchTicket,
     RetrievedPassage,
     SearchOptions,
@@ -37,9 +36,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 SEARCH = Stage("search", StageRole.SEARCH)
 NextPrompt = Callable[[list[list[RetrievedPassage]]], Prompt]  # the prompt of the LLM call a search's documents go to
-SearchCall = Callable[
-    [Sequence[SearchQuery], SearchOptions, PrefetchTicket | None, OnProvisional | None], Awaitable[SearchOutcome]
-]
+SearchCall = Callable[[Sequence[SearchQuery], SearchOptions, PrefetchTicket | None], Awaitable[SearchOutcome]]
 PrefetchTask = asyncio.Future[tuple[PrefetchTicket, float, float]]  # a traced prefetch (`RunContext.stage`)
 
 
@@ -94,28 +91,11 @@ class SearchTrace:
 
 
 async def traced_search(
-    ctx: RunContext,
-    search: SearchCall,
-    queries: Sequence[SearchQuery],
-    ticket: PrefetchTicket | None,
-    nprobe: int | None,
-    provisional: OnProvisional | None = None,
+    ctx: RunContext, search: SearchCall, queries: Sequence[SearchQuery], ticket: PrefetchTicket | None, options: SearchOptions
 ) -> tuple[SearchOutcome, SearchTrace]:
     """A search of the run, as its SEARCH stage (the caller adds its step: `SearchTrace.step`)."""
-    options = ctx.search_options(nprobe)
-    outcome, start_ms, ms = await ctx.stage(SEARCH, lambda: search(queries, options, ticket, provisional))
+    outcome, start_ms, ms = await ctx.stage(SEARCH, lambda: search(queries, options, ticket))
     return outcome, SearchTrace(" | ".join(map(str, queries))[:200], start_ms, ms)
-
-
-def plain_search(retriever_search: Callable[..., Awaitable[SearchOutcome]]) -> SearchCall:
-    """`Retriever.search` as a `SearchCall`."""
-
-    def search(
-        queries: Sequence[SearchQuery], options: SearchOptions, ticket: PrefetchTicket | None, provisional: OnProvisional | None
-    ) -> Awaitable[SearchOutcome]:
-        return retriever_search(queries, options, ticket, provisional=provisional)
-
-    return search
 
 
 class SequentialStep:
@@ -128,7 +108,8 @@ class SequentialStep:
         return call
 
     async def documents(self, queries: list[SearchQuery], ticket: PrefetchTicket) -> list[list[RetrievedPassage]]:
-        outcome, trace = await traced_search(self.ctx, self.search, queries, ticket, self.ctx.fixed_nprobe)
+        options = self.ctx.search_options(self.ctx.fixed_nprobe)
+        outcome, trace = await traced_search(self.ctx, self.search, queries, ticket, options)
         self.ctx.steps.append(trace.step(outcome.stats))
         return outcome.documents
 
@@ -140,6 +121,7 @@ class Sequential:
     """The default: every step a `SequentialStep`; nothing left running, nothing observed."""
 
     def __init__(self, search: SearchCall) -> None:
+        """`search`: the retriever's (`Retriever.search`), or it observed (`pipelined.budget_observed`)."""
         self.search = search
 
     def step(self, ctx: RunContext, stale: StaleQuery | None, next_prompt: NextPrompt | None) -> RetrievalStep:

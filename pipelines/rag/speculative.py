@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from telerag.engines.types import Engine, Generation
+from telerag.engines.types import Generation, Prefiller
 from telerag.pipelines.pipelining import StaleQuery
 from telerag.pipelines.rag.retrieval_step import (
     NextPrompt,
@@ -42,9 +42,8 @@ class SpeculativeStep:
         return call
 
     async def documents(self, queries: list[SearchQuery], ticket: PrefetchTicket) -> list[list[RetrievedPassage]]:
-        outcome, trace = await traced_search(
-            self.ctx, self.search, queries, ticket, self.ctx.fixed_nprobe, self.speculation.start
-        )
+        options = dataclasses.replace(self.ctx.search_options(self.ctx.fixed_nprobe), observer=self.speculation)
+        outcome, trace = await traced_search(self.ctx, self.search, queries, ticket, options)
         self.speculation.settle(outcome.documents)
         self.searched = outcome.stats, trace
         return outcome.documents
@@ -64,7 +63,7 @@ class Speculative:
     default does. Every LLM call of the run is shown to the speculations, to find the call each
     was for."""
 
-    def __init__(self, search: SearchCall, engine: Engine) -> None:
+    def __init__(self, search: SearchCall, engine: Prefiller) -> None:
         self.search, self.engine = search, engine
         self.steps: list[SpeculativeStep] = []
 

@@ -16,7 +16,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import torch
 
-from telerag.config.settings import RetrievalSettings, Settings, pre_retrieval_profile
+from telerag.config.settings import ExperimentSettings, RetrievalSettings, Settings, pre_retrieval_profile
 from telerag.documents.ingestion import Ingestion, resumed_ingestion
 from telerag.documents.rebuilds import RebuildKind, Rebuilds
 from telerag.documents.writer import DocumentWriter
@@ -76,7 +76,7 @@ class Runtime:
             retriever,
             names=names,
             pre_retrieval_ms=pre_retrieval_profile(),
-            pipelining=pipelining_config(self.settings.retrieval),
+            pipelining=pipelining_config(self.settings.experiments),
             search_budget=SearchBudget(floor=self.settings.retrieval.nprobe_floor, ceiling=lambda: self.datastore_info.nlist),
         )
 
@@ -134,12 +134,12 @@ class LogSteps:
         pass
 
 
-def pipelining_config(retrieval: RetrievalSettings) -> PipeliningConfig:
-    """How the pipelines pipeline their retrievals, from `retrieval.pipelining_*`."""
+def pipelining_config(experiments: ExperimentSettings) -> PipeliningConfig:
+    """How the pipelines pipeline their retrievals, from `experiments.pipelining_*`."""
     return PipeliningConfig(
-        launch_share=retrieval.pipelining_launch_share,
-        min_cosine=retrieval.pipelining_min_cosine,
-        check=retrieval.pipelining_check,
+        launch_share=experiments.pipelining_launch_share,
+        min_cosine=experiments.pipelining_min_cosine,
+        check=experiments.pipelining_check,
     )
 
 
@@ -212,8 +212,9 @@ def cluster_cache_bytes(retrieval: RetrievalSettings, device: str) -> int:
 def open_retrieval(settings: Settings) -> DirectRetriever:
     """The configured embedder and datastore behind a retriever, with no LLM (a benchmark of
     retrieval alone)."""
-    embedder = load_embedder(settings.retrieval)
-    return open_configured_retriever(load_configured_datastore(settings.retrieval, embedder), embedder, settings.retrieval)
+    embedder, early_stop = load_embedder(settings.retrieval), settings.experiments.early_stop
+    datastore = load_configured_datastore(settings.retrieval, embedder, early_stop=early_stop)
+    return open_configured_retriever(datastore, embedder, settings.retrieval, early_stop=early_stop)
 
 
 def load_configured_datastore(
@@ -222,17 +223,19 @@ def load_configured_datastore(
     on_step: Callable[[str], None] = lambda step: None,
     *,
     ingest_now: bool = True,
+    early_stop: bool = False,
 ) -> Datastore:
     """The configured datastore, as serve, ask and every benchmark open it
     (`pipelines.datastores.load_datastore`: ingested on the embedded default's first run, all of
-    it unless not `ingest_now`; refused in one line if `embedder` did not build it)."""
+    it unless not `ingest_now`; refused in one line if `embedder` did not build it); with
+    `early_stop` (`experiments.early_stop`), with its list statistics."""
     return load_datastore(
         retrieval.datastore,
         embedder,
         build_if_missing=retrieval.build_if_missing,
         ingest_now=ingest_now,
         verify_checksums=retrieval.verify_checksums,
-        early_stop=retrieval.early_stop,
+        early_stop=early_stop,
         on_step=on_step,
     )
 
@@ -244,9 +247,11 @@ def open_configured_retriever(
     *,
     cpu_half: Callable[[Datastore], ListSearch] | None = None,
     writable: bool = False,
+    early_stop: bool = False,
 ) -> DirectRetriever:
     """The retrieval engine over a loaded datastore, as the settings configure it (device,
-    cluster cache, prefetch budget, nprobe, demand copies, faiss threads, early stop); `cpu_half`:
+    cluster cache, prefetch budget, nprobe, demand copies, faiss threads; `early_stop`:
+    `experiments.early_stop`); `cpu_half`:
     who scans what the device does not in a generation (default: faiss here; the retrieval tier's
     view of it on a Ray cluster);
     `writable`: documents may be written to it through this process (`retrieval.opening.open_live`)."""
@@ -261,7 +266,7 @@ def open_configured_retriever(
         nprobe=retrieval.fixed_nprobe,  # auto: chosen per search
         demand_copy=retrieval.demand_copy,
         cpu_threads=retrieval.cpu_threads,
-        early_stop=retrieval.early_stop,
+        early_stop=early_stop,
         on_disk=retrieval.host_cache_mb is not None,
         writable=writable,
         recall_budget=0.0
@@ -295,14 +300,13 @@ async def load_runtime(
     embedded default's first run) is left to `Runtime.ingestion`, to go on with while it serves;
     without, it is taken to its end before the datastore is opened."""
     observer = observer or LogSteps()
-    retrieval = settings.retrieval
+    retrieval, early_stop = settings.retrieval, settings.experiments.early_stop
     with observe_progress(observer.report):
         observer.loading("loading embedder")
         embedder = await _in_thread(load_embedder, retrieval)
         reranker = await _in_thread(load_reranker, retrieval)
-        datastore = await _in_thread(
-            functools.partial(load_configured_datastore, ingest_now=not writable), retrieval, embedder, observer.loading
-        )
+        load = functools.partial(load_configured_datastore, ingest_now=not writable, early_stop=early_stop)
+        datastore = await _in_thread(load, retrieval, embedder, observer.loading)
         try:
             observer.loading("loading model")
             engine = await _in_thread(build_engine, settings)
@@ -313,7 +317,7 @@ async def load_runtime(
         try:
             observer.loading("opening datastore")
             retriever = await _in_thread(
-                functools.partial(open_configured_retriever, cpu_half=cpu_half, writable=writable),
+                functools.partial(open_configured_retriever, cpu_half=cpu_half, writable=writable, early_stop=early_stop),
                 datastore,
                 encoder(embedder),
                 retrieval,

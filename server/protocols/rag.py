@@ -61,7 +61,7 @@ class QueryRequest(BaseModel):
         None,
         description="iter_retgen, flare and iterative: true: each search starts from the text generated so far while "
         "the step goes on (PipeRAG; the documents may differ, reported in `pipelining`); false: after it; null: the "
-        "server's retrieval.pipelining",
+        "server's experiments.pipelining",
     )
     search_mode: SearchMode | None = Field(
         None,
@@ -73,7 +73,7 @@ class QueryRequest(BaseModel):
         None,
         description="true: while a search runs, the prompt of the LLM call after it is prefilled from the search's "
         "provisional top-k (the answer is the same; reported in `speculation`); false: not; null: the server's "
-        "retrieval.speculative_prefill",
+        "experiments.speculative_prefill",
     )
 
 

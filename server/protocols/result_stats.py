@@ -63,12 +63,12 @@ class PipelinedSearchOut(BaseModel):
     )
     cosine: float = Field(description="between the stale and the final query's embeddings")
     searched_again: bool = Field(
-        description="the final query had moved too far (cosine under retrieval.pipelining_min_cosine): it was searched "
+        description="the final query had moved too far (cosine under experiments.pipelining_min_cosine): it was searched "
         "again and its documents used"
     )
     same_documents: bool | None = Field(
         description="whether the stale query's documents equal the final query's; null: not checked "
-        "(retrieval.pipelining_check off)"
+        "(experiments.pipelining_check off)"
     )
 
 

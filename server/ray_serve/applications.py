@@ -171,7 +171,7 @@ def tier_shape(settings: Settings) -> TierShape:
         replicas=cluster.shard_replicas,
         cpus_per_replica=cluster.shard_cpus,
         max_replicas=cluster.max_shard_replicas,
-        early_stop=settings.retrieval.early_stop,
+        early_stop=settings.experiments.early_stop,
     )
 
 
@@ -274,7 +274,9 @@ def serve_on_ray(settings: Settings) -> int:
     from telerag.server.process.runtime import load_configured_datastore, load_embedder
 
     if settings.retrieval.build_if_missing:  # built once here, not by every replica at once
-        load_configured_datastore(settings.retrieval, load_embedder(settings.retrieval)).close()
+        load_configured_datastore(
+            settings.retrieval, load_embedder(settings.retrieval), early_stop=settings.experiments.early_stop
+        ).close()
     start_ray(settings)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own

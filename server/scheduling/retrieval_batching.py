@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 from telerag.pipelines.types import (
     BatchRetriever,
-    OnProvisional,
     PrefetchRequest,
     PrefetchTicket,
     SearchOptions,
@@ -57,10 +56,8 @@ class BatchingRetriever:
         queries: Sequence[SearchQuery],
         options: SearchOptions,
         ticket: PrefetchTicket | None = None,
-        *,
-        provisional: OnProvisional | None = None,
     ) -> SearchOutcome:
-        return await self._search.submit(SearchRequest(list(queries), options, ticket, provisional))
+        return await self._search.submit(SearchRequest(list(queries), options, ticket))
 
     def release(self, ticket: PrefetchTicket) -> None:
         self.inner.release(ticket)
