@@ -376,8 +376,8 @@ def ask_replicas(apps: Sequence[str], question: Callable[[object], Any], timeout
 def replica_places(apps: Sequence[str] | None = None) -> list[ReplicaPlace]:
     """Where each Serve replica of `apps` (default: the bench's two applications) runs, as the
     replica itself answers (Serve's status counts replicas but does not place them)."""
-    from telerag.retrieval.tier import APP as TIER_APP
     from telerag.server.ray_serve.applications import APP
+    from telerag.server.ray_serve.tier import APP as TIER_APP
 
     def address(_replica: object) -> str:
         import ray  # in the replica's process
@@ -390,8 +390,8 @@ def replica_places(apps: Sequence[str] | None = None) -> list[ReplicaPlace]:
 def _delete_applications() -> None:
     from ray import serve
 
-    from telerag.retrieval.tier import APP as TIER_APP
     from telerag.server.ray_serve.applications import APP
+    from telerag.server.ray_serve.tier import APP as TIER_APP
 
     for app in (APP, TIER_APP):
         serve.delete(app)
@@ -447,8 +447,8 @@ def _tier_overheads(settings: Settings, config: ClusterBenchConfig) -> dict[int,
     from telerag.retrieval.datastore import Datastore
     from telerag.retrieval.engine import default_nprobe
     from telerag.retrieval.ivf import CPUIndex
-    from telerag.retrieval.tier import APP, RetrievalTier, deploy_tier
     from telerag.server.ray_serve.applications import tier_shape
+    from telerag.server.ray_serve.tier import APP, RetrievalTier, deploy_tier
 
     path = settings.retrieval.datastore.expanduser()
     running = RetrievalTier.connect() if APP in serve.status().applications and not config.write_rate else None

@@ -1,6 +1,6 @@
 """The retrieval tier's cost over faiss in process (`telerag bench tier`): the same queries' same
 lists searched by the CPU half here (`CPUIndex`, faiss with every core) and through the tier on
-a Ray cluster (`retrieval.tier`: S shards of one replica each), in turn, search by search, per
+a Ray cluster (`server.ray_serve.tier`: S shards of one replica each), in turn, search by search, per
 number of shards and batch size. `remote_overhead` is the tier's median time over faiss's,
 `same_documents` the share of queries whose top-k equals faiss's.
 
@@ -20,7 +20,7 @@ import numpy as np
 from telerag.benchmarks.retrieval import near_stored
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.ivf import CPUIndex, faiss, same_results
-from telerag.retrieval.tier import APP, RetrievalTier, TierShape, deploy_tier
+from telerag.server.ray_serve.tier import APP, RetrievalTier, TierShape, deploy_tier
 from telerag.utils.progress import ProgressBar
 
 

@@ -103,7 +103,7 @@ class RetrievalEngine:
         device while faiss's workers spin). `demand_copy`: copy part of each search's missed
         clusters to the device instead of leaving them all to faiss (None: on with CUDA).
         `cpu_half`: who scans the lists the device does not (default: faiss here, over the host
-        copy; the retrieval tier, `retrieval.tier`, where the datastore's shards are remote).
+        copy; the retrieval tier, `server.ray_serve.tier`, where the datastore's shards are remote).
         `early_stop`: faiss's half scans its lists with exact early stop (`experiments.early_stop`;
         refused for a datastore without list statistics; from disk, a list it rules out is not
         read); a tier's shards are told when deployed.

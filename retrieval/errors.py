@@ -95,7 +95,7 @@ class DeviceMemoryError(RetrievalError):
 
 
 class TierUnavailable(RetrievalError):
-    """A shard of the retrieval tier (`retrieval.tier`) did not answer after every attempt: the
+    """A shard of the retrieval tier (`server.ray_serve.tier`) did not answer after every attempt: the
     search fails whole, never with a partial top-k."""
 
     code = "retrieval_tier_unavailable"

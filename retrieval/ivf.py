@@ -22,7 +22,7 @@ FAISS_PAD_SCORE = -np.finfo(np.float32).max  # what faiss puts beside a -1 label
 
 class ListSearch(Protocol):
     """The CPU half of a cooperative search: a top-k over given lists per query (-1 entries
-    skipped). `CPUIndex` serves it in process, `retrieval.tier.RetrievalTier` on a Ray cluster."""
+    skipped). `CPUIndex` serves it in process, `server.ray_serve.tier.RetrievalTier` on a Ray cluster."""
 
     def search_lists(
         self, queries: np.ndarray, k: int, lists: np.ndarray, list_scores: np.ndarray

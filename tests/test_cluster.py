@@ -150,8 +150,8 @@ def settings(tmp_path_factory) -> Settings:
 @pytest.fixture(scope="module")
 def cluster(settings) -> Iterator[str]:
     """The local Ray cluster with Serve's proxy on a free port and the retrieval tier; its URL."""
-    from telerag.retrieval.tier import deploy_tier
     from telerag.server.ray_serve.applications import tier_shape
+    from telerag.server.ray_serve.tier import deploy_tier
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
@@ -168,9 +168,9 @@ def cluster(settings) -> Iterator[str]:
 def url(cluster, settings) -> str:
     """The inference application with the cluster router, and the tier: those the bench left, or new
     ones (a bench with writes deletes its own, over its copy of the datastore)."""
-    from telerag.retrieval.tier import APP as TIER_APP
-    from telerag.retrieval.tier import deploy_tier
     from telerag.server.ray_serve.applications import APP, deploy_inference, tier_shape
+    from telerag.server.ray_serve.tier import APP as TIER_APP
+    from telerag.server.ray_serve.tier import deploy_tier
 
     applications = serve.status().applications
     if TIER_APP not in applications:

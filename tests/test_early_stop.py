@@ -26,7 +26,7 @@ from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.errors import DatastoreError, DatastoreMismatchError
 from telerag.retrieval.ivf import CPUIndex, same_results
 from telerag.retrieval.shards import ShardRows, merge_shard_results
-from telerag.retrieval.tier import ShardReplica
+from telerag.server.ray_serve.tier import ShardReplica
 from telerag.utils.storage import file_sha256
 from tests.retrieval_helpers import DEVICES, random_datastore, random_queries, stored_vectors
 

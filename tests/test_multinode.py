@@ -82,7 +82,7 @@ def drive(args: dict) -> dict:
     import ray
     from ray import serve
 
-    from telerag.retrieval.tier import APP, TierShape, deploy_tier
+    from telerag.server.ray_serve.tier import APP, TierShape, deploy_tier
 
     ray.init(address=args["address"], _node_ip_address=args["ip"], log_to_driver=False, configure_logging=False)
     try:

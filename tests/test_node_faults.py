@@ -52,8 +52,8 @@ def serve_applications(args: dict) -> tuple[Settings, str]:
     from ray import serve
 
     from telerag.benchmarks.cluster import wait_ready
-    from telerag.retrieval.tier import deploy_tier
     from telerag.server.ray_serve.applications import deploy_inference, tier_shape
+    from telerag.server.ray_serve.tier import deploy_tier
 
     settings = Settings.model_validate(args["settings"])
     ray.init(address=args["address"], _node_ip_address=args["ip"], log_to_driver=False, configure_logging=False)
@@ -72,8 +72,8 @@ def drive(args: dict) -> dict:
     from ray import serve
 
     from telerag.retrieval.live import opened
-    from telerag.retrieval.tier import APP as TIER_APP
     from telerag.server.ray_serve.applications import APP
+    from telerag.server.ray_serve.tier import APP as TIER_APP
     from tests.test_cluster import kill_replica
 
     settings, url = serve_applications(args)

@@ -21,7 +21,7 @@ from telerag.retrieval.errors import GenerationGone, TierBusy, TierUnavailable
 from telerag.retrieval.ivf import CPUIndex, faiss, same_results
 from telerag.retrieval.live import LiveDatastore
 from telerag.retrieval.snapshot import search_snapshot
-from telerag.retrieval.tier import APP, RetrievalTier, TierShape, deploy_tier
+from telerag.server.ray_serve.tier import APP, RetrievalTier, TierShape, deploy_tier
 from tests.retrieval_helpers import random_datastore, random_queries
 from tests.test_live_datastore import Reference, passage_datastore, unit_vectors, upsert
 
@@ -100,7 +100,7 @@ def test_a_shard_replica_searches_with_its_share_of_the_cores_in_the_thread_that
     thread count is per thread: the replica sets it where it searches."""
     import asyncio
 
-    from telerag.retrieval.tier import ShardReplica
+    from telerag.server.ray_serve.tier import ShardReplica
 
     ds = random_datastore(tmp_path / "ds", n=500, dim=8, nlist=4)
     replica = ShardReplica(str(ds.path), 0, 2, threads=1, verify_checksums=False)

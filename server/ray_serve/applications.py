@@ -1,7 +1,7 @@
 """`telerag serve --ray`: the HTTP API on a Ray cluster (Chameleon's disaggregation on
 Ray Serve). One Serve application, `telerag`: the ingress (the same FastAPI app, `app.create_app`,
 behind Serve's HTTP proxy) and the inference replicas (`replicas.InferenceReplica`, routed by
-`routing.ClusterRouter`); with `cluster.shards` > 0 the retrieval tier (`retrieval.tier`) is a
+`routing.ClusterRouter`); with `cluster.shards` > 0 the retrieval tier (`server.ray_serve.tier`) is a
 second application the replicas search through.
 
 The ingress admits for every replica (N x `scheduler.max_concurrency` running, N x `max_queue`
@@ -30,11 +30,11 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from telerag.config.settings import Settings
-from telerag.retrieval.tier import TierShape, replica_scaling, tier_application
 from telerag.server.protocols.ops import TierState
 from telerag.server.ray_serve.replicas import REPLICAS, InferenceReplica, QuestionPlacer, ReplicaRuntime, Replicas
 from telerag.server.ray_serve.router import ClusterRouter, RouterOptions
 from telerag.server.ray_serve.routing import DECISIONS
+from telerag.server.ray_serve.tier import TierShape, replica_scaling, tier_application
 from telerag.server.ray_serve.writes import IngressWrites
 from telerag.server.service import Service
 
@@ -147,7 +147,7 @@ class ClusterIngress:
     def _ask_tiers(self) -> list[TierState]:
         from ray import serve
 
-        from telerag.retrieval.tier import APP as TIER_APP
+        from telerag.server.ray_serve.tier import APP as TIER_APP
 
         applications = serve.status().applications
         wanted = [(APP, "ingress"), (APP, "inference")] + ([(TIER_APP, "retrieval")] if self.shards else [])
@@ -176,7 +176,7 @@ def tier_shape(settings: Settings) -> TierShape:
 
 
 def retrieval_application(settings: Settings) -> Any:
-    """The retrieval tier's Serve application for `cluster.shards` > 0 (`retrieval.tier`)."""
+    """The retrieval tier's Serve application for `cluster.shards` > 0 (`server.ray_serve.tier`)."""
     return tier_application(
         settings.retrieval.datastore.expanduser(), tier_shape(settings), verify_checksums=settings.retrieval.verify_checksums
     )
@@ -185,7 +185,7 @@ def retrieval_application(settings: Settings) -> Any:
 def deploy(settings: Settings) -> None:
     """Deploy the retrieval tier (with `cluster.shards`) and the inference application on the Ray
     cluster this process is connected to, with Serve started; every replica runs when it returns."""
-    from telerag.retrieval.tier import deploy_tier
+    from telerag.server.ray_serve.tier import deploy_tier
 
     if settings.cluster.shards:
         deploy_tier(
@@ -270,8 +270,8 @@ def serve_on_ray(settings: Settings) -> int:
     import ray
     from ray import serve
 
-    from telerag.retrieval.tier import APP as TIER_APP
     from telerag.server.process.runtime import load_configured_datastore, load_embedder
+    from telerag.server.ray_serve.tier import APP as TIER_APP
 
     if settings.retrieval.build_if_missing:  # built once here, not by every replica at once
         load_configured_datastore(

@@ -137,8 +137,8 @@ class InferenceReplica:
         """`tier`: search through the retrieval tier deployed on this Ray cluster."""
         from ray import serve
 
-        from telerag.retrieval.tier import RetrievalTier
         from telerag.server.process.runtime import load_runtime
+        from telerag.server.ray_serve.tier import RetrievalTier
 
         self.id = serve.get_replica_context().replica_id.unique_id
         self.vectors: KnownVectors | None = None

@@ -58,9 +58,9 @@ def serve_config(settings: Settings) -> dict[str, Any]:
     from ray.serve.deployment import deployment_to_schema
     from ray.serve.schema import ServeDeploySchema
 
-    from telerag.retrieval.tier import APP as TIER_APP
-    from telerag.retrieval.tier import tier_deployments
     from telerag.server.ray_serve.applications import APP, inference_deployments, tier_shape
+    from telerag.server.ray_serve.tier import APP as TIER_APP
+    from telerag.server.ray_serve.tier import tier_deployments
 
     args = {"settings": given_settings(settings)}
     # the tier first: the inference replicas connect to it as they start

@@ -6,7 +6,7 @@ serves `/v1/documents` as one process does: a write is acknowledged once its rec
 the volume. The inference replicas open it read-only and follow the log (each request's snapshot
 has every write acknowledged before it began, whichever replica runs it), and the retrieval
 tier's shards load each generation the writer switches to when a search names it
-(`retrieval.tier`). A restarted ingress opens the log again, its torn tail (a write cut short,
+(`server.ray_serve.tier`). A restarted ingress opens the log again, its torn tail (a write cut short,
 never acknowledged) cut off; nothing acknowledged is lost.
 
 Passages are embedded here by the ingress's embedder (the one that places questions), a chunk
