@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar, TypeVar, overload
@@ -27,7 +28,7 @@ from telerag.pipelines.errors import EngineLacksCapability
 from telerag.pipelines.pipelining import ExpectedTokens, PipeliningConfig, StaleQuery
 from telerag.pipelines.prompts import Prompt
 from telerag.pipelines.rag.pipelined import Pipelined, PipelinedTools, budget_observed
-from telerag.pipelines.rag.retrieval_step import SEARCH, NextPrompt, RetrievalStrategy, SearchCall, Sequential
+from telerag.pipelines.rag.retrieval_step import SEARCH, RetrievalStrategy, SearchCall, Sequential
 from telerag.pipelines.rag.run_context import RunContext, Traced
 from telerag.pipelines.rag.speculative import Speculative
 from telerag.pipelines.rag.summary import summarize
@@ -245,8 +246,6 @@ class RagPipeline:
         q_in: Sequence[str],
         pre_retrieval: Callable[[], Awaitable[T]],
         q_out: Callable[[T], Sequence[SearchQuery] | None],
-        stale: StaleQuery | None = None,
-        next_prompt: NextPrompt | None = None,
     ) -> tuple[T, list[list[RetrievedPassage]]]: ...
 
     @overload
@@ -256,8 +255,6 @@ class RagPipeline:
         q_in: Sequence[str],
         pre_retrieval: None,
         q_out: Callable[[None], Sequence[SearchQuery] | None],
-        stale: None = None,
-        next_prompt: NextPrompt | None = None,
     ) -> tuple[None, list[list[RetrievedPassage]]]: ...
 
     async def lookahead(
@@ -266,8 +263,6 @@ class RagPipeline:
         q_in: Sequence[str],
         pre_retrieval: Callable[[], Awaitable[T]] | None,
         q_out: Callable[[Any], Sequence[SearchQuery] | None],
-        stale: StaleQuery | None = None,
-        next_prompt: NextPrompt | None = None,
     ) -> tuple[T | None, list[list[RetrievedPassage]]]:
         """Start the pre-retrieval call at once and prefetch q_in's clusters beside it (embedding
         q_in, ranking centroids, issuing copies), then search q_out once both are done (no search
@@ -275,11 +270,12 @@ class RagPipeline:
         prefetch; the search waits for both. Without a pre-retrieval call, a follow-up's standalone
         question's prefetch (`ctx.carried`) is this one: its rewrite was the call it hid behind.
 
-        How the documents are found is the request's retrieval strategy's (`ctx.retrieval`):
-        `stale` (q_out from the call's text so far) is what a pipelined step searches during the
-        call, `next_prompt` (the prompt of the LLM call the documents go to) what a speculative
-        step prefills from its provisional top-k."""
-        step = ctx.retrieval.step(ctx, stale, next_prompt)
+        How the documents are found is the request's retrieval strategy's (`ctx.retrieval`), given
+        what the pipeline says of its lookaheads: `stale_query` (q_out from the call's text so far)
+        is what a pipelined step searches during the call, `documents_prompt` (the prompt of the
+        LLM call the documents go to) what a speculative step prefills from its provisional top-k."""
+        stale = self.stale_query(ctx) if pre_retrieval is not None else None
+        step = ctx.retrieval.step(ctx, stale, functools.partial(self.documents_prompt, ctx))
         carried, ctx.carried = ctx.carried, None
         if carried is not None and pre_retrieval is None:
             produced, ticket = None, carried
@@ -304,10 +300,17 @@ class RagPipeline:
             self.retriever.release(ticket)
         return produced, documents
 
-    def answer_prompt(self, ctx: RunContext, draft: str = "") -> NextPrompt:
-        """`next_prompt` for a search whose first query's documents go to an answer prompt (the
-        answer, a round or a draft: `generate_quietly`)."""
-        return lambda documents: prompts.answer(ctx.query, documents[0], draft, instructions=ctx.options.instructions)
+    def stale_query(self, ctx: RunContext) -> StaleQuery | None:
+        """How a lookahead's query is made from its pre-retrieval call's text so far, for pipelined
+        retrieval (`rag.pipelined`); None, this default: the pipeline's calls say nothing to search
+        before they end (only Iter-RetGen's, FLARE's and Iterative's do)."""
+        return None
+
+    def documents_prompt(self, ctx: RunContext, documents: list[list[RetrievedPassage]]) -> Prompt:
+        """The prompt of the LLM call a lookahead's documents (one list per query) go to, for
+        speculative prefill (`rag.speculative`); this default: an answer prompt over the first
+        query's documents (the answer, a round or a draft: `generate_quietly`)."""
+        return prompts.answer(ctx.query, documents[0], instructions=ctx.options.instructions)
 
     def _prefetch(self, ctx: RunContext, q_in: Sequence[str], *, beside_call: bool) -> asyncio.Future[Traced[PrefetchTicket]]:
         """q_in's prefetch, started now as a traced stage; its budget is the expected time of the

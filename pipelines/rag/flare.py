@@ -13,14 +13,16 @@ first unsure token past the launch point.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from telerag.engines import StopFilter
 from telerag.engines.types import Generation
 from telerag.pipelines import prompts
-from telerag.pipelines.pipelining import PartialGeneration
+from telerag.pipelines.pipelining import PartialGeneration, StaleQuery
+from telerag.pipelines.prompts import Prompt
 from telerag.pipelines.rag.base import PREFETCH, SEARCH, STANDALONE_QUESTION, RagPipeline, RunContext
 from telerag.pipelines.replies import clean_reply
-from telerag.pipelines.types import Stage, StageRole, TokenEvent
+from telerag.pipelines.types import RetrievedPassage, Stage, StageRole, TokenEvent
 
 MAX_SENTENCES = 4
 SENTENCE_TOKENS = 40
@@ -60,18 +62,8 @@ class FLARE(RagPipeline):
                 )
                 return reply[0]
 
-            def retrieval_query(generation: Generation | PartialGeneration) -> list[str] | None:
-                masked = unsure_query(self.engine, generation, self.threshold)
-                return None if masked is None else [f"{ctx.query} {masked}".strip()]
-
-            sentence, documents = await self.lookahead(
-                ctx,
-                [known],
-                lookahead_sentence,
-                retrieval_query,
-                stale=retrieval_query,
-                next_prompt=self.answer_prompt(ctx, written),  # the sentence written again
-            )
+            ctx.draft = written  # the answer so far, which the sentence written again follows
+            sentence, documents = await self.lookahead(ctx, [known], lookahead_sentence, self.retrieval_query(ctx))
             text = sentence.text
             if documents:  # retrieval was triggered: write the sentence again with the new documents
                 ctx.documents = documents[0]
@@ -94,3 +86,20 @@ class FLARE(RagPipeline):
         if rest := shown.finish():
             ctx.emit(TokenEvent(rest))
         return shown.final
+
+    def retrieval_query(self, ctx: RunContext) -> Callable[[Generation | PartialGeneration], list[str] | None]:
+        """A look-ahead sentence's search, or its part so far (pipelined): its sure tokens with
+        the question; None when every token is sure (no retrieval)."""
+
+        def query(generation: Generation | PartialGeneration) -> list[str] | None:
+            masked = unsure_query(self.engine, generation, self.threshold)
+            return None if masked is None else [f"{ctx.query} {masked}".strip()]
+
+        return query
+
+    def stale_query(self, ctx: RunContext) -> StaleQuery:
+        return self.retrieval_query(ctx)
+
+    def documents_prompt(self, ctx: RunContext, documents: list[list[RetrievedPassage]]) -> Prompt:
+        """The sentence written again: after the answer so far (`ctx.draft`)."""
+        return prompts.answer(ctx.query, documents[0], ctx.draft, instructions=ctx.options.instructions)

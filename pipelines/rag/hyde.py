@@ -24,6 +24,6 @@ class HyDE(RagPipeline):
         def query(passage: str) -> list[SearchQuery]:
             return [MeanQuery((ctx.query, passage)) if passage else ctx.query]
 
-        _, documents = await self.lookahead(ctx, [ctx.query], passage, query, next_prompt=self.answer_prompt(ctx))
+        _, documents = await self.lookahead(ctx, [ctx.query], passage, query)
         ctx.documents = documents[0]
         return await self.answer(ctx, ctx.documents)

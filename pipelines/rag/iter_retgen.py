@@ -8,6 +8,7 @@ round r+1's search starts from the answer so far while the rest of it is written
 from __future__ import annotations
 
 from telerag.pipelines import prompts
+from telerag.pipelines.pipelining import StaleQuery
 from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, STANDALONE_QUESTION, RagPipeline, RunContext
 from telerag.pipelines.replies import clean_reply
 from telerag.pipelines.types import Stage, StageRole
@@ -24,7 +25,7 @@ class IterRetGen(RagPipeline):
     llm_calls = ROUNDS  # a quiet answer each round but the last, then the answer
 
     async def body(self, ctx: RunContext) -> str:
-        _, documents = await self.lookahead(ctx, [ctx.query], None, lambda _: [ctx.query], next_prompt=self.answer_prompt(ctx))
+        _, documents = await self.lookahead(ctx, [ctx.query], None, lambda _: [ctx.query])
         ctx.documents = documents[0]
         draft = ""
         for _ in range(ROUNDS - 1):
@@ -34,13 +35,10 @@ class IterRetGen(RagPipeline):
             async def round_answer(docs=docs_so_far) -> str:
                 return await self.generate_quietly(ctx, ROUND_ANSWER, docs)
 
-            draft, documents = await self.lookahead(
-                ctx,
-                [known],
-                round_answer,
-                lambda text: [f"{ctx.query} {text}"],
-                stale=lambda partial: [f"{ctx.query} {clean_reply(partial.text, prompts.ANSWER_CUE)}"],
-                next_prompt=self.answer_prompt(ctx),
-            )
+            draft, documents = await self.lookahead(ctx, [known], round_answer, lambda text: [f"{ctx.query} {text}"])
             ctx.documents = documents[0]
         return await self.answer(ctx, ctx.documents)
+
+    def stale_query(self, ctx: RunContext) -> StaleQuery:
+        """A round's query from its answer so far."""
+        return lambda partial: [f"{ctx.query} {clean_reply(partial.text, prompts.ANSWER_CUE)}"]

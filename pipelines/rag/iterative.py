@@ -6,6 +6,7 @@ search starts from the narrower question so far while the rest of it is written.
 from __future__ import annotations
 
 from telerag.pipelines import prompts
+from telerag.pipelines.pipelining import StaleQuery
 from telerag.pipelines.prompts import Prompt
 from telerag.pipelines.rag.base import GENERATE, PREFETCH, SEARCH, STANDALONE_QUESTION, RagPipeline, RunContext, merge_documents
 from telerag.pipelines.replies import clean_reply
@@ -35,21 +36,7 @@ class Iterative(RagPipeline):
                     ctx, NARROW_QUESTION, prompts.narrower_question(ctx.query, notes), max_tokens=32, stop=("\n",)
                 )
 
-            def query(narrower: str) -> list[SearchQuery]:
-                return [MeanQuery((ctx.query, narrower)) if narrower else ctx.query]
-
-            def answer_prompt(documents: list[list[RetrievedPassage]], gathered=tuple(gathered)) -> Prompt:
-                merged = merge_documents([*gathered, documents[0]], ctx.options.top_k)
-                return prompts.answer(ctx.query, merged, instructions=ctx.options.instructions)
-
-            question, documents = await self.lookahead(
-                ctx,
-                [q_in],
-                narrow,
-                query,
-                stale=lambda partial: query(clean_reply(partial.text, prompts.SEARCH_QUESTION_CUE)),
-                next_prompt=answer_prompt,  # the draft's, or the answer's after the last search
-            )
+            question, documents = await self.lookahead(ctx, [q_in], narrow, lambda narrower: narrowed(ctx.query, narrower))
             gathered.append(documents[0])
             ctx.documents = merge_documents(gathered, ctx.options.top_k)
             if iteration == MAX_ITERATIONS - 1:
@@ -59,3 +46,18 @@ class Iterative(RagPipeline):
                 break
             notes, q_in = draft, question or ctx.query
         return await self.answer(ctx, ctx.documents)
+
+    def stale_query(self, ctx: RunContext) -> StaleQuery:
+        """The search from the narrower question so far."""
+        return lambda partial: narrowed(ctx.query, clean_reply(partial.text, prompts.SEARCH_QUESTION_CUE))
+
+    def documents_prompt(self, ctx: RunContext, documents: list[list[RetrievedPassage]]) -> Prompt:
+        """The draft's, or the answer's after the last search: over the documents gathered so far
+        (`ctx.documents`, their top_k, which holds the top_k of them all) and the new ones."""
+        merged = merge_documents([ctx.documents, documents[0]], ctx.options.top_k)
+        return prompts.answer(ctx.query, merged, instructions=ctx.options.instructions)
+
+
+def narrowed(question: str, narrower: str) -> list[SearchQuery]:
+    """The search of a narrower question: the mean of its embedding and the question's."""
+    return [MeanQuery((question, narrower)) if narrower else question]

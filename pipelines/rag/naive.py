@@ -12,6 +12,6 @@ class Naive(RagPipeline):
     llm_calls = 1  # the answer
 
     async def body(self, ctx: RunContext) -> str:
-        _, documents = await self.lookahead(ctx, [ctx.query], None, lambda _: [ctx.query], next_prompt=self.answer_prompt(ctx))
+        _, documents = await self.lookahead(ctx, [ctx.query], None, lambda _: [ctx.query])
         ctx.documents = documents[0]
         return await self.answer(ctx, ctx.documents)

@@ -29,9 +29,7 @@ class SelfRAG(RagPipeline):
 
         # The question's clusters are prefetched while the model decides; if it decides
         # against retrieval the copies were speculative and no search runs.
-        _, documents = await self.lookahead(
-            ctx, [ctx.query], decide, lambda retrieve: [ctx.query] if retrieve else None, next_prompt=self.answer_prompt(ctx)
-        )
+        _, documents = await self.lookahead(ctx, [ctx.query], decide, lambda retrieve: [ctx.query] if retrieve else None)
         ctx.documents = documents[0] if documents else []
         draft = await self.generate_quietly(ctx, FIRST_ANSWER, ctx.documents)
         if ctx.documents:

@@ -42,16 +42,13 @@ class SubQuestion(RagPipeline):
             prompt = prompts.sub_questions(ctx.query, MAX_SUB_QUESTIONS)
             return await self.reply(ctx, DECOMPOSE, prompt, max_tokens=96)
 
-        def answer_prompt(documents: list[list[RetrievedPassage]]) -> Prompt:
-            merged = merge_documents(documents, ctx.options.top_k)
-            return prompts.answer(ctx.query, merged, instructions=ctx.options.instructions)
+        def queries(text: str) -> list[str]:
+            return search_queries(ctx.query, parse_sub_questions(text))
 
-        _, documents = await self.lookahead(
-            ctx,
-            [ctx.query],
-            decompose,
-            lambda text: search_queries(ctx.query, parse_sub_questions(text)),
-            next_prompt=answer_prompt,
-        )
+        _, documents = await self.lookahead(ctx, [ctx.query], decompose, queries)
         ctx.documents = merge_documents(documents, ctx.options.top_k)
         return await self.answer(ctx, ctx.documents)
+
+    def documents_prompt(self, ctx: RunContext, documents: list[list[RetrievedPassage]]) -> Prompt:
+        """The answer's, over every query's documents merged."""
+        return prompts.answer(ctx.query, merge_documents(documents, ctx.options.top_k), instructions=ctx.options.instructions)
