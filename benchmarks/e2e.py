@@ -173,7 +173,7 @@ def configured(retriever: DirectRetriever, mode: Mode) -> Iterator[RunOptions]:
     if mode is not Mode.RESIDENT:
         yield RunOptions(prefetch=mode is Mode.LOOKAHEAD)
         return
-    engine = retriever.engine
+    engine = retriever.retrieval_engine
     cache_bytes, demand_copy, budget = engine.cache.capacity_bytes, engine.demand is not None, retriever.prefetch_budget_bytes
     engine.resize_cache(retriever.datastore.n_vectors * engine.cache.row_bytes, demand_copy=False)
     everything = engine.cache.acquire(range(engine.nlist), fetch=True)
@@ -282,8 +282,8 @@ def run_configured_e2e(
     retriever = open_scaled_retriever(settings.retrieval, scale, early_stop=settings.experiments.early_stop)
     if Mode.RESIDENT in config.modes:  # before minutes of measuring, not after them
         try:
-            retriever.engine.check_cache_fits(
-                retriever.datastore.n_vectors * retriever.engine.cache.row_bytes,
+            retriever.retrieval_engine.check_cache_fits(
+                retriever.datastore.n_vectors * retriever.retrieval_engine.cache.row_bytes,
                 headroom_bytes=int(settings.retrieval.cache_headroom_mb * 2**20),
             )
         except DeviceMemoryError as exc:

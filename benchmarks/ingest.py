@@ -156,7 +156,7 @@ async def _visible(retriever: DirectRetriever, write: _Write) -> bool:
 
     def search() -> set[str]:
         snapshot = retriever.live.snapshot()
-        result = search_snapshot(retriever.engine_for(snapshot.datastore), snapshot, vector[None], 10)
+        result = search_snapshot(retriever.retrieval_engine_for(snapshot.datastore), snapshot, vector[None], 10)
         return {passage.doc_id for passage in snapshot.passages_of([int(i) for i in result.ids[0] if i >= 0])}
 
     found = await asyncio.to_thread(search)
@@ -289,7 +289,7 @@ class FaissReplay:
             vectors = codec.decode_exact(delta.codes[living], params).astype(np.float32)
             self.index.add_with_ids(vectors, delta.ids[living])
         equal = 0
-        nprobe = retriever.engine.nprobe
+        nprobe = retriever.retrieval_engine.nprobe
         queries = await retriever.embed(list(questions))
         ref_scores, ref_ids = self.index.search(queries.vectors, k, params=faiss.SearchParametersIVF(nprobe=nprobe))
         for question, scores, ids in zip(questions, ref_scores, ref_ids, strict=True):

@@ -101,7 +101,7 @@ async def configured_overlap_study(settings: Settings, config: OverlapConfig) ->
             raise TypeError(f"the overlap study sets the prefetch budget of a DirectRetriever, not of {type(retriever).__name__}")
         info = runtime.datastore_info
         depth = config.prefetch_clusters or info.nprobe
-        retriever.prefetch_budget_bytes = int(depth * retriever.engine.cache.cluster_bytes().mean())
+        retriever.prefetch_budget_bytes = int(depth * retriever.retrieval_engine.cache.cluster_bytes().mean())
         pipelines = runtime.pipelines(retriever, config.pipelines)
         options = RunOptions(top_k=retrieval.top_k, nprobe=config.nprobe, max_tokens=config.max_tokens)
         rows = await overlap_study(list(pipelines.values()), config.questions, options, progress=True)

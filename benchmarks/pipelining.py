@@ -141,7 +141,7 @@ class ModeSetup:
                 BatchingRetriever(retriever, window_ms=settings.scheduler.batch_window_ms, max_batch=settings.scheduler.max_batch)
             ),
         )
-        search = retriever.engine  # its CPU half as it scans: faiss in memory, or the lists read from disk
+        search = retriever.retrieval_engine  # its CPU half as it scans: faiss in memory, or the lists read from disk
         self.early_stop = EarlyStopSearch(search.cpu_half, ListBounds.of(retriever.datastore), list_major=search.on_disk)
         unchecked = dataclasses.replace(pipelining_config(settings.experiments), check=False)
         floor, nlist = settings.retrieval.nprobe_floor, retriever.datastore.nlist
@@ -170,7 +170,7 @@ class ModeSetup:
 
     @contextlib.contextmanager
     def cpu_half(self, mode: Mode) -> Iterator[None]:
-        engine = self.retriever.engine
+        engine = self.retriever.retrieval_engine
         faiss_half = engine.cpu_half
         engine.cpu_half = self.early_stop if mode is Mode.EARLY_STOP else faiss_half
         try:
@@ -183,7 +183,7 @@ class ModeSetup:
         if self.prefix_cache_mb:  # a new, empty one
             self.engine.use_prefix_cache(self.prefix_cache_mb)  # type: ignore[attr-defined]
         if self.config.cold:
-            search = self.retriever.engine
+            search = self.retriever.retrieval_engine
             search.resize_cache(search.cache.capacity_bytes)  # empty
         counts = self.early_stop.counts
         probed, scanned = counts.probed, counts.scanned
@@ -267,9 +267,9 @@ def run_configured_pipelining_bench(
     up (early stop needs its list statistics: the embedded default's are added as serve adds them)."""
     engine = build_llm(settings, llm)
     retriever = open_scaled_retriever(settings.retrieval, scale, early_stop=True)  # the datastore's list statistics, loaded
-    stopping = retriever.engine.cpu_half
+    stopping = retriever.retrieval_engine.cpu_half
     assert isinstance(stopping, EarlyStopSearch)
-    retriever.engine.cpu_half = stopping.inner  # faiss's own (or the disk's reads), but where a mode says otherwise
+    retriever.retrieval_engine.cpu_half = stopping.inner  # faiss's own (or the disk's reads), but where a mode says otherwise
 
     async def main() -> list[PipeliningRow]:
         try:

@@ -66,7 +66,7 @@ class StoreResources:
 
     @classmethod
     def of(cls, retriever: DirectRetriever) -> StoreResources:
-        engine = retriever.engine
+        engine = retriever.retrieval_engine
         return cls(
             retriever.embedder,
             retriever.live.shape,
@@ -221,7 +221,7 @@ class StoreIndex:
         with self._read() as retriever:
             if retriever is None or view is None or budget_bytes <= 0:
                 return None
-            return retriever.engine_for(view.datastore).prefetch(queries, budget_bytes)
+            return retriever.retrieval_engine_for(view.datastore).prefetch(queries, budget_bytes)
 
     def search_embedded(self, requests: list[SearchRequest], vectors: np.ndarray, embed_ms: float) -> list[SearchOutcome]:
         """The searches of `requests` (each over its view, the snapshot its options name) given

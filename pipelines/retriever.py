@@ -77,7 +77,7 @@ class DirectRetriever:
         own `overlap_ms` t, B being the cache's measured copy rate. `recall_budget`: the share of
         the search time spent repeating sampled searches exhaustively to estimate their recall
         (`retrieval.recall`; 0: none), logged below `target_recall`."""
-        self.engine = engine
+        self.retrieval_engine = engine
         self.embedder = embedder
         self.live = live if live is not None else LiveDatastore(engine.datastore)
         self.prefetch_budget_bytes = prefetch_budget_bytes
@@ -95,9 +95,9 @@ class DirectRetriever:
 
     @property
     def datastore(self) -> Datastore:
-        return self.engine.datastore
+        return self.retrieval_engine.datastore
 
-    def engine_for(self, datastore: Datastore) -> RetrievalEngine:
+    def retrieval_engine_for(self, datastore: Datastore) -> RetrievalEngine:
         """The engine over `datastore`, a generation of the live datastore: the current one, the
         one before it (a request that began before a switch still reads it), or a new one once the
         live datastore has switched. Two engines at most: an older one is closed. A new engine's
@@ -109,10 +109,10 @@ class DirectRetriever:
             if engine is None:
                 if self._new_engine is None:
                     raise InvalidCall(f"{datastore.where}: a new generation ({number}), and no way to open an engine on it")
-                engine = self._new_engine(datastore, self.engine.cache.shared)
+                engine = self._new_engine(datastore, self.retrieval_engine.cache.shared)
                 self._engines[number] = engine
-                if number > self.engine.datastore.generation.number:
-                    self.engine = engine
+                if number > self.retrieval_engine.datastore.generation.number:
+                    self.retrieval_engine = engine
                 for older in [n for n in self._engines if n < number - 1]:
                     self._engines.pop(older).close()
             return engine
@@ -120,12 +120,12 @@ class DirectRetriever:
     def budget_bytes(self, overlap_ms: float | None) -> int:
         """What one prefetch may copy, never more than the cache: the fixed budget if there is
         one, else what copies in `overlap_ms` (without an estimate, the whole cache)."""
-        capacity = self.engine.cache.capacity_bytes
+        capacity = self.retrieval_engine.cache.capacity_bytes
         if self.prefetch_budget_bytes is not None:
             return min(self.prefetch_budget_bytes, capacity)
         if overlap_ms is None:
             return capacity
-        return min(int((self.engine.copy_bytes_per_ms or 0.0) * max(overlap_ms, 0.0)), capacity)
+        return min(int((self.retrieval_engine.copy_bytes_per_ms or 0.0) * max(overlap_ms, 0.0)), capacity)
 
     # -- the Retriever protocol -------------------------------------------------------------------
 
@@ -169,7 +169,7 @@ class DirectRetriever:
         """Embedded on retrieval's stream (CUDA): a query's embedding is the first step of its
         search or prefetch, and must not queue behind generation kernels either."""
         started = time.perf_counter()
-        with self.priority.query(), self.engine.on_stream():
+        with self.priority.query(), self.retrieval_engine.on_stream():
             vectors = embedded(self.embedder, texts)
         return vectors, (time.perf_counter() - started) * 1e3
 
@@ -180,7 +180,7 @@ class DirectRetriever:
         chunks = []
         for start in range(0, len(texts), WRITE_EMBED_CHUNK):
             chunk = list(texts[start : start + WRITE_EMBED_CHUNK])
-            with self.engine.on_stream():
+            with self.retrieval_engine.on_stream():
                 chunks.append(embedded(self.embedder, chunk, pause=self.priority.write_turn))
         return np.concatenate(chunks).reshape(len(texts), -1) if chunks else np.zeros((0, self.embedder.dim), np.float32)
 
@@ -193,7 +193,7 @@ class DirectRetriever:
             return tickets
         vectors, embed_ms = self._embed([text for i in active for text in requests[i].queries])
         splits = np.cumsum([len(requests[i].queries) for i in active])[:-1]
-        engine = self.engine_for(self.live.datastore)
+        engine = self.retrieval_engine_for(self.live.datastore)
         handles = engine.prefetch_batch(np.split(vectors, splits), [budgets[i] for i in active])
         for i, handle in zip(active, handles, strict=True):
             tickets[i].handle = handle
@@ -243,7 +243,7 @@ class DirectRetriever:
                 for _ in requests[i].queries
             ]
             provisional = self._provisional([requests[i] for i in members], snapshot)
-            engine = self.engine_for(snapshot.datastore)
+            engine = self.retrieval_engine_for(snapshot.datastore)
             # the default of the snapshot's generation (a retrain's nlist may differ); more lists than it has are all of
             # them, as faiss's own IndexIVF.search takes them
             nprobe = min(asked_nprobe or engine.nprobe, engine.nlist)
@@ -295,20 +295,20 @@ class DirectRetriever:
     # -- introspection for the server -------------------------------------------------------------
 
     def cache_stats(self) -> CacheStats:
-        return self.engine.cache_stats()
+        return self.retrieval_engine.cache_stats()
 
     def search_recall(self) -> RecallEstimate:
         return self.recall.estimate()
 
     def resident_clusters(self) -> list[int]:
         """The clusters the cache holds now (landed or in flight)."""
-        return np.flatnonzero(self.engine.cache.resident_mask()).tolist()
+        return np.flatnonzero(self.retrieval_engine.cache.resident_mask()).tolist()
 
     def datastore_info(self) -> DatastoreInfo:
         """The datastore's current generation and its engine (opened here, if the live datastore
         has switched to a new generation since the last search)."""
         snapshot = self.live.snapshot()
-        engine = self.engine_for(snapshot.datastore)
+        engine = self.retrieval_engine_for(snapshot.datastore)
         manifest = engine.datastore.manifest
         return DatastoreInfo(
             passages=snapshot.passages,

@@ -162,7 +162,11 @@ async def test_a_compaction_moves_the_retriever_to_the_new_generation_with_the_s
     writer = DocumentWriter(retriever.live, retriever.embed_passages)
     await writer.upsert([DocumentText("volcanoes", f"{VOLCANO} " * 30)])
     await writer.delete(["rivers-0"])
-    before, capacity, shared = retriever.snapshot(), retriever.cache_stats().capacity_bytes, retriever.engine.cache.shared
+    before, capacity, shared = (
+        retriever.snapshot(),
+        retriever.cache_stats().capacity_bytes,
+        retriever.retrieval_engine.cache.shared,
+    )
     ticket = await retriever.prefetch(["volcano lava"])  # planned on generation 0's engine
     expected = await search(retriever, VOLCANO)
     rebuilt = await asyncio.to_thread(retriever.live.compact)
@@ -170,10 +174,10 @@ async def test_a_compaction_moves_the_retriever_to_the_new_generation_with_the_s
     outcome = await retriever.search([VOLCANO], SearchOptions(top_k=3, nprobe=4), ticket)
     # the same passages, but for ties at the third place (the rivers' passages score alike against lava)
     assert [d.doc_id for d in outcome.documents[0]][:2] == expected[:2] == ["volcanoes", "volcanoes"]
-    assert retriever.engine.datastore.generation.number == 1
+    assert retriever.retrieval_engine.datastore.generation.number == 1
     assert (await search(retriever, VOLCANO, snapshot=before))[:2] == expected[:2]  # a request that began before the switch
     # the new generation's lists share the one cluster cache buffer with the old one's; nothing stays pinned
-    assert retriever.engine.cache.shared is shared and len(shared.caches) == 2
+    assert retriever.retrieval_engine.cache.shared is shared and len(shared.caches) == 2
     assert capacity > 0 and retriever.cache_stats().capacity_bytes == capacity and retriever.cache_stats().pinned_clusters == 0
     assert "rivers-0" not in await search(retriever, "river water fish boat delta flood bank item0")
     writer.close()

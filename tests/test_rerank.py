@@ -29,7 +29,7 @@ def test_the_reranked_order_is_the_cross_encoders(cross_encoder, tmp_path):
 
     with documents_app(tmp_path) as client:
         retriever = client._transport.app.state.service.runtime.retriever
-        snapshot, engine = retriever.live.snapshot(), retriever.engine
+        snapshot, engine = retriever.live.snapshot(), retriever.retrieval_engine
         texts = ["river water fish", "piano concert violin"]
         vectors = retriever.embedder.encode(texts).astype(np.float32)
 

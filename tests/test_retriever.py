@@ -30,7 +30,7 @@ async def test_demand_copies_take_misses_to_the_device(tmp_path):
     device, and the documents are faiss's."""
     embedder, path = topic_datastore(tmp_path, per_topic=20, nlist=2)
     r = open_retriever(path, embedder, device="cpu", cache_bytes=1 << 20, prefetch_budget_bytes=0, demand_copy=True)
-    r.engine.demand = CopyEveryMiss()
+    r.retrieval_engine.demand = CopyEveryMiss()
     outcome = await r.search(["river water fish boat"], SearchOptions(top_k=3, nprobe=2))
     reference = await r.search(["river water fish boat"], SearchOptions(top_k=3, nprobe=2, prefetch=False))
     assert outcome.stats.clusters_device == 2 and reference.stats.clusters_cpu == 2
@@ -85,7 +85,7 @@ async def test_batched_requests_get_their_own_answers(retriever):
         alone = await retriever.search(request.queries, request.options)
         assert [[d.id for d in docs] for docs in alone.documents] == [[d.id for d in docs] for docs in outcome.documents]
     vectors = retriever.embedder.encode(["bread oven"])
-    ref_scores, ref_ids = retriever.engine.index.search(vectors, 4, 2)
+    ref_scores, ref_ids = retriever.retrieval_engine.index.search(vectors, 4, 2)
     docs = outcomes[1].documents[0]
     ids, scores = np.array([d.id for d in docs]), np.array([d.score for d in docs], dtype=np.float32)
     assert same_results(ids, scores, ref_ids[0], ref_scores[0])
@@ -114,8 +114,8 @@ def test_datastore_info(retriever):
 
 
 def test_budget_is_copy_rate_times_overlap_capped_by_the_cache(retriever):
-    capacity = retriever.engine.cache.capacity_bytes
-    rate = retriever.engine.copy_bytes_per_ms
+    capacity = retriever.retrieval_engine.cache.capacity_bytes
+    rate = retriever.retrieval_engine.copy_bytes_per_ms
     assert rate and rate > 0, "the copy rate is measured when the cache is made"
     retriever.prefetch_budget_bytes = None
     assert retriever.budget_bytes(0.0) == 0
@@ -169,7 +169,7 @@ async def test_queries_are_embedded_on_retrievals_stream(retriever):
     """On CUDA `on_stream` makes retrieval's own stream current; q_in and q_out are embedded
     inside it, so their kernels do not queue behind generation on the default stream."""
     inside, entered = [], []
-    on_stream = retriever.engine.on_stream
+    on_stream = retriever.retrieval_engine.on_stream
 
     @contextlib.contextmanager
     def recording():
@@ -179,7 +179,7 @@ async def test_queries_are_embedded_on_retrievals_stream(retriever):
         entered.pop()
 
     encode = retriever.embedder.encode
-    retriever.engine.on_stream = recording
+    retriever.retrieval_engine.on_stream = recording
     retriever.embedder.encode = lambda texts, pause=None: (inside.append(bool(entered)), encode(texts))[1]
     await retriever.prefetch(["river fish"])
     await retriever.search(["river water"], SearchOptions(top_k=3, nprobe=2))

@@ -40,7 +40,7 @@ async def test_a_query_searches_in_the_mode_it_names_or_the_servers(tmp_path):
         assert await answered(client, query=query, search_mode="keyword") == by_words
 
         vector = retriever.embedder.encode([query]).astype(np.float32)
-        engine = retriever.engine_for(snapshot.datastore)
+        engine = retriever.retrieval_engine_for(snapshot.datastore)
         dense = search_snapshot(engine, snapshot, vector, 3, 1)
         assert await answered(client, query=query, search_mode="dense") == dense.ids[0][dense.ids[0] >= 0].tolist()
 
