@@ -3,6 +3,7 @@ deployment handle: the deadline travels as the time left, since a replica's cloc
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -64,3 +65,48 @@ async def test_a_runs_deadline_reaches_the_replica_as_the_time_left_and_becomes_
 def test_a_run_without_a_deadline_sends_none():
     assert shipped(RunOptions(top_k=2)) == (RunOptions(top_k=2), None)
     assert received(RunOptions(top_k=2), None) == RunOptions(top_k=2)
+
+
+class Describing:
+    """A handle whose `describe` fails `lost` times as a replica on a lost node does, then answers."""
+
+    def __init__(self, lost: int) -> None:
+        self.lost, self.asked = lost, 0
+        self.describe = self
+
+    async def remote(self) -> str:
+        self.asked += 1
+        if self.asked <= self.lost:
+            from ray.exceptions import ActorDiedError
+
+            raise ActorDiedError()
+        return "description"
+
+
+async def test_describing_the_replicas_asks_again_while_the_replica_asked_is_lost(monkeypatch):
+    from ray.exceptions import ActorDiedError
+
+    monkeypatch.setattr(asyncio, "sleep", _no_wait)
+    handle = Describing(lost=2)
+    assert await Replicas(handle, Placer(), attempts=3).describe() == "description" and handle.asked == 3
+    with pytest.raises(ActorDiedError):  # every attempt lost: the last error, as it came
+        await Replicas(Describing(lost=3), Placer(), attempts=3).describe()
+
+
+async def _no_wait(_seconds: float) -> None:
+    pass
+
+
+async def test_an_ingress_whose_start_failed_fails_its_health_check_so_serve_replaces_it(tmp_path):
+    from telerag.config.settings import Settings
+    from telerag.pipelines.errors import EmbedderNotFound
+    from telerag.server.ray_serve.applications import ClusterIngress, IngressStartFailed
+
+    settings = Settings.model_validate({"retrieval": {"datastore": str(tmp_path / "ds"), "embedder": str(tmp_path / "none")}})
+    ingress = ClusterIngress.__new__(ClusterIngress)
+    await ingress.__init__(settings, Describing(lost=0), 0)  # as Serve builds it
+    ingress.check_health()  # still loading: healthy
+    with pytest.raises(EmbedderNotFound):
+        await ingress._loading
+    with pytest.raises(IngressStartFailed, match="could not start: EmbedderNotFound"):
+        ingress.check_health()

@@ -83,6 +83,10 @@ def ingress_settings(settings: Settings) -> Settings:
     return settings.model_copy(update={"scheduler": scaled})
 
 
+class IngressStartFailed(RuntimeError):
+    """The ingress's health check once its start failed: Serve replaces it."""
+
+
 class ClusterIngress:
     """The ingress deployment's body: the app at once (`/health` answers, `/ready` says what is
     loading), its service once the replicas have described themselves and it has warmed up."""
@@ -104,6 +108,12 @@ class ClusterIngress:
         """Serve stops the ingress: the writes queued end and the datastore's lock lets go."""
         if self._runtime is not None:
             await self._runtime.close()
+
+    def check_health(self) -> None:
+        """Serve's health check: an ingress whose start failed is unhealthy, so Serve starts
+        another (it would otherwise answer 503 `loading` for ever)."""
+        if self._loading.done() and not self._loading.cancelled() and (failed := self._loading.exception()) is not None:
+            raise IngressStartFailed(f"the ingress could not start: {type(failed).__name__}: {failed}") from failed
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
         return self.fastapi

@@ -249,6 +249,15 @@ def received(options: RunOptions, seconds_left: float | None) -> RunOptions:
     return options if seconds_left is None else replace(options, deadline=time.monotonic() + seconds_left)
 
 
+def _lost_replica_errors() -> tuple[type[Exception], ...]:
+    """What Ray and Serve raise for a call whose replica died or cannot be reached (its node
+    lost): a call asked again elsewhere, unlike the replica's own error."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+
+    return (RayActorError, ActorDiedError, ActorUnavailableError, ReplicaUnavailableError, DeploymentUnavailableError)
+
+
 class Replicas:
     """The inference deployment as the ingress calls it."""
 
@@ -257,16 +266,27 @@ class Replicas:
         self.retries = 0  # runs asked again after their replica failed
 
     async def describe(self) -> ReplicaDescription:
+        """What the replicas serve, asked again (a second apart, then two...) while the replica
+        asked is lost: an ingress started again after its node died may ask one on that node
+        before Serve has replaced it. The last attempt's error is raised as it came."""
+        for attempt in range(1, self.attempts):
+            try:
+                return await self._describe()
+            except _lost_replica_errors() as exc:
+                log.warning("inference replica lost while describing itself (%s); asking again", type(exc).__name__)
+                await asyncio.sleep(attempt)
+        return await self._describe()
+
+    async def _describe(self) -> ReplicaDescription:
         description: ReplicaDescription = await self.handle.describe.remote()
         return description
 
     async def run(self, pipeline: str, query: str, options: RunOptions, key: str | None) -> AsyncGenerator[RunEvent, None]:
         """The run's events from the replica the router picks; asked again elsewhere if that
         replica fails before sending any."""
-        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
-        from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+        from ray.exceptions import RayTaskError
 
-        lost = (RayActorError, ActorDiedError, ActorUnavailableError, ReplicaUnavailableError, DeploymentUnavailableError)
+        lost = _lost_replica_errors()
         vector, clusters = await asyncio.to_thread(self.placer.place, query)
         route = RouteHint(clusters=clusters, key=key)
         for attempt in range(1, self.attempts + 1):
