@@ -11,7 +11,8 @@ HTTP API are the ingress's, each pipeline run is a streamed call to one replica 
 A replica that fails before its run sent anything (it died, or was restarting) is asked again, and Serve routes the
 retry to a live replica; one that fails after is a 503 (`ReplicasUnavailable`) in the one error body, or the stream's
 error event: an accepted request is never lost silently. Ray is imported only here and in
-`server.ray_serve.applications` and `server.ray_serve.routing`.
+`server.ray_serve.applications` and `server.ray_serve.routing`. The module is long because both ends of the
+ingress's call to a replica live in it (what one ships, the other receives), so that call's contract reads in one file.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 import zlib
 from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -266,20 +267,14 @@ class Replicas:
         self.retries = 0  # runs asked again after their replica failed
 
     async def describe(self) -> ReplicaDescription:
-        """What the replicas serve, asked again (a second apart, then two...) while the replica
-        asked is lost: an ingress started again after its node died may ask one on that node
-        before Serve has replaced it. The last attempt's error is raised as it came."""
+        """What the replicas serve, asked again (1 s, 2 s... apart) while the replica asked is lost:
+        an ingress started again after its node died may ask one there before Serve replaced it."""
         for attempt in range(1, self.attempts):
-            try:
-                return await self._describe()
-            except _lost_replica_errors() as exc:
-                log.warning("inference replica lost while describing itself (%s); asking again", type(exc).__name__)
-                await asyncio.sleep(attempt)
-        return await self._describe()
-
-    async def _describe(self) -> ReplicaDescription:
-        description: ReplicaDescription = await self.handle.describe.remote()
-        return description
+            with contextlib.suppress(*_lost_replica_errors()):
+                return cast(ReplicaDescription, await self.handle.describe.remote())
+            log.warning("inference replica lost while describing itself; asking again")
+            await asyncio.sleep(attempt)
+        return cast(ReplicaDescription, await self.handle.describe.remote())  # the last error as it came
 
     async def run(self, pipeline: str, query: str, options: RunOptions, key: str | None) -> AsyncGenerator[RunEvent, None]:
         """The run's events from the replica the router picks; asked again elsewhere if that
