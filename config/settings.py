@@ -483,7 +483,9 @@ class ClusterSettings(Section):
     routing_stats_period_s: float = setting(
         0.5, "how often each replica reports its resident clusters (and its metrics) to the router", gt=0
     )
-    attempts: int = setting(3, "tries of a request whose replica failed before it sent anything (then 503)", ge=1)
+    attempts: int = setting(
+        3, "tries of a request (and of a starting ingress's first call) whose replica failed before it answered (then 503)", ge=1
+    )
     shard_timeout_s: float = setting(
         10.0,
         "a retrieval shard's answer is waited for this long, then asked of another replica (3 tries, then 503): a "
