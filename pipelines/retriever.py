@@ -29,7 +29,6 @@ from telerag.pipelines.types import (
     PrefetchTicket,
     ProvisionalDocuments,
     RetrievedPassage,
-    SearchObserver,
     SearchOptions,
     SearchOutcome,
     SearchQuery,
@@ -44,7 +43,7 @@ from telerag.retrieval.engine import RetrievalEngine, SearchResult
 from telerag.retrieval.errors import InvalidCall
 from telerag.retrieval.live import LiveDatastore
 from telerag.retrieval.prefetch import PrefetchHandle
-from telerag.retrieval.provisional import Provisional, ProvisionalReport
+from telerag.retrieval.provisional import UNWATCHED, Provisional, ProvisionalWatch, SearchWatch
 from telerag.retrieval.ranking import Ranking, RankTrace
 from telerag.retrieval.recall import RecallEstimate, RecallSampler
 from telerag.retrieval.snapshot import Snapshot, search_snapshot
@@ -153,8 +152,7 @@ class DirectRetriever:
         return await asyncio.to_thread(self._prefetch_batch, list(requests))
 
     async def search_batch(self, requests: Sequence[SearchRequest]) -> list[SearchOutcome]:
-        loop = asyncio.get_running_loop()
-        return await asyncio.to_thread(self._search_batch, [_on_loop(request, loop) for request in requests])
+        return await asyncio.to_thread(self._search_batch, list(requests))
 
     async def embed(self, texts: Sequence[str]) -> TextEmbeddings:
         def work() -> TextEmbeddings:
@@ -242,13 +240,13 @@ class DirectRetriever:
                 for i in members
                 for _ in requests[i].queries
             ]
-            provisional = self._provisional([requests[i] for i in members], snapshot)
+            watch = self._watch([requests[i] for i in members], snapshot)
             engine = self.retrieval_engine_for(snapshot.datastore)
             # the default of the snapshot's generation (a retrain's nlist may differ); more lists than it has are all of
             # them, as faiss's own IndexIVF.search takes them
             nprobe = min(asked_nprobe or engine.nprobe, engine.nlist)
             handles = [_of_engine(handle, engine) for handle in handles]
-            dense = _GroupSearch(engine, snapshot, vectors[rows], nprobe, handles, use_cache, provisional, self.recall)
+            dense = _GroupSearch(engine, snapshot, vectors[rows], nprobe, handles, use_cache, watch, self.recall)
             started = time.perf_counter()
             texts = [" ".join(query_texts(queries[row])) for row in rows]
             trace = RankTrace()
@@ -265,12 +263,13 @@ class DirectRetriever:
                 offset += count
         return [outcome for outcome in outcomes if outcome is not None]
 
-    def _provisional(self, requests: list[SearchRequest], snapshot: Snapshot) -> ProvisionalReport | None:
-        """The report of one engine search's provisional top-k, split into its requests' rows: each
-        request with an observer hears its first stable top-k (`speculation.StableTopK`) as documents."""
+    def _watch(self, requests: list[SearchRequest], snapshot: Snapshot) -> SearchWatch:
+        """What one engine search of `requests` shows before it ends: nothing when none of them has
+        an observer; else its provisional top-k, split into the requests' rows, each request with
+        an observer hearing its first stable top-k (`speculation.StableTopK`) as documents."""
         watching = [(i, o) for i, r in enumerate(requests) if (o := r.options.observer) is not None]
         if not watching:
-            return None
+            return UNWATCHED
         starts = np.concatenate(([0], np.cumsum([len(r.queries) for r in requests])))
         rules = {i: StableTopK() for i, _ in watching}
 
@@ -282,7 +281,7 @@ class DirectRetriever:
                     documents = [self._documents(snapshot, ids, scores) for ids, scores in pairs]
                     observer.provisional(ProvisionalDocuments(documents, found.lists_share))
 
-        return report
+        return ProvisionalWatch(report)
 
     def _documents(self, snapshot: Snapshot, ids: np.ndarray, scores: np.ndarray) -> list[RetrievedPassage]:
         keep = [(int(i), float(s)) for i, s in zip(ids, scores, strict=True) if i >= 0]
@@ -345,7 +344,7 @@ class _GroupSearch:
     nprobe: int
     handles: list[PrefetchHandle | None]
     use_cache: bool
-    provisional: ProvisionalReport | None
+    watch: SearchWatch  # of the final search; the ranking's deeper ones are unwatched
     recall: RecallSampler
     found: SearchResult | None = None
 
@@ -359,7 +358,7 @@ class _GroupSearch:
             self.nprobe,
             prefetch=self.handles,
             use_cache=self.use_cache,
-            provisional=self.provisional if final else None,
+            watch=self.watch if final else UNWATCHED,
         )
         found = self.found
         self.recall.offer(self.engine, self.snapshot, self.vectors, depth, found.ids, found.scores, time.perf_counter() - started)
@@ -373,22 +372,3 @@ def _of_engine(handle: PrefetchHandle | None, engine: RetrievalEngine) -> Prefet
         return handle
     handle.release()
     return None
-
-
-@dataclass(frozen=True)
-class _ObservedOnLoop:
-    """An observer heard on its caller's event loop (the search runs in a worker thread)."""
-
-    observer: SearchObserver
-    loop: asyncio.AbstractEventLoop
-
-    def provisional(self, found: ProvisionalDocuments) -> None:
-        self.loop.call_soon_threadsafe(self.observer.provisional, found)
-
-
-def _on_loop(request: SearchRequest, loop: asyncio.AbstractEventLoop) -> SearchRequest:
-    """`request` with its observer heard on `loop`."""
-    observer = request.options.observer
-    if observer is None:
-        return request
-    return dataclasses.replace(request, options=dataclasses.replace(request.options, observer=_ObservedOnLoop(observer, loop)))

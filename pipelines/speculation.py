@@ -19,12 +19,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from telerag.engines.types import Generation, Prefiller
 from telerag.pipelines.stats import SpeculativePrefill
-from telerag.pipelines.types import ProvisionalDocuments, RetrievedPassage
+from telerag.pipelines.types import ProvisionalDocuments, RetrievedPassage, SearchObserver
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,17 @@ class StableTopK:
         return stable
 
 
+@dataclass(frozen=True)
+class HeardOnLoop:
+    """A search's observer heard on its caller's event loop (the search runs in a worker thread)."""
+
+    observer: SearchObserver
+    loop: asyncio.AbstractEventLoop
+
+    def provisional(self, found: ProvisionalDocuments) -> None:
+        self.loop.call_soon_threadsafe(self.observer.provisional, found)
+
+
 class Speculation:
     """One search's speculative prefill: started from its stable top-k (as the search's observer:
     `provisional`), judged when the search ends (`settle`), and matched with the LLM call
@@ -61,7 +73,8 @@ class Speculation:
         self.call_cached: int | None = None  # of the call's prompt, what the engine held
 
     def provisional(self, found: ProvisionalDocuments) -> None:
-        """Prefill the call's prompt as the provisional documents would make it."""
+        """Prefill the call's prompt as the provisional documents would make it (on the event
+        loop: the search tells it through `HeardOnLoop`)."""
         if self.task is not None:
             return
         self.prompt, self.lists_share = self.prompt_of(found.documents), found.lists_share

@@ -101,8 +101,9 @@ class SearchObserver(Protocol):
     search without one is watched by nobody and scans as it always does."""
 
     def provisional(self, found: ProvisionalDocuments) -> None:
-        """The search's first top-k found stable, at most once, on the caller's event loop, before
-        the search returns; the outcome is the same either way."""
+        """The search's first top-k found stable, at most once, before the search returns, from the
+        search's thread (an observer that acts on an event loop goes there itself:
+        `speculation.HeardOnLoop`); the outcome is the same either way."""
         ...
 
 

@@ -37,7 +37,7 @@ from telerag.retrieval.early_stop import EarlyStopSearch, ListBounds
 from telerag.retrieval.errors import DeviceMemoryError, DeviceUnavailable, InvalidCall
 from telerag.retrieval.ivf import CPUIndex, ListSearch
 from telerag.retrieval.prefetch import PrefetchHandle, PrefetchPlan, plan_prefetch
-from telerag.retrieval.provisional import ProvisionalReport, watch_halves
+from telerag.retrieval.provisional import UNWATCHED, SearchWatch
 from telerag.retrieval.search import faiss_part, merge_to_host
 from telerag.retrieval.stats import CacheStats, PrefetchStats
 from telerag.utils.device import resolve_device
@@ -323,7 +323,7 @@ class RetrievalEngine:
         *,
         prefetch: PrefetchHandle | Sequence[PrefetchHandle | None] | None = None,
         use_cache: bool = True,
-        provisional: ProvisionalReport | None = None,
+        watch: SearchWatch = UNWATCHED,
     ) -> SearchResult:
         """Exact IVF search at `nprobe`: resident clusters of each query's C_out on the device,
         then those copied on demand (see `retrieval.demand`), the rest by faiss on the CPU at the
@@ -337,20 +337,20 @@ class RetrievalEngine:
         others are no longer held, so this search's demand copies, and other requests, may
         evict them. (Releasing a handle again is harmless.)
 
-        With `provisional`, faiss's half scans its lists chunk by chunk in centroid order and the
-        top-k so far is reported after each chunk but the last (`retrieval.provisional`); the
-        answer is the same."""
+        `watch` is what the search shows before it ends: with a `ProvisionalWatch`, faiss's half
+        scans its lists chunk by chunk in centroid order and the top-k so far is reported after
+        each chunk but the last (`retrieval.provisional`); the answer is the same."""
         started = time.perf_counter()
         nprobe = nprobe or self.nprobe
         queries = self.index.check(q_out, k, nprobe)
         handles = self._handles_per_query(prefetch, len(queries))
         cached = bool(use_cache and self.cache.capacity_rows)
         if not cached and not any(h is not None and h.plan.clusters for h in handles):
-            return self._faiss_search(queries, k, nprobe, started, provisional)  # nothing on the device, no overlap
+            return self._faiss_search(queries, k, nprobe, started, watch)  # nothing on the device, no overlap
         q = torch.from_numpy(queries).to(self.device, non_blocking=True)  # once, for probe and scan
         list_scores, lists = self.probe(queries, q, nprobe)
         probe_ms = (time.perf_counter() - started) * 1e3
-        halves = watch_halves(self.cpu_half, k, int((lists >= 0).sum()), provisional, merge_to_host)
+        halves = watch.halves(self.cpu_half, k, int((lists >= 0).sum()), merge_to_host)
         search = CooperativeSearch(self._search_resources(halves.cpu_half), queries, q, k, lists, list_scores, halves.device_done)
         try:
             if cached:
@@ -374,19 +374,11 @@ class RetrievalEngine:
             missed_bytes=search.missed_bytes,
         )
 
-    def _faiss_search(
-        self, queries: np.ndarray, k: int, nprobe: int, started: float, provisional: ProvisionalReport | None
-    ) -> SearchResult:
+    def _faiss_search(self, queries: np.ndarray, k: int, nprobe: int, started: float, watch: SearchWatch) -> SearchResult:
         """faiss's search, as is, or probed here and scanned by the CPU half that stands in for
         it or watches it (`started`: when the search began)."""
         cpu_started = time.perf_counter()
-        if self.cpu_half is self.index and provisional is None:
-            found = self.index.search(queries, k, nprobe)  # the probe and the scan in one call
-        else:
-            list_scores, lists = self.index.probe(queries, nprobe)
-            halves = watch_halves(self.cpu_half, k, int((lists >= 0).sum()), provisional, merge_to_host)
-            halves.device_done([], 0)
-            found = halves.cpu_half.search_lists(queries, k, lists, list_scores)
+        found = watch.faiss_search(self.index, self.cpu_half, queries, k, nprobe, merge_to_host)
         scores, ids = merge_to_host([faiss_part(found, "cpu")], k)
         cpu_ms = (time.perf_counter() - cpu_started) * 1e3
         return SearchResult(

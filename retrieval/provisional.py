@@ -9,6 +9,9 @@ lists nearest a query hold most of its neighbours, so the top-k settles early. T
 merges the chunks, whose lists are disjoint: it is the full scan's (`ivf.same_results`: the same
 ids in the same order, up to ties at the k-th place), whatever was reported on the way.
 
+A search is watched or not by the `SearchWatch` its caller chooses once (`ProvisionalWatch`, or
+`UNWATCHED`, the default), so a search nobody watches asks nothing about it on the way.
+
 Whether a provisional top-k is worth acting on is not decided here: the caller's rule decides
 (`pipelines.speculation`).
 """
@@ -19,12 +22,12 @@ import itertools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from telerag.retrieval.chunked_scan import TopK, in_centroid_order, scan_in_chunks
-from telerag.retrieval.ivf import ListSearch
+from telerag.retrieval.ivf import CPUIndex, ListSearch
 from telerag.retrieval.shards import merge_shard_results
 
 if TYPE_CHECKING:  # torch's: this module is imported where torch is not yet (`pipelines.types`)
@@ -56,27 +59,79 @@ def chunk_bounds(width: int) -> list[int]:
 
 @dataclass(frozen=True)
 class SearchHalves:
-    """Who scans a search's CPU half, and who hears when its device half is done: the one
-    choice a search makes about a provisional top-k (`watch_halves`)."""
+    """Who scans a search's CPU half, and who hears when its device half is done (`SearchWatch.halves`)."""
 
     cpu_half: ListSearch
     device_done: DeviceHalfDone
 
 
-def _unheard(parts: Sequence[Part], lists: int) -> None:
-    """A search with no provisional top-k wanted: the device half's end is nobody's business."""
+class SearchWatch(Protocol):
+    """What a search shows before it ends, chosen once per search by its caller: nothing
+    (`UNWATCHED`, every search's default) or its provisional top-k (`ProvisionalWatch`)."""
+
+    def halves(self, cpu_half: ListSearch, k: int, probed_lists: int, merge: MergeToHost) -> SearchHalves:
+        """The search's CPU half as it is to be scanned, and who hears when its device half is done."""
+        ...
+
+    def faiss_search(
+        self, index: CPUIndex, cpu_half: ListSearch, queries: np.ndarray, k: int, nprobe: int, merge: MergeToHost
+    ) -> TopK:
+        """A search with nothing on the device: probed by `index`, scanned by `cpu_half` (the
+        index itself, or what stands in for it)."""
+        ...
+
+    def mapped(self, keep: Callable[[Provisional], Provisional]) -> SearchWatch:
+        """This watch, hearing each provisional top-k through `keep` (a snapshot's living entries)."""
+        ...
 
 
-def watch_halves(
-    cpu_half: ListSearch, k: int, probed_lists: int, report: ProvisionalReport | None, merge: MergeToHost
-) -> SearchHalves:
-    """A search's halves as they are, or, with `report`, watched: the CPU half scanned chunk by
-    chunk (`ProvisionalSearch`) and the top-k so far of both halves reported (the device half's
-    merged by `merge`)."""
-    if report is None:
+class Unwatched:
+    """A search nobody watches: its halves as they are, faiss's own search where faiss is its CPU half."""
+
+    def halves(self, cpu_half: ListSearch, k: int, probed_lists: int, merge: MergeToHost) -> SearchHalves:
         return SearchHalves(cpu_half, _unheard)
-    tracker = ProvisionalTopK(k, probed_lists, report, merge)
-    return SearchHalves(ProvisionalSearch(cpu_half, tracker), tracker.device_done)
+
+    def faiss_search(
+        self, index: CPUIndex, cpu_half: ListSearch, queries: np.ndarray, k: int, nprobe: int, merge: MergeToHost
+    ) -> TopK:
+        if cpu_half is index:
+            return index.search(queries, k, nprobe)  # the probe and the scan in one call
+        list_scores, lists = index.probe(queries, nprobe)
+        return cpu_half.search_lists(queries, k, lists, list_scores)
+
+    def mapped(self, keep: Callable[[Provisional], Provisional]) -> SearchWatch:
+        return self
+
+
+UNWATCHED: SearchWatch = Unwatched()
+
+
+def _unheard(parts: Sequence[Part], lists: int) -> None:
+    """An unwatched search's device half: its end is nobody's business."""
+
+
+@dataclass(frozen=True)
+class ProvisionalWatch:
+    """A search whose top-k so far is told to `report`: its CPU half scanned chunk by chunk
+    (`ProvisionalSearch`), the top-k of both halves merged (the device half's by `merge`)."""
+
+    report: ProvisionalReport
+
+    def halves(self, cpu_half: ListSearch, k: int, probed_lists: int, merge: MergeToHost) -> SearchHalves:
+        tracker = ProvisionalTopK(k, probed_lists, self.report, merge)
+        return SearchHalves(ProvisionalSearch(cpu_half, tracker), tracker.device_done)
+
+    def faiss_search(
+        self, index: CPUIndex, cpu_half: ListSearch, queries: np.ndarray, k: int, nprobe: int, merge: MergeToHost
+    ) -> TopK:
+        list_scores, lists = index.probe(queries, nprobe)
+        halves = self.halves(cpu_half, k, int((lists >= 0).sum()), merge)
+        halves.device_done([], 0)
+        return halves.cpu_half.search_lists(queries, k, lists, list_scores)
+
+    def mapped(self, keep: Callable[[Provisional], Provisional]) -> SearchWatch:
+        report = self.report
+        return ProvisionalWatch(lambda found: report(keep(found)))
 
 
 class ProvisionalSearch:

@@ -29,7 +29,7 @@ from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.errors import PassageNotFound
 from telerag.retrieval.ivf import FAISS_PAD_SCORE
 from telerag.retrieval.keywords import KeywordIndex
-from telerag.retrieval.provisional import Provisional, ProvisionalReport
+from telerag.retrieval.provisional import UNWATCHED, Provisional, SearchWatch
 from telerag.retrieval.shards import merge_shard_results
 
 if TYPE_CHECKING:
@@ -184,7 +184,7 @@ def search_snapshot(
     k: int,
     nprobe: int | None = None,
     *,
-    provisional: ProvisionalReport | None = None,
+    watch: SearchWatch = UNWATCHED,
     **options: Any,
 ) -> SearchResult:
     """Exact IVF search of `snapshot` at `nprobe` (see the module's docstring); `engine` is the
@@ -192,9 +192,9 @@ def search_snapshot(
     generation's lists (chosen before a retrain left fewer) probes every list, as faiss does."""
     nprobe = min(nprobe or engine.nprobe, snapshot.datastore.nlist)
     extra = snapshot.overfetch(nprobe)
-    if provisional is not None and extra:
-        provisional = _living_provisional(snapshot, k, provisional)
-    result = engine.search(queries, k + extra, nprobe, provisional=provisional, **options)
+    if extra:  # a provisional top-k heard as the final one is: its first k living entries
+        watch = watch.mapped(lambda found: Provisional(*snapshot.living(found.scores, found.ids, k), found.lists_share))
+    result = engine.search(queries, k + extra, nprobe, watch=watch, **options)
     scores, ids = snapshot.living(result.scores, result.ids, k)
     if len(snapshot.delta):
         queries = engine.index.check(queries, k, nprobe)
@@ -202,13 +202,3 @@ def search_snapshot(
         delta = snapshot.scan_delta(queries, k, lists)
         scores, ids = merge_shard_results([(scores, ids), delta], k)
     return replace(result, scores=np.ascontiguousarray(scores), ids=np.ascontiguousarray(ids))
-
-
-def _living_provisional(snapshot: Snapshot, k: int, report: ProvisionalReport) -> ProvisionalReport:
-    """`report`, hearing only the first k living entries of each provisional top list."""
-
-    def living(found: Provisional) -> None:
-        scores, ids = snapshot.living(found.scores, found.ids, k)
-        report(Provisional(scores, ids, found.lists_share))
-
-    return living

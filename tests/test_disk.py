@@ -191,7 +191,7 @@ def test_early_stop_from_disk_answers_as_faiss_and_never_reads_the_lists_it_rule
 def test_a_search_from_disk_reports_its_top_k_so_far_and_answers_as_faiss(tmp_path, early_stop, share):
     """Speculative prefill from disk: the lists read and scanned a chunk at a time (with early
     stop too), a top-k so far reported over more of them each time, the answer faiss's."""
-    from telerag.retrieval.provisional import Provisional
+    from telerag.retrieval.provisional import Provisional, ProvisionalWatch
 
     ds = random_datastore(tmp_path / "ds", n=4000, dim=8, nlist=NLIST)
     engine = RetrievalEngine(ds, cache_bytes=int(ds.vectors.nbytes * share), on_disk=True, early_stop=early_stop)
@@ -199,7 +199,7 @@ def test_a_search_from_disk_reports_its_top_k_so_far_and_answers_as_faiss(tmp_pa
         queries = random_queries(4, ds.dim, seed=2)
         handle = engine.prefetch(queries, int(ds.vectors.nbytes * share) // 2) if share else None
         reports: list[Provisional] = []
-        result = assert_same_as_faiss(engine, queries, 10, 12, prefetch=handle, provisional=reports.append)
+        result = assert_same_as_faiss(engine, queries, 10, 12, prefetch=handle, watch=ProvisionalWatch(reports.append))
         shares = [report.lists_share for report in reports]
         assert reports and shares == sorted(shares) and all(0 < s < 1 for s in shares)
         for report in reports:

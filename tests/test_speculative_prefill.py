@@ -18,7 +18,7 @@ from telerag.pipelines.stats import SearchStats, SpeculationSummary
 from telerag.pipelines.types import RetrievedPassage
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.engine import RetrievalEngine
-from telerag.retrieval.provisional import Provisional, chunk_bounds
+from telerag.retrieval.provisional import Provisional, ProvisionalWatch, chunk_bounds
 from tests.fake_app import Harness
 from tests.fakes import RecordingRetriever, Reply, ScriptedEngine
 from tests.retrieval_helpers import DEVICES, assert_same_as_faiss, random_datastore, random_queries
@@ -51,7 +51,8 @@ def test_a_search_reporting_its_top_k_so_far_returns_what_faiss_does(tmp_path, d
             handle = engine.prefetch(queries, int(ds.vectors.nbytes) // 4) if cache_bytes else None
             reports: list[Provisional] = []
             k = int(rng.integers(1, 12))
-            result = assert_same_as_faiss(engine, queries, k=k, nprobe=nprobe, prefetch=handle, provisional=reports.append)
+            watch = ProvisionalWatch(reports.append)
+            result = assert_same_as_faiss(engine, queries, k=k, nprobe=nprobe, prefetch=handle, watch=watch)
             shares = [r.lists_share for r in reports]
             assert shares == sorted(shares) and all(0 < s < 1 for s in shares), shares
             if nprobe >= 4 and not cache_bytes:

@@ -21,7 +21,7 @@ from telerag.pipelines.rag.retrieval_step import (
     SequentialStep,
     traced_search,
 )
-from telerag.pipelines.speculation import Speculation
+from telerag.pipelines.speculation import HeardOnLoop, Speculation
 from telerag.pipelines.stats import SearchStats
 from telerag.pipelines.types import PrefetchTicket, RetrievedPassage, SearchQuery, Stage
 
@@ -42,7 +42,8 @@ class SpeculativeStep:
         return call
 
     async def documents(self, queries: list[SearchQuery], ticket: PrefetchTicket) -> list[list[RetrievedPassage]]:
-        options = dataclasses.replace(self.ctx.search_options(self.ctx.fixed_nprobe), observer=self.speculation)
+        observer = HeardOnLoop(self.speculation, asyncio.get_running_loop())
+        options = dataclasses.replace(self.ctx.search_options(self.ctx.fixed_nprobe), observer=observer)
         outcome, trace = await traced_search(self.ctx, self.search, queries, ticket, options)
         self.speculation.settle(outcome.documents)
         self.searched = outcome.stats, trace
