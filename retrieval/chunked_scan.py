@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from telerag.retrieval.ivf import FAISS_PAD_SCORE, ListSearch
-from telerag.retrieval.shards import merge_shard_results
+from telerag.retrieval.ivf import ListSearch
+from telerag.retrieval.shards import FAISS_PAD_SCORE, merge_shard_results
 
 TopK = tuple[np.ndarray, np.ndarray]  # (scores, ids), (n, k), padded like faiss
 

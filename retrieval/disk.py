@@ -30,8 +30,8 @@ import torch
 from telerag.retrieval.cache import Copy, Issued, Segment
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.errors import DatastoreCorruptError
-from telerag.retrieval.ivf import FAISS_PAD_SCORE
 from telerag.retrieval.search import merge_topk, scan_resident
+from telerag.retrieval.shards import FAISS_PAD_SCORE
 
 ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and memory on the file systems it serves
 READ_BYTES = 4 << 20  # one read's most: large enough to stream at the disk's rate, small enough to spread over readers

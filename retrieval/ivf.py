@@ -17,8 +17,6 @@ from telerag.retrieval.shards import ShardRows
 # declare: its calls are typed as Any here, and only here.
 faiss: Any = typed_faiss
 
-FAISS_PAD_SCORE = -np.finfo(np.float32).max  # what faiss puts beside a -1 label for inner product
-
 
 class ListSearch(Protocol):
     """The CPU half of a cooperative search: a top-k over given lists per query (-1 entries

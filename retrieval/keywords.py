@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from telerag.retrieval.corpus import Passage
-from telerag.retrieval.ivf import FAISS_PAD_SCORE
+from telerag.retrieval.shards import FAISS_PAD_SCORE
 
 if TYPE_CHECKING:
     from telerag.retrieval.datastore import Datastore

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from telerag.retrieval.errors import InvalidCall
-from telerag.retrieval.ivf import FAISS_PAD_SCORE
 from telerag.retrieval.keywords import keyword_search
+from telerag.retrieval.shards import FAISS_PAD_SCORE
 
 if TYPE_CHECKING:
     from telerag.retrieval.snapshot import Snapshot

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from telerag.retrieval.ivf import FAISS_PAD_SCORE
 from telerag.retrieval.ranking import HYBRID_CANDIDATES, DenseSearch, Ranked, Ranking, RankTrace, SearchMode
+from telerag.retrieval.shards import FAISS_PAD_SCORE
 
 if TYPE_CHECKING:
     from telerag.retrieval.snapshot import Snapshot

@@ -14,6 +14,7 @@ import torch
 from telerag.retrieval import ivf, kernels
 from telerag.retrieval.cache import Segment
 from telerag.retrieval.codecs import Codec
+from telerag.retrieval.shards import FAISS_PAD_SCORE
 
 SCAN_CHUNK_BYTES = 256 << 20  # bound on the gathered rows held at once
 
@@ -196,7 +197,7 @@ def merge_topk(parts: Sequence[Part], k: int) -> Part:
     scores, ids = scores.gather(1, by_id), ids.gather(1, by_id)
     order = torch.argsort(scores, dim=1, descending=True, stable=True)[:, :k]
     scores, ids = scores.gather(1, order), ids.gather(1, order)
-    return torch.where(ids < 0, float(ivf.FAISS_PAD_SCORE), scores), ids
+    return torch.where(ids < 0, float(FAISS_PAD_SCORE), scores), ids
 
 
 def faiss_part(part: tuple[np.ndarray, np.ndarray], device: torch.device | str) -> Part:

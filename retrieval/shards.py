@@ -18,6 +18,8 @@ import numpy as np
 
 from telerag.retrieval.errors import SearchError
 
+FAISS_PAD_SCORE = -np.finfo(np.float32).max  # what faiss puts beside a -1 label for inner product
+
 
 @dataclass(frozen=True)
 class ShardRows:

@@ -27,10 +27,9 @@ import numpy as np
 from telerag.retrieval.corpus import Passage
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.errors import PassageNotFound
-from telerag.retrieval.ivf import FAISS_PAD_SCORE
 from telerag.retrieval.keywords import KeywordIndex
 from telerag.retrieval.provisional import UNWATCHED, Provisional, SearchWatch
-from telerag.retrieval.shards import merge_shard_results
+from telerag.retrieval.shards import FAISS_PAD_SCORE, merge_shard_results
 
 if TYPE_CHECKING:
     from telerag.retrieval.engine import RetrievalEngine, SearchResult
