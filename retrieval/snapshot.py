@@ -191,9 +191,9 @@ def search_snapshot(
     generation's lists (chosen before a retrain left fewer) probes every list, as faiss does."""
     nprobe = min(nprobe or engine.nprobe, snapshot.datastore.nlist)
     extra = snapshot.overfetch(nprobe)
-    if extra:  # a provisional top-k heard as the final one is: its first k living entries
-        watch = watch.mapped(lambda found: Provisional(*snapshot.living(found.scores, found.ids, k), found.lists_share))
-    result = engine.search(queries, k + extra, nprobe, watch=watch, **options)
+    # a provisional top-k is heard as the final one is read: its first k living entries
+    living = watch.mapped(lambda found: Provisional(*snapshot.living(found.scores, found.ids, k), found.lists_share))
+    result = engine.search(queries, k + extra, nprobe, watch=living, **options)
     scores, ids = snapshot.living(result.scores, result.ids, k)
     if len(snapshot.delta):
         queries = engine.index.check(queries, k, nprobe)
