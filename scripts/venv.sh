@@ -24,4 +24,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 export PATH="$VENV/bin:$PATH"
+# Bytecode is written as each module is first imported (the --no-compile above counts on it),
+# so not where PYTHONDONTWRITEBYTECODE is set, as some sandboxes and CI images set it: then every
+# process compiles torch and transformers anew, 13 of the 20 CPU-seconds a model's load takes
+# here (measured). What these scripts run writes it.
+unset PYTHONDONTWRITEBYTECODE
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
