@@ -7,14 +7,16 @@ import argparse
 import asyncio
 import json
 import logging
+from typing import TYPE_CHECKING
 
 from telerag.cli.runtime_flags import add_runtime_flags, overrides
 from telerag.config.settings import load_settings
-from telerag.documents.ingestion import IngestionProgress, unfinished_ingestion
 from telerag.pipelines.registry import PIPELINES
 from telerag.pipelines.stats import SearchStats
 from telerag.pipelines.types import RagResult, RunEvent, RunOptions, TokenEvent, ignore_events
-from telerag.server.protocols.rag import QueryResponse
+
+if TYPE_CHECKING:
+    from telerag.documents.ingestion import IngestionProgress
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -54,7 +56,10 @@ def print_token(event: RunEvent) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # imported here, not at the top: every other command would pay for them
+    from telerag.documents.ingestion import unfinished_ingestion
     from telerag.server.process.runtime import open_runtime
+    from telerag.server.protocols.rag import QueryResponse
 
     settings = load_settings(args.config, overrides(args))
     logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")

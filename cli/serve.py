@@ -9,8 +9,6 @@ import logging
 from telerag.cli.preconditions import require_ray
 from telerag.cli.runtime_flags import add_cluster_flags, add_runtime_flags, nullable, overrides
 from telerag.config.settings import ENGINE_KIND_ALIASES, load_settings
-from telerag.server.process.event_loop import run_event_loop
-from telerag.server.process.serve import serve
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,6 +30,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # the server (fastapi, uvicorn) imported here, not at the top: every other command would pay for it
+    from telerag.server.process.event_loop import run_event_loop
+    from telerag.server.process.serve import serve
+
     settings = load_settings(args.config, overrides(args))
     logging.basicConfig(level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.ray:
