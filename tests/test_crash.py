@@ -18,7 +18,7 @@ from telerag.documents.writer import DocumentText
 from tests.serving import ServerProcess, build_small_datastore, save_tiny_lm, start_server
 from tests.tiny_models import tiny_embedder_dir
 
-pytestmark = [pytest.mark.slow, pytest.mark.minutes(2)]  # 7 starts of about 10 s each here (30 s in CI)
+pytestmark = [pytest.mark.slow, pytest.mark.minutes(1.5)]  # 7 starts of about 10 s each in CI
 
 KILLS = 6
 DOCUMENTS = [f"crash/{i}" for i in range(8)]

@@ -40,7 +40,7 @@ from telerag.server.observability.metrics import Metrics
 from telerag.server.observability.scraped_metrics import LiveReport
 from telerag.utils.processes import free_port, stop
 
-pytestmark = pytest.mark.minutes(2)  # pip resolving both images' requirements, a Prometheus scraping a server
+pytestmark = pytest.mark.minutes(2.5)  # pip resolving both images' requirements, a Prometheus scraping a server
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"

@@ -19,7 +19,7 @@ import pytest
 from tests.serving import ROOT, build_small_datastore, save_tiny_lm, start_server
 from tests.tiny_models import tiny_embedder_dir
 
-pytestmark = [pytest.mark.slow, pytest.mark.minutes(1.5)]
+pytestmark = [pytest.mark.slow, pytest.mark.minutes(2)]  # the folder's test about 2 min in CI
 
 
 def pdf_bytes(text: str) -> bytes:

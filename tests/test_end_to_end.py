@@ -22,7 +22,7 @@ import pytest
 from tests.fake_app import EXPECTED_METRICS
 from tests.serving import build_wikipedia_slice, start_server
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.minutes(3)]  # the first run's GGUF conversion 2 min in CI
 
 KEY = "e2e-secret"
 AUTH = {"authorization": f"Bearer {KEY}"}

@@ -16,7 +16,7 @@ import pytest
 
 from telerag.utils.processes import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.minutes(4)]
+pytestmark = [pytest.mark.slow, pytest.mark.minutes(4.5)]
 
 ROOT = Path(__file__).resolve().parents[1]
 # installed here, not on the GPU image (torch, transformers, sentence-transformers, Triton and what

@@ -20,7 +20,7 @@ import pytest
 
 from tests.netns_cluster import cluster_for_test, driver_findings
 
-pytestmark = [pytest.mark.slow, pytest.mark.minutes(3)]  # the tier 55-70 s here, the bench 110 s
+pytestmark = [pytest.mark.slow, pytest.mark.minutes(3.5)]  # in CI the tier about 1 min, the bench 2.5
 
 MARK = "MULTINODE "
 SHARDS, REPLICAS, CPUS_PER_REPLICA = 2, 2, 0.5  # 4 replicas of 0.5 CPU: more than any one node of 1 CPU holds

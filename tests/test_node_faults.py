@@ -32,7 +32,7 @@ from telerag.config.settings import Settings
 from tests.document_stream import DocumentStream
 from tests.netns_cluster import cluster_for_test, driver_findings
 
-pytestmark = [pytest.mark.slow, pytest.mark.minutes(8)]  # 7.5-8.5 min here alone
+pytestmark = [pytest.mark.slow, pytest.mark.minutes(5.5)]  # about 5 min in CI
 
 MARK = "FAULTS "
 QUERIES = 12  # passages whose own text is asked

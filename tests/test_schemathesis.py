@@ -32,7 +32,7 @@ from tests.retrieval_helpers import topic_datastore
 from tests.serving import serving
 from tests.tiny_models import tiny_engine
 
-pytestmark = [pytest.mark.slow, pytest.mark.minutes(2.5)]  # a few hundred requests, each through the tiny model
+pytestmark = [pytest.mark.slow, pytest.mark.minutes(3)]  # a few hundred requests, each through the tiny model
 
 KEY = "fuzz-key"
 EXAMPLES = int(os.environ.get("TELERAG_FUZZ_EXAMPLES", "10"))
