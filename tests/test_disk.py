@@ -5,6 +5,8 @@ to a live datastore between searches."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -14,8 +16,9 @@ from telerag.retrieval.codecs import Codec
 from telerag.retrieval.disk import DiskListSearch, FileRows
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.errors import InvalidCall
-from telerag.retrieval.ivf import same_results
+from telerag.retrieval.ivf import ListSearch, same_results
 from telerag.retrieval.live import opened
+from telerag.retrieval.provisional import MergeToHost, Provisional, ProvisionalWatch, SearchHalves, SearchWatch
 from telerag.retrieval.snapshot import search_snapshot
 from tests.retrieval_helpers import assert_same_as_faiss, random_datastore, random_queries, topic_datastore
 
@@ -186,20 +189,50 @@ def test_early_stop_from_disk_answers_as_faiss_and_never_reads_the_lists_it_rule
     assert read[True] < read[False]  # with a cache, the lists read into it are read either way
 
 
+class DeviceHalfFirst:
+    """A watch whose CPU half starts once the device half is done. A top-k so far is reported
+    only once both halves have something and the CPU half has lists left; where the CPU half
+    ends first the answer follows at once and nothing is reported, so a test that expects
+    reports fixes the order the halves end in."""
+
+    def __init__(self, watch: SearchWatch) -> None:
+        self.watch = watch
+
+    def halves(self, cpu_half: ListSearch, k: int, probed_lists: int, merge: MergeToHost) -> SearchHalves:
+        halves = self.watch.halves(cpu_half, k, probed_lists, merge)
+        device_done = threading.Event()
+
+        class AfterTheDeviceHalf:
+            def search_lists(self, queries, k, lists, list_scores):
+                assert device_done.wait(60)
+                return halves.cpu_half.search_lists(queries, k, lists, list_scores)
+
+        def done(parts, lists):
+            halves.device_done(parts, lists)
+            device_done.set()
+
+        return SearchHalves(AfterTheDeviceHalf(), done)
+
+    def faiss_search(self, index, cpu_half, queries, k, nprobe, merge):
+        return self.watch.faiss_search(index, cpu_half, queries, k, nprobe, merge)
+
+    def mapped(self, keep):
+        return DeviceHalfFirst(self.watch.mapped(keep))
+
+
 @pytest.mark.parametrize("early_stop", [False, True])
 @pytest.mark.parametrize("share", [0.0, 0.3])
 def test_a_search_from_disk_reports_its_top_k_so_far_and_answers_as_faiss(tmp_path, early_stop, share):
     """Speculative prefill from disk: the lists read and scanned a chunk at a time (with early
     stop too), a top-k so far reported over more of them each time, the answer faiss's."""
-    from telerag.retrieval.provisional import Provisional, ProvisionalWatch
-
     ds = random_datastore(tmp_path / "ds", n=4000, dim=8, nlist=NLIST)
     engine = RetrievalEngine(ds, cache_bytes=int(ds.vectors.nbytes * share), on_disk=True, early_stop=early_stop)
     try:
         queries = random_queries(4, ds.dim, seed=2)
         handle = engine.prefetch(queries, int(ds.vectors.nbytes * share) // 2) if share else None
         reports: list[Provisional] = []
-        result = assert_same_as_faiss(engine, queries, 10, 12, prefetch=handle, watch=ProvisionalWatch(reports.append))
+        watch = DeviceHalfFirst(ProvisionalWatch(reports.append))
+        result = assert_same_as_faiss(engine, queries, 10, 12, prefetch=handle, watch=watch)
         shares = [report.lists_share for report in reports]
         assert reports and shares == sorted(shares) and all(0 < s < 1 for s in shares)
         for report in reports:
