@@ -8,10 +8,12 @@ anew, so that none of its file is mapped, and the page cache dropped, as root) a
 search run once untimed first); ours with
 a host cache of `host_cache_mb`, cold (the host cache emptied before each search) without
 lookahead (every list read when searched) and with it (q_in's lists read during a pre-retrieval
-call of `llm_ms`, planned within B·t_LLM, then q_out searched); ours cold with exact early stop
-(`experiments.early_stop`: the lists the bound rules out are never read); ours with the whole datastore in its
-cache (the bound). Each row: search p50 ms, MB read per search, and, with lookahead, the share of
-the search's lists already read when it began (the disk time masked). Answers are checked against
+call of `llm_ms`, planned within B·t_LLM, then q_out searched); ours cold reporting its top-k so
+far (a chunk of the lists at a time, as speculative prefill asks: `retrieval.provisional`); ours
+cold with exact early stop (`experiments.early_stop`: the lists the bound rules out are never
+read), alone and reporting its top-k so far; ours with the whole datastore in its cache (the
+bound). Each row: search p50 ms, MB read per search, and, with lookahead, the share of the
+search's lists already read when it began (the disk time masked). Answers are checked against
 faiss in memory at the same nprobe."""
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.disk import FileRows
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.ivf import CPUIndex, same_results
+from telerag.retrieval.provisional import UNWATCHED, Provisional, ProvisionalWatch
 
 faiss: Any = typed_faiss  # its on-disk lists' merge and ownership live below its stubs (as in `retrieval.ivf`)
 ONDISK = "faiss-ondisk"  # faiss's own files, beside the datastore's
@@ -95,19 +98,21 @@ def run(config: DiskBenchConfig, progress: bool = True) -> dict[str, Any]:
             drop_page_cache()
             rows.append(_faiss_rows(name, batch, ondisk, q_out, slices, references, config, nprobe, cold, progress))
         engine = RetrievalEngine(datastore, cache_bytes=cache_bytes, nprobe=nprobe, on_disk=True)
-        for name, lookahead, cold in (
-            ("ours, cold, reads on demand", False, True),
-            ("ours, cold, lookahead", True, True),
-            ("ours, warm, lookahead", True, False),
+        for name, lookahead, cold, watched in (
+            ("ours, cold, reads on demand", False, True, False),
+            ("ours, cold, lookahead", True, True, False),
+            ("ours, warm, lookahead", True, False, False),
+            ("ours, cold, top-k so far", False, True, True),
         ):
             engine.resize_cache(cache_bytes)  # empty
-            searches = Searches(q_in if lookahead else None, q_out, slices, references)
+            searches = Searches(q_in if lookahead else None, q_out, slices, references, watched)
             rows.append(_our_rows(name, batch, engine, searches, config, cold, progress))
         engine.close()
         if datastore.list_stats is not None:  # exact early stop: the lists it rules out are not read
             stopping = RetrievalEngine(datastore, cache_bytes=cache_bytes, nprobe=nprobe, on_disk=True, early_stop=True)
-            searches = Searches(None, q_out, slices, references)
-            rows.append(_our_rows("ours, cold, early stop", batch, stopping, searches, config, True, progress))
+            for name, watched in (("ours, cold, early stop", False), ("ours, cold, early stop, top-k so far", True)):
+                searches = Searches(None, q_out, slices, references, watched)
+                rows.append(_our_rows(name, batch, stopping, searches, config, True, progress))
             stopping.close()
         bound = _bound_row(datastore, batch, Searches(None, q_out, slices, references), memory, config, progress)
         rows.extend([bound] if bound is not None else [])
@@ -165,12 +170,14 @@ def _faiss_rows(
 
 @dataclass(frozen=True)
 class Searches:
-    """One batch size's searches: each q_out batch (`slices`), its q_in (None: no lookahead) and faiss's answer."""
+    """One batch size's searches: each q_out batch (`slices`), its q_in (None: no lookahead) and
+    faiss's answer; `watched`: each search reports its top-k so far (to nobody: what it costs)."""
 
     q_in: np.ndarray | None
     q_out: np.ndarray
     slices: list[slice]
     references: list[tuple[np.ndarray, np.ndarray]]
+    watched: bool = False
 
 
 def _our_rows(
@@ -194,7 +201,8 @@ def _our_rows(
             probed = engine.index.probe(q_out[s], engine.nprobe)[1]
             masked.append(_masked(engine, probed))
         started = time.perf_counter()
-        result = engine.search(q_out[s], config.topk, engine.nprobe, prefetch=handle)
+        watch = ProvisionalWatch(_unread) if searches.watched else UNWATCHED
+        result = engine.search(q_out[s], config.topk, engine.nprobe, prefetch=handle, watch=watch)
         times.append((time.perf_counter() - started) * 1e3)
         read.append((rows.bytes_read - before) / 2**20)
         same += _same(result.ids, result.scores, searches.references[i])
@@ -232,6 +240,10 @@ def _bound_row(
     return Row(
         "ours, every list in memory", batch, float(np.median(times)), float(np.mean(times)), 0.0, None, float(np.mean(same))
     )
+
+
+def _unread(report: Provisional) -> None:
+    """A top-k so far nobody acts on."""
 
 
 def _masked(engine: RetrievalEngine, probed: np.ndarray) -> float:

@@ -1,4 +1,4 @@
-"""`telerag bench pipelining`: the same requests of the iterative pipelines in four modes, over a
+"""`telerag bench pipelining`: the same requests of the iterative pipelines in several modes, over a
 datastore scaled so that retrieval is a real share of a request's time (`benchmarks.scaled`):
 
   sequential  every search after its step (what the pipelines do without `pipelining`)
@@ -6,6 +6,7 @@ datastore scaled so that retrieval is a real share of a request's time (`benchma
   early_stop  sequential, faiss's lists scanned with exact early stop (`experiments.early_stop`)
   budgeted    pipelined, with nprobe "auto" (the largest predicted to fit the generation left)
   speculative sequential, each search's next call prefilled from its provisional top-k (AquaPipe)
+  early_stop_speculative  both: the provisional top-k over the lists early stop has not ruled out
 
 One client, one request at a time, the modes taking turns request by request, each request's
 turn begun by the next mode (a load drifting on the machine weighs on each alike, and no mode is
@@ -39,13 +40,12 @@ from telerag.benchmarks.scaled import DatastoreScale, open_scaled_retriever
 from telerag.benchmarks.search_recorder import SearchRecorder
 from telerag.config.settings import Settings, pre_retrieval_profile
 from telerag.engines.types import Engine
-from telerag.pipelines.questions import run_one
 from telerag.pipelines.rag.base import RagPipeline
 from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.retriever import DirectRetriever
 from telerag.pipelines.search_budget import SearchBudget
 from telerag.pipelines.stats import SearchStats
-from telerag.pipelines.types import DatastoreInfo, RagResult, RunOptions
+from telerag.pipelines.types import DatastoreInfo, RagResult, RunEvent, RunOptions, TokenEvent
 from telerag.retrieval.early_stop import EarlyStopSearch, ListBounds
 from telerag.server.process.event_loop import run_event_loop
 from telerag.server.process.runtime import pipelining_config
@@ -58,9 +58,11 @@ class Mode(StrEnum):
     EARLY_STOP = "early_stop"
     BUDGETED = "budgeted"
     SPECULATIVE = "speculative"
+    EARLY_STOP_SPECULATIVE = "early_stop_speculative"
 
 
-MODES = (Mode.SEQUENTIAL, Mode.PIPELINED, Mode.EARLY_STOP, Mode.BUDGETED, Mode.SPECULATIVE)  # sequential first: the baseline
+# sequential first: the baseline
+MODES = (Mode.SEQUENTIAL, Mode.PIPELINED, Mode.EARLY_STOP, Mode.BUDGETED, Mode.SPECULATIVE, Mode.EARLY_STOP_SPECULATIVE)
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class Measured:
     """One answered request of one mode."""
 
     latency_ms: float
+    ttft_ms: float  # to the answer's first token
     result: RagResult
     recall: float  # of its documents, the share exhaustive search of the same queries also returns
     lists_probed: int  # by its searches' CPU half with early stop (0 in the other modes)
@@ -107,8 +110,10 @@ class PipeliningRow:
     requests: int
     latency_ms_p50: float
     latency_ms_p99: float
+    ttft_ms_p50: float  # to the answer's first token
     retrieval_ms_p50: float  # the search stages per request (hidden behind generation or not)
     gain: float  # the sequential mode's mean latency over this mode's
+    ttft_gain: float  # the sequential mode's mean time to first token over this mode's
     bound: float  # 1 / (1 - retrieval's share of the sequential mode's mean latency): the gain if retrieval took no time
     same_documents: float  # share of requests whose documents equal the sequential mode's
     same_answers: float  # share of requests whose answer equals the sequential mode's
@@ -165,14 +170,14 @@ class ModeSetup:
             max_tokens=self.config.max_tokens,
             nprobe="auto" if mode is Mode.BUDGETED else None,
             pipelining=mode in (Mode.PIPELINED, Mode.BUDGETED),
-            speculative_prefill=mode is Mode.SPECULATIVE,
+            speculative_prefill=mode in (Mode.SPECULATIVE, Mode.EARLY_STOP_SPECULATIVE),
         )
 
     @contextlib.contextmanager
     def cpu_half(self, mode: Mode) -> Iterator[None]:
         engine = self.retriever.retrieval_engine
         faiss_half = engine.cpu_half
-        engine.cpu_half = self.early_stop if mode is Mode.EARLY_STOP else faiss_half
+        engine.cpu_half = self.early_stop if mode in (Mode.EARLY_STOP, Mode.EARLY_STOP_SPECULATIVE) else faiss_half
         try:
             yield
         finally:
@@ -187,15 +192,22 @@ class ModeSetup:
             search.resize_cache(search.cache.capacity_bytes)  # empty
         counts = self.early_stop.counts
         probed, scanned = counts.probed, counts.scanned
+        first_token: list[float] = []
+
+        def on_event(event: RunEvent) -> None:
+            if isinstance(event, TokenEvent) and not first_token:
+                first_token.append(time.perf_counter())
+
         with self.cpu_half(mode), self.recorder.question():
             started = time.perf_counter()
-            result = await run_one(self.pipelines[mode][name], question, self.options(mode))
-            latency_ms = (time.perf_counter() - started) * 1e3
+            result = await self.pipelines[mode][name].run(question, self.options(mode), on_event)
+            ended = time.perf_counter()
+            latency_ms, ttft_ms = (ended - started) * 1e3, ((first_token or [ended])[0] - started) * 1e3
             probed, scanned = counts.probed - probed, counts.scanned - scanned
             exact = await self.recorder.exact_documents(result.documents, self.retriever.datastore.nlist, self.config.top_k)
         found = {d.id for d in exact}
         recall = sum(d.id in found for d in result.documents) / max(1, len(result.documents))
-        return Measured(latency_ms, result, recall, probed, scanned)
+        return Measured(latency_ms, ttft_ms, result, recall, probed, scanned)
 
 
 async def run_pipelining_bench(
@@ -227,6 +239,7 @@ def _p50(values: Sequence[float]) -> float:
 def summarise(pipeline: str, mode: Mode, records: list[Measured], sequential: list[Measured]) -> PipeliningRow:
     latency = [r.latency_ms for r in records]
     base_latency = statistics.fmean(r.latency_ms for r in sequential)
+    base_ttft = statistics.fmean(r.ttft_ms for r in sequential)
     base_share = statistics.fmean(r.result.timings.search_ms for r in sequential) / base_latency
     searches = [search for r in records for search in r.searches()]
     pipelined = [(ms, stats.pipelined) for ms, stats in searches if stats.pipelined is not None]
@@ -238,8 +251,10 @@ def summarise(pipeline: str, mode: Mode, records: list[Measured], sequential: li
         requests=len(records),
         latency_ms_p50=_p50(latency),
         latency_ms_p99=float(np.percentile(latency, 99)),
+        ttft_ms_p50=_p50([r.ttft_ms for r in records]),
         retrieval_ms_p50=_p50([r.result.timings.search_ms for r in records]),
         gain=base_latency / statistics.fmean(latency),
+        ttft_gain=base_ttft / statistics.fmean(r.ttft_ms for r in records),
         bound=1.0 / max(1e-9, 1.0 - base_share),
         same_documents=statistics.fmean(r.documents == b.documents for r, b in zip(records, sequential, strict=True)),
         same_answers=statistics.fmean(r.result.answer == b.result.answer for r, b in zip(records, sequential, strict=True)),
@@ -291,20 +306,23 @@ def format_table(report: PipeliningReport) -> str:
         f"LLM {report.llm}; datastore {info.passages} vectors, nlist {info.nlist}, nprobe {info.nprobe}, device {info.device}; "
         f"{config.requests} requests per row (one at a time, the modes taking turns), top-{config.top_k}, "
         f"{config.max_tokens} tokens",
-        f"{'pipeline':<12} {'mode':<11}{'req':>4}{'p50 ms':>9}{'p99 ms':>9}{'retr p50':>9}{'gain':>7}{'bound':>7}"
+        f"{'pipeline':<12} {'mode':<23}{'req':>4}{'p50 ms':>9}{'p99 ms':>9}{'ttft p50':>9}{'retr p50':>9}{'gain':>7}"
+        f"{'ttft gain':>10}{'bound':>7}"
         f"{'same docs':>10}{'same ans':>9}{'lists':>7}{'recall':>7}{'nprobe':>7}{'pipel.':>7}{'again':>7}{'search/gen':>11}"
         f"{'spec.':>7}{'re-pref.':>9}",
     ]
     for r in report.rows:
         ratio = "-" if r.search_over_generation_p50 is None else f"{r.search_over_generation_p50:.2f}"
         lines.append(
-            f"{r.pipeline:<12} {r.mode:<11}{r.requests:>4}{r.latency_ms_p50:>9.0f}{r.latency_ms_p99:>9.0f}"
-            f"{r.retrieval_ms_p50:>9.1f}{r.gain:>6.2f}x{r.bound:>6.2f}x{r.same_documents:>10.2f}{r.same_answers:>9.2f}"
+            f"{r.pipeline:<12} {r.mode:<23}{r.requests:>4}{r.latency_ms_p50:>9.0f}{r.latency_ms_p99:>9.0f}{r.ttft_ms_p50:>9.0f}"
+            f"{r.retrieval_ms_p50:>9.1f}{r.gain:>6.2f}x{r.ttft_gain:>9.2f}x{r.bound:>6.2f}x{r.same_documents:>10.2f}"
+            f"{r.same_answers:>9.2f}"
             f"{r.lists_scanned_fraction:>7.3f}{r.recall_at_k:>7.3f}{r.nprobe_p50:>7.0f}{r.pipelined:>7.2f}"
             f"{r.searched_again:>7.2f}{ratio:>11}{r.speculated:>7.2f}{r.reprefilled:>9.2f}"
         )
     lines.append(
-        "gain: the sequential row's mean latency over this row's; bound: 1 / (1 - retrieval's share of the sequential "
+        "gain: the sequential row's mean latency over this row's; ttft gain: the same of the time to the answer's first "
+        "token; bound: 1 / (1 - retrieval's share of the sequential "
         "row's latency); lists: scanned over probed; recall: against exhaustive search; pipel.: searches launched from a "
         "stale query; again: of those, searched again; search/gen: a pipelined search's time over the generation left "
         "at its launch (p50); spec.: searches whose next call was prefilled from their provisional top-k; re-pref.: of "

@@ -1,5 +1,6 @@
 """`telerag bench pipelining`: iterative pipelines' requests in the modes sequential, pipelined,
-early_stop, budgeted and speculative, side by side over the datastore scaled up (see `benchmarks.pipelining`)."""
+early_stop, budgeted, speculative and early_stop_speculative, side by side over the datastore
+scaled up (see `benchmarks.pipelining`)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ from telerag.config.settings import load_settings, packaged_config
 from telerag.pipelines.questions import read_questions
 from telerag.pipelines.registry import pipeline_names
 
-MODE_NAMES = ("sequential", "pipelined", "early_stop", "budgeted", "speculative")  # benchmarks.pipelining.Mode's, no torch
+# benchmarks.pipelining.Mode's, without torch
+MODE_NAMES = ("sequential", "pipelined", "early_stop", "budgeted", "speculative", "early_stop_speculative")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "pipelining", help="iterative pipelines: sequential, pipelined, exact early stop, nprobe auto, speculative prefill"
+        "pipelining",
+        help="iterative pipelines: sequential, pipelined, exact early stop, nprobe auto, speculative prefill, and both",
     )
     parser.add_argument("--pipelines", default="iter_retgen,flare", help="comma-separated names (default iter_retgen,flare)")
     parser.add_argument(
@@ -29,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         nargs="+",
         choices=MODE_NAMES,
         default=list(MODE_NAMES),
-        help="default all five; sequential is always run (the others are compared with it)",
+        help="default all; sequential is always run (the others are compared with it)",
     )
     parser.add_argument("--requests", type=int, default=8, help="measured requests per pipeline and mode")
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured requests per pipeline and mode first")

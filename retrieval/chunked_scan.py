@@ -4,11 +4,17 @@ and the provisional top-k (chunks at fixed shares, `retrieval.provisional`).
 
 The chunks of one query are disjoint, so merging their top-ks (`merge_shard_results`) gives the
 top-k over every list scanned: the full scan's when every list is, whatever the chunks were.
+
+A search that runs the loop better itself says so (`ScansInChunks`): lists read from disk keep
+their reads going from one chunk to the next (`retrieval.disk`), and early stop narrows the
+chunks a caller chooses to the lists its bound leaves (`retrieval.early_stop`), so a provisional
+top-k over an early-stopping search is one scan, not one per chunk.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -36,8 +42,30 @@ def in_centroid_order(lists: np.ndarray, list_scores: np.ndarray) -> tuple[np.nd
     )
 
 
-def _no_report(found: TopK, lists: int, more: bool) -> None:
+def reads_list_major(search: ListSearch) -> bool:
+    """Whether `search` reads each list once for its whole batch (from disk: `list_major`), so
+    that a list one query's chunk takes is best taken for every query that has it pending: one
+    read, where chunks per query would read it once in each."""
+    return bool(getattr(search, "list_major", False))
+
+
+def no_report(found: TopK, lists: int, more: bool) -> None:
     """A scan whose caller wants only its answer."""
+
+
+@runtime_checkable
+class ScansInChunks(Protocol):
+    """A `ListSearch` that runs `scan_in_chunks`'s loop itself, to the same contract."""
+
+    def scan_in_chunks(
+        self,
+        queries: np.ndarray,
+        k: int,
+        lists: np.ndarray,
+        list_scores: np.ndarray,
+        next_chunk: NextChunk,
+        on_chunk: ChunkDone,
+    ) -> tuple[TopK, int]: ...
 
 
 def scan_in_chunks(
@@ -47,11 +75,14 @@ def scan_in_chunks(
     lists: np.ndarray,
     list_scores: np.ndarray,
     next_chunk: NextChunk,
-    on_chunk: ChunkDone = _no_report,
+    on_chunk: ChunkDone = no_report,
 ) -> tuple[TopK, int]:
     """`inner.search_lists` over `lists` (in centroid order: `in_centroid_order`; -1 entries
     skipped) a chunk at a time as `next_chunk` chooses, each round one call for every query with
-    lists in its chunk. Returns the top-k over the lists scanned and how many were."""
+    lists in its chunk (or `inner`'s own loop, where it has one). Returns the top-k over the
+    lists scanned and how many were."""
+    if isinstance(inner, ScansInChunks):
+        return inner.scan_in_chunks(queries, k, lists, list_scores, next_chunk, on_chunk)
     queries = np.ascontiguousarray(queries, dtype=np.float32)
     n = len(lists)
     scores = np.full((n, k), FAISS_PAD_SCORE, dtype=np.float32)

@@ -37,6 +37,7 @@ ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and memory on the file 
 READ_BYTES = 4 << 20  # one read's most: large enough to stream at the disk's rate, small enough to spread over readers
 READERS = 8  # reads in flight at once (one thread each)
 SCAN_BYTES = 256 << 20  # a search's lists read and scanned at a time: what it holds at once beside the cache
+FIRST_SCAN_BYTES = 16 << 20  # a search's first part: its scan waits for it whole
 
 
 @dataclass(eq=False)
@@ -237,9 +238,11 @@ class FileRows:
 class DiskListSearch:
     """The CPU half of a cooperative search over a datastore on disk: the given lists of each
     query read from the file (`FileRows`) and scanned list-major, a list read once for every
-    query of the batch that probes it (`search.scan_resident`), `SCAN_BYTES` of lists at a time,
-    the next part read while one is scanned. Exact: the top-k of those lists, as faiss's
+    query of the batch that probes it (`search.scan_resident`), a part of the lists at a time
+    (`_batches`), the next part read while one is scanned. Exact: the top-k of those lists, as faiss's
     `search_preassigned` over them, answered as passage ids."""
+
+    list_major = True  # a list is read once a call for every query probing it (`chunked_scan.reads_list_major`)
 
     def __init__(self, datastore: Datastore, rows: FileRows) -> None:
         self.datastore, self.rows = datastore, rows
@@ -251,33 +254,43 @@ class DiskListSearch:
         self, queries: np.ndarray, k: int, lists: np.ndarray, list_scores: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         n = len(queries)
-        wanted = np.unique(lists[lists >= 0])
-        wanted = wanted[self.offsets[wanted + 1] > self.offsets[wanted]]
+        wanted = self._nonempty(np.unique(lists[lists >= 0]))
         q = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32))
         parts = [_empty_part(n, k)]
-        for buffer, resident, arrival in self._read_ahead(self._batches(wanted)):
-            arrival.wait()
-            held = set(resident)
-            probes = [[c for c in row.tolist() if c in held] for row in lists]
-            scores, rows = scan_resident(buffer, q, resident, probes, k, codec=self.codec, codec_params=self.codec_params)
-            parts.append((scores, rows if self.datastore.ids is None else _ids_of(self.datastore.ids, rows)))
+        for part in self._read_ahead(self._batches(wanted)):
+            part.arrival.wait()
+            probes = [[c for c in row.tolist() if c in part.resident] for row in lists]
+            parts.append(self._scan(part, q, probes, k))
         scores, ids = merge_topk(parts, k)
         return scores.numpy(), ids.numpy()
 
+    def _scan(self, part: _Part, q: torch.Tensor, probes: list[list[int]], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each query's top-k over the lists of `part` it probes (`probes`), as passage ids."""
+        scores, rows = scan_resident(part.buffer, q, part.resident, probes, k, codec=self.codec, codec_params=self.codec_params)
+        return scores, rows if self.datastore.ids is None else _ids_of(self.datastore.ids, rows)
+
+    def _nonempty(self, clusters: np.ndarray) -> np.ndarray:
+        return clusters[self.offsets[clusters + 1] > self.offsets[clusters]]
+
     def _batches(self, wanted: np.ndarray) -> list[list[int]]:
-        """`wanted` in file order, a part of at most `SCAN_BYTES` each (one list more, where one alone is larger)."""
+        """`wanted` in file order in parts: the first of at most `FIRST_SCAN_BYTES`, each next
+        at most twice the one before, up to `SCAN_BYTES` (one list more, where one alone is
+        larger). The first part is small so that the scan starts soon after the reads do: a
+        search split in chunks (early stop's, the provisional top-k's) waits that long at each."""
         batches: list[list[int]] = []
-        held = 0
+        held, limit = 0, FIRST_SCAN_BYTES
         for cluster in wanted.tolist():
             size = int(self.offsets[cluster + 1] - self.offsets[cluster]) * self.rows.row_bytes
-            if not batches or (held + size > SCAN_BYTES and batches[-1]):
+            if not batches or (held + size > limit and batches[-1]):
+                if batches:
+                    limit = min(2 * limit, SCAN_BYTES)
                 batches.append([])
                 held = 0
             batches[-1].append(cluster)
             held += size
         return batches
 
-    def _read_ahead(self, batches: list[list[int]]) -> Iterator[tuple[torch.Tensor, dict[int, list[Segment]], FileArrival]]:
+    def _read_ahead(self, batches: list[list[int]]) -> Iterator[_Part]:
         """Each part's read, handed over once the next part's is issued: it reads while this one is scanned."""
         ahead = None
         for batch in batches:
@@ -287,7 +300,7 @@ class DiskListSearch:
         if ahead is not None:
             yield ahead
 
-    def _read(self, clusters: list[int]) -> tuple[torch.Tensor, dict[int, list[Segment]], FileArrival]:
+    def _read(self, clusters: list[int]) -> _Part:
         """Read `clusters` into a buffer of their own, a run of adjacent lists in one range."""
         sizes = [int(self.offsets[c + 1] - self.offsets[c]) for c in clusters]
         buffer = torch.empty((sum(sizes), self.datastore.dim), dtype=self.rows.dtype)
@@ -302,7 +315,16 @@ class DiskListSearch:
             else:
                 runs.append((at, first, size))
             at += size
-        return buffer, resident, self.rows.read_rows(buffer.numpy(), runs)
+        return _Part(buffer, resident, self.rows.read_rows(buffer.numpy(), runs))
+
+
+@dataclass(frozen=True)
+class _Part:
+    """Lists read into a buffer of their own: where each lies in it, and the reads filling it."""
+
+    buffer: torch.Tensor
+    resident: dict[int, list[Segment]]
+    arrival: FileArrival
 
 
 def _empty_part(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from telerag.retrieval.chunked_scan import TopK, in_centroid_order, scan_in_chunks
+from telerag.retrieval.chunked_scan import ChunkDone, NextChunk, TopK, in_centroid_order, no_report, scan_in_chunks
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.errors import DatastoreMismatchError
@@ -179,7 +179,9 @@ class EarlyStopSearch:
     Each round (`retrieval.chunked_scan`) asks the inner search once for every query that still
     has lists to scan, so a batch stays one faiss call per round; the chunks double (`CHUNK_GROWTH`) from a quarter of
     the lists (`FIRST_CHUNK_SHARE`), and lists no round could rule out go at once
-    (`_next_chunk`), so a search takes two or three calls where faiss takes one."""
+    (`_next_chunk`), so a search takes two or three calls where faiss takes one. A caller that
+    chooses its own chunks (the provisional top-k's) has them narrowed to the lists still live
+    (`scan_in_chunks`)."""
 
     def __init__(self, inner: ListSearch, bounds: ListBounds, *, list_major: bool = False) -> None:
         """`list_major`: the inner search reads each list once for the whole batch (from disk), so
@@ -192,27 +194,62 @@ class EarlyStopSearch:
     def search_lists(
         self, queries: np.ndarray, k: int, lists: np.ndarray, list_scores: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
-        queries = np.ascontiguousarray(queries, dtype=np.float32)
         lists, list_scores = in_centroid_order(lists, list_scores)
         bound = self.bounds.of_queries(queries, lists)
         chunk = max(1, int(np.ceil(FIRST_CHUNK_SHARE * lists.shape[1])))
 
-        def next_chunk(pending: np.ndarray, found: TopK) -> np.ndarray:
+        def growing(pending: np.ndarray, found: TopK) -> np.ndarray:
             nonlocal chunk
+            scores, ids = found
+            take = self._next_chunk(pending, bound, scores[:, 0], ids[:, 0] >= 0, chunk)
+            chunk *= CHUNK_GROWTH
+            return take
+
+        found, _ = self._scan(queries, k, lists, list_scores, bound, growing, no_report)
+        return found
+
+    def scan_in_chunks(
+        self,
+        queries: np.ndarray,
+        k: int,
+        lists: np.ndarray,
+        list_scores: np.ndarray,
+        next_chunk: NextChunk,
+        on_chunk: ChunkDone,
+    ) -> tuple[TopK, int]:
+        """The chunks `next_chunk` chooses (`lists` in centroid order), less the lists the bound
+        has ruled out by then: to `next_chunk` those are no longer pending."""
+        return self._scan(queries, k, lists, list_scores, self.bounds.of_queries(queries, lists), next_chunk, on_chunk)
+
+    def _scan(
+        self,
+        queries: np.ndarray,
+        k: int,
+        lists: np.ndarray,
+        list_scores: np.ndarray,
+        bound: np.ndarray,
+        next_chunk: NextChunk,
+        on_chunk: ChunkDone,
+    ) -> tuple[TopK, int]:
+        """Through the inner search, chunk by chunk as `next_chunk` chooses among the lists the
+        bound has not ruled out; with `list_major`, a list taken for one query is taken for
+        every query that still has it live."""
+
+        def live_chunk(pending: np.ndarray, found: TopK) -> np.ndarray:
             scores, ids = found
             kth = np.where(ids[:, k - 1] >= 0, scores[:, k - 1], -np.inf)
             live = pending & (bound > kth[:, None])  # valid, not empty, not ruled out
-            take = self._next_chunk(live, bound, scores[:, 0], ids[:, 0] >= 0, chunk)
-            chunk *= CHUNK_GROWTH
+            take = next_chunk(live, found) & live
             if self.list_major:
                 take |= live & np.isin(lists, lists[take])
             return take
 
-        found, scanned = scan_in_chunks(self.inner, queries, k, lists, list_scores, next_chunk)
+        queries = np.ascontiguousarray(queries, dtype=np.float32)
+        found, scanned = scan_in_chunks(self.inner, queries, k, lists, list_scores, live_chunk, on_chunk)
         with self._lock:
             self.counts.probed += int((lists >= 0).sum())
             self.counts.scanned += scanned
-        return found
+        return found, scanned
 
     @staticmethod
     def _next_chunk(pending: np.ndarray, bound: np.ndarray, best: np.ndarray, found: np.ndarray, chunk: int) -> np.ndarray:

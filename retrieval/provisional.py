@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from telerag.retrieval.chunked_scan import TopK, in_centroid_order, scan_in_chunks
+from telerag.retrieval.chunked_scan import TopK, in_centroid_order, reads_list_major, scan_in_chunks
 from telerag.retrieval.ivf import CPUIndex, ListSearch
 from telerag.retrieval.shards import merge_shard_results
 
@@ -149,9 +149,16 @@ class ProvisionalSearch:
         width = max(1, int((lists >= 0).sum(axis=1).max(initial=0)))
         ends = iter(chunk_bounds(width)[1:])
         columns = np.arange(lists.shape[1])
+        list_major = reads_list_major(self.inner)
 
         def next_chunk(pending: np.ndarray, found: TopK) -> np.ndarray:
-            return pending & (columns < next(ends, 0))
+            """The pending lists up to the next bound that leaves any (a search that rules lists
+            out, early stop's, may have left none below one); read list-major, with every other
+            query's pending entries of the lists taken."""
+            for end in ends:
+                if (take := pending & (columns < end)).any():
+                    return take | (pending & np.isin(lists, lists[take])) if list_major else take
+            return pending & False
 
         call = self.tracker.new_call()
         found, _ = scan_in_chunks(

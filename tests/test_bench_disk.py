@@ -1,5 +1,5 @@
 """`telerag bench disk` on a small synthetic datastore: every way of searching it times answers as
-faiss in memory, early stop reads no more than a scan of every list, the lookahead reads part of
+faiss in memory, early stop and the top-k so far read no more than a scan of every list, the lookahead reads part of
 what a search needs before it begins, and `--json` ends with one JSON object."""
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ WAYS = [
     "ours, cold, reads on demand",
     "ours, cold, lookahead",
     "ours, warm, lookahead",
+    "ours, cold, top-k so far",
     "ours, cold, early stop",
+    "ours, cold, early stop, top-k so far",
     "ours, every list in memory",
 ]
 
@@ -31,9 +33,10 @@ def test_every_way_of_searching_is_exact_and_the_lookahead_reads_ahead(tmp_path)
     lookahead = [row for row in rows if "lookahead" in row["name"]]
     assert all(0.0 < row["masked"] <= 1.0 for row in lookahead)
     assert all(row["mb_read_per_search"] == 0.0 for row in rows if row["name"] == "ours, every list in memory")
-    early_stop = [row for row in rows if row["name"] == "ours, cold, early stop"]
     on_demand = [row for row in rows if row["name"] == "ours, cold, reads on demand"]
-    assert all(e["mb_read_per_search"] <= d["mb_read_per_search"] for e, d in zip(early_stop, on_demand, strict=True))
+    for name in ("ours, cold, early stop", "ours, cold, early stop, top-k so far", "ours, cold, top-k so far"):
+        rows_of = [row for row in rows if row["name"] == name]
+        assert all(r["mb_read_per_search"] <= d["mb_read_per_search"] for r, d in zip(rows_of, on_demand, strict=True))
     assert result["nprobe"] == 8 and result["host_cache_bytes"] == int(0.1 * 2**20)
 
 

@@ -19,8 +19,10 @@ ROW_KEYS = {
     "requests",
     "latency_ms_p50",
     "latency_ms_p99",
+    "ttft_ms_p50",
     "retrieval_ms_p50",
     "gain",
+    "ttft_gain",
     "bound",
     "same_documents",
     "same_answers",
@@ -47,6 +49,7 @@ def test_bench_pipelining_rows_in_every_mode(base_datastore, capsys):
     for row in rows:
         assert row.keys() >= ROW_KEYS and row["requests"] == 2
         assert row["latency_ms_p50"] <= row["latency_ms_p99"] and row["bound"] >= 1.0
+        assert 0 < row["ttft_ms_p50"] <= row["latency_ms_p99"] and row["ttft_gain"] > 0
         assert 0.0 <= row["recall_at_k"] <= 1.0 and 0.0 < row["lists_scanned_fraction"] <= 1.0
     by_mode = {(r["pipeline"], r["mode"]): r for r in rows}
     for pipeline in ("iter_retgen", "flare"):
@@ -55,9 +58,10 @@ def test_bench_pipelining_rows_in_every_mode(base_datastore, capsys):
         assert sequential["lists_scanned_fraction"] == 1.0
         assert early["same_documents"] == 1.0 and early["same_answers"] == 1.0  # exact: the same documents and answers
         assert early["pipelined"] == 0.0 and sequential["speculated"] == 0.0
-        speculative = by_mode[pipeline, "speculative"]
-        assert speculative["same_documents"] == 1.0 and speculative["same_answers"] == 1.0  # speed only
-        assert speculative["speculated"] > 0 and 0.0 <= speculative["reprefilled"] <= 1.0
+        for name in ("speculative", "early_stop_speculative"):
+            speculative = by_mode[pipeline, name]
+            assert speculative["same_documents"] == 1.0 and speculative["same_answers"] == 1.0  # speed only
+            assert speculative["speculated"] > 0 and 0.0 <= speculative["reprefilled"] <= 1.0
     retgen = by_mode["iter_retgen", "pipelined"]
     assert retgen["pipelined"] > 0 and retgen["search_over_generation_p50"] is not None  # rounds 2 and 3 launched early
     budgeted = by_mode["iter_retgen", "budgeted"]

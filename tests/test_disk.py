@@ -14,11 +14,12 @@ from telerag.documents.writer import DocumentText, DocumentWriter
 from telerag.retrieval import disk
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.disk import DiskListSearch, FileRows
+from telerag.retrieval.early_stop import EarlyStopSearch
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.errors import InvalidCall
 from telerag.retrieval.ivf import ListSearch, same_results
 from telerag.retrieval.live import opened
-from telerag.retrieval.provisional import MergeToHost, Provisional, ProvisionalWatch, SearchHalves, SearchWatch
+from telerag.retrieval.provisional import UNWATCHED, MergeToHost, Provisional, ProvisionalWatch, SearchHalves, SearchWatch
 from telerag.retrieval.snapshot import search_snapshot
 from tests.retrieval_helpers import assert_same_as_faiss, random_datastore, random_queries, topic_datastore
 
@@ -169,8 +170,6 @@ def test_a_datastore_on_disk_is_searched_on_the_cpu_by_its_own_reads(tmp_path):
 @pytest.mark.parametrize("share", [0.0, 0.3])
 def test_early_stop_from_disk_answers_as_faiss_and_never_reads_the_lists_it_rules_out(tmp_path, share):
     """Few dimensions, queries at stored vectors: the bound rules lists out, and those are not read."""
-    from telerag.retrieval.early_stop import EarlyStopSearch
-
     ds = random_datastore(tmp_path / "ds", n=20000, dim=4, nlist=NLIST)
     queries = np.array(ds.vectors[:: ds.n_vectors // 6][:6])  # a high k-th score early
     read = {}
@@ -240,6 +239,42 @@ def test_a_search_from_disk_reports_its_top_k_so_far_and_answers_as_faiss(tmp_pa
             assert np.all(report.scores[valid] <= result.scores[valid] + 1e-6)
         if handle is not None:
             handle.release()
+    finally:
+        engine.close()
+
+
+def test_a_batch_reporting_its_top_k_so_far_reads_each_list_once(tmp_path):
+    """The top-k so far over a batch from disk: a list one query's chunk takes is scanned then
+    for every query probing it, so the batch reads what it reads unwatched, and answers as faiss."""
+    ds = random_datastore(tmp_path / "ds", n=4000, dim=8, nlist=NLIST)
+    engine = RetrievalEngine(ds, on_disk=True)
+    rows: FileRows = engine.rows  # type: ignore[assignment]
+    try:
+        queries = random_queries(8, ds.dim, seed=3)
+        read = []
+        for watch in (UNWATCHED, ProvisionalWatch(lambda report: None)):
+            before = rows.bytes_read_for_scans
+            assert_same_as_faiss(engine, queries, 10, 12, watch=watch)
+            read.append(rows.bytes_read_for_scans - before)
+        assert read[0] == read[1] > 0
+    finally:
+        engine.close()
+
+
+def test_early_stop_reporting_its_top_k_so_far_rules_lists_out_and_answers_as_faiss(tmp_path):
+    """Both from disk: the top-k so far is reported over the lists early stop leaves, the lists
+    it rules out are never read, and the answer is faiss's."""
+    ds = random_datastore(tmp_path / "ds", n=20000, dim=4, nlist=NLIST)
+    queries = np.array(ds.vectors[:: ds.n_vectors // 6][:6])  # a high k-th score early
+    engine = RetrievalEngine(ds, on_disk=True, early_stop=True)
+    rows: FileRows = engine.rows  # type: ignore[assignment]
+    try:
+        reports: list[Provisional] = []
+        assert_same_as_faiss(engine, queries, 5, NLIST, watch=ProvisionalWatch(reports.append))
+        stopping: EarlyStopSearch = engine.cpu_half  # type: ignore[assignment]
+        assert stopping.counts.scanned < stopping.counts.probed
+        assert rows.bytes_read_for_scans < ds.vectors.nbytes  # every query probes every list
+        assert reports and all(0 < report.lists_share < 1 for report in reports)
     finally:
         engine.close()
 
