@@ -323,16 +323,17 @@ def drop_page_cache() -> bool:
 
 def format_table(result: dict[str, Any]) -> str:
     head = key_value_table({key: value for key, value in result.items() if key != "rows"}, float_format=".1f")
+    width = max(len("way of searching"), *(len(row["name"]) for row in result["rows"]))
     lines = [
         head,
         "",
-        f"{'way of searching':<30} {'batch':>5} {'p50 ms':>9} {'mean ms':>9} {'MB read':>9} {'masked':>7} {'same':>5}",
+        f"{'way of searching':<{width}} {'batch':>5} {'p50 ms':>9} {'mean ms':>9} {'MB read':>9} {'masked':>7} {'same':>5}",
     ]
     for row in result["rows"]:
         masked = "" if row["masked"] is None else f"{row['masked']:.2f}"
         mb = "" if row["mb_read_per_search"] != row["mb_read_per_search"] else f"{row['mb_read_per_search']:.1f}"
         lines.append(
-            f"{row['name']:<30} {row['batch']:>5} {row['search_ms_p50']:>9.1f} {row['search_ms_mean']:>9.1f} {mb:>9} {masked:>7}"
-            f" {row['identical']:>5.2f}"
+            f"{row['name']:<{width}} {row['batch']:>5} {row['search_ms_p50']:>9.1f} {row['search_ms_mean']:>9.1f} {mb:>9}"
+            f" {masked:>7} {row['identical']:>5.2f}"
         )
     return "\n".join(lines)
