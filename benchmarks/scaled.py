@@ -234,8 +234,10 @@ class ScaledRows:
                 self._make_window(start)
                 first, end = self._window
             take = min(stop, end)
-            part = self._codes[start - first : take - first]
-            parts.append(part if take == stop else part.copy())  # a copy: this window's memory is freed for the next
+            if take == stop:
+                parts.append(self._codes[start - first : take - first])
+            else:  # a copy, and no name left on the view: this window's memory is freed before the next is made
+                parts.append(self._codes[start - first : take - first].copy())
             start = take
         return np.concatenate(parts) if len(parts) != 1 else parts[0]
 
