@@ -64,3 +64,29 @@ def test_the_cli_writes_a_datastore_searched_from_disk_as_faiss(base_datastore, 
         scaled.close()
     assert main(args) == 1  # refused before any work: the datastore written stays
     assert "already holds a datastore" in capsys.readouterr().err and Datastore.load(out).n_vectors == n
+
+
+def test_a_read_crossing_into_the_next_window_holds_only_that_one():
+    """While the next window is made, nothing is left of the last one (at fp32 the window is the
+    codes themselves), even when a read spans both: memory holds one window, not two."""
+    import weakref
+
+    import torch
+
+    from telerag.benchmarks.scaled import Replicas, ScaledRows
+
+    replicas = Replicas(np.eye(4, dtype=np.float32), 40, 0.1, 0, torch.device("cpu"))
+    rows = ScaledRows(replicas, torch.arange(40), Codec.FP32, None, window_rows=16)
+    last: list[weakref.ref] = []
+    alive: list[bool] = []
+    make_block = replicas.block
+
+    def block(index: int) -> torch.Tensor:  # called while a window is made
+        alive.extend(ref() is not None for ref in last)
+        return make_block(index)
+
+    replicas.block = block  # type: ignore[method-assign]
+    for start, stop in ((0, 10), (10, 30), (30, 40)):  # the second read crosses from the first window into the next
+        assert rows[start:stop].shape == (stop - start, 4)
+        last[:] = [weakref.ref(rows._codes)]
+    assert rows.windows_made == 3 and alive and not any(alive)
