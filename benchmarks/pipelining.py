@@ -147,7 +147,7 @@ class ModeSetup:
             ),
         )
         search = retriever.retrieval_engine  # its CPU half as it scans: faiss in memory, or the lists read from disk
-        self.early_stop = EarlyStopSearch(search.cpu_half, ListBounds.of(retriever.datastore), list_major=search.on_disk)
+        self.early_stop = EarlyStopSearch(search.cpu_half, ListBounds.of(retriever.datastore))
         unchecked = dataclasses.replace(pipelining_config(settings.experiments), check=False)
         floor, nlist = settings.retrieval.nprobe_floor, retriever.datastore.nlist
         self.pipelines: dict[Mode, dict[str, RagPipeline]] = {

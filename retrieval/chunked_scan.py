@@ -5,10 +5,9 @@ and the provisional top-k (chunks at fixed shares, `retrieval.provisional`).
 The chunks of one query are disjoint, so merging their top-ks (`merge_shard_results`) gives the
 top-k over every list scanned: the full scan's when every list is, whatever the chunks were.
 
-A search that runs the loop better itself says so (`ScansInChunks`): lists read from disk keep
-their reads going from one chunk to the next (`retrieval.disk`), and early stop narrows the
-chunks a caller chooses to the lists its bound leaves (`retrieval.early_stop`), so a provisional
-top-k over an early-stopping search is one scan, not one per chunk.
+A search that runs the loop itself says so (`ScansInChunks`): early stop narrows the chunks a
+caller chooses to the lists its bound leaves (`retrieval.early_stop`), so a provisional top-k
+over an early-stopping search is one scan, not one per chunk.
 """
 
 from __future__ import annotations

@@ -26,7 +26,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from telerag.retrieval.chunked_scan import ChunkDone, NextChunk, TopK, in_centroid_order, no_report, scan_in_chunks
+from telerag.retrieval.chunked_scan import (
+    ChunkDone,
+    NextChunk,
+    TopK,
+    in_centroid_order,
+    no_report,
+    reads_list_major,
+    scan_in_chunks,
+)
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.errors import DatastoreMismatchError
@@ -183,11 +191,12 @@ class EarlyStopSearch:
     chooses its own chunks (the provisional top-k's) has them narrowed to the lists still live
     (`scan_in_chunks`)."""
 
-    def __init__(self, inner: ListSearch, bounds: ListBounds, *, list_major: bool = False) -> None:
+    def __init__(self, inner: ListSearch, bounds: ListBounds, *, list_major: bool | None = None) -> None:
         """`list_major`: the inner search reads each list once for the whole batch (from disk), so
         a list one query's round takes is scanned in that round for every query that has it left:
-        no list is read in two rounds."""
-        self.inner, self.bounds, self.list_major = inner, bounds, list_major
+        no list is read in two rounds (default: as the inner search says, `reads_list_major`)."""
+        self.inner, self.bounds = inner, bounds
+        self.list_major = reads_list_major(inner) if list_major is None else list_major
         self.counts = ScanCounts()
         self._lock = threading.Lock()
 
@@ -203,6 +212,8 @@ class EarlyStopSearch:
             scores, ids = found
             take = self._next_chunk(pending, bound, scores[:, 0], ids[:, 0] >= 0, chunk)
             chunk *= CHUNK_GROWTH
+            if self.list_major:
+                take |= pending & np.isin(lists, lists[take])
             return take
 
         found, _ = self._scan(queries, k, lists, list_scores, bound, growing, no_report)
@@ -232,17 +243,14 @@ class EarlyStopSearch:
         on_chunk: ChunkDone,
     ) -> tuple[TopK, int]:
         """Through the inner search, chunk by chunk as `next_chunk` chooses among the lists the
-        bound has not ruled out; with `list_major`, a list taken for one query is taken for
-        every query that still has it live."""
+        bound has not ruled out (a chooser reading list-major takes a list for every query
+        that still has it live)."""
 
         def live_chunk(pending: np.ndarray, found: TopK) -> np.ndarray:
             scores, ids = found
             kth = np.where(ids[:, k - 1] >= 0, scores[:, k - 1], -np.inf)
             live = pending & (bound > kth[:, None])  # valid, not empty, not ruled out
-            take = next_chunk(live, found) & live
-            if self.list_major:
-                take |= live & np.isin(lists, lists[take])
-            return take
+            return next_chunk(live, found) & live
 
         queries = np.ascontiguousarray(queries, dtype=np.float32)
         found, scanned = scan_in_chunks(self.inner, queries, k, lists, list_scores, live_chunk, on_chunk)

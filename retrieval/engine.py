@@ -135,7 +135,7 @@ class RetrievalEngine:
             self.rows = FileRows(datastore)  # faiss's lists still view the memory map, which nothing scans now
             self.cpu_half = DiskListSearch(datastore, self.rows)
         if early_stop and cpu_half is None:  # from disk, the lists it rules out are never read
-            self.cpu_half = EarlyStopSearch(self.cpu_half, ListBounds.of(datastore), list_major=on_disk)
+            self.cpu_half = EarlyStopSearch(self.cpu_half, ListBounds.of(datastore))
         with self.on_stream():  # the device tensors searches read belong to the search stream
             self.cache = self._cache_on(cache_buffer, cache_bytes)
             self.centroids = torch.from_numpy(np.ascontiguousarray(datastore.centroids)).to(self.device)

@@ -158,7 +158,7 @@ class ProvisionalSearch:
             for end in ends:
                 if (take := pending & (columns < end)).any():
                     return take | (pending & np.isin(lists, lists[take])) if list_major else take
-            return pending & False
+            return np.zeros_like(pending)
 
         call = self.tracker.new_call()
         found, _ = scan_in_chunks(
