@@ -36,8 +36,8 @@ from tqdm.auto import tqdm
 from telerag.benchmarks.report import key_value_table
 from telerag.benchmarks.retrieval import BenchConfig, query_pairs, synthetic_datastore
 from telerag.retrieval.datastore import Datastore
-from telerag.retrieval.disk import FileRows
 from telerag.retrieval.engine import RetrievalEngine
+from telerag.retrieval.file_reads import FileRows
 from telerag.retrieval.ivf import CPUIndex, same_results
 from telerag.retrieval.provisional import UNWATCHED, Provisional, ProvisionalWatch
 

@@ -14,7 +14,7 @@ where a run would otherwise arrive in pieces over the holes they left, one of th
 rows, with the free rows beside them, hold it whole.
 Where a cache's rows come from is its `RowSource`: a host tensor (`TensorRows`: the datastore's
 memory map, or its pinned copy on CUDA) or, for a datastore larger than memory, its file on disk
-(`retrieval.disk.FileRows`). Each acquisition's copies are one `Arrival`, and a search waits only
+(`retrieval.file_reads.FileRows`). Each acquisition's copies are one `Arrival`, and a search waits only
 on the arrivals of the clusters it reads. On CUDA copies run on a dedicated copy stream; the
 stream is one queue shared by every request: the cache tracks what is issued and has not landed,
 so a new prefetch's budget can subtract what queues ahead of it and a search can tell how long a

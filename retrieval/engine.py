@@ -32,9 +32,10 @@ from telerag.retrieval.cache import CacheBuffer, ClusterCache, RowSource, Tensor
 from telerag.retrieval.cooperative import CooperativeSearch, QueryStats, SearchResources
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.demand import DemandCopyPolicy
-from telerag.retrieval.disk import DiskListSearch, FileRows
+from telerag.retrieval.disk import DiskListSearch
 from telerag.retrieval.early_stop import EarlyStopSearch, ListBounds
 from telerag.retrieval.errors import DeviceMemoryError, DeviceUnavailable, InvalidCall
+from telerag.retrieval.file_reads import FileRows
 from telerag.retrieval.ivf import CPUIndex, ListSearch
 from telerag.retrieval.prefetch import PrefetchHandle, PrefetchPlan, plan_prefetch
 from telerag.retrieval.provisional import UNWATCHED, SearchWatch

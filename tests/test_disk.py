@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 
 from telerag.documents.writer import DocumentText, DocumentWriter
-from telerag.retrieval import disk
+from telerag.retrieval import file_reads
 from telerag.retrieval.codecs import Codec
-from telerag.retrieval.disk import DiskListSearch, FileRows
+from telerag.retrieval.disk import DiskListSearch
 from telerag.retrieval.early_stop import EarlyStopSearch
 from telerag.retrieval.engine import RetrievalEngine
 from telerag.retrieval.errors import InvalidCall
+from telerag.retrieval.file_reads import FileRows
 from telerag.retrieval.ivf import ListSearch, same_results
 from telerag.retrieval.live import opened
 from telerag.retrieval.provisional import UNWATCHED, MergeToHost, Provisional, ProvisionalWatch, SearchHalves, SearchWatch
@@ -145,7 +146,7 @@ def test_the_lists_no_cache_holds_are_read_once_for_the_whole_batch(tmp_path):
 
 @pytest.mark.parametrize("direct", [True, False])
 def test_reads_bypass_the_page_cache_or_drop_what_they_read(tmp_path, monkeypatch, direct):
-    monkeypatch.setattr(disk, "READ_BYTES", 5000)  # a run of rows in several reads, each at an unaligned offset
+    monkeypatch.setattr(file_reads, "READ_BYTES", 5000)  # a run of rows in several reads, each at an unaligned offset
     ds = random_datastore(tmp_path / "ds", n=2000, nlist=NLIST)
     rows = FileRows(ds, direct=direct)
     try:
@@ -371,7 +372,7 @@ def test_a_searchs_reads_go_before_the_prefetch_reads_still_queued():
     """One reader busy, a prefetch's reads queued: a search's read, queued after them, runs first."""
     import threading
 
-    from telerag.retrieval.disk import ReadPool
+    from telerag.retrieval.file_reads import ReadPool
 
     pool, order, busy = ReadPool(1), [], threading.Event()
     first = pool.submit(ReadPool.AHEAD, lambda: busy.wait(5))
@@ -414,7 +415,7 @@ def test_a_prefetch_read_a_search_waits_on_goes_before_the_rest_and_runs_once():
     it is hastened past the others, after the search's own reads already queued, and read once."""
     import threading
 
-    from telerag.retrieval.disk import FileArrival, ReadPool
+    from telerag.retrieval.file_reads import FileArrival, ReadPool
 
     pool, order, busy = ReadPool(1), [], threading.Event()
     first = pool.submit(ReadPool.AHEAD, lambda: busy.wait(5))

@@ -1,0 +1,83 @@
+"""A search's reads from disk land in place (`FileRows.lay_out`, `read_laid_out`: O_DIRECT straight
+into the buffer, its runs laid out to the file's alignment) into buffers used again search after
+search (`BufferPool`): the rows are the file's for every row size, and a search's buffers are the
+last search's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from telerag.retrieval.buffer_pool import BufferPool
+from telerag.retrieval.codecs import Codec
+from telerag.retrieval.disk import KEPT_BUFFERS, DiskListSearch
+from telerag.retrieval.engine import RetrievalEngine
+from telerag.retrieval.file_reads import ALIGN, FileRows
+from telerag.retrieval.ivf import same_results
+from tests.retrieval_helpers import random_datastore, random_queries
+from tests.test_disk import ds_probe
+
+# runs (first row of the file, rows): the file's first row, runs a row apart, one row, the last rows
+RUNS = [(0, 5), (6, 40), (47, 1), (300, 333), (1500, 500)]
+
+
+@pytest.mark.parametrize(
+    ("dim", "codec", "direct"),
+    [(16, Codec.FP32, True), (384, Codec.FP32, True), (24, Codec.FP16, True), (40, Codec.SQ8, True), (385, Codec.FP32, False)],
+)
+def test_runs_read_in_place_are_the_files_rows(tmp_path, dim, codec, direct):
+    """Every run's rows as the file holds them, read straight into an aligned buffer where the row
+    size lets a run meet the file's alignment within `DIRECT_PERIOD_BYTES` (385 floats do not:
+    those runs lie end to end and are copied); the slack read on either side of a run lands in
+    room of its own, never on another run's rows; only the runs' bytes are counted."""
+    ds = random_datastore(tmp_path / "ds", n=2000, dim=dim, nlist=8, codec=codec)
+    rows = FileRows(ds)
+    try:
+        layout = rows.lay_out(RUNS)
+        assert layout.direct == direct
+        storage = BufferPool(1 << 20, 1, align=ALIGN).take(layout.nbytes).numpy()
+        storage[:] = 0xAB  # whatever the last search left
+        view, arrival = rows.read_laid_out(storage, layout, RUNS)
+        arrival.wait()
+        for at, (first, n) in zip(layout.at, RUNS, strict=True):
+            np.testing.assert_array_equal(view[at : at + n], ds.vectors[first : first + n])
+        assert rows.bytes_read == sum(n for _, n in RUNS) * rows.row_bytes
+    finally:
+        rows.close()
+
+
+def test_a_search_reads_into_the_buffers_the_last_one_gave_back(tmp_path):
+    """Searches one after another take no new buffer (memory fresh from the kernel costs more to
+    touch than to read into), the pool keeps no more than a search holds at once, and the answers
+    are faiss's."""
+    ds = random_datastore(tmp_path / "ds", n=3000, nlist=24)
+    rows = FileRows(ds)
+    search = DiskListSearch(ds, rows)
+    taken: list[int] = []
+    take = search.buffers.take
+    search.buffers.take = lambda nbytes: taken.append((buffer := take(nbytes)).data_ptr()) or buffer  # type: ignore[method-assign]
+    try:
+        queries = random_queries(4, ds.dim, seed=3)
+        list_scores, lists = ds_probe(ds, queries, 12)
+        reference = RetrievalEngine(ds)
+        ref_scores, ref_ids = reference.index.search_lists(queries, 10, lists, list_scores)
+        reference.close()
+        for _ in range(3):
+            scores, ids = search.search_lists(queries, 10, lists, list_scores)
+            for i in range(len(queries)):
+                assert same_results(ids[i], scores[i], ref_ids[i], ref_scores[i])
+        assert len(taken) > len(set(taken))  # buffers used again
+        assert len(set(taken)) <= KEPT_BUFFERS
+        assert search.buffers.idle_bytes <= KEPT_BUFFERS * search.buffers.buffer_bytes
+    finally:
+        rows.close()
+
+
+def test_a_pool_keeps_at_most_its_number_and_never_a_larger_buffer():
+    pool = BufferPool(4096, 1, align=ALIGN)
+    first, second, large = pool.take(100), pool.take(4096), pool.take(5000)
+    assert all(buffer.data_ptr() % ALIGN == 0 for buffer in (first, second, large))
+    for buffer in (first, second, large):
+        pool.give(buffer)
+    assert pool.idle_bytes == 4096
+    assert pool.take(10).data_ptr() == first.data_ptr()
