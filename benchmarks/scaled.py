@@ -77,22 +77,48 @@ class Replicas:
         return slice(block * REPLICA_BLOCK, min(self.n_vectors, (block + 1) * REPLICA_BLOCK))
 
     def block(self, block: int) -> torch.Tensor:
-        """float32 (rows, dim) on the device: the rows of `block`."""
+        """float32 (rows, dim) on the device: the rows of `block`, in memory of their own."""
+        return self._make(block, *self._buffers())
+
+    def in_turn(self) -> Iterator[tuple[slice, torch.Tensor]]:
+        """Every block in order, as (its rows, its vectors), each made in the memory of the one
+        before: a block is the caller's only until it asks for the next. A pass over them all
+        touches no fresh memory (which costs more to fault in here than a block costs to make)."""
+        buffers = self._buffers()
+        for block in range(self.n_blocks):
+            yield self.rows(block), self._make(block, *buffers)
+
+    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block's rows and its noise's."""
+        shape = (min(REPLICA_BLOCK, self.n_vectors), self.dim)
+        return torch.empty(shape, device=self.device), torch.empty(shape, device=self.device)
+
+    def _make(self, block: int, out: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """The rows of `block` made in `out` (`noise`: scratch of as many rows)."""
         rows = self.rows(block)
-        out = self.base[torch.arange(rows.start, rows.stop, device=self.device) % self.n_base]
+        out = out[: rows.stop - rows.start]
+        torch.index_select(self.base, 0, torch.arange(rows.start, rows.stop, device=self.device) % self.n_base, out=out)
         first = max(0, self.n_base - rows.start)  # rows before it are the base's own
         if first < len(out):
             seed = int(np.random.SeedSequence([self.seed, block]).generate_state(1)[0])
             generator = torch.Generator(self.device).manual_seed(seed)
-            noise = torch.randn((len(out) - first, self.dim), generator=generator, device=self.device)
-            replicas = out[first:] + (self.noise / self.dim**0.5) * noise
-            out[first:] = replicas / replicas.norm(dim=1, keepdim=True)
+            replicas = noise[: len(out) - first]
+            torch.randn(replicas.shape, generator=generator, device=self.device, out=replicas)
+            replicas.mul_(self.noise / self.dim**0.5).add_(out[first:])
+            torch.div(replicas, replicas.norm(dim=1, keepdim=True), out=out[first:])
         return out
 
 
-def nearest_centroid(vectors: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """Each vector's nearest centroid by inner product (int64, on the vectors' device)."""
-    return torch.cat([(part @ centroids.T).argmax(dim=1) for part in vectors.split(SCORE_ROWS)])
+def nearest_centroid(vectors: torch.Tensor, centroids: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
+    """Each vector's nearest centroid by inner product (int64, on the vectors' device); `scores`:
+    (`SCORE_ROWS`, centroids) float32 to score in, kept by a caller that asks again."""
+    if scores is None:
+        scores = score_buffer(centroids)
+    return torch.cat([torch.mm(part, centroids.T, out=scores[: len(part)]).argmax(dim=1) for part in vectors.split(SCORE_ROWS)])
+
+
+def score_buffer(centroids: torch.Tensor) -> torch.Tensor:
+    return torch.empty((SCORE_ROWS, len(centroids)), dtype=torch.float32, device=centroids.device)
 
 
 def spherical_kmeans(points: torch.Tensor, k: int, *, seed: int, progress: bool = False) -> torch.Tensor:
@@ -102,8 +128,9 @@ def spherical_kmeans(points: torch.Tensor, k: int, *, seed: int, progress: bool 
     training takes minutes."""
     generator = torch.Generator(points.device).manual_seed(seed)
     centroids = points[torch.randperm(len(points), generator=generator, device=points.device)[:k]].clone()
+    scores = score_buffer(centroids)
     for _ in ProgressBar(range(KMEANS_ITERATIONS), desc="train IVF lists", unit="step", disable=not progress):
-        assigned = nearest_centroid(points, centroids)
+        assigned = nearest_centroid(points, centroids, scores)
         sums = torch.zeros_like(centroids).index_add_(0, assigned, points)
         empty = torch.bincount(assigned, minlength=k) == 0
         if empty.any():
@@ -160,8 +187,10 @@ def _lay_out(replicas: Replicas, nlist: int, seed: int, progress: bool) -> Scale
     centroids = spherical_kmeans(sample, nlist, seed=seed, progress=progress)
     del sample
     lists = np.empty(n, dtype=np.int64)
-    for block in ProgressBar(range(replicas.n_blocks), desc="assign lists", unit="block", disable=not progress):
-        lists[replicas.rows(block)] = nearest_centroid(replicas.block(block), centroids).cpu().numpy()
+    scores = score_buffer(centroids)
+    every = ProgressBar(replicas.in_turn(), total=replicas.n_blocks, desc="assign lists", unit="block", disable=not progress)
+    for rows, block in every:
+        lists[rows] = nearest_centroid(block, centroids, scores).cpu().numpy()
     layout = lay_out_clusters(centroids.cpu().numpy(), lists)
     del lists
     positions = torch.empty(n, dtype=torch.int64)
@@ -192,8 +221,9 @@ def scaled_datastore(
     replicas = Replicas(base.vectors, n, scale.noise, scale.seed, device)
     layout = _lay_out(replicas, nlist, scale.seed, progress)
     vectors = torch.empty((n, base.dim), dtype=torch.float32, pin_memory=device.type == "cuda")
-    for block in ProgressBar(range(replicas.n_blocks), desc="lay out vectors", unit="block", disable=not progress):
-        vectors.index_copy_(0, layout.positions[replicas.rows(block)], replicas.block(block).cpu())
+    every = ProgressBar(replicas.in_turn(), total=replicas.n_blocks, desc="lay out vectors", unit="block", disable=not progress)
+    for rows, block in every:
+        vectors.index_copy_(0, layout.positions[rows], block.cpu())
     with ProgressBar[None](total=n, desc="list statistics", unit="row", disable=not progress) as bar:
         list_stats = ListStats.of(layout.centroids, layout.offsets, vectors.numpy(), Codec.FP32, None, on_block=bar.update)
     source = f"{base.manifest.source or base.where}, scaled to {n} vectors (noise {scale.noise:g}) in memory"
@@ -245,11 +275,11 @@ class ScaledRows:
         end = min(self.shape[0], first + self.window_rows)
         self._codes = np.empty(0, dtype=self.dtype)  # the last window's memory freed before the next is made
         floats = torch.empty((end - first, self.shape[1]), dtype=torch.float32)
-        for block in range(self.replicas.n_blocks):
-            places = self.positions[self.replicas.rows(block)]
+        for rows, block in self.replicas.in_turn():
+            places = self.positions[rows]
             inside = (places >= first) & (places < end)
             if inside.any():
-                floats[places[inside] - first] = self.replicas.block(block).cpu()[inside]
+                floats[places[inside] - first] = block.cpu()[inside]
         self._codes = self.codec.to_codes(floats.numpy(), self.params)
         self._window = (first, end)
         self.windows_made += 1

@@ -5,6 +5,7 @@ checksums, and is searched from disk exactly as faiss searches it."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -79,13 +80,14 @@ def test_a_read_crossing_into_the_next_window_holds_only_that_one():
     rows = ScaledRows(replicas, torch.arange(40), Codec.FP32, None, window_rows=16)
     last: list[weakref.ref] = []
     alive: list[bool] = []
-    make_block = replicas.block
+    make_blocks = replicas.in_turn
 
-    def block(index: int) -> torch.Tensor:  # called while a window is made
-        alive.extend(ref() is not None for ref in last)
-        return make_block(index)
+    def in_turn() -> Iterator[tuple[slice, torch.Tensor]]:  # passed over while a window is made
+        for made in make_blocks():
+            alive.extend(ref() is not None for ref in last)
+            yield made
 
-    replicas.block = block  # type: ignore[method-assign]
+    replicas.in_turn = in_turn  # type: ignore[method-assign]
     for start, stop in ((0, 10), (10, 30), (30, 40)):  # the second read crosses from the first window into the next
         assert rows[start:stop].shape == (stop - start, 4)
         last[:] = [weakref.ref(rows._codes)]
