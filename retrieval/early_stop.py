@@ -40,7 +40,7 @@ from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.errors import DatastoreMismatchError
 from telerag.retrieval.ivf import ListSearch
 
-STATS_BLOCK_ROWS = 8192  # rows decoded at once in float64 while list statistics are computed
+STATS_BLOCK_BYTES = 16 << 20  # float64 rows decoded at once for the list statistics: what the allocator keeps, not fresh memory
 FIRST_CHUNK_SHARE = 0.25  # of a query's lists, scanned before the first test of the bound
 CHUNK_GROWTH = 2  # each later chunk this many times the one before
 # float32's unit roundoff: a computed dot product of d terms strays from the exact one by at
@@ -80,8 +80,9 @@ class ListStats:
 
     def add(self, start: int, codes: np.ndarray) -> None:
         """Rows `start`, `start` + 1, ... of the datastore, as its codec's codes."""
-        for first in range(0, len(codes), STATS_BLOCK_ROWS):
-            block = self.codec.decode_exact(codes[first : first + STATS_BLOCK_ROWS], self.params)
+        step = max(1, STATS_BLOCK_BYTES // (8 * self.centroids.shape[1]))
+        for first in range(0, len(codes), step):
+            block = self.codec.decode_exact(codes[first : first + step], self.params)
             rows = np.arange(start + first, start + first + len(block))
             owner = np.searchsorted(self.offsets, rows, side="right") - 1
             np.maximum.at(self.radius2, owner, ((block - self.centroids[owner]) ** 2).sum(axis=1))
