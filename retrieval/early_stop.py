@@ -40,7 +40,8 @@ from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.errors import DatastoreMismatchError
 from telerag.retrieval.ivf import ListSearch
 
-STATS_BLOCK_BYTES = 16 << 20  # float64 rows decoded at once for the list statistics: what the allocator keeps, not fresh memory
+STATS_BLOCK_ROWS = 8192  # rows decoded at once in float64 while list statistics are computed, at most
+STATS_BLOCK_BYTES = 16 << 20  # and at most this many bytes of them: what the allocator keeps, not fresh memory each block
 FIRST_CHUNK_SHARE = 0.25  # of a query's lists, scanned before the first test of the bound
 CHUNK_GROWTH = 2  # each later chunk this many times the one before
 # float32's unit roundoff: a computed dot product of d terms strays from the exact one by at
@@ -80,7 +81,7 @@ class ListStats:
 
     def add(self, start: int, codes: np.ndarray) -> None:
         """Rows `start`, `start` + 1, ... of the datastore, as its codec's codes."""
-        step = max(1, STATS_BLOCK_BYTES // (8 * self.centroids.shape[1]))
+        step = max(1, min(STATS_BLOCK_ROWS, STATS_BLOCK_BYTES // (8 * self.centroids.shape[1])))
         for first in range(0, len(codes), step):
             block = self.codec.decode_exact(codes[first : first + step], self.params)
             rows = np.arange(start + first, start + first + len(block))
