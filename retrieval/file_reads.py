@@ -260,27 +260,29 @@ class FileRows:
             lo = begin - begin % ALIGN
             hi = -(-(begin + length) // ALIGN) * ALIGN
             scratch = self._scratch_of(hi - lo)
-            got = _read_fully(self.fd, memoryview(scratch)[: hi - lo], lo)
-            if got < begin + length - lo:
-                raise DatastoreCorruptError(f"{self.path}: short read at byte {begin} (truncated?)")
+            self._read_at_least(memoryview(scratch)[: hi - lo], lo, begin + length - lo)
             dest[:] = np.frombuffer(scratch, dtype=np.uint8, count=length, offset=begin - lo)
         else:
-            if _read_fully(self.fd, memoryview(dest.data), begin) < length:
-                raise DatastoreCorruptError(f"{self.path}: short read at byte {begin} (truncated?)")
+            self._read_at_least(memoryview(dest.data), begin, length)
             os.posix_fadvise(self.fd, begin, length, os.POSIX_FADV_DONTNEED)
-        with self._count:
-            self.bytes_read += length
-            self.bytes_read_for_scans += length if scan else 0
+        self._counted(length, scan=scan)
 
     def _read_direct(self, storage: np.ndarray, into: int, lo: int, hi: int, begin: int) -> None:
         """O_DIRECT read of the file's bytes [`lo`, `hi`) widened to `ALIGN` (`lo` aligned) straight
         into `storage` from byte `into`; counts the bytes from `begin` on (a run's rows)."""
         end = -(-hi // ALIGN) * ALIGN
-        if _read_fully(self.fd, storage.data[into : into + end - lo], lo) < hi - lo:
-            raise DatastoreCorruptError(f"{self.path}: short read at byte {lo} (truncated?)")
+        self._read_at_least(storage.data[into : into + end - lo], lo, hi - lo)
+        self._counted(hi - max(lo, begin), scan=True)
+
+    def _read_at_least(self, into: memoryview, offset: int, needed: int) -> None:
+        """Fill `into` from the file's byte `offset`; fewer than `needed` bytes there is a truncated file."""
+        if _read_fully(self.fd, into, offset) < needed:
+            raise DatastoreCorruptError(f"{self.path}: short read at byte {offset} (truncated?)")
+
+    def _counted(self, length: int, *, scan: bool) -> None:
         with self._count:
-            self.bytes_read += hi - max(lo, begin)
-            self.bytes_read_for_scans += hi - max(lo, begin)
+            self.bytes_read += length
+            self.bytes_read_for_scans += length if scan else 0
 
     def _scratch_of(self, size: int) -> mmap.mmap:
         """This reader's page-aligned scratch of at least `size` bytes (an anonymous map is page aligned)."""
