@@ -5,7 +5,7 @@ finds its prompt's KV computed: all of it when the top-k held, up to the first d
 changed otherwise (the call then prefills the rest itself: the re-prefill). The answer never
 changes; only the time to the call's first token may.
 
-Stable, here: the search reports its top-k so far after an eighth, a quarter and a half of its
+Stable, here: the search reports its top-k so far after a 64th, a 32nd, ... and a half of its
 lists (`retrieval.provisional`); a top-k is stable when a report names the same documents in
 the same order, every query, as the report before (AquaPipe's Stability = k, Unstability = 0
 between two reports: it withstood doubling the lists scanned). The first stable top-k is

@@ -2,10 +2,12 @@
 partial results, for speculative prefill).
 
 faiss's half scans each query's lists in centroid order a chunk at a time (`ProvisionalSearch`,
-a `ListSearch` wrapping the search's CPU half), in calls that end after an eighth, a quarter and
-a half of its lists and then all of them; after each call but the last, the top-k so far (merged
-with the device half's, once that half is done) is reported. The
-lists nearest a query hold most of its neighbours, so the top-k settles early. The final top-k
+a `ListSearch` wrapping the search's CPU half), in calls that end after a 64th of its lists, then
+each after twice the lists of the one before, up to a half, and then all of them; after each call
+but the last, the top-k so far (merged with the device half's, once that half is done) is
+reported. The lists nearest a query hold most of its neighbours, so the top-k settles early, and
+the sooner a report finds it the sooner the prefill it feeds begins (AquaPipe checks its results
+every few steps of a search, at intervals that grow as they settle). The final top-k
 merges the chunks, whose lists are disjoint: it is the full scan's (`ivf.same_results`: the same
 ids in the same order, up to ties at the k-th place), whatever was reported on the way.
 
@@ -33,7 +35,8 @@ from telerag.retrieval.shards import merge_shard_results
 if TYPE_CHECKING:  # torch's: this module is imported where torch is not yet (`pipelines.types`)
     from telerag.retrieval.search import Part
 
-PROVISIONAL_SHARES = (0.125, 0.25, 0.5)  # of a query's lists scanned (centroid order) when a top-k so far is reported
+# of a query's lists scanned (centroid order) when a top-k so far is reported
+PROVISIONAL_SHARES = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2)
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,10 @@ from tests.scripted_pipelines import SURE, UNSURE, run, script
 QUESTION = "How long is the Nile?"
 
 
-def test_the_chunks_end_at_an_eighth_a_quarter_and_half_of_the_lists():
-    assert chunk_bounds(128) == [0, 16, 32, 64, 128]
+def test_the_chunks_end_at_a_64th_of_the_lists_then_each_at_twice_the_one_before_up_to_half():
+    assert chunk_bounds(256) == [0, 4, 8, 16, 32, 64, 128, 256]
+    assert chunk_bounds(128) == [0, 2, 4, 8, 16, 32, 64, 128]
+    assert chunk_bounds(32) == [0, 1, 2, 4, 8, 16, 32]
     assert chunk_bounds(8) == [0, 1, 2, 4, 8]
     assert chunk_bounds(3) == [0, 1, 2, 3]
     assert chunk_bounds(1) == [0, 1]
