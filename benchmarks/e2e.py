@@ -1,12 +1,6 @@
 """`telerag bench e2e`: whole RAG requests (real pipelines, the server's batching scheduler, the
-real retriever and LLM) in three modes over the same requests, side by side in one run:
-
-  cpu        every list searched by faiss on the CPU (requests run with `prefetch` off): the
-             paper's baseline
-  lookahead  q_in's clusters prefetched beside the pre-retrieval LLM call into the configured
-             cluster cache, then the cooperative search: what the server does
-  resident   every list resident in a cache as large as the datastore before the first
-             request, nothing prefetched: the best possible
+real retriever and LLM) in the modes of `benchmarks.e2e_modes` (cpu, lookahead, resident,
+primed) over the same requests, side by side in one run.
 
 At each batch size B, B clients each send their next request as soon as the previous one is
 answered (a closed loop, B requests in flight) until N requests are answered, after `warmup`
@@ -27,36 +21,34 @@ import asyncio
 import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
 import numpy as np
-import torch
 
+from telerag.benchmarks.e2e_modes import DEFAULT_MODES, MODES, Mode, Primer, configured
 from telerag.benchmarks.scaled import DatastoreScale, open_scaled_retriever
+from telerag.benchmarks.search_recorder import SearchRecorder
 from telerag.config.settings import Settings, pre_retrieval_profile
 from telerag.engines.errors import EngineUnavailable, ModelNotFound
 from telerag.engines.types import Engine
-from telerag.pipelines.questions import run_one
 from telerag.pipelines.rag.base import RagPipeline
 from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.retriever import DirectRetriever
-from telerag.pipelines.types import DatastoreInfo, RagResult, RunOptions
+from telerag.pipelines.types import (
+    DatastoreInfo,
+    RagResult,
+    RunEvent,
+    RunOptions,
+    SearchQuery,
+    TokenEvent,
+)
 from telerag.retrieval.errors import DeviceMemoryError
 from telerag.server.process.event_loop import run_event_loop
 from telerag.server.process.runtime import build_engine
 from telerag.server.scheduling.retrieval_batching import BatchingRetriever
 from telerag.utils.device import resolve_device
-
-
-class Mode(StrEnum):
-    CPU = "cpu"
-    LOOKAHEAD = "lookahead"
-    RESIDENT = "resident"
-
-
-MODES = (Mode.CPU, Mode.LOOKAHEAD, Mode.RESIDENT)  # cpu first: the others are compared with it
 
 
 @dataclass(frozen=True)
@@ -71,11 +63,13 @@ class E2EConfig:
     warmup: int = 2  # unmeasured requests before each measured run
     batch_window_ms: float = 0.0  # the scheduler's settings
     max_batch: int = 32
-    modes: tuple[Mode, ...] = MODES  # in MODES' order; cpu always (the others are compared with it)
+    modes: tuple[Mode, ...] = DEFAULT_MODES  # in MODES' order; cpu always (the others are compared with it)
 
     def __post_init__(self) -> None:
         if Mode.CPU not in self.modes:
             raise ValueError("the cpu mode is the baseline every other mode is compared with: it cannot be left out")
+        if Mode.PRIMED in self.modes and set(self.batches) != {1}:
+            raise ValueError("the primed mode reads each request's lists before it, one request at a time: run it at batch 1")
         object.__setattr__(self, "modes", tuple(m for m in MODES if m in self.modes))
 
 
@@ -92,7 +86,9 @@ class RequestRecord:
     """What one answered request measured and returned."""
 
     latency_ms: float  # from sending the request to its result, as the client sees it
+    ttft_ms: float  # from sending it to the answer's first token
     result: RagResult
+    searches: tuple[tuple[SearchQuery, ...], ...]  # each search's queries, in order
 
     @property
     def documents(self) -> tuple[int, ...]:
@@ -118,6 +114,8 @@ class E2ERow:
     latency_ms_p50: float
     latency_ms_p99: float
     latency_ms_mean: float
+    ttft_ms_p50: float  # to the answer's first token
+    ttft_ms_mean: float
     throughput_rps: float
     retrieval_ms_p50: float  # the search stage per request (q_out's embedding, queueing, search)
     searches_mean: float  # searches per request (its retrieval steps)
@@ -132,6 +130,7 @@ class E2ERow:
     retrieval_share: float  # retrieval_ms_mean / latency_ms_mean in this mode
     gain_bound: float  # 1 / (1 - the cpu mode's retrieval share): the latency gain if retrieval took no time
     latency_gain: float  # cpu mode's mean latency / this mode's
+    ttft_gain: float  # cpu mode's mean time to first token / this mode's
     throughput_gain: float  # this mode's throughput / cpu mode's
 
 
@@ -145,47 +144,52 @@ class E2EReport:
     rows: list[E2ERow]
 
 
+async def timed(pipeline: RagPipeline, question: str, options: RunOptions) -> tuple[RagResult, float, float]:
+    """The request's result, its latency and its time to the answer's first token (ms; the
+    latency where no token came)."""
+    first_token: list[float] = []
+
+    def on_event(event: RunEvent) -> None:
+        if isinstance(event, TokenEvent) and not first_token:
+            first_token.append(time.perf_counter())
+
+    started = time.perf_counter()
+    result = await pipeline.run(question, options, on_event)
+    ended = time.perf_counter()
+    return result, (ended - started) * 1e3, ((first_token or [ended])[0] - started) * 1e3
+
+
+def unprepared(i: int) -> contextlib.AbstractAsyncContextManager[None]:
+    """A request sent as it comes."""
+    return contextlib.nullcontext()
+
+
 async def serve_closed_loop(
-    pipeline: RagPipeline, questions: Sequence[str], concurrency: int, options: RunOptions
+    pipeline: RagPipeline,
+    questions: Sequence[str],
+    concurrency: int,
+    options: RunOptions,
+    recorder: SearchRecorder,
+    prepared: Callable[[int], contextlib.AbstractAsyncContextManager[None]] = unprepared,
 ) -> tuple[list[RequestRecord], float]:
-    """Answer every question with `concurrency` clients in flight; the records in question
+    """Answer every question with `concurrency` clients in flight (the pipeline's searches going
+    through `recorder`), each request i timed inside `prepared(i)`; the records in question
     order and the wall time in seconds."""
     records: list[RequestRecord | None] = [None] * len(questions)
     pending = iter(range(len(questions)))  # shared: each client takes the next question
 
     async def client() -> None:
         for i in pending:
-            started = time.perf_counter()
-            result = await run_one(pipeline, questions[i], options)
-            records[i] = RequestRecord((time.perf_counter() - started) * 1e3, result)
+            async with prepared(i):
+                with recorder.question():
+                    result, latency_ms, ttft_ms = await timed(pipeline, questions[i], options)
+                    searches = tuple(tuple(search.queries) for search in recorder.searches)
+            records[i] = RequestRecord(latency_ms, ttft_ms, result, searches)
 
     started = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(max(1, min(concurrency, len(questions))))))
     wall = time.perf_counter() - started
     return [r for r in records if r is not None], wall
-
-
-@contextlib.contextmanager
-def configured(retriever: DirectRetriever, mode: Mode) -> Iterator[RunOptions]:
-    """Set the retriever up for `mode` (and back afterwards); the request options it runs with.
-    `resident` copies every cluster into a cache the size of the datastore, held for the whole
-    mode, and turns prefetching off (there is nothing left to copy)."""
-    if mode is not Mode.RESIDENT:
-        yield RunOptions(prefetch=mode is Mode.LOOKAHEAD)
-        return
-    engine = retriever.retrieval_engine
-    cache_bytes, demand_copy, budget = engine.cache.capacity_bytes, engine.demand is not None, retriever.prefetch_budget_bytes
-    engine.resize_cache(retriever.datastore.n_vectors * engine.cache.row_bytes, demand_copy=False)
-    everything = engine.cache.acquire(range(engine.nlist), fetch=True)
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)  # every copy landed before the first request
-    retriever.prefetch_budget_bytes = 0
-    try:
-        yield RunOptions(prefetch=True)
-    finally:
-        everything.release()
-        retriever.prefetch_budget_bytes = budget
-        engine.resize_cache(cache_bytes, demand_copy=demand_copy)
 
 
 async def run_e2e(
@@ -196,11 +200,11 @@ async def run_e2e(
     treats them alike; each run starts with its own warm-up. `log` reports progress."""
     questions = [config.questions[i % len(config.questions)] for i in range(config.requests)]
     warmup = [config.questions[-1 - i % len(config.questions)] for i in range(config.warmup)]
-    scheduler = BatchingRetriever(retriever, window_ms=config.batch_window_ms, max_batch=config.max_batch)
+    recorder = SearchRecorder(BatchingRetriever(retriever, window_ms=config.batch_window_ms, max_batch=config.max_batch))
     # one set of pipelines per mode, each starting from the profiled t_LLM as a server's do and
     # refining it from its own calls in that mode
     pipelines = {
-        mode: build_pipelines(engine, scheduler, names=config.pipelines, pre_retrieval_ms=pre_retrieval_profile())
+        mode: build_pipelines(engine, recorder, names=config.pipelines, pre_retrieval_ms=pre_retrieval_profile())
         for mode in config.modes
     }
     rows: list[E2ERow] = []
@@ -214,8 +218,13 @@ async def run_e2e(
                     )
                     pipeline = pipelines[mode][name]
                     if warmup:
-                        await serve_closed_loop(pipeline, warmup, batch, options)
-                    measured[mode] = await serve_closed_loop(pipeline, questions, batch, options)
+                        await serve_closed_loop(pipeline, warmup, batch, options, recorder)
+                    prepared = (
+                        Primer(retriever, config.nprobe, [r.searches for r in measured[Mode.CPU][0]]).prepared
+                        if mode is Mode.PRIMED
+                        else unprepared
+                    )
+                    measured[mode] = await serve_closed_loop(pipeline, questions, batch, options, recorder, prepared)
                 records, wall = measured[mode]
                 log(f"{name} batch {batch} {mode.value}: {len(records) / wall:.2f} requests/s")
             rows.extend(summarise(name, batch, mode, *measured[mode], measured[Mode.CPU], engine.name) for mode in config.modes)
@@ -237,6 +246,7 @@ def summarise(
     retrieval = [r.result.timings.search_ms for r in records]
     overlaps = [r.result.prefetch.overlap_rate for r in records if r.result.prefetch.overlap_rate is not None]
     base_latency = statistics.fmean(r.latency_ms for r in base_records)
+    ttft = [r.ttft_ms for r in records]
     base_share = statistics.fmean(r.result.timings.search_ms for r in base_records) / base_latency
     pairs = list(zip(records, base_records, strict=True))
     return E2ERow(
@@ -249,6 +259,8 @@ def summarise(
         latency_ms_p50=float(np.percentile(latency, 50)),
         latency_ms_p99=float(np.percentile(latency, 99)),
         latency_ms_mean=statistics.fmean(latency),
+        ttft_ms_p50=float(np.percentile(ttft, 50)),
+        ttft_ms_mean=statistics.fmean(ttft),
         throughput_rps=len(records) / wall_s,
         retrieval_ms_p50=float(np.percentile(retrieval, 50)),
         searches_mean=statistics.fmean(len(r.queries) for r in records),
@@ -263,6 +275,7 @@ def summarise(
         retrieval_share=statistics.fmean(retrieval) / statistics.fmean(latency),
         gain_bound=1.0 / max(1e-9, 1.0 - base_share),
         latency_gain=base_latency / statistics.fmean(latency),
+        ttft_gain=statistics.fmean(r.ttft_ms for r in base_records) / statistics.fmean(ttft),
         throughput_gain=(len(records) / wall_s) / (len(base_records) / base_wall),
     )
 
@@ -326,9 +339,9 @@ def format_table(report: E2EReport) -> str:
     """A header naming the LLM, the datastore and the run's shape; one line per row; the gains' legend."""
     info, config = report.datastore, report.config
     header = (
-        f"{'pipeline':<12}{'batch':>6} {'mode':<10}{'req':>5}{'p50 ms':>10}{'p99 ms':>10}{'req/s':>8}"
+        f"{'pipeline':<12}{'batch':>6} {'mode':<10}{'req':>5}{'p50 ms':>10}{'p99 ms':>10}{'ttft p50':>10}{'req/s':>8}"
         f"{'retr p50':>10}{'t_LLM ms':>10}{'overlap':>9}{'same docs':>10}{'same q_out':>11}{'retr share':>11}"
-        f"{'lat gain':>9}{'tput gain':>10}{'bound':>7}"
+        f"{'lat gain':>9}{'ttft gain':>10}{'tput gain':>10}{'bound':>7}"
     )
     lines = [
         f"LLM {report.llm}; datastore {info.passages} vectors, nlist {info.nlist}, nprobe {info.nprobe}, "
@@ -340,8 +353,9 @@ def format_table(report: E2EReport) -> str:
         overlap = f"{r.overlap_rate:.2f}" if r.overlap_rate is not None else "-"
         lines.append(
             f"{r.pipeline:<12}{r.batch:>6} {r.mode:<10}{r.requests:>5}{r.latency_ms_p50:>10.1f}{r.latency_ms_p99:>10.1f}"
+            f"{r.ttft_ms_p50:>10.1f}"
             f"{r.throughput_rps:>8.2f}{r.retrieval_ms_p50:>10.2f}{r.t_llm_ms:>10.1f}{overlap:>9}{r.same_documents:>10.2f}{r.same_queries:>11.2f}"
-            f"{r.retrieval_share:>11.2f}{r.latency_gain:>8.2f}x{r.throughput_gain:>9.2f}x{r.gain_bound:>6.2f}x"
+            f"{r.retrieval_share:>11.2f}{r.latency_gain:>8.2f}x{r.ttft_gain:>9.2f}x{r.throughput_gain:>9.2f}x{r.gain_bound:>6.2f}x"
         )
     lines.append(
         "gains: against the cpu row of the same pipeline and batch; bound: 1 / (1 - the cpu row's retrieval share), "

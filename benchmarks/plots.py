@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from telerag.benchmarks.e2e import MODES, E2ERow
+from telerag.benchmarks.e2e import E2ERow
+from telerag.benchmarks.e2e_modes import MODES
 
 STAGES = (  # stacked bottom to top: mean ms per request
     ("pre-retrieval LLM", lambda r: r.t_llm_ms),

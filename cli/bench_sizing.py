@@ -36,7 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     require_ray("bench sizing")
-    from telerag.benchmarks.e2e import E2EConfig, LLMChoice, Mode
+    from telerag.benchmarks.e2e import E2EConfig, LLMChoice
+    from telerag.benchmarks.e2e_modes import Mode
     from telerag.benchmarks.sizing import format_table, run_sizing
     from telerag.benchmarks.tier import TierBenchConfig
 

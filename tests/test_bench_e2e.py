@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from telerag.benchmarks.e2e import MODES, E2EConfig, Mode
+from telerag.benchmarks.e2e import E2EConfig
+from telerag.benchmarks.e2e_modes import MODES, Mode
 from telerag.benchmarks.random_llm import random_weight_engine
 from telerag.benchmarks.scaled import DatastoreScale, scaled_datastore
 from telerag.cli.bench_e2e import MODE_NAMES
@@ -246,3 +247,53 @@ def test_random_weight_engine_builds_the_configured_architecture_without_weights
     assert all(
         torch.equal(a, b) for a, b in zip(engine.model.state_dict().values(), same.model.state_dict().values(), strict=True)
     )
+
+
+def test_the_primed_mode_reads_each_requests_lists_first_and_answers_as_the_cpu_mode(base_datastore, capsys):
+    """On the disk path (a host cache smaller than the datastore): before each request its lists
+    are read into the cache, so its search scans nothing from the file, and its documents are the
+    cpu mode's."""
+    code = main(
+        [
+            "bench",
+            "e2e",
+            "--tiny",
+            "--embedder",
+            str(tiny_embedder_dir(32, 0)),
+            "--datastore",
+            str(base_datastore),
+            "--device",
+            "cpu",
+            "--host-cache-mb",
+            "0.02",
+            "--nprobe",
+            "2",
+            "--pipelines",
+            "hyde",
+            "--modes",
+            "primed",
+            "--batch",
+            "1",
+            "--requests",
+            "3",
+            "--warmup",
+            "1",
+            "--max-tokens",
+            "4",
+            "--json",
+        ]
+    )
+    assert code == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["datastore"]["vectors"] == "read from disk"
+    cpu, primed = sorted(report["rows"], key=lambda r: r["mode"])
+    assert (cpu["mode"], primed["mode"]) == ("cpu", "primed")
+    assert primed["same_documents"] == 1.0 and primed["bytes_prefetched_mean"] == 0
+    assert primed["retrieval_cpu_ms_mean"] == 0 < cpu["retrieval_cpu_ms_mean"]  # every list in the cache, none read
+    for row in (cpu, primed):
+        assert 0 < row["ttft_ms_p50"] <= row["latency_ms_p99"] and row["ttft_gain"] > 0
+
+
+def test_the_primed_mode_runs_one_request_at_a_time():
+    with pytest.raises(ValueError, match="batch 1"):
+        E2EConfig(pipelines=("hyde",), questions=("q",), batches=(1, 4), modes=(Mode.CPU, Mode.PRIMED))
