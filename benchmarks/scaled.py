@@ -39,6 +39,7 @@ from telerag.retrieval.datastore_writer import check_target, write_datastore
 from telerag.retrieval.documents import DocumentEntry, read_documents
 from telerag.retrieval.early_stop import ListStats
 from telerag.retrieval.errors import DatastoreError, DeviceUnavailable
+from telerag.retrieval.windowed_rows import WindowedRows
 from telerag.server.process.runtime import load_configured_datastore, load_embedder, open_configured_retriever
 from telerag.utils.device import resolve_device
 from telerag.utils.progress import ProgressBar
@@ -240,49 +241,23 @@ def scaled_datastore(
     )
 
 
-class ScaledRows:
-    """The scaled vectors in list order, as `write_datastore` reads them (a block of rows at a
-    time, first to last), made a window of rows at a time: each window by making every block of
-    replicas again and keeping the rows whose places fall in it, so that memory holds one window,
-    never the whole set, and the file is written in one sequential pass."""
+class ScaledRows(WindowedRows):
+    """The scaled vectors in list order, as `write_datastore` reads them, made a window of rows
+    at a time (`WindowedRows`): each window by making every block of replicas again and keeping
+    the rows whose places fall in it, so that the file is written in one sequential pass."""
 
     def __init__(self, replicas: Replicas, positions: torch.Tensor, codec: Codec, params: np.ndarray | None, window_rows: int):
+        super().__init__((replicas.n_vectors, replicas.dim), np.dtype(codec.numpy_dtype), window_rows)
         self.replicas, self.positions, self.codec, self.params = replicas, positions, codec, params
-        self.shape = (replicas.n_vectors, replicas.dim)
-        self.dtype = np.dtype(codec.numpy_dtype)
-        self.window_rows = max(1, window_rows)
-        self._window: tuple[int, int] = (0, 0)
-        self._codes = np.empty((0, replicas.dim), dtype=self.dtype)
-        self.windows_made = 0
 
-    def __getitem__(self, rows: slice) -> np.ndarray:
-        start, stop, _ = rows.indices(self.shape[0])
-        parts = []
-        while start < stop:
-            first, end = self._window
-            if not first <= start < end:
-                self._make_window(start)
-                first, end = self._window
-            take = min(stop, end)
-            if take == stop:
-                parts.append(self._codes[start - first : take - first])
-            else:  # a copy, and no name left on the view: this window's memory is freed before the next is made
-                parts.append(self._codes[start - first : take - first].copy())
-            start = take
-        return np.concatenate(parts) if len(parts) != 1 else parts[0]
-
-    def _make_window(self, first: int) -> None:
-        end = min(self.shape[0], first + self.window_rows)
-        self._codes = np.empty(0, dtype=self.dtype)  # the last window's memory freed before the next is made
+    def make_window(self, first: int, end: int) -> np.ndarray:
         floats = torch.empty((end - first, self.shape[1]), dtype=torch.float32)
         for rows, block in self.replicas.in_turn():
             places = self.positions[rows]
             inside = (places >= first) & (places < end)
             if inside.any():
                 floats[places[inside] - first] = block.cpu()[inside]
-        self._codes = self.codec.to_codes(floats.numpy(), self.params)
-        self._window = (first, end)
-        self.windows_made += 1
+        return self.codec.to_codes(floats.numpy(), self.params)
 
 
 def write_scaled_datastore(

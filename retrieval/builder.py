@@ -14,7 +14,7 @@ import numpy as np
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Passage, PassageShape
 from telerag.retrieval.datastore import Manifest
-from telerag.retrieval.datastore_writer import check_target, write_datastore
+from telerag.retrieval.datastore_writer import VectorRows, check_target, write_datastore
 from telerag.retrieval.documents import DocumentEntry
 from telerag.retrieval.errors import CorpusError, DatastoreError
 from telerag.utils.progress import ProgressBar
@@ -71,12 +71,15 @@ def order_centroids(centroids: np.ndarray) -> np.ndarray:
     return np.asarray(order, dtype=np.int64)
 
 
-def assign_lists(vectors: np.ndarray, centroids: np.ndarray, *, batch: int = 65536, progress: bool = False) -> np.ndarray:
-    """Each vector's nearest centroid by inner product."""
+def assign_lists(
+    vectors: np.ndarray | VectorRows, centroids: np.ndarray, *, batch: int = 65536, progress: bool = False
+) -> np.ndarray:
+    """Each vector's nearest centroid by inner product (`vectors` read `batch` rows at a time)."""
     quantizer = faiss.IndexFlatIP(centroids.shape[1])
     quantizer.add(np.ascontiguousarray(centroids, dtype=np.float32))
-    out = np.empty(len(vectors), dtype=np.int64)
-    for start in ProgressBar(range(0, len(vectors), batch), desc="assign lists", unit="batch", disable=not progress):
+    n = vectors.shape[0]
+    out = np.empty(n, dtype=np.int64)
+    for start in ProgressBar(range(0, n, batch), desc="assign lists", unit="batch", disable=not progress):
         chunk = np.ascontiguousarray(vectors[start : start + batch], dtype=np.float32)
         out[start : start + len(chunk)] = quantizer.search(chunk, 1)[1][:, 0]
     return out

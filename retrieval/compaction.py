@@ -16,15 +16,19 @@ from pathlib import Path
 
 import numpy as np
 
-from telerag.retrieval.builder import assign_lists, default_nlist, order_centroids, train_centroids
+from telerag.retrieval.builder import assign_lists, check_nlist, default_nlist, order_centroids, train_centroids
+from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Passage
 from telerag.retrieval.datastore_writer import write_datastore
 from telerag.retrieval.documents import DocumentEntry
 from telerag.retrieval.errors import DatastoreError
 from telerag.retrieval.snapshot import Snapshot
+from telerag.retrieval.windowed_rows import WindowedRows
 
 PASSAGE_BLOCK = 4096  # passages read from the generation's files at once
 DECODE_BLOCK = 65536  # rows decoded at once to train and assign a retrain's lists
+TRAIN_POINTS_PER_LIST = 256  # a retrain's k-means sample, as faiss's IVF training caps it
+RETRAIN_WINDOW_BYTES = 2 << 30  # a retrain's rows held at once while written in their new order
 
 
 class LivingRows:
@@ -58,25 +62,71 @@ def living(snapshot: Snapshot) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return source, ids, lists
 
 
+def training_sample(ids: np.ndarray, nlist: int, seed: int) -> np.ndarray:
+    """Which living rows (indexes into `ids`) a retrain trains `nlist` lists on, in the order of
+    their ids (so the training depends on what the datastore holds, not on where it lies): every
+    row where there are at most `TRAIN_POINTS_PER_LIST` a list, else that many a list drawn by
+    `seed` (faiss's IVF training would sample as many from the whole set, held in memory)."""
+    by_id = np.argsort(ids, kind="stable")
+    cap = nlist * TRAIN_POINTS_PER_LIST
+    if len(ids) <= cap:
+        return by_id
+    return by_id[np.sort(np.random.default_rng(seed).choice(len(ids), cap, replace=False))]
+
+
 def retrained_lists(
     snapshot: Snapshot, source: np.ndarray, ids: np.ndarray, nlist: int | None, seed: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """New centroids trained on the living vectors as the codec stores them, taken in the order
-    of their ids (so the training depends on what the datastore holds, not on where it lies),
-    ordered so that near ones are adjacent (as a build orders them); and each living row's list
-    among them."""
+    """New centroids trained on a sample of the living vectors as the codec stores them
+    (`training_sample`), ordered so that near ones are adjacent (as a build orders them); and each
+    living row's list among them, assigned a block at a time: memory holds the sample, never the
+    whole set."""
     datastore = snapshot.datastore
-    by_id = np.argsort(ids, kind="stable")
-    rows = LivingRows(snapshot, source[by_id])
-    decoded = np.empty(rows.shape, dtype=np.float32)
-    for start in range(0, len(source), DECODE_BLOCK):
-        block = rows[start : start + DECODE_BLOCK]
-        decoded[start : start + len(block)] = datastore.codec.decode_exact(block, datastore.codec_params)
-    centroids = train_centroids(decoded, nlist or default_nlist(len(decoded)), seed=seed)
+    nlist = nlist or default_nlist(len(source))
+    check_nlist(nlist, len(source))
+    chosen = source[training_sample(ids, nlist, seed)]
+    in_file_order = np.argsort(chosen, kind="stable")  # the sample read in one pass over the file
+    sample = np.empty((len(chosen), datastore.dim), dtype=np.float32)
+    decoded = DecodedRows(LivingRows(snapshot, chosen[in_file_order]), datastore.codec, datastore.codec_params)
+    for start in range(0, len(chosen), DECODE_BLOCK):
+        sample[in_file_order[start : start + DECODE_BLOCK]] = decoded[start : start + DECODE_BLOCK]
+    centroids = train_centroids(sample, nlist, seed=seed, max_train_points=TRAIN_POINTS_PER_LIST)
+    del sample
     centroids = np.ascontiguousarray(centroids[order_centroids(centroids)])
-    lists = np.empty(len(source), dtype=np.int64)
-    lists[by_id] = assign_lists(decoded, centroids)
-    return centroids, lists
+    every_row = DecodedRows(LivingRows(snapshot, source), datastore.codec, datastore.codec_params)
+    return centroids, assign_lists(every_row, centroids, batch=DECODE_BLOCK)
+
+
+class DecodedRows:
+    """Living rows decoded to float32 a block at a time, for the k-means sample and the assignment."""
+
+    def __init__(self, rows: LivingRows, codec: Codec, params: np.ndarray | None) -> None:
+        self.rows, self.codec, self.params = rows, codec, params
+        self.shape = rows.shape
+        self.dtype = np.dtype(np.float32)
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        return np.asarray(self.codec.decode_exact(self.rows[rows], self.params), dtype=np.float32)
+
+
+class RetrainedRows(WindowedRows):
+    """A retrain's living rows in their new order (list after list), as the writer reads them: the
+    new order scatters the old file's rows, so each window of `window_rows` is gathered in one pass
+    over the file in its own order (`WindowedRows`), never a row at a time at random."""
+
+    def __init__(self, snapshot: Snapshot, source: np.ndarray, window_rows: int) -> None:
+        living_rows = LivingRows(snapshot, source)
+        super().__init__(living_rows.shape, living_rows.dtype, window_rows)
+        self.snapshot, self.source = snapshot, source
+
+    def make_window(self, first: int, end: int) -> np.ndarray:
+        wanted = self.source[first:end]
+        in_file_order = np.argsort(wanted, kind="stable")
+        gathered = LivingRows(self.snapshot, wanted[in_file_order])
+        codes = np.empty((end - first, self.shape[1]), dtype=self.dtype)
+        for start in range(0, end - first, DECODE_BLOCK):
+            codes[in_file_order[start : start + DECODE_BLOCK]] = gathered[start : start + DECODE_BLOCK]
+        return codes
 
 
 def write_generation(
@@ -111,12 +161,14 @@ def write_generation(
         created_at=time.time(),
         files={},
     )
+    # a compaction's rows keep their lists: read in the new order, they are read in the old file's, near enough
+    rows = RETRAIN_WINDOW_BYTES // (datastore.dim * datastore.codec.numpy_dtype.itemsize)
     return write_datastore(
         out_dir,
         manifest=manifest,
         centroids=np.ascontiguousarray(centroids, dtype=np.float32),
         offsets=offsets,
-        vectors=LivingRows(snapshot, source),
+        vectors=RetrainedRows(snapshot, source, rows) if retrain else LivingRows(snapshot, source),
         passages=_passages(snapshot, ids) if datastore.has_passages else None,
         codec_params=datastore.codec_params,
         ids=ids,

@@ -16,7 +16,8 @@ import pytest
 from telerag.benchmarks.ingest import FaissReplay
 from telerag.retrieval.builder import assign_lists, order_centroids, train_centroids, write_clustered
 from telerag.retrieval.codecs import Codec
-from telerag.retrieval.compaction import write_generation
+from telerag.retrieval import compaction
+from telerag.retrieval.compaction import training_sample, write_generation
 from telerag.retrieval.corpus import Passage
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.documents import DocumentDelete, DocumentUpsert, WriteOutcome
@@ -88,11 +89,12 @@ class Reference(FaissReplay):
         return ids_[order], codes_[order]
 
     def retrained(self, nlist: int) -> Reference:
-        """faiss trained as a retrain trains: k-means over the decoded vectors taken by id, the
-        centroids ordered as a build orders them; every vector added to its nearest one's list."""
+        """faiss trained as a retrain trains: k-means over the decoded vectors taken by id (at most
+        256 a list, drawn as `training_sample` draws them), the centroids ordered as a build orders
+        them; every vector added to its nearest one's list."""
         ids, codes = self.rows()
         decoded = self.codec.decode_exact(codes, self.params).astype(np.float32)
-        centroids = train_centroids(decoded, nlist, seed=1234)
+        centroids = train_centroids(decoded[training_sample(ids, nlist, 1234)], nlist, seed=1234)
         centroids = np.ascontiguousarray(centroids[order_centroids(centroids)])
         fresh = Reference.__new__(Reference)
         fresh.documents, fresh.codec, fresh.params = dict(self.documents), self.codec, self.params
@@ -126,12 +128,18 @@ def assert_equal_to_reference(live: LiveDatastore, engine: RetrievalEngine, refe
 
 
 @pytest.mark.parametrize("codec", list(Codec))
-@pytest.mark.parametrize("device_half", [False, True], ids=["faiss-only", "with-device-half"])
-def test_random_writes_searches_and_rebuilds_equal_faiss(tmp_path, codec, device_half):
+@pytest.mark.parametrize(
+    ("device_half", "sampled"), [(False, False), (True, False), (False, True)], ids=["faiss-only", "with-device-half", "sampled"]
+)
+def test_random_writes_searches_and_rebuilds_equal_faiss(tmp_path, monkeypatch, codec, device_half, sampled):
     """1,000 random upserts, deletes and searches; a compaction (the same answers) and a retrain
     (new centroids: faiss trained the same way) now and then; reopened from the log at the end.
     A reader opened beside the writer (another process would be: an inference replica) follows
-    it and answers every search as faiss does too."""
+    it and answers every search as faiss does too. `sampled`: a retrain trains on 8 rows a list
+    and writes its rows in windows of 8 KB, as it does a datastore larger than memory."""
+    if sampled:
+        monkeypatch.setattr(compaction, "TRAIN_POINTS_PER_LIST", 8)
+        monkeypatch.setattr(compaction, "RETRAIN_WINDOW_BYTES", 64 * 32 * 4)
     rng = np.random.default_rng(zlib.crc32(f"{codec.value} {device_half}".encode()))
     ds = passage_datastore(tmp_path / "ds", codec=codec)
     live = LiveDatastore(ds, writable=True)
