@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from telerag.benchmarks.ingest import FaissReplay
+from telerag.retrieval import compaction
 from telerag.retrieval.builder import assign_lists, order_centroids, train_centroids, write_clustered
 from telerag.retrieval.codecs import Codec
-from telerag.retrieval import compaction
 from telerag.retrieval.compaction import training_sample, write_generation
 from telerag.retrieval.corpus import Passage
 from telerag.retrieval.datastore import Datastore
