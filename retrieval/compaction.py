@@ -9,6 +9,7 @@ assigns every row again: the one operation that changes results.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
@@ -24,6 +25,8 @@ from telerag.retrieval.documents import DocumentEntry
 from telerag.retrieval.errors import DatastoreError
 from telerag.retrieval.snapshot import Snapshot
 from telerag.retrieval.windowed_rows import WindowedRows
+
+log = logging.getLogger(__name__)
 
 PASSAGE_BLOCK = 4096  # passages read from the generation's files at once
 DECODE_BLOCK = 65536  # rows decoded at once to train and assign a retrain's lists
@@ -75,7 +78,7 @@ def training_sample(ids: np.ndarray, nlist: int, seed: int) -> np.ndarray:
 
 
 def retrained_lists(
-    snapshot: Snapshot, source: np.ndarray, ids: np.ndarray, nlist: int | None, seed: int
+    snapshot: Snapshot, source: np.ndarray, ids: np.ndarray, nlist: int | None, seed: int, *, progress: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """New centroids trained on a sample of the living vectors as the codec stores them
     (`training_sample`), ordered so that near ones are adjacent (as a build orders them); and each
@@ -90,11 +93,12 @@ def retrained_lists(
     decoded = DecodedRows(LivingRows(snapshot, chosen[in_file_order]), datastore.codec, datastore.codec_params)
     for start in range(0, len(chosen), DECODE_BLOCK):
         sample[in_file_order[start : start + DECODE_BLOCK]] = decoded[start : start + DECODE_BLOCK]
+    log.info("%s: training %d lists on %d of its %d living rows", datastore.where, nlist, len(chosen), len(source))
     centroids = train_centroids(sample, nlist, seed=seed, max_train_points=TRAIN_POINTS_PER_LIST)
     del sample
     centroids = np.ascontiguousarray(centroids[order_centroids(centroids)])
     every_row = DecodedRows(LivingRows(snapshot, source), datastore.codec, datastore.codec_params)
-    return centroids, assign_lists(every_row, centroids, batch=DECODE_BLOCK)
+    return centroids, assign_lists(every_row, centroids, batch=DECODE_BLOCK, progress=progress)
 
 
 class DecodedRows:
@@ -148,7 +152,7 @@ def write_generation(
         raise DatastoreError(f"{datastore.where} holds no passages: there is nothing to write a generation of")
     centroids = datastore.centroids
     if retrain:
-        centroids, lists = retrained_lists(snapshot, source, ids, nlist, seed)
+        centroids, lists = retrained_lists(snapshot, source, ids, nlist, seed, progress=progress)
     order = np.lexsort((ids, lists))  # list after list, each by id
     source, ids, lists = source[order], ids[order], lists[order]
     offsets = np.zeros(len(centroids) + 1, dtype=np.int64)
