@@ -47,6 +47,7 @@ from telerag.utils.storage import file_sha256, fsync_path, write_by_rename
 log = logging.getLogger(__name__)
 
 WRITE_BLOCK_BYTES = 64 << 20  # vectors are made and written this much at a time
+PASSAGE_BAR_STEP = 4096  # passages written between two updates of the progress bar
 
 
 class VectorRows(Protocol):
@@ -182,7 +183,7 @@ def write_datastore(
         np.save(tmp / LIST_STATS, stats)
         if codec_params is not None:
             np.save(tmp / CODEC_PARAMS, np.ascontiguousarray(codec_params, dtype=np.float32))
-        _write_passages(tmp, manifest, passages, ids, documents)
+        _write_passages(tmp, manifest, passages, ids, documents, progress)
         manifest.files = {}
         files = sorted(tmp.iterdir())
         total = sum(file.stat().st_size for file in files)
@@ -217,9 +218,11 @@ def _write_passages(
     passages: Iterable[Passage] | None,
     ids: np.ndarray | None,
     documents: Iterable[DocumentEntry] | None,
+    progress: bool,
 ) -> None:
     """What a datastore holds beside its vectors: the passages (a JSON line each, and where each
-    line starts), their ids and its documents, where it has them."""
+    line starts: an int64 a passage, where a list of Python ints was 36 bytes), their ids and its
+    documents, where it has them."""
     if ids is not None:
         if np.shape(ids) != (manifest.n_vectors,) or len(np.unique(ids)) != manifest.n_vectors:
             raise DatastoreError(f"ids must be {manifest.n_vectors} distinct passage ids, one a row")
@@ -230,16 +233,27 @@ def _write_passages(
                 handle.write(json.dumps(entry.to_json(), ensure_ascii=False) + "\n")
     if passages is None:
         return
-    line_offsets = [0]
-    with (tmp / PASSAGES).open("wb") as handle:
+    n = manifest.n_vectors
+    line_offsets = np.zeros(n + 1, dtype=np.int64)
+    written = 0
+    with (
+        (tmp / PASSAGES).open("wb") as handle,
+        ProgressBar[None](total=n, desc="write passages", unit="passage", unit_scale=True, disable=not progress) as bar,
+    ):
         for passage in passages:
+            if written == n:
+                raise DatastoreError(f"more passages than the {n} vectors")
             record = {"doc_id": passage.doc_id, "title": passage.title, "text": passage.text}
             line = json.dumps(record, ensure_ascii=False).encode("utf-8") + b"\n"
             handle.write(line)
-            line_offsets.append(line_offsets[-1] + len(line))
-    if len(line_offsets) - 1 != manifest.n_vectors:
-        raise DatastoreError(f"{len(line_offsets) - 1} passages for {manifest.n_vectors} vectors")
-    np.save(tmp / PASSAGE_INDEX, np.asarray(line_offsets, dtype=np.int64))
+            line_offsets[written + 1] = line_offsets[written] + len(line)
+            written += 1
+            if written % PASSAGE_BAR_STEP == 0:
+                bar.update(PASSAGE_BAR_STEP)
+        bar.update(written % PASSAGE_BAR_STEP)
+    if written != n:
+        raise DatastoreError(f"{written} passages for {n} vectors")
+    np.save(tmp / PASSAGE_INDEX, line_offsets)
 
 
 def add_list_stats(path: Path, *, verify_checksums: bool = True, progress: bool = False) -> bool:

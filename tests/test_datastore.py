@@ -14,7 +14,7 @@ from telerag.retrieval import codecs as codecs_module
 from telerag.retrieval import datastore_writer
 from telerag.retrieval.builder import assign_lists, build_datastore, default_nlist, write_clustered
 from telerag.retrieval.codecs import Codec
-from telerag.retrieval.corpus import Article, PassageShape, read_jsonl, read_wikipedia, split_passages
+from telerag.retrieval.corpus import Article, Passage, PassageShape, read_jsonl, read_wikipedia, split_passages
 from telerag.retrieval.datastore import CODEC_PARAMS, MANIFEST, VECTORS, Datastore, Manifest
 from telerag.retrieval.datastore_writer import write_datastore
 from telerag.retrieval.errors import (
@@ -144,6 +144,32 @@ def test_codec_parameters_must_match_the_codec(tmp_path):
     assert not (tmp_path / "out").exists()
     with pytest.raises(LayoutError, match="sq8 needs"):
         Codec.SQ8.to_codes(np.asarray(ds.vectors), None)
+
+
+@pytest.mark.parametrize(("more", "message"), [(-1, "passages for"), (1, "more passages than")])
+def test_a_passage_a_vector_or_nothing_is_written(tmp_path, more, message):
+    ds = random_datastore(tmp_path / "ds")
+    manifest = Manifest(embedder="x", dim=ds.dim, nlist=ds.nlist, n_vectors=ds.n_vectors)
+    passages = [Passage(doc_id=f"d{i}", title="t", text=f"passage {i}") for i in range(ds.n_vectors + 1)]
+    with pytest.raises(DatastoreError, match=message):
+        write_datastore(
+            tmp_path / "out",
+            manifest=manifest,
+            centroids=ds.centroids,
+            offsets=ds.offsets,
+            vectors=ds.vectors,
+            passages=passages[: ds.n_vectors + more],
+        )
+    assert not (tmp_path / "out").exists()
+    written = write_datastore(
+        tmp_path / "out",
+        manifest=manifest,
+        centroids=ds.centroids,
+        offsets=ds.offsets,
+        vectors=ds.vectors,
+        passages=passages[: ds.n_vectors],
+    )
+    assert Datastore.load(written).passages([0, ds.n_vectors - 1]) == [passages[0], passages[ds.n_vectors - 1]]
 
 
 @pytest.mark.parametrize(
