@@ -28,14 +28,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import statistics
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
 import numpy as np
 
-from telerag.benchmarks.e2e import LLMChoice, build_llm
+from telerag.benchmarks.e2e import LLMChoice, build_llm, timed
 from telerag.benchmarks.scaled import DatastoreScale, open_scaled_retriever
 from telerag.benchmarks.search_recorder import SearchRecorder
 from telerag.config.settings import Settings, pre_retrieval_profile
@@ -45,7 +44,7 @@ from telerag.pipelines.registry import build_pipelines
 from telerag.pipelines.retriever import DirectRetriever
 from telerag.pipelines.search_budget import SearchBudget
 from telerag.pipelines.stats import SearchStats
-from telerag.pipelines.types import DatastoreInfo, RagResult, RunEvent, RunOptions, TokenEvent
+from telerag.pipelines.types import DatastoreInfo, RagResult, RunOptions
 from telerag.retrieval.early_stop import EarlyStopSearch, ListBounds
 from telerag.server.process.event_loop import run_event_loop
 from telerag.server.process.runtime import pipelining_config
@@ -192,17 +191,8 @@ class ModeSetup:
             search.resize_cache(search.cache.capacity_bytes)  # empty
         counts = self.early_stop.counts
         probed, scanned = counts.probed, counts.scanned
-        first_token: list[float] = []
-
-        def on_event(event: RunEvent) -> None:
-            if isinstance(event, TokenEvent) and not first_token:
-                first_token.append(time.perf_counter())
-
         with self.cpu_half(mode), self.recorder.question():
-            started = time.perf_counter()
-            result = await self.pipelines[mode][name].run(question, self.options(mode), on_event)
-            ended = time.perf_counter()
-            latency_ms, ttft_ms = (ended - started) * 1e3, ((first_token or [ended])[0] - started) * 1e3
+            result, latency_ms, ttft_ms = await timed(self.pipelines[mode][name], question, self.options(mode))
             probed, scanned = counts.probed - probed, counts.scanned - scanned
             exact = await self.recorder.exact_documents(result.documents, self.retriever.datastore.nlist, self.config.top_k)
         found = {d.id for d in exact}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -88,11 +88,11 @@ def retrained_lists(
     nlist = nlist or default_nlist(len(source))
     check_nlist(nlist, len(source))
     chosen = source[training_sample(ids, nlist, seed)]
-    in_file_order = np.argsort(chosen, kind="stable")  # the sample read in one pass over the file
-    sample = np.empty((len(chosen), datastore.dim), dtype=np.float32)
-    decoded = DecodedRows(LivingRows(snapshot, chosen[in_file_order]), datastore.codec, datastore.codec_params)
-    for start in range(0, len(chosen), DECODE_BLOCK):
-        sample[in_file_order[start : start + DECODE_BLOCK]] = decoded[start : start + DECODE_BLOCK]
+    sample = gathered(
+        chosen,
+        lambda rows: DecodedRows(LivingRows(snapshot, rows), datastore.codec, datastore.codec_params)[:],
+        np.empty((len(chosen), datastore.dim), dtype=np.float32),
+    )
     log.info("%s: training %d lists on %d of its %d living rows", datastore.where, nlist, len(chosen), len(source))
     centroids = train_centroids(sample, nlist, seed=seed, max_train_points=TRAIN_POINTS_PER_LIST)
     del sample
@@ -124,13 +124,18 @@ class RetrainedRows(WindowedRows):
         self.snapshot, self.source = snapshot, source
 
     def make_window(self, first: int, end: int) -> np.ndarray:
-        wanted = self.source[first:end]
-        in_file_order = np.argsort(wanted, kind="stable")
-        gathered = LivingRows(self.snapshot, wanted[in_file_order])
         codes = np.empty((end - first, self.shape[1]), dtype=self.dtype)
-        for start in range(0, end - first, DECODE_BLOCK):
-            codes[in_file_order[start : start + DECODE_BLOCK]] = gathered[start : start + DECODE_BLOCK]
-        return codes
+        return gathered(self.source[first:end], lambda rows: LivingRows(self.snapshot, rows)[:], codes)
+
+
+def gathered(source: np.ndarray, read: Callable[[np.ndarray], np.ndarray], out: np.ndarray) -> np.ndarray:
+    """`out`, its row i `read`'s row for `source[i]` (`LivingRows`'s source), read in the file's
+    order `DECODE_BLOCK` rows at a time: one pass over the file, never a row at a time at random."""
+    in_file_order = np.argsort(source, kind="stable")
+    for start in range(0, len(source), DECODE_BLOCK):
+        block = in_file_order[start : start + DECODE_BLOCK]
+        out[block] = read(source[block])
+    return out
 
 
 def write_generation(

@@ -23,6 +23,22 @@ from telerag.retrieval.errors import DatastoreError
 from telerag.retrieval.ivf import same_results
 from tests.tiny_models import tiny_embedder_dir
 
+
+def tiny_e2e(datastore) -> list[str]:
+    """`telerag bench e2e` on the tiny LLM and embedder, on the CPU, over `datastore`."""
+    return [
+        "bench",
+        "e2e",
+        "--tiny",
+        "--embedder",
+        str(tiny_embedder_dir(32, 0)),
+        "--datastore",
+        str(datastore),
+        "--device",
+        "cpu",
+    ]
+
+
 ROW_KEYS = {
     "pipeline",
     "batch",
@@ -117,15 +133,7 @@ def test_bench_e2e_rows_and_same_documents_in_every_mode(base_datastore, tmp_pat
     plots = tmp_path / "plots"
     code = main(
         [
-            "bench",
-            "e2e",
-            "--tiny",
-            "--embedder",
-            str(tiny_embedder_dir(32, 0)),
-            "--datastore",
-            str(base_datastore),
-            "--device",
-            "cpu",
+            *tiny_e2e(base_datastore),
             "--scale-vectors",
             "2000",
             "--nlist",
@@ -179,15 +187,7 @@ def test_bench_e2e_runs_the_modes_asked_for_and_always_cpu(base_datastore, tmp_p
     plots = tmp_path / "plots"
     code = main(
         [
-            "bench",
-            "e2e",
-            "--tiny",
-            "--embedder",
-            str(tiny_embedder_dir(32, 0)),
-            "--datastore",
-            str(base_datastore),
-            "--device",
-            "cpu",
+            *tiny_e2e(base_datastore),
             "--scale-vectors",
             "1000",
             "--nlist",
@@ -255,15 +255,7 @@ def test_the_primed_mode_reads_each_requests_lists_first_and_answers_as_the_cpu_
     cpu mode's."""
     code = main(
         [
-            "bench",
-            "e2e",
-            "--tiny",
-            "--embedder",
-            str(tiny_embedder_dir(32, 0)),
-            "--datastore",
-            str(base_datastore),
-            "--device",
-            "cpu",
+            *tiny_e2e(base_datastore),
             "--host-cache-mb",
             "0.02",
             "--nprobe",
