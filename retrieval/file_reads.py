@@ -113,6 +113,7 @@ class FileArrival:
         self.reads = [task.done for task in self.tasks]
         self.started = time.perf_counter()
         self._done_at: float | None = None
+        self._first_pending = 0  # reads before it have landed: each read checked until it lands, not at every landing
         self._lock = threading.Lock()
         if not self.reads:
             self._done_at = self.started
@@ -121,11 +122,18 @@ class FileArrival:
 
     def _on_done(self, _: Future[None]) -> None:
         with self._lock:
-            if self._done_at is None and all(read.done() for read in self.reads):
+            if self._done_at is None and self._all_done():
                 self._done_at = time.perf_counter()
 
+    def _all_done(self) -> bool:
+        """Whether every read has landed, moving past those that have (called with the lock held)."""
+        while self._first_pending < len(self.reads) and self.reads[self._first_pending].done():
+            self._first_pending += 1
+        return self._first_pending == len(self.reads)
+
     def landed(self) -> bool:
-        return all(read.done() for read in self.reads)
+        with self._lock:
+            return self._all_done()
 
     def hasten(self) -> None:
         """A search waits on these reads now: they go before the reads only a prefetch wants."""

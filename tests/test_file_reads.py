@@ -12,7 +12,7 @@ from telerag.retrieval.buffer_pool import BufferPool
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.disk import KEPT_BUFFERS, DiskListSearch
 from telerag.retrieval.engine import RetrievalEngine
-from telerag.retrieval.file_reads import ALIGN, FileRows
+from telerag.retrieval.file_reads import ALIGN, FileArrival, FileRows, ReadPool, _Read
 from telerag.retrieval.ivf import same_results
 from tests.retrieval_helpers import random_datastore, random_queries
 from tests.test_disk import ds_probe
@@ -81,3 +81,16 @@ def test_a_pool_keeps_at_most_its_number_and_never_a_larger_buffer():
         pool.give(buffer)
     assert pool.idle_bytes == 4096
     assert pool.take(10).data_ptr() == first.data_ptr()
+
+
+def test_reads_issued_together_have_landed_only_once_the_last_lands_in_any_order():
+    """`FileArrival` over reads landing out of order: not landed (no elapsed time) while any is
+    in flight, landed once every one is, whichever came last."""
+    reads = [_Read(None) for _ in range(5)]
+    arrival = FileArrival(ReadPool(0), reads)
+    for index in (3, 0, 4, 1):
+        reads[index].done.set_result(None)
+        assert not arrival.landed() and arrival.elapsed_ms() is None
+    reads[2].done.set_result(None)
+    assert arrival.landed() and arrival.elapsed_ms() is not None
+    assert FileArrival(ReadPool(0), []).landed()
