@@ -45,6 +45,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--prefetch-budget-mb", type=nullable(float), help="one fixed budget (default: B x each pipeline's t_LLM)"
     )
     parser.add_argument(
+        "--prefetch-reach",
+        type=nullable(float),
+        help="how far down q_in's ranking a prefetch reads, x nprobe (retrieval.prefetch_reach; null: 1.25 from disk, else all)",
+    )
+    parser.add_argument(
         "--cpu-threads",
         type=int,
         help="faiss threads of the CPU half (retrieval.cpu_threads; fewer leave cores to the thread driving the LLM)",

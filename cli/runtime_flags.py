@@ -65,6 +65,7 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
         engine=None,
         cache_mb=None,
         prefetch_budget_mb=None,
+        prefetch_reach=None,
         cpu_threads=None,
         replicas=None,
         shards=None,
@@ -107,6 +108,7 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
     put("retrieval", "cache_mb", args.cache_mb)
     put("retrieval", "host_cache_mb", args.host_cache_mb)
     put("retrieval", "prefetch_budget_mb", args.prefetch_budget_mb)
+    put("retrieval", "prefetch_reach", args.prefetch_reach)
     put("retrieval", "cpu_threads", args.cpu_threads)
     put("retrieval", "nprobe", args.nprobe)
     put("cluster", "replicas", args.replicas)

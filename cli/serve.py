@@ -19,6 +19,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--engine", choices=["transformers", "sglang", *ENGINE_KIND_ALIASES])
     parser.add_argument("--cache-mb", type=nullable(float), help="GPU cluster cache size (null: what the LLM leaves)")
     parser.add_argument("--prefetch-budget-mb", type=nullable(float), help="one budget for every prefetch (null: B x t_LLM)")
+    parser.add_argument(
+        "--prefetch-reach",
+        type=nullable(float),
+        help="how far down q_in's ranking a prefetch reads, x nprobe (null: 1.25 from disk, else unbounded)",
+    )
     parser.add_argument("--api-key", type=nullable(str), help="require Authorization: Bearer KEY on /v1 (null: open)")
     parser.add_argument(
         "--ray",

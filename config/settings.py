@@ -197,6 +197,13 @@ class RetrievalSettings(Section):
         "(config/prefetch_profiles.yaml); either way capped by the cache",
         ge=0,
     )
+    prefetch_reach: float | None = setting(
+        None,
+        "how far down q_in's ranking of lists a prefetch reads, in multiples of nprobe (a search rarely probes the lists "
+        "past it); null: 1.25 for a datastore read from disk (the reads share the disk, and on a CPU box the cores and "
+        "memory, with the call they overlap), else as far as the budget goes",
+        gt=0,
+    )
     demand_copy: bool | None = setting(
         None,
         "with a cluster cache, copy part of each search's missed clusters to the device instead of leaving them all to "

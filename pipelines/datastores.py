@@ -6,6 +6,7 @@ live, every write since it was built replayed, writable by the one process that 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -72,6 +73,7 @@ def open_retriever(
     cache_bytes: int = 0,
     cache_buffer: CacheBuffer | None = None,
     prefetch_budget_bytes: int | None = None,
+    prefetch_reach: float | None = None,
     nprobe: int | None = None,
     demand_copy: bool | None = None,
     cpu_threads: int | None = None,
@@ -88,7 +90,8 @@ def open_retriever(
     the directory to load (`load_datastore`); `cpu_half(generation)` the `RetrievalEngine`'s of each
     generation of it (None: faiss here; the retrieval tier's view of that generation), `cache_buffer`
     (another engine's cluster cache buffer to share, in place of one of `cache_bytes`) as its; `on_disk`: its
-    vectors read from its files, `cache_bytes` of them cached in host memory (`RetrievalEngine`). With `writable`,
+    vectors read from its files, `cache_bytes` of them cached in host memory; `prefetch_reach`: how far down
+    q_in's ranking a prefetch reads (`RetrievalEngine`). With `writable`,
     documents can be written to it through the retriever (`retrieval.opening.open_live`). `recall_budget`
     and `target_recall`: `DirectRetriever`'s."""
     if not isinstance(datastore, Datastore):
@@ -110,6 +113,7 @@ def open_retriever(
             cpu_half=None if cpu_half is None else cpu_half(datastore),
             early_stop=early_stop,
             on_disk=on_disk,
+            prefetch_reach=prefetch_reach,
             progress=True,
         )
 
@@ -154,3 +158,6 @@ def _log_opened(engine: RetrievalEngine, *, on_disk: bool, early_stop: bool, pre
         log.info("prefetch budget %.1f MB per request (fixed)", min(prefetch_budget_bytes, engine.cache.capacity_bytes) / 2**20)
     else:
         log.info("prefetch budget B·t_LLM per pipeline, B = %.1f GB/s measured now", (engine.copy_bytes_per_ms or 0) / 1e6)
+    if engine.cache.capacity_rows and math.isfinite(engine.prefetch_reach):
+        reach = math.ceil(engine.prefetch_reach * engine.nprobe)
+        log.info("prefetch reach %.4g x nprobe: q_in's nearest %d lists at most", engine.prefetch_reach, reach)

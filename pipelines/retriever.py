@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -323,6 +324,7 @@ class DirectRetriever:
             prefetch_budget_bytes=self.prefetch_budget_bytes,
             copy_gbps=engine.copy_bytes_per_ms / 1e6 if engine.copy_bytes_per_ms else None,
             vectors="read from disk" if engine.on_disk else "memory-mapped",
+            prefetch_reach=engine.prefetch_reach if math.isfinite(engine.prefetch_reach) else None,
         )
 
     def close(self) -> None:

@@ -229,6 +229,7 @@ class DatastoreInfo:
     prefetch_budget_bytes: int | None  # None: B · each request's expected pre-retrieval time
     copy_gbps: float | None  # B, measured at start-up (None without a cache): read from disk, its read rate
     vectors: Literal["memory-mapped", "read from disk"] = "memory-mapped"  # disk: the cache is in host memory
+    prefetch_reach: float | None = None  # x nprobe: how far down q_in's ranking a prefetch reads (None: its budget's)
 
 
 # ---------------------------------------------------------------------------------------------

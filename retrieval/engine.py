@@ -46,6 +46,10 @@ from telerag.utils.progress import ProgressBar
 
 PROBE_TIE_MARGIN = 1e-5  # relative centroid-score gap below which the device defers to faiss
 STREAM_PRIORITY = -1  # CUDA: lower is sooner; the search stream's blocks go before the default stream's
+# How far down q_in's ranking a prefetch from disk reads, in multiples of nprobe: HyDE at TeleRAG's shape
+# lands 0.92 of its search's lists from 1.25 nprobe and 0.96 from 1.85 (docs/benchmarks.md), and on a CPU
+# box the reads share the cores and memory with the LLM, whose call the extra 1.3 GB slowed by 0.35 s
+DISK_PREFETCH_REACH = 1.25
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -97,6 +101,7 @@ class RetrievalEngine:
         cpu_half: ListSearch | None = None,
         early_stop: bool = False,
         on_disk: bool = False,
+        prefetch_reach: float | None = None,
         progress: bool = False,
     ) -> None:
         """`cpu_threads`: faiss threads of the CPU half of a cooperative search (None: every
@@ -114,7 +119,9 @@ class RetrievalEngine:
         (`retrieval.disk`: a datastore larger than memory): the cluster cache, in host memory
         (`cache_bytes`), is filled by reads, and the lists it does not hold are read and scanned per
         search; a missed list is read into the cache or scanned where it is read, as the measured
-        rates balance the two (CPU only, for now)."""
+        rates balance the two (CPU only, for now). `prefetch_reach`: a prefetch reads no list that
+        q_in ranks past this many times nprobe (None: `DISK_PREFETCH_REACH` from disk, else as far
+        as its budget goes: a copy to the device takes nothing from the call it overlaps)."""
         self.datastore = datastore
         self.device = resolve_device(device, error=DeviceUnavailable)
         self.nlist = datastore.nlist
@@ -129,6 +136,7 @@ class RetrievalEngine:
         self.index = CPUIndex(datastore, vectors=self.host_vectors.numpy())  # faiss reads the same memory
         self.rows: RowSource = TensorRows(self.host_vectors)
         self.on_disk = on_disk
+        self.prefetch_reach = prefetch_reach if prefetch_reach is not None else DISK_PREFETCH_REACH if on_disk else math.inf
         self.cpu_half: ListSearch = self.index if cpu_half is None else cpu_half
         if on_disk:
             if self.device.type != "cpu" or cpu_half is not None:
@@ -283,7 +291,9 @@ class RetrievalEngine:
         queued = self.cache.queued_bytes()
         budget = max(0, min(max(int(budgets[g]) for g in active) - queued, self.cache.capacity_bytes))
         cluster_bytes = self.cache.cluster_bytes()
-        plan = plan_prefetch(ranked, cluster_bytes, budget, resident=resident, depth=self.nprobe)
+        plan = plan_prefetch(
+            ranked, cluster_bytes, budget, resident=resident, depth=self.nprobe, reach=self.prefetch_reach * self.nprobe
+        )
         plan_ms = (time.perf_counter() - started) * 1e3
         offset = 0
         for g in active:

@@ -1,9 +1,10 @@
 """Prefetch planning (TeleRAG §4.2): rank q_in's nearest clusters and take them in rank order
-until a byte budget is spent; for several queries, interleave their ranks, a cluster that
-several of them rank near the top first."""
+until a byte budget is spent, never past a reach down the ranking; for several queries, interleave
+their ranks, a cluster that several of them rank near the top first."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,9 +30,12 @@ def plan_prefetch(
     *,
     resident: np.ndarray | None = None,
     depth: int | None = None,
+    reach: float = math.inf,
 ) -> PrefetchPlan:
     """Take each query's clusters rank by rank, query by query (rank 0 of every query, then
-    rank 1, ...), skipping repeats and clusters that no longer fit, until `budget_bytes` is spent.
+    rank 1, ...), skipping repeats and clusters that no longer fit, until `budget_bytes` is spent
+    or no query ranks the next cluster within `reach` (ranks 0 to reach - 1: beyond it a search
+    is unlikely to probe what is read, which the reads' bytes would pay for regardless).
 
     A cluster that k queries rank within `depth` (their likely C_out; default: every rank) moves
     up to its best rank divided by k, so under batch load the clusters several queries want come
@@ -48,7 +52,7 @@ def plan_prefetch(
     best = rank.min(axis=0, initial=np.iinfo(np.int64).max)
     near = rank < depth
     key = best / np.maximum(near.sum(axis=0), 1)
-    candidates = np.flatnonzero((best < width) & (costs > 0))
+    candidates = np.flatnonzero((best < min(width, reach)) & (costs > 0))
     order = candidates[np.lexsort((candidates, best[candidates], key[candidates]))]
     positive = costs[costs > 0]
     smallest = int(positive.min()) if len(positive) else 0

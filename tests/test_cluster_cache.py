@@ -275,6 +275,15 @@ def test_plan_interleaves_ranks_within_budget():
     assert plan.per_query == [frozenset({0, 1, 2}), frozenset({5, 1})]
 
 
+def test_plan_reads_no_cluster_past_its_reach_whatever_the_budget():
+    """A cluster is planned only where some query ranks it within the reach (ranks 0 to reach - 1)."""
+    ranked = np.array([[0, 1, 2, 3], [5, 1, 6, 7]])
+    sizes = np.array([10] * 8)
+    assert plan_prefetch(ranked, sizes, budget_bytes=1000, reach=2).clusters == [0, 5, 1]
+    assert plan_prefetch(ranked, sizes, budget_bytes=1000, reach=2.5).clusters == [0, 5, 1, 2, 6]
+    assert len(plan_prefetch(ranked, sizes, budget_bytes=1000).clusters) == 7  # no reach: as far as the budget goes
+
+
 def test_plan_skips_clusters_that_do_not_fit():
     plan = plan_prefetch(np.array([[0, 1, 2]]), np.array([10, 50, 10]), budget_bytes=25)
     assert plan.clusters == [0, 2] and plan.bytes == 20

@@ -263,6 +263,7 @@ def open_configured_retriever(
         device=device,
         cache_bytes=cluster_cache_bytes(retrieval, device),
         prefetch_budget_bytes=None if retrieval.prefetch_budget_mb is None else int(retrieval.prefetch_budget_mb * 2**20),
+        prefetch_reach=retrieval.prefetch_reach,
         nprobe=retrieval.fixed_nprobe,  # auto: chosen per search
         demand_copy=retrieval.demand_copy,
         cpu_threads=retrieval.cpu_threads,
