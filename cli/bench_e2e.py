@@ -47,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--prefetch-reach",
         type=nullable(float),
-        help="how far down q_in's ranking a prefetch reads, x nprobe (retrieval.prefetch_reach; null: 1.25 from disk, else all)",
+        help="how far down q_in's ranking a prefetch reads, x nprobe (retrieval.prefetch_reach; null: 1.5 from disk, else all)",
     )
     parser.add_argument(
         "--cpu-threads",

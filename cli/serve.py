@@ -22,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--prefetch-reach",
         type=nullable(float),
-        help="how far down q_in's ranking a prefetch reads, x nprobe (null: 1.25 from disk, else unbounded)",
+        help="how far down q_in's ranking a prefetch reads, x nprobe (null: 1.5 from disk, else unbounded)",
     )
     parser.add_argument("--api-key", type=nullable(str), help="require Authorization: Bearer KEY on /v1 (null: open)")
     parser.add_argument(

@@ -200,7 +200,7 @@ class RetrievalSettings(Section):
     prefetch_reach: float | None = setting(
         None,
         "how far down q_in's ranking of lists a prefetch reads, in multiples of nprobe (a search rarely probes the lists "
-        "past it); null: 1.25 for a datastore read from disk (the reads share the disk, and on a CPU box the cores and "
+        "past it); null: 1.5 for a datastore read from disk (the reads share the disk, and on a CPU box the cores and "
         "memory, with the call they overlap), else as far as the budget goes",
         gt=0,
     )

@@ -85,13 +85,13 @@ def test_a_prefetch_reads_its_lists_and_the_search_reads_the_rest(tmp_path):
 
 
 def test_a_prefetch_from_disk_reads_no_list_past_its_reach(tmp_path):
-    """From disk a prefetch stops at q_in's nearest 1.25 nprobe lists, a whole cache's budget or
+    """From disk a prefetch stops at q_in's nearest 1.5 nprobe lists, a whole cache's budget or
     not (the reads would cost the call they overlap); a reach given reads further, and in memory
     only the budget bounds it."""
     ds = random_datastore(tmp_path / "ds", n=4000, nlist=NLIST)
     q = random_queries(1, ds.dim, seed=5)
     nearest = ds_probe(ds, q, NLIST)[1][0]
-    for reach, lists in ((None, 5), (3.0, 12)):
+    for reach, lists in ((None, 6), (3.0, 12)):
         engine = RetrievalEngine(ds, cache_bytes=ds.vectors.nbytes, on_disk=True, nprobe=4, prefetch_reach=reach)
         try:
             handle = engine.prefetch(q, budget_bytes=engine.cache.capacity_bytes)
