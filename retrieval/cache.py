@@ -126,6 +126,10 @@ class RowSource(Protocol):
     @property
     def dtype(self) -> torch.dtype: ...
 
+    def buffer_rows(self, rows: int, device: torch.device) -> torch.Tensor:
+        """A cache's buffer of `rows` rows on `device`, for this source's copies to land in."""
+        ...
+
     def copy_into(
         self, buffer: torch.Tensor, copies: Sequence[Copy], stream: torch.cuda.Stream | None, *, ahead: bool = False
     ) -> Issued:
@@ -148,6 +152,9 @@ class TensorRows:
     @property
     def dtype(self) -> torch.dtype:
         return self.host.dtype
+
+    def buffer_rows(self, rows: int, device: torch.device) -> torch.Tensor:
+        return torch.empty((rows, self.shape[1]), dtype=self.dtype, device=device)
 
     def copy_into(
         self, buffer: torch.Tensor, copies: Sequence[Copy], stream: torch.cuda.Stream | None, *, ahead: bool = False
@@ -214,13 +221,16 @@ class CacheBuffer:
     """The device rows every `ClusterCache` on it shares, their copy stream, and what they share
     beside: the free extents, the hotness clock, the copies in flight, the counters, one lock."""
 
-    def __init__(self, rows: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, rows: int, dim: int, dtype: torch.dtype, device: torch.device, *, storage: torch.Tensor | None = None
+    ) -> None:
+        """`storage`: the (rows, dim) tensor to hold them (a source's `buffer_rows`; None: a new one)."""
         self.device, self.dim, self.dtype = device, dim, dtype
         self.row_bytes = dim * torch.empty((), dtype=dtype).element_size()
         self.capacity_rows = max(0, int(rows))
         # made on the caller's current stream (the retrieval engine's), and written on the copy
         # stream: once freed, its memory waits for the copies still queued there before reuse
-        self.rows = torch.empty((self.capacity_rows, dim), dtype=dtype, device=device)
+        self.rows = torch.empty((self.capacity_rows, dim), dtype=dtype, device=device) if storage is None else storage
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         if self.copy_stream is not None and self.capacity_rows:
             self.rows.record_stream(self.copy_stream)
@@ -239,7 +249,8 @@ class CacheBuffer:
         (a larger one could hold nothing more of them)."""
         rows, dim = source.shape
         row_bytes = dim * torch.empty((), dtype=source.dtype).element_size()
-        return cls(min(int(capacity_bytes) // row_bytes, rows), dim, source.dtype, device)
+        capacity_rows = max(0, min(int(capacity_bytes) // row_bytes, rows))
+        return cls(capacity_rows, dim, source.dtype, device, storage=source.buffer_rows(capacity_rows, device))
 
     @property
     def capacity_bytes(self) -> int:

@@ -48,8 +48,8 @@ PROBE_TIE_MARGIN = 1e-5  # relative centroid-score gap below which the device de
 STREAM_PRIORITY = -1  # CUDA: lower is sooner; the search stream's blocks go before the default stream's
 # How far down q_in's ranking a prefetch from disk reads, in multiples of nprobe: HyDE at TeleRAG's shape
 # lands 0.90 of its search's lists ahead from 1.25 nprobe, 0.93 from 1.5 and 0.96 from 1.85 (its budget's
-# reach), and on a CPU box the reads share the cores and memory with the LLM, whose call each GB read
-# beside it slowed by about 0.3 s (docs/benchmarks.md)
+# reach), and on a CPU box the reads share the cores and memory with the LLM, whose call 2.2-3.8 GB read
+# beside it slowed by 0.1-0.8 s (docs/benchmarks.md)
 DISK_PREFETCH_REACH = 1.5
 
 P = ParamSpec("P")

@@ -162,6 +162,9 @@ class HeldRows:
     shape = property(lambda self: (int(self.host.shape[0]), int(self.host.shape[1])))
     dtype = property(lambda self: self.host.dtype)
 
+    def buffer_rows(self, rows, device):
+        return torch.empty((rows, self.host.shape[1]), dtype=self.host.dtype, device=device)
+
     def copy_into(self, buffer, copies, stream, *, ahead=False):
         each = []
         for start, first, rows in copies:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from telerag.retrieval.buffer_pool import BufferPool
 from telerag.retrieval.codecs import Codec
@@ -42,6 +43,34 @@ def test_runs_read_in_place_are_the_files_rows(tmp_path, dim, codec, direct):
         for at, (first, n) in zip(layout.at, RUNS, strict=True):
             np.testing.assert_array_equal(view[at : at + n], ds.vectors[first : first + n])
         assert rows.bytes_read == sum(n for _, n in RUNS) * rows.row_bytes
+    finally:
+        rows.close()
+
+
+@pytest.mark.parametrize(("dim", "codec"), [(128, Codec.FP32), (384, Codec.FP32), (16, Codec.FP32), (384, Codec.FP16)])
+def test_a_caches_reads_land_as_the_files_rows_in_place_or_through_the_scratch(tmp_path, dim, codec):
+    """A cache's copies (any buffer row, any file row, one row to thousands) land as the file's
+    rows, neighbours untouched: read in place where the buffer row lies at the file row's offset
+    modulo the O_DIRECT alignment (always, for rows of a multiple of 512 bytes on a disk of
+    512-byte blocks), else through the scratch; only the copies' bytes are counted."""
+    ds = random_datastore(tmp_path / "ds", n=3000, dim=dim, nlist=8, codec=codec)
+    rows = FileRows(ds)
+    try:
+        buffer = rows.buffer_rows(2000, torch.device("cpu"))
+        copies = [(0, 0, 5), (7, 100, 1), (20, 3, 1500), (1600, 2990, 10), (1700, 1, 299), (1999, 2999, 1)]
+        buffer.view(torch.uint8).fill_(0xAB)
+        in_place = []
+        read_in_place = rows._read_in_place
+        rows._read_in_place = lambda dest, begin: (in_place.append(begin), read_in_place(dest, begin))  # type: ignore[method-assign]
+        rows.copy_into(buffer, copies, None).whole.wait()
+        written = np.zeros(len(buffer), dtype=bool)
+        for start, first, n in copies:
+            np.testing.assert_array_equal(buffer[start : start + n].numpy(), ds.vectors[first : first + n])
+            written[start : start + n] = True
+        assert (buffer[torch.from_numpy(~written)].view(torch.uint8) == 0xAB).all()  # nothing beyond a copy's rows
+        assert rows.bytes_read == sum(n for _, _, n in copies) * rows.row_bytes
+        if rows.direct and rows.direct_align == 512 and rows.row_bytes % 512 == 0:
+            assert len(in_place) == len(copies)  # every copy's middle read in place
     finally:
         rows.close()
 
