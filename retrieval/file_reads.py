@@ -2,10 +2,12 @@
 memory (AquaPipe's setting): `FileRows`, the cluster cache's `RowSource` in host memory and the
 reads of a search from disk (`retrieval.disk`).
 
-Reads bypass the page cache (O_DIRECT, each read widened to the 4 KiB the kernel asks for: a
-search's straight into its buffer, laid out so that its rows meet the file's alignment, a cache's
-copied out of an aligned scratch; where the file system refuses O_DIRECT, plain reads whose pages
-are dropped after: POSIX_FADV_DONTNEED), so memory stays within the cache's budget, a cold search
+Reads bypass the page cache (O_DIRECT, each read widened to the 4 KiB the kernel may ask for: a
+search's straight into its buffer, laid out so that its rows meet the file's alignment; a cache's
+straight into its rows, which lie where the file's do modulo 4 KiB, wherever O_DIRECT's alignment
+(512 bytes on a disk of 512-byte blocks) lets a row be read in place, else copied out of an
+aligned scratch; where the file system refuses O_DIRECT, plain reads whose pages are dropped
+after: POSIX_FADV_DONTNEED), so memory stays within the cache's budget, a cold search
 is cold, and nothing measured is the page cache's. Several reads are in flight at once, each of
 at most `READ_BYTES`, on a pool of reader threads (a read releases the GIL), and adjacent lists
 are read together: a run of lists is one range of the file.
