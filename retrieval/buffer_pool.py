@@ -44,11 +44,16 @@ class BufferPool:
                 self._idle.append(buffer)
 
     def _new(self, nbytes: int) -> torch.Tensor:
-        raw = torch.empty(nbytes + self.align - 1, dtype=torch.uint8)
-        skip = -raw.data_ptr() % self.align
-        return raw[skip : skip + nbytes]
+        return aligned_bytes(nbytes, self.align)
 
     @property
     def idle_bytes(self) -> int:
         with self._lock:
             return len(self._idle) * self.buffer_bytes
+
+
+def aligned_bytes(nbytes: int, align: int, at: int = 0) -> torch.Tensor:
+    """A new uint8 tensor of `nbytes` whose first byte lies at `at` modulo `align` (what O_DIRECT reads into)."""
+    raw = torch.empty(nbytes + align - 1, dtype=torch.uint8)
+    skip = (at - raw.data_ptr()) % align
+    return raw[skip : skip + nbytes]

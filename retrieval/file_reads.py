@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from telerag.retrieval.buffer_pool import aligned_bytes
 from telerag.retrieval.cache import Copy, Issued
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.errors import DatastoreCorruptError
@@ -198,9 +199,7 @@ class FileRows:
         if device.type != "cpu":
             raise NotImplementedError("rows are read from disk into host memory only")
         nbytes = rows * self.row_bytes
-        raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
-        skip = (self.offset - raw.data_ptr()) % ALIGN
-        placed = raw[skip : skip + nbytes]
+        placed = aligned_bytes(nbytes, ALIGN, at=self.offset)
         placed.fill_(0)
         return placed.view(self.dtype).view(rows, self._shape[1])
 
