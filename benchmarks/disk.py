@@ -6,7 +6,8 @@ cache) and with every probed list already in memory (the bound), on a synthetic 
 Per batch size, over the same queries: faiss on disk, cold (before each search its index opened
 anew, so that none of its file is mapped, and the page cache dropped, as root) and warm (each
 search run once untimed first); ours with
-a host cache of `host_cache_mb`, cold (the host cache emptied before each search) without
+a host cache of `host_cache_mb` (with `device`: a device cache of `cache_mb` over a host tier of
+`host_cache_mb`), cold (every tier emptied before each search) without
 lookahead (every list read when searched) and with it (q_in's lists read during a pre-retrieval
 call of `llm_ms`, planned within B·t_LLM, then q_out searched); ours cold reporting its top-k so
 far (a chunk of the lists at a time, as speculative prefill asks: `retrieval.provisional`); ours
@@ -37,7 +38,6 @@ from telerag.benchmarks.report import key_value_table
 from telerag.benchmarks.retrieval import BenchConfig, query_pairs, synthetic_datastore
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.engine import RetrievalEngine
-from telerag.retrieval.file_reads import FileRows
 from telerag.retrieval.ivf import CPUIndex, same_results
 from telerag.retrieval.provisional import UNWATCHED, Provisional, ProvisionalWatch
 
@@ -55,6 +55,8 @@ class DiskBenchConfig:
     batches: tuple[int, ...] = (1, 8)
     queries: int = 32
     host_cache_mb: float = 256.0
+    device: str = "cpu"  # cuda: ours through a host tier of host_cache_mb into a device cache of cache_mb
+    cache_mb: float | None = None  # the device cache (default on CUDA: host_cache_mb; on the CPU, given: the CPU as the device)
     llm_ms: float = 1000.0  # the pre-retrieval call the lookahead reads during (HyDE's on two cores: about a second)
     overlap_noise: float = 0.3
     seed: int = 0
@@ -90,31 +92,33 @@ def run(config: DiskBenchConfig, progress: bool = True) -> dict[str, Any]:
     ondisk = functools.partial(_ondisk_index, datastore, path / ONDISK, False)
     rows: list[Row] = []
     dropped = drop_page_cache()
-    cache_bytes = int(config.host_cache_mb * 2**20)
+    ours = functools.partial(_our_engine, datastore, config, nprobe)
+    read_gbps: list[float] = []  # as each batch size's engine measured it at start
     for batch in config.batches:
         slices = [slice(s, s + batch) for s in range(0, config.queries, batch)]
         references = [memory.index.search(q_out[s], config.topk, nprobe) for s in slices]
         for name, cold in (("faiss on disk, cold", True), ("faiss on disk, warm", False)):
             drop_page_cache()
             rows.append(_faiss_rows(name, batch, ondisk, q_out, slices, references, config, nprobe, cold, progress))
-        engine = RetrievalEngine(datastore, cache_bytes=cache_bytes, nprobe=nprobe, on_disk=True)
+        engine = ours()
+        read_gbps.append((engine.copy_bytes_per_ms or 0.0) / 1e6)  # B of the lookahead's budget B·t_LLM
         for name, lookahead, cold, watched in (
             ("ours, cold, reads on demand", False, True, False),
             ("ours, cold, lookahead", True, True, False),
             ("ours, warm, lookahead", True, False, False),
             ("ours, cold, top-k so far", False, True, True),
         ):
-            engine.resize_cache(cache_bytes)  # empty
+            _empty(engine)
             searches = Searches(q_in if lookahead else None, q_out, slices, references, watched)
             rows.append(_our_rows(name, batch, engine, searches, config, cold, progress))
         engine.close()
         if datastore.list_stats is not None:  # exact early stop: the lists it rules out are not read
-            stopping = RetrievalEngine(datastore, cache_bytes=cache_bytes, nprobe=nprobe, on_disk=True, early_stop=True)
+            stopping = ours(early_stop=True)
             for name, watched in (("ours, cold, early stop", False), ("ours, cold, early stop, top-k so far", True)):
                 searches = Searches(None, q_out, slices, references, watched)
                 rows.append(_our_rows(name, batch, stopping, searches, config, True, progress))
             stopping.close()
-        bound = _bound_row(datastore, batch, Searches(None, q_out, slices, references), memory, config, progress)
+        bound = _bound_row(datastore, batch, Searches(None, q_out, slices, references), memory, ours, config, progress)
         rows.extend([bound] if bound is not None else [])
     memory.close()
     return {
@@ -127,6 +131,8 @@ def run(config: DiskBenchConfig, progress: bool = True) -> dict[str, Any]:
         "queries": config.queries,
         "datastore_bytes": _datastore_bytes(datastore),
         "host_cache_bytes": int(config.host_cache_mb * 2**20),
+        "device": config.device,
+        "read_gbps": read_gbps,
         "llm_ms": config.llm_ms,
         "page_cache_dropped": dropped,
         "faiss_threads": faiss.omp_get_max_threads(),
@@ -180,18 +186,44 @@ class Searches:
     watched: bool = False
 
 
+def _our_engine(
+    datastore: Datastore, config: DiskBenchConfig, nprobe: int, *, cache_bytes: int | None = None, early_stop: bool = False
+) -> RetrievalEngine:
+    """Ours from disk: on the CPU a host cache of `host_cache_mb` (or `cache_bytes`); on a device (or
+    with `cache_mb`) a cache there of `cache_mb` (or `cache_bytes`) over a host tier of `host_cache_mb`."""
+    host_bytes = int(config.host_cache_mb * 2**20)
+    device_bytes = int((config.cache_mb if config.cache_mb is not None else config.host_cache_mb) * 2**20)
+    tiered = config.device != "cpu" or config.cache_mb is not None
+    return RetrievalEngine(
+        datastore,
+        device=config.device,
+        cache_bytes=cache_bytes or device_bytes,
+        host_cache_bytes=host_bytes if tiered else 0,
+        nprobe=nprobe,
+        on_disk=True,
+        early_stop=early_stop,
+    )
+
+
+def _empty(engine: RetrievalEngine) -> None:
+    """Every tier of `engine`'s cache emptied (the copies still landing landed first): a cold start."""
+    engine.cache.evict_all()
+    if engine.host_cache is not None:
+        engine.host_cache.evict_all()
+
+
 def _our_rows(
     name: str, batch: int, engine: RetrievalEngine, searches: Searches, config: DiskBenchConfig, cold: bool, progress: bool
 ) -> Row:
-    """Ours from disk: `cold`, the host cache emptied before each search (and its prefetch); with
+    """Ours from disk: `cold`, its caches emptied before each search (and its prefetch); with
     `q_in`, each search's prefetch issued a pre-retrieval call (`llm_ms`) before it."""
-    rows = engine.rows
-    assert isinstance(rows, FileRows)
+    rows = engine.files
+    assert rows is not None
     q_in, q_out = searches.q_in, searches.q_out
     times, same, read, masked = [], [], [], []
     for i, s in enumerate(tqdm(searches.slices, desc=name, disable=not progress)):
         if cold:
-            engine.resize_cache(engine.cache.capacity_bytes)
+            _empty(engine)
         before = rows.bytes_read
         handle = None
         if q_in is not None:
@@ -213,17 +245,24 @@ def _our_rows(
 
 
 def _bound_row(
-    datastore: Datastore, batch: int, searches: Searches, memory: RetrievalEngine, config: DiskBenchConfig, progress: bool
+    datastore: Datastore,
+    batch: int,
+    searches: Searches,
+    memory: RetrievalEngine,
+    ours: Callable[..., RetrievalEngine],
+    config: DiskBenchConfig,
+    progress: bool,
 ) -> Row | None:
-    """Ours with every list each search probes read into the host cache before it (the bound):
-    a cache as large as the most any one search probes, not the whole datastore, which need
-    not fit in memory; None (not measured) where that is more than half the memory available."""
+    """Ours with every list each search probes read into the cache (on a device, the device's)
+    before it (the bound): a cache as large as the most any one search probes, not the whole
+    datastore, which need not fit in memory; None (not measured) where that is more than half
+    the memory available."""
     probed = [np.unique(memory.index.probe(searches.q_out[s], memory.nprobe)[1]) for s in searches.slices]
     sizes = np.diff(datastore.offsets) * datastore.dim * datastore.vectors.itemsize
     cache_bytes = max(int(sizes[p].sum()) for p in probed)
     if cache_bytes > _available_bytes() // 2:
         return None  # the bound would not fit beside everything else: not measured
-    engine = RetrievalEngine(datastore, cache_bytes=cache_bytes, nprobe=memory.nprobe, on_disk=True)
+    engine = ours(cache_bytes=cache_bytes)
     times, same = [], []
     try:
         for i, s in enumerate(tqdm(searches.slices, desc="ours, every list in memory", disable=not progress)):

@@ -24,6 +24,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--batches", type=int, nargs="+", help="queries per search call, each in turn (default: 1 8)")
     parser.add_argument("--queries", type=int)
     parser.add_argument("--host-cache-mb", type=float, help="our host cache (default 256)")
+    parser.add_argument("--device", help="cuda: ours through a host tier into a device cache (default cpu)")
+    parser.add_argument("--cache-mb", type=float, help="on a device, its cache (default: --host-cache-mb)")
     parser.add_argument("--llm-ms", type=float, help="the pre-retrieval call the lookahead reads during (default 1000)")
     parser.add_argument("--overlap-noise", type=float, help="q_out = q_in + noise")
     parser.add_argument("--seed", type=int)

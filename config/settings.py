@@ -181,8 +181,8 @@ class RetrievalSettings(Section):
         None,
         "read the datastore's vectors from its file by explicit reads (--host-cache-mb), never through its memory map, "
         "into a cache in host memory of this many MB (0: none, every probed list read per search): for a datastore "
-        "larger than memory (docs/configuration.md, Datastores larger than memory). CPU only for now; null: "
-        "memory-mapped",
+        "larger than memory (docs/configuration.md, Datastores larger than memory). On CUDA the host tier under the "
+        "device cluster cache (cache_mb): lists reach the GPU through it; null: memory-mapped",
         ge=0,
     )
     cache_headroom_mb: float = setting(

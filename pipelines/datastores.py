@@ -80,6 +80,7 @@ def open_retriever(
     cpu_half: Callable[[Datastore], ListSearch] | None = None,
     early_stop: bool = False,
     on_disk: bool = False,
+    host_cache_bytes: int = 0,
     build_if_missing: bool = False,
     verify_checksums: bool = True,
     writable: bool = False,
@@ -90,7 +91,8 @@ def open_retriever(
     the directory to load (`load_datastore`); `cpu_half(generation)` the `RetrievalEngine`'s of each
     generation of it (None: faiss here; the retrieval tier's view of that generation), `cache_buffer`
     (another engine's cluster cache buffer to share, in place of one of `cache_bytes`) as its; `on_disk`: its
-    vectors read from its files, `cache_bytes` of them cached in host memory; `prefetch_reach`: how far down
+    vectors read from its files, `cache_bytes` of them cached in host memory (with `host_cache_bytes`, on the
+    device, through a host tier of that size: `RetrievalEngine`); `prefetch_reach`: how far down
     q_in's ranking a prefetch reads (`RetrievalEngine`). With `writable`,
     documents can be written to it through the retriever (`retrieval.opening.open_live`). `recall_budget`
     and `target_recall`: `DirectRetriever`'s."""
@@ -101,12 +103,15 @@ def open_retriever(
     else:
         datastore.manifest.check_embedder(datastore.where, embedder=embedder.name, dim=embedder.dim)
 
-    def new_engine(datastore: Datastore, shared: CacheBuffer | None) -> RetrievalEngine:
+    def new_engine(datastore: Datastore, previous: RetrievalEngine | None) -> RetrievalEngine:
+        host_tier = None if previous is None else previous.host_cache
         return RetrievalEngine(
             datastore,
             device=device,
-            cache_bytes=cache_bytes if shared is None else 0,
-            cache_buffer=shared,
+            cache_bytes=cache_bytes if previous is None and cache_buffer is None else 0,
+            cache_buffer=cache_buffer if previous is None else previous.cache.shared,
+            host_cache_bytes=host_cache_bytes if previous is None else 0,
+            host_cache_buffer=None if host_tier is None else host_tier.shared,
             nprobe=nprobe,
             demand_copy=demand_copy,
             cpu_threads=cpu_threads,
@@ -117,7 +122,7 @@ def open_retriever(
             progress=True,
         )
 
-    engine = new_engine(datastore, cache_buffer)
+    engine = new_engine(datastore, None)
     _log_opened(engine, on_disk=on_disk, early_stop=early_stop, prefetch_budget_bytes=prefetch_budget_bytes)
     try:
         live = open_live(datastore, writable=writable)

@@ -38,7 +38,6 @@ from telerag.pipelines.types import (
     query_texts,
     query_vectors,
 )
-from telerag.retrieval.cache import CacheBuffer
 from telerag.retrieval.datastore import Datastore
 from telerag.retrieval.engine import RetrievalEngine, SearchResult
 from telerag.retrieval.errors import InvalidCall
@@ -65,18 +64,18 @@ class DirectRetriever:
         embedder: TextEncoder,
         *,
         live: LiveDatastore | None = None,
-        new_engine: Callable[[Datastore, CacheBuffer], RetrievalEngine] | None = None,
+        new_engine: Callable[[Datastore, RetrievalEngine], RetrievalEngine] | None = None,
         prefetch_budget_bytes: int | None = None,
         recall_budget: float = 0.0,
         target_recall: float = 0.99,
     ) -> None:
         """`live`: the engine's datastore with its writes (default: opened read-only here).
-        `new_engine(datastore, buffer)`: an engine like `engine` over a new generation of
-        it (a compaction's or a retrain's; None: a new generation is refused). `prefetch_budget_bytes`:
-        the same budget for every prefetch; None: b_p = B · t (TeleRAG §4.2) for each prefetch's
-        own `overlap_ms` t, B being the cache's measured copy rate. `recall_budget`: the share of
-        the search time spent repeating sampled searches exhaustively to estimate their recall
-        (`retrieval.recall`; 0: none), logged below `target_recall`."""
+        `new_engine(datastore, previous)`: an engine like `engine` over a new generation of it (a
+        compaction's or a retrain's), sharing `previous`'s cache buffers (None: a new generation is
+        refused). `prefetch_budget_bytes`: the same budget for every prefetch; None: b_p = B · t
+        (TeleRAG §4.2) for each prefetch's own `overlap_ms` t, B being the cache's measured copy
+        rate. `recall_budget`: the share of the search time spent repeating sampled searches
+        exhaustively to estimate their recall (`retrieval.recall`; 0: none), logged below `target_recall`."""
         self.retrieval_engine = engine
         self.embedder = embedder
         self.live = live if live is not None else LiveDatastore(engine.datastore)
@@ -109,7 +108,7 @@ class DirectRetriever:
             if engine is None:
                 if self._new_engine is None:
                     raise InvalidCall(f"{datastore.where}: a new generation ({number}), and no way to open an engine on it")
-                engine = self._new_engine(datastore, self.retrieval_engine.cache.shared)
+                engine = self._new_engine(datastore, self.retrieval_engine)
                 self._engines[number] = engine
                 if number > self.retrieval_engine.datastore.generation.number:
                     self.retrieval_engine = engine

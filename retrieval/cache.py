@@ -27,6 +27,7 @@ of free extents and one eviction order over every datastore's lists.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -126,6 +127,11 @@ class RowSource(Protocol):
     @property
     def dtype(self) -> torch.dtype: ...
 
+    # Whether copies land in the order issued (a stream's, or done when issued): rows whose copy is
+    # in flight may then be given to the next copy, which lands after it. Else (reads on several
+    # threads) they are evicted only once it landed: the older copy could land over the newer.
+    lands_in_order: bool
+
     def buffer_rows(self, rows: int, device: torch.device) -> torch.Tensor:
         """A cache's buffer of `rows` rows on `device`, for this source's copies to land in."""
         ...
@@ -141,6 +147,8 @@ class RowSource(Protocol):
 class TensorRows:
     """The rows of a host tensor: the datastore's memory map, or its pinned copy on CUDA, whose copies
     are true asynchronous DMA on the copy stream; into a CPU buffer they are synchronous."""
+
+    lands_in_order = True
 
     def __init__(self, host: torch.Tensor) -> None:
         self.host = host
@@ -307,7 +315,12 @@ class CacheBuffer:
         hotness: list[np.ndarray] = []
         for cache in self.caches:
             clusters = np.fromiter(
-                (c for c, s in cache._slots.items() if s.pins == 0 and not (cache is asking and c in protected)), dtype=np.int64
+                (
+                    c
+                    for c, s in cache._slots.items()
+                    if s.pins == 0 and not (cache is asking and c in protected) and cache.settled(s)
+                ),
+                dtype=np.int64,
             )
             keys.extend((cache, int(c)) for c in clusters)
             hotness.append(cache._current_hotness(clusters))
@@ -485,15 +498,26 @@ class ClusterCache:
             for cluster in lease.resident:
                 slot = self._slots[cluster]
                 slot.pins -= 1
-                if self.closed and not slot.pins:
+                if self.closed and not slot.pins and self.settled(slot):
                     self.shared.drop(self, cluster)
 
+    def evict_all(self) -> None:
+        """Every cluster nothing pins leaves the buffer, once the copies still landing in it have: a
+        cold cache on the same buffer (what a benchmark's cold run starts from)."""
+        with self.shared.lock:
+            landing = [slot.arrival for slot in self._slots.values() if not slot.pins and slot.arrival is not None]
+        for arrival in landing:
+            with contextlib.suppress(Exception):  # a copy that failed leaves its rows all the same
+                arrival.wait()
+        with self.shared.lock:
+            self._drop_unpinned()
+
     def close(self) -> None:
-        """Its datastore is no longer searched: its clusters leave the buffer, each once unpinned."""
+        """Its datastore is no longer searched: its clusters leave the buffer, each once unpinned
+        (and, from a source whose copies land out of order, once its copy landed: till then eviction's)."""
         with self.shared.lock:
             self.closed = True
-            for cluster in [c for c, slot in self._slots.items() if not slot.pins]:
-                self.shared.drop(self, cluster)
+            self._drop_unpinned()
             if not self._slots and self in self.shared.caches:
                 self.shared.caches.remove(self)
 
@@ -505,6 +529,17 @@ class ClusterCache:
         self.shared.check_invariants()
 
     # -- internals (called with the buffer's lock held) ----------------------------------------
+
+    def _drop_unpinned(self) -> None:
+        for cluster in [c for c, slot in self._slots.items() if not slot.pins and self.settled(slot)]:
+            self.shared.drop(self, cluster)
+
+    def settled(self, slot: _Slot) -> bool:
+        """Whether `slot`'s rows may be given to another copy: no copy of its own still to land over
+        them (see `RowSource.lands_in_order`). A landed copy is forgotten, so each is asked until then."""
+        if slot.arrival is not None and not self.source.lands_in_order and slot.arrival.landed():
+            slot.arrival = None
+        return slot.arrival is None or self.source.lands_in_order
 
     def _touch(self, clusters: list[int]) -> None:
         if not clusters:

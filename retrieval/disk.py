@@ -5,16 +5,16 @@ than memory (AquaPipe's setting).
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from telerag.retrieval.buffer_pool import BufferPool
-from telerag.retrieval.cache import Segment
+from telerag.retrieval.cache import ClusterCache, Segment
 from telerag.retrieval.datastore import Datastore
-from telerag.retrieval.file_reads import ALIGN, FileArrival, FileRows
+from telerag.retrieval.file_reads import ALIGN, FileRows
 from telerag.retrieval.search import merge_topk, scan_resident
 from telerag.retrieval.shards import FAISS_PAD_SCORE
 
@@ -33,8 +33,10 @@ class DiskListSearch:
 
     list_major = True  # a list is read once a call for every query probing it (`chunked_scan.reads_list_major`)
 
-    def __init__(self, datastore: Datastore, rows: FileRows) -> None:
-        self.datastore, self.rows = datastore, rows
+    def __init__(self, datastore: Datastore, rows: FileRows, *, host_cache: ClusterCache | None = None) -> None:
+        """`host_cache`: a host tier's (`retrieval.host_tier`): the lists it holds are scanned where they
+        are (first, while the others are read), not read again."""
+        self.datastore, self.rows, self.host_cache = datastore, rows, host_cache
         self.offsets = datastore.offsets
         self.codec = datastore.codec
         self.codec_params = None if datastore.codec_params is None else torch.from_numpy(datastore.codec_params)
@@ -47,15 +49,17 @@ class DiskListSearch:
         wanted = self._nonempty(np.unique(lists[lists >= 0]))
         q = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32))
         parts = [_empty_part(n, k)]
-        reading = self._read_ahead(self._batches(wanted))
+        held = self._held(wanted)
+        rest = wanted if held is None else wanted[~np.isin(wanted, list(held.resident))]
+        reading = self._held_first(held, self._read_ahead(self._batches(rest)))
         try:
             for part in reading:
                 try:
-                    part.arrival.wait()
+                    part.wait()
                     probes = [[c for c in row.tolist() if c in part.resident] for row in lists]
                     parts.append(self._scan(part, q, probes, k))
                 finally:
-                    self._release(part)
+                    part.release()
         finally:
             reading.close()  # a part read ahead and never scanned is released too
         scores, ids = merge_topk(parts, k)
@@ -87,6 +91,36 @@ class DiskListSearch:
             held += size
         return batches
 
+    def _held(self, wanted: np.ndarray) -> _Part | None:
+        """The lists of `wanted` the host tier holds, pinned there (those still being read hastened), as one part."""
+        if self.host_cache is None or not len(wanted):
+            return None
+        lease = self.host_cache.acquire(wanted, fetch=False)
+        if not lease.resident:
+            lease.release()
+            return None
+
+        def wait() -> None:
+            for arrival in lease.arrivals:
+                arrival.wait()
+
+        return _Part(self.host_cache.buffer, dict(lease.resident), wait, lease.release)
+
+    def _held_first(self, held: _Part | None, reading: Generator[_Part, None, None]) -> Generator[_Part, None, None]:
+        """`held` (if any) once the first parts' reads are issued, then the parts read: the reads
+        land while the host tier's lists are scanned. What is not handed over is released here."""
+        pending = [] if held is None else [held]
+        try:
+            if pending and (first := next(reading, None)) is not None:
+                pending.append(first)
+            while pending:
+                yield pending.pop(0)
+            yield from reading
+        finally:
+            for part in pending:
+                part.release()
+            reading.close()
+
     def _read_ahead(self, batches: list[list[int]]) -> Generator[_Part, None, None]:
         """Each part's read, handed over once the next part's is issued: it reads while this one
         is scanned. A part handed over is the caller's to release; one still ahead when the
@@ -102,7 +136,7 @@ class DiskListSearch:
                 yield current
         finally:
             if ahead is not None:
-                self._release(ahead)
+                ahead.release()
 
     def _read(self, clusters: list[int]) -> _Part:
         """Read `clusters` (in file order) into a buffer of the pool's, a run of adjacent lists in one range."""
@@ -123,23 +157,23 @@ class DiskListSearch:
             cluster: [Segment(layout.at[run] + within, size, runs[run][0] + within)]
             for cluster, (run, within, size) in zip(clusters, placed, strict=True)
         }
-        return _Part(torch.from_numpy(view), resident, arrival, storage)
 
-    def _release(self, part: _Part) -> None:
-        """`part`'s buffer back to the pool, once no read of it is running."""
-        part.arrival.settle()
-        self.buffers.give(part.storage)
+        def release() -> None:  # the buffer back to the pool, once no read of it is running
+            arrival.settle()
+            self.buffers.give(storage)
+
+        return _Part(torch.from_numpy(view), resident, arrival.wait, release)
 
 
 @dataclass(frozen=True)
 class _Part:
-    """Lists read into a buffer of the pool's: where each lies in it, the reads filling it and
-    the pool's buffer that it views."""
+    """Lists in a buffer (one of the pool's, read into, or the host tier's): where each lies in
+    it, how to wait for them to be there, and how to give the buffer back once scanned."""
 
     buffer: torch.Tensor
     resident: dict[int, list[Segment]]
-    arrival: FileArrival
-    storage: torch.Tensor
+    wait: Callable[[], None]
+    release: Callable[[], None]
 
 
 def _empty_part(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:

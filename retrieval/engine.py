@@ -36,6 +36,7 @@ from telerag.retrieval.disk import DiskListSearch
 from telerag.retrieval.early_stop import EarlyStopSearch, ListBounds
 from telerag.retrieval.errors import DeviceMemoryError, DeviceUnavailable, InvalidCall
 from telerag.retrieval.file_reads import FileRows
+from telerag.retrieval.host_tier import HostTierRows, host_cache_on
 from telerag.retrieval.ivf import CPUIndex, ListSearch
 from telerag.retrieval.prefetch import PrefetchHandle, PrefetchPlan, plan_prefetch
 from telerag.retrieval.provisional import UNWATCHED, SearchWatch
@@ -88,6 +89,9 @@ class SearchResult:
 class RetrievalEngine:
     """Owns the faiss index (CPU half), the host copy of the vectors, and the device cluster cache."""
 
+    files: FileRows | None = None  # from disk: the datastore's file, read
+    host_cache: ClusterCache | None = None  # from disk: the host tier under the cache, if any
+
     def __init__(
         self,
         datastore: Datastore,
@@ -102,6 +106,8 @@ class RetrievalEngine:
         cpu_half: ListSearch | None = None,
         early_stop: bool = False,
         on_disk: bool = False,
+        host_cache_bytes: int = 0,
+        host_cache_buffer: CacheBuffer | None = None,
         prefetch_reach: float | None = None,
         progress: bool = False,
     ) -> None:
@@ -120,7 +126,9 @@ class RetrievalEngine:
         (`retrieval.disk`: a datastore larger than memory): the cluster cache, in host memory
         (`cache_bytes`), is filled by reads, and the lists it does not hold are read and scanned per
         search; a missed list is read into the cache or scanned where it is read, as the measured
-        rates balance the two (CPU only, for now). `prefetch_reach`: a prefetch reads no list that
+        rates balance the two. `host_cache_bytes` (or `host_cache_buffer`, another engine's): from disk, a
+        host tier under the cache (`retrieval.host_tier`; always on CUDA), where the CPU half scans what it holds.
+        `prefetch_reach`: a prefetch reads no list that
         q_in ranks past this many times nprobe (None: `DISK_PREFETCH_REACH` from disk, else as far
         as its budget goes: a copy to the device takes nothing from the call it overlaps)."""
         self.datastore = datastore
@@ -140,10 +148,7 @@ class RetrievalEngine:
         self.prefetch_reach = prefetch_reach if prefetch_reach is not None else DISK_PREFETCH_REACH if on_disk else math.inf
         self.cpu_half: ListSearch = self.index if cpu_half is None else cpu_half
         if on_disk:
-            if self.device.type != "cpu" or cpu_half is not None:
-                raise InvalidCall("a datastore read from disk is searched on the CPU, by its own reads")
-            self.rows = FileRows(datastore)  # faiss's lists still view the memory map, which nothing scans now
-            self.cpu_half = DiskListSearch(datastore, self.rows)
+            self.rows = self._disk_tiers(cpu_half, host_cache_bytes, host_cache_buffer)
         if early_stop and cpu_half is None:  # from disk, the lists it rules out are never read
             self.cpu_half = EarlyStopSearch(self.cpu_half, ListBounds.of(datastore))
         with self.on_stream():  # the device tensors searches read belong to the search stream
@@ -161,9 +166,24 @@ class RetrievalEngine:
             # OpenMP's thread count is per calling thread: this bounds only the CPU half
             initializer=functools.partial(faiss.omp_set_num_threads, cpu_threads) if cpu_threads else None,
         )
-        # B of TeleRAG §4.2: the copy rate prefetch budgets are computed from (from disk: its read rate)
-        self.copy_bytes_per_ms = self.cache.measure_copy_rate()
+        # B of TeleRAG §4.2: the copy rate prefetch budgets are computed from (from disk: its read rate;
+        # through a host tier, the slower of its reads and the copies from it to the device)
+        rates = [cache.measure_copy_rate() for cache in (self.host_cache, self.cache) if cache is not None]
+        self.copy_bytes_per_ms = min((rate for rate in rates if rate), default=None)
         self.demand = self._demand_policy(True if on_disk else demand_copy)
+
+    def _disk_tiers(self, cpu_half: ListSearch | None, host_cache_bytes: int, host_cache_buffer: CacheBuffer | None) -> RowSource:
+        """The rows of a datastore read from disk as the cache's source: the file's, or a host
+        tier's over them; the CPU half becomes the datastore's own reads (beside the host tier's lists)."""
+        if cpu_half is not None:
+            raise InvalidCall("a datastore read from disk is searched by its own reads, not by a given CPU half")
+        self.files = FileRows(self.datastore)  # faiss's lists still view the memory map, which nothing scans now
+        rows: RowSource = self.files
+        if self.device.type != "cpu" or host_cache_bytes or host_cache_buffer is not None:  # 0 bytes: every copy staged
+            self.host_cache = host_cache_on(self.files, self.datastore.offsets, host_cache_buffer, host_cache_bytes, self.device)
+            rows = HostTierRows(self.host_cache, self.files)
+        self.cpu_half = DiskListSearch(self.datastore, self.files, host_cache=self.host_cache)
+        return rows
 
     def _cache_on(self, shared: CacheBuffer | None, cache_bytes: int) -> ClusterCache:
         """This datastore's cluster cache: on `shared`, or on a buffer of `cache_bytes` of its own."""
@@ -243,17 +263,28 @@ class RetrievalEngine:
         self.demand = self._demand_policy(demand_copy)
 
     def cache_stats(self) -> CacheStats:
-        """The cluster cache's counters, with what searches read from disk beside it (on disk)."""
+        """The cluster cache's counters, with what searches read from disk beside it and the host tier's (on disk)."""
         stats = self.cache.stats()
-        if isinstance(self.rows, FileRows):
-            stats = dataclasses.replace(stats, bytes_read_for_scans=self.rows.bytes_read_for_scans)
+        if self.files is not None:
+            stats = dataclasses.replace(stats, bytes_read_for_scans=self.files.bytes_read_for_scans)
+        if self.host_cache is not None:
+            host = self.host_cache.stats()
+            stats = dataclasses.replace(
+                stats,
+                host_capacity_bytes=host.capacity_bytes,
+                host_occupancy_bytes=host.occupancy_bytes,
+                host_bytes_read=host.bytes_copied,
+                host_hits=host.hits,
+            )
         return stats
 
     def close(self) -> None:
-        """Its lists leave the cluster cache (each once unpinned) and its CPU workers (and readers) end."""
+        """Its lists leave the cluster caches (each once unpinned) and its CPU workers (and readers) end."""
         self.cache.close()
         self._cpu_pool.shutdown(wait=True)
-        if isinstance(self.rows, FileRows):
+        if self.files is not None:
+            self.files.close()  # the reads queued land first, then the copies to the device after them
+        if isinstance(self.rows, HostTierRows):
             self.rows.close()
 
     # -- prefetch -------------------------------------------------------------------------------

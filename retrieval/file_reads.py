@@ -161,6 +161,8 @@ class FileRows:
     """The rows of a datastore's `vectors.npy`, read from the file: a `RowSource` for a cluster
     cache in host memory, and the reads of `DiskListSearch`."""
 
+    lands_in_order = False  # reads on several threads
+
     def __init__(self, datastore: Datastore, *, readers: int = READERS, direct: bool = True) -> None:
         """`direct`: read with O_DIRECT where the file system serves it (else plain reads, their pages dropped)."""
         if datastore.path is None:

@@ -23,6 +23,10 @@ class CacheStats:
     bytes_copied_ahead: int = 0  # of `bytes_copied`, a prefetch's: copied before the search that reads them
     bytes_evicted_unread: int = 0  # copied ahead, then evicted before any search read them: the lookahead's waste
     bytes_read_for_scans: int = 0  # a datastore on disk: read by searches and scanned where read, not cached
+    host_capacity_bytes: int = 0  # from disk onto a device: the host tier under the cache (`retrieval.host_tier`; 0: none)
+    host_occupancy_bytes: int = 0
+    host_bytes_read: int = 0  # read from disk into the host tier, on the device's copies' way
+    host_hits: int = 0  # lists a search's CPU half found in the host tier: scanned there, not read
 
 
 @dataclass(frozen=True)

@@ -156,6 +156,8 @@ def test_bytes_copied_ahead_and_evicted_before_any_search_read_them_are_counted(
 class HeldRows:
     """A `RowSource` whose copies land only when the test lets each one (a slow disk, by hand)."""
 
+    lands_in_order = False  # each when the test lets it
+
     def __init__(self, host: torch.Tensor) -> None:
         self.host, self.issued = host, []
 
@@ -221,6 +223,30 @@ def test_a_prefetch_issues_its_copies_in_the_order_asked_and_a_search_waits_for_
     assert torch.equal(rows_of(cache, search, 3), host[12:16])
     search.release()
     prefetch.release()
+
+
+def test_rows_whose_copy_lands_out_of_order_are_given_to_another_copy_only_once_it_landed():
+    """A read still in flight may land after a newer one into the same rows (reads run on several
+    threads): an evicted list's rows go to the next list only once its own read landed."""
+    offsets = np.arange(0, 9, 4, dtype=np.int64)  # 2 clusters of 4 rows
+    host = torch.arange(8 * DIM, dtype=torch.float32).reshape(-1, DIM)
+    source = HeldRows(host)
+    cache = ClusterCache(source, offsets, CacheBuffer.for_vectors(source, 4 * ROW_BYTES, torch.device("cpu")))
+    cache.acquire([0], fetch=True, ahead=True).release()  # read ahead, no longer wanted, its read in flight
+    waiting = cache.acquire([1], fetch=True)
+    assert waiting.clusters_skipped == 1 and not waiting.resident  # 0's rows are still being read into
+    waiting.release()
+    source.issued[0][1].set()
+    landing = cache.acquire([0], fetch=False)
+    landing.arrivals[0].wait()  # 0's read lands
+    landing.release()
+    lease = cache.acquire([1], fetch=True)  # now 0 is evicted and 1 takes its rows
+    assert lease.clusters_copied == 1
+    source.issued[1][1].set()
+    lease.arrivals[0].wait()
+    assert torch.equal(rows_of(cache, lease, 1), host[4:8])
+    lease.release()
+    cache.check_invariants()
 
 
 def cache_on(shared: CacheBuffer, sizes: list[int], first_value: float) -> ClusterCache:

@@ -184,9 +184,9 @@ def test_reads_bypass_the_page_cache_or_drop_what_they_read(tmp_path, monkeypatc
         rows.close()
 
 
-def test_a_datastore_on_disk_is_searched_on_the_cpu_by_its_own_reads(tmp_path):
+def test_a_datastore_on_disk_is_searched_by_its_own_reads(tmp_path):
     ds = random_datastore(tmp_path / "ds", n=1000, nlist=8)
-    with pytest.raises(InvalidCall, match="on the CPU"):
+    with pytest.raises(InvalidCall, match="by its own reads"):
         RetrievalEngine(ds, on_disk=True, cpu_half=DiskListSearch(ds, FileRows(ds)))
 
 
@@ -381,13 +381,14 @@ def load(path, embedder):
     return load_datastore(path, embedder)
 
 
-def test_a_host_cache_is_refused_on_cuda_for_now():
+def test_host_cache_mb_is_the_cache_on_the_cpu_and_the_host_tier_under_a_device_cache():
     from telerag.config.settings import RetrievalSettings
-    from telerag.retrieval.errors import DeviceUnavailable
-    from telerag.server.process.runtime import cluster_cache_bytes
+    from telerag.server.process.runtime import cluster_cache_bytes, host_tier_bytes
 
-    with pytest.raises(DeviceUnavailable, match="host_cache_mb"):
-        cluster_cache_bytes(RetrievalSettings(host_cache_mb=64), "cuda")
+    retrieval = RetrievalSettings(host_cache_mb=64, cache_mb=128)
+    assert (cluster_cache_bytes(retrieval, "cpu"), host_tier_bytes(retrieval, "cpu")) == (64 << 20, 0)
+    assert (cluster_cache_bytes(retrieval, "cuda"), host_tier_bytes(retrieval, "cuda")) == (128 << 20, 64 << 20)
+    assert host_tier_bytes(RetrievalSettings(cache_mb=128), "cuda") == 0  # memory-mapped: no host tier
 
 
 def test_a_searchs_reads_go_before_the_prefetch_reads_still_queued():

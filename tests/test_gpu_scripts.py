@@ -73,6 +73,12 @@ def run_script(name: str, tmp_path: Path, *args: str, image: bool = True, **env:
     return done.stdout.splitlines()
 
 
+def test_gpu_check_disk_runs_the_host_tier_tests_and_bench_disk_through_the_tier(tmp_path):
+    lines = run_script("gpu_check", tmp_path, "disk", "--datastore-dir", str(tmp_path / "bench"))
+    (disk,) = (json.loads(line) for line in lines if line.startswith("{"))
+    assert disk["config"]["cache_mb"] == 1 and all(row["identical"] == 1.0 for row in disk["rows"])
+
+
 def test_gpu_check_runs_its_tests_the_retrieval_benchmark_and_the_cluster_cache_one(tmp_path):
     lines = run_script("gpu_check", tmp_path, "--datastore-dir", str(tmp_path / "bench"))
     retrieval, cache = (json.loads(line) for line in lines if line.startswith("{"))
@@ -131,7 +137,7 @@ def test_gpu_session_lists_its_steps_runs_those_asked_for_and_says_which_failed(
     script = ROOT / "scripts" / "gpu_session"
     listing = subprocess.run([str(script)], capture_output=True, text=True, check=True).stdout.splitlines()[1:]
     steps = [line.split()[0] for line in listing]
-    assert steps == ["retrieval", "retrieval8", "repeats", "pipelining", "e2e", "serve", "paper"]
+    assert steps == ["retrieval", "disk", "retrieval8", "repeats", "pipelining", "e2e", "serve", "paper"]
     for line in listing:
         _name, machine, minutes, command = line.split()[:4]
         assert machine in ("h100", "h200") and 0 < int(minutes) <= 10  # a device call runs 10 minutes at most

@@ -32,17 +32,21 @@ class CacheCollector(Collector):
             ("telerag_cache_bytes_copied_ahead", "bytes_copied_ahead", "of those, a prefetch's, before the search reading them"),
             ("telerag_cache_bytes_evicted_unread", "bytes_evicted_unread", "copied ahead, evicted before a search read them"),
             ("telerag_disk_bytes_read_for_scans", "bytes_read_for_scans", "on disk: bytes searches read and scanned uncached"),
+            ("telerag_host_cache_bytes_read", "host_bytes_read", "from disk onto a device: bytes read into the host tier"),
+            ("telerag_host_cache_hits", "host_hits", "lists a search's CPU half found in the host tier, not read"),
         ):
             family = CounterMetricFamily(metric, doc)
             family.add_metric([], float(getattr(s, name)))
             yield family
-        for name, doc in (
-            ("occupancy_bytes", "bytes of the cache holding clusters"),
-            ("capacity_bytes", "cache size"),
-            ("resident_clusters", "clusters resident"),
-            ("pinned_clusters", "clusters pinned now"),
+        for metric, name, doc in (
+            ("telerag_cache_occupancy_bytes", "occupancy_bytes", "bytes of the cache holding clusters"),
+            ("telerag_cache_capacity_bytes", "capacity_bytes", "cache size"),
+            ("telerag_cache_resident_clusters", "resident_clusters", "clusters resident"),
+            ("telerag_cache_pinned_clusters", "pinned_clusters", "clusters pinned now"),
+            ("telerag_host_cache_occupancy_bytes", "host_occupancy_bytes", "bytes of the host tier holding clusters"),
+            ("telerag_host_cache_capacity_bytes", "host_capacity_bytes", "host tier size (0: none)"),
         ):
-            family = GaugeMetricFamily(f"telerag_cache_{name}", doc)
+            family = GaugeMetricFamily(metric, doc)
             family.add_metric([], float(getattr(s, name)))
             yield family
 

@@ -190,15 +190,9 @@ def load_reranker(retrieval: RetrievalSettings) -> Reranker | None:
 
 
 def cluster_cache_bytes(retrieval: RetrievalSettings, device: str) -> int:
-    """The configured cache size; by default none on CPU (faiss alone is fastest there) and on
-    CUDA the memory still free (call it after the LLM has taken its share) less the headroom. A
-    datastore read from disk (`retrieval.host_cache_mb`) is cached in host memory instead."""
-    if retrieval.host_cache_mb is not None:
-        if torch.device(device).type != "cpu":
-            raise DeviceUnavailable(
-                "retrieval.host_cache_mb: a datastore read from disk is searched on the CPU for now; set retrieval.device "
-                "to cpu, or leave host_cache_mb null to memory-map it"
-            )
+    """The configured cache size; by default none on CPU (faiss alone is fastest there), on CUDA what the LLM
+    left free less the headroom. From disk on the CPU: `retrieval.host_cache_mb` (on CUDA: `host_tier_bytes`)."""
+    if retrieval.host_cache_mb is not None and torch.device(device).type == "cpu":
         return int(retrieval.host_cache_mb * 2**20)
     if retrieval.cache_mb is not None:
         return int(retrieval.cache_mb * 2**20)
@@ -207,6 +201,11 @@ def cluster_cache_bytes(retrieval: RetrievalSettings, device: str) -> int:
         return 0
     free, _ = torch.cuda.mem_get_info(target)  # that device's (cuda:N), not the current one's
     return max(0, free - int(retrieval.cache_headroom_mb * 2**20))
+
+
+def host_tier_bytes(retrieval: RetrievalSettings, device: str) -> int:
+    """From disk onto a device, the host tier: `retrieval.host_cache_mb` (0 on the CPU, whose cache it is)."""
+    return 0 if retrieval.host_cache_mb is None or torch.device(device).type == "cpu" else int(retrieval.host_cache_mb * 2**20)
 
 
 def open_retrieval(settings: Settings) -> DirectRetriever:
@@ -269,6 +268,7 @@ def open_configured_retriever(
         cpu_threads=retrieval.cpu_threads,
         early_stop=early_stop,
         on_disk=retrieval.host_cache_mb is not None,
+        host_cache_bytes=host_tier_bytes(retrieval, device),
         writable=writable,
         recall_budget=0.0
         if retrieval.host_cache_mb is not None
