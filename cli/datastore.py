@@ -2,12 +2,14 @@
 (`documents.ingestion`: a sample, then the rest written as documents, then retrained);
 `telerag datastore scale`: a datastore and noisy replicas of it, a larger one (`benchmarks.scaled`);
 `telerag datastore upgrade`: what a datastore written by an older telerag lacks, added beside its files;
+`telerag datastore verify`: every byte of a datastore read against its checksums;
 `telerag datastore info`: a datastore as its writes have left it (documents, log, list imbalance);
 `telerag datastore compact|retrain`: a new generation of its files (in a directory, or a server's)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -58,7 +60,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "upgrade",
         help="add the list statistics exact early stop needs (list_stats.npy) to a datastore written without them",
         description="Adds list_stats.npy beside the datastore's files and lists it in its manifest; rewrites and "
-        "deletes nothing else. A datastore that has them already is left as it is.",
+        "deletes nothing else (but the record of the files that passed their checksums, which any open keeps). A "
+        "datastore that has them already is left as it is.",
     )
     upgrade.add_argument("path", type=Path, help="the datastore directory")
     upgrade.add_argument(
@@ -78,6 +81,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     info.add_argument("--json", action="store_true", help="one JSON object")
     info.set_defaults(func=run_info)
 
+    _register_verify(subparsers)
     _register_scale(subparsers)
 
     for name, what in (
@@ -125,6 +129,32 @@ def _rebuild_on_server(url: str, api_key: str | None, kind: str, nlist: int | No
     if rebuild["state"] != "done":
         raise SystemExit(f"telerag datastore {kind}: failed: {rebuild['error']}")
     return rebuild
+
+
+def _register_verify(subparsers: argparse._SubParsersAction) -> None:
+    verify = subparsers.add_parser(
+        "verify",
+        help="read every byte of a datastore against its checksums",
+        description="Reads each file of the datastore's current generation in full against the checksum in its manifest, "
+        "whatever earlier opens recorded, and records those that pass (a server's start-up reads only the files that "
+        "changed since they last passed). Writes nothing else; a server may hold the datastore meanwhile. Exits 1 at "
+        "the first file that is missing, truncated or does not match.",
+    )
+    verify.add_argument("path", type=Path, help="the datastore directory")
+    verify.add_argument("--json", action="store_true", help="one JSON object")
+    verify.set_defaults(func=run_verify)
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from telerag.retrieval.datastore import verify_datastore
+
+    verified = verify_datastore(args.path, progress=not args.json)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(verified)))
+    else:
+        size = f"{verified.bytes_read / 1e9:.2f} GB"
+        print(f"{args.path}: generation {verified.generation}, {verified.files} files ({size}) match their checksums")
+    return 0
 
 
 def run_info(args: argparse.Namespace) -> int:

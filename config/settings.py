@@ -249,7 +249,10 @@ class RetrievalSettings(Section):
     rerank_candidates: int = setting(20, "the candidates the re-ranker reorders (at least the request's top_k)", ge=1)
     hybrid_candidates: int = setting(20, "each half's depth in a hybrid search (at least the request's top_k)", ge=1)
     verify_checksums: bool = setting(
-        True, "read every byte of the datastore at start-up against its manifest's checksums (minutes for tens of GB)"
+        True,
+        "check the datastore's files against their manifest's checksums at start-up: each read in full (minutes for tens "
+        "of GB) unless it passed before and is unchanged on disk since (checksums-verified.json beside it); `telerag "
+        "datastore verify` reads every byte",
     )
 
     def ranking(

@@ -18,6 +18,8 @@ Layout of a datastore directory (`FORMAT_VERSION` 1):
                        `telerag datastore upgrade`)
     passages.jsonl     optional: one {"doc_id","title","text"} per row, in row order
     passages.idx.npy   optional: int64 (n + 1) byte offsets of those lines
+    checksums-verified.json  the files above that last matched their checksums, as they lay on disk
+                       (`retrieval.checksums`): an open reads only those changed since
     wal-NNNNNN.log     a live datastore's writes since generation NNNNNN was written (`retrieval.wal`,
                        `retrieval.live`); the files above never change
     live.json          the current generation, where a compaction or retrain made one (`retrieval.generations`):
@@ -43,12 +45,11 @@ from typing import Protocol
 import numpy as np
 from numpy.typing import DTypeLike
 
+from telerag.retrieval.checksums import VERIFIED, check_present, verify
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Passage, PassageShape
 from telerag.retrieval.errors import DatastoreCorruptError, DatastoreError, DatastoreMismatchError, PassageNotFound
 from telerag.retrieval.generations import Generation, generation_dir, is_generation_file, read_generation
-from telerag.utils.progress import ProgressBar
-from telerag.utils.storage import file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,9 @@ PASSAGE_INDEX = "passages.idx.npy"
 LIST_STATS = "list_stats.npy"
 IDS = "ids.npy"
 DOCUMENTS = "documents.jsonl"
-FILES = frozenset({MANIFEST, CENTROIDS, OFFSETS, VECTORS, CODEC_PARAMS, PASSAGES, PASSAGE_INDEX, LIST_STATS, IDS, DOCUMENTS})
+FILES = frozenset(
+    {MANIFEST, CENTROIDS, OFFSETS, VECTORS, CODEC_PARAMS, PASSAGES, PASSAGE_INDEX, LIST_STATS, IDS, DOCUMENTS, VERIFIED}
+)
 LIST_STATS_WIDTH = 3  # radius, largest norm, least projection (`retrieval.early_stop.ListStats`)
 
 
@@ -122,6 +125,33 @@ class Manifest:
 def is_datastore_file(name: str) -> bool:
     """Whether `name` is one of the files this project writes into a datastore's directory."""
     return name in FILES or is_generation_file(name)
+
+
+def _current(path: Path | str) -> tuple[Path, Generation, Path, Manifest]:
+    """A datastore's directory, its current generation, where that generation's files lie and their manifest."""
+    root = Path(path)
+    if not root.is_dir():
+        raise DatastoreError(f"no datastore at {root}")
+    generation = read_generation(root)
+    where = generation_dir(root, generation.number)
+    return root, generation, where, Manifest.read(where)
+
+
+@dataclass(frozen=True)
+class Verified:
+    """A datastore whose every file was read and matched its checksum."""
+
+    generation: int
+    files: int
+    bytes_read: int
+
+
+def verify_datastore(path: Path | str, *, progress: bool = False) -> Verified:
+    """Read every byte of the current generation's files against their checksums, whatever earlier
+    opens recorded (`telerag datastore verify`: a scrub); raises `DatastoreCorruptError`."""
+    _, generation, where, manifest = _current(path)
+    check_present(where, manifest.files)
+    return Verified(generation.number, len(manifest.files), verify(where, manifest.files, reread=True, progress=progress))
 
 
 class PassageStore(Protocol):
@@ -221,28 +251,13 @@ class Datastore:
         progress: bool = False,
     ) -> Datastore:
         """Open a datastore (its current generation: `retrieval.generations`), refusing one built
-        for another embedder or dimension, or damaged. Checksums read every byte (minutes for
-        tens of GB): `progress` shows a bar."""
-        root = Path(path)
-        if not root.is_dir():
-            raise DatastoreError(f"no datastore at {root}")
-        generation = read_generation(root)
-        path = generation_dir(root, generation.number)
-        manifest = Manifest.read(path)
+        for another embedder or dimension, or damaged. Checksums read each file in full once as it
+        lies on disk (`retrieval.checksums`; minutes for tens of GB): `progress` shows a bar."""
+        root, generation, path, manifest = _current(path)
         manifest.check_embedder(path, embedder=embedder, dim=dim)
-        for name, meta in manifest.files.items():
-            file = path / name
-            if not file.is_file():
-                raise DatastoreCorruptError(f"{file} is missing")
-            size = file.stat().st_size
-            if size != meta["bytes"]:
-                raise DatastoreCorruptError(f"{file} is {size} bytes, the manifest says {meta['bytes']} (truncated?)")
+        check_present(path, manifest.files)
         if verify_checksums:
-            total = sum(int(meta["bytes"]) for meta in manifest.files.values())
-            with ProgressBar[None](total=total, desc="verify checksums", unit="B", unit_scale=True, disable=not progress) as bar:
-                for name, meta in manifest.files.items():
-                    if file_sha256(path / name, bar) != meta["sha256"]:
-                        raise DatastoreCorruptError(f"{path / name} fails its sha256 checksum")
+            verify(path, manifest.files, progress=progress)
         passages = None
         if PASSAGES in manifest.files:
             line_offsets = _load_array(path, manifest, PASSAGE_INDEX)

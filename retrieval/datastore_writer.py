@@ -20,6 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
+from telerag.retrieval.checksums import OnDisk, Passed, record
 from telerag.retrieval.codecs import Codec
 from telerag.retrieval.corpus import Passage
 from telerag.retrieval.datastore import (
@@ -184,15 +185,11 @@ def write_datastore(
         if codec_params is not None:
             np.save(tmp / CODEC_PARAMS, np.ascontiguousarray(codec_params, dtype=np.float32))
         _write_passages(tmp, manifest, passages, ids, documents, progress)
-        manifest.files = {}
-        files = sorted(tmp.iterdir())
-        total = sum(file.stat().st_size for file in files)
-        with ProgressBar[None](total=total, desc="checksum", unit="B", unit_scale=True, disable=not progress) as bar:
-            for file in files:
-                fsync_path(file)
-                manifest.files[file.name] = {"bytes": file.stat().st_size, "sha256": file_sha256(file, bar)}
+        hashed = _synced_and_hashed(tmp, progress)
+        manifest.files = {name: {"bytes": one.on_disk.size, "sha256": one.sha256} for name, one in hashed.items()}
         (tmp / MANIFEST).write_text(json.dumps(asdict(manifest), indent=2), encoding="utf-8")
         fsync_path(tmp / MANIFEST)
+        record(tmp, hashed)  # what was just read back need not be read again at the first open
         for name, data in extra_files.items():
             (tmp / name).write_bytes(data)
             fsync_path(tmp / name)
@@ -210,6 +207,19 @@ def write_datastore(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _synced_and_hashed(path: Path, progress: bool) -> dict[str, Passed]:
+    """Each file in `path` made durable, then read back for its checksum."""
+    files = sorted(path.iterdir())
+    hashed: dict[str, Passed] = {}
+    with ProgressBar[None](total=sum(file.stat().st_size for file in files), desc="checksum", unit="B", unit_scale=True,
+                           disable=not progress) as bar:  # fmt: skip
+        for file in files:
+            fsync_path(file)
+            on_disk = OnDisk.of(file)
+            hashed[file.name] = Passed(file_sha256(file, bar), on_disk)
+    return hashed
 
 
 def _write_passages(

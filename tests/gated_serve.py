@@ -5,7 +5,8 @@ in the middle of its load or of a request:
 
 `--import-gate`: the import of `telerag.server.process.runtime` (what brings torch) holds until FILE
 exists. `--checksum-gate`: the load's checksum pass holds before `vectors.npy` (the other files are
-already counted in its progress) until FILE exists. `--search-gate`: every search holds until
+already counted in its progress) until FILE exists (a datastore whose files passed before is not
+read: give a copy). `--search-gate`: every search holds until
 FILE exists (a request is then in flight for as long as the test wants). Only this test
 launcher patches the server; the server itself has no test hooks.
 """
@@ -38,6 +39,7 @@ class ImportGate:
 
 def main(argv: list[str]) -> int:
     import telerag.pipelines.retriever as retriever
+    import telerag.retrieval.checksums as checksums
     import telerag.retrieval.datastore as datastore
 
     while argv and argv[0].startswith("--"):
@@ -45,14 +47,14 @@ def main(argv: list[str]) -> int:
         if option == "--import-gate":
             sys.meta_path.insert(0, ImportGate("telerag.server.process.runtime", gate))
         elif option == "--checksum-gate":
-            sha256 = datastore.file_sha256
+            sha256 = checksums.file_sha256
 
             def gated_sha256(path, bar=None, _gate=gate, _sha256=sha256):
                 if path.name == datastore.VECTORS:
                     wait_for(_gate)
                 return _sha256(path, bar)
 
-            datastore.file_sha256 = gated_sha256
+            checksums.file_sha256 = gated_sha256
         elif option == "--search-gate":
             os.environ["TELERAG_SERVER__WARM_UP"] = "false"  # the warm-up's search would wait at the gate
             search = retriever.DirectRetriever._search_batch

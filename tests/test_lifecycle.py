@@ -81,7 +81,8 @@ def send_query(server: ServerProcess, results: list) -> threading.Thread:
 
 def test_listens_at_once_and_reports_the_load_until_ready(assets, tmp_path):
     gate = tmp_path / "checksums"
-    server = serve(assets, tmp_path, "--checksum-gate", str(gate))
+    datastore = shutil.copytree(assets[2], tmp_path / "datastore")  # a copy: every file read against its checksum
+    server = serve(assets, tmp_path, "--checksum-gate", str(gate), datastore=datastore)
     try:
         assert poll(server, "/health", lambda r: r.status_code == 200).json() == {"status": "ok"}
         # the bar reports at 0 when it is made, then after each block; the gate holds it before vectors.npy
@@ -103,7 +104,7 @@ def test_listens_at_once_and_reports_the_load_until_ready(assets, tmp_path):
         assert ready.json()["status"] == "ready" and ready.json()["engine"] and ready.json()["progress"] is None
         assert ready.json()["loading_s"] is None and ready.json()["step_s"] is None
         assert ready.json()["datastore"]["passages"] > 0 and ready.json()["datastore"]["embedder"] == assets[1].name
-        assert str(assets[2]) not in ready.text and str(Path.home()) not in ready.text  # no host paths
+        assert str(datastore) not in ready.text and str(Path.home()) not in ready.text  # no host paths
         answered = httpx.post(f"{server.base}/v1/rag/query", json=QUERY, timeout=60)
         assert answered.status_code == 200 and answered.json()["documents"]
         server.signal(signal.SIGTERM)
