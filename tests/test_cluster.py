@@ -300,15 +300,21 @@ def kill_replica(deployment: str) -> dict:
     return victim
 
 
-def served_by(url: str) -> dict[str, float]:
-    """Requests each replica has finished (its telerag_request_seconds_count, all pipelines)."""
-    time.sleep(0.6)  # a report or two
-    counts: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("telerag_request_seconds_count") and 'replica="' in line:
-            replica = line.split('replica="')[1].split('"')[0]
-            counts[replica] = counts.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
-    return counts
+def served_by(url: str, since: dict[str, float] | None = None, requests: int = 0) -> dict[str, float]:
+    """Requests each replica has finished (its telerag_request_seconds_count, all pipelines), once
+    the replicas' reports (every routing_stats_period_s, later on a busy machine) count at least
+    `requests` more than `since`."""
+    deadline = time.monotonic() + 30
+    while True:
+        time.sleep(0.6)  # a report or two
+        counts: dict[str, float] = {}
+        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+            if line.startswith("telerag_request_seconds_count") and 'replica="' in line:
+                replica = line.split('replica="')[1].split('"')[0]
+                counts[replica] = counts.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
+        grown = sum(count - (since or {}).get(replica, 0.0) for replica, count in counts.items())
+        if grown >= requests or time.monotonic() > deadline:
+            return counts
 
 
 def test_a_routing_key_keeps_its_replica(url):
@@ -321,7 +327,7 @@ def test_a_routing_key_keeps_its_replica(url):
             timeout=60,
         )
         assert response.status_code == 200, response.text
-    after = served_by(url)
+    after = served_by(url, before, 6)
     grown = sorted(after[r] - before.get(r, 0.0) for r in after)
     assert grown[-1] == 6 and sum(grown) == 6, (before, after)
 
@@ -410,7 +416,7 @@ def test_a_document_written_through_the_ingress_is_found_through_every_replica_a
             )
             assert response.status_code == 200, response.text
             found.append("zebra-notes" in [d["doc_id"] for d in response.json()["documents"]])
-        after = served_by(url)
+        after = served_by(url, before, 8)
         assert sum(after[r] - before.get(r, 0.0) > 0 for r in after) == 2, (before, after)  # both replicas answered
         return found
 
